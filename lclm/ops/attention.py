@@ -1,0 +1,222 @@
+"""Blockwise attention on one device: the reference kernel behind lclm's kernel interface.
+
+A *kernel* computes attention between one block of queries and one block of keys/values
+(one ring round) and is defined by two functions:
+
+- `forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk, kv_chunk) -> (o, lse)`
+- `backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk, kv_chunk)
+   -> (dq, dk, dv)`, where `o` and `lse` are the *global* output and log-sum-exp (over all
+   rounds), so per-block gradients add up exactly (FlashAttention-2 style recomputation).
+
+Shapes: q, o, do `[batch, tq, heads, dim]`; k, v `[batch, tk, kv_heads, dim]` with
+`heads % kv_heads == 0` (GQA: K/V are never repeated in memory); lse `[batch, tq, heads]`
+float32; q_pos `[tq]`, k_pos `[tk]` int32 original token positions (masking follows from
+them, so any layout works); q_seg `[batch, tq]`, k_seg `[batch, tk]` int32 segment ids or
+None. Returned `o`, `dq`, `dk`, `dv` are float32; statistics are always float32.
+
+Tiles of `q_chunk x kv_chunk` that the mask hides entirely are skipped with `lax.cond`
+(`tile_visible`), not computed and masked.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+
+
+def tile_visible(q_pos, k_pos, q_seg, k_seg, causal: bool):
+    """Whether any (query, key) pair of a tile may be visible. Scalar bool.
+
+    A necessary condition only (a True tile can still be partly masked): used to skip work.
+    q_pos `[qc]`, k_pos `[kc]`, q_seg `[batch, qc]` / k_seg `[batch, kc]` or None.
+    """
+    visible = jnp.bool_(True)
+    if causal:
+        visible = jnp.max(q_pos) >= jnp.min(k_pos)
+    if q_seg is not None:
+        overlap = (jnp.min(q_seg) <= jnp.max(k_seg)) & (jnp.min(k_seg) <= jnp.max(q_seg))
+        visible = visible & overlap
+    return visible
+
+
+def _pair_mask(q_pos, k_pos, q_seg, k_seg, causal: bool):
+    """Boolean mask `[batch or 1, qc, 1, 1, kc]` broadcastable to grouped scores."""
+    mask = jnp.ones((1, q_pos.shape[0], k_pos.shape[0]), bool)
+    if causal:
+        mask = mask & (q_pos[:, None] >= k_pos[None, :])[None]
+    if q_seg is not None:
+        mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
+    return mask[:, :, None, None, :]
+
+
+def _chunks(x, size: int, axis: int = 1):
+    """Split `axis` into chunks and move the chunk index to the front."""
+    if x is None:
+        return None
+    shape = x.shape[:axis] + (x.shape[axis] // size, size) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unchunk(x, axis: int = 1):
+    """Inverse of `_chunks`."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+def _check_chunks(tq: int, tk: int, q_chunk: int, kv_chunk: int) -> tuple[int, int]:
+    qc, kc = min(q_chunk, tq), min(kv_chunk, tk)
+    if tq % qc or tk % kc:
+        raise ValueError(
+            f"local query/key lengths {tq}/{tk} are not divisible by q_chunk={qc}/kv_chunk={kc}")
+    return qc, kc
+
+
+def _grouped(x, kv_heads: int):
+    """[b, t, h, d] -> [b, t, kv_heads, h // kv_heads, d]."""
+    b, t, h, d = x.shape
+    return x.reshape(b, t, kv_heads, h // kv_heads, d)
+
+
+def blockwise_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool,
+                      q_chunk: int, kv_chunk: int):
+    """Attention of one query block over one key/value block. Returns (o f32, lse f32)."""
+    b, tq, h, d = q.shape
+    hkv = k.shape[2]
+    qc, kc = _check_chunks(tq, k.shape[1], q_chunk, kv_chunk)
+    scale = d ** -0.5
+    qs = _chunks(_grouped(q, hkv), qc)                      # [nq, b, qc, hkv, g, d]
+    ks, vs = _chunks(k, kc), _chunks(v, kc)                 # [nk, b, kc, hkv, d]
+    qps, kps = q_pos.reshape(-1, qc), k_pos.reshape(-1, kc)
+    qss, kss = _chunks(q_seg, qc), _chunks(k_seg, kc)
+    stat_shape = (b, qc, hkv, h // hkv)
+
+    def per_q_chunk(_, xs):
+        qb, qpb, qsb = xs
+
+        def per_kv_chunk(carry, ys):
+            kb, vb, kpb, ksb = ys
+
+            def compute(carry):
+                o, m, l = carry
+                s = jnp.einsum("bqhgd,bkhd->bqhgk", qb, kb, preferred_element_type=F32) * scale
+                s = jnp.where(_pair_mask(qpb, kpb, qsb, ksb, causal), s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(s - m_safe[..., None])
+                corr = jnp.exp(m - m_safe)
+                l = l * corr + p.sum(-1)
+                pv = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(vb.dtype), vb,
+                                preferred_element_type=F32)
+                return o * corr[..., None] + pv, m_new, l
+
+            visible = tile_visible(qpb, kpb, qsb, ksb, causal)
+            return lax.cond(visible, compute, lambda c: c, carry), None
+
+        init = (jnp.zeros(stat_shape + (d,), F32), jnp.full(stat_shape, -jnp.inf, F32),
+                jnp.zeros(stat_shape, F32))
+        (o, m, l), _ = lax.scan(per_kv_chunk, init, (ks, vs, kps, kss))
+        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+        o = o / jnp.where(l > 0, l, 1.0)[..., None]
+        return None, (o, lse)
+
+    _, (o, lse) = lax.scan(per_q_chunk, None, (qs, qps, qss))
+    o = _unchunk(o).reshape(b, tq, h, d)
+    lse = _unchunk(lse).reshape(b, tq, h)
+    return o, lse
+
+
+def blockwise_backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool,
+                       q_chunk: int, kv_chunk: int):
+    """Gradients of one block pair given the global output and log-sum-exp. All float32."""
+    b, tq, h, d = q.shape
+    hkv = k.shape[2]
+    qc, kc = _check_chunks(tq, k.shape[1], q_chunk, kv_chunk)
+    scale = d ** -0.5
+    delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1)          # [b, tq, h]
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    grouped = lambda x: _grouped(x, hkv)
+    qs, dos = _chunks(grouped(q), qc), _chunks(grouped(do), qc)
+    lses = _chunks(lse_safe.reshape(b, tq, hkv, h // hkv), qc)
+    deltas = _chunks(delta.reshape(b, tq, hkv, h // hkv), qc)
+    ks, vs = _chunks(k, kc), _chunks(v, kc)
+    qps, kps = q_pos.reshape(-1, qc), k_pos.reshape(-1, kc)
+    qss, kss = _chunks(q_seg, qc), _chunks(k_seg, kc)
+
+    def per_kv_chunk(dq_acc, ys):
+        kb, vb, kpb, ksb = ys
+
+        def per_q_chunk(carry, xs):
+            qb, dob, lseb, deltab, qpb, qsb = xs
+
+            def compute(carry):
+                dk, dv = carry
+                s = jnp.einsum("bqhgd,bkhd->bqhgk", qb, kb, preferred_element_type=F32) * scale
+                mask = _pair_mask(qpb, kpb, qsb, ksb, causal)
+                p = jnp.where(mask, jnp.exp(s - lseb[..., None]), 0.0)
+                dv = dv + jnp.einsum("bqhgk,bqhgd->bkhd", p.astype(dob.dtype), dob,
+                                     preferred_element_type=F32)
+                dp = jnp.einsum("bqhgd,bkhd->bqhgk", dob, vb, preferred_element_type=F32)
+                ds = (p * (dp - deltab[..., None])).astype(qb.dtype)
+                dq = jnp.einsum("bqhgk,bkhd->bqhgd", ds, kb, preferred_element_type=F32) * scale
+                dk = dk + jnp.einsum("bqhgk,bqhgd->bkhd", ds, qb,
+                                     preferred_element_type=F32) * scale
+                return (dk, dv), dq
+
+            skip = lambda c: (c, jnp.zeros(qb.shape, F32))
+            visible = tile_visible(qpb, kpb, qsb, ksb, causal)
+            return lax.cond(visible, compute, skip, carry)
+
+        init = (jnp.zeros(kb.shape, F32), jnp.zeros(vb.shape, F32))
+        (dk, dv), dq = lax.scan(per_q_chunk, init, (qs, dos, lses, deltas, qps, qss))
+        return dq_acc + dq, (dk, dv)
+
+    dq0 = jnp.zeros(qs.shape, F32)
+    dq, (dk, dv) = lax.scan(per_kv_chunk, dq0, (ks, vs, kps, kss))
+    dq = _unchunk(dq).reshape(b, tq, h, d)
+    return dq, _unchunk(dk), _unchunk(dv)
+
+
+class Kernel(NamedTuple):
+    """A block-pair attention kernel (see the module docstring for the contract)."""
+    forward: Callable
+    backward: Callable
+
+
+KERNELS = {"blockwise": Kernel(blockwise_forward, blockwise_backward)}
+
+
+def get_kernel(impl: str) -> Kernel:
+    """The kernel registered under `config.attention.impl`."""
+    try:
+        return KERNELS[impl]
+    except KeyError:
+        raise ValueError(
+            f"attention impl {impl!r} is not available; use one of {sorted(KERNELS)}") from None
+
+
+def dense_attention(q, k, v, *, causal: bool = True, segment_ids=None, positions=None):
+    """Plain float32 softmax attention: the reference every blockwise path is tested against.
+
+    q `[b, t, h, d]`, k/v `[b, t, kv_heads, d]`, segment_ids `[b, t]`, positions `[t]`
+    (original positions of the given order; default arange). Materialises `[t, t]` scores.
+    """
+    q, k, v = (x.astype(F32) for x in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    t = q.shape[1]
+    pos = jnp.arange(t) if positions is None else positions
+    mask = jnp.ones((1, 1, t, t), bool)
+    if causal:
+        mask = mask & (pos[:, None] >= pos[None, :])[None, None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    s = jnp.where(mask, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(mask, p, 0.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)

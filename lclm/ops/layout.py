@@ -1,0 +1,87 @@
+"""Token layouts over the sequence-parallel axis, and the masks they imply.
+
+A layout is the order in which the tokens of a row are stored before the sequence axis is
+split into `n` equal contiguous shards (one per `sp` device).
+
+- `'contiguous'`: original order; device j holds positions j*c ... j*c + c - 1.
+- `'striped'`: device j holds positions j, j+n, j+2n, ... so local index x on device j is
+  original position x*n + j (Striped Attention, seed 000).
+
+Striping is applied once on the host, to every per-token array of a batch together, and
+`unstripe` puts any per-token output back into original order. Attention masks are derived
+from original positions (`original_positions`), so the model itself never sees the layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LAYOUTS = ("striped", "contiguous")
+
+
+def _check(length: int, n: int) -> None:
+    if n < 1 or length % n:
+        raise ValueError(f"sequence length {length} is not divisible by the sp size {n}")
+
+
+def stripe(x, n: int, axis: int = 1):
+    """Reorder `x` along `axis` so that contiguous shards of `n` devices hold strided tokens.
+
+    Works on numpy and jax arrays. Output position d*L + x holds input position x*n + d,
+    with L = length // n.
+    """
+    length = x.shape[axis]
+    _check(length, n)
+    if n == 1:
+        return x
+    ax = axis % x.ndim
+    shape = x.shape[:ax] + (length // n, n) + x.shape[ax + 1:]
+    y = x.reshape(shape)
+    y = y.swapaxes(ax, ax + 1)
+    return y.reshape(x.shape)
+
+
+def unstripe(x, n: int, axis: int = 1):
+    """Inverse of `stripe`: put a striped per-token array back into original order."""
+    length = x.shape[axis]
+    _check(length, n)
+    if n == 1:
+        return x
+    ax = axis % x.ndim
+    shape = x.shape[:ax] + (n, length // n) + x.shape[ax + 1:]
+    y = x.reshape(shape)
+    y = y.swapaxes(ax, ax + 1)
+    return y.reshape(x.shape)
+
+
+def to_layout(x, layout: str, n: int, axis: int = 1):
+    """Put an array in original token order into `layout` for `n` sequence shards."""
+    if layout == "striped":
+        return stripe(x, n, axis)
+    if layout == "contiguous":
+        _check(x.shape[axis], n)
+        return x
+    raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+
+
+def from_layout(x, layout: str, n: int, axis: int = 1):
+    """Inverse of `to_layout`."""
+    if layout == "striped":
+        return unstripe(x, n, axis)
+    if layout == "contiguous":
+        _check(x.shape[axis], n)
+        return x
+    raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+
+
+def original_positions(layout: str, n: int, device, local_len: int, xp=np):
+    """Original token positions `[local_len]` held by sequence shard `device` (may be traced).
+
+    `xp` is the array module (numpy on the host, jax.numpy inside a traced ring).
+    """
+    local = xp.arange(local_len, dtype=np.int32)
+    if layout == "striped":
+        return local * n + device
+    if layout == "contiguous":
+        return device * local_len + local
+    raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")

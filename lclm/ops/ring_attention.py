@@ -1,0 +1,196 @@
+"""Ring attention over the `sp` mesh axis: striped (default) or contiguous layout.
+
+Each `sp` device keeps its queries; K/V blocks (in the compute dtype, with their segment ids)
+travel the ring with `lax.ppermute`. Every round runs the kernel on one block pair and merges
+the result with log-sum-exp statistics. The whole ring is one custom VJP: the backward
+recomputes every block pair from the *global* output and log-sum-exp, and dK/dV accumulators
+(float32) travel with K/V, arriving home after N hops.
+
+Masks follow from original positions, which each device derives from its ring index and the
+layout (`lclm.ops.layout.original_positions`): for striped, round blocks from devices k <= j
+are causal and k > j strictly causal; for contiguous, blocks are full, causal or hidden.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from lclm.ops.attention import F32, get_kernel, tile_visible
+from lclm.ops.layout import LAYOUTS, original_positions
+
+SP = "sp"
+BATCH_AXES = ("dp", "fsdp")
+HEAD_AXIS = "tp"
+
+
+def _merge(o, lse, o_r, lse_r):
+    """Combine two normalised partial attentions by their log-sum-exps (-inf = empty)."""
+    lse_new = jnp.logaddexp(lse, lse_r)
+    safe = jnp.where(jnp.isfinite(lse_new), lse_new, 0.0)
+    w, w_r = jnp.exp(lse - safe), jnp.exp(lse_r - safe)
+    return o * w[..., None] + o_r * w_r[..., None], lse_new
+
+
+def _send(xs, axis, n):
+    """Pass every array in `xs` one step along the ring (device i -> i+1)."""
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    return tuple(None if x is None else lax.ppermute(x, axis, perm) for x in xs)
+
+
+def _positions(settings, device, length):
+    axis, n, layout = settings[:3]
+    return original_positions(layout, n, device, length, xp=jnp)
+
+
+def _ring_forward(settings, q, k, v, q_seg, k_seg):
+    axis, n, layout, causal, q_chunk, kv_chunk, impl = settings
+    kernel = get_kernel(impl)
+    me = lax.axis_index(axis) if n > 1 else 0
+    q_pos = _positions(settings, me, q.shape[1])
+    block = functools.partial(kernel.forward, causal=causal, q_chunk=q_chunk, kv_chunk=kv_chunk)
+
+    def round_(carry, r):
+        o, lse, k, v, k_seg = carry
+        # The next block is sent before this one is used, so the transfer can overlap compute.
+        k_next, v_next, seg_next = _send((k, v, k_seg), axis, n)
+        k_pos = _positions(settings, (me - r) % n, k.shape[1])
+        o, lse = _merge(o, lse, *block(q, k, v, q_pos, k_pos, q_seg, k_seg))
+        return (o, lse, k_next, v_next, seg_next), None
+
+    b, t, h, d = q.shape
+    carry = (jnp.zeros((b, t, h, d), F32), jnp.full((b, t, h), -jnp.inf, F32), k, v, k_seg)
+    if n > 1:
+        carry, _ = lax.scan(round_, carry, jnp.arange(n - 1))
+    o, lse, k, v, k_seg = carry
+    k_pos = _positions(settings, (me - (n - 1)) % n, k.shape[1])
+    o, lse = _merge(o, lse, *block(q, k, v, q_pos, k_pos, q_seg, k_seg))
+    return o, lse
+
+
+def _ring_backward(settings, residuals, do):
+    axis, n, layout, causal, q_chunk, kv_chunk, impl = settings
+    q, k, v, q_seg, k_seg, o, lse = residuals
+    kernel = get_kernel(impl)
+    me = lax.axis_index(axis) if n > 1 else 0
+    q_pos = _positions(settings, me, q.shape[1])
+    block = functools.partial(kernel.backward, causal=causal, q_chunk=q_chunk, kv_chunk=kv_chunk)
+
+    def round_(carry, r):
+        dq, k, v, k_seg, dk, dv = carry
+        k_next, v_next, seg_next = _send((k, v, k_seg), axis, n)
+        k_pos = _positions(settings, (me - r) % n, k.shape[1])
+        dq_r, dk_r, dv_r = block(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg)
+        dk, dv = _send((dk + dk_r, dv + dv_r), axis, n)
+        return (dq + dq_r, k_next, v_next, seg_next, dk, dv), None
+
+    carry = (jnp.zeros(q.shape, F32), k, v, k_seg, jnp.zeros(k.shape, F32),
+             jnp.zeros(v.shape, F32))
+    if n > 1:
+        carry, _ = lax.scan(round_, carry, jnp.arange(n - 1))
+    dq, k_last, v_last, seg_last, dk, dv = carry
+    k_pos = _positions(settings, (me - (n - 1)) % n, k.shape[1])
+    dq_r, dk_r, dv_r = block(q, k_last, v_last, o, lse, do, q_pos, k_pos, q_seg, seg_last)
+    dk, dv = dk + dk_r, dv + dv_r
+    if n > 1:  # the accumulators of the block held last belong to the next device
+        dk, dv = _send((dk, dv), axis, n)
+    return dq + dq_r, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(settings, q, k, v, q_seg, k_seg):
+    o, _ = _ring_forward(settings, q, k, v, q_seg, k_seg)
+    return o.astype(q.dtype)
+
+
+def _ring_fwd(settings, q, k, v, q_seg, k_seg):
+    o, lse = _ring_forward(settings, q, k, v, q_seg, k_seg)
+    o = o.astype(q.dtype)
+    return o, (q, k, v, q_seg, k_seg, o, lse)
+
+
+def _ring_bwd(settings, residuals, do):
+    q, k, v = residuals[:3]
+    dq, dk, dv = _ring_backward(settings, residuals, do)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _settings(n, layout, causal, q_chunk, kv_chunk, impl, axis=SP):
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+    get_kernel(impl)
+    return (axis, n, layout, bool(causal), int(q_chunk), int(kv_chunk), impl)
+
+
+def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_chunk=512,
+                    impl="blockwise"):
+    """Blockwise attention on one device (no mesh): the ring with a single member.
+
+    q `[batch, seq, heads, dim]`, k/v `[batch, seq, kv_heads, dim]` in original order,
+    segment_ids `[batch, seq]` or None. Differentiable.
+    """
+    settings = _settings(1, "contiguous", causal, q_chunk, kv_chunk, impl, axis=None)
+    return _ring(settings, q, k, v, segment_ids, segment_ids)
+
+
+def _kv_repeats(q_heads: int, kv_heads: int, tp: int) -> int:
+    """How often to repeat K/V heads so that they split evenly over `tp` (MQA/GQA with tp)."""
+    if q_heads % tp:
+        raise ValueError(f"{q_heads} query heads are not divisible by tp={tp}")
+    rep = tp // math.gcd(kv_heads, tp)
+    if (q_heads // kv_heads) % rep:
+        raise ValueError(f"{kv_heads} kv heads cannot be split over tp={tp} with {q_heads} heads")
+    return rep
+
+
+def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
+                   q_chunk=512, kv_chunk=512, impl="blockwise"):
+    """Ring attention of global arrays whose sequence axis is sharded over `sp`.
+
+    q `[batch, seq, heads, dim]`, k/v `[batch, seq, kv_heads, dim]` (kv_heads divides heads),
+    segment_ids `[batch, seq]` int or None; all already in `layout`'s token order (see
+    `lclm.ops.stripe`). Batch is split over (`dp`, `fsdp`), heads over `tp`. Returns the
+    output `[batch, seq, heads, dim]` in the same order and dtype as q. Differentiable.
+    """
+    n, tp = mesh.shape[SP], mesh.shape[HEAD_AXIS]
+    rep = _kv_repeats(q.shape[2], k.shape[2], tp)
+    if rep > 1:  # only when kv_heads < tp: each tp shard then holds its own copy
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    settings = _settings(n, layout, causal, q_chunk, kv_chunk, impl)
+    x_spec = P(BATCH_AXES, SP, HEAD_AXIS, None)
+    seg_spec = P(BATCH_AXES, SP)
+    if segment_ids is None:
+        fn = lambda q, k, v: _ring(settings, q, k, v, None, None)
+        in_specs, args = (x_spec,) * 3, (q, k, v)
+    else:
+        fn = lambda q, k, v, s: _ring(settings, q, k, v, s, s)
+        in_specs, args = (x_spec,) * 3 + (seg_spec,), (q, k, v, segment_ids.astype(jnp.int32))
+    ring = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=x_spec, check_vma=False)
+    return ring(*args)
+
+
+def tile_schedule(layout: str, n: int, seq_len: int, q_chunk: int, kv_chunk: int,
+                  causal: bool = True) -> np.ndarray:
+    """Tiles each device computes in each round: int array `[round, device]`.
+
+    Uses the kernel's own skip predicate (`tile_visible`) on the positions each device holds
+    in each round (no segments), i.e. the paper's per-round workload at tile granularity.
+    Out of `(seq_len/n/q_chunk) * (seq_len/n/kv_chunk)` tiles per block pair.
+    """
+    local = seq_len // n
+    counts = np.zeros((n, n), np.int64)
+    for r in range(n):
+        for j in range(n):
+            qp = np.asarray(original_positions(layout, n, j, local)).reshape(-1, q_chunk)
+            kp = np.asarray(original_positions(layout, n, (j - r) % n, local)).reshape(-1, kv_chunk)
+            counts[r, j] = sum(bool(tile_visible(a, b, None, None, causal)) for a in qp for b in kp)
+    return counts
