@@ -85,3 +85,8 @@ def original_positions(layout: str, n: int, device, local_len: int, xp=np):
     if layout == "contiguous":
         return device * local_len + local
     raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+
+
+def batch_to_layout(batch: dict, layout: str, n: int) -> dict:
+    """Apply `to_layout` to every per-token `[batch, seq]` array of a batch, together."""
+    return {k: to_layout(v, layout, n, axis=1) for k, v in batch.items()}

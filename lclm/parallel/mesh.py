@@ -48,6 +48,10 @@ def resolve_mesh_shape(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,
         if device_count % known:
             raise ValueError(f"mesh {sizes}: {device_count} devices are not divisible by {known}")
         sizes[free[0]] = device_count // known
+    need = math.prod(sizes.values())
+    if device_count is not None and need > device_count:
+        raise ValueError(f"mesh {sizes} needs {need} devices but only {device_count} exist; "
+                         "shrink config.mesh.* (or use -1 for one axis)")
     return sizes
 
 
@@ -61,11 +65,7 @@ def make_mesh(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_mesh_shape(dp, fsdp, tp, sp, len(devices))
     shape = tuple(sizes[a] for a in AXES)
-    need = math.prod(shape)
-    if need > len(devices):
-        raise ValueError(f"mesh {sizes} needs {need} devices but only {len(devices)} exist; "
-                         "shrink config.mesh or add devices")
-    devices = devices[:need]
+    devices = devices[:math.prod(shape)]
     try:
         from jax.experimental import mesh_utils
         grid = mesh_utils.create_device_mesh(shape, devices=devices)

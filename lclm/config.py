@@ -1,0 +1,150 @@
+"""The one typed configuration of lclm: defaults, model presets and start-up validation.
+
+Config files (`configs/*.py`) define `get_config()` returning `base_config()` with fields
+changed; `train.py --config FILE --config.a.b=V` overrides any field. `validate` turns every
+inconsistency into a `ConfigError` with a one-line message that names the fix.
+
+This module does not import JAX (train.py reads the config before JAX starts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+LAYOUTS = ("striped", "contiguous")  # lclm.ops.layout.LAYOUTS is checked against this in tests
+
+# LLaMA shapes. 1b/3b are LLaMA-3.2 (1.24B / 3.2B params), 7b/13b are LLaMA-2.
+MODEL_PRESETS = {
+    "llama3_1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                      ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True),
+    "llama3_3b": dict(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8,
+                      ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True),
+    "llama2_7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                      ffn_dim=11008, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
+    "llama2_13b": dict(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40,
+                       ffn_dim=13824, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
+}
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message is one line that says how to fix it."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """All fields with their defaults (a tiny model; presets fill real shapes)."""
+    c = ml_collections.ConfigDict()
+    c.workdir = "runs/default"
+    c.seed = 0
+
+    c.mesh = ml_collections.ConfigDict(dict(dp=1, fsdp=1, tp=1, sp=1))
+
+    c.model = ml_collections.ConfigDict(dict(
+        vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192,
+        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, init_std=0.02,
+        dtype="bfloat16", param_dtype="float32",
+        scan_layers=True, remat="full",
+        ffn_chunk=2048,     # tokens per blockwise feed-forward chunk (per sp shard)
+        loss_chunk=2048,    # tokens per blockwise cross-entropy chunk (per sp shard)
+    ))
+
+    c.attention = ml_collections.ConfigDict(dict(
+        impl="blockwise", layout="striped", q_chunk=512, kv_chunk=512))
+
+    c.data = ml_collections.ConfigDict(dict(
+        source="text", path="", text_field="text", tokenizer="",
+        seq_len=2048, batch_size=8, document_mask=True, reset_positions=True))
+
+    c.train = ml_collections.ConfigDict(dict(
+        steps=1000, lr=3e-4, min_lr_ratio=0.1, warmup=100, grad_accum=1, clip=1.0,
+        weight_decay=0.1, b1=0.9, b2=0.95))
+
+    c.log = ml_collections.ConfigDict(dict(
+        every=10, wandb=False, wandb_project="lclm", wandb_mode="online", progress=True))
+
+    c.checkpoint = ml_collections.ConfigDict(dict(every=0, keep=3))
+    return c
+
+
+def apply_preset(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+    """Set the model shape fields of `config.model` from `MODEL_PRESETS[name]`."""
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; use one of {sorted(MODEL_PRESETS)}")
+    config.model.update(MODEL_PRESETS[name])
+    return config
+
+
+def _fail(msg: str):
+    raise ConfigError(msg)
+
+
+def mesh_device_count(config) -> int | None:
+    """Devices the mesh needs, or None when one axis is -1 (= all devices)."""
+    sizes = [config.mesh[a] for a in ("dp", "fsdp", "tp", "sp")]
+    return None if -1 in sizes else math.prod(sizes)
+
+
+def validate(config, device_count: int) -> dict[str, int]:
+    """Check `config` against itself and `device_count`; returns the resolved mesh sizes."""
+    m, a, d, t = config.model, config.attention, config.data, config.train
+    from lclm.parallel.mesh import resolve_mesh_shape  # imports JAX: validate runs after start-up
+    try:
+        sizes = resolve_mesh_shape(**{k: config.mesh[k] for k in ("dp", "fsdp", "tp", "sp")},
+                                   device_count=device_count)
+    except ValueError as e:
+        _fail(f"config.mesh: {e}")
+    dp, fsdp, tp, sp = sizes["dp"], sizes["fsdp"], sizes["tp"], sizes["sp"]
+
+    for key in ("dtype", "param_dtype"):
+        if m[key] not in DTYPES:
+            _fail(f"model.{key}={m[key]!r}; use one of {DTYPES}")
+    if m.remat not in REMAT_POLICIES:
+        _fail(f"model.remat={m.remat!r}; use one of {REMAT_POLICIES}")
+    if a.layout not in LAYOUTS:
+        _fail(f"attention.layout={a.layout!r}; use one of {LAYOUTS}")
+    from lclm.ops.attention import KERNELS
+    if a.impl not in KERNELS:
+        _fail(f"attention.impl={a.impl!r} is not available; use one of {sorted(KERNELS)}")
+    if m.n_heads % m.n_kv_heads:
+        _fail(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
+    if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
+        _fail(f"model.dim={m.dim} must be n_heads={m.n_heads} x an even head dim")
+    if m.n_heads % tp:
+        _fail(f"model.n_heads={m.n_heads} is not divisible by mesh.tp={tp}; "
+              "pick a tp that divides the head count")
+    rep = tp // math.gcd(m.n_kv_heads, tp)
+    if (m.n_heads // m.n_kv_heads) % rep:
+        _fail(f"model.n_kv_heads={m.n_kv_heads} cannot be split over mesh.tp={tp}; "
+              "pick a tp that divides or is a multiple of n_kv_heads")
+    if m.ffn_dim % tp:
+        _fail(f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tp={tp}")
+
+    if d.seq_len % sp:
+        _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp={sp}; "
+              f"use a multiple of {sp}")
+    local = d.seq_len // sp
+    for key in ("q_chunk", "kv_chunk"):
+        chunk = min(a[key], local)
+        if local % chunk:
+            _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp x attention.{key} = "
+                  f"{sp} x {chunk}; use a multiple of {sp * chunk}")
+    for key in ("ffn_chunk", "loss_chunk"):
+        chunk = min(m[key], local)
+        if local % chunk:
+            _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp x model.{key} = "
+                  f"{sp} x {chunk}; use a multiple of {sp * chunk}")
+    if d.batch_size % t.grad_accum:
+        _fail(f"data.batch_size={d.batch_size} is not divisible by train.grad_accum="
+              f"{t.grad_accum}")
+    micro = d.batch_size // t.grad_accum
+    if micro % (dp * fsdp):
+        _fail(f"micro-batch data.batch_size/train.grad_accum={micro} is not divisible by "
+              f"mesh.dp x mesh.fsdp = {dp * fsdp}; change the batch size or the mesh")
+    if t.steps < 1 or t.warmup < 0 or t.lr <= 0:
+        _fail("train.steps must be >= 1, train.warmup >= 0 and train.lr > 0")
+    if config.log.every < 1:
+        _fail(f"log.every={config.log.every}; use a positive number of steps")
+    return sizes

@@ -1,0 +1,252 @@
+"""LLaMA (1/2/3 shapes): RMSNorm, RoPE, SwiGLU, GQA, as pure functions over a param tree.
+
+Parameters live in one canonical layout whatever the run's settings: layer weights are
+stacked on a leading `layers` axis (`scan_layers` only chooses scan vs. a Python loop), q/k
+weights use HuggingFace's rotate-half RoPE convention, and attention weights keep heads as
+their own axis (`wq [layers, dim, heads, head_dim]`).
+
+Token order: the model is layout-agnostic. It receives per-token arrays in whatever order
+the data pipeline produced (striped for the ring), RoPE uses the `positions` it is given
+(original positions), and attention masks are derived inside the ring from the layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lclm.ops.ffn import blockwise_ffn
+from lclm.ops.loss import blockwise_cross_entropy
+from lclm.ops.ring_attention import local_attention, ring_attention
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Model hyper-parameters (a typed, hashable view of `config.model`)."""
+    vocab_size: int = 512
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 192
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    scan_layers: bool = True
+    remat: str = "full"
+    ffn_chunk: int = 2048
+    loss_chunk: int = 2048
+
+    @classmethod
+    def from_config(cls, model_config) -> "LlamaConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in dict(model_config).items() if k in names})
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def compute_dtype(self):
+        return _DTYPES[self.dtype]
+
+    def param_count(self, include_embeddings: bool = True) -> int:
+        shapes = jax.tree.leaves(param_shapes(self), is_leaf=lambda x: isinstance(x, tuple))
+        total = sum(math.prod(s) for s in shapes)
+        return total if include_embeddings else total - self.vocab_size * self.dim
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """How attention is computed (`config.attention`)."""
+    impl: str = "blockwise"
+    layout: str = "striped"
+    q_chunk: int = 512
+    kv_chunk: int = 512
+
+    @classmethod
+    def from_config(cls, attention_config) -> "AttentionConfig":
+        return cls(**dict(attention_config))
+
+
+def param_table(c: LlamaConfig):
+    """name -> (shape, logical axes) of every parameter, in the canonical layout."""
+    L, D, H, K, Dh, F, V = (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim,
+                            c.ffn_dim, c.vocab_size)
+    layers = {
+        "attn_norm": ((L, D), ("layers", "norm")),
+        "wq": ((L, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
+        "wk": ((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": ((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": ((L, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
+        "ffn_norm": ((L, D), ("layers", "norm")),
+        "w_gate": ((L, D, F), ("layers", "embed", "mlp")),
+        "w_up": ((L, D, F), ("layers", "embed", "mlp")),
+        "w_down": ((L, F, D), ("layers", "mlp", "embed")),
+    }
+    table = {"embed": ((V, D), ("vocab", "embed")), "layers": layers,
+             "final_norm": ((D,), ("norm",))}
+    if not c.tie_embeddings:
+        table["lm_head"] = ((D, V), ("embed", "vocab"))
+    return table
+
+
+def is_param_entry(x):
+    """A leaf of `param_table`: (shape, logical axes)."""
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
+
+
+def param_shapes(c: LlamaConfig):
+    """Pytree of parameter shapes."""
+    return jax.tree.map(lambda e: e[0], param_table(c), is_leaf=is_param_entry)
+
+
+def param_axes(c: LlamaConfig):
+    """Pytree of logical axis names per parameter (see `lclm.parallel.mesh.AXIS_RULES`)."""
+    return jax.tree.map(lambda e: e[1], param_table(c), is_leaf=is_param_entry)
+
+
+def init_params(c: LlamaConfig, key):
+    """Random parameters in `param_dtype`: normal(init_std) matrices, unit norm weights."""
+    table = param_table(c)
+    leaves, treedef = jax.tree.flatten(table, is_leaf=is_param_entry)
+    keys = jax.random.split(key, len(leaves))
+    dtype = _DTYPES[c.param_dtype]
+
+    def one(entry, k):
+        shape, axes = entry
+        if axes[-1] == "norm":
+            return jnp.ones(shape, dtype)
+        return (c.init_std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    return jax.tree.unflatten(treedef, [one(e, k) for e, k in zip(leaves, keys)])
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm in float32, returned in x's dtype. x `[..., dim]`, weight `[dim]`."""
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(positions, head_dim: int, theta: float):
+    """cos/sin `[batch, seq, 1, head_dim/2]` (float32) for integer positions `[batch, seq]`."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half RoPE (HuggingFace convention). x `[batch, seq, heads, head_dim]`."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def _constrainer(mesh):
+    if mesh is None:
+        return lambda x, axes: x
+    from lclm.parallel.mesh import logical_sharding
+    return lambda x, axes: lax.with_sharding_constraint(x, logical_sharding(mesh, axes, x.shape))
+
+
+def _layer(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):
+    """One transformer block. x `[batch, seq, dim]` in the compute dtype."""
+    constrain = _constrainer(mesh)
+    dt = c.compute_dtype
+    p = jax.tree.map(lambda w: w.astype(dt), p)
+    h = rms_norm(x, p["attn_norm"], c.norm_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
+    k = jnp.einsum("btd,dhk->bthk", h, p["wk"])
+    v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    heads = ("batch", "seq", "act_heads", None)
+    q, k, v = (constrain(t, heads) for t in (q, k, v))
+    chunks = dict(q_chunk=a.q_chunk, kv_chunk=a.kv_chunk, impl=a.impl, segment_ids=segment_ids)
+    if mesh is None:
+        o = local_attention(q, k, v, **chunks)
+    else:
+        o = ring_attention(q, k, v, mesh=mesh, layout=a.layout, **chunks)
+    x = x + constrain(jnp.einsum("bthk,hkd->btd", o, p["wo"]), ("batch", "seq", "act_embed"))
+    h = rms_norm(x, p["ffn_norm"], c.norm_eps)
+    n_shards = 1 if mesh is None else mesh.shape["sp"]
+    x = x + blockwise_ffn(h, p["w_gate"], p["w_up"], p["w_down"], chunk=c.ffn_chunk,
+                          n_shards=n_shards, constrain=constrain)
+    return constrain(x, ("batch", "seq", "act_embed"))
+
+
+def hidden_states(c: LlamaConfig, params, tokens, positions, segment_ids=None, *, mesh=None,
+                  attention: AttentionConfig = AttentionConfig()):
+    """Final-normed hidden states `[batch, seq, dim]` for tokens `[batch, seq]`.
+
+    positions `[batch, seq]` are the tokens' RoPE positions; segment_ids `[batch, seq]` (or
+    None) keep packed documents apart. All per-token inputs are in the mesh's layout order.
+    """
+    constrain = _constrainer(mesh)
+    x = jnp.take(params["embed"], tokens, axis=0).astype(c.compute_dtype)
+    x = constrain(x, ("batch", "seq", "act_embed"))
+    rope = rope_tables(positions, c.head_dim, c.rope_theta)
+    layer = functools.partial(_layer, c, attention, mesh)
+    if c.remat != "none":
+        layer = jax.checkpoint(layer, policy=_REMAT[c.remat])
+    if c.scan_layers:
+        x, _ = lax.scan(lambda x, p: (layer(x, p, rope, segment_ids), None), x, params["layers"])
+    else:
+        for i in range(c.n_layers):
+            x = layer(x, jax.tree.map(lambda w: w[i], params["layers"]), rope, segment_ids)
+    return rms_norm(x, params["final_norm"], c.norm_eps)
+
+
+def output_weights(c: LlamaConfig, params):
+    """The `[dim, vocab]` projection to logits (the tied embedding when configured)."""
+    w = params["embed"].T if c.tie_embeddings else params["lm_head"]
+    return w.astype(c.compute_dtype)
+
+
+def forward(c: LlamaConfig, params, tokens, positions=None, segment_ids=None, *, mesh=None,
+            attention: AttentionConfig = AttentionConfig()):
+    """Float32 logits `[batch, seq, vocab]` (materialised: for checks and evaluation).
+
+    Without a mesh this runs on one device in original order (positions default to arange).
+    """
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    h = hidden_states(c, params, tokens, positions, segment_ids, mesh=mesh, attention=attention)
+    return jnp.einsum("btd,dv->btv", h, output_weights(c, params),
+                      preferred_element_type=jnp.float32)
+
+
+def loss_terms(c: LlamaConfig, params, batch, *, mesh=None,
+               attention: AttentionConfig = AttentionConfig(), document_mask: bool = True):
+    """(sum of masked token losses, number of unmasked tokens) of a batch, float32.
+
+    batch: dict of `[batch, seq]` arrays `tokens`, `targets`, `loss_mask`, `positions`,
+    `segment_ids`, all in the same (layout) order. The blockwise loss never builds the full
+    logits. Divide the two totals for the global token-mean loss.
+    """
+    seg = batch["segment_ids"] if document_mask else None
+    h = hidden_states(c, params, batch["tokens"], batch["positions"], seg, mesh=mesh,
+                      attention=attention)
+    n_shards = 1 if mesh is None else mesh.shape["sp"]
+    return blockwise_cross_entropy(h, output_weights(c, params), batch["targets"],
+                                   batch["loss_mask"], chunk=c.loss_chunk, n_shards=n_shards,
+                                   constrain=_constrainer(mesh))
+

@@ -1,0 +1,1 @@
+"""Training: state, step, loop, metrics."""
