@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
+import optax
 
 from lclm.models.llama import LlamaConfig, is_param_entry, param_table
 from lclm.parallel.mesh import logical_sharding
@@ -17,3 +20,10 @@ def param_shardings(c: LlamaConfig, mesh):
 def shard_params(c: LlamaConfig, params, mesh):
     """Place `params` on `mesh` with the parameter shardings."""
     return jax.device_put(params, param_shardings(c, mesh))
+
+
+class TrainState(NamedTuple):
+    """Everything a step updates. `step` counts completed updates."""
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState

@@ -1,0 +1,23 @@
+"""The embedded demo: a tiny LLaMA on the bundled synthetic corpus, striped ring attention
+over sp=4 (simulated CPU devices when there is no accelerator). A few minutes on 2 cores."""
+
+import os
+
+from lclm.config import base_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def get_config():
+    c = base_config()
+    c.workdir = "runs/demo"
+    c.mesh.update(dp=1, fsdp=2, tp=1, sp=4)
+    c.model.update(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
+                   rope_theta=10000.0, dtype="float32", ffn_chunk=64, loss_chunk=64)
+    c.attention.update(layout="striped", q_chunk=32, kv_chunk=32)
+    c.data.update(path=os.path.join(ROOT, "data", "demo", "corpus.jsonl"),
+                  tokenizer=os.path.join(ROOT, "data", "demo", "tokenizer.model"),
+                  seq_len=512, batch_size=8)
+    c.train.update(steps=200, lr=3e-3, warmup=20, weight_decay=0.0)
+    c.log.every = 20
+    return c

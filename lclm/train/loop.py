@@ -1,0 +1,115 @@
+"""The training loop: composes config, mesh, data, model, optimizer and metric sinks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lclm.config import mesh_device_count, validate
+from lclm.data.loader import batch_sharding, global_batches
+from lclm.data.tokenizer import Tokenizer
+from lclm.models.llama import AttentionConfig, LlamaConfig, init_params
+from lclm.parallel.devices import select_devices
+from lclm.parallel.mesh import make_mesh
+from lclm.train.metrics import MetricsLogger, Progress, flops_per_token, peak_flops
+from lclm.train.state import TrainState, param_shardings
+from lclm.train.step import make_optimizer, make_train_step
+
+log = logging.getLogger(__name__)
+
+_SECRET_WORDS = ("key", "token", "secret", "password")
+
+
+def public_config(config) -> dict:
+    """The config as a plain dict with anything that looks like a secret removed."""
+    def clean(d):
+        return {k: clean(v) if isinstance(v, dict) else v for k, v in d.items()
+                if not any(w in k.lower() for w in _SECRET_WORDS)}
+    return clean(config.to_dict())
+
+
+def _wandb_run(config):
+    if not config.log.wandb or jax.process_index() != 0:
+        return None
+    import wandb  # optional at run time: only when asked for
+    return wandb.init(project=config.log.wandb_project, mode=config.log.wandb_mode,
+                      dir=config.workdir, config=public_config(config))
+
+
+def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState:
+    """Fresh parameters and optimizer state, created directly in their shardings."""
+    shardings = param_shardings(model, mesh)
+    params = jax.jit(lambda k: init_params(model, k), out_shardings=shardings)(
+        jax.random.key(seed))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    # scalars (step, optimizer counts) would otherwise land on one device only
+    on_mesh = lambda x: (x if len(x.sharding.device_set) == mesh.size
+                         else jax.device_put(x, replicated))
+    opt_state = jax.tree.map(on_mesh, jax.jit(optimizer.init)(params))
+    return TrainState(on_mesh(jnp.zeros((), jnp.int32)), params, opt_state)
+
+
+def train(config) -> list[dict]:
+    """Run `config.train.steps` steps; returns the logged metric records."""
+    devices = select_devices(mesh_device_count(config))
+    sizes = validate(config, len(devices))
+    mesh = make_mesh(**sizes, devices=devices)
+    model = LlamaConfig.from_config(config.model)
+    attention = AttentionConfig.from_config(config.attention)
+    tokenizer = Tokenizer(config.data.tokenizer)
+    tokenizer.check_fits(model.vocab_size)
+    is_main = jax.process_index() == 0
+    if is_main:
+        os.makedirs(config.workdir, exist_ok=True)
+        with open(os.path.join(config.workdir, "config.json"), "w") as f:
+            json.dump(public_config(config), f, indent=1)
+    log.info("mesh %s on %d %s devices; model %.2fM params", sizes, len(devices),
+             devices[0].platform, model.param_count() / 1e6)
+
+    optimizer = make_optimizer(config.train)
+    state = init_state(model, optimizer, mesh, config.seed)
+    state_sharding = jax.tree.map(lambda x: x.sharding, state)
+    step_fn = jax.jit(
+        make_train_step(model, attention, config.train, mesh, optimizer,
+                        document_mask=config.data.document_mask),
+        in_shardings=(state_sharding, batch_sharding(mesh)),
+        out_shardings=(state_sharding, None), donate_argnums=0)
+    batches = global_batches(config, mesh, tokenizer)
+
+    total = config.train.steps
+    tokens_per_step = config.data.batch_size * config.data.seq_len
+    flops = flops_per_token(model, config.data.seq_len) * tokens_per_step
+    peak = peak_flops(devices[0].device_kind)
+    logger = MetricsLogger(config.workdir, _wandb_run(config)) if is_main else None
+    progress = Progress(total) if is_main and config.log.progress else None
+    records = []
+    first = int(state.step) + 1
+    t0, since = time.perf_counter(), first - 1
+    try:
+        for step in range(first, total + 1):
+            state, metrics = step_fn(state, next(batches))
+            if step % config.log.every and step not in (first, total):
+                continue
+            metrics = jax.device_get(metrics)
+            now = time.perf_counter()
+            seconds = (now - t0) / (step - since)
+            record = dict(step=step, loss=float(metrics["loss"]), lr=float(metrics["lr"]),
+                          grad_norm=float(metrics["grad_norm"]),
+                          tokens_per_sec=tokens_per_step / seconds, step_time=seconds,
+                          mfu=(flops / seconds / (peak * len(devices))) if peak else None)
+            t0, since = now, step
+            records.append(record)
+            if logger:
+                logger.log(record)
+            if progress:
+                progress.update(record, first)
+    finally:
+        if logger:
+            logger.close()
+    return records

@@ -1,0 +1,75 @@
+"""The optimizer and the jitted train step (gradient accumulation, global token-mean loss)."""
+
+from __future__ import annotations
+
+import functools
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from lclm.models.llama import AttentionConfig, LlamaConfig, loss_terms
+from lclm.parallel.mesh import logical_sharding
+from lclm.train.state import TrainState
+
+
+def lr_schedule(train_config) -> optax.Schedule:
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `steps`."""
+    t = train_config
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup,
+        decay_steps=max(t.steps, t.warmup + 1), end_value=t.lr * t.min_lr_ratio)
+
+
+def make_optimizer(train_config) -> optax.GradientTransformation:
+    """AdamW (no decay on norm weights) after global-norm clipping."""
+    t = train_config
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+    return optax.chain(
+        optax.clip_by_global_norm(t.clip) if t.clip > 0 else optax.identity(),
+        optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                    mask=decay_mask))
+
+
+def _micro_batches(batch, accum: int, mesh):
+    """`[batch, seq]` -> `[accum, batch/accum, seq]`, rows i*accum + a in micro-batch a, so
+    every micro-batch is spread over all data-parallel devices without moving data."""
+    def split(x):
+        b = x.shape[0]
+        y = x.reshape((b // accum, accum) + x.shape[1:]).swapaxes(0, 1)
+        return lax.with_sharding_constraint(
+            y, logical_sharding(mesh, (None, "batch", "seq"), y.shape))
+    return jax.tree.map(split, batch)
+
+
+def make_train_step(model: LlamaConfig, attention: AttentionConfig, train_config, mesh,
+                    optimizer: optax.GradientTransformation, document_mask: bool = True):
+    """`step(state, batch) -> (state, metrics)`, not yet jitted.
+
+    The loss of the step is the mean over every unmasked target token of the global batch
+    (all micro-batches, all devices) under the parameters before the update.
+    """
+    accum = train_config.grad_accum
+    schedule = lr_schedule(train_config)
+    terms = functools.partial(loss_terms, model, mesh=mesh, attention=attention,
+                              document_mask=document_mask)
+
+    def step(state: TrainState, batch):
+        def micro(carry, mb):
+            grads, total, count = carry
+            (t, c), g = jax.value_and_grad(terms, has_aux=True)(state.params, mb)
+            return (jax.tree.map(jnp.add, grads, g), total + t, count + c), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (grads, total, count), _ = lax.scan(micro, init, _micro_batches(batch, accum, mesh))
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(loss=total / count, grad_norm=optax.global_norm(grads),
+                       lr=schedule(state.step), tokens=count)
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return step

@@ -1,0 +1,39 @@
+"""Train a LLaMA with striped ring attention.
+
+    python train.py --config configs/demo.py
+    python train.py --config configs/demo.py --config.train.steps=10 --config.mesh.sp=4 \
+        --config.workdir=/tmp/run
+
+Any config field can be overridden with --config.<path>=<value>. When the mesh needs more
+devices than the machine has, they are simulated on the CPU.
+"""
+
+import logging
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py",
+                                          "Path to a config file with get_config().")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = _CONFIG.value
+    from lclm.config import ConfigError, mesh_device_count
+    from lclm.parallel.devices import request_cpu_devices
+
+    request_cpu_devices(mesh_device_count(config) or 1)  # before JAX starts
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from lclm.train.loop import train
+    try:
+        train(config)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)
