@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lclm.config import mesh_device_count, validate
+from lclm.config import validate
 from lclm.data.loader import batch_sharding, global_batches
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.llama import AttentionConfig, LlamaConfig, init_params
-from lclm.parallel.devices import select_devices
 from lclm.parallel.mesh import make_mesh
 from lclm.train.metrics import MetricsLogger, Progress, flops_per_token, peak_flops
 from lclm.train.state import TrainState, param_shardings
@@ -57,7 +56,7 @@ def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState:
 
 def train(config) -> list[dict]:
     """Run `config.train.steps` steps; returns the logged metric records."""
-    devices = select_devices(mesh_device_count(config))
+    devices = jax.devices()
     sizes = validate(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices)
     model = LlamaConfig.from_config(config.model)

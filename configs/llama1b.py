@@ -1,0 +1,14 @@
+"""LLaMA-3.2-1B shapes (1.24B params) at 32K tokens on one device (sp=1) or a few."""
+
+from lclm.config import apply_preset, base_config
+
+
+def get_config():
+    c = apply_preset(base_config(), "llama3_1b")
+    c.workdir = "runs/llama1b"
+    c.mesh.update(dp=1, fsdp=-1, tp=1, sp=1)
+    c.model.update(dtype="bfloat16", remat="full", ffn_chunk=4096, loss_chunk=4096)
+    c.attention.update(q_chunk=1024, kv_chunk=1024)
+    c.data.update(seq_len=32768, batch_size=1)
+    c.train.update(steps=1000, lr=3e-4, warmup=100)
+    return c

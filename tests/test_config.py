@@ -1,0 +1,77 @@
+"""Config validation: each mistake is one clear line; shipped configs are valid."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lclm.config import ConfigError, LAYOUTS, base_config, validate
+from lclm.ops import layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def test_layout_names_agree():
+    assert LAYOUTS == layout.LAYOUTS
+
+
+@pytest.mark.parametrize("name,devices,sizes", [
+    ("demo.py", 8, dict(dp=1, fsdp=2, tp=1, sp=4)),
+    ("llama7b_256k.py", 32, dict(dp=1, fsdp=4, tp=1, sp=8)),
+    ("llama1b.py", 1, dict(dp=1, fsdp=1, tp=1, sp=1)),
+    ("llama3b.py", 4, dict(dp=1, fsdp=1, tp=1, sp=4)),
+])
+def test_shipped_configs_validate(name, devices, sizes):
+    assert validate(_load(name), devices) == sizes
+
+
+@pytest.mark.parametrize("change,devices,needle", [
+    (lambda c: c.data.update(seq_len=1000), 8, "data.seq_len=1000 is not divisible by mesh.sp"),
+    (lambda c: c.mesh.update(tp=3, sp=1, fsdp=1), 8, "not divisible by mesh.tp=3"),
+    (lambda c: c.mesh.update(sp=16), 8, "needs 32 devices but only 8 exist"),
+    (lambda c: c.mesh.update(sp=-1, fsdp=-1), 8, "at most one -1"),
+    (lambda c: c.attention.update(q_chunk=48), 8, "attention.q_chunk"),
+    (lambda c: c.attention.update(layout="zigzag"), 8, "attention.layout='zigzag'"),
+    (lambda c: c.attention.update(impl="cudnn"), 8, "attention.impl='cudnn' is not available"),
+    (lambda c: c.data.update(batch_size=3), 8, "not divisible by mesh.dp x mesh.fsdp"),
+    (lambda c: c.model.update(dtype="fp16"), 8, "model.dtype='fp16'"),
+])
+def test_bad_configs_fail_with_one_line(change, devices, needle):
+    c = _load("demo.py")
+    change(c)
+    with pytest.raises(ConfigError) as e:
+        validate(c, devices)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def _train_cli(*args, timeout=120):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", WANDB_MODE="disabled")
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_cli_rejects_unknown_key_and_bad_mesh(tmp_path):
+    r = _train_cli("--config", "configs/demo.py", "--config.model.n_layerz=3")
+    assert r.returncode != 0 and "n_layerz" in r.stderr
+    r = _train_cli("--config", "configs/demo.py", "--config.mesh.sp=64",
+                   f"--config.workdir={tmp_path}")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("error: config.mesh:")
+    assert "needs 128 devices" in r.stderr
+
+
+def test_base_config_is_locked_against_typos():
+    c = base_config()
+    c.lock()
+    with pytest.raises(AttributeError):
+        c.train.stpes = 3
