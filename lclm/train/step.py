@@ -68,7 +68,7 @@ def make_train_step(model: LlamaConfig, attention: AttentionConfig, train_config
         grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(loss=total / count, grad_norm=optax.global_norm(grads),
+        metrics = dict(loss=total / count, grad_norm=optax.tree_utils.tree_norm(grads),
                        lr=schedule(state.step), tokens=count)
         return TrainState(state.step + 1, params, opt_state), metrics
 
