@@ -54,24 +54,29 @@ def unstripe(x, n: int, axis: int = 1):
     return y.reshape(x.shape)
 
 
+def _identity(x, n: int, axis: int = 1):
+    _check(x.shape[axis], n)
+    return x
+
+
+# layout -> (original order -> layout, layout -> original order)
+_PERMUTATIONS = {"striped": (stripe, unstripe), "contiguous": (_identity, _identity)}
+
+
+def _permutation(layout: str, inverse: bool):
+    if layout not in _PERMUTATIONS:
+        raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+    return _PERMUTATIONS[layout][int(inverse)]
+
+
 def to_layout(x, layout: str, n: int, axis: int = 1):
     """Put an array in original token order into `layout` for `n` sequence shards."""
-    if layout == "striped":
-        return stripe(x, n, axis)
-    if layout == "contiguous":
-        _check(x.shape[axis], n)
-        return x
-    raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+    return _permutation(layout, inverse=False)(x, n, axis)
 
 
 def from_layout(x, layout: str, n: int, axis: int = 1):
     """Inverse of `to_layout`."""
-    if layout == "striped":
-        return unstripe(x, n, axis)
-    if layout == "contiguous":
-        _check(x.shape[axis], n)
-        return x
-    raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+    return _permutation(layout, inverse=True)(x, n, axis)
 
 
 def original_positions(layout: str, n: int, device, local_len: int, xp=np):

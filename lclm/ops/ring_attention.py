@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,62 +45,69 @@ def _send(xs, axis, n):
     return tuple(None if x is None else lax.ppermute(x, axis, perm) for x in xs)
 
 
-def _positions(settings, device, length):
-    axis, n, layout = settings[:3]
-    return original_positions(layout, n, device, length, xp=jnp)
+class _Settings(NamedTuple):
+    """Static (hashable) settings of one ring: the custom VJP's non-differentiable part."""
+    axis: str | None
+    n: int
+    layout: str
+    causal: bool
+    q_chunk: int
+    kv_chunk: int
+    impl: str
 
 
-def _ring_forward(settings, q, k, v, q_seg, k_seg):
-    axis, n, layout, causal, q_chunk, kv_chunk, impl = settings
-    kernel = get_kernel(impl)
-    me = lax.axis_index(axis) if n > 1 else 0
-    q_pos = _positions(settings, me, q.shape[1])
-    block = functools.partial(kernel.forward, causal=causal, q_chunk=q_chunk, kv_chunk=kv_chunk)
+def _setup(s: _Settings, q, which: str):
+    """The kernel pass, this device's query positions, and the key positions per round."""
+    kernel_pass = getattr(get_kernel(s.impl), which)
+    block = functools.partial(kernel_pass, causal=s.causal, q_chunk=s.q_chunk,
+                              kv_chunk=s.kv_chunk)
+    me = lax.axis_index(s.axis) if s.n > 1 else 0
+    q_pos = original_positions(s.layout, s.n, me, q.shape[1], xp=jnp)
+    # in round r this device holds the K/V block that started on device me - r
+    k_pos = lambda r: original_positions(s.layout, s.n, (me - r) % s.n, q.shape[1], xp=jnp)
+    return block, q_pos, k_pos
+
+
+def _ring_forward(s: _Settings, q, k, v, q_seg, k_seg):
+    block, q_pos, k_pos = _setup(s, q, "forward")
 
     def round_(carry, r):
         o, lse, k, v, k_seg = carry
         # The next block is sent before this one is used, so the transfer can overlap compute.
-        k_next, v_next, seg_next = _send((k, v, k_seg), axis, n)
-        k_pos = _positions(settings, (me - r) % n, k.shape[1])
-        o, lse = _merge(o, lse, *block(q, k, v, q_pos, k_pos, q_seg, k_seg))
+        k_next, v_next, seg_next = _send((k, v, k_seg), s.axis, s.n)
+        o, lse = _merge(o, lse, *block(q, k, v, q_pos, k_pos(r), q_seg, k_seg))
         return (o, lse, k_next, v_next, seg_next), None
 
     b, t, h, d = q.shape
     carry = (jnp.zeros((b, t, h, d), F32), jnp.full((b, t, h), -jnp.inf, F32), k, v, k_seg)
-    if n > 1:
-        carry, _ = lax.scan(round_, carry, jnp.arange(n - 1))
+    if s.n > 1:
+        carry, _ = lax.scan(round_, carry, jnp.arange(s.n - 1))
     o, lse, k, v, k_seg = carry
-    k_pos = _positions(settings, (me - (n - 1)) % n, k.shape[1])
-    o, lse = _merge(o, lse, *block(q, k, v, q_pos, k_pos, q_seg, k_seg))
+    o, lse = _merge(o, lse, *block(q, k, v, q_pos, k_pos(s.n - 1), q_seg, k_seg))
     return o, lse
 
 
-def _ring_backward(settings, residuals, do):
-    axis, n, layout, causal, q_chunk, kv_chunk, impl = settings
+def _ring_backward(s: _Settings, residuals, do):
     q, k, v, q_seg, k_seg, o, lse = residuals
-    kernel = get_kernel(impl)
-    me = lax.axis_index(axis) if n > 1 else 0
-    q_pos = _positions(settings, me, q.shape[1])
-    block = functools.partial(kernel.backward, causal=causal, q_chunk=q_chunk, kv_chunk=kv_chunk)
+    block, q_pos, k_pos = _setup(s, q, "backward")
 
     def round_(carry, r):
         dq, k, v, k_seg, dk, dv = carry
-        k_next, v_next, seg_next = _send((k, v, k_seg), axis, n)
-        k_pos = _positions(settings, (me - r) % n, k.shape[1])
-        dq_r, dk_r, dv_r = block(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg)
-        dk, dv = _send((dk + dk_r, dv + dv_r), axis, n)
+        k_next, v_next, seg_next = _send((k, v, k_seg), s.axis, s.n)
+        dq_r, dk_r, dv_r = block(q, k, v, o, lse, do, q_pos, k_pos(r), q_seg, k_seg)
+        dk, dv = _send((dk + dk_r, dv + dv_r), s.axis, s.n)
         return (dq + dq_r, k_next, v_next, seg_next, dk, dv), None
 
     carry = (jnp.zeros(q.shape, F32), k, v, k_seg, jnp.zeros(k.shape, F32),
              jnp.zeros(v.shape, F32))
-    if n > 1:
-        carry, _ = lax.scan(round_, carry, jnp.arange(n - 1))
+    if s.n > 1:
+        carry, _ = lax.scan(round_, carry, jnp.arange(s.n - 1))
     dq, k_last, v_last, seg_last, dk, dv = carry
-    k_pos = _positions(settings, (me - (n - 1)) % n, k.shape[1])
-    dq_r, dk_r, dv_r = block(q, k_last, v_last, o, lse, do, q_pos, k_pos, q_seg, seg_last)
+    dq_r, dk_r, dv_r = block(q, k_last, v_last, o, lse, do, q_pos, k_pos(s.n - 1), q_seg,
+                             seg_last)
     dk, dv = dk + dk_r, dv + dv_r
-    if n > 1:  # the accumulators of the block held last belong to the next device
-        dk, dv = _send((dk, dv), axis, n)
+    if s.n > 1:  # the accumulators of the block held last belong to the next device
+        dk, dv = _send((dk, dv), s.axis, s.n)
     return dq + dq_r, dk, dv
 
 
@@ -128,7 +136,7 @@ def _settings(n, layout, causal, q_chunk, kv_chunk, impl, axis=SP):
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
     get_kernel(impl)
-    return (axis, n, layout, bool(causal), int(q_chunk), int(kv_chunk), impl)
+    return _Settings(axis, n, layout, bool(causal), int(q_chunk), int(kv_chunk), impl)
 
 
 def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_chunk=512,
