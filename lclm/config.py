@@ -65,7 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.log = ml_collections.ConfigDict(dict(
         every=10, wandb=False, wandb_project="lclm", wandb_mode="online", progress=True))
 
-    c.checkpoint = ml_collections.ConfigDict(dict(every=0, keep=3))
+    c.checkpoint = ml_collections.ConfigDict(dict(every=0, keep=3))  # every=0: final save only
     return c
 
 

@@ -54,13 +54,20 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(("batch", "seq")))
 
 
-def global_batches(config, mesh, tokenizer: Tokenizer) -> Iterator[dict[str, jax.Array]]:
-    """Endless global batches `{key: [batch, seq]}` in the configured layout, on `mesh`."""
+def global_batches(config, mesh, tokenizer: Tokenizer, start_step: int = 0
+                   ) -> Iterator[dict[str, jax.Array]]:
+    """Endless global batches `{key: [batch, seq]}` in the configured layout, on `mesh`.
+
+    Resuming after `start_step` completed steps replays the deterministic row stream past the
+    rows those steps consumed, so the next batch is the one an uninterrupted run would see.
+    """
     if jax.process_count() > 1:
         raise NotImplementedError("multi-process data loading is not implemented yet")
     d = config.data
     corpus = load_corpus(d.path, d.text_field, tokenizer)
     source = rows(corpus, d.seq_len, config.seed, d.reset_positions)
+    for _ in range(start_step * d.batch_size):
+        next(source)
     sharding = batch_sharding(mesh)
     sp = mesh.shape["sp"]
     while True:

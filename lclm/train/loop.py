@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lclm.checkpoint import Checkpoints
 from lclm.config import validate
 from lclm.data.loader import batch_sharding, global_batches
 from lclm.data.tokenizer import Tokenizer
@@ -54,8 +55,12 @@ def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState:
     return TrainState(on_mesh(jnp.zeros((), jnp.int32)), params, opt_state)
 
 
-def train(config) -> list[dict]:
-    """Run `config.train.steps` steps; returns the logged metric records."""
+def train(config, stop_after: int | None = None) -> list[dict]:
+    """Run (or resume) up to `config.train.steps` steps; returns the logged metric records.
+
+    `stop_after` ends this process early after that step (as a preemption would), leaving
+    the schedule and the final step unchanged for the run that resumes.
+    """
     devices = jax.devices()
     sizes = validate(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices)
@@ -73,13 +78,16 @@ def train(config) -> list[dict]:
 
     optimizer = make_optimizer(config.train)
     state = init_state(model, optimizer, mesh, config.seed)
+    checkpoints = Checkpoints(config.workdir, config.checkpoint.every, config.checkpoint.keep)
+    if checkpoints.latest_step() is not None:
+        state = checkpoints.restore(state)
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
     step_fn = jax.jit(
         make_train_step(model, attention, config.train, mesh, optimizer,
                         document_mask=config.data.document_mask),
         in_shardings=(state_sharding, batch_sharding(mesh)),
         out_shardings=(state_sharding, None), donate_argnums=0)
-    batches = global_batches(config, mesh, tokenizer)
+    batches = global_batches(config, mesh, tokenizer, start_step=int(state.step))
 
     total = config.train.steps
     tokens_per_step = config.data.batch_size * config.data.seq_len
@@ -91,9 +99,11 @@ def train(config) -> list[dict]:
     first = int(state.step) + 1
     t0, since = time.perf_counter(), first - 1
     try:
-        for step in range(first, total + 1):
+        last = total if stop_after is None else min(total, stop_after)
+        for step in range(first, last + 1):
             state, metrics = step_fn(state, next(batches))
-            if step % config.log.every and step not in (first, total):
+            checkpoints.maybe_save(step, state, final=step == total)
+            if step % config.log.every and step not in (first, last):
                 continue
             metrics = jax.device_get(metrics)
             now = time.perf_counter()
@@ -109,6 +119,7 @@ def train(config) -> list[dict]:
             if progress:
                 progress.update(record, first)
     finally:
+        checkpoints.close()
         if logger:
             logger.close()
     return records

@@ -87,3 +87,19 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, layout):
     assert float(m1["grad_norm"]) == pytest.approx(float(m4["grad_norm"]), rel=1e-4)
     for a, c in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
         np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)
+
+
+def test_resume_from_checkpoint_continues_with_the_same_losses(tmp_path):
+    full = train(demo_config(tmp_path / "a", train__steps=8, log__every=1,
+                             checkpoint__every=4))
+    first = train(demo_config(tmp_path / "b", train__steps=8, log__every=1,
+                              checkpoint__every=4), stop_after=5)  # step 5 is lost
+    # same workdir, longer run: restores step 4 (params, optimizer, data position)
+    resumed = train(demo_config(tmp_path / "b", train__steps=8, log__every=1,
+                                checkpoint__every=4))
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert [r["step"] for r in first] == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose([r["loss"] for r in first[:4] + resumed],
+                               [r["loss"] for r in full], rtol=1e-5)
+    steps = sorted(os.listdir(tmp_path / "b" / "run" / "checkpoints"))
+    assert steps == ["4", "8"]
