@@ -10,6 +10,7 @@ This module does not import JAX (train.py reads the config before JAX starts).
 from __future__ import annotations
 
 import math
+import os
 
 import ml_collections
 
@@ -148,3 +149,29 @@ def validate(config, device_count: int) -> dict[str, int]:
     if config.log.every < 1:
         _fail(f"log.every={config.log.every}; use a positive number of steps")
     return sizes
+
+
+def load_config(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
+    """`get_config()` of a config file, with `{"section.field": value}` overrides applied.
+
+    For programs other than train.py (benchmarks, tests); an unknown key is a ConfigError.
+    """
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lclm_user_config", path)
+    if spec is None or not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} not found")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    for key, value in (overrides or {}).items():
+        *parents, field = key.split(".")
+        node = config
+        for p in parents:
+            node = node.get(p)
+            if node is None:
+                break
+        if node is None or field not in node:
+            raise ConfigError(f"unknown config key {key!r}")
+        node[field] = value
+    return config

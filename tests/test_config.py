@@ -1,23 +1,19 @@
 """Config validation: each mistake is one clear line; shipped configs are valid."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-from lclm.config import ConfigError, LAYOUTS, base_config, validate
+from lclm.config import ConfigError, LAYOUTS, base_config, load_config, validate
 from lclm.ops import layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", name))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_config(os.path.join(ROOT, "configs", name))
 
 
 def test_layout_names_agree():
@@ -75,3 +71,10 @@ def test_base_config_is_locked_against_typos():
     c.lock()
     with pytest.raises(AttributeError):
         c.train.stpes = 3
+
+
+def test_load_config_applies_overrides_and_rejects_unknown_keys():
+    c = load_config(os.path.join(ROOT, "configs", "demo.py"), {"mesh.sp": 2, "train.lr": 0.5})
+    assert c.mesh.sp == 2 and c.train.lr == 0.5
+    with pytest.raises(ConfigError, match="unknown config key 'train.lrr'"):
+        load_config(os.path.join(ROOT, "configs", "demo.py"), {"train.lrr": 1})

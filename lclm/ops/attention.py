@@ -44,14 +44,14 @@ def tile_visible(q_pos, k_pos, q_seg, k_seg, causal: bool):
     return visible
 
 
-def _pair_mask(q_pos, k_pos, q_seg, k_seg, causal: bool):
-    """Boolean mask `[batch or 1, qc, 1, 1, kc]` broadcastable to grouped scores."""
-    mask = jnp.ones((1, q_pos.shape[0], k_pos.shape[0]), bool)
+def _mask_bias(q_pos, k_pos, q_seg, k_seg, causal: bool):
+    """Additive mask `[batch or 1, qc, 1, 1, kc]`: 0 where visible, -inf where hidden."""
+    visible = jnp.ones((1, q_pos.shape[0], k_pos.shape[0]), bool)
     if causal:
-        mask = mask & (q_pos[:, None] >= k_pos[None, :])[None]
+        visible = visible & (q_pos[:, None] >= k_pos[None, :])[None]
     if q_seg is not None:
-        mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
-    return mask[:, :, None, None, :]
+        visible = visible & (q_seg[:, :, None] == k_seg[:, None, :])
+    return jnp.where(visible, 0.0, -jnp.inf).astype(F32)[:, :, None, None, :]
 
 
 def _chunks(x, size: int, axis: int = 1):
@@ -82,6 +82,24 @@ def _grouped(x, kv_heads: int):
     return x.reshape(b, t, kv_heads, h // kv_heads, d)
 
 
+def _loop(n: int, body, init):
+    """`for i in range(n): carry = body(i, carry)` as a `while_loop`.
+
+    Deliberately not a scan: kernels run only inside the ring's custom VJP and are never
+    differentiated, and a scan inside the layer scan would let JAX's partial evaluation hoist
+    the loop-invariant per-tile masks out of the layer loop, stacked over all tiles
+    (materialising [seq, seq] arrays). A while loop is opaque to that.
+    """
+    if n == 1:
+        return body(jnp.int32(0), init)
+    return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])),
+                          (jnp.int32(0), init))[1]
+
+
+def _at(x, i):
+    return None if x is None else x[i]
+
+
 def blockwise_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool,
                       q_chunk: int, kv_chunk: int):
     """Attention of one query block over one key/value block. Returns (o f32, lse f32)."""
@@ -95,16 +113,16 @@ def blockwise_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool,
     qss, kss = _chunks(q_seg, qc), _chunks(k_seg, kc)
     stat_shape = (b, qc, hkv, h // hkv)
 
-    def per_q_chunk(_, xs):
-        qb, qpb, qsb = xs
+    def per_q_chunk(i, out):
+        qb, qpb, qsb = qs[i], qps[i], _at(qss, i)
 
-        def per_kv_chunk(carry, ys):
-            kb, vb, kpb, ksb = ys
+        def per_kv_chunk(j, carry):
+            kb, vb, kpb, ksb = ks[j], vs[j], kps[j], _at(kss, j)
 
             def compute(carry):
                 o, m, l = carry
                 s = jnp.einsum("bqhgd,bkhd->bqhgk", qb, kb, preferred_element_type=F32) * scale
-                s = jnp.where(_pair_mask(qpb, kpb, qsb, ksb, causal), s, -jnp.inf)
+                s = s + _mask_bias(qpb, kpb, qsb, ksb, causal)
                 m_new = jnp.maximum(m, s.max(-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s - m_safe[..., None])
@@ -115,16 +133,19 @@ def blockwise_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool,
                 return o * corr[..., None] + pv, m_new, l
 
             visible = tile_visible(qpb, kpb, qsb, ksb, causal)
-            return lax.cond(visible, compute, lambda c: c, carry), None
+            return lax.cond(visible, compute, lambda c: c, carry)
 
         init = (jnp.zeros(stat_shape + (d,), F32), jnp.full(stat_shape, -jnp.inf, F32),
                 jnp.zeros(stat_shape, F32))
-        (o, m, l), _ = lax.scan(per_kv_chunk, init, (ks, vs, kps, kss))
+        o, m, l = _loop(ks.shape[0], per_kv_chunk, init)
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
         o = o / jnp.where(l > 0, l, 1.0)[..., None]
-        return None, (o, lse)
+        o_all, lse_all = out
+        return o_all.at[i].set(o), lse_all.at[i].set(lse)
 
-    _, (o, lse) = lax.scan(per_q_chunk, None, (qs, qps, qss))
+    nq = qs.shape[0]
+    out = (jnp.zeros((nq,) + stat_shape + (d,), F32), jnp.zeros((nq,) + stat_shape, F32))
+    o, lse = _loop(nq, per_q_chunk, out)
     o = _unchunk(o).reshape(b, tq, h, d)
     lse = _unchunk(lse).reshape(b, tq, h)
     return o, lse
@@ -147,17 +168,18 @@ def blockwise_backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causa
     qps, kps = q_pos.reshape(-1, qc), k_pos.reshape(-1, kc)
     qss, kss = _chunks(q_seg, qc), _chunks(k_seg, kc)
 
-    def per_kv_chunk(dq_acc, ys):
-        kb, vb, kpb, ksb = ys
+    def per_kv_chunk(j, acc):
+        kb, vb, kpb, ksb = ks[j], vs[j], kps[j], _at(kss, j)
 
-        def per_q_chunk(carry, xs):
-            qb, dob, lseb, deltab, qpb, qsb = xs
+        def per_q_chunk(i, carry):
+            qb, dob, lseb, deltab = qs[i], dos[i], lses[i], deltas[i]
+            qpb, qsb = qps[i], _at(qss, i)
 
             def compute(carry):
-                dk, dv = carry
+                dq_all, dk, dv = carry
                 s = jnp.einsum("bqhgd,bkhd->bqhgk", qb, kb, preferred_element_type=F32) * scale
-                mask = _pair_mask(qpb, kpb, qsb, ksb, causal)
-                p = jnp.where(mask, jnp.exp(s - lseb[..., None]), 0.0)
+                s = s + _mask_bias(qpb, kpb, qsb, ksb, causal)
+                p = jnp.exp(s - lseb[..., None])  # exactly 0 where masked
                 dv = dv + jnp.einsum("bqhgk,bqhgd->bkhd", p.astype(dob.dtype), dob,
                                      preferred_element_type=F32)
                 dp = jnp.einsum("bqhgd,bkhd->bqhgk", dob, vb, preferred_element_type=F32)
@@ -165,18 +187,18 @@ def blockwise_backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causa
                 dq = jnp.einsum("bqhgk,bkhd->bqhgd", ds, kb, preferred_element_type=F32) * scale
                 dk = dk + jnp.einsum("bqhgk,bqhgd->bkhd", ds, qb,
                                      preferred_element_type=F32) * scale
-                return (dk, dv), dq
+                return dq_all.at[i].add(dq), dk, dv
 
-            skip = lambda c: (c, jnp.zeros(qb.shape, F32))
             visible = tile_visible(qpb, kpb, qsb, ksb, causal)
-            return lax.cond(visible, compute, skip, carry)
+            return lax.cond(visible, compute, lambda c: c, carry)
 
-        init = (jnp.zeros(kb.shape, F32), jnp.zeros(vb.shape, F32))
-        (dk, dv), dq = lax.scan(per_q_chunk, init, (qs, dos, lses, deltas, qps, qss))
-        return dq_acc + dq, (dk, dv)
+        dq_all, dk_all, dv_all = acc
+        init = (dq_all, jnp.zeros(kb.shape, F32), jnp.zeros(vb.shape, F32))
+        dq_all, dk, dv = _loop(qs.shape[0], per_q_chunk, init)
+        return dq_all, dk_all.at[j].set(dk), dv_all.at[j].set(dv)
 
-    dq0 = jnp.zeros(qs.shape, F32)
-    dq, (dk, dv) = lax.scan(per_kv_chunk, dq0, (ks, vs, kps, kss))
+    acc = (jnp.zeros(qs.shape, F32), jnp.zeros(ks.shape, F32), jnp.zeros(vs.shape, F32))
+    dq, dk, dv = _loop(ks.shape[0], per_kv_chunk, acc)
     dq = _unchunk(dq).reshape(b, tq, h, d)
     return dq, _unchunk(dk), _unchunk(dv)
 

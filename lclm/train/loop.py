@@ -38,7 +38,8 @@ def _wandb_run(config):
     if not config.log.wandb or jax.process_index() != 0:
         return None
     import wandb  # optional at run time: only when asked for
-    return wandb.init(project=config.log.wandb_project, mode=config.log.wandb_mode,
+    mode = os.environ.get("WANDB_MODE", config.log.wandb_mode)  # the environment wins
+    return wandb.init(project=config.log.wandb_project, mode=mode,
                       dir=config.workdir, config=public_config(config))
 
 
@@ -81,6 +82,10 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     checkpoints = Checkpoints(config.workdir, config.checkpoint.every, config.checkpoint.keep)
     if checkpoints.latest_step() is not None:
         state = checkpoints.restore(state)
+        if int(state.step) >= config.train.steps:
+            log.info("the checkpoint in %s is already at step %d of %d: nothing to train "
+                     "(raise train.steps or use a new workdir)", config.workdir,
+                     int(state.step), config.train.steps)
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
     step_fn = jax.jit(
         make_train_step(model, attention, config.train, mesh, optimizer,

@@ -1,6 +1,5 @@
 """The trainer end to end on simulated devices: falling loss, metrics, accumulation."""
 
-import importlib.util
 import json
 import os
 
@@ -8,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from lclm.config import load_config
 from lclm.data.loader import batch_sharding
 from lclm.models.llama import AttentionConfig, LlamaConfig
 from lclm.ops.layout import batch_to_layout
@@ -19,10 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def demo_config(tmp_path, **changes):
-    spec = importlib.util.spec_from_file_location("demo", os.path.join(ROOT, "configs", "demo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+    c = load_config(os.path.join(ROOT, "configs", "demo.py"))
     c.workdir = str(tmp_path / "run")
     c.model.update(dim=64, n_layers=2, ffn_dim=128, ffn_chunk=32, loss_chunk=32)
     c.data.update(seq_len=128, batch_size=4)
@@ -37,7 +34,7 @@ def demo_config(tmp_path, **changes):
 
 
 def test_demo_steps_reduce_the_loss_and_write_metrics(tmp_path):
-    config = demo_config(tmp_path)
+    config = demo_config(tmp_path, log__wandb=True)  # WANDB_MODE=disabled in conftest
     records = train(config)
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] - 1.0, losses
