@@ -111,11 +111,6 @@ def param_shapes(c: LlamaConfig):
     return jax.tree.map(lambda e: e[0], param_table(c), is_leaf=is_param_entry)
 
 
-def param_axes(c: LlamaConfig):
-    """Pytree of logical axis names per parameter (see `lclm.parallel.mesh.AXIS_RULES`)."""
-    return jax.tree.map(lambda e: e[1], param_table(c), is_leaf=is_param_entry)
-
-
 def init_params(c: LlamaConfig, key):
     """Random parameters in `param_dtype`: normal(init_std) matrices, unit norm weights."""
     table = param_table(c)
