@@ -106,3 +106,27 @@ def test_tile_schedule_matches_paper_workload():
     # a round lasts as long as its busiest device: striped finishes in about half the time
     assert striped.max(axis=1).sum() == pytest.approx(n * half)
     assert contiguous.max(axis=1).sum() == pytest.approx(half + (n - 1))
+
+
+@pytest.mark.parametrize("layout,sp", [("contiguous", 1), ("striped", 2), ("contiguous", 2)])
+def test_hidden_tiles_are_skipped_not_masked(layout, sp):
+    """NaN keys/values in the last 16 positions: a computed-then-masked tile would spread
+    NaN (NaN + -inf = NaN) into every query of that tile; skipped tiles keep earlier queries
+    exact, in the output and in dq. (dK/dV of clean keys legitimately receive 0 * NaN from the
+    poisoned query rows, so they are not a skipping signal.)"""
+    q, k, v, do, _ = _inputs(21, t=64)
+    poison = lambda x: np.concatenate([x[:, :48], np.full_like(x[:, 48:], np.nan)], axis=1)
+    mesh = make_mesh(sp=sp)
+    lay = lambda x: to_layout(jnp.asarray(x), layout, sp)
+
+    def f(q, k, v):
+        return ring_attention(q, k, v, mesh=mesh, layout=layout, q_chunk=8, kv_chunk=8)
+
+    out, vjp = jax.vjp(jax.jit(f), lay(q), lay(poison(k)), lay(poison(v)))
+    do_clean = np.concatenate([do[:, :48], np.zeros_like(do[:, 48:])], axis=1)
+    dq, dk, dv = (from_layout(g, layout, sp) for g in vjp(lay(do_clean)))
+    out = from_layout(out, layout, sp)
+    want = _reference(q[:, :48], k[:, :48], v[:, :48], do[:, :48], None)
+    _close(out[:, :48], want[0])
+    assert np.isnan(np.asarray(out[:, 48:])).all()  # the poisoned keys really are visible there
+    _close(dq[:, :48], want[1])
