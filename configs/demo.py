@@ -1,5 +1,6 @@
-"""The embedded demo: a tiny LLaMA on the bundled synthetic corpus, striped ring attention
-over sp=4 (simulated CPU devices when there is no accelerator). A few minutes on 2 cores."""
+"""The embedded demo: a tiny LLaMA on the bundled synthetic corpus and conversations, striped
+ring attention over sp=4 x fsdp=2 (simulated CPU devices without an accelerator). About two
+minutes on 2 cores."""
 
 import os
 
@@ -15,7 +16,9 @@ def get_config():
     c.model.update(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
                    rope_theta=10000.0, dtype="float32", ffn_chunk=64, loss_chunk=64)
     c.attention.update(layout="striped", q_chunk=32, kv_chunk=32)
-    c.data.update(path=os.path.join(ROOT, "data", "demo", "corpus.jsonl"),
+    demo = os.path.join(ROOT, "data", "demo")
+    # a mixture: 80% documents of the text corpus, 20% ShareGPT conversations
+    c.data.update(path=f"{demo}/corpus.jsonl@0.8,sharegpt:{demo}/sharegpt.jsonl@0.2",
                   tokenizer=os.path.join(ROOT, "data", "demo", "tokenizer.model"),
                   seq_len=512, batch_size=8)
     c.train.update(steps=200, lr=3e-3, warmup=20, weight_decay=0.0)

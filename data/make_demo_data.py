@@ -2,9 +2,10 @@
 
     python data/make_demo_data.py
 
-Writes data/demo/corpus.jsonl ({"text": ...} per line) and data/demo/tokenizer.model (BPE,
-LLaMA ids: unk=0, bos=1, eos=2, byte fallback). Both are committed; the script documents
-how they were made.
+Writes data/demo/corpus.jsonl ({"text": ...} per line), data/demo/sharegpt.jsonl (synthetic
+ShareGPT conversations) and data/demo/tokenizer.model (BPE trained on the corpus, LLaMA
+ids: unk=0, bos=1, eos=2, byte fallback). All are committed; the script documents how they
+were made.
 """
 
 import json
@@ -14,13 +15,20 @@ import sys
 import sentencepiece as spm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lclm.data.synthetic import corpus  # noqa: E402
+from lclm.data.synthetic import conversations, corpus  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "demo")
 
 
+def write_conversations():
+    with open(os.path.join(OUT, "sharegpt.jsonl"), "w") as f:
+        for record in conversations(1000, seed=0):
+            f.write(json.dumps(record) + "\n")
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
+    write_conversations()
     docs = corpus(3000, seed=0)
     path = os.path.join(OUT, "corpus.jsonl")
     with open(path, "w") as f:

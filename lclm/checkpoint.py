@@ -9,13 +9,29 @@ a checkpoint restores onto any mesh. Loading reads tensorstore arrays and JSON o
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 log = logging.getLogger(__name__)
+
+
+def gather_json(obj) -> list:
+    """Every process's JSON-serialisable `obj`, in process order (Orbax's JsonSave keeps only
+    process 0's dict, so per-host data states are gathered into it)."""
+    if jax.process_count() == 1:
+        return [obj]
+    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    size = int(np.max(multihost_utils.process_allgather(np.int64(raw.size))))
+    padded = np.zeros(size, np.uint8)
+    padded[:raw.size] = raw
+    rows = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(r).rstrip(b"\0").decode()) for r in rows]
 
 
 class Checkpoints:
@@ -32,21 +48,24 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def restore(self, template):
-        """The latest saved state, placed like `template` (a pytree of arrays)."""
+        """(state placed like `template`, this process's data-pipeline state) of the latest
+        checkpoint."""
         step = self.manager.latest_step()
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
         log.info("resumed from checkpoint step %d", step)
-        return restored["state"]
+        data = restored["data"]["processes"][jax.process_index()]
+        return restored["state"], data
 
-    def maybe_save(self, step: int, state, final: bool = False) -> bool:
+    def maybe_save(self, step: int, state, data_state: dict, final: bool = False) -> bool:
         """Save at multiples of `every`, and at the final step."""
         if not final and (self.every <= 0 or step % self.every):
             return False
-        return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
-                                 force=True)
+        data = {"processes": gather_json(data_state)}
+        return self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True)
 
     def close(self) -> None:
         self.manager.wait_until_finished()

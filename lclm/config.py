@@ -56,7 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
         impl="blockwise", layout="striped", q_chunk=512, kv_chunk=512))
 
     c.data = ml_collections.ConfigDict(dict(
-        source="text", path="", text_field="text", tokenizer="",
+        source="text",          # default kind of each data.path entry: text|sharegpt|tokenized
+        path="",                # comma-separated [kind:]path[@weight] entries (a mixture)
+        text_field="text", chat_template="vicuna", tokenizer="",
         seq_len=2048, batch_size=8, document_mask=True, reset_positions=True))
 
     c.train = ml_collections.ConfigDict(dict(
@@ -109,6 +111,12 @@ def validate(config, device_count: int) -> dict[str, int]:
     from lclm.ops.attention import KERNELS
     if a.impl not in KERNELS:
         _fail(f"attention.impl={a.impl!r} is not available; use one of {sorted(KERNELS)}")
+    from lclm.data.chat import TEMPLATES
+    from lclm.data.loader import SOURCE_KINDS
+    if d.source not in SOURCE_KINDS:
+        _fail(f"data.source={d.source!r}; use one of {SOURCE_KINDS}")
+    if d.chat_template not in TEMPLATES:
+        _fail(f"data.chat_template={d.chat_template!r}; use one of {sorted(TEMPLATES)}")
     if m.n_heads % m.n_kv_heads:
         _fail(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
     if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:

@@ -40,6 +40,8 @@ def test_shipped_configs_validate(name, devices, sizes):
     (lambda c: c.attention.update(impl="cudnn"), 8, "attention.impl='cudnn' is not available"),
     (lambda c: c.data.update(batch_size=3), 8, "not divisible by mesh.dp x mesh.fsdp"),
     (lambda c: c.model.update(dtype="fp16"), 8, "model.dtype='fp16'"),
+    (lambda c: c.data.update(source="csv"), 8, "data.source='csv'"),
+    (lambda c: c.data.update(chat_template="chatml"), 8, "data.chat_template='chatml'"),
 ])
 def test_bad_configs_fail_with_one_line(change, devices, needle):
     c = _load("demo.py")

@@ -1,39 +1,72 @@
-"""Packing documents into fixed-length rows with segment ids, positions and loss masks."""
+"""Packing documents into rows of exactly `seq_len` tokens, with resumable state.
+
+Each row carries (all `[seq_len]`): `tokens`, `targets` (the next token), `loss_mask`
+(1 where the target is a training target of the same document), `positions` (from the
+document's start, or from the row's start without `reset_positions`), `segment_ids`
+(documents numbered from 1 within the row). A document longer than the rest of a row
+continues in the next row, positions continuing. All in original token order.
+"""
 
 from __future__ import annotations
-
-from typing import Iterable, Iterator
 
 import numpy as np
 
 ROW_KEYS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
 
 
-def pack_documents(docs: Iterable[list[int]], seq_len: int, reset_positions: bool = True
-                   ) -> Iterator[dict[str, np.ndarray]]:
-    """Concatenate tokenised documents (each already wrapped in BOS ... EOS) into rows.
+class Packer:
+    """Accumulates documents; `rows()` yields every complete row. Its state (the pending,
+    partially consumed tokens in original order) is JSON-serialisable."""
 
-    Every row holds `seq_len` input tokens and their next-token targets; a document longer
-    than the rest of a row continues in the next one (positions continue too). Per token:
-    `segment_ids` number the documents within the row (from 1), `positions` count from the
-    document's start (or from the row's start without `reset_positions`), and `loss_mask` is
-    0 where the target belongs to another document.
-    """
-    tokens: list[int] = []
-    doc_ids: list[int] = []
-    doc_pos: list[int] = []
-    for doc_index, doc in enumerate(docs):
-        tokens.extend(doc)
-        doc_ids.extend([doc_index] * len(doc))
-        doc_pos.extend(range(len(doc)))
-        while len(tokens) >= seq_len + 1:
-            ids = np.asarray(doc_ids[:seq_len + 1])
-            window = np.asarray(tokens[:seq_len + 1], np.int32)
-            seg = (ids[:-1] - ids[0] + 1).astype(np.int32)
-            pos = np.asarray(doc_pos[:seq_len], np.int32)
+    def __init__(self, seq_len: int, reset_positions: bool = True):
+        self.seq_len = seq_len
+        self.reset_positions = reset_positions
+        self._tokens: list[int] = []
+        self._loss: list[int] = []
+        self._doc: list[int] = []     # document number (increasing) per pending token
+        self._pos: list[int] = []     # position within its document
+        self._next_doc = 0
+
+    def add(self, tokens: np.ndarray, loss: np.ndarray) -> None:
+        n = len(tokens)
+        self._tokens.extend(int(t) for t in tokens)
+        self._loss.extend(int(x) for x in loss)
+        self._doc.extend([self._next_doc] * n)
+        self._pos.extend(range(n))
+        self._next_doc += 1
+
+    def rows(self):
+        """Complete rows now available. The last input token of a row is also the first of
+        the next row's window (its target needs the following token)."""
+        t = self.seq_len
+        while len(self._tokens) >= t + 1:
+            tokens = np.asarray(self._tokens[:t + 1], np.int32)
+            doc = np.asarray(self._doc[:t + 1])
+            loss = np.asarray(self._loss[1:t + 1], np.float32)
+            same = doc[1:] == doc[:-1]
             yield dict(
-                tokens=window[:-1], targets=window[1:],
-                loss_mask=(ids[1:] == ids[:-1]).astype(np.float32),
-                positions=pos if reset_positions else np.arange(seq_len, dtype=np.int32),
-                segment_ids=seg)
-            del tokens[:seq_len], doc_ids[:seq_len], doc_pos[:seq_len]
+                tokens=tokens[:-1], targets=tokens[1:],
+                loss_mask=(loss * same).astype(np.float32),
+                positions=(np.asarray(self._pos[:t], np.int32) if self.reset_positions
+                           else np.arange(t, dtype=np.int32)),
+                segment_ids=(doc[:-1] - doc[0] + 1).astype(np.int32))
+            del self._tokens[:t], self._loss[:t], self._doc[:t], self._pos[:t]
+
+    def state(self) -> dict:
+        first = self._doc[0] if self._doc else self._next_doc
+        return dict(tokens=list(self._tokens), loss=list(self._loss),
+                    doc=[d - first for d in self._doc], pos=list(self._pos),
+                    next_doc=self._next_doc - first)
+
+    def restore(self, state: dict) -> None:
+        self._tokens, self._loss = list(state["tokens"]), list(state["loss"])
+        self._doc, self._pos = list(state["doc"]), list(state["pos"])
+        self._next_doc = state["next_doc"]
+
+
+def pack_documents(docs, seq_len: int, reset_positions: bool = True):
+    """Rows from an iterable of `(tokens, loss)` documents (see `Packer`)."""
+    packer = Packer(seq_len, reset_positions)
+    for tokens, loss in docs:
+        packer.add(tokens, loss)
+        yield from packer.rows()

@@ -54,3 +54,24 @@ def corpus(n_docs: int, seed: int = 0) -> list[str]:
     """`n_docs` documents, the same for the same seed."""
     rng = random.Random(seed)
     return [document(rng) for _ in range(n_docs)]
+
+
+def conversation(rng: random.Random) -> dict:
+    """A ShareGPT-style record: a user asks about sums or a character, the assistant answers."""
+    turns = []
+    if rng.random() < 0.3:
+        turns.append({"from": "system", "value": "You are a careful assistant who counts."})
+    for _ in range(rng.randrange(1, 4)):
+        a, b = rng.randrange(2, 60), rng.randrange(2, 60)
+        name = rng.choice(_NAMES)
+        turns.append({"from": "human", "value": f"{name} has {a} apples and finds {b} more. "
+                                                 "How many apples now?"})
+        turns.append({"from": "gpt", "value": f"{name} now has {a} plus {b}, which is {a + b} "
+                                               "apples."})
+    return {"conversations": turns}
+
+
+def conversations(n: int, seed: int = 0) -> list[dict]:
+    """`n` ShareGPT-style records, the same for the same seed."""
+    rng = random.Random(seed)
+    return [conversation(rng) for _ in range(n)]

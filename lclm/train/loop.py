@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lclm.checkpoint import Checkpoints
 from lclm.config import validate
-from lclm.data.loader import batch_sharding, global_batches
+from lclm.data.loader import HostBatches, batch_sharding
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.llama import AttentionConfig, LlamaConfig, init_params
 from lclm.parallel.mesh import make_mesh
@@ -80,8 +80,9 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     optimizer = make_optimizer(config.train)
     state = init_state(model, optimizer, mesh, config.seed)
     checkpoints = Checkpoints(config.workdir, config.checkpoint.every, config.checkpoint.keep)
+    data_state = None
     if checkpoints.latest_step() is not None:
-        state = checkpoints.restore(state)
+        state, data_state = checkpoints.restore(state)
         if int(state.step) >= config.train.steps:
             log.info("the checkpoint in %s is already at step %d of %d: nothing to train "
                      "(raise train.steps or use a new workdir)", config.workdir,
@@ -92,7 +93,7 @@ def train(config, stop_after: int | None = None) -> list[dict]:
                         document_mask=config.data.document_mask),
         in_shardings=(state_sharding, batch_sharding(mesh)),
         out_shardings=(state_sharding, None), donate_argnums=0)
-    batches = global_batches(config, mesh, tokenizer, start_step=int(state.step))
+    batches = HostBatches(config, mesh, tokenizer, state=data_state)
 
     total = config.train.steps
     tokens_per_step = config.data.batch_size * config.data.seq_len
@@ -107,7 +108,7 @@ def train(config, stop_after: int | None = None) -> list[dict]:
         last = total if stop_after is None else min(total, stop_after)
         for step in range(first, last + 1):
             state, metrics = step_fn(state, next(batches))
-            checkpoints.maybe_save(step, state, final=step == total)
+            checkpoints.maybe_save(step, state, batches.state(), final=step == total)
             if step % config.log.every and step not in (first, last):
                 continue
             metrics = jax.device_get(metrics)
@@ -124,6 +125,7 @@ def train(config, stop_after: int | None = None) -> list[dict]:
             if progress:
                 progress.update(record, first)
     finally:
+        batches.close()
         checkpoints.close()
         if logger:
             logger.close()

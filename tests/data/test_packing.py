@@ -1,51 +1,58 @@
-"""Packing: rows of exactly seq_len, document segments, positions and loss masks."""
-
-import os
+"""Packing: every token once and in order, document segments, positions and loss masks."""
 
 import numpy as np
 
-from lclm.data.packing import pack_documents
-from lclm.data.sources import SourceStats, read_documents
-from lclm.data.tokenizer import Tokenizer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lclm.data.packing import Packer, pack_documents
 
 
-def test_pack_documents_keeps_every_token_and_marks_documents():
-    rng = np.random.default_rng(0)
-    docs = [[1] + list(rng.integers(3, 50, rng.integers(1, 30))) + [2] for _ in range(20)]
-    stream = [t for d in docs for t in d]
+def _docs(seed, n=20, max_len=30):
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(n):
+        body = rng.integers(3, 50, rng.integers(1, max_len))
+        tokens = np.concatenate([[1], body, [2]]).astype(np.int32)
+        loss = np.ones(len(tokens), np.int8)
+        loss[0] = 0
+        docs.append((tokens, loss))
+    return docs
+
+
+def test_rows_keep_every_token_once_in_order_with_document_boundaries():
+    docs = _docs(0)
+    stream = np.concatenate([t for t, _ in docs])
     seq = 16
     rows = list(pack_documents(iter(docs), seq))
     assert len(rows) == (len(stream) - 1) // seq
+    np.testing.assert_array_equal(np.concatenate([r["tokens"] for r in rows]),
+                                  stream[:len(rows) * seq])
     for i, r in enumerate(rows):
         assert all(r[k].shape == (seq,) for k in r)
-        np.testing.assert_array_equal(r["tokens"], stream[i * seq:(i + 1) * seq])
         np.testing.assert_array_equal(r["targets"], stream[i * seq + 1:(i + 1) * seq + 1])
-        # a new segment starts exactly at a BOS (except a continued document at row start)
         starts = np.flatnonzero(np.diff(r["segment_ids"]) != 0) + 1
-        assert all(r["tokens"][s] == 1 for s in starts)
-        assert all(r["positions"][s] == 0 for s in starts)
-        # EOS -> next BOS is not a target to learn
-        np.testing.assert_array_equal(r["loss_mask"] == 0, (r["targets"] == 1))
-    # positions continue across rows for a document that spills over
-    doc_pos = [p for d in docs for p in range(len(d))]
+        assert all(r["tokens"][s] == 1 for s in starts)        # a new segment starts at BOS
+        assert all(r["positions"][s] == 0 for s in starts)     # and positions restart
+        assert r["segment_ids"][0] == 1
+        np.testing.assert_array_equal(r["loss_mask"] == 0, r["targets"] == 1)  # EOS -> BOS
+    doc_pos = np.concatenate([np.arange(len(t)) for t, _ in docs])
     np.testing.assert_array_equal(np.concatenate([r["positions"] for r in rows]),
-                                  doc_pos[:len(rows) * seq])
+                                  doc_pos[:len(rows) * seq])  # continued documents continue
 
 
-def test_malformed_records_are_skipped_and_counted(tmp_path):
-    path = tmp_path / "docs.jsonl"
-    path.write_bytes(b'{"text": "good one"}\n{bad json\n{"other": 1}\n{"text": ""}\n'
-                     b'{"text": "caf\xff bad utf8"}\n{"text": 5}\n{"text": "good two"}\n')
-    stats = SourceStats()
-    docs = list(read_documents(str(path), "text", stats))
-    assert docs[0] == "good one" and docs[-1] == "good two" and len(docs) == 3
-    assert stats.skipped == 4 and len(stats.examples) == 4
-
-
-def test_bundled_tokenizer_is_llama_style():
-    tok = Tokenizer(os.path.join(ROOT, "data", "demo", "tokenizer.model"))
-    assert (tok.bos_id, tok.eos_id) == (1, 2) and tok.vocab_size == 512
-    text = "Ada counted 12 plus 7 and wrote 19."
-    assert tok.decode(tok.encode(text)) == text
+def test_packer_state_resumes_the_partial_row_exactly():
+    docs = _docs(1, n=30)
+    whole = list(pack_documents(iter(docs), 24))
+    packer = Packer(24)
+    got = []
+    for tokens, loss in docs[:11]:
+        packer.add(tokens, loss)
+        got.extend(packer.rows())
+    state = packer.state()
+    resumed = Packer(24)
+    resumed.restore(state)
+    for tokens, loss in docs[11:]:
+        resumed.add(tokens, loss)
+        got.extend(resumed.rows())
+    assert len(got) == len(whole)
+    for a, b in zip(got, whole):
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
