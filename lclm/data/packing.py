@@ -18,49 +18,65 @@ class Packer:
     """Accumulates documents; `rows()` yields every complete row. Its state (the pending,
     partially consumed tokens in original order) is JSON-serialisable."""
 
+    _FIELDS = ("tokens", "loss", "doc", "pos")
+
     def __init__(self, seq_len: int, reset_positions: bool = True):
         self.seq_len = seq_len
         self.reset_positions = reset_positions
-        self._tokens: list[int] = []
-        self._loss: list[int] = []
-        self._doc: list[int] = []     # document number (increasing) per pending token
-        self._pos: list[int] = []     # position within its document
-        self._next_doc = 0
+        self._parts: list[dict[str, np.ndarray]] = []   # pending segments, in order
+        self._pending = 0
+        self._next_doc = 0   # document number (increasing) of the next added document
 
     def add(self, tokens: np.ndarray, loss: np.ndarray) -> None:
         n = len(tokens)
-        self._tokens.extend(int(t) for t in tokens)
-        self._loss.extend(int(x) for x in loss)
-        self._doc.extend([self._next_doc] * n)
-        self._pos.extend(range(n))
+        self._parts.append(dict(tokens=np.asarray(tokens, np.int32),
+                                loss=np.asarray(loss, np.int8),
+                                doc=np.full(n, self._next_doc, np.int64),
+                                pos=np.arange(n, dtype=np.int32)))
+        self._pending += n
         self._next_doc += 1
+
+    def _merged(self) -> dict[str, np.ndarray]:
+        """The pending segments as one set of arrays (needs at least one segment)."""
+        if len(self._parts) > 1:
+            self._parts = [{k: np.concatenate([p[k] for p in self._parts]) for k in self._FIELDS}]
+        return self._parts[0]
 
     def rows(self):
         """Complete rows now available. The last input token of a row is also the first of
         the next row's window (its target needs the following token)."""
         t = self.seq_len
-        while len(self._tokens) >= t + 1:
-            tokens = np.asarray(self._tokens[:t + 1], np.int32)
-            doc = np.asarray(self._doc[:t + 1])
-            loss = np.asarray(self._loss[1:t + 1], np.float32)
+        if self._pending < t + 1:
+            return
+        buf = self._merged()
+        start = 0
+        while self._pending - start >= t + 1:
+            w = slice(start, start + t + 1)
+            tokens, doc = buf["tokens"][w], buf["doc"][w]
             same = doc[1:] == doc[:-1]
             yield dict(
-                tokens=tokens[:-1], targets=tokens[1:],
-                loss_mask=(loss * same).astype(np.float32),
-                positions=(np.asarray(self._pos[:t], np.int32) if self.reset_positions
+                tokens=tokens[:-1].copy(), targets=tokens[1:].copy(),
+                loss_mask=(buf["loss"][w][1:] * same).astype(np.float32),
+                positions=(buf["pos"][start:start + t].copy() if self.reset_positions
                            else np.arange(t, dtype=np.int32)),
                 segment_ids=(doc[:-1] - doc[0] + 1).astype(np.int32))
-            del self._tokens[:t], self._loss[:t], self._doc[:t], self._pos[:t]
+            start += t
+        self._parts = [{k: v[start:] for k, v in buf.items()}]
+        self._pending -= start
 
     def state(self) -> dict:
-        first = self._doc[0] if self._doc else self._next_doc
-        return dict(tokens=list(self._tokens), loss=list(self._loss),
-                    doc=[d - first for d in self._doc], pos=list(self._pos),
+        buf = self._merged() if self._parts else {k: np.zeros(0, np.int64) for k in self._FIELDS}
+        first = int(buf["doc"][0]) if len(buf["doc"]) else self._next_doc
+        return dict(tokens=buf["tokens"].tolist(), loss=buf["loss"].tolist(),
+                    doc=(buf["doc"] - first).tolist(), pos=buf["pos"].tolist(),
                     next_doc=self._next_doc - first)
 
     def restore(self, state: dict) -> None:
-        self._tokens, self._loss = list(state["tokens"]), list(state["loss"])
-        self._doc, self._pos = list(state["doc"]), list(state["pos"])
+        self._parts = [dict(tokens=np.asarray(state["tokens"], np.int32),
+                            loss=np.asarray(state["loss"], np.int8),
+                            doc=np.asarray(state["doc"], np.int64),
+                            pos=np.asarray(state["pos"], np.int32))]
+        self._pending = len(state["tokens"])
         self._next_doc = state["next_doc"]
 
 

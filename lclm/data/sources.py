@@ -97,19 +97,25 @@ def read_records(path: str, text_field: str, stats: SourceStats) -> Sequence:
         import datasets
         ds = datasets.load_from_disk(path)
         return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
+    files = resolve_files(path)
+    columnar = [f for f in files if f.endswith((".parquet", ".arrow"))]
+    if columnar and len(columnar) == len(files):
+        # memory-mapped Arrow tables with random access: nothing is read into Python lists
+        import datasets
+        kind = "parquet" if columnar[0].endswith(".parquet") else "arrow"
+        return datasets.load_dataset(kind, data_files=columnar, split="train")
     records: list = []
-    for file in resolve_files(path):
+    for file in files:
         if file.endswith((".jsonl", ".json")):
             records.extend(_json_records(file, stats))
         elif file.endswith(".txt"):
             with open(file, "rb") as f:
                 text = f.read().decode("utf-8", errors="replace")
             records.extend({text_field: d} for d in text.split("\n\n"))
-        elif file.endswith((".parquet", ".arrow")):
+        else:
             import datasets
             kind = "parquet" if file.endswith(".parquet") else "arrow"
-            ds = datasets.load_dataset(kind, data_files=file, split="train")
-            records.extend(ds)
+            records.extend(datasets.load_dataset(kind, data_files=file, split="train"))
     return records
 
 

@@ -95,3 +95,16 @@ def test_prepare_writes_memmap_documents_equal_to_on_the_fly(tmp_path, tok):
     for i, (t, l) in enumerate(live_docs):
         np.testing.assert_array_equal(stored[i][0], t)
         np.testing.assert_array_equal(stored[i][1], l)
+
+
+def test_parquet_arrow_and_saved_datasets_directories(tmp_path, tok):
+    import datasets
+    texts = [f"Ada counted {i} plus {i} and wrote {2 * i}." for i in range(12)]
+    ds = datasets.Dataset.from_dict({"body": texts})
+    ds.to_parquet(str(tmp_path / "part.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    arrow = sorted((tmp_path / "saved").glob("*.arrow"))[0]
+    for path in (tmp_path / "part.parquet", tmp_path / "saved", arrow):
+        docs = open_documents("text", str(path), tok, text_field="body")
+        assert len(docs) == 12
+        assert tok.decode(docs[3][0][1:-1]) == texts[3]
