@@ -1,0 +1,80 @@
+"""HuggingFace LLaMA import/export, checked against `transformers` on CPU."""
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from lclm import hf
+from lclm.models.llama import forward
+
+if sys.version_info < (3, 12):  # CI's Python: the cross-check must run, never skip
+    import torch
+    import transformers
+else:  # the [test] extra installs torch only where a CPU build is at hand
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+
+def _tiny_hf(tmp_path, tie=False, dtype=torch.float32):
+    cfg = transformers.LlamaConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=tie, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    with torch.no_grad():  # non-trivial norms so a swapped norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    path = str(tmp_path / "hf")
+    model.save_pretrained(path, safe_serialization=True)
+    return model, path
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_match_transformers_in_float32(tmp_path, tie):
+    model, path = _tiny_hf(tmp_path, tie=tie)
+    c, params = hf.load(path)
+    assert (c.rope_theta, c.n_kv_heads, c.dtype, c.tie_embeddings) == (50000.0, 2, "float32", tie)
+    tokens = np.random.default_rng(0).integers(0, 101, (2, 40))
+    with torch.no_grad():
+        want = model(torch.tensor(tokens)).logits.numpy()
+    got = np.asarray(jax.jit(lambda p, t: forward(c, p, t))(params, tokens))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_roundtrip_lclm_hf_lclm_is_exact_and_transformers_loads_it(tmp_path):
+    _, path = _tiny_hf(tmp_path)
+    c, params = hf.load(path)
+    out = str(tmp_path / "export")
+    hf.save(out, c, params, max_shard_bytes=40_000)  # force a sharded export with an index
+    assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    c2, params2 = hf.load(out)
+    assert c2 == c
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    tokens = np.arange(30).reshape(1, 30) % 101
+    with torch.no_grad():
+        want = reloaded(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(forward(c, params, tokens)), want, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_checkpoint_gives_bf16_config_and_pickles_are_refused(tmp_path):
+    _, path = _tiny_hf(tmp_path, dtype=torch.bfloat16)
+    c, params = hf.load(path)
+    assert c.dtype == c.param_dtype == "bfloat16"
+    assert params["embed"].dtype == jax.numpy.bfloat16
+    os.remove(os.path.join(path, "model.safetensors"))
+    open(os.path.join(path, "pytorch_model.bin"), "wb").write(b"not loaded")
+    with pytest.raises(FileNotFoundError, match="never pickled"):
+        hf.load(path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    with pytest.raises(ValueError, match="RoPE scaling"):
+        hf.config_from_hf(cfg)
