@@ -1,10 +1,15 @@
 """Orbax checkpoints of the train state in `<workdir>/checkpoints`, and resume.
 
 Saves every `checkpoint.every` steps (asynchronously: training continues while tensorstore
-writes), keeps the last `checkpoint.keep`, and always saves the final step. Each process
-writes its own shards. Parameters are saved in lclm's canonical layout (stacked layers,
-original head order), which is independent of mesh, `scan_layers` and attention layout, so
-a checkpoint restores onto any mesh. Loading reads tensorstore arrays and JSON only.
+writes), keeps the last `checkpoint.keep`, and always saves the final step (and on SIGTERM
+/ SIGINT, see `lclm.train.loop`). Each process writes its own shards. A checkpoint holds
+`state` (step, params, optimizer state), `data` (every process's data-pipeline state) and
+`config` (secrets removed).
+
+Layout-free: parameters are in lclm's canonical layout (stacked layers, heads as an axis),
+independent of mesh, `scan_layers` and attention layout, and the data state is in original
+token order; restoring places arrays with the *new* run's shardings, so a checkpoint moves
+between meshes. Loading reads tensorstore arrays and JSON only (no pickles).
 """
 
 from __future__ import annotations
@@ -34,38 +39,82 @@ def gather_json(obj) -> list:
     return [json.loads(bytes(r).rstrip(b"\0").decode()) for r in rows]
 
 
+def _as_dict(state) -> dict:
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+
+
 class Checkpoints:
-    """The run's checkpoint directory (`every=0` keeps only the final save)."""
+    """The run's checkpoint directory (`every=0`: only final and preemption saves)."""
 
     def __init__(self, workdir: str, every: int, keep: int):
         self.every = every
+        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=True)
-        self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
-                                             options=options)
+        handlers = {"state": ocp.StandardCheckpointHandler(),
+                    "data": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def restore(self, template):
-        """(state placed like `template`, this process's data-pipeline state) of the latest
-        checkpoint."""
-        step = self.manager.latest_step()
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-        log.info("resumed from checkpoint step %d", step)
-        data = restored["data"]["processes"][jax.process_index()]
-        return restored["state"], data
+    def _check_shapes(self, step: int, params) -> None:
+        """A clear error naming the first parameter whose saved shape differs."""
+        saved = self.manager.item_metadata(step)["state"].tree["params"]
+        saved = {jax.tree_util.keystr(k): v.shape
+                 for k, v in jax.tree_util.tree_leaves_with_path(
+                     saved, is_leaf=lambda x: hasattr(x, "shape"))}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            name = jax.tree_util.keystr(path)
+            if name not in saved:
+                raise ValueError(f"checkpoint step {step} in {self.directory} has no parameter "
+                                 f"{name}; it was written for another model")
+            if tuple(saved[name]) != tuple(leaf.shape):
+                raise ValueError(f"checkpoint step {step} parameter {name} has shape "
+                                 f"{tuple(saved[name])} but the model expects "
+                                 f"{tuple(leaf.shape)}; check config.model against the run "
+                                 "that wrote it")
 
-    def maybe_save(self, step: int, state, data_state: dict, final: bool = False) -> bool:
-        """Save at multiples of `every`, and at the final step."""
-        if not final and (self.every <= 0 or step % self.every):
-            return False
+    def restore(self, template):
+        """(state placed like `template`, this process's data state) of the latest readable
+        checkpoint; an unreadable one is reported and the previous one used."""
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            _as_dict(template))
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                self._check_shapes(step, template.params)
+            except ValueError:
+                raise
+            except Exception as e:  # noqa: BLE001  (unreadable metadata: try an older one)
+                log.error("checkpoint step %d is unreadable (%s); trying the previous one",
+                          step, e)
+                continue
+            try:
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+            except Exception as e:  # noqa: BLE001
+                log.error("checkpoint step %d could not be restored (%s); trying the previous "
+                          "one", step, e)
+                continue
+            log.info("resumed from checkpoint step %d", step)
+            s = restored["state"]
+            state = type(template)(s["step"], s["params"], s["opt_state"])
+            processes = restored["data"]["processes"]
+            me = jax.process_index()
+            return state, (processes[me] if me < len(processes) else None)
+        raise ValueError(f"no readable checkpoint in {self.directory}")
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def save(self, step: int, state, data_state: dict, config: dict) -> None:
+        """Start an asynchronous save of `step` (returns once the arrays are copied)."""
         data = {"processes": gather_json(data_state)}
-        return self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True)
+        self.manager.save(step, force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(_as_dict(state)), data=ocp.args.JsonSave(data),
+            config=ocp.args.JsonSave(config)))
 
     def close(self) -> None:
         self.manager.wait_until_finished()

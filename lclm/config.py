@@ -50,6 +50,8 @@ def base_config() -> ml_collections.ConfigDict:
         scan_layers=True, remat="full",
         ffn_chunk=2048,     # tokens per blockwise feed-forward chunk (per sp shard)
         loss_chunk=2048,    # tokens per blockwise cross-entropy chunk (per sp shard)
+        init_from_hf="",    # a HuggingFace LLaMA directory: its shapes and weights start the
+                            # run (model.rope_theta still applies: long-context recipes raise it)
     ))
 
     c.attention = ml_collections.ConfigDict(dict(

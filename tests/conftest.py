@@ -11,5 +11,3 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 
 jax.config.update("jax_default_matmul_precision", "highest")
-jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(__file__), "..",
-                                                            ".jax_cache"))

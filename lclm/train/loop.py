@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import threading
 import time
 
 import jax
@@ -56,6 +58,27 @@ def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState:
     return TrainState(on_mesh(jnp.zeros((), jnp.int32)), params, opt_state)
 
 
+def apply_hf_shapes(config) -> None:
+    """Take the model shape fields of `config.model` from `init_from_hf`'s config.json."""
+    from lclm import hf
+    path = os.path.join(config.model.init_from_hf, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model.init_from_hf={config.model.init_from_hf!r} has no "
+                                "config.json; point it at a HuggingFace LLaMA directory")
+    with open(path) as f:
+        config.model.update(hf.model_fields(hf.config_from_hf(json.load(f))))
+
+
+def load_hf_params(config, model: LlamaConfig, mesh):
+    """`init_from_hf` weights in the run's param dtype and shardings."""
+    from lclm import hf
+    _, params = hf.load(config.model.init_from_hf)
+    dtype = jnp.dtype(model.param_dtype)
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    log.info("initialised from %s (rope_theta %g)", config.model.init_from_hf, model.rope_theta)
+    return jax.device_put(params, param_shardings(model, mesh))
+
+
 def train(config, stop_after: int | None = None) -> list[dict]:
     """Run (or resume) up to `config.train.steps` steps; returns the logged metric records.
 
@@ -63,6 +86,8 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     the schedule and the final step unchanged for the run that resumes.
     """
     devices = jax.devices()
+    if config.model.init_from_hf:
+        apply_hf_shapes(config)
     sizes = validate(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices)
     model = LlamaConfig.from_config(config.model)
@@ -81,6 +106,8 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     state = init_state(model, optimizer, mesh, config.seed)
     checkpoints = Checkpoints(config.workdir, config.checkpoint.every, config.checkpoint.keep)
     data_state = None
+    if config.model.init_from_hf and checkpoints.latest_step() is None:
+        state = state._replace(params=load_hf_params(config, model, mesh))
     if checkpoints.latest_step() is not None:
         state, data_state = checkpoints.restore(state)
         if int(state.step) >= config.train.steps:
@@ -103,13 +130,19 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     progress = Progress(total) if is_main and config.log.progress else None
     records = []
     first = int(state.step) + 1
+    saved_config = public_config(config)
+    preempted = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: preempted.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)
+                if threading.current_thread() is threading.main_thread()}
     t0, since = time.perf_counter(), first - 1
     try:
         last = total if stop_after is None else min(total, stop_after)
         for step in range(first, last + 1):
             state, metrics = step_fn(state, next(batches))
-            checkpoints.maybe_save(step, state, batches.state(), final=step == total)
-            if step % config.log.every and step not in (first, last):
+            if checkpoints.due(step) or step == total or preempted.is_set():
+                checkpoints.save(step, state, batches.state(), saved_config)
+            if step % config.log.every and step not in (first, last) and not preempted.is_set():
                 continue
             metrics = jax.device_get(metrics)
             now = time.perf_counter()
@@ -124,7 +157,13 @@ def train(config, stop_after: int | None = None) -> list[dict]:
                 logger.log(record)
             if progress:
                 progress.update(record, first)
+            if preempted.is_set():
+                log.warning("stopped after step %d on a termination signal (checkpoint saved)",
+                            step)
+                break
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         batches.close()
         checkpoints.close()
         if logger:
