@@ -78,3 +78,51 @@ def test_bf16_checkpoint_gives_bf16_config_and_pickles_are_refused(tmp_path):
     cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     with pytest.raises(ValueError, match="RoPE scaling"):
         hf.config_from_hf(cfg)
+
+
+def test_convert_cli_roundtrip_through_an_lclm_checkpoint(tmp_path):
+    from lclm.convert import main
+    _, path = _tiny_hf(tmp_path)
+    assert main(["--from-hf", path, "--to-checkpoint", str(tmp_path / "work")]) == 0
+    assert main(["--from-checkpoint", str(tmp_path / "work"), "--to-hf", str(tmp_path / "back")]) == 0
+    c, params = hf.load(path)
+    c2, params2 = hf.load(str(tmp_path / "back"))
+    assert c2 == c
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert main(["--from-checkpoint", str(tmp_path / "nothing"), "--to-hf", str(tmp_path / "x")]) == 2
+
+
+def test_training_starts_from_hf_weights_with_the_configured_rope_theta(tmp_path):
+    from lclm.config import load_config
+    from lclm.data.loader import HostBatches
+    from lclm.data.tokenizer import Tokenizer
+    from lclm.models.llama import AttentionConfig, loss_terms
+    from lclm.parallel import make_mesh
+    from lclm.train.loop import train
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0)
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "hf"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    config = load_config(os.path.join(root, "configs", "demo.py"))
+    config.workdir = str(tmp_path / "run")
+    config.model.update(init_from_hf=str(tmp_path / "hf"), rope_theta=1e6, dtype="float32",
+                        ffn_chunk=32, loss_chunk=32)
+    config.data.update(seq_len=64, batch_size=4)
+    config.attention.update(q_chunk=8, kv_chunk=8)
+    config.train.update(steps=1, warmup=1)
+    config.log.progress = False
+    records = train(config)
+    assert config.model.dim == 64 and config.model.n_layers == 2  # shapes from config.json
+
+    c, params = hf.load(str(tmp_path / "hf"), rope_theta=1e6)
+    mesh = make_mesh(fsdp=2, sp=4)
+    loader = HostBatches(config, mesh, Tokenizer(config.data.tokenizer))
+    batch = next(loader)
+    loader.close()
+    attn = AttentionConfig.from_config(config.attention)
+    total, count = jax.jit(lambda p: loss_terms(c, p, batch, mesh=mesh, attention=attn))(params)
+    assert records[0]["loss"] == pytest.approx(float(total / count), rel=1e-5)
