@@ -23,10 +23,18 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = _CONFIG.value
     from lclm.config import ConfigError, mesh_device_count
+    from lclm.parallel import distributed
     from lclm.parallel.devices import request_cpu_devices
 
-    request_cpu_devices(mesh_device_count(config) or 1)  # before JAX starts
+    # before JAX starts: simulated CPU devices (split between local processes), then the
+    # multi-process runtime when a launcher started several processes
+    request_cpu_devices((mesh_device_count(config) or 1) // distributed.local_process_count())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-save chatter
+    distributed.initialize()
+    import jax
+    if jax.process_index() != 0:
+        logging.getLogger().setLevel(logging.WARNING)
     from lclm.train.loop import train
     try:
         train(config)

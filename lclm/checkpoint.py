@@ -48,7 +48,8 @@ class Checkpoints:
 
     def __init__(self, workdir: str, every: int, keep: int):
         self.every = every
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        path = os.path.join(workdir, "checkpoints")
+        self.directory = path if "://" in path else os.path.abspath(path)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=True)
         handlers = {"state": ocp.StandardCheckpointHandler(),
@@ -77,8 +78,9 @@ class Checkpoints:
                                  "that wrote it")
 
     def restore(self, template):
-        """(state placed like `template`, this process's data state) of the latest readable
-        checkpoint; an unreadable one is reported and the previous one used."""
+        """(state placed like `template`, the data states of every process that saved it) of
+        the latest readable checkpoint; an unreadable one is reported and the previous one
+        used."""
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             _as_dict(template))
@@ -101,9 +103,7 @@ class Checkpoints:
             log.info("resumed from checkpoint step %d", step)
             s = restored["state"]
             state = type(template)(s["step"], s["params"], s["opt_state"])
-            processes = restored["data"]["processes"]
-            me = jax.process_index()
-            return state, (processes[me] if me < len(processes) else None)
+            return state, restored["data"]["processes"]
         raise ValueError(f"no readable checkpoint in {self.directory}")
 
     def due(self, step: int) -> bool:

@@ -1,10 +1,13 @@
 """The trainer's data feed: sources -> documents -> packed rows -> layout -> global batch.
 
-Each process builds only the block of the global `[batch, seq]` arrays that its devices
-hold, and reads only its share of the data: processes whose devices hold the same batch rows
-(e.g. `sp` spanning hosts) read the same share; different rows, disjoint shares. Striping
-happens here, on the host, once, for all per-token arrays together. A background thread
-prefetches host batches; `state()` is the JSON state after the last batch handed out.
+Row r of every global batch comes from its own *slot*: a reader of every `batch_size`-th
+document of each source (from document r on), a mixture counter and a packer, so a slot's
+consecutive rows continue its documents. What the global batch holds therefore does not
+depend on how many processes build it: each process builds only the rows (and sequence
+block) that its devices hold, reading only those slots' share of the data, and a checkpoint
+written by N processes resumes on M. Striping happens here, on the host, once, for all
+per-token arrays together. A background thread prefetches; `state()` is the JSON state
+after the last batch handed out.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from jax.sharding import NamedSharding
 
 from lclm.data.packing import ROW_KEYS, Packer
 from lclm.data.sources import SourceStats, open_documents
-from lclm.data.stream import DocumentStream, Mixture
+from lclm.data.stream import DocumentStream, EpochOrders, Mixture
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel.mesh import logical_spec
 
@@ -52,9 +55,8 @@ def parse_sources(path: str, default_kind: str) -> list[tuple[str, str, float]]:
     return out
 
 
-def host_block(sharding: NamedSharding, global_shape) -> tuple[slice, slice, int, int]:
-    """This process's (rows, seq) block of the global batch, its data shard and the shard
-    count (one shard per distinct row block across processes)."""
+def host_block(sharding: NamedSharding, global_shape) -> tuple[slice, slice]:
+    """This process's (rows, seq) block of the global `[batch, seq]` arrays."""
     def box(indices):
         rows = {(s[0].start or 0, s[0].stop or global_shape[0]) for s in indices}
         seqs = {(s[1].start or 0, s[1].stop or global_shape[1]) for s in indices}
@@ -62,33 +64,55 @@ def host_block(sharding: NamedSharding, global_shape) -> tuple[slice, slice, int
         q = (min(a for a, _ in seqs), max(b for _, b in seqs))
         return r, q
 
-    by_process: dict[int, list] = {}
-    for device, idx in sharding.devices_indices_map(tuple(global_shape)).items():
-        by_process.setdefault(device.process_index, []).append(idx)
-    blocks = {p: box(idx) for p, idx in by_process.items()}
-    row_blocks = sorted({b[0] for b in blocks.values()})
-    (r0, r1), (s0, s1) = blocks[jax.process_index()]
-    return slice(r0, r1), slice(s0, s1), row_blocks.index((r0, r1)), len(row_blocks)
+    mine = [idx for device, idx in sharding.devices_indices_map(tuple(global_shape)).items()
+            if device.process_index == jax.process_index()]
+    (r0, r1), (s0, s1) = box(mine)
+    return slice(r0, r1), slice(s0, s1)
+
+
+class _Slot:
+    """The reader of one batch row: its mixture of source streams and its packer."""
+
+    def __init__(self, sources, weights, seed: int, row: int, batch_size: int, seq_len: int,
+                 reset_positions: bool):
+        streams = [DocumentStream(docs, orders, row, batch_size) for docs, orders in sources]
+        self.mixture = Mixture(streams, weights, seed, stream_id=row)
+        self.packer = Packer(seq_len, reset_positions)
+
+    def next_row(self) -> dict[str, np.ndarray]:
+        while (row := self.packer.pop_row()) is None:
+            self.packer.add(*next(self.mixture))
+        return row
+
+    def state(self) -> dict:
+        return dict(mixture=self.mixture.state(), packer=self.packer.state())
+
+    def restore(self, state: dict) -> None:
+        self.mixture.restore(state["mixture"])
+        self.packer.restore(state["packer"])
 
 
 class HostBatches:
     """Endless global batches `{key: jax.Array [batch, seq]}` for `config` on `mesh`."""
 
-    def __init__(self, config, mesh, tokenizer, state: dict | None = None, prefetch: int = 2):
+    def __init__(self, config, mesh, tokenizer, state=None, prefetch: int = 2):
+        """`state`: what `state()` returned, or a list of such states (one per process of
+        the run that saved them)."""
         d = config.data
         self.layout, self.sp = config.attention.layout, mesh.shape["sp"]
         self.sharding = batch_sharding(mesh)
         self.global_shape = (d.batch_size, d.seq_len)
-        self.rows, self.seq, shard, num_shards = host_block(self.sharding, self.global_shape)
+        self.rows, self.seq = host_block(self.sharding, self.global_shape)
         self.stats = SourceStats()
-        streams, weights = [], []
-        for kind, path, weight in parse_sources(d.path, d.source):
+        sources, weights = [], []
+        for i, (kind, path, weight) in enumerate(parse_sources(d.path, d.source)):
             docs = open_documents(kind, path, tokenizer, text_field=d.text_field,
                                   chat_template=d.chat_template, stats=self.stats)
-            streams.append(DocumentStream(docs, config.seed, shard, num_shards))
+            sources.append((docs, EpochOrders(len(docs), config.seed * 1009 + i)))
             weights.append(weight)
-        self.mixture = Mixture(streams, weights, config.seed)
-        self.packer = Packer(d.seq_len, d.reset_positions)
+        self.slots = {r: _Slot(sources, weights, config.seed, r, d.batch_size, d.seq_len,
+                               d.reset_positions)
+                      for r in range(self.rows.start, self.rows.stop)}
         self.batches = 0
         if state is not None:
             self.restore(state)
@@ -101,25 +125,27 @@ class HostBatches:
 
     # -- producer side (background thread) --
     def _snapshot(self) -> dict:
-        return dict(mixture=self.mixture.state(), packer=self.packer.state(),
+        return dict(slots={str(r): s.state() for r, s in self.slots.items()},
                     batches=self.batches)
 
-    def restore(self, state: dict) -> None:
-        self.mixture.restore(state["mixture"])
-        self.packer.restore(state["packer"])
-        self.batches = state["batches"]
+    def restore(self, state) -> None:
+        states = [s for s in (state if isinstance(state, list) else [state]) if s is not None]
+        if not states:  # e.g. a checkpoint converted from HuggingFace: data starts fresh
+            return
+        slots = {}
+        for s in states:
+            slots.update(s["slots"])
+        missing = [r for r in self.slots if str(r) not in slots]
+        if missing:
+            raise ValueError(f"the saved data state has no reader for batch rows {missing}; "
+                             "was data.batch_size changed?")
+        for r, slot in self.slots.items():
+            slot.restore(slots[str(r)])
+        self.batches = max(s["batches"] for s in states)
 
     def next_host_batch(self) -> dict[str, np.ndarray]:
         """The next block of this process, in layout order (synchronous; no device arrays)."""
-        n_rows = self.rows.stop - self.rows.start
-        rows = []
-        while len(rows) < n_rows:
-            for row in self.packer.rows():
-                rows.append(row)
-                if len(rows) == n_rows:
-                    break
-            else:
-                self.packer.add(*next(self.mixture))
+        rows = [self.slots[r].next_row() for r in range(self.rows.start, self.rows.stop)]
         batch = {k: np.stack([r[k] for r in rows]) for k in ROW_KEYS}
         batch = batch_to_layout(batch, self.layout, self.sp)
         self.batches += 1

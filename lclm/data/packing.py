@@ -15,8 +15,8 @@ ROW_KEYS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
 
 
 class Packer:
-    """Accumulates documents; `rows()` yields every complete row. Its state (the pending,
-    partially consumed tokens in original order) is JSON-serialisable."""
+    """Accumulates documents and hands out complete rows (`pop_row`). Its state (the
+    pending, partially consumed tokens in original order) is JSON-serialisable."""
 
     _FIELDS = ("tokens", "loss", "doc", "pos")
 
@@ -42,27 +42,26 @@ class Packer:
             self._parts = [{k: np.concatenate([p[k] for p in self._parts]) for k in self._FIELDS}]
         return self._parts[0]
 
-    def rows(self):
-        """Complete rows now available. The last input token of a row is also the first of
-        the next row's window (its target needs the following token)."""
+    def pop_row(self) -> dict[str, np.ndarray] | None:
+        """The next complete row, or None until more documents are added. The last input
+        token of a row is also the first of the next row's window (its target needs the
+        following token)."""
         t = self.seq_len
         if self._pending < t + 1:
-            return
+            return None
         buf = self._merged()
-        start = 0
-        while self._pending - start >= t + 1:
-            w = slice(start, start + t + 1)
-            tokens, doc = buf["tokens"][w], buf["doc"][w]
-            same = doc[1:] == doc[:-1]
-            yield dict(
-                tokens=tokens[:-1].copy(), targets=tokens[1:].copy(),
-                loss_mask=(buf["loss"][w][1:] * same).astype(np.float32),
-                positions=(buf["pos"][start:start + t].copy() if self.reset_positions
-                           else np.arange(t, dtype=np.int32)),
-                segment_ids=(doc[:-1] - doc[0] + 1).astype(np.int32))
-            start += t
-        self._parts = [{k: v[start:] for k, v in buf.items()}]
-        self._pending -= start
+        w = slice(0, t + 1)
+        tokens, doc = buf["tokens"][w], buf["doc"][w]
+        same = doc[1:] == doc[:-1]
+        row = dict(
+            tokens=tokens[:-1].copy(), targets=tokens[1:].copy(),
+            loss_mask=(buf["loss"][w][1:] * same).astype(np.float32),
+            positions=(buf["pos"][:t].copy() if self.reset_positions
+                       else np.arange(t, dtype=np.int32)),
+            segment_ids=(doc[:-1] - doc[0] + 1).astype(np.int32))
+        self._parts = [{k: v[t:] for k, v in buf.items()}]
+        self._pending -= t
+        return row
 
     def state(self) -> dict:
         buf = self._merged() if self._parts else {k: np.zeros(0, np.int64) for k in self._FIELDS}
@@ -85,4 +84,5 @@ def pack_documents(docs, seq_len: int, reset_positions: bool = True):
     packer = Packer(seq_len, reset_positions)
     for tokens, loss in docs:
         packer.add(tokens, loss)
-        yield from packer.rows()
+        while (row := packer.pop_row()) is not None:
+            yield row

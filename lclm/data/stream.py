@@ -5,27 +5,37 @@ from __future__ import annotations
 import numpy as np
 
 
+class EpochOrders:
+    """The shuffled document order of each epoch of one source, shared by all its readers
+    (computed once per epoch; the two most recent epochs are kept)."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self._cache: dict[int, np.ndarray] = {}
+
+    def get(self, epoch: int) -> np.ndarray:
+        if epoch not in self._cache:
+            self._cache[epoch] = (np.random.default_rng([self.seed, epoch]).permutation(self.n)
+                                  if self.shuffle else np.arange(self.n))
+            for old in sorted(self._cache)[:-2]:
+                del self._cache[old]
+        return self._cache[epoch]
+
+
 class DocumentStream:
-    """Endless epochs over a random-access document set, shuffled per epoch from `seed`;
-    this reader takes every `num_shards`-th document of each epoch's order from `shard` on.
+    """Endless epochs over a random-access document set, shuffled per epoch; this reader
+    takes every `num_shards`-th document of each epoch's order, starting at `shard`.
 
     State: `{"epoch", "index"}` (JSON). Malformed documents (None) are skipped.
     """
 
-    def __init__(self, docs, seed: int, shard: int = 0, num_shards: int = 1,
-                 shuffle: bool = True):
+    def __init__(self, docs, orders: EpochOrders, shard: int = 0, num_shards: int = 1):
         if len(docs) < num_shards:
-            raise ValueError(f"{len(docs)} documents cannot be shared by {num_shards} readers")
-        self.docs, self.seed, self.shuffle = docs, seed, shuffle
+            raise ValueError(f"{len(docs)} documents cannot be shared by {num_shards} readers; "
+                             "use more data or a smaller data.batch_size")
+        self.docs, self.orders = docs, orders
         self.shard, self.num_shards = shard, num_shards
         self.epoch, self.index = 0, 0
-        self._order = None
-
-    def _epoch_order(self) -> np.ndarray:
-        n = len(self.docs)
-        order = (np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle
-                 else np.arange(n))
-        return order[self.shard::self.num_shards]
 
     def __iter__(self):
         return self
@@ -33,13 +43,13 @@ class DocumentStream:
     def __next__(self):
         misses = 0
         while True:
-            if self._order is None:
-                self._order = self._epoch_order()
-            if self.index >= len(self._order):
-                self.epoch, self.index, self._order = self.epoch + 1, 0, None
+            order = self.orders.get(self.epoch)
+            position = self.shard + self.index * self.num_shards
+            if position >= len(order):
+                self.epoch, self.index = self.epoch + 1, 0
                 continue
-            doc = self.docs[int(self._order[self.index])]
             self.index += 1
+            doc = self.docs[int(order[position])]
             if doc is not None:
                 return doc
             misses += 1
@@ -50,18 +60,21 @@ class DocumentStream:
         return dict(epoch=self.epoch, index=self.index)
 
     def restore(self, state: dict) -> None:
-        self.epoch, self.index, self._order = state["epoch"], state["index"], None
+        self.epoch, self.index = state["epoch"], state["index"]
 
 
 class Mixture:
     """Documents drawn from several streams with the given weights; the choice for the n-th
-    document depends only on (seed, n), so the state is a counter."""
+    document of reader `stream_id` depends only on (seed, stream_id, n): the state is a
+    counter."""
 
-    def __init__(self, streams: list[DocumentStream], weights: list[float], seed: int):
+    def __init__(self, streams: list[DocumentStream], weights: list[float], seed: int,
+                 stream_id: int = 0):
         w = np.asarray(weights, np.float64)
         if len(streams) != len(w) or (w <= 0).any():
             raise ValueError("every data source needs a positive weight")
-        self.streams, self.cdf, self.seed, self.count = streams, np.cumsum(w / w.sum()), seed, 0
+        self.streams, self.cdf = streams, np.cumsum(w / w.sum())
+        self.seed, self.stream_id, self.count = seed, stream_id, 0
 
     def __iter__(self):
         return self
@@ -70,7 +83,7 @@ class Mixture:
         if len(self.streams) == 1:
             choice = 0
         else:
-            u = np.random.default_rng([self.seed, 1, self.count]).random()
+            u = np.random.default_rng([self.seed, self.stream_id, self.count]).random()
             choice = int(min(np.searchsorted(self.cdf, u, side="right"), len(self.cdf) - 1))
         self.count += 1
         return next(self.streams[choice])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -14,10 +15,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lclm.checkpoint import Checkpoints
-from lclm.config import validate
+from lclm.config import ConfigError, validate
 from lclm.data.loader import HostBatches, batch_sharding
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.llama import AttentionConfig, LlamaConfig, init_params
+from lclm.parallel.distributed import any_process, check_same_config
 from lclm.parallel.mesh import make_mesh
 from lclm.train.metrics import MetricsLogger, Progress, flops_per_token, peak_flops
 from lclm.train.state import TrainState, param_shardings
@@ -89,6 +91,13 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     if config.model.init_from_hf:
         apply_hf_shapes(config)
     sizes = validate(config, len(devices))
+    if jax.process_count() > 1:
+        used = math.prod(sizes.values())
+        if used != len(devices):
+            raise ConfigError(f"mesh {sizes} uses {used} of the {len(devices)} devices of "
+                              f"{jax.process_count()} processes; with several processes the "
+                              "mesh must use all devices (use -1 for one axis)")
+        check_same_config(json.dumps(public_config(config), sort_keys=True))
     mesh = make_mesh(**sizes, devices=devices)
     model = LlamaConfig.from_config(config.model)
     attention = AttentionConfig.from_config(config.attention)
@@ -119,7 +128,7 @@ def train(config, stop_after: int | None = None) -> list[dict]:
         make_train_step(model, attention, config.train, mesh, optimizer,
                         document_mask=config.data.document_mask),
         in_shardings=(state_sharding, batch_sharding(mesh)),
-        out_shardings=(state_sharding, None), donate_argnums=0)
+        out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
     batches = HostBatches(config, mesh, tokenizer, state=data_state)
 
     total = config.train.steps
@@ -140,6 +149,8 @@ def train(config, stop_after: int | None = None) -> list[dict]:
         last = total if stop_after is None else min(total, stop_after)
         for step in range(first, last + 1):
             state, metrics = step_fn(state, next(batches))
+            if any_process(preempted.is_set()):  # every process must join the save
+                preempted.set()
             if checkpoints.due(step) or step == total or preempted.is_set():
                 checkpoints.save(step, state, batches.state(), saved_config)
             if step % config.log.every and step not in (first, last) and not preempted.is_set():

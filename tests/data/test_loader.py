@@ -10,7 +10,7 @@ import pytest
 from lclm.config import load_config
 from lclm.data.loader import HostBatches, host_block, batch_sharding, parse_sources
 from lclm.data.sources import open_documents
-from lclm.data.stream import DocumentStream
+from lclm.data.stream import DocumentStream, EpochOrders
 from lclm.data.synthetic import conversations
 from lclm.data.tokenizer import Tokenizer
 from lclm.ops.layout import from_layout
@@ -42,27 +42,44 @@ def test_parse_sources():
 
 def test_two_hosts_read_disjoint_shares_that_cover_the_data():
     docs = list(range(101))
-    seen = []
+    orders = EpochOrders(len(docs), seed=5)
+    seen, epoch2 = [], []
     for shard in (0, 1):
-        stream = DocumentStream(docs, seed=5, shard=shard, num_shards=2)
+        stream = DocumentStream(docs, orders, shard=shard, num_shards=2)
         n = len(range(shard, 101, 2))
         seen.append([next(stream) for _ in range(n)])
+        epoch2.append([next(stream) for _ in range(n)])
     assert not set(seen[0]) & set(seen[1])
     assert sorted(seen[0] + seen[1]) == docs
     # every epoch is a new shuffle, shared the same way
-    epoch2 = []
-    for shard in (0, 1):
-        stream = DocumentStream(docs, seed=5, shard=shard, num_shards=2)
-        n = len(range(shard, 101, 2))
-        [next(stream) for _ in range(n)]
-        epoch2.append([next(stream) for _ in range(n)])
     assert sorted(epoch2[0] + epoch2[1]) == docs and epoch2 != seen
+
+
+def test_rows_do_not_depend_on_how_processes_split_the_batch(tmp_path):
+    """Two simulated hosts (rows 0-1 and 2-3 of a batch of 4) build exactly the rows that one
+    host building all 4 rows builds, reading disjoint documents."""
+    config = _config(tmp_path)
+    tok = Tokenizer(config.data.tokenizer)
+    mesh = make_mesh(fsdp=2, sp=4)
+    whole = HostBatches(config, mesh, tok)
+    whole.close()
+    want = [whole.next_host_batch() for _ in range(3)]
+    halves = []
+    for rows in (slice(0, 2), slice(2, 4)):
+        part = HostBatches(config, mesh, tok)
+        part.close()
+        part.rows = rows  # what host_block gives each of two processes
+        part.slots = {r: part.slots[r] for r in range(rows.start, rows.stop)}
+        halves.append([part.next_host_batch() for _ in range(3)])
+    for i in range(3):
+        for k in want[i]:
+            np.testing.assert_array_equal(
+                np.concatenate([halves[0][i][k], halves[1][i][k]]), want[i][k])
 
 
 def test_single_process_block_is_the_whole_batch():
     mesh = make_mesh(fsdp=2, sp=4)
-    rows, seq, shard, shards = host_block(batch_sharding(mesh), (8, 64))
-    assert (rows, seq, shard, shards) == (slice(0, 8), slice(0, 64), 0, 1)
+    assert host_block(batch_sharding(mesh), (8, 64)) == (slice(0, 8), slice(0, 64))
 
 
 @pytest.mark.parametrize("layout", ["striped", "contiguous"])

@@ -45,13 +45,15 @@ def test_packer_state_resumes_the_partial_row_exactly():
     got = []
     for tokens, loss in docs[:11]:
         packer.add(tokens, loss)
-        got.extend(packer.rows())
+        while (row := packer.pop_row()) is not None:
+            got.append(row)
     state = packer.state()
     resumed = Packer(24)
     resumed.restore(state)
     for tokens, loss in docs[11:]:
         resumed.add(tokens, loss)
-        got.extend(resumed.rows())
+        while (row := resumed.pop_row()) is not None:
+            got.append(row)
     assert len(got) == len(whole)
     for a, b in zip(got, whole):
         for k in a:

@@ -60,7 +60,7 @@ def test_checkpoint_restores_on_another_mesh_layout_and_scan_setting(tmp_path):
     batch = {k: from_layout(np.asarray(v), "striped", 4) for k, v in next(loader).items()}
     loader.close()
     mesh, model, state, data = _restore(config)
-    assert int(state.step) == 4 and data["batches"] == 4
+    assert int(state.step) == 4 and data[0]["batches"] == 4
     want = _loss(config, mesh, model, state.params, batch)
 
     other = _config(tmp_path / "run", sp=2, tp=2, fsdp=1)
@@ -89,5 +89,5 @@ def test_shape_mismatch_names_the_parameter_and_corrupt_latest_falls_back(tmp_pa
                 fh.write(b"garbage")
     with caplog.at_level(logging.ERROR):
         _, _, state, data = _restore(config)
-    assert int(state.step) == 2 and data["batches"] == 2
+    assert int(state.step) == 2 and data[0]["batches"] == 2
     assert "checkpoint step 4" in caplog.text
