@@ -18,6 +18,8 @@ import shutil
 import sys
 import time
 
+from bench.report import emit_table
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -67,18 +69,12 @@ def main(argv=None) -> int:
                      f"{nbytes / 1e9:.2f}", f"{blocking:.2f}", f"{total:.2f}",
                      f"{nbytes / 1e9 / total:.2f}"))
         del state
-    lines = [
-        "# Checkpoint save time (Orbax async, fsdp=8 simulated CPU devices)", "",
-        f"disk: {args.dir}; jax {jax.__version__}; {os.cpu_count()} cores; "
-        f"{datetime.date.today().isoformat()}; second save of the run shown", "",
-        "| model | params | saved | state GB | blocking s | total s | GB/s |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ] + ["| " + " | ".join(r) + " |" for r in rows]
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    emit_table(
+        "Checkpoint save time (Orbax async, fsdp=8 simulated CPU devices)",
+        [f"disk: {args.dir}; jax {jax.__version__}; {os.cpu_count()} cores; "
+         f"{datetime.date.today().isoformat()}; second save of the run shown"],
+        ["model", "params", "saved", "state GB", "blocking s", "total s", "GB/s"], rows,
+        args.out)
     return 0
 
 

@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+from bench.report import emit_table
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -69,18 +71,12 @@ def main(argv=None) -> int:
         tokens = args.batches * args.batch * args.seq
         rows.append((name, f"{tokens:,}", f"{dt:.2f}", f"{tokens / dt:,.0f}"))
 
-    lines = [
-        "# Data pipeline throughput (producer thread = 1 core)", "",
-        f"device: host CPU ({os.cpu_count()} cores); jax {jax.__version__}; "
-        f"{datetime.date.today().isoformat()}; rows of {args.seq} tokens, batch {args.batch}, "
-        f"striped for sp=4; pre-tokenising both demo sources took {prepare_s:.2f} s", "",
-        "| path | tokens | seconds | tokens/s per core |", "| --- | --- | --- | --- |",
-    ] + ["| " + " | ".join(r) + " |" for r in rows]
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    emit_table(
+        "Data pipeline throughput (producer thread = 1 core)",
+        [f"device: host CPU ({os.cpu_count()} cores); jax {jax.__version__}; "
+         f"{datetime.date.today().isoformat()}; rows of {args.seq} tokens, batch {args.batch}, "
+         f"striped for sp=4; pre-tokenising both demo sources took {prepare_s:.2f} s"],
+        ["path", "tokens", "seconds", "tokens/s per core"], rows, args.out)
     return 0
 
 

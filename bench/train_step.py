@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+from bench.report import emit_table
+
 
 def _parse_overrides(items):
     out = {}
@@ -108,25 +110,15 @@ def main(argv=None):
                          f"{compile_s:.1f}", f"{float(m['loss']):.3f}"))
             del state, step, batch
 
-    lines = [
-        f"# Train step: {os.path.basename(args.config)} "
-        f"({LlamaConfig.from_config(base.model).param_count() / 1e9:.2f}B params)",
-        "",
-        f"device: {len(devices)} x {kind} ({devices[0].platform}); jax {jax.__version__}; "
-        f"{datetime.date.today().isoformat()}"
-        + ("" if peak else "; CPU: NOT a performance result"),
-        f"MFU counts causal attention as half the square; {args.steps} timed steps after "
-        "2 warm-up steps; synthetic tokens.",
-        "",
-        "| seq | layout | mesh | step ms | tokens/s | MFU | peak GiB | compile s | loss |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ] + ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    emit_table(
+        f"Train step: {os.path.basename(args.config)} "
+        f"({LlamaConfig.from_config(base.model).param_count() / 1e6:,.1f}M params)",
+        [f"device: {len(devices)} x {kind} ({devices[0].platform}); jax {jax.__version__}; "
+         f"{datetime.date.today().isoformat()}" + ("" if peak else "; CPU: NOT a performance result"),
+         f"MFU counts causal attention as half the square; {args.steps} timed steps after "
+         "2 warm-up steps; synthetic tokens."],
+        ["seq", "layout", "mesh", "step ms", "tokens/s", "MFU", "peak GiB", "compile s", "loss"],
+        rows, args.out)
     return 0
 
 
