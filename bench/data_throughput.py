@@ -60,9 +60,8 @@ def main(argv=None) -> int:
     for name, path in cases.items():
         config = load_config(os.path.join(ROOT, "configs", "demo.py"))
         config.data.update(path=path, seq_len=args.seq, batch_size=args.batch)
-        # prefetch=1 and synchronous timing of the producer's own work (one thread = one core)
-        loader = HostBatches(config, mesh, tok, prefetch=1)
-        loader.close()
+        # no prefetch thread: time the producer's own work synchronously (= one core)
+        loader = HostBatches(config, mesh, tok, prefetch=0)
         loader.next_host_batch()  # warm-up: file reading / opening happened in the constructor
         t0 = time.perf_counter()
         for _ in range(args.batches):

@@ -97,7 +97,8 @@ class HostBatches:
 
     def __init__(self, config, mesh, tokenizer, state=None, prefetch: int = 2):
         """`state`: what `state()` returned, or a list of such states (one per process of
-        the run that saved them)."""
+        the run that saved them). `prefetch`: host batches prepared ahead by a background
+        thread (0: none, batches are built when asked for)."""
         d = config.data
         self.layout, self.sp = config.attention.layout, mesh.shape["sp"]
         self.sharding = batch_sharding(mesh)
@@ -117,11 +118,13 @@ class HostBatches:
         if state is not None:
             self.restore(state)
         self._state = self._snapshot()
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, daemon=True)
-        self._thread.start()
         self._logged_skips = 0
+        self._stop = threading.Event()
+        self._thread = None
+        if prefetch > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+            self._thread = threading.Thread(target=self._produce, daemon=True)
+            self._thread.start()
 
     # -- producer side (background thread) --
     def _snapshot(self) -> dict:
@@ -169,7 +172,11 @@ class HostBatches:
         return self
 
     def __next__(self) -> dict[str, jax.Array]:
-        local, state = self._queue.get()
+        if self._thread is None:
+            local = self.next_host_batch()
+            state = self._snapshot()
+        else:
+            local, state = self._queue.get()
         if isinstance(local, BaseException):
             raise local
         self._state = state
@@ -185,4 +192,5 @@ class HostBatches:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)

@@ -61,13 +61,11 @@ def test_rows_do_not_depend_on_how_processes_split_the_batch(tmp_path):
     config = _config(tmp_path)
     tok = Tokenizer(config.data.tokenizer)
     mesh = make_mesh(fsdp=2, sp=4)
-    whole = HostBatches(config, mesh, tok)
-    whole.close()
+    whole = HostBatches(config, mesh, tok, prefetch=0)
     want = [whole.next_host_batch() for _ in range(3)]
     halves = []
     for rows in (slice(0, 2), slice(2, 4)):
-        part = HostBatches(config, mesh, tok)
-        part.close()
+        part = HostBatches(config, mesh, tok, prefetch=0)
         part.rows = rows  # what host_block gives each of two processes
         part.slots = {r: part.slots[r] for r in range(rows.start, rows.stop)}
         halves.append([part.next_host_batch() for _ in range(3)])
