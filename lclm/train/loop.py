@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -27,14 +28,15 @@ from lclm.train.step import make_optimizer, make_train_step
 
 log = logging.getLogger(__name__)
 
-_SECRET_WORDS = ("key", "token", "secret", "password")
+# field names that hold secrets: key, api_key, wandb_api_key, hf_token, secret, password...
+_SECRET = re.compile(r"(^|_)(key|token|secret|password)$")
 
 
 def public_config(config) -> dict:
-    """The config as a plain dict with anything that looks like a secret removed."""
+    """The config as a plain dict with every secret-named field removed."""
     def clean(d):
         return {k: clean(v) if isinstance(v, dict) else v for k, v in d.items()
-                if not any(w in k.lower() for w in _SECRET_WORDS)}
+                if not _SECRET.search(k.lower())}
     return clean(config.to_dict())
 
 

@@ -50,9 +50,11 @@ def test_demo_steps_reduce_the_loss_and_write_metrics(tmp_path):
 
 def test_secrets_never_reach_saved_config():
     import ml_collections
-    c = ml_collections.ConfigDict(dict(log=dict(wandb_api_key="s3cret", every=1), token="x"))
-    assert "s3cret" not in json.dumps(public_config(c))
-    assert "token" not in public_config(c)
+    c = ml_collections.ConfigDict(dict(log=dict(wandb_api_key="s3cret", every=1), token="x",
+                                       data=dict(tokenizer="t.model", hf_token="hf_abc")))
+    public = public_config(c)
+    assert "s3cret" not in json.dumps(public) and "hf_abc" not in json.dumps(public)
+    assert "token" not in public and public["data"] == {"tokenizer": "t.model"}
 
 
 @pytest.mark.parametrize("layout", ["striped", "contiguous"])
