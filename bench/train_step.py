@@ -12,24 +12,12 @@ says so: CPU numbers are not a performance result.
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
 import os
 import sys
 import time
 
 from bench.report import emit_table
-
-
-def _parse_overrides(items):
-    out = {}
-    for item in items:
-        key, _, raw = item.partition("=")
-        try:
-            out[key] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            out[key] = raw
-    return out
 
 
 def main(argv=None):
@@ -42,10 +30,10 @@ def main(argv=None):
     ap.add_argument("--out", default="", help="also write the table to this file")
     args = ap.parse_args(argv)
 
-    from lclm.config import load_config, mesh_device_count
+    from lclm.config import load_config, mesh_device_count, parse_overrides
     from lclm.parallel.devices import request_cpu_devices
 
-    base = load_config(args.config, _parse_overrides(args.set))
+    base = load_config(args.config, parse_overrides(args.set))
     request_cpu_devices(mesh_device_count(base) or 1)
 
     import jax
@@ -68,7 +56,7 @@ def main(argv=None):
     rows = []
     for seq in seqs:
         for layout in layouts:
-            config = load_config(args.config, _parse_overrides(args.set))
+            config = load_config(args.config, parse_overrides(args.set))
             config.data.seq_len = seq
             config.attention.layout = layout
             sizes = validate(config, len(devices))
@@ -98,6 +86,8 @@ def main(argv=None):
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 state, m = step(state, batch)
+                if devices[0].platform == "cpu":  # see sync_each_step in lclm.train.loop
+                    jax.block_until_ready(m)
             jax.block_until_ready(m)
             dt = (time.perf_counter() - t0) / args.steps
             tokens = b * seq

@@ -185,3 +185,16 @@ def load_config(path: str, overrides: dict | None = None) -> ml_collections.Conf
             raise ConfigError(f"unknown config key {key!r}")
         node[field] = value
     return config
+
+
+def parse_overrides(items) -> dict:
+    """`["a.b=1", "c.d=text"]` -> `{"a.b": 1, "c.d": "text"}` (Python literals, else strings)."""
+    import ast
+    out = {}
+    for item in items:
+        key, _, raw = item.partition("=")
+        try:
+            out[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key] = raw
+    return out

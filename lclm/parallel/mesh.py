@@ -12,13 +12,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 AXES = ("dp", "fsdp", "tp", "sp")
 
 # Logical axis name -> mesh axes. The only place that decides what is sharded where.
-# Parameters: embedding/hidden over fsdp, heads and MLP hidden over tp.
+# Parameters: embedding/hidden over fsdp *and* sp (the ring's devices hold different tokens
+# but the same weights, so they share the weight shards too: ZeRO-3 over fsdp x sp, as the
+# Ring Attention paper runs FSDP over every device), heads and MLP hidden over tp.
 # Activations: batch over (dp, fsdp), sequence over sp, heads over tp.
 AXIS_RULES: dict[str, tuple[str, ...]] = {
     # parameters
     "layers": (),
     "vocab": ("tp",),
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "sp"),
     "heads": ("tp",),
     "kv_heads": ("tp",),
     "head_dim": (),

@@ -13,6 +13,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lclm.checkpoint import Checkpoints
@@ -55,11 +56,13 @@ def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState:
     params = jax.jit(lambda k: init_params(model, k), out_shardings=shardings)(
         jax.random.key(seed))
     replicated = NamedSharding(mesh, PartitionSpec())
-    # scalars (step, optimizer counts) would otherwise land on one device only
-    on_mesh = lambda x: (x if len(x.sharding.device_set) == mesh.size
-                         else jax.device_put(x, replicated))
-    opt_state = jax.tree.map(on_mesh, jax.jit(optimizer.init)(params))
-    return TrainState(on_mesh(jnp.zeros((), jnp.int32)), params, opt_state)
+    # moments are sharded exactly like their parameters (left to propagation, XLA replicated
+    # them); counts and other scalars are replicated
+    opt_shardings = optax.tree_utils.tree_map_params(
+        optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, params),
+        shardings, transform_non_params=lambda _: replicated)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+    return TrainState(jax.device_put(jnp.zeros((), jnp.int32), replicated), params, opt_state)
 
 
 def apply_hf_shapes(config) -> None:
@@ -146,11 +149,17 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     previous = {sig: signal.signal(sig, lambda *_: preempted.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)
                 if threading.current_thread() is threading.main_thread()}
+    # Simulated CPU devices: one step in flight at a time. Overlapping multi-device CPU
+    # programs were seen to stall XLA's in-process collective rendezvous on 2-core machines
+    # (an abort after its 40 s timeout); real accelerators keep asynchronous dispatch.
+    sync_each_step = devices[0].platform == "cpu"
     t0, since = time.perf_counter(), first - 1
     try:
         last = total if stop_after is None else min(total, stop_after)
         for step in range(first, last + 1):
             state, metrics = step_fn(state, next(batches))
+            if sync_each_step:
+                jax.block_until_ready(metrics)
             if any_process(preempted.is_set()):  # every process must join the save
                 preempted.set()
             if checkpoints.due(step) or step == total or preempted.is_set():

@@ -1,0 +1,165 @@
+"""Plan a run before spending a pod-day: per-device memory and the ring's overlap condition.
+
+    python -m lclm.plan --config configs/llama7b_256k.py [--devices 32] [--device h100-nvlink]
+        [--set data.seq_len=524288 ...] [--measure]
+
+Per device, before anything is compiled: parameter, gradient and optimizer-state bytes under
+the mesh's sharding rules; activation bytes (per layer and in all) for the remat policy and
+the blockwise chunks; the ring's working set (seed 003: about 6 x block x hidden); the total
+against the device's memory; tokens per step; and the minimal per-device block for hiding
+the ring's transfers on the chosen interconnect (seed 003 Table 2: c = FLOPS / bandwidth).
+`--measure` also compiles one real train step on the local devices and prints XLA's memory
+analysis (and the measured peak after one step where the device reports it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+
+from lclm.config import load_config, parse_overrides
+
+# name -> (bf16 FLOP/s, one-way link GB/s, memory GiB)
+DEVICES = {
+    "a100-nvlink": (312e12, 300, 80), "a100-ib": (312e12, 12.5, 80),
+    "h100-nvlink": (989e12, 450, 80), "h100-ib": (989e12, 50, 80),
+    "h200-nvlink": (989e12, 450, 141),
+    "tpu-v4": (275e12, 268, 32), "tpu-v5e": (197e12, 186, 16), "tpu-v5p": (459e12, 600, 95),
+}
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclasses.dataclass
+class Plan:
+    mesh: dict
+    params: float
+    grads: float
+    optimizer: float
+    activations_per_layer: float
+    activations: float
+    ring: float
+    tokens_per_step: int
+    local_tokens: int
+    min_block: float | None
+    device_memory: float | None
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.ring
+
+
+class _MeshShape:
+    """Just the axis sizes: what the sharding rules need to decide divisibility."""
+    def __init__(self, sizes):
+        self.shape = sizes
+
+
+def estimate(config, device_count: int, device: str | None = None) -> Plan:
+    """Per-device memory estimate (bytes) of `config` on `device_count` devices."""
+    from lclm.config import validate
+    from lclm.models.llama import LlamaConfig, is_param_entry, param_table
+    from lclm.parallel.mesh import logical_spec
+
+    sizes = validate(config, device_count)
+    m = LlamaConfig.from_config(config.model)
+    mesh = _MeshShape(sizes)
+    pbytes, cbytes = _BYTES[m.param_dtype], _BYTES[m.dtype]
+
+    def shard(entry) -> float:
+        shape, axes = entry
+        spec = logical_spec(axes, shape, mesh)
+        split = 1
+        for part in spec:
+            for a in (part if isinstance(part, tuple) else (part,)):
+                if a:
+                    split *= sizes[a]
+        return math.prod(shape) / split
+
+    import jax
+    local_params = sum(shard(e) for e in jax.tree.leaves(param_table(m), is_leaf=is_param_entry))
+    d, a = config.data, config.attention
+    sp, tp = sizes["sp"], sizes["tp"]
+    batch_local = d.batch_size // config.train.grad_accum // (sizes["dp"] * sizes["fsdp"])
+    t = d.seq_len // sp
+    kv_dim = m.n_kv_heads * m.head_dim
+    heads_local = m.n_heads // tp
+    # saved between layers (the scan carries each layer's input) with full remat; more is
+    # saved by the lighter policies (about the layer's matmul outputs)
+    carry = batch_local * t * m.dim * cbytes
+    per_layer_saved = {"full": carry, "none": None}.get(m.remat)
+    inside = (batch_local * t * (2 * heads_local * m.head_dim + 2 * max(kv_dim // tp, m.head_dim))
+              * cbytes                                           # q, o, k, v of the layer
+              + batch_local * heads_local * min(a.q_chunk, t) * min(a.kv_chunk, t) * 4 * 3
+              + batch_local * min(m.ffn_chunk, t) * (m.ffn_dim // tp) * cbytes * 3
+              + batch_local * min(m.loss_chunk, t) * (m.vocab_size // tp) * 4 * 2)
+    if per_layer_saved is None:  # no remat: everything of every layer is kept
+        per_layer_saved = carry * 4 + inside
+    elif m.remat != "full":
+        per_layer_saved = carry * 4
+    activations = per_layer_saved * m.n_layers + inside + batch_local * t * m.dim * 4 * 2
+    # the ring: K/V held + in flight (compute dtype) and dK/dV accumulators travelling (f32)
+    ring = (batch_local * t * 2 * (kv_dim // max(1, min(tp, m.n_kv_heads))) * (2 * cbytes + 4)
+            if sp > 1 else 0)
+    flops, bandwidth, memory = DEVICES.get(device, (None, None, None))
+    return Plan(mesh=sizes, params=local_params * pbytes, grads=local_params * 4,
+                optimizer=2 * local_params * pbytes, activations_per_layer=per_layer_saved,
+                activations=activations, ring=ring, tokens_per_step=d.batch_size * d.seq_len,
+                local_tokens=t, min_block=(flops / (bandwidth * 1e9) if flops else None),
+                device_memory=(memory * 2**30 if memory else None))
+
+
+def report(plan: Plan, device: str | None) -> str:
+    gib = lambda x: f"{x / 2**30:,.2f} GiB"
+    rows = [("mesh", str(plan.mesh)), ("tokens per step", f"{plan.tokens_per_step:,}"),
+            ("tokens per device (sequence block)", f"{plan.local_tokens:,}"),
+            ("parameters", gib(plan.params)), ("gradients (float32)", gib(plan.grads)),
+            ("optimizer state (AdamW)", gib(plan.optimizer)),
+            ("activations saved per layer", gib(plan.activations_per_layer)),
+            ("activations in all (+ one layer's working set)", gib(plan.activations)),
+            ("ring working set", gib(plan.ring)), ("total", gib(plan.total))]
+    if plan.device_memory:
+        rows.append((f"{device} memory", f"{gib(plan.device_memory)} "
+                     f"({100 * plan.total / plan.device_memory:.0f}% used)"))
+    if plan.min_block:
+        ok = "overlaps" if plan.local_tokens >= plan.min_block else "does NOT overlap"
+        rows.append(("min block to hide the ring (FLOPS/bandwidth)",
+                     f"{plan.min_block:,.0f} tokens: the ring {ok}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--devices", type=int, default=0,
+                    help="device count (default: the mesh's product, or the local devices)")
+    ap.add_argument("--device", choices=sorted(DEVICES), default=None)
+    ap.add_argument("--set", nargs="*", default=[], help="config overrides a.b=value")
+    ap.add_argument("--measure", action="store_true",
+                    help="also compile (and run) one step on the local devices")
+    args = ap.parse_args(argv)
+    config = load_config(args.config, parse_overrides(args.set))
+    from lclm.config import ConfigError, mesh_device_count
+    count = args.devices or mesh_device_count(config)
+    if count is None:
+        print("error: the mesh has a -1 axis; pass --devices N (the devices of the run)",
+              file=sys.stderr)
+        return 2
+    try:
+        plan = estimate(config, count, args.device)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report(plan, args.device))
+    if args.measure:  # the same step the benchmark times
+        import runpy
+        sys.argv = ["bench.train_step", "--config", args.config, "--steps", "1", "--set",
+                    *args.set]
+        runpy.run_module("bench.train_step", run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
