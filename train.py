@@ -11,7 +11,7 @@ devices than the machine has, they are simulated on the CPU.
 import logging
 import sys
 
-from absl import app, flags
+from absl import app
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from lclm.ops.blockwise import merge_chunks, split_chunks

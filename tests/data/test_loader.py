@@ -3,13 +3,11 @@
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 
 from lclm.config import load_config
 from lclm.data.loader import HostBatches, host_block, batch_sharding, parse_sources
-from lclm.data.sources import open_documents
 from lclm.data.stream import DocumentStream, EpochOrders
 from lclm.data.synthetic import conversations
 from lclm.data.tokenizer import Tokenizer
