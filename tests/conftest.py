@@ -2,8 +2,9 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+from lclm.parallel.devices import request_cpu_devices  # noqa: E402  (sets XLA_FLAGS only)
+
+request_cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
