@@ -126,8 +126,10 @@ def validate(config, device_count: int) -> dict[str, int]:
     if m.n_heads % tp:
         _fail(f"model.n_heads={m.n_heads} is not divisible by mesh.tp={tp}; "
               "pick a tp that divides the head count")
-    rep = tp // math.gcd(m.n_kv_heads, tp)
-    if (m.n_heads // m.n_kv_heads) % rep:
+    from lclm.ops.ring_attention import kv_repeats  # the ring's own rule for K/V heads on tp
+    try:
+        kv_repeats(m.n_heads, m.n_kv_heads, tp)
+    except ValueError:
         _fail(f"model.n_kv_heads={m.n_kv_heads} cannot be split over mesh.tp={tp}; "
               "pick a tp that divides or is a multiple of n_kv_heads")
     if m.ffn_dim % tp:

@@ -150,7 +150,7 @@ def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_c
     return _ring(settings, q, k, v, segment_ids, segment_ids)
 
 
-def _kv_repeats(q_heads: int, kv_heads: int, tp: int) -> int:
+def kv_repeats(q_heads: int, kv_heads: int, tp: int) -> int:
     """How often to repeat K/V heads so that they split evenly over `tp` (MQA/GQA with tp)."""
     if q_heads % tp:
         raise ValueError(f"{q_heads} query heads are not divisible by tp={tp}")
@@ -170,7 +170,7 @@ def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=
     output `[batch, seq, heads, dim]` in the same order and dtype as q. Differentiable.
     """
     n, tp = mesh.shape[SP], mesh.shape[HEAD_AXIS]
-    rep = _kv_repeats(q.shape[2], k.shape[2], tp)
+    rep = kv_repeats(q.shape[2], k.shape[2], tp)
     if rep > 1:  # only when kv_heads < tp: each tp shard then holds its own copy
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
     settings = _settings(n, layout, causal, q_chunk, kv_chunk, impl)
