@@ -132,6 +132,10 @@ def validate(config, device_count: int) -> dict[str, int]:
     except ValueError:
         _fail(f"model.n_kv_heads={m.n_kv_heads} cannot be split over mesh.tp={tp}; "
               "pick a tp that divides or is a multiple of n_kv_heads")
+    head_dim = m.dim // m.n_heads
+    if a.impl in ("pallas_gpu", "pallas_tpu") and head_dim & (head_dim - 1):
+        _fail(f"attention.impl={a.impl!r} needs a power-of-two head dim, got {head_dim}; "
+              "use attention.impl='blockwise'")
     if m.ffn_dim % tp:
         _fail(f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tp={tp}")
 

@@ -20,6 +20,7 @@ Tiles of `q_chunk x kv_chunk` that the mask hides entirely are skipped with `lax
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, NamedTuple
 
 import jax
@@ -209,16 +210,26 @@ class Kernel(NamedTuple):
     backward: Callable
 
 
-KERNELS = {"blockwise": Kernel(blockwise_forward, blockwise_backward)}
+# name -> Kernel, or "module:attribute" of one, imported on first use so that a backend's
+# Pallas code is only loaded where it is asked for.
+KERNELS: dict[str, Kernel | str] = {
+    "blockwise": Kernel(blockwise_forward, blockwise_backward),
+    "pallas_gpu": "lclm.ops.pallas_gpu:KERNEL",
+    "pallas_tpu": "lclm.ops.pallas_tpu:KERNEL",
+}
 
 
 def get_kernel(impl: str) -> Kernel:
     """The kernel registered under `config.attention.impl`."""
     try:
-        return KERNELS[impl]
+        entry = KERNELS[impl]
     except KeyError:
         raise ValueError(
             f"attention impl {impl!r} is not available; use one of {sorted(KERNELS)}") from None
+    if isinstance(entry, str):
+        module, attribute = entry.split(":")
+        entry = getattr(importlib.import_module(module), attribute)
+    return entry
 
 
 def dense_attention(q, k, v, *, causal: bool = True, segment_ids=None, positions=None):

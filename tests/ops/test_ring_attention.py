@@ -36,12 +36,17 @@ def _close(got, want, tol=1e-4):
     assert err < tol, f"relative error {err:.2e}"
 
 
+# the fused GPU kernel runs here in Pallas interpret mode: same kernel code, CPU semantics
+IMPLS = ["blockwise", "pallas_gpu"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", ["striped", "contiguous"])
 @pytest.mark.parametrize("sp,chunk,hkv,segments", [
     (1, 16, 2, False), (2, 8, 4, True), (4, 4, 1, False), (4, 16, 2, True), (8, 8, 2, True),
 ])
-def test_ring_matches_dense(layout, sp, chunk, hkv, segments):
-    seed = hash((layout, sp, chunk, hkv, segments)) % 2**31
+def test_ring_matches_dense(impl, layout, sp, chunk, hkv, segments):
+    seed = hash((impl, layout, sp, chunk, hkv, segments)) % 2**31
     q, k, v, do, seg = _inputs(seed, hkv=hkv, segments=segments)
     want = _reference(q, k, v, do, seg)
     mesh = make_mesh(sp=sp, fsdp=2 if sp <= 4 else 1)
@@ -50,7 +55,7 @@ def test_ring_matches_dense(layout, sp, chunk, hkv, segments):
 
     def f(q, k, v):
         return ring_attention(q, k, v, mesh=mesh, layout=layout, segment_ids=lay(seg),
-                              q_chunk=chunk, kv_chunk=chunk)
+                              q_chunk=chunk, kv_chunk=chunk, impl=impl)
 
     out, vjp = jax.vjp(jax.jit(f), lay(q), lay(k), lay(v))
     grads = vjp(lay(do))
@@ -58,14 +63,15 @@ def test_ring_matches_dense(layout, sp, chunk, hkv, segments):
         _close(unlay(g), w)
 
 
-def test_ring_with_tensor_parallel_heads_and_mqa():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ring_with_tensor_parallel_heads_and_mqa(impl):
     q, k, v, do, seg = _inputs(3, h=4, hkv=1, segments=True)
     want = _reference(q, k, v, do, seg)
     mesh = make_mesh(tp=2, sp=4)
 
     def f(q, k, v):
         return ring_attention(q, k, v, mesh=mesh, segment_ids=stripe(jnp.asarray(seg), 4),
-                              q_chunk=8, kv_chunk=4)
+                              q_chunk=8, kv_chunk=4, impl=impl)
 
     out, vjp = jax.vjp(jax.jit(f), *(stripe(jnp.asarray(x), 4) for x in (q, k, v)))
     for g, w in zip((out, *vjp(stripe(jnp.asarray(do), 4))), want):
@@ -108,8 +114,9 @@ def test_tile_schedule_matches_paper_workload():
     assert contiguous.max(axis=1).sum() == pytest.approx(half + (n - 1))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout,sp", [("contiguous", 1), ("striped", 2), ("contiguous", 2)])
-def test_hidden_tiles_are_skipped_not_masked(layout, sp):
+def test_hidden_tiles_are_skipped_not_masked(impl, layout, sp):
     """NaN keys/values in the last 16 positions: a computed-then-masked tile would spread
     NaN (NaN + -inf = NaN) into every query of that tile; skipped tiles keep earlier queries
     exact, in the output and in dq. (dK/dV of clean keys legitimately receive 0 * NaN from the
@@ -120,7 +127,8 @@ def test_hidden_tiles_are_skipped_not_masked(layout, sp):
     lay = lambda x: to_layout(jnp.asarray(x), layout, sp)
 
     def f(q, k, v):
-        return ring_attention(q, k, v, mesh=mesh, layout=layout, q_chunk=8, kv_chunk=8)
+        return ring_attention(q, k, v, mesh=mesh, layout=layout, q_chunk=8, kv_chunk=8,
+                              impl=impl)
 
     out, vjp = jax.vjp(jax.jit(f), lay(q), lay(poison(k)), lay(poison(v)))
     do_clean = np.concatenate([do[:, :48], np.zeros_like(do[:, 48:])], axis=1)

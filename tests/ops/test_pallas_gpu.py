@@ -1,0 +1,140 @@
+"""The fused GPU kernel (Pallas, interpret mode on CPU) against the dense float32 reference.
+
+Block-pair level: forward (o, lse) and backward from the *global* o/lse, for the masks the
+ring produces (causal, strictly causal striped rounds, full, segments), GQA/MQA and the LLaMA
+head dims. The ring-level tests in test_ring_attention.py run the same kernel over meshes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lclm.ops.attention import blockwise_backward, blockwise_forward, dense_attention
+from lclm.ops.pallas_gpu import backward, forward
+
+
+def _dense_block(q, k, v, q_pos, k_pos, q_seg, k_seg, causal):
+    """Reference attention of one block pair with explicit positions: (o, lse), float32."""
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    mask = jnp.ones(s.shape, bool)
+    if causal:
+        mask = mask & (q_pos[:, None] >= k_pos[None, :])
+    if q_seg is not None:
+        mask = mask & (q_seg[:, None, :, None] == k_seg[:, None, None, :])
+    s = jnp.where(mask, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v), jnp.swapaxes(lse, 1, 2)
+
+
+def _case(seed, b=2, t=64, h=4, hkv=2, d=16, segments=False, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, t, h, d), np.float32)
+    k = rng.standard_normal((b, t, hkv, d), np.float32)
+    v = rng.standard_normal((b, t, hkv, d), np.float32)
+    do = rng.standard_normal((b, t, h, d), np.float32)
+    seg = np.cumsum(rng.random((b, t)) < 0.1, axis=1).astype(np.int32) if segments else None
+    cast = lambda x: jnp.asarray(x, dtype)
+    return cast(q), cast(k), cast(v), cast(do), seg
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-12)
+
+
+# (q positions, k positions): one device's block in striped round k <= j (causal), k > j
+# (strictly causal: the first query sees nothing), and a contiguous earlier block (full view)
+POSITIONS = {
+    "causal": lambda t: (np.arange(t) * 4 + 2, np.arange(t) * 4 + 1),
+    "strict": lambda t: (np.arange(t) * 4 + 1, np.arange(t) * 4 + 2),
+    "earlier": lambda t: (np.arange(t) + t, np.arange(t)),
+}
+
+
+@pytest.mark.parametrize("positions,causal,hkv,d,segments", [
+    ("causal", True, 2, 16, False),
+    ("strict", True, 1, 64, True),
+    ("earlier", True, 4, 16, True),
+    ("causal", False, 2, 128, False),
+])
+def test_block_pair_matches_dense(positions, causal, hkv, d, segments):
+    q, k, v, do, seg = _case(hash((positions, causal, hkv, d)) % 2**31, hkv=hkv, d=d,
+                             segments=segments)
+    q_pos, k_pos = (jnp.asarray(p, jnp.int32) for p in POSITIONS[positions](q.shape[1]))
+    kw = dict(causal=causal, q_chunk=16, kv_chunk=32)
+    o, lse = forward(q, k, v, q_pos, k_pos, seg, seg, **kw)
+    want_o, want_lse = _dense_block(q, k, v, q_pos, k_pos, seg, seg, causal)
+    assert _rel(o, want_o) < 1e-5
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=1e-5)
+    if positions == "strict":
+        assert not finite[:, 0].any() and not np.asarray(o)[:, 0].any()  # sees nothing: o=0
+
+    # backward from this block's own o/lse equals the dense VJP of the block
+    got = backward(q, k, v, o, lse, do, q_pos, k_pos, seg, seg, **kw)
+    _, vjp = jax.vjp(lambda q, k, v: _dense_block(q, k, v, q_pos, k_pos, seg, seg, causal)[0],
+                     q, k, v)
+    for g, w in zip(got, vjp(do)):
+        assert np.isfinite(np.asarray(g)).all()
+        assert _rel(g, w) < 1e-5
+
+
+def test_backward_with_global_statistics_matches_blockwise_kernel():
+    """Ring usage: o/lse come from all rounds, not this block; gradients must still agree."""
+    q, k, v, do, seg = _case(7, segments=True)
+    t = q.shape[1]
+    q_pos, k_pos = jnp.arange(t) * 2 + 1, jnp.arange(t) * 2  # one of two striped rounds
+    o, lse = dense_attention(q, k, v), jax.random.normal(jax.random.key(0), (2, t, 4)) + 3.0
+    kw = dict(causal=True, q_chunk=16, kv_chunk=16)
+    got = backward(q, k, v, o, lse, do, q_pos, k_pos, seg, seg, **kw)
+    want = blockwise_backward(q, k, v, o, lse, do, q_pos, k_pos, seg, seg, **kw)
+    for g, w in zip(got, want):
+        assert _rel(g, w) < 1e-5
+
+
+def test_bf16_inputs_float32_results():
+    q, k, v, do, _ = _case(11, t=128, d=64, dtype=jnp.bfloat16)
+    pos = jnp.arange(128)
+    kw = dict(causal=True, q_chunk=32, kv_chunk=32)
+    o, lse = forward(q, k, v, pos, pos, None, None, **kw)
+    assert o.dtype == jnp.float32 and lse.dtype == jnp.float32
+    want_o, want_lse = blockwise_forward(q, k, v, pos, pos, None, None, **kw)
+    assert _rel(o, want_o) < 1e-2 and _rel(lse, want_lse) < 1e-2
+    grads = backward(q, k, v, o, lse, do, pos, pos, None, None, **kw)
+    wants = blockwise_backward(q, k, v, want_o, want_lse, do, pos, pos, None, None, **kw)
+    for g, w in zip(grads, wants):
+        assert g.dtype == jnp.float32 and _rel(g, w) < 2e-2
+
+
+def test_hidden_tiles_are_skipped_in_both_passes():
+    """K/V tiles that no query may see are poisoned with NaN: computing them and masking
+    afterwards would give NaN (0 * NaN) in o, dq, and in their own dk/dv; skipping keeps
+    everything finite and dk/dv of those keys exactly 0."""
+    q, k, v, do, _ = _case(13)
+    t = q.shape[1]
+    q_pos, k_pos = jnp.arange(t), jnp.arange(t) + t // 2  # keys of the 2nd half: hidden
+    hidden = np.asarray(k_pos) > t - 1
+    poison = lambda x: jnp.where(jnp.asarray(hidden)[None, :, None, None], jnp.nan, x)
+    k, v = poison(k), poison(v)
+    kw = dict(causal=True, q_chunk=16, kv_chunk=16)
+    o, lse = forward(q, k, v, q_pos, k_pos, None, None, **kw)
+    assert np.isfinite(np.asarray(o)).all()
+    dq, dk, dv = backward(q, k, v, o, lse, do, q_pos, k_pos, None, None, **kw)
+    assert np.isfinite(np.asarray(dq)).all()
+    assert not np.asarray(dk)[:, hidden].any() and not np.asarray(dv)[:, hidden].any()
+    clean = slice(0, t // 2)
+    want_o, _ = _dense_block(q, k[:, clean], v[:, clean], q_pos, k_pos[clean], None, None, True)
+    assert _rel(o, want_o) < 1e-5
+
+
+def test_tiles_must_be_powers_of_two():
+    q, k, v, _, _ = _case(1, t=48)
+    pos = jnp.arange(48)
+    with pytest.raises(ValueError, match="power of two"):
+        forward(q, k, v, pos, pos, None, None, causal=True, q_chunk=48, kv_chunk=16)
