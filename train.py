@@ -4,7 +4,8 @@
     python train.py --config configs/demo.py --config.train.steps=10 --config.mesh.sp=4 \
         --config.workdir=/tmp/run
 
-Any config field can be overridden with --config.<path>=<value>. When the mesh needs more
+A config with `stages.schedule` runs its stages one after another (lclm.train.stages); the
+same command resumes an interrupted staged run. Any config field can be overridden with --config.<path>=<value>. When the mesh needs more
 devices than the machine has, they are simulated on the CPU.
 """
 
@@ -36,8 +37,9 @@ def main(argv):
     if jax.process_index() != 0:
         logging.getLogger().setLevel(logging.WARNING)
     from lclm.train.loop import train
+    from lclm.train.stages import run_stages
     try:
-        train(config)
+        run_stages(config) if config.stages.schedule else train(config)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

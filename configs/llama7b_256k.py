@@ -1,9 +1,18 @@
-"""LLaMA-2-7B shapes at 262,144-token sequences with striped ring attention.
+"""Extend LLaMA-2-7B to 262,144 tokens in three stages with striped ring attention.
 
-Mesh: sp=8 (32,768 tokens per device, well above the ~1-4K block needed to hide the ring's
-K/V transfer behind compute on TPU v4 ICI / NVLink, seed 003 Table 2) times fsdp over the
-remaining devices: 32 devices (a v4-64 slice = 32 chips, or 4 nodes x 8 H100) gives fsdp=4,
-batch 4 x 256K = 1M tokens per step. RoPE theta 1e7, as LWM used at 128K-256K.
+    python train.py --config configs/llama7b_256k.py \
+        --config.model.init_from_hf=/path/to/Llama-2-7b-hf --config.data.path=/path/to/books
+    python -m lclm.plan --config configs/llama7b_256k.py --devices 32 --device h100-nvlink
+
+Starts from HuggingFace weights (`model.init_from_hf`) and trains on long text documents
+(prepare them with `python -m lclm.data.prepare`; the LWM line of work used books). Stages
+32K -> 128K -> 256K, each from the previous stage's final weights, with the RoPE theta LWM
+used at those lengths (Liu et al. 2024, "World Model on Million-Length Video and Language with
+Blockwise RingAttention": 1e6 at 32K, 1e7 at 128K and 256K) and 1M tokens per step in every
+stage (32 x 32K, 8 x 128K, 4 x 256K sequences). The ring grows with the sequence: sp=4 at
+32K and sp=8 from 128K, i.e. 8K-32K tokens per device, above the ~1-4K block that hides the
+ring's transfers on NVLink / TPU ICI (seed 003 Table 2); FSDP takes the other devices
+(32 devices: 4 nodes x 8 H100, or a v4-64 slice). Re-running the command resumes.
 """
 
 from lclm.config import apply_preset, base_config
@@ -13,12 +22,15 @@ def get_config():
     c = apply_preset(base_config(), "llama2_7b")
     c.workdir = "runs/llama7b_256k"
     c.mesh.update(dp=1, fsdp=-1, tp=1, sp=8)
-    c.model.update(rope_theta=1e7, dtype="bfloat16", param_dtype="float32", scan_layers=True,
-                   remat="full", ffn_chunk=8192, loss_chunk=8192)
+    c.model.update(init_from_hf="checkpoints/Llama-2-7b-hf", dtype="bfloat16",
+                   param_dtype="float32", scan_layers=True, remat="full",
+                   ffn_chunk=8192, loss_chunk=8192)
     c.attention.update(impl="blockwise", layout="striped", q_chunk=2048, kv_chunk=2048)
-    c.data.update(source="text", seq_len=262144, batch_size=4)
-    c.train.update(steps=2000, lr=2e-5, warmup=100, min_lr_ratio=0.1, weight_decay=0.0,
+    c.data.update(source="text", path="data/long_documents", seq_len=262144, batch_size=4)
+    c.stages.update(schedule="32k:1e6:300:4, 128k:1e7:200:8, 256k:1e7:150:8",
+                    tokens_per_batch=1 << 20)
+    c.train.update(steps=150, lr=2e-5, warmup=20, min_lr_ratio=0.1, weight_decay=0.0,
                    clip=1.0, grad_accum=1)
     c.log.every = 1
-    c.checkpoint.update(every=100, keep=3)
+    c.checkpoint.update(every=50, keep=2)
     return c

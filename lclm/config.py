@@ -52,6 +52,8 @@ def base_config() -> ml_collections.ConfigDict:
         loss_chunk=2048,    # tokens per blockwise cross-entropy chunk (per sp shard)
         init_from_hf="",    # a HuggingFace LLaMA directory: its shapes and weights start the
                             # run (model.rope_theta still applies: long-context recipes raise it)
+        init_from_checkpoint="",  # an lclm workdir: its latest parameters start the run (fresh
+                                  # optimizer); staged recipes chain their stages with it
     ))
 
     c.attention = ml_collections.ConfigDict(dict(
@@ -71,6 +73,10 @@ def base_config() -> ml_collections.ConfigDict:
         every=10, wandb=False, wandb_project="lclm", wandb_mode="online", progress=True))
 
     c.checkpoint = ml_collections.ConfigDict(dict(every=0, keep=3))  # every=0: final save only
+
+    # staged context extension (lclm.train.stages): "seq_len:rope_theta:steps, ..." runs one
+    # stage after another, each from the previous one's final weights; empty = a single run
+    c.stages = ml_collections.ConfigDict(dict(schedule="", tokens_per_batch=0))
     return c
 
 

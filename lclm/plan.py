@@ -147,16 +147,25 @@ def main(argv=None) -> int:
         print("error: the mesh has a -1 axis; pass --devices N (the devices of the run)",
               file=sys.stderr)
         return 2
-    try:
-        plan = estimate(config, count, args.device)
+    from lclm.train.stages import stage_configs
+    try:  # a staged recipe is planned stage by stage; the longest stage decides the fit
+        runs = stage_configs(config) if config.stages.schedule else [config]
+        plans = [estimate(c, count, args.device) for c in runs]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report(plan, args.device))
-    if args.measure:  # the same step the benchmark times
+    for i, (c, plan) in enumerate(zip(runs, plans)):
+        if len(runs) > 1:
+            print(f"\n== stage {i}: seq_len {c.data.seq_len:,}, rope_theta {c.model.rope_theta:g}, "
+                  f"{c.train.steps} steps of {c.data.batch_size} sequences")
+        print(report(plan, args.device))
+    if args.measure:  # the same step the benchmark times, at the last (longest) stage
         import runpy
+        last = runs[-1]
+        stage_set = [f"data.seq_len={last.data.seq_len}", f"data.batch_size={last.data.batch_size}",
+                     f"model.rope_theta={last.model.rope_theta}"] if len(runs) > 1 else []
         sys.argv = ["bench.train_step", "--config", args.config, "--steps", "1", "--set",
-                    *args.set]
+                    *args.set, *stage_set]
         runpy.run_module("bench.train_step", run_name="__main__")
     return 0
 

@@ -23,11 +23,44 @@ def test_layout_names_agree():
 @pytest.mark.parametrize("name,devices,sizes", [
     ("demo.py", 8, dict(dp=1, fsdp=2, tp=1, sp=4)),
     ("llama7b_256k.py", 32, dict(dp=1, fsdp=4, tp=1, sp=8)),
+    ("llama13b_512k.py", 32, dict(dp=1, fsdp=1, tp=1, sp=32)),
     ("llama1b.py", 1, dict(dp=1, fsdp=1, tp=1, sp=1)),
     ("llama3b.py", 4, dict(dp=1, fsdp=1, tp=1, sp=4)),
 ])
 def test_shipped_configs_validate(name, devices, sizes):
     assert validate(_load(name), devices) == sizes
+
+
+@pytest.mark.parametrize("name,devices,seq_lens,batches,sps", [
+    ("llama7b_256k.py", 32, [32768, 131072, 262144], [32, 8, 4], [4, 8, 8]),
+    ("llama13b_512k.py", 32, [32768, 131072, 262144, 524288], [64, 16, 8, 4], [4, 8, 16, 32]),
+    ("demo_stages.py", 8, [128, 256, 512], [32, 16, 8], [2, 4, 4]),
+])
+def test_staged_recipes_hold_tokens_per_step_and_validate(name, devices, seq_lens, batches, sps):
+    from lclm.train.stages import stage_configs, validate_stages
+    config = _load(name)
+    validate_stages(config, devices)
+    stages = stage_configs(config)
+    assert [c.data.seq_len for c in stages] == seq_lens
+    assert [c.data.batch_size for c in stages] == batches
+    assert [c.mesh.sp for c in stages] == sps
+    assert len({c.data.seq_len * c.data.batch_size for c in stages}) == 1
+    thetas = [c.model.rope_theta for c in stages]
+    assert thetas == sorted(thetas) and thetas[0] < thetas[-1]
+    assert [c.model.init_from_checkpoint for c in stages[1:]] == [c.workdir for c in stages[:-1]]
+
+
+@pytest.mark.parametrize("schedule,needle", [
+    ("32k:1e6", "is not seq_len:rope_theta:steps[:sp]"),
+    ("32k:1e6:-3", "needs positive values"),
+    ("1000:1e6:3", "tokens_per_batch=4096 is not a multiple of stage 0's seq_len=1000"),
+])
+def test_bad_stage_schedules_fail_at_start(schedule, needle):
+    from lclm.train.stages import validate_stages
+    config = _load("demo_stages.py")
+    config.stages.schedule = schedule
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        validate_stages(config, 8)
 
 
 @pytest.mark.parametrize("change,devices,needle", [

@@ -86,11 +86,26 @@ def load_hf_params(config, model: LlamaConfig, mesh):
     return jax.device_put(params, param_shardings(model, mesh))
 
 
+def load_checkpoint_params(config, template: TrainState):
+    """The latest parameters of the lclm run in `init_from_checkpoint`, placed like `template`."""
+    source = config.model.init_from_checkpoint
+    checkpoints = Checkpoints(source, every=0, keep=1)
+    try:
+        if checkpoints.latest_step() is None:
+            raise FileNotFoundError(f"model.init_from_checkpoint={source!r} has no checkpoint; "
+                                    "point it at the workdir of a finished lclm run")
+        restored, _ = checkpoints.restore(template)
+    finally:
+        checkpoints.close()
+    log.info("initialised from %s step %d", source, int(restored.step))
+    return restored.params
+
+
 def train(config, stop_after: int | None = None) -> list[dict]:
     """Run (or resume) up to `config.train.steps` steps; returns the logged metric records.
 
-    `stop_after` ends this process early after that step (as a preemption would), leaving
-    the schedule and the final step unchanged for the run that resumes.
+    `stop_after` ends the run after that step as a crash would (steps since the last
+    checkpoint are lost), leaving the schedule and the final step unchanged for the resume.
     """
     devices = jax.devices()
     if config.model.init_from_hf:
@@ -120,8 +135,11 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     state = init_state(model, optimizer, mesh, config.seed)
     checkpoints = Checkpoints(config.workdir, config.checkpoint.every, config.checkpoint.keep)
     data_state = None
-    if config.model.init_from_hf and checkpoints.latest_step() is None:
-        state = state._replace(params=load_hf_params(config, model, mesh))
+    if checkpoints.latest_step() is None:
+        if config.model.init_from_checkpoint:
+            state = state._replace(params=load_checkpoint_params(config, state))
+        elif config.model.init_from_hf:
+            state = state._replace(params=load_hf_params(config, model, mesh))
     if checkpoints.latest_step() is not None:
         state, data_state = checkpoints.restore(state)
         if int(state.step) >= config.train.steps:

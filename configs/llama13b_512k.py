@@ -1,0 +1,38 @@
+"""Fine-tune LLaMA-2-13B to 524,288 tokens on ShareGPT in four stages (seed 003, section 5.3).
+
+    python train.py --config configs/llama13b_512k.py \
+        --config.model.init_from_hf=/path/to/Llama-2-13b-hf --config.data.path=/path/to/sharegpt.json
+    python -m lclm.plan --config configs/llama13b_512k.py --devices 32 --device a100-nvlink
+    python -m lclm.eval.line_retrieval --checkpoint runs/llama13b_512k/stage3_524288 \
+        --lengths 32k,128k,256k,512k
+
+The Ring Attention paper fine-tuned LLaMA-13B to 512K on ShareGPT with 32 A100 80GB and
+evaluated it by line retrieval; this is that run as an lclm recipe. Stages 32K -> 128K ->
+256K -> 512K, each starting from the previous stage's final weights (stage 0 from the
+HuggingFace weights), RoPE theta raised per stage as in LWM (Liu et al. 2024: 1e6 at 32K,
+1e7 at 128K-256K, 2.5e7 at 512K), 2M tokens per step in every stage (64 x 32K ... 4 x 512K
+sequences), loss only on the assistant replies (Vicuna template). The ring grows with the
+sequence (sp 4 -> 8 -> 16 -> 32: 8K-16K tokens per device) and FSDP takes the rest of the 32
+devices; parameters and optimizer state are sharded over fsdp x sp either way.
+"""
+
+from lclm.config import apply_preset, base_config
+
+
+def get_config():
+    c = apply_preset(base_config(), "llama2_13b")
+    c.workdir = "runs/llama13b_512k"
+    c.mesh.update(dp=1, fsdp=-1, tp=1, sp=32)
+    c.model.update(init_from_hf="checkpoints/Llama-2-13b-hf", dtype="bfloat16",
+                   param_dtype="float32", scan_layers=True, remat="full",
+                   ffn_chunk=4096, loss_chunk=4096)
+    c.attention.update(impl="blockwise", layout="striped", q_chunk=2048, kv_chunk=2048)
+    c.data.update(source="sharegpt", path="data/sharegpt.json", chat_template="vicuna",
+                  seq_len=524288, batch_size=4)
+    c.stages.update(schedule="32k:1e6:200:4, 128k:1e7:100:8, 256k:1e7:60:16, 512k:2.5e7:60:32",
+                    tokens_per_batch=1 << 21)
+    c.train.update(steps=60, lr=2e-5, warmup=10, min_lr_ratio=0.1, weight_decay=0.0,
+                   clip=1.0, grad_accum=1)
+    c.log.every = 1
+    c.checkpoint.update(every=20, keep=2)
+    return c
