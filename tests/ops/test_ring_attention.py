@@ -138,3 +138,22 @@ def test_hidden_tiles_are_skipped_not_masked(impl, layout, sp):
     _close(out[:, :48], want[0])
     assert np.isnan(np.asarray(out[:, 48:])).all()  # the poisoned keys really are visible there
     _close(dq[:, :48], want[1])
+
+
+def test_kv_travel_in_the_compute_dtype():
+    """K/V (and segment ids) cross the ring in bf16/int32 as the program states it (StableHLO,
+    before any backend's own type normalisation); only the dK/dV accumulators travel in
+    float32 (anchors.md pitfalls 2 and 3)."""
+    import re
+    mesh = make_mesh(sp=4)
+    q = jnp.ones((2, 64, 4, 16), jnp.bfloat16)
+    k = jnp.ones((2, 64, 2, 16), jnp.bfloat16)
+    seg = jnp.ones((2, 64), jnp.int32)
+    ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, segment_ids=seg, q_chunk=8,
+                                          kv_chunk=8)
+    permuted = lambda fn: re.findall(r"collective_permute.*?-> tensor<([^>]*)>",
+                                     jax.jit(fn).lower(q, k, k).as_text())
+    forward = permuted(ring)
+    assert forward and {t.split("x")[-1] for t in forward} == {"bf16", "i32"}
+    backward = permuted(jax.grad(lambda *a: ring(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    assert {t.split("x")[-1] for t in backward} == {"bf16", "i32", "f32"}  # + dK/dV in f32
