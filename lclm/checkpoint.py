@@ -100,7 +100,7 @@ class Checkpoints:
                 log.error("checkpoint step %d could not be restored (%s); trying the previous "
                           "one", step, e)
                 continue
-            log.info("resumed from checkpoint step %d", step)
+            log.info("restored checkpoint step %d of %s", step, self.directory)
             s = restored["state"]
             state = type(template)(s["step"], s["params"], s["opt_state"])
             return state, restored["data"]["processes"]
