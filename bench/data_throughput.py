@@ -16,9 +16,8 @@ import sys
 import tempfile
 import time
 
+from bench import ROOT
 from bench.report import emit_table
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> int:

@@ -1,23 +1,263 @@
 """Training-step throughput: tokens/s, MFU and peak memory of one full train step.
 
-    python -m bench.train_step --config configs/llama1b.py --seq 8192,32768
+    python -m bench.train_step --config configs/llama1b.py --seq 8192,32768 \
+        [--impls blockwise,pallas_gpu] [--isolate]
     python -m bench.train_step --config configs/demo.py --seq 512 --layouts striped,contiguous
 
 Synthetic tokens (one document per row), the real model, ring attention, optimizer and
-shardings of the config. MFU counts causal attention as half the square (see
+shardings of the config; the attention kernel is `config.attention.impl` (`--impls` runs
+several). MFU counts causal attention as half the square (see
 `lclm.train.metrics.flops_per_token`); on a CPU there is no peak to divide by, and the table
-says so: CPU numbers are not a performance result.
+says so: CPU numbers are not a performance result. `--isolate` runs every row in its own
+process, so an out-of-memory row is reported as OOM and each row's peak memory is its own
+(a process's peak counter never goes down).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import dataclasses
+import math
 import os
 import sys
 import time
 
-from bench.report import emit_table
+from bench import int_list, repo_path
+from bench.isolate import emit_record, run_child
+from bench.report import emit_table, error_status, fmt, stamp
+
+MESH_AXES = ("dp", "fsdp", "tp", "sp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRun:
+    """One model of a suite: a config file (relative to the repository), overrides, lengths."""
+    config: str
+    seqs: tuple[int, ...]
+    overrides: tuple[str, ...] = ()
+    note: str = ""  # why the overrides (shown under the table)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+    """The train-step part of a suite."""
+    models: tuple[ModelRun, ...]
+    impls: tuple[str, ...] = ("blockwise", "pallas_gpu", "pallas_tpu")  # those usable run
+    steps: int = 3
+    warmup: int = 2
+    isolate: bool = True
+    timeout: float = 1800.0
+
+    def smallest(self) -> "TrainSpec":
+        first = self.models[0]
+        return dataclasses.replace(self, models=(dataclasses.replace(first, seqs=first.seqs[:1]),),
+                                   steps=1, warmup=0)
+
+
+def row_config(config_path: str, overrides, seq: int, layout: str | None, impl: str | None):
+    """The config of one row: the file, its overrides, then this row's length/layout/kernel."""
+    from lclm.config import load_config, parse_overrides
+
+    config = load_config(config_path, parse_overrides(overrides))
+    config.data.seq_len = seq
+    if layout:
+        config.attention.layout = layout
+    if impl:
+        config.attention.impl = impl
+    return config
+
+
+def synthetic_batch(vocab_size: int, batch_size: int, seq: int, layout: str, sp: int, mesh):
+    """Random tokens as one document per row, in the layout's order, on the mesh."""
+    import jax
+    import numpy as np
+
+    from lclm.data.loader import batch_sharding
+    from lclm.ops.layout import batch_to_layout
+
+    rng = np.random.default_rng(0)
+    tok = rng.integers(3, vocab_size, (batch_size, seq + 1)).astype(np.int32)
+    batch = dict(tokens=tok[:, :-1], targets=tok[:, 1:],
+                 loss_mask=np.ones((batch_size, seq), np.float32),
+                 positions=np.broadcast_to(np.arange(seq, dtype=np.int32), (batch_size, seq)),
+                 segment_ids=np.ones((batch_size, seq), np.int32))
+    batch = batch_to_layout(batch, layout, sp)
+    return {k: jax.device_put(np.ascontiguousarray(v), batch_sharding(mesh))
+            for k, v in batch.items()}
+
+
+def _xla_bytes(compiled) -> int | None:
+    """XLA's own estimate of the step's device memory (arguments + outputs + temporaries,
+    less donated buffers), or None where the backend gives none."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
+            model_patch=None) -> dict:
+    """Build the state, compile the step, run `warmup` untimed and `steps` timed steps.
+
+    Returns a record: params, seq, impl, layout, mesh, compile_s, xla_gib, status and, when
+    the step ran, step_s, tokens_s, mfu, peak_gib, loss. With `budget_bytes`, a step whose XLA
+    memory estimate exceeds it is not run (status 'over budget': the only memory limit on a
+    CPU). `model_patch` is a context manager entered while the step is traced
+    (max_context's dense-attention baseline swaps the model's attention call with it).
+    """
+    import contextlib
+
+    import jax
+
+    from lclm.train.metrics import flops_per_token, peak_flops
+
+    model, sizes, state, batch, step = _build(config)
+    record = dict(params=model.param_count(), seq=config.data.seq_len,
+                  impl=config.attention.impl, layout=config.attention.layout,
+                  mesh="x".join(str(sizes[a]) for a in MESH_AXES))
+    t0 = time.perf_counter()
+    with model_patch or contextlib.nullcontext():
+        compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
+    record["compile_s"] = time.perf_counter() - t0
+    estimate = _xla_bytes(compiled)
+    record["xla_gib"] = None if estimate is None else estimate / 2 ** 30
+    if budget_bytes is not None and estimate is not None and estimate > budget_bytes:
+        return dict(record, status="over budget")
+    dt, metrics = _timed_steps(compiled, state, batch, warmup, steps)
+    device = jax.devices()[0]
+    peak = peak_flops(device.device_kind)
+    tokens = config.data.batch_size * config.data.seq_len
+    flops = flops_per_token(model, config.data.seq_len) * tokens
+    peak_mem = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    return dict(record, status="ok", step_s=dt, tokens_s=tokens / dt,
+                mfu=flops / dt / (peak * math.prod(sizes.values())) if peak else None,
+                peak_gib=None if peak_mem is None else peak_mem / 2 ** 30,
+                loss=float(metrics["loss"]))
+
+
+def _build(config):
+    """(model config, mesh sizes, fresh train state, synthetic batch, un-jitted step)."""
+    import jax
+
+    from lclm.config import validate
+    from lclm.models.llama import AttentionConfig, LlamaConfig
+    from lclm.parallel.mesh import make_mesh
+    from lclm.train.loop import init_state
+    from lclm.train.step import make_optimizer, make_train_step
+
+    devices = jax.devices()
+    sizes = validate(config, len(devices))
+    mesh = make_mesh(**sizes, devices=devices)
+    model = LlamaConfig.from_config(config.model)
+    attention = AttentionConfig.from_config(config.attention)
+    optimizer = make_optimizer(config.train)
+    state = init_state(model, optimizer, mesh, config.seed)
+    batch = synthetic_batch(model.vocab_size, config.data.batch_size, config.data.seq_len,
+                            attention.layout, sizes["sp"], mesh)
+    return model, sizes, state, batch, make_train_step(model, attention, config.train, mesh,
+                                                       optimizer)
+
+
+def _timed_steps(compiled, state, batch, warmup: int, steps: int):
+    """(seconds per step over `steps` >= 1 timed steps, the last step's metrics)."""
+    import jax
+
+    sync_each = jax.devices()[0].platform == "cpu"  # see sync_each_step in lclm.train.loop
+    for _ in range(warmup):
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+    steps = max(steps, 1)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = compiled(state, batch)
+        if sync_each:
+            jax.block_until_ready(metrics)
+    jax.block_until_ready(metrics)
+    return (time.perf_counter() - t0) / steps, metrics
+
+
+def run_row(run: ModelRun, seq: int, layout: str | None, impl: str | None, *, steps: int,
+            warmup: int, isolate: bool, timeout: float) -> dict:
+    """One row, in this process or (isolate) in a child; failures become a status."""
+    base = dict(seq=seq, impl=impl or "", layout=layout or "", status="")
+    if isolate:
+        argv = ["--config", repo_path(run.config), "--seq", str(seq), "--steps", str(steps),
+                "--warmup", str(warmup), "--record", "--set", *run.overrides]
+        argv += ["--layouts", layout] if layout else []
+        argv += ["--impls", impl] if impl else []
+        records, status = run_child("bench.train_step", argv, timeout)
+        return records[0] if records else dict(base, status=status)
+    try:
+        config = row_config(repo_path(run.config), run.overrides, seq, layout, impl)
+        return measure(config, steps=steps, warmup=warmup)
+    except Exception as e:  # noqa: BLE001  (OOM or a kernel that cannot run: report it)
+        return dict(base, status=error_status(e))
+
+
+def collect(spec: TrainSpec, impls, layouts=(None,)) -> list[dict]:
+    """Every (model, seq, kernel, layout) row of `spec`, each tagged with its model's name."""
+    rows = []
+    for run in spec.models:
+        for seq in run.seqs:
+            for impl in impls:
+                for layout in layouts:
+                    r = run_row(run, seq, layout, impl, steps=spec.steps, warmup=spec.warmup,
+                                isolate=spec.isolate, timeout=spec.timeout)
+                    rows.append(dict(r, model=os.path.basename(run.config)))
+    return rows
+
+
+def _plot(records: list[dict], path: str, toy: bool) -> str:
+    from bench.plots import Panel, save_lines
+
+    speed = Panel("throughput", "sequence length (tokens)", "tokens/s")
+    mfu = Panel("MFU (causal attention counted as half)", "sequence length (tokens)", "MFU %")
+    memory = Panel("memory", "sequence length (tokens)", "GiB")
+    for r in records:
+        label = f"{r['model']} {r.get('impl', '')} {r.get('layout', '')}".strip()
+        speed.add(label, r["seq"], r.get("tokens_s"))
+        mfu.add(label, r["seq"], None if r.get("mfu") is None else 100 * r["mfu"])
+        memory.add(f"{label} peak", r["seq"], r.get("peak_gib"))
+        memory.add(f"{label} XLA estimate", r["seq"], r.get("xla_gib"), "x--")
+    panels = [speed] + ([mfu] if mfu.series else []) + [memory]
+    return save_lines(path, "Train step", stamp(toy), panels)
+
+
+def report(records: list[dict], spec: TrainSpec, path: str = "", notes=(),
+           toy: bool = False) -> str:
+    """Print the table; with `path`, also write it there and its plot next to it (.png)."""
+    rows = [(r.get("model", ""), fmt(r.get("params"), ",.1f", 1e-6), r["seq"],
+             r.get("impl", ""), r.get("layout", ""), r.get("mesh", "-"),
+             fmt(r.get("step_s"), ",.1f", 1e3), fmt(r.get("tokens_s"), ",.0f"),
+             fmt(r.get("mfu"), ".1%"), fmt(r.get("peak_gib"), ".3g"),
+             fmt(r.get("xla_gib"), ".3g"), fmt(r.get("compile_s")), fmt(r.get("loss"), ".3f"),
+             r.get("status", "")) for r in records]
+    lines = stamp(toy) + [
+        "MFU counts causal attention as half the square (n/a without a known peak, e.g. on "
+        f"CPU); {spec.steps} timed steps after {spec.warmup} warm-up steps; synthetic tokens; "
+        "peak = the device's peak bytes in use (one process per row when isolated), XLA "
+        "estimate = the compiled step's memory analysis.", *notes]
+    images = [_plot(records, os.path.splitext(path)[0] + ".png", toy)] if path else []
+    emit_table("Train step: tokens/s, MFU, memory", lines,
+               ["model", "params (M)", "seq", "kernel", "layout", "mesh dp x fsdp x tp x sp",
+                "step ms", "tokens/s", "MFU", "peak GiB", "XLA est. GiB", "compile s", "loss",
+                "status"], rows, path, images=images)
+    return path
+
+
+def run(spec: TrainSpec, out_dir: str, toy: bool = False) -> str:
+    """The suite's train-step part: every usable kernel of `spec.impls`. Returns the md path."""
+    import jax
+
+    from bench.attention import usable_kernels
+
+    usable, skipped = usable_kernels(jax.devices()[0].platform)
+    impls = [i for i in spec.impls if i in usable]
+    records = collect(spec, impls)
+    notes = [f"{run.config}: {run.note}" for run in spec.models if run.note]
+    notes.append("Skipped kernels: " + ("; ".join(skipped) if skipped else "none") + ".")
+    return report(records, spec, os.path.join(out_dir, "train_step.md"), notes, toy)
 
 
 def main(argv=None):
@@ -25,9 +265,15 @@ def main(argv=None):
     ap.add_argument("--config", required=True)
     ap.add_argument("--seq", default="", help="comma-separated sequence lengths")
     ap.add_argument("--layouts", default="", help="comma-separated layouts (default: config's)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps after 2 warm-up steps")
+    ap.add_argument("--impls", default="", help="comma-separated kernels (default: config's)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     ap.add_argument("--set", nargs="*", default=[], help="config overrides a.b=value")
-    ap.add_argument("--out", default="", help="also write the table to this file")
+    ap.add_argument("--isolate", action="store_true", help="one child process per row")
+    ap.add_argument("--record", action="store_true",
+                    help="print machine-readable records only (the child side of --isolate)")
+    ap.add_argument("--out", default="", help="also write the table to this .md file (and a "
+                    ".png plot next to it)")
     args = ap.parse_args(argv)
 
     from lclm.config import load_config, mesh_device_count, parse_overrides
@@ -35,80 +281,20 @@ def main(argv=None):
 
     base = load_config(args.config, parse_overrides(args.set))
     request_cpu_devices(mesh_device_count(base) or 1)
-
-    import jax
-    import numpy as np
-
-    from lclm.config import validate
-    from lclm.data.loader import batch_sharding
-    from lclm.models.llama import AttentionConfig, LlamaConfig
-    from lclm.ops.layout import batch_to_layout
-    from lclm.parallel.mesh import make_mesh
-    from lclm.train.loop import init_state
-    from lclm.train.metrics import flops_per_token, peak_flops
-    from lclm.train.step import make_optimizer, make_train_step
-
-    devices = jax.devices()
-    kind = devices[0].device_kind
-    peak = peak_flops(kind)
-    seqs = [int(s) for s in args.seq.split(",")] if args.seq else [base.data.seq_len]
-    layouts = args.layouts.split(",") if args.layouts else [base.attention.layout]
-    rows = []
-    for seq in seqs:
-        for layout in layouts:
-            config = load_config(args.config, parse_overrides(args.set))
-            config.data.seq_len = seq
-            config.attention.layout = layout
-            sizes = validate(config, len(devices))
-            mesh = make_mesh(**sizes, devices=devices)
-            model = LlamaConfig.from_config(config.model)
-            attention = AttentionConfig.from_config(config.attention)
-            optimizer = make_optimizer(config.train)
-            state = init_state(model, optimizer, mesh, config.seed)
-            b = config.data.batch_size
-            rng = np.random.default_rng(0)
-            tok = rng.integers(3, model.vocab_size, (b, seq + 1)).astype(np.int32)
-            batch = dict(tokens=tok[:, :-1], targets=tok[:, 1:],
-                         loss_mask=np.ones((b, seq), np.float32),
-                         positions=np.broadcast_to(np.arange(seq, dtype=np.int32), (b, seq)),
-                         segment_ids=np.ones((b, seq), np.int32))
-            batch = batch_to_layout(batch, layout, sizes["sp"])
-            batch = {k: jax.device_put(np.ascontiguousarray(v), batch_sharding(mesh))
-                     for k, v in batch.items()}
-            step = jax.jit(make_train_step(model, attention, config.train, mesh, optimizer),
-                           donate_argnums=0)
-            t0 = time.perf_counter()
-            state, m = step(state, batch)
-            jax.block_until_ready(m)
-            compile_s = time.perf_counter() - t0
-            state, m = step(state, batch)
-            jax.block_until_ready(m)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                state, m = step(state, batch)
-                if devices[0].platform == "cpu":  # see sync_each_step in lclm.train.loop
-                    jax.block_until_ready(m)
-            jax.block_until_ready(m)
-            dt = (time.perf_counter() - t0) / args.steps
-            tokens = b * seq
-            flops = flops_per_token(model, seq) * tokens
-            stats = devices[0].memory_stats() or {}
-            peak_mem = stats.get("peak_bytes_in_use")
-            rows.append((seq, layout, f"{sizes}", f"{dt * 1e3:,.1f}", f"{tokens / dt:,.0f}",
-                         f"{100 * flops / dt / (peak * len(devices)):.1f}%" if peak else "n/a",
-                         f"{peak_mem / 2**30:.1f}" if peak_mem else "n/a",
-                         f"{compile_s:.1f}", f"{float(m['loss']):.3f}"))
-            del state, step, batch
-
-    emit_table(
-        f"Train step: {os.path.basename(args.config)} "
-        f"({LlamaConfig.from_config(base.model).param_count() / 1e6:,.1f}M params)",
-        [f"device: {len(devices)} x {kind} ({devices[0].platform}); jax {jax.__version__}; "
-         f"{datetime.date.today().isoformat()}" + ("" if peak else "; CPU: NOT a performance result"),
-         f"MFU counts causal attention as half the square; {args.steps} timed steps after "
-         "2 warm-up steps; synthetic tokens."],
-        ["seq", "layout", "mesh", "step ms", "tokens/s", "MFU", "peak GiB", "compile s", "loss"],
-        rows, args.out)
+    seqs = int_list(args.seq) or (base.data.seq_len,)
+    layouts = tuple(args.layouts.split(",")) if args.layouts else (None,)
+    impls = tuple(args.impls.split(",")) if args.impls else (None,)
+    spec = TrainSpec(models=(ModelRun(os.path.abspath(args.config), seqs, tuple(args.set)),),
+                     steps=args.steps, warmup=args.warmup, isolate=args.isolate)
+    if args.record:
+        for seq in seqs:
+            for layout in layouts:
+                for impl in impls:
+                    config = row_config(args.config, args.set, seq, layout, impl)
+                    emit_record(dict(measure(config, steps=args.steps, warmup=args.warmup),
+                                     model=os.path.basename(args.config)))
+        return 0
+    report(collect(spec, impls, layouts), spec, args.out)
     return 0
 
 

@@ -1,20 +1,32 @@
-"""The benchmarks run (toy sizes on CPU; numbers are not asserted, only that they report)."""
+"""The benchmarks run (toy sizes on CPU; numbers are not asserted, only that they report) and
+the pieces they compute with are right."""
 
+import importlib.util
 import os
 
+import jax
+import numpy as np
+import pytest
+
+from bench import __main__ as suite
 from bench import data_throughput, train_step
+from bench.max_context import search
+from bench.report import TOY_NOTE
+from bench.striped_sim import LAYOUTS, block_pairs, mask_class, ring_bound, round_times
+from lclm.ops.layout import original_positions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_train_step_bench_reports_a_table(tmp_path, capsys):
+def test_train_step_bench_reports_a_table(tmp_path):
     out = tmp_path / "t.md"
     assert train_step.main(["--config", os.path.join(ROOT, "configs", "demo.py"), "--seq", "64",
                             "--layouts", "striped,contiguous", "--steps", "1",
                             "--set", "model.n_layers=1", "--out", str(out)]) == 0
     table = out.read_text()
-    assert "NOT a performance result" in table
-    assert table.count("| 64 | ") == 2
+    assert TOY_NOTE in table
+    assert table.count("| 64 | blockwise | ") == 2
+    assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_data_throughput_bench_reports_both_paths(tmp_path):
@@ -23,3 +35,76 @@ def test_data_throughput_bench_reports_both_paths(tmp_path):
                                  "--out", str(out)]) == 0
     table = out.read_text()
     assert "tokenize+pack+stripe" in table and "pre-tokenised memmap" in table
+
+
+def test_cpu_suite_smallest_writes_stamped_reports_and_plots(tmp_path):
+    assert suite.main(["--suite", "cpu", "--smallest", "--out", str(tmp_path)]) == 0
+    stamp = f"device: {jax.devices()[0].device_kind} (cpu"
+    for name in [*suite.PARTS.values(), "index"]:
+        text = (tmp_path / f"{name}.md").read_text()
+        assert stamp in text and f"jax {jax.__version__}" in text, name
+        assert TOY_NOTE in text, name
+    for name in suite.PARTS.values():
+        assert (tmp_path / f"{name}.png").read_bytes().startswith(b"\x89PNG"), name
+    index = (tmp_path / "index.md").read_text()
+    assert index.count("| ok |") == len(suite.PARTS) and stamp in index
+    # every part measured something: no skipped or failed rows at the smallest sizes
+    assert "| lclm blockwise | causal |" in (tmp_path / "attention.md").read_text()
+    assert "| blockwise | 2 | 128 |" in (tmp_path / "striped_sim.md").read_text()
+    assert "| ok |" in (tmp_path / "train_step.md").read_text()
+    context = (tmp_path / "max_context.md").read_text()
+    assert "| lclm |" in context and "| vanilla |" in context and "512 ok" in context
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_block_pairs_of_one_mask_class_have_one_mask(layout):
+    """The simulation times one block pair per class: every pair of a class (any layout,
+    round, device and N) must have the same mask, and the class names must say which mask."""
+    c = 8
+    x = np.arange(c)
+    expected = {"causal": x[:, None] >= x[None, :], "strict": x[:, None] > x[None, :],
+                "full": np.ones((c, c), bool), "hidden": np.zeros((c, c), bool)}
+    for n in (2, 4, 8):
+        for _, device, source in block_pairs(n):
+            q = original_positions(layout, n, device, c)
+            k = original_positions(layout, n, source, c)
+            mask = q[:, None] >= k[None, :]
+            np.testing.assert_array_equal(mask, expected[mask_class(layout, n, device, source)])
+
+
+def test_search_finds_the_longest_fitting_length():
+    probed = []
+
+    def fits(seq):
+        probed.append(seq)
+        return seq <= 1000
+
+    assert search(fits, 128, 8192, 64) == (960, 1024)
+    assert probed[:5] == [128, 256, 512, 1024, 768]
+    assert search(lambda s: False, 128, 8192, 64) == (None, 128)
+    assert search(lambda s: True, 128, 1024, 64) == (1024, None)
+
+
+def test_ring_time_waits_for_the_busiest_device_of_each_round():
+    times = {"causal": 1.0, "full": 2.0, "hidden": 0.0, "strict": 0.9}
+    assert round_times("contiguous", 4, times) == [1.0, 2.0, 2.0, 2.0]
+    assert round_times("striped", 4, times) == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_ring_bound_counts_one_causal_then_full_rounds():
+    # contiguous: causal round + (N-1) full rounds; striped: N causal rounds
+    assert ring_bound(causal_s=1.0, full_s=2.0, n=4) == pytest.approx((1 + 3 * 2) / 4)
+    assert ring_bound(causal_s=1.0, full_s=1.0, n=8) == pytest.approx(1.0)
+
+
+def test_official_ringattention_wrapper_matches_dense_attention():
+    """The comparison is only fair if the official package is called correctly."""
+    if importlib.util.find_spec("ringattention") is None:  # its __init__ fails on new JAX
+        pytest.skip("the ringattention package is not installed")
+    from bench.attention import official_ring_method, qkv
+    from lclm.ops.attention import dense_attention
+
+    q, k, v, _ = qkv(1, 128, 2, 64, "float32")
+    for causal in (True, False):
+        out = official_ring_method(32, 32).fn(q, k, v, causal)
+        np.testing.assert_allclose(out, dense_attention(q, k, v, causal=causal), atol=2e-5)

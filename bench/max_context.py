@@ -1,0 +1,226 @@
+"""Longest trainable sequence on one device: lclm's blockwise transformer vs dense baselines.
+
+    python -m bench.max_context [--config configs/llama1b.py] [--variants lclm,vanilla]
+        [--start 8192] [--cap 2097152] [--resolution 16384] [--out DIR]
+
+Variants of the same LLaMA train step (full remat, AdamW, batch 1, one device):
+
+- `lclm`: blockwise attention (the config's kernel), blockwise feed-forward and loss (BPT);
+- `attention_only`: blockwise attention, feed-forward and loss unchunked (chunk = sequence),
+  the "memory-efficient attention" baseline of the BPT paper;
+- `vanilla`: dense attention (`lclm.ops.attention.dense_attention`: float32 `[heads, t, t]`
+  scores and probabilities materialised), feed-forward and loss unchunked. lclm's model has
+  no dense-attention setting, so for this variant the probe swaps the model's attention call
+  (`lclm.models.llama.ring_attention`) while the step is traced; everything else is lclm's.
+
+Each probe (one variant, one length) runs in a child process (an out-of-memory abort cannot
+be caught reliably in-process) that builds the state, compiles and runs one training step
+(`bench.train_step.measure`); the length fits if that step finished. Lengths double from
+`--start` until a probe fails or `--cap`, then bisect down to `--resolution` tokens. On a CPU
+nothing runs out of memory at toy sizes, so there a probe also fails when XLA's memory
+estimate of the compiled step exceeds `--budget-mib` (the report says which limit applied).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+from typing import Callable, NamedTuple
+
+from bench import repo_path
+from bench.isolate import emit_record, run_child
+from bench.report import emit_table, fmt, stamp
+
+ONE_DEVICE = ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1", "mesh.sp=1")
+
+
+class Variant(NamedTuple):
+    dense: bool      # dense_attention instead of the blockwise kernel
+    chunked: bool    # the config's blockwise feed-forward and loss chunks
+    what: str
+    published: str   # BPT paper (seed 004) Table 2, 1B on one A100 80GB: a published figure
+
+
+VARIANTS = {
+    "lclm": Variant(False, True, "blockwise attention + blockwise FFN and loss (BPT)", "131K"),
+    "attention_only": Variant(False, False, "blockwise attention; FFN and loss unchunked",
+                              "65K"),
+    "vanilla": Variant(True, False, "dense attention (materialised); FFN and loss unchunked",
+                       "16K"),
+}
+PUBLISHED_NOTE = ("Published: BPT paper (Liu & Abbeel 2023, seed 004) Table 2, their 1B model "
+                  "on one A100 80GB: vanilla 16K, memory-efficient attention 65K, BPT 131K "
+                  "(a different model and device: for orientation only).")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxContextSpec:
+    """The max-context part of a suite."""
+    config: str = "configs/llama1b.py"
+    overrides: tuple[str, ...] = ()
+    variants: tuple[str, ...] = ("lclm", "attention_only", "vanilla")
+    impl: str = "auto"        # the blockwise variants' kernel; auto = the platform's fused one
+    start: int = 8192
+    cap: int = 2 ** 21
+    resolution: int = 16384   # a multiple of every chunk of the config
+    budget_mib: int | None = None
+    timeout: float = 1800.0
+
+    def smallest(self) -> "MaxContextSpec":
+        return dataclasses.replace(self, cap=self.start)
+
+
+def _dense_ring_attention(q, k, v, *, mesh, segment_ids=None, **_tiles):
+    """Stand-in for the model's ring call on one device: plain dense causal attention."""
+    from lclm.ops.attention import dense_attention
+
+    if mesh.shape["sp"] != 1:
+        raise ValueError("the dense-attention baseline runs on one device (mesh.sp=1)")
+    return dense_attention(q, k, v, causal=True, segment_ids=segment_ids).astype(q.dtype)
+
+
+def dense_attention_patch():
+    """Context manager: lclm's LLaMA calls dense attention instead of the ring while active."""
+    from unittest import mock
+
+    from lclm.models import llama
+
+    return mock.patch.object(llama, "ring_attention", _dense_ring_attention)
+
+
+def probe(config_path: str, overrides, variant: str, seq: int, budget_mib: int | None) -> dict:
+    """Child side: one training step of `variant` at `seq` tokens on one device."""
+    from bench.train_step import measure, row_config
+
+    v = VARIANTS[variant]
+    config = row_config(config_path, [*overrides, *ONE_DEVICE], seq, None, None)
+    if not v.chunked:
+        config.model.update(ffn_chunk=seq, loss_chunk=seq)
+    patch = dense_attention_patch() if v.dense else contextlib.nullcontext()
+    budget = None if budget_mib is None else budget_mib * 2 ** 20
+    return dict(measure(config, steps=1, warmup=0, budget_bytes=budget, model_patch=patch),
+                variant=variant)
+
+
+def search(fits: Callable[[int], bool], start: int, cap: int, resolution: int):
+    """(longest length that fits, shortest that does not): doubling from `start` up to `cap`,
+    then bisection to `resolution` (every probed length is a multiple of it or `start`).
+    Either may be None: nothing fits, or `cap` fits."""
+    best, fail, seq = None, None, start
+    while seq <= cap:
+        if not fits(seq):
+            fail = seq
+            break
+        best, seq = seq, seq * 2
+    if best is None or fail is None:
+        return best, fail
+    while fail - best > resolution:
+        mid = (best + fail) // 2 // resolution * resolution
+        if mid <= best:
+            break
+        if fits(mid):
+            best = mid
+        else:
+            fail = mid
+    return best, fail
+
+
+def search_variant(spec: MaxContextSpec, variant: str) -> dict:
+    """Probe one variant in child processes; returns the search result and every probe."""
+    probes = {}
+
+    def fits(seq: int) -> bool:
+        argv = ["--probe", "--variant", variant, "--seq", str(seq), "--config",
+                repo_path(spec.config)]
+        argv += ["--budget-mib", str(spec.budget_mib)] if spec.budget_mib else []
+        argv += ["--set", *spec.overrides, f"attention.impl={spec.impl}"]
+        records, status = run_child("bench.max_context", argv, spec.timeout)
+        record = records[0] if records else {}
+        if status == "ok":  # a clean exit carries its own verdict ('ok' or 'over budget')
+            status = record.get("status", "no record")
+        probes[seq] = dict(record, status=status)
+        return status == "ok"
+
+    best, fail = search(fits, spec.start, spec.cap, spec.resolution)
+    return dict(variant=variant, best=best, fail=fail, probes=probes)
+
+
+def _tokens(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
+
+
+def _row(result: dict, spec: MaxContextSpec) -> tuple:
+    v = VARIANTS[result["variant"]]
+    at_best = result["probes"].get(result["best"], {})
+    failed = result["probes"].get(result["fail"], {})
+    best = _tokens(result["best"]) + (" (cap)" if result["best"] == spec.cap else "")
+    fail = "-" if result["fail"] is None else f"{_tokens(result['fail'])} ({failed['status']})"
+    probes = ", ".join(f"{_tokens(s)} {p['status']}" for s, p in sorted(result["probes"].items()))
+    return (result["variant"], v.what, best, fail, fmt(at_best.get("peak_gib"), ".3g"),
+            fmt(at_best.get("xla_gib"), ".3g"), fmt(at_best.get("step_s"), ".2f"),
+            v.published, probes)
+
+
+def run(spec: MaxContextSpec, out_dir: str, toy: bool = False) -> str:
+    """Search every variant; write `max_context.md` and a bar chart. Returns the md path."""
+    import jax
+
+    from bench.attention import preferred_kernel
+    from bench.plots import save_bars
+
+    if spec.impl == "auto":
+        spec = dataclasses.replace(spec, impl=preferred_kernel(jax.devices()[0].platform))
+    results = [search_variant(spec, variant) for variant in spec.variants]
+    limit = (f"a probe fits when its step runs and XLA's estimate is <= {spec.budget_mib} MiB"
+             if spec.budget_mib else "a probe fits when its step runs without running out of "
+             "device memory (GPU: 95% of memory usable)")
+    notes = stamp(toy) + [
+        f"{spec.config} {' '.join(spec.overrides)} on one device, kernel {spec.impl} (the "
+        "blockwise variants), batch 1, one training step "
+        f"per probe in its own process; {limit}; doubling from {_tokens(spec.start)}, then "
+        f"bisection to {_tokens(spec.resolution)}, capped at {_tokens(spec.cap)}.",
+        PUBLISHED_NOTE]
+    bars = {r["variant"]: r["best"] or 0 for r in results}
+    png = save_bars(os.path.join(out_dir, "max_context.png"), "Longest trainable sequence",
+                    stamp(toy), "tokens", bars,
+                    {k: _tokens(b) + (" (cap)" if b == spec.cap else "") for k, b in bars.items()})
+    path = os.path.join(out_dir, "max_context.md")
+    emit_table("Max context: longest sequence that trains one step on one device", notes,
+               ["variant", "what", "longest that ran", "first that did not", "peak GiB",
+                "XLA est. GiB", "step s", "BPT paper (1B, A100)", "probes"],
+               [_row(r, spec) for r in results], path, images=[png])
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    default = MaxContextSpec()
+    ap.add_argument("--config", default=default.config)
+    ap.add_argument("--variants", default=",".join(default.variants))
+    ap.add_argument("--start", type=int, default=default.start)
+    ap.add_argument("--cap", type=int, default=default.cap)
+    ap.add_argument("--resolution", type=int, default=default.resolution)
+    ap.add_argument("--impl", default=default.impl, help="kernel of the blockwise variants")
+    ap.add_argument("--budget-mib", type=int, default=None)
+    ap.add_argument("--set", nargs="*", default=[], help="config overrides a.b=value")
+    ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--probe", action="store_true", help="child side: one step, one record")
+    ap.add_argument("--variant", default="lclm")
+    ap.add_argument("--seq", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.probe:
+        emit_record(probe(args.config, args.set, args.variant, args.seq, args.budget_mib))
+        return 0
+    spec = MaxContextSpec(args.config, tuple(args.set), tuple(args.variants.split(",")),
+                          args.impl, args.start, args.cap, args.resolution, args.budget_mib)
+    run(spec, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
