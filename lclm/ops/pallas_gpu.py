@@ -79,43 +79,48 @@ def _skip_hidden(visible, compute, carry, masked: bool):
     return lax.cond(visible, compute, lambda c: c, carry) if masked else compute(carry)
 
 
+def _over_key_tiles(k_ref, v_ref, kp_ref, ks_ref, qp, qs, *, bk, causal, step, init):
+    """Fold `step(k, v, kp, ks, carry)` over the key tiles that may be visible to this query
+    tile (`[bk, d]` K/V tiles, `[bk]` positions / segment ids); hidden tiles are skipped."""
+    seg = ks_ref is not None
+
+    def body(j, carry):
+        span = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        kp = kp_ref[span]
+        ks = ks_ref[span] if seg else None
+        compute = lambda c: step(k_ref[span, :], v_ref[span, :], kp, ks, c)
+        return _skip_hidden(tile_visible(qp, kp, qs, ks, causal), compute, carry, causal or seg)
+
+    return lax.fori_loop(0, k_ref.shape[0] // bk, body, init)
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, causal, scale, bk, seg):
     if seg:
         qs_ref, ks_ref, o_ref, lse_ref = rest
     else:
         (o_ref, lse_ref), qs_ref, ks_ref = rest, None, None
     bq, d = q_ref.shape
-    q = q_ref[...]
-    qp = qp_ref[...]
+    q, qp = q_ref[...], qp_ref[...]
     qs = qs_ref[...] if seg else None
-    nk = k_ref.shape[0] // bk
 
-    def body(j, carry):
-        span = pl.ds(pl.multiple_of(j * bk, bk), bk)
-        kp = kp_ref[span]
-        ks = ks_ref[span] if seg else None
-
-        def compute(carry):
-            acc, m, l = carry
-            k, v = k_ref[span, :], v_ref[span, :]
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-            s = s * scale
-            mask = _mask(qp, kp, qs, ks, causal)
-            if mask is not None:
-                s = jnp.where(mask, s, MASK_VALUE)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            p = jnp.exp(s - m_new[:, None])
-            if mask is not None:
-                p = jnp.where(mask, p, 0.0)
-            corr = jnp.exp(m - m_new)
-            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=F32)
-            return acc * corr[:, None] + pv, m_new, l * corr + jnp.sum(p, axis=1)
-
-        return _skip_hidden(tile_visible(qp, kp, qs, ks, causal), compute, carry, causal or seg)
+    def step(k, v, kp, ks, carry):
+        acc, m, l = carry
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32) * scale
+        mask = _mask(qp, kp, qs, ks, causal)
+        if mask is not None:
+            s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        corr = jnp.exp(m - m_new)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=F32)
+        return acc * corr[:, None] + pv, m_new, l * corr + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((bq, d), F32), jnp.full((bq,), MASK_VALUE, F32), jnp.zeros((bq,), F32))
-    acc, m, l = lax.fori_loop(0, nk, body, init)
+    acc, m, l = _over_key_tiles(k_ref, v_ref, kp_ref, ks_ref, qp, qs, bk=bk, causal=causal,
+                                step=step, init=init)
     seen = l > 0
     o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
@@ -214,24 +219,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, 
     lse, delta = lse_ref[...], delta_ref[...]
     qp = qp_ref[...]
     qs = qs_ref[...] if seg else None
-    nk = k_ref.shape[0] // bk
 
-    def body(j, dq):
-        span = pl.ds(pl.multiple_of(j * bk, bk), bk)
-        kp = kp_ref[span]
-        ks = ks_ref[span] if seg else None
+    def step(k, v, kp, ks, dq):
+        p = _probabilities(q, k, qp, kp, qs, ks, lse, scale, causal)
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+        ds = p * (dp - delta[:, None]) * scale
+        return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+                                    preferred_element_type=F32)
 
-        def compute(dq):
-            k, v = k_ref[span, :], v_ref[span, :]
-            p = _probabilities(q, k, qp, kp, qs, ks, lse, scale, causal)
-            dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-            ds = p * (dp - delta[:, None]) * scale
-            return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                        preferred_element_type=F32)
-
-        return _skip_hidden(tile_visible(qp, kp, qs, ks, causal), compute, dq, causal or seg)
-
-    dq_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros((bq, d), F32))
+    dq_ref[...] = _over_key_tiles(k_ref, v_ref, kp_ref, ks_ref, qp, qs, bk=bk, causal=causal,
+                                  step=step, init=jnp.zeros((bq, d), F32))
 
 
 def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
