@@ -27,7 +27,8 @@ from lclm.ops.layout import batch_to_layout
 from lclm.parallel.mesh import logical_spec
 
 log = logging.getLogger(__name__)
-SOURCE_KINDS = ("text", "sharegpt", "tokenized")
+SOURCE_KINDS = ("text", "sharegpt", "tokenized",
+                "line_retrieval")  # synthetic, generated: see lclm/data/line_retrieval.py
 
 
 def batch_sharding(mesh) -> NamedSharding:

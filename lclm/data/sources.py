@@ -197,8 +197,12 @@ def is_tokenized_dir(path: str) -> bool:
 
 def open_documents(kind: str, path: str, tokenizer, *, text_field: str = "text",
                    chat_template: str = "vicuna", stats: SourceStats | None = None):
-    """A random-access document set of source `kind` ('text', 'sharegpt' or 'tokenized')."""
+    """A random-access document set of source `kind` ('text', 'sharegpt', 'tokenized' or
+    'line_retrieval', whose `path` is its options: see `lclm.data.line_retrieval.Spec`)."""
     stats = SourceStats() if stats is None else stats
+    if kind == "line_retrieval":  # synthetic documents made on the fly; `path` holds options
+        from lclm.data.line_retrieval import open_source
+        return open_source(path, tokenizer)
     if kind == "tokenized" or (os.path.isdir(path) and is_tokenized_dir(path)):
         docs = TokenizedDocuments(path)
         if docs.vocab_size > tokenizer.vocab_size:

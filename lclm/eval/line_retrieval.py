@@ -1,0 +1,422 @@
+"""Line-retrieval accuracy per context length and needle depth (seed 003, section 5.3).
+
+    python -m lclm.eval.line_retrieval --checkpoint WORKDIR --lengths 2k,4k,8k --samples 10
+    python -m lclm.eval.line_retrieval --hf HF_DIR --tokenizer HF_DIR/tokenizer.model \\
+        --format paper --lengths 4k,16k --sp 4
+
+Each prompt is a document of numbered lines holding random numbers, ending with a question
+for one line (`lclm.data.line_retrieval`, the format the tiny config trains on). The asked
+line is drawn from one of `--depths` equal bins of the document, `--samples` prompts per
+(length, bin). A prompt is prefilled with the same striped ring attention as training, on
+the mesh given by the flags (default: the checkpoint's), then decoded greedily with a KV
+cache (`lclm.eval.decode`); the answer is the first number in the generated text.
+
+Lengths and padding. A prompt built for length L holds at most L tokens (the example is L
+tokens with its answer, so the prompt is L minus the answer's). The ring needs a sequence
+that `sp` and the attention/feed-forward chunks divide, so each row is padded at the FRONT
+to the next such length with a separate pad segment: segment ids keep the padding and the
+document apart (the pad tokens are never attended to), positions start at 0 at the
+document's first token (as in training's packed rows), and the prompt's last token is the
+row's last, where decoding continues.
+
+Writes a markdown table to stdout and `OUT/line_retrieval.md`, `OUT/line_retrieval.json`
+(cells and per-sample answers) and `OUT/line_retrieval.png` (accuracy heatmap). Loading reads
+Orbax tensors, JSON, safetensors and a SentencePiece model only: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from lclm import hf
+from lclm.data.line_retrieval import (Spec, build_example, filler_id, line_format,
+                                      parse_answer, spec_of_config)
+from lclm.data.tokenizer import Tokenizer
+from lclm.eval.decode import greedy_generate
+from lclm.models.llama import AttentionConfig, LlamaConfig, param_shapes
+from lclm.parallel.devices import request_cpu_devices
+from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
+from lclm.train.state import param_shardings, shard_params
+
+log = logging.getLogger(__name__)
+
+_SUFFIXES = {"": 1, "k": 1024, "m": 1024 ** 2}
+MESH_AXES = ("dp", "fsdp", "tp", "sp")
+
+
+# -- lengths, prompts and padding (host side, numpy only) ----------------------------------
+
+def parse_length(text: str) -> int:
+    """'2k' -> 2048, '512' -> 512, '1m' -> 1048576 (k = 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
+    if not m:
+        raise ValueError(f"bad length {text!r}; use e.g. 512, 2k or 1m")
+    n = int(float(m.group(1)) * _SUFFIXES[m.group(2).lower()])
+    if n < 1:
+        raise ValueError(f"length {text!r} must be positive")
+    return n
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'2k,4k' -> [2048, 4096]."""
+    return [parse_length(t) for t in text.split(",") if t.strip()]
+
+
+def format_length(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def padded_length(n: int, sp: int, chunks: tuple[int, ...]) -> int:
+    """The smallest P >= n that `sp` divides and whose per-device block P/sp every chunk
+    (capped at the block, as the ring and blockwise ops do) divides."""
+    p = -(-n // sp) * sp
+    while any((p // sp) % min(c, p // sp) for c in chunks):
+        p += sp
+    return p
+
+
+def make_examples(tokenizer, length: int, n_bins: int, samples: int, fmt, seed: int):
+    """`samples` examples of `length` tokens for each depth bin: [(bin, Example)], each
+    deterministic from (seed, length, bin, sample)."""
+    out = []
+    for b in range(n_bins):
+        for i in range(samples):
+            rng = np.random.default_rng([seed, length, b, i])
+            out.append((b, build_example(tokenizer, rng, length, fmt, depth_bin=b,
+                                         n_bins=n_bins)))
+    return out
+
+
+def pad_front(prompts: list[np.ndarray], length: int, pad_id: int):
+    """Rows `[B, length]` (tokens, positions, segment_ids) of prompts right-aligned.
+
+    Padding has segment 0 and the document segment 1, so no document token sees padding;
+    document positions run 0..n-1 like a packed training row.
+    """
+    b = len(prompts)
+    tokens = np.full((b, length), pad_id, np.int32)
+    positions = np.tile(np.arange(length, dtype=np.int32), (b, 1))
+    segments = np.zeros((b, length), np.int32)
+    for r, p in enumerate(prompts):
+        n = len(p)
+        if n > length:
+            raise ValueError(f"prompt of {n} tokens does not fit {length}")
+        tokens[r, length - n:] = p
+        positions[r, length - n:] = np.arange(n)
+        segments[r, length - n:] = 1
+    return tokens, positions, segments
+
+
+def answer_text(tokenizer, ids) -> str:
+    """Decoded generation up to (not including) the first EOS."""
+    ids = [int(i) for i in ids]
+    if tokenizer.eos_id in ids:
+        ids = ids[:ids.index(tokenizer.eos_id)]
+    return tokenizer.decode(ids)
+
+
+# -- evaluation ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Model:
+    """What evaluation needs: configs, parameters placed on `mesh`, tokenizer, description."""
+    config: LlamaConfig
+    attention: AttentionConfig
+    params: dict
+    mesh: jax.sharding.Mesh
+    tokenizer: Tokenizer
+    name: str
+
+
+def generate_answers(model: Model, prompts: list[np.ndarray], max_new: int,
+                     batch_size: int) -> tuple[list[str], int]:
+    """Greedy answers (text up to EOS) of token prompts, `batch_size` rows per prefill, and
+    the padded length all rows shared (see the module docstring). The last batch is filled
+    up with copies of its last prompt so that the mesh's batch axes divide it.
+    """
+
+    chunks = (model.attention.q_chunk, model.attention.kv_chunk, model.config.ffn_chunk)
+    length = padded_length(max(map(len, prompts)), model.mesh.shape["sp"], chunks)
+    pad = filler_id(model.tokenizer)  # any id: the pad segment is never attended to
+    answers = []
+    for start in range(0, len(prompts), batch_size):
+        group = prompts[start:start + batch_size]
+        n = len(group)
+        rows = pad_front(group + [group[-1]] * (batch_size - n), length, pad)
+        ids = greedy_generate(model.config, model.attention, model.params, *rows, max_new,
+                              mesh=model.mesh)
+        answers.extend(answer_text(model.tokenizer, row) for row in ids[:n])
+    return answers, length
+
+
+def _cell(records: list[dict], length: int, b: int, n_bins: int) -> dict:
+    mine = [r for r in records if r["length"] == length and r["depth_bin"] == b]
+    correct = sum(r["correct"] for r in mine)
+    return dict(length=length, depth_bin=b, depth_lo=b / n_bins, depth_hi=(b + 1) / n_bins,
+                n=len(mine), correct=correct, accuracy=correct / len(mine),
+                prompt_tokens=int(np.mean([r["prompt_tokens"] for r in mine])),
+                padded_to=mine[0]["padded_to"])
+
+
+def evaluate(model: Model, lengths, *, samples: int, n_bins: int, fmt, seed: int = 0,
+             batch_size: int | None = None, max_new: int | None = None) -> dict:
+    """Accuracy per (length, depth bin): {'cells': [...], 'samples': [...]} (one record per
+    prompt: asked line, depth, expected and generated answer)."""
+
+    rows = model.mesh.shape["dp"] * model.mesh.shape["fsdp"]  # the batch axes
+    batch_size = rows * max(1, -(-(batch_size or 1) // rows))
+    max_new = max_new or fmt.digits + 3  # the leading '▁' (a space), digits, EOS, slack
+    cells, records = [], []
+    for length in lengths:
+        examples = make_examples(model.tokenizer, length, n_bins, samples, fmt, seed)
+        prompts = [ex.tokens[:ex.prompt_len] for _, ex in examples]
+        answers, padded = generate_answers(model, prompts, max_new, batch_size)
+        for (b, ex), text in zip(examples, answers):
+            records.append(dict(length=length, depth_bin=b, depth=round(ex.depth, 4),
+                                key=ex.key, lines=ex.n_lines, prompt_tokens=ex.prompt_len,
+                                padded_to=padded, answer=ex.answer, output=text,
+                                correct=parse_answer(text) == ex.answer))
+        cells += [_cell(records, length, b, n_bins) for b in range(n_bins)]
+        log.info("length %d: accuracy %.3f", length,
+                 np.mean([r["correct"] for r in records if r["length"] == length]))
+    return dict(cells=cells, samples=records)
+
+
+def accuracy_grid(cells, lengths, n_bins: int) -> np.ndarray:
+    """Accuracy `[n_bins, len(lengths)]` from the cells."""
+    grid = np.full((n_bins, len(lengths)), np.nan)
+    for c in cells:
+        grid[c["depth_bin"], lengths.index(c["length"])] = c["accuracy"]
+    return grid
+
+
+def markdown_table(cells, lengths, n_bins: int) -> str:
+    """Rows = lengths, columns = depth bins, then the length's mean accuracy."""
+    grid = accuracy_grid(cells, lengths, n_bins)
+    bins = [f"{100 * b // n_bins}-{100 * (b + 1) // n_bins}%" for b in range(n_bins)]
+    lines = ["| length | prompt tokens | " + " | ".join(bins) + " | all |",
+             "| --- | --- | " + " | ".join("---" for _ in bins) + " | --- |"]
+    for j, length in enumerate(lengths):
+        mine = [c for c in cells if c["length"] == length]
+        tokens = int(np.mean([c["prompt_tokens"] for c in mine]))
+        mean = sum(c["correct"] for c in mine) / sum(c["n"] for c in mine)
+        accs = " | ".join(f"{grid[b, j]:.2f}" for b in range(n_bins))
+        lines.append(f"| {format_length(length)} | {tokens} | {accs} | {mean:.2f} |")
+    return "\n".join(lines)
+
+
+def save_heatmap(path: str, cells, lengths, n_bins: int, title: str) -> None:
+    """Accuracy heatmap PNG: x = context length, y = needle depth."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    grid = accuracy_grid(cells, lengths, n_bins)
+    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.5 * n_bins + 1.8))
+    im = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(lengths)), [format_length(n) for n in lengths])
+    ax.set_yticks(range(n_bins), [f"{100 * b // n_bins}-{100 * (b + 1) // n_bins}%"
+                                  for b in range(n_bins)])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("depth of the asked line")
+    for b in range(n_bins):
+        for j in range(len(lengths)):
+            ax.text(j, b, f"{grid[b, j]:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, ax=ax, label="accuracy")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(out_dir: str, result: dict, lengths, n_bins: int, meta: dict) -> str:
+    """Write table, JSON and PNG into `out_dir`; returns the markdown table."""
+    os.makedirs(out_dir, exist_ok=True)
+    table = markdown_table(result["cells"], lengths, n_bins)
+    with open(os.path.join(out_dir, "line_retrieval.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(out_dir, "line_retrieval.json"), "w") as f:
+        json.dump(dict(meta, lengths=lengths, depth_bins=n_bins, **result), f, indent=1)
+    save_heatmap(os.path.join(out_dir, "line_retrieval.png"), result["cells"], lengths, n_bins,
+                 f"line retrieval: {meta['model']}")
+    return table
+
+
+# -- loading (checkpoint or HuggingFace) ---------------------------------------------------
+
+def _checkpoint_manager(workdir: str):
+    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoints in {workdir!r} (expected {directory})")
+    # every item gets a handler (unnamed items make Orbax warn); `state` as a plain PyTree
+    # so that `partial_restore` can read the parameters alone
+    handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory, item_handlers=handlers,
+                                 options=ocp.CheckpointManagerOptions(create=False))
+
+
+def saved_config(workdir: str, step: int | None = None) -> tuple[int, dict]:
+    """(step, the config saved in the checkpoint) of `step` or the latest one."""
+    manager = _checkpoint_manager(workdir)
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint in {workdir!r}/checkpoints")
+    config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    manager.close()
+    return step, config["config"]
+
+
+def restore_params(workdir: str, step: int, model_config, mesh) -> dict:
+    """The parameters of checkpoint `step`, placed with the training shardings on `mesh`
+    (optimizer state and data state are not read)."""
+
+    dtype = jax.numpy.dtype(model_config.param_dtype)
+    abstract = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype,
+                                                                         sharding=sharding),
+                            param_shapes(model_config), param_shardings(model_config, mesh),
+                            is_leaf=lambda x: isinstance(x, tuple))
+    item = {"params": abstract}
+    manager = _checkpoint_manager(workdir)
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True)))
+    manager.close()
+    return restored["state"]["params"]
+
+
+def _dataclass_fields(cls, values: dict) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in names}
+
+
+def load_checkpoint(args) -> tuple[Model, dict]:
+    """The model of an lclm workdir; returns (Model, the saved config)."""
+
+    step, saved = saved_config(args.checkpoint, args.step)
+    model_config = LlamaConfig(**_dataclass_fields(LlamaConfig, saved["model"]))
+    attention = _attention(AttentionConfig(**_dataclass_fields(AttentionConfig,
+                                                               saved["attention"])), args)
+    mesh = make_mesh(**_mesh_sizes(saved.get("mesh", {}), args))
+    tokenizer = Tokenizer(args.tokenizer or saved["data"]["tokenizer"])
+    tokenizer.check_fits(model_config.vocab_size)
+    params = restore_params(args.checkpoint, step, model_config, mesh)
+    name = f"{os.path.basename(os.path.abspath(args.checkpoint))} step {step}"
+    return Model(model_config, attention, params, mesh, tokenizer, name), saved
+
+
+def load_hf(args) -> Model:
+    """A HuggingFace LLaMA directory (safetensors) with a SentencePiece tokenizer."""
+
+    model_config, params = hf.load(args.hf)
+    path = args.tokenizer or os.path.join(args.hf, "tokenizer.model")
+    tokenizer = Tokenizer(path)
+    tokenizer.check_fits(model_config.vocab_size)
+    mesh = make_mesh(**_mesh_sizes({}, args))
+    params = shard_params(model_config, params, mesh)
+    attention = _attention(AttentionConfig(), args)
+    return Model(model_config, attention, params, mesh, tokenizer,
+                 os.path.basename(os.path.abspath(args.hf)))
+
+
+def _mesh_sizes(saved_mesh: dict, args) -> dict:
+    """Saved mesh sizes with the flags' overrides, -1 resolved against the devices."""
+    sizes = {a: int(saved_mesh.get(a, 1)) for a in MESH_AXES}
+    sizes.update({a: getattr(args, a) for a in MESH_AXES if getattr(args, a) is not None})
+    return resolve_mesh_shape(**sizes, device_count=len(jax.devices()))
+
+
+def _attention(attention, args):
+    changes = {k: getattr(args, k) for k in ("layout", "q_chunk", "kv_chunk")
+               if getattr(args, k) is not None}
+    return dataclasses.replace(attention, **changes)
+
+
+def _requested_devices(args) -> int:
+    """Devices the mesh will need, read before JAX starts (simulated on a CPU): the flags,
+    else the run's `config.json` next to its checkpoints; -1 counts as 1."""
+    saved = {}
+    if args.checkpoint and os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        with open(os.path.join(args.checkpoint, "config.json")) as f:
+            saved = json.load(f).get("mesh", {})
+    sizes = [getattr(args, a) if getattr(args, a) is not None else saved.get(a, 1)
+             for a in MESH_AXES]
+    return math.prod(max(1, int(s)) for s in sizes)
+
+
+# -- command line --------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="an lclm training workdir")
+    src.add_argument("--hf", help="a HuggingFace LLaMA directory (safetensors)")
+    ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    ap.add_argument("--tokenizer", help="SentencePiece model (default: the run's; "
+                                        "HF_DIR/tokenizer.model with --hf)")
+    ap.add_argument("--lengths", default="2k,4k,8k", help="comma-separated, e.g. 512,2k,4k")
+    ap.add_argument("--samples", type=int, default=10, help="prompts per (length, depth bin)")
+    ap.add_argument("--depths", type=int, default=5, help="number of needle-depth bins")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--format", help="line format (default: the run's line_retrieval data, "
+                                     "else 'compact')")
+    ap.add_argument("--digits", type=int, help="digits of the numbers (default: as --format)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="prompts per prefill (rounded up to the mesh's dp x fsdp)")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="tokens decoded per prompt (default: digits + 3)")
+    for axis in MESH_AXES:
+        ap.add_argument(f"--{axis}", type=int, default=None,
+                        help=f"mesh.{axis} (default: the checkpoint's; 1 with --hf)")
+    ap.add_argument("--layout", choices=("striped", "contiguous"), default=None)
+    ap.add_argument("--q-chunk", type=int, default=None)
+    ap.add_argument("--kv-chunk", type=int, default=None)
+    ap.add_argument("--out", default="line_retrieval_eval", help="output directory")
+    return ap.parse_args(argv)
+
+
+def _line_format(args, saved: dict | None):
+    spec = spec_of_config(saved.get("data", {})) if saved else None
+    spec = spec or Spec()
+    return line_format(args.format or spec.format, args.digits or spec.digits)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    request_cpu_devices(_requested_devices(args))  # no effect once JAX has started
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-restore chatter
+    try:
+        lengths = parse_lengths(args.lengths)
+        if args.checkpoint:
+            model, saved = load_checkpoint(args)
+        else:
+            model, saved = load_hf(args), None
+        fmt = _line_format(args, saved)
+        result = evaluate(model, lengths, samples=args.samples, n_bins=args.depths, fmt=fmt,
+                          seed=args.seed, batch_size=args.batch_size,
+                          max_new=args.max_new_tokens)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    meta = dict(model=model.name, mesh=dict(model.mesh.shape), layout=model.attention.layout,
+                format=dataclasses.asdict(fmt), samples_per_cell=args.samples, seed=args.seed)
+    table = write_report(args.out, result, lengths, args.depths, meta)
+    print(table)
+    print(f"wrote {args.out}/line_retrieval.{{md,json,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
