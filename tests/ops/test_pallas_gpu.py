@@ -138,3 +138,33 @@ def test_tiles_must_be_powers_of_two():
     pos = jnp.arange(48)
     with pytest.raises(ValueError, match="power of two"):
         forward(q, k, v, pos, pos, None, None, causal=True, q_chunk=48, kv_chunk=16)
+
+
+@pytest.mark.parametrize("d,segments", [(128, True), (64, False)])
+def test_kernels_lower_to_triton_for_gpus(monkeypatch, d, segments):
+    """Without a GPU, export for CUDA: Pallas lowers all three kernels to Triton IR, which
+    checks what Triton needs (power-of-two tensor sizes, supported ops, the cond/loop
+    structure). Triton's own compilation to PTX happens only on a GPU."""
+    from lclm.ops import pallas_gpu
+    monkeypatch.setattr(pallas_gpu, "_interpret", lambda: False)  # lower as on a GPU backend
+    b, t, h, hkv = 1, 256, 4, 2
+    x = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, t, hkv, d), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((t,), jnp.int32)
+    seg = jax.ShapeDtypeStruct((b, t), jnp.int32) if segments else None
+
+    def both_passes(q, k, v, do, pos, *seg):
+        seg = seg[0] if seg else None
+        kw = dict(causal=True, q_chunk=128, kv_chunk=64)
+        o, lse = forward(q, k, v, pos, pos, seg, seg, **kw)
+        return backward(q, k, v, o, lse, do, pos, pos, seg, seg, **kw)
+
+    triton = "__gpu$xla.gpu.triton"
+    exported = jax.export.export(
+        jax.jit(both_passes), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
+    )(x, kv, kv, x, pos, *([seg] if segments else []))
+    module = exported.mlir_module()
+    for name in ("lclm_flash_forward", "lclm_flash_backward_dkdv", "lclm_flash_backward_dq"):
+        assert f'name = "{name}"' in module
+    assert module.count(f"custom_call @{triton}") == 3
