@@ -160,10 +160,15 @@ def test_kernels_lower_to_triton_for_gpus(monkeypatch, d, segments):
         return backward(q, k, v, o, lse, do, pos, pos, seg, seg, **kw)
 
     triton = "__gpu$xla.gpu.triton"
-    exported = jax.export.export(
+    export = jax.export.export(
         jax.jit(both_passes), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
-    )(x, kv, kv, x, pos, *([seg] if segments else []))
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])
+    try:
+        exported = export(x, kv, kv, x, pos, *([seg] if segments else []))
+    except Exception as e:  # newer jax asks the device for its GPU generation first
+        if "No supported GPU devices" in str(e):
+            pytest.skip(f"this jax ({jax.__version__}) lowers Triton only with a GPU present")
+        raise
     module = exported.mlir_module()
     for name in ("lclm_flash_forward", "lclm_flash_backward_dkdv", "lclm_flash_backward_dq"):
         assert f'name = "{name}"' in module
