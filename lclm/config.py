@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import ml_collections
 
@@ -197,6 +198,17 @@ def load_config(path: str, overrides: dict | None = None) -> ml_collections.Conf
             raise ConfigError(f"unknown config key {key!r}")
         node[field] = value
     return config
+
+
+def parse_tokens(text: str) -> int:
+    """A token count: '2k' -> 2048, '512' -> 512, '1m' -> 1048576 (k = 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
+    if not m:
+        raise ValueError(f"bad length {text!r}; use e.g. 512, 2k or 1m")
+    n = int(float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()])
+    if n < 1:
+        raise ValueError(f"length {text!r} must be positive")
+    return n
 
 
 def parse_overrides(items) -> dict:

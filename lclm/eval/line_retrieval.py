@@ -32,7 +32,6 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 
 import jax
@@ -40,6 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from lclm import hf
+from lclm.config import parse_tokens
 from lclm.data.line_retrieval import (Spec, build_example, filler_id, line_format,
                                       parse_answer, spec_of_config)
 from lclm.data.tokenizer import Tokenizer
@@ -51,26 +51,14 @@ from lclm.train.state import param_shardings, shard_params
 
 log = logging.getLogger(__name__)
 
-_SUFFIXES = {"": 1, "k": 1024, "m": 1024 ** 2}
 MESH_AXES = ("dp", "fsdp", "tp", "sp")
 
 
 # -- lengths, prompts and padding (host side, numpy only) ----------------------------------
 
-def parse_length(text: str) -> int:
-    """'2k' -> 2048, '512' -> 512, '1m' -> 1048576 (k = 1024)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
-    if not m:
-        raise ValueError(f"bad length {text!r}; use e.g. 512, 2k or 1m")
-    n = int(float(m.group(1)) * _SUFFIXES[m.group(2).lower()])
-    if n < 1:
-        raise ValueError(f"length {text!r} must be positive")
-    return n
-
-
 def parse_lengths(text: str) -> list[int]:
     """'2k,4k' -> [2048, 4096]."""
-    return [parse_length(t) for t in text.split(",") if t.strip()]
+    return [parse_tokens(t) for t in text.split(",") if t.strip()]
 
 
 def format_length(n: int) -> str:

@@ -20,7 +20,7 @@ import logging
 import os
 from typing import NamedTuple
 
-from lclm.config import ConfigError
+from lclm.config import ConfigError, parse_tokens
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +32,6 @@ class Stage(NamedTuple):
     sp: int | None = None
 
 
-def _tokens(text: str) -> int:
-    text = text.strip().lower()
-    scale = {"k": 1024, "m": 1024 * 1024}.get(text[-1:], 1)
-    return int(text[:-1] if scale > 1 else text) * scale
-
-
 def parse_schedule(schedule: str) -> list[Stage]:
     """`"32k:1e6:400,128k:1e7:200:8"` -> [Stage(32768, 1e6, 400), Stage(131072, 1e7, 200, 8)]."""
     stages = []
@@ -46,7 +40,8 @@ def parse_schedule(schedule: str) -> list[Stage]:
             seq, theta, steps, *sp = entry.split(":")
             if len(sp) > 1:
                 raise ValueError
-            stage = Stage(_tokens(seq), float(theta), int(steps), int(sp[0]) if sp else None)
+            stage = Stage(parse_tokens(seq), float(theta), int(steps),
+                          int(sp[0]) if sp else None)
         except ValueError:
             raise ConfigError(f"stages.schedule entry {entry!r} is not "
                               "seq_len:rope_theta:steps[:sp] (e.g. 32k:1e6:400:8)") from None

@@ -12,7 +12,8 @@ from lclm.data.line_retrieval import (Spec, build_example, chance_accuracy, line
 from lclm.data.packing import pack_documents
 from lclm.data.sources import open_documents
 from lclm.data.tokenizer import Tokenizer
-from lclm.eval.line_retrieval import pad_front, padded_length, parse_length, parse_lengths
+from lclm.config import parse_tokens
+from lclm.eval.line_retrieval import pad_front, padded_length, parse_lengths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -94,7 +95,7 @@ def test_source_feeds_one_document_per_row(tokenizer):
 def test_lengths_and_padding():
     assert parse_lengths("2k, 512,1m") == [2048, 512, 1024 ** 2]
     with pytest.raises(ValueError):
-        parse_length("2x")
+        parse_tokens("2x")
     assert padded_length(8187, 4, (512, 512, 2048)) == 8192
     assert padded_length(2043, 4, (512, 512, 2048)) == 2044  # one chunk of 511 per device
     assert padded_length(251, 4, (64, 64, 64)) == 252  # block 63: chunks cap at the block
