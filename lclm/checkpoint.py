@@ -43,6 +43,45 @@ def _as_dict(state) -> dict:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
 
+def _reader(workdir: str):
+    """A read-only manager of `<workdir>/checkpoints`; `state` is read as a plain PyTree so
+    that parameters can be restored without the optimizer state."""
+    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoints in {workdir!r} (expected {directory})")
+    handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory, item_handlers=handlers,
+                                 options=ocp.CheckpointManagerOptions(create=False))
+
+
+def read_config(workdir: str, step: int | None = None) -> tuple[int, dict]:
+    """(step, the config saved with it) of checkpoint `step` or the latest one of `workdir`."""
+    manager = _reader(workdir)
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {workdir!r}/checkpoints")
+        config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    finally:
+        manager.close()
+    return step, config["config"]
+
+
+def read_params(workdir: str, step: int, abstract_params):
+    """The parameters of checkpoint `step` alone (no optimizer or data state), placed as the
+    `jax.ShapeDtypeStruct` leaves of `abstract_params` say (their shardings: any mesh)."""
+    item = {"params": abstract_params}
+    manager = _reader(workdir)
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True)))
+    finally:
+        manager.close()
+    return restored["state"]["params"]
+
+
 class Checkpoints:
     """The run's checkpoint directory (`every=0`: only final and preemption saves)."""
 
@@ -60,7 +99,7 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def _check_shapes(self, step: int, params) -> None:
+    def check_shapes(self, step: int, params) -> None:
         """A clear error naming the first parameter whose saved shape differs."""
         saved = self.manager.item_metadata(step)["state"].tree["params"]
         saved = {jax.tree_util.keystr(k): v.shape
@@ -86,7 +125,7 @@ class Checkpoints:
             _as_dict(template))
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                self._check_shapes(step, template.params)
+                self.check_shapes(step, template.params)
             except ValueError:
                 raise
             except Exception as e:  # noqa: BLE001  (unreadable metadata: try an older one)

@@ -36,9 +36,9 @@ import sys
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from lclm import hf
+from lclm.checkpoint import read_config, read_params
 from lclm.config import parse_tokens
 from lclm.data.line_retrieval import (Spec, build_example, filler_id, line_format,
                                       parse_answer, spec_of_config)
@@ -243,45 +243,15 @@ def write_report(out_dir: str, result: dict, lengths, n_bins: int, meta: dict) -
 
 # -- loading (checkpoint or HuggingFace) ---------------------------------------------------
 
-def _checkpoint_manager(workdir: str):
-    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"no checkpoints in {workdir!r} (expected {directory})")
-    # every item gets a handler (unnamed items make Orbax warn); `state` as a plain PyTree
-    # so that `partial_restore` can read the parameters alone
-    handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
-                "config": ocp.JsonCheckpointHandler()}
-    return ocp.CheckpointManager(directory, item_handlers=handlers,
-                                 options=ocp.CheckpointManagerOptions(create=False))
-
-
-def saved_config(workdir: str, step: int | None = None) -> tuple[int, dict]:
-    """(step, the config saved in the checkpoint) of `step` or the latest one."""
-    manager = _checkpoint_manager(workdir)
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {workdir!r}/checkpoints")
-    config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    manager.close()
-    return step, config["config"]
-
-
 def restore_params(workdir: str, step: int, model_config, mesh) -> dict:
     """The parameters of checkpoint `step`, placed with the training shardings on `mesh`
     (optimizer state and data state are not read)."""
-
     dtype = jax.numpy.dtype(model_config.param_dtype)
     abstract = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype,
                                                                          sharding=sharding),
                             param_shapes(model_config), param_shardings(model_config, mesh),
                             is_leaf=lambda x: isinstance(x, tuple))
-    item = {"params": abstract}
-    manager = _checkpoint_manager(workdir)
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-        partial_restore=True)))
-    manager.close()
-    return restored["state"]["params"]
+    return read_params(workdir, step, abstract)
 
 
 def _dataclass_fields(cls, values: dict) -> dict:
@@ -292,7 +262,7 @@ def _dataclass_fields(cls, values: dict) -> dict:
 def load_checkpoint(args) -> tuple[Model, dict]:
     """The model of an lclm workdir; returns (Model, the saved config)."""
 
-    step, saved = saved_config(args.checkpoint, args.step)
+    step, saved = read_config(args.checkpoint, args.step)
     model_config = LlamaConfig(**_dataclass_fields(LlamaConfig, saved["model"]))
     attention = _attention(AttentionConfig(**_dataclass_fields(AttentionConfig,
                                                                saved["attention"])), args)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lclm.checkpoint import Checkpoints
+from lclm.checkpoint import Checkpoints, read_params
 from lclm.config import ConfigError, validate
 from lclm.data.loader import HostBatches, batch_sharding
 from lclm.data.tokenizer import Tokenizer
@@ -87,18 +87,22 @@ def load_hf_params(config, model: LlamaConfig, mesh):
 
 
 def load_checkpoint_params(config, template: TrainState):
-    """The latest parameters of the lclm run in `init_from_checkpoint`, placed like `template`."""
+    """The latest parameters of the lclm run in `init_from_checkpoint`, placed like
+    `template.params` (its optimizer state is not read)."""
     source = config.model.init_from_checkpoint
     checkpoints = Checkpoints(source, every=0, keep=1)
     try:
-        if checkpoints.latest_step() is None:
+        step = checkpoints.latest_step()
+        if step is None:
             raise FileNotFoundError(f"model.init_from_checkpoint={source!r} has no checkpoint; "
                                     "point it at the workdir of a finished lclm run")
-        restored, _ = checkpoints.restore(template)
+        checkpoints.check_shapes(step, template.params)
     finally:
         checkpoints.close()
-    log.info("initialised from %s step %d", source, int(restored.step))
-    return restored.params
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            template.params)
+    log.info("initialised from %s step %d", source, step)
+    return read_params(source, step, abstract)
 
 
 def train(config, stop_after: int | None = None) -> list[dict]:
