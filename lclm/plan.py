@@ -163,7 +163,8 @@ def main(argv=None) -> int:
         import runpy
         last = runs[-1]
         stage_set = [f"data.seq_len={last.data.seq_len}", f"data.batch_size={last.data.batch_size}",
-                     f"model.rope_theta={last.model.rope_theta}"] if len(runs) > 1 else []
+                     f"model.rope_theta={last.model.rope_theta}",
+                     f"mesh.sp={last.mesh.sp}"] if len(runs) > 1 else []
         sys.argv = ["bench.train_step", "--config", args.config, "--steps", "1", "--set",
                     *args.set, *stage_set]
         runpy.run_module("bench.train_step", run_name="__main__")

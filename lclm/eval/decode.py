@@ -1,6 +1,6 @@
 """Greedy decoding: a ring-attention prefill that fills a KV cache, then cached steps.
 
-Prefill runs the model's own layers (`lclm.models.llama._layer`: striped ring attention over
+Prefill runs the model's own layers (`lclm.models.llama.layer_with_kv`: striped ring attention over
 `sp` when a mesh is given, the blockwise kernel on one device otherwise) over the prompt in
 the mesh's token layout, and keeps every layer's rotated keys and values as the cache. The
 cache stays in layout order and sharded over `sp` like the prefill's activations: attention
@@ -48,21 +48,6 @@ class Cache(NamedTuple):
     new_v: jax.Array
 
 
-def _weights(c: LlamaConfig, p):
-    """A layer's weights in the compute dtype (as `llama._layer` casts them)."""
-    return jax.tree.map(lambda w: w.astype(c.compute_dtype), p)
-
-
-def _qkv(c: LlamaConfig, p, x, rope):
-    """Rotated q `[B, T, H, Dh]`, k and v `[B, T, K, Dh]` of one layer's input x `[B, T, D]`
-    (the same operations as `llama._layer`)."""
-    h = llama.rms_norm(x, p["attn_norm"], c.norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
-    k = jnp.einsum("btd,dhk->bthk", h, p["wk"])
-    v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
-    return llama.apply_rope(q, *rope), llama.apply_rope(k, *rope), v
-
-
 def _embed(c: LlamaConfig, params, tokens):
     return jnp.take(params["embed"], tokens, axis=0).astype(c.compute_dtype)
 
@@ -87,8 +72,7 @@ def prefill(c: LlamaConfig, a: AttentionConfig, params, tokens, positions, segme
     rope = llama.rope_tables(positions, c.head_dim, c.rope_theta)
 
     def layer(x, p):
-        _, k, v = _qkv(c, _weights(c, p), x, rope)
-        x = llama._layer(c, a, mesh, x, p, rope, segment_ids)
+        x, k, v = llama.layer_with_kv(c, a, mesh, x, p, rope, segment_ids)
         return x, (k, v)
 
     x, (k, v) = lax.scan(layer, x, params["layers"])
@@ -126,8 +110,8 @@ def decode_step(c: LlamaConfig, params, cache: Cache, token, position, step):
 
     def layer(x, inputs):
         p, cache_k, cache_v, new_k, new_v = inputs
-        p = _weights(c, p)
-        q, k, v = _qkv(c, p, x, rope)
+        p = llama.compute_weights(c, p)
+        q, k, v = llama.attention_inputs(c, p, x, rope)
         new_k = lax.dynamic_update_slice_in_dim(new_k, k.astype(new_k.dtype), step, axis=1)
         new_v = lax.dynamic_update_slice_in_dim(new_v, v.astype(new_v.dtype), step, axis=1)
         o = _cached_attention(q, cache_k, cache_v, cache.visible, new_k, new_v, step + 1)

@@ -163,18 +163,28 @@ def _constrainer(mesh):
     return lambda x, axes: lax.with_sharding_constraint(x, logical_sharding(mesh, axes, x.shape))
 
 
-def _layer(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):
-    """One transformer block. x `[batch, seq, dim]` in the compute dtype."""
-    constrain = _constrainer(mesh)
-    dt = c.compute_dtype
-    p = jax.tree.map(lambda w: w.astype(dt), p)
+def compute_weights(c: LlamaConfig, p):
+    """A layer's weights cast to the compute dtype."""
+    return jax.tree.map(lambda w: w.astype(c.compute_dtype), p)
+
+
+def attention_inputs(c: LlamaConfig, p, x, rope):
+    """Rotated q `[batch, seq, heads, head_dim]`, k and v `[batch, seq, kv_heads, head_dim]`
+    of a layer's input x `[batch, seq, dim]` (p: the layer's weights in the compute dtype)."""
     h = rms_norm(x, p["attn_norm"], c.norm_eps)
     q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
     k = jnp.einsum("btd,dhk->bthk", h, p["wk"])
     v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    return apply_rope(q, *rope), apply_rope(k, *rope), v
+
+
+def layer_with_kv(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):
+    """One transformer block: (output x, its rotated k and v, which a decoder caches).
+    x `[batch, seq, dim]` in the compute dtype."""
+    constrain = _constrainer(mesh)
+    p = compute_weights(c, p)
     heads = ("batch", "seq", "act_heads", None)
-    q, k, v = (constrain(t, heads) for t in (q, k, v))
+    q, k, v = (constrain(t, heads) for t in attention_inputs(c, p, x, rope))
     chunks = dict(q_chunk=a.q_chunk, kv_chunk=a.kv_chunk, impl=a.impl, segment_ids=segment_ids)
     if mesh is None:
         o = local_attention(q, k, v, **chunks)
@@ -185,7 +195,12 @@ def _layer(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):
     n_shards = 1 if mesh is None else mesh.shape["sp"]
     x = x + blockwise_ffn(h, p["w_gate"], p["w_up"], p["w_down"], chunk=c.ffn_chunk,
                           n_shards=n_shards, constrain=constrain)
-    return constrain(x, ("batch", "seq", "act_embed"))
+    return constrain(x, ("batch", "seq", "act_embed")), k, v
+
+
+def _layer(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):
+    """One transformer block, as trained (the k/v outputs are not needed)."""
+    return layer_with_kv(c, a, mesh, x, p, rope, segment_ids)[0]
 
 
 def hidden_states(c: LlamaConfig, params, tokens, positions, segment_ids=None, *, mesh=None,

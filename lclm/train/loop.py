@@ -144,7 +144,7 @@ def train(config, stop_after: int | None = None) -> list[dict]:
             state = state._replace(params=load_checkpoint_params(config, state))
         elif config.model.init_from_hf:
             state = state._replace(params=load_hf_params(config, model, mesh))
-    if checkpoints.latest_step() is not None:
+    else:
         state, data_state = checkpoints.restore(state)
         if int(state.step) >= config.train.steps:
             log.info("the checkpoint in %s is already at step %d of %d: nothing to train "

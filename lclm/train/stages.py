@@ -82,14 +82,16 @@ def stage_configs(config) -> list:
     return configs
 
 
-def validate_stages(config, device_count: int) -> None:
-    """Fail at start, with the stage named, if any stage's config is invalid."""
+def validate_stages(config, device_count: int) -> list:
+    """The stage configs; fails at start, with the stage named, if any of them is invalid."""
     from lclm.config import validate
-    for i, c in enumerate(stage_configs(config)):
+    configs = stage_configs(config)
+    for i, c in enumerate(configs):
         try:
             validate(c, device_count)
         except ConfigError as e:
             raise ConfigError(f"stage {i} (seq_len {c.data.seq_len}): {e}") from None
+    return configs
 
 
 def _saved_step(workdir: str) -> int | None:
@@ -114,9 +116,8 @@ def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
     if config.model.init_from_hf:
         from lclm.train.loop import apply_hf_shapes
         apply_hf_shapes(config)  # every stage validates against the real model shape
-    validate_stages(config, len(jax.devices()))
     results, steps_before = [], 0  # steps of all the stages before this one
-    for i, c in enumerate(stage_configs(config)):
+    for i, c in enumerate(validate_stages(config, len(jax.devices()))):
         done = _saved_step(c.workdir)
         if done is not None and done >= c.train.steps:
             log.info("stage %d (seq_len %d) already finished at step %d", i, c.data.seq_len, done)
