@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         if args.from_checkpoint and args.to_hf:
             return checkpoint_to_hf(args.from_checkpoint, args.to_hf)
         ap.error("use --from-hf with --to-checkpoint, or --from-checkpoint with --to-hf")
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # a missing, unreadable or malformed input: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
