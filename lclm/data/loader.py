@@ -8,10 +8,16 @@ block) that its devices hold, reading only those slots' share of the data, and a
 written by N processes resumes on M. Striping happens here, on the host, once, for all
 per-token arrays together. A background thread prefetches; `state()` is the JSON state
 after the last batch handed out.
+
+That state is positions only, a few hundred bytes per slot whatever the documents: for each
+slot, where its mixture and source readers stood before it drew the documents still pending
+in its packer, and how many of their tokens are already in rows. Restoring draws those
+documents again (document i of a source is always the same) and skips the consumed tokens.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -21,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from lclm.data.packing import ROW_KEYS, Packer
-from lclm.data.sources import SourceStats, open_documents
+from lclm.data.sources import DataError, SourceStats, open_documents
 from lclm.data.stream import DocumentStream, EpochOrders, Mixture
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel.mesh import logical_spec
@@ -72,25 +78,40 @@ def host_block(sharding: NamedSharding, global_shape) -> tuple[slice, slice]:
 
 
 class _Slot:
-    """The reader of one batch row: its mixture of source streams and its packer."""
+    """The reader of one batch row: its mixture of source streams and its packer.
+
+    State: `{"mixture": the mixture's state before the first document pending in the packer
+    was drawn (the current one when none is pending), "packer": the packer's positions in the
+    documents drawn since}`.
+    """
 
     def __init__(self, sources, weights, seed: int, row: int, batch_size: int, seq_len: int,
                  reset_positions: bool):
         streams = [DocumentStream(docs, orders, row, batch_size) for docs, orders in sources]
         self.mixture = Mixture(streams, weights, seed, stream_id=row)
         self.packer = Packer(seq_len, reset_positions)
+        self._origins: collections.deque[dict] = collections.deque()  # of pending documents
+
+    def _draw(self) -> tuple[np.ndarray, np.ndarray]:
+        self._origins.append(self.mixture.state())
+        return next(self.mixture)
 
     def next_row(self) -> dict[str, np.ndarray]:
         while (row := self.packer.pop_row()) is None:
-            self.packer.add(*next(self.mixture))
+            self.packer.add(*self._draw())
+        while len(self._origins) > self.packer.documents:
+            self._origins.popleft()
         return row
 
     def state(self) -> dict:
-        return dict(mixture=self.mixture.state(), packer=self.packer.state())
+        origin = self._origins[0] if self._origins else self.mixture.state()
+        return dict(mixture=origin, packer=self.packer.state())
 
     def restore(self, state: dict) -> None:
         self.mixture.restore(state["mixture"])
-        self.packer.restore(state["packer"])
+        self.packer = Packer(self.packer.seq_len, self.packer.reset_positions)
+        self._origins.clear()
+        self.packer.restore(state["packer"], self._draw)
 
 
 class HostBatches:
@@ -110,6 +131,11 @@ class HostBatches:
         for i, (kind, path, weight) in enumerate(parse_sources(d.path, d.source)):
             docs = open_documents(kind, path, tokenizer, text_field=d.text_field,
                                   chat_template=d.chat_template, stats=self.stats)
+            if len(docs) < d.batch_size:
+                raise DataError(f"data source {path} has {len(docs)} usable records but needs "
+                                f"at least {d.batch_size}: each of the data.batch_size="
+                                f"{d.batch_size} batch rows reads its own share; use more data "
+                                "or a smaller data.batch_size")
             sources.append((docs, EpochOrders(len(docs), config.seed * 1009 + i)))
             weights.append(weight)
         self.slots = {r: _Slot(sources, weights, config.seed, r, d.batch_size, d.seq_len,

@@ -9,14 +9,24 @@ continues in the next row, positions continuing. All in original token order.
 
 from __future__ import annotations
 
+import collections
+from typing import Callable
+
 import numpy as np
+
+from lclm.data.sources import DataError
 
 ROW_KEYS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
 
 
 class Packer:
-    """Accumulates documents and hands out complete rows (`pop_row`). Its state (the
-    pending, partially consumed tokens in original order) is JSON-serialisable."""
+    """Accumulates documents and hands out complete rows (`pop_row`).
+
+    Its state is positions, not tokens, so it stays small whatever the documents' lengths:
+    `{"documents": k, "consumed": c}` says that the pending tokens are those of the last k
+    documents added, less the first c tokens of the first of them. Whoever feeds the packer
+    draws those k documents again to restore it (documents are deterministic).
+    """
 
     _FIELDS = ("tokens", "loss", "doc", "pos")
 
@@ -26,6 +36,8 @@ class Packer:
         self._parts: list[dict[str, np.ndarray]] = []   # pending segments, in order
         self._pending = 0
         self._next_doc = 0   # document number (increasing) of the next added document
+        self._lengths: collections.deque[int] = collections.deque()  # of pending documents
+        self._consumed = 0   # tokens of the first pending document already dropped
 
     def add(self, tokens: np.ndarray, loss: np.ndarray) -> None:
         n = len(tokens)
@@ -35,12 +47,19 @@ class Packer:
                                 pos=np.arange(n, dtype=np.int32)))
         self._pending += n
         self._next_doc += 1
+        self._lengths.append(n)
 
     def _merged(self) -> dict[str, np.ndarray]:
         """The pending segments as one set of arrays (needs at least one segment)."""
         if len(self._parts) > 1:
             self._parts = [{k: np.concatenate([p[k] for p in self._parts]) for k in self._FIELDS}]
         return self._parts[0]
+
+    def _drop(self, n: int) -> None:
+        """Forget the first `n` pending tokens."""
+        self._parts = [{k: v[n:] for k, v in self._merged().items()}]
+        self._pending -= n
+        self._consumed += n
 
     def pop_row(self) -> dict[str, np.ndarray] | None:
         """The next complete row, or None until more documents are added. The last input
@@ -59,24 +78,35 @@ class Packer:
             positions=(buf["pos"][:t].copy() if self.reset_positions
                        else np.arange(t, dtype=np.int32)),
             segment_ids=(doc[:-1] - doc[0] + 1).astype(np.int32))
-        self._parts = [{k: v[t:] for k, v in buf.items()}]
-        self._pending -= t
+        self._drop(t)
+        while self._lengths and self._consumed >= self._lengths[0]:
+            self._consumed -= self._lengths.popleft()
         return row
 
-    def state(self) -> dict:
-        buf = self._merged() if self._parts else {k: np.zeros(0, np.int64) for k in self._FIELDS}
-        first = int(buf["doc"][0]) if len(buf["doc"]) else self._next_doc
-        return dict(tokens=buf["tokens"].tolist(), loss=buf["loss"].tolist(),
-                    doc=(buf["doc"] - first).tolist(), pos=buf["pos"].tolist(),
-                    next_doc=self._next_doc - first)
+    @property
+    def documents(self) -> int:
+        """How many of the documents added last still have pending tokens."""
+        return len(self._lengths)
 
-    def restore(self, state: dict) -> None:
-        self._parts = [dict(tokens=np.asarray(state["tokens"], np.int32),
-                            loss=np.asarray(state["loss"], np.int8),
-                            doc=np.asarray(state["doc"], np.int64),
-                            pos=np.asarray(state["pos"], np.int32))]
-        self._pending = len(state["tokens"])
-        self._next_doc = state["next_doc"]
+    def state(self) -> dict:
+        return dict(documents=len(self._lengths), consumed=self._consumed)
+
+    def restore(self, state: dict, draw: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
+        """Continue from `state` (on a new packer); `draw()` gives its pending documents
+        again, in order."""
+        if "tokens" in state:
+            raise DataError("this data state was saved by an older lclm (it holds pending "
+                            "tokens, not positions); resume it with that version, or start a "
+                            "new run from its weights with model.init_from_checkpoint")
+        for _ in range(state["documents"]):
+            self.add(*draw())
+        consumed = state["consumed"]
+        if consumed:
+            if consumed >= self._lengths[0]:  # the one mismatch that is cheap to see
+                raise DataError(f"the saved data state has consumed {consumed} tokens of a "
+                                f"document that now has {self._lengths[0]}; did the data "
+                                "(data.path, its files or the tokenizer) change?")
+            self._drop(consumed)
 
 
 def pack_documents(docs, seq_len: int, reset_positions: bool = True):

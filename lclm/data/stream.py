@@ -5,28 +5,43 @@ from __future__ import annotations
 import numpy as np
 
 
-class EpochOrders:
-    """The shuffled document order of each epoch of one source, shared by all its readers
-    (computed once per epoch; the two most recent epochs are kept)."""
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The document order `[n]` of one epoch: a pure function of (n, seed, epoch)."""
+    if not shuffle:
+        return np.arange(n)
+    return np.random.default_rng([seed, epoch]).permutation(n)
 
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
-        self.n, self.seed, self.shuffle = n, seed, shuffle
-        self._cache: dict[int, np.ndarray] = {}
+
+class EpochOrders:
+    """The epoch orders of one source, shared by all its readers.
+
+    An order is recomputed whenever it is not cached, so readers may be any number of epochs
+    apart (documents of very different lengths drive them apart): the cache only saves work
+    while readers move through an epoch together, and holds at most `keep` orders.
+    """
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True, keep: int = 2):
+        self.n, self.seed, self.shuffle, self.keep = n, seed, shuffle, keep
+        self._cache: dict[int, np.ndarray] = {}   # least recently used first
 
     def get(self, epoch: int) -> np.ndarray:
-        if epoch not in self._cache:
-            self._cache[epoch] = (np.random.default_rng([self.seed, epoch]).permutation(self.n)
-                                  if self.shuffle else np.arange(self.n))
-            for old in sorted(self._cache)[:-2]:
-                del self._cache[old]
-        return self._cache[epoch]
+        order = self._cache.pop(epoch, None)
+        if order is None:
+            order = epoch_order(self.n, self.seed, epoch, self.shuffle)
+        self._cache[epoch] = order
+        while len(self._cache) > self.keep:
+            del self._cache[next(iter(self._cache))]
+        return order
 
 
 class DocumentStream:
     """Endless epochs over a random-access document set, shuffled per epoch; this reader
     takes every `num_shards`-th document of each epoch's order, starting at `shard`.
 
-    State: `{"epoch", "index"}` (JSON). Malformed documents (None) are skipped.
+    State: `{"epoch", "index"}` (JSON). Malformed documents (None) are skipped (a document
+    set that holds only malformed ones raises instead of answering None). The reader
+    keeps its own share (`[~n / num_shards]`) of its current epoch's order, so the shares of
+    all readers together hold about one order, wherever each reader is.
     """
 
     def __init__(self, docs, orders: EpochOrders, shard: int = 0, num_shards: int = 1):
@@ -36,25 +51,28 @@ class DocumentStream:
         self.docs, self.orders = docs, orders
         self.shard, self.num_shards = shard, num_shards
         self.epoch, self.index = 0, 0
+        self._share_epoch, self._share = None, None
 
     def __iter__(self):
         return self
 
+    def _my_share(self) -> np.ndarray:
+        """This reader's documents `[~n / num_shards]` of the current epoch, in order."""
+        if self._share_epoch != self.epoch:
+            self._share = self.orders.get(self.epoch)[self.shard::self.num_shards].copy()
+            self._share_epoch = self.epoch
+        return self._share
+
     def __next__(self):
-        misses = 0
         while True:
-            order = self.orders.get(self.epoch)
-            position = self.shard + self.index * self.num_shards
-            if position >= len(order):
+            share = self._my_share()
+            if self.index >= len(share):
                 self.epoch, self.index = self.epoch + 1, 0
                 continue
+            doc = self.docs[int(share[self.index])]
             self.index += 1
-            doc = self.docs[int(order[position])]
             if doc is not None:
                 return doc
-            misses += 1
-            if misses > len(self.docs):
-                raise ValueError("every document of this source is malformed")
 
     def state(self) -> dict:
         return dict(epoch=self.epoch, index=self.index)

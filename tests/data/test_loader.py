@@ -8,6 +8,7 @@ import pytest
 
 from lclm.config import load_config
 from lclm.data.loader import HostBatches, host_block, batch_sharding, parse_sources
+from lclm.data.sources import DataError
 from lclm.data.stream import DocumentStream, EpochOrders
 from lclm.data.synthetic import conversations
 from lclm.data.tokenizer import Tokenizer
@@ -25,6 +26,16 @@ def _config(tmp_path, layout="striped"):
     c.data.update(path=f"{corpus}@0.7,sharegpt:{chats}@0.3", seq_len=64, batch_size=4)
     c.attention.layout = layout
     return c
+
+
+def _split(config, mesh, tok, rows, state=None):
+    """A loader that builds only `rows` of the batch, as one of several processes would."""
+    part = HostBatches(config, mesh, tok, prefetch=0)
+    part.rows = rows
+    part.slots = {r: part.slots[r] for r in range(rows.start, rows.stop)}
+    if state is not None:
+        part.restore(state)
+    return part
 
 
 def _host(batch, layout, sp):
@@ -62,10 +73,8 @@ def test_rows_do_not_depend_on_how_processes_split_the_batch(tmp_path):
     whole = HostBatches(config, mesh, tok, prefetch=0)
     want = [whole.next_host_batch() for _ in range(3)]
     halves = []
-    for rows in (slice(0, 2), slice(2, 4)):
-        part = HostBatches(config, mesh, tok, prefetch=0)
-        part.rows = rows  # what host_block gives each of two processes
-        part.slots = {r: part.slots[r] for r in range(rows.start, rows.stop)}
+    for rows in (slice(0, 2), slice(2, 4)):  # what host_block gives each of two processes
+        part = _split(config, mesh, tok, rows)
         halves.append([part.next_host_batch() for _ in range(3)])
     for i in range(3):
         for k in want[i]:
@@ -117,3 +126,46 @@ def test_batches_are_global_arrays_in_layout_order_with_both_sources(tmp_path):
         seen_chat |= bool(((host["loss_mask"][:, :-1] == 0) & inside).any())
     loader.close()
     assert seen_chat
+
+
+def test_state_saved_by_two_processes_resumes_on_one(tmp_path):
+    config = _config(tmp_path)
+    tok = Tokenizer(config.data.tokenizer)
+    mesh = make_mesh(fsdp=2, sp=4)
+    whole = HostBatches(config, mesh, tok, prefetch=0)
+    want = [whole.next_host_batch() for _ in range(7)][4:]
+    states = []
+    for rows in (slice(0, 2), slice(2, 4)):
+        part = _split(config, mesh, tok, rows)
+        for _ in range(4):
+            part.next_host_batch()
+        states.append(json.loads(json.dumps(part._snapshot())))
+    resumed = HostBatches(config, mesh, tok, state=states, prefetch=0)
+    halves = [_split(config, mesh, tok, rows, states) for rows in (slice(0, 1), slice(1, 4))]
+    for w in want:
+        got = resumed.next_host_batch()
+        split = [h.next_host_batch() for h in halves]
+        for k in w:
+            np.testing.assert_array_equal(got[k], w[k])
+            np.testing.assert_array_equal(np.concatenate([s[k] for s in split]), w[k])
+
+
+def test_source_smaller_than_the_batch_fails_at_start(tmp_path):
+    config = _config(tmp_path)
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(3)))
+    config.data.path = f"{small},{config.data.path}"
+    with pytest.raises(DataError, match=f"{small} has 3 usable records but needs at least 4"):
+        HostBatches(config, make_mesh(fsdp=2, sp=4), Tokenizer(config.data.tokenizer))
+
+
+def test_old_data_state_with_pending_tokens_fails_in_one_line(tmp_path):
+    config = _config(tmp_path)
+    tok = Tokenizer(config.data.tokenizer)
+    mesh = make_mesh(fsdp=2, sp=4)
+    state = HostBatches(config, mesh, tok, prefetch=0)._snapshot()
+    for slot in state["slots"].values():  # what lclm saved before states were positions
+        slot["packer"] = dict(tokens=[1, 5], loss=[0, 1], doc=[0, 0], pos=[0, 1], next_doc=1)
+    with pytest.raises(DataError, match="saved by an older lclm") as e:
+        HostBatches(config, mesh, tok, state=state, prefetch=0)
+    assert "\n" not in str(e.value)

@@ -1,8 +1,12 @@
 """Packing: every token once and in order, document segments, positions and loss masks."""
 
+import json
+
 import numpy as np
+import pytest
 
 from lclm.data.packing import Packer, pack_documents
+from lclm.data.sources import DataError
 
 
 def _docs(seed, n=20, max_len=30):
@@ -38,23 +42,37 @@ def test_rows_keep_every_token_once_in_order_with_document_boundaries():
                                   doc_pos[:len(rows) * seq])  # continued documents continue
 
 
-def test_packer_state_resumes_the_partial_row_exactly():
-    docs = _docs(1, n=30)
-    whole = list(pack_documents(iter(docs), 24))
-    packer = Packer(24)
-    got = []
-    for tokens, loss in docs[:11]:
+def _pack(packer, docs, rows):
+    for tokens, loss in docs:
         packer.add(tokens, loss)
         while (row := packer.pop_row()) is not None:
-            got.append(row)
-    state = packer.state()
-    resumed = Packer(24)
-    resumed.restore(state)
-    for tokens, loss in docs[11:]:
-        resumed.add(tokens, loss)
-        while (row := resumed.pop_row()) is not None:
-            got.append(row)
-    assert len(got) == len(whole)
-    for a, b in zip(got, whole):
-        for k in a:
-            np.testing.assert_array_equal(a[k], b[k])
+            rows.append(row)
+
+
+@pytest.mark.parametrize("max_len", [30, 200])  # documents shorter or longer than rows
+def test_packer_state_is_positions_and_resumes_the_partial_row_exactly(max_len):
+    docs = _docs(1, n=30, max_len=max_len)
+    whole = list(pack_documents(iter(docs), 24))
+    for cut in (1, 11, 17):
+        packer, got = Packer(24), []
+        _pack(packer, docs[:cut], got)
+        state = json.loads(json.dumps(packer.state()))
+        assert set(state) == {"documents", "consumed"}
+        # the feeder draws the pending documents again, from the first still pending
+        redraw = iter(docs[cut - state["documents"]:])
+        resumed = Packer(24)
+        resumed.restore(state, lambda: next(redraw))
+        _pack(resumed, redraw, got)
+        assert len(got) == len(whole)
+        for a, b in zip(got, whole):
+            for k in a:
+                np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_packer_restore_fails_clearly_on_old_states_and_changed_data():
+    with pytest.raises(DataError, match="saved by an older lclm"):
+        Packer(8).restore({"tokens": [1, 2], "loss": [0, 1], "doc": [0, 0], "pos": [0, 1],
+                           "next_doc": 1}, lambda: None)
+    short = (np.arange(5, dtype=np.int32), np.ones(5, np.int8))
+    with pytest.raises(DataError, match="consumed 9 tokens of a document that now has 5"):
+        Packer(8).restore({"documents": 1, "consumed": 9}, lambda: short)

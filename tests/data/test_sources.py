@@ -8,7 +8,7 @@ import pytest
 
 from lclm.data.chat import TEMPLATES, conversation_turns, render
 from lclm.data.prepare import prepare
-from lclm.data.sources import SourceStats, open_documents
+from lclm.data.sources import DataError, SourceStats, open_documents
 from lclm.data.synthetic import conversations
 from lclm.data.tokenizer import Tokenizer
 
@@ -32,22 +32,92 @@ def test_bundled_tokenizer_is_llama_style(tok):
 def test_malformed_records_are_skipped_and_counted(tmp_path, tok):
     path = tmp_path / "docs.jsonl"
     path.write_bytes(b'{"text": "good one"}\n{bad json\n{"other": 1}\n{"text": ""}\n'
-                     b'{"text": "caf\xff bad utf8"}\n{"text": 5}\n[1, 2]\n{"text": "good two"}\n')
+                     b'{"text": "caf\xff bad utf8"}\n{"text": 5}\n[1, 2]\n{"text": "good two"}\n'
+                     b'{"text": "lone \\ud800 surrogate"}\n')
     stats = SourceStats()
     docs = open_documents("text", str(path), tok, stats=stats)
-    got = [docs[i] for i in range(len(docs))]
-    kept = [tok.decode(d[0][1:-1]) for d in got if d is not None]
-    assert kept[0] == "good one" and kept[-1] == "good two" and len(kept) == 3
-    # bad UTF-8 (file-level, replaced), bad JSON line, 4 records without usable text
-    assert stats.skipped == 6 and len(stats.examples) == 5
+    for _ in range(3):  # every epoch reads every document again: nothing is counted again
+        kept = [tok.decode(docs[i][0][1:-1]) for i in range(len(docs))]
+    assert kept == ["good one", "good two"]
+    # bad JSON, 4 records without usable text, the line with a bad byte (not the whole
+    # file), and an escaped lone surrogate (no tokenizer can encode it)
+    assert stats.skipped == 7 and len(stats.examples) == 5
+    assert f"{path}:5: invalid UTF-8" in stats.examples
+    assert stats.examples[0].startswith(f"{path}:2: bad JSON (Expecting property name")
 
 
-def test_missing_and_empty_sources_fail_clearly(tmp_path, tok):
+def test_bad_bytes_cost_one_record_in_txt_and_json_files(tmp_path, tok):
+    (tmp_path / "a.txt").write_bytes(b"first doc\n\nsecond \xfe doc\n\n\n\nthird doc\n")
+    (tmp_path / "b.json").write_bytes(b'[{"text": "kept"}, {"text": "bad \xc3"}]')
+    stats = SourceStats()
+    docs = open_documents("text", str(tmp_path), tok, stats=stats)
+    assert [tok.decode(docs[i][0][1:-1]) for i in range(len(docs))] == [
+        "first doc", "third doc", "kept"]
+    assert stats.examples == [f"{tmp_path}/a.txt:3: invalid UTF-8",
+                              f"{tmp_path}/b.json[1]: invalid UTF-8"]
+
+
+def test_arrow_records_are_checked_as_read_and_counted_once(tmp_path, tok):
+    import datasets
+    datasets.Dataset.from_dict({"text": ["one", "", "three"]}).to_parquet(
+        str(tmp_path / "p.parquet"))
+    stats = SourceStats()
+    docs = open_documents("text", str(tmp_path / "p.parquet"), tok, stats=stats)
+    for _ in range(3):
+        assert [docs[i] is None for i in range(len(docs))] == [False, True, False]
+    assert stats.skipped == 1
+    datasets.Dataset.from_dict({"text": [" ", ""]}).to_parquet(str(tmp_path / "bad.parquet"))
+    docs = open_documents("text", str(tmp_path / "bad.parquet"), tok)
+    docs[0]
+    with pytest.raises(DataError, match=r"bad.parquet: every one of its 2 records is malformed"):
+        docs[1]
+
+
+def _binary(seed):
+    return np.random.default_rng(seed).integers(0, 256, 3000, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("empty.jsonl", b"\n \n", "is empty"),
+    ("empty.txt", b"", "is empty"),
+    ("binary.jsonl", _binary(0), "holds no usable record"),
+    ("binary.txt", _binary(1), "holds no usable record"),
+    ("binary.json", _binary(2), "holds no usable record"),
+    ("dict.json", b'{"text": "a"}', "holds no usable record .* must hold a list"),
+    ("field.jsonl", b'{"body": "a"}\n{"body": "b"}\n',
+     "2 malformed, the first .*:1: no non-empty"),
+])
+def test_unusable_files_fail_when_opened_naming_the_file(tmp_path, tok, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    (tmp_path / "fine.jsonl").write_text('{"text": "a fine document"}\n')
+    for source in (str(path), str(tmp_path)):  # alone, or beside a usable file
+        with pytest.raises(DataError, match=message) as e:
+            open_documents("text", source, tok)
+        assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unusable_datasets_and_tokenized_dirs_fail_when_opened(tmp_path, tok):
+    import datasets
+    datasets.Dataset.from_dict({"body": ["a", "b"]}).to_parquet(str(tmp_path / "p.parquet"))
+    with pytest.raises(DataError, match=r"p.parquet.* has no column 'text' \(its columns: body\)"):
+        open_documents("text", str(tmp_path / "p.parquet"), tok)
+    with pytest.raises(DataError, match="no column 'conversations' or 'messages'"):
+        open_documents("sharegpt", str(tmp_path / "p.parquet"), tok)
+    (tmp_path / "c.jsonl").write_text("\n".join(f'{{"text": "doc {i}"}}' for i in range(6)))
+    out = tmp_path / "out"
+    prepare("text", str(tmp_path / "c.jsonl"), TOKENIZER, str(out))
+    with open(out / "tokens.bin", "r+b") as f:
+        f.truncate(8)
+    with pytest.raises(DataError, match=r"tokens.bin has 8 bytes where .* \(6 documents"):
+        open_documents("tokenized", str(out), tok)
+
+
+def test_missing_sources_fail_clearly(tmp_path, tok):
     with pytest.raises(FileNotFoundError, match="no data files"):
         open_documents("text", str(tmp_path / "nope.jsonl"), tok)
-    (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(ValueError, match="holds no records"):
-        open_documents("text", str(tmp_path / "empty.jsonl"), tok)
+    with pytest.raises(FileNotFoundError, match="not a pre-tokenised directory"):
+        open_documents("tokenized", str(tmp_path), tok)
 
 
 def test_sharegpt_loss_covers_exactly_the_assistant_turns(tok):
