@@ -5,25 +5,20 @@
         --config.workdir=/tmp/run
 
 A config with `stages.schedule` runs its stages one after another (lclm.train.stages); the
-same command resumes an interrupted staged run. Any config field can be overridden with --config.<path>=<value>. When the mesh needs more
-devices than the machine has, they are simulated on the CPU.
+same command resumes an interrupted staged run. Any config field can be overridden with
+--config.<path>=<value>. When the mesh needs more devices than the machine has, they are
+simulated on the CPU. A bad config or input stops the run at start with one line
+`error: ...` and exit status 2; a run that stops itself (train.max_bad_steps non-finite
+steps in a row, checkpoints that cannot be saved) prints one line and exits with status 3.
 """
 
 import logging
 import sys
 
-from absl import app
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py",
-                                          "Path to a config file with get_config().")
-
-
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    config = _CONFIG.value
-    from lclm.config import ConfigError, mesh_device_count
+def run(config) -> None:
+    """Train `config`, or its stages one after another when it has a schedule."""
+    from lclm.config import mesh_device_count
     from lclm.parallel import distributed
     from lclm.parallel.devices import request_cpu_devices
 
@@ -38,12 +33,25 @@ def main(argv):
         logging.getLogger().setLevel(logging.WARNING)
     from lclm.train.loop import train
     from lclm.train.stages import run_stages
+    run_stages(config) if config.stages.schedule else train(config)
+
+
+def main(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv[1:]):
+        print(__doc__)
+        return 0
+    from lclm.config import config_from_argv
+    from lclm.errors import StartupError, TrainingHalted
     try:
-        run_stages(config) if config.stages.schedule else train(config)
-    except (ConfigError, FileNotFoundError) as e:
+        run(config_from_argv(argv, default="configs/demo.py"))
+    except (StartupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except TrainingHalted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main(sys.argv))

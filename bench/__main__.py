@@ -34,6 +34,7 @@ from bench.attention import AttentionSpec
 from bench.max_context import ONE_DEVICE, MaxContextSpec
 from bench.striped_sim import StripedSpec
 from bench.train_step import ModelRun, TrainSpec
+from lclm.errors import StartupError
 
 # part (also the Suite's field name) -> its module in bench/, which writes <module>.md/.png
 PARTS = {"attention": "attention", "striped": "striped_sim", "train": "train_step",
@@ -139,6 +140,23 @@ def write_index(out_dir: str, suite_name: str, suite: Suite, done: list[tuple]) 
     return path
 
 
+def _parts(text: str) -> list[str]:
+    parts = [p for p in text.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise StartupError(f"unknown parts {unknown}; choose from {list(PARTS)}")
+    return parts
+
+
+def _out_dir(path: str) -> str:
+    """The output folder, created now: an unusable one fails before an hour of measuring."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise StartupError(f"--out {path!r}: {e.strerror}; pass a writable folder") from None
+    return os.path.abspath(path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     ap.add_argument("--suite", choices=sorted(SUITES), required=True)
@@ -148,12 +166,12 @@ def main(argv=None) -> int:
     ap.add_argument("--in-process", action="store_true",
                     help="run the parts in this process (what a part's own process does)")
     args = ap.parse_args(argv)
-    parts = [p for p in args.parts.split(",") if p]
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        ap.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
-    args.out = os.path.abspath(args.out or os.path.join(ROOT, "bench", "results", args.suite))
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        parts = _parts(args.parts)
+        args.out = _out_dir(args.out or os.path.join(ROOT, "bench", "results", args.suite))
+    except StartupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     suite = SUITES[args.suite].smallest() if args.smallest else SUITES[args.suite]
     if args.suite == "cpu":  # toy sizes are meant for the CPU even where an accelerator exists
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

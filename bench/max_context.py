@@ -213,12 +213,19 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default="lclm")
     ap.add_argument("--seq", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.probe:
-        emit_record(probe(args.config, args.set, args.variant, args.seq, args.budget_mib))
-        return 0
-    spec = MaxContextSpec(args.config, tuple(args.set), tuple(args.variants.split(",")),
-                          args.impl, args.start, args.cap, args.resolution, args.budget_mib)
-    run(spec, args.out)
+    from lclm.config import load_config, parse_overrides
+    from lclm.errors import StartupError
+    try:
+        load_config(args.config, parse_overrides(args.set))  # fails here, not in every probe
+        if args.probe:
+            emit_record(probe(args.config, args.set, args.variant, args.seq, args.budget_mib))
+            return 0
+        spec = MaxContextSpec(args.config, tuple(args.set), tuple(args.variants.split(",")),
+                              args.impl, args.start, args.cap, args.resolution, args.budget_mib)
+        run(spec, args.out)
+    except (StartupError, FileNotFoundError) as e:  # a bad --config/--set: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

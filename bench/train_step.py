@@ -277,25 +277,30 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from lclm.config import load_config, mesh_device_count, parse_overrides
+    from lclm.errors import StartupError
     from lclm.parallel.devices import request_cpu_devices
 
-    base = load_config(args.config, parse_overrides(args.set))
-    request_cpu_devices(mesh_device_count(base) or 1)
-    seqs = int_list(args.seq) or (base.data.seq_len,)
-    layouts = tuple(args.layouts.split(",")) if args.layouts else (None,)
-    impls = tuple(args.impls.split(",")) if args.impls else (None,)
-    spec = TrainSpec(models=(ModelRun(os.path.abspath(args.config), seqs, tuple(args.set)),),
-                     steps=args.steps, warmup=args.warmup, isolate=args.isolate)
-    if args.record:
-        for seq in seqs:
-            for layout in layouts:
-                for impl in impls:
-                    config = row_config(args.config, args.set, seq, layout, impl)
-                    emit_record(dict(measure(config, steps=args.steps, warmup=args.warmup),
-                                     model=os.path.basename(args.config)))
+    try:
+        base = load_config(args.config, parse_overrides(args.set))
+        request_cpu_devices(mesh_device_count(base) or 1)
+        seqs = int_list(args.seq) or (base.data.seq_len,)
+        layouts = tuple(args.layouts.split(",")) if args.layouts else (None,)
+        impls = tuple(args.impls.split(",")) if args.impls else (None,)
+        spec = TrainSpec(models=(ModelRun(os.path.abspath(args.config), seqs, tuple(args.set)),),
+                         steps=args.steps, warmup=args.warmup, isolate=args.isolate)
+        if args.record:
+            for seq in seqs:
+                for layout in layouts:
+                    for impl in impls:
+                        config = row_config(args.config, args.set, seq, layout, impl)
+                        emit_record(dict(measure(config, steps=args.steps, warmup=args.warmup),
+                                         model=os.path.basename(args.config)))
+            return 0
+        report(collect(spec, impls, layouts), spec, args.out)
         return 0
-    report(collect(spec, impls, layouts), spec, args.out)
-    return 0
+    except (StartupError, FileNotFoundError) as e:  # a bad --config/--set: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,11 +17,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
+
+from lclm.errors import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +86,43 @@ def read_params(workdir: str, step: int, abstract_params):
     return restored["state"]["params"]
 
 
+class ShapeMismatch(StartupError):
+    """The checkpoint was written for another model (the config, not the files, is wrong)."""
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint save did not complete; the checkpoints before it are intact."""
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """A one-line summary of an exception (tensorstore errors run to dozens of lines)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text[:limit]
+
+
 class Checkpoints:
-    """The run's checkpoint directory (`every=0`: only final and preemption saves)."""
+    """The run's checkpoint directory (`every=0`: only final and preemption saves).
+
+    Faults: a step that cannot be read is moved aside to `<workdir>/checkpoints_damaged/`
+    (never deleted) and the previous one is used, so the run can save that step again. A save
+    that fails is reported by `poll` (called every step) or `close` as `SaveFailed`.
+    """
 
     def __init__(self, workdir: str, every: int, keep: int):
         self.every = every
         path = os.path.join(workdir, "checkpoints")
         self.directory = path if "://" in path else os.path.abspath(path)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=True)
+        self.damaged = os.path.join(os.path.dirname(self.directory), "checkpoints_damaged")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=True,
+            # the step directory is created before `save` returns, so an unwritable or full
+            # disk fails the save call itself instead of a background thread waiting minutes
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         handlers = {"state": ocp.StandardCheckpointHandler(),
                     "data": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=handlers)
+        self._pending: int | None = None   # step of the asynchronous save in flight
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -108,53 +136,102 @@ class Checkpoints:
         for path, leaf in jax.tree_util.tree_leaves_with_path(params):
             name = jax.tree_util.keystr(path)
             if name not in saved:
-                raise ValueError(f"checkpoint step {step} in {self.directory} has no parameter "
-                                 f"{name}; it was written for another model")
+                raise ShapeMismatch(f"checkpoint step {step} in {self.directory} has no "
+                                    f"parameter {name}; it was written for another model")
             if tuple(saved[name]) != tuple(leaf.shape):
-                raise ValueError(f"checkpoint step {step} parameter {name} has shape "
-                                 f"{tuple(saved[name])} but the model expects "
-                                 f"{tuple(leaf.shape)}; check config.model against the run "
-                                 "that wrote it")
+                raise ShapeMismatch(f"checkpoint step {step} parameter {name} has shape "
+                                    f"{tuple(saved[name])} but the model expects "
+                                    f"{tuple(leaf.shape)}; check config.model against the "
+                                    "run that wrote it")
 
-    def restore(self, template):
-        """(state placed like `template`, the data states of every process that saved it) of
-        the latest readable checkpoint; an unreadable one is reported and the previous one
-        used."""
+    def _read(self, step: int, template):
+        """`(state, data states)` of `step`; raises whatever a damaged step raises."""
+        self.check_shapes(step, template.params)
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             _as_dict(template))
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+        s = restored["state"]
+        return type(template)(s["step"], s["params"], s["opt_state"]), restored["data"]["processes"]
+
+    def set_aside(self, step: int, why: str) -> None:
+        """Move a damaged step out of the way (to `checkpoints_damaged/<step>-<time>`), so
+        that the run can write that step again, and keep it for inspection."""
+        if jax.process_index() == 0:
+            source = epath.Path(self.directory) / str(step)
+            target = epath.Path(self.damaged) / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if source.exists():
+                source.rename(target)
+            log.error("checkpoint step %d in %s is damaged (%s); moved it to %s and falling "
+                      "back to the previous one", step, self.directory, why, target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"lclm_set_aside_{step}")
+        self.manager.reload()
+
+    def restore(self, template):
+        """(state placed like `template`, the data states of every process that saved it) of
+        the latest readable checkpoint. Damaged steps are set aside; a shape mismatch is a
+        config error and stops."""
+        from lclm.parallel.distributed import any_process
         for step in sorted(self.manager.all_steps(), reverse=True):
+            error, result = None, None
             try:
-                self.check_shapes(step, template.params)
-            except ValueError:
+                result = self._read(step, template)
+            except ShapeMismatch:
                 raise
-            except Exception as e:  # noqa: BLE001  (unreadable metadata: try an older one)
-                log.error("checkpoint step %d is unreadable (%s); trying the previous one",
-                          step, e)
-                continue
-            try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-            except Exception as e:  # noqa: BLE001
-                log.error("checkpoint step %d could not be restored (%s); trying the previous "
-                          "one", step, e)
+            except Exception as e:  # noqa: BLE001  (any damage: truncated, random, missing)
+                error = e
+            if any_process(error is not None):  # every process falls back together
+                self.set_aside(step, _first_line(error) if error else "unreadable on another "
+                               "process")
                 continue
             log.info("restored checkpoint step %d of %s", step, self.directory)
-            s = restored["state"]
-            state = type(template)(s["step"], s["params"], s["opt_state"])
-            return state, restored["data"]["processes"]
-        raise ValueError(f"no readable checkpoint in {self.directory}")
+            return result
+        raise StartupError(f"no readable checkpoint in {self.directory} (damaged ones are in "
+                           f"{self.damaged}); run again to start from scratch, or use a new "
+                           "workdir")
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
     def save(self, step: int, state, data_state: dict, config: dict) -> None:
-        """Start an asynchronous save of `step` (returns once the arrays are copied)."""
+        """Start an asynchronous save of `step` (returns once the arrays are copied).
+        Raises `SaveFailed` if the previous save or this one cannot be written."""
+        self.wait()
         data = {"processes": gather_json(data_state)}
-        self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(_as_dict(state)), data=ocp.args.JsonSave(data),
-            config=ocp.args.JsonSave(config)))
+        try:
+            self.manager.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(_as_dict(state)), data=ocp.args.JsonSave(data),
+                config=ocp.args.JsonSave(config)))
+        except Exception as e:  # noqa: BLE001  (unwritable directory, disk full...)
+            raise self._failed(step, e) from None
+        self._pending = step
+
+    def poll(self) -> bool:
+        """True once the save in flight has completed; `SaveFailed` as soon as it has
+        failed (cheap: a flag test while it is still writing)."""
+        if self._pending is not None and not self.manager.is_saving_in_progress():
+            self.wait()
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Wait for the save in flight; `SaveFailed` if it failed."""
+        step, self._pending = self._pending, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(step, e) from None
+
+    def _failed(self, step, error: BaseException) -> SaveFailed:
+        intact = [s for s in self.manager.all_steps() if s != step]
+        return SaveFailed(f"checkpoint step {step} could not be saved to {self.directory} "
+                          f"({_first_line(error)}); intact checkpoints: {intact or 'none'}")
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()

@@ -1,19 +1,26 @@
 """The one typed configuration of lclm: defaults, model presets and start-up validation.
 
 Config files (`configs/*.py`) define `get_config()` returning `base_config()` with fields
-changed; `train.py --config FILE --config.a.b=V` overrides any field. `validate` turns every
-inconsistency into a `ConfigError` with a one-line message that names the fix.
+changed; `config_from_argv` reads train.py's `--config FILE --config.a.b=V`, which overrides any
+field. `validate` turns every inconsistency into a `ConfigError` with a one-line message that
+names the fix; CLIs print the message of any `StartupError` (its base) and exit with status 2.
 
 This module does not import JAX (train.py reads the config before JAX starts).
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
+import tempfile
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+from lclm.errors import StartupError
 
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -32,7 +39,7 @@ MODEL_PRESETS = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(StartupError):
     """An invalid configuration; the message is one line that says how to fix it."""
 
 
@@ -68,7 +75,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict(dict(
         steps=1000, lr=3e-4, min_lr_ratio=0.1, warmup=100, grad_accum=1, clip=1.0,
-        weight_decay=0.1, b1=0.9, b2=0.95))
+        weight_decay=0.1, b1=0.9, b2=0.95,
+        max_bad_steps=3))   # the run stops after this many consecutive non-finite steps
 
     c.log = ml_collections.ConfigDict(dict(
         every=10, wandb=False, wandb_project="lclm", wandb_mode="online", progress=True))
@@ -99,9 +107,67 @@ def mesh_device_count(config) -> int | None:
     return None if -1 in sizes else math.prod(sizes)
 
 
+# Counts and sizes that must be >= 1; checked before anything divides by them (the mesh
+# sizes are checked by resolve_mesh_shape, the first thing that reads them).
+_POSITIVE = (
+    "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+    "model.ffn_dim", "model.ffn_chunk", "model.loss_chunk", "attention.q_chunk",
+    "attention.kv_chunk", "data.seq_len", "data.batch_size", "train.steps", "train.grad_accum",
+    "train.max_bad_steps", "checkpoint.keep", "log.every")
+
+# field -> (accepted, the rule the message states); a nan fails every comparison
+_RANGES = {
+    "train.lr": (lambda x: 0 < x < math.inf, "must be a finite number > 0"),
+    "train.clip": (lambda x: 0 <= x < math.inf, "must be a finite number >= 0 (0: no clipping)"),
+    "train.b1": (lambda x: 0 <= x < 1, "must be in [0, 1)"),
+    "train.b2": (lambda x: 0 <= x < 1, "must be in [0, 1)"),
+    "train.weight_decay": (lambda x: 0 <= x < math.inf, "must be a finite number >= 0"),
+    "train.min_lr_ratio": (lambda x: 0 <= x <= 1, "must be in [0, 1]"),
+    "train.warmup": (lambda x: x >= 0, "must be >= 0"),
+    "checkpoint.every": (lambda x: x >= 0, "must be >= 0 (0: save at the end only)"),
+}
+
+
+def _value(config, key: str):
+    node, name = _field(config, key)
+    return node[name]
+
+
+def _check_values(config) -> None:
+    for key in _POSITIVE:
+        value = _value(config, key)
+        if value < 1:
+            _fail(f"{key}={value!r} must be >= 1")
+    for key, (accepted, rule) in _RANGES.items():
+        value = _value(config, key)
+        if not accepted(value):
+            _fail(f"{key}={value!r} {rule}")
+
+
+def _check_workdir(workdir: str) -> None:
+    """Fail at start, not at the first save, when the run cannot write its workdir. Leaves
+    nothing behind: the probe is a temporary file in the deepest directory that exists."""
+    if not workdir:
+        _fail("workdir is empty; set config.workdir to the run's directory")
+    existing = os.path.abspath(workdir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        _fail(f"workdir={workdir!r}: {existing!r} is not a directory; set config.workdir to a "
+              "directory path")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        _fail(f"workdir={workdir!r}: cannot write in {existing!r} ({e.strerror}); set "
+              "config.workdir to a writable directory")
+
+
 def validate(config, device_count: int) -> dict[str, int]:
     """Check `config` against itself and `device_count`; returns the resolved mesh sizes."""
     m, a, d, t = config.model, config.attention, config.data, config.train
+    _check_values(config)
+    _check_workdir(config.workdir)
     from lclm.parallel.mesh import resolve_mesh_shape  # imports JAX: validate runs after start-up
     try:
         sizes = resolve_mesh_shape(**{k: config.mesh[k] for k in ("dp", "fsdp", "tp", "sp")},
@@ -167,17 +233,14 @@ def validate(config, device_count: int) -> dict[str, int]:
     if micro % (dp * fsdp):
         _fail(f"micro-batch data.batch_size/train.grad_accum={micro} is not divisible by "
               f"mesh.dp x mesh.fsdp = {dp * fsdp}; change the batch size or the mesh")
-    if t.steps < 1 or t.warmup < 0 or t.lr <= 0:
-        _fail("train.steps must be >= 1, train.warmup >= 0 and train.lr > 0")
-    if config.log.every < 1:
-        _fail(f"log.every={config.log.every}; use a positive number of steps")
     return sizes
 
 
 def load_config(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
     """`get_config()` of a config file, with `{"section.field": value}` overrides applied.
 
-    For programs other than train.py (benchmarks, tests); an unknown key is a ConfigError.
+    For programs other than train.py (benchmarks, tests); a missing file, an unknown key or a
+    value of the wrong type is a ConfigError.
     """
     import importlib.util
 
@@ -188,16 +251,78 @@ def load_config(path: str, overrides: dict | None = None) -> ml_collections.Conf
     spec.loader.exec_module(module)
     config = module.get_config()
     for key, value in (overrides or {}).items():
-        *parents, field = key.split(".")
-        node = config
-        for p in parents:
-            node = node.get(p)
-            if node is None:
-                break
-        if node is None or field not in node:
-            raise ConfigError(f"unknown config key {key!r}")
-        node[field] = value
+        node, name = _field(config, key)
+        try:
+            node[name] = value
+        except TypeError:
+            raise ConfigError(f"config key {key}={value!r}: expected type "
+                              f"{type(node[name]).__name__}") from None
     return config
+
+
+def config_from_argv(argv: list[str], default: str) -> ml_collections.ConfigDict:
+    """The config of a command line `PROG [--config FILE] [--config.a.b=V ...]` (ml_collections
+    syntax: typed, locked against new keys); FILE defaults to `default`.
+
+    Every mistake (missing file, unknown key, bad value, stray argument) is one ConfigError
+    line; an unknown key names the closest existing one.
+    """
+    path = _config_path(argv) or default
+    known = load_config(path)
+    for key in _override_keys(argv):
+        _field(known, key)
+    values = flags.FlagValues()
+    holder = config_flags.DEFINE_config_file("config", path, "config file", flag_values=values,
+                                             sys_argv=argv)
+    try:
+        rest = values(argv)
+    except flags.UnrecognizedFlagError as e:
+        raise ConfigError(f"{e}; set config fields with --config.<key>=<value>") from None
+    except flags.Error as e:
+        raise ConfigError(str(e)) from None
+    if rest[1:]:
+        raise ConfigError(f"unexpected arguments {rest[1:]}; pass only --config FILE and "
+                          "--config.<key>=<value>")
+    return holder.value
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """FILE of `--config FILE` / `--config=FILE` (also with one dash, as absl allows)."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--config", "-config"):
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def _override_keys(argv: list[str]) -> list[str]:
+    """`a.b` of every `--config.a.b=V`, `--config.a.b V` and boolean `--[no]config.a.b`."""
+    found = (re.match(r"-{1,2}(?:no)?config\.([^=]+)", arg) for arg in argv)
+    return [m.group(1) for m in found if m]
+
+
+def _field(config, key: str) -> tuple[ml_collections.ConfigDict, str]:
+    """(the section holding `key`, its last name); an unknown key is a ConfigError."""
+    parts = key.split(".")
+    node = config
+    for i, part in enumerate(parts):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            raise ConfigError(_unknown_key(parts, i, node))
+        if i < len(parts) - 1:
+            node = node[part]
+    return node, parts[-1]
+
+
+def _unknown_key(parts: list[str], i: int, node) -> str:
+    """'unknown config key model.n_layer (did you mean model.n_layers?)'."""
+    message = f"unknown config key {'.'.join(parts)}"
+    names = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+    close = difflib.get_close_matches(parts[i], names, n=1)
+    if close:
+        return f"{message} (did you mean {'.'.join([*parts[:i], close[0], *parts[i + 1:]])}?)"
+    if names:
+        return f"{message} ({'.'.join(parts[:i]) or 'the config'} has {', '.join(sorted(names))})"
+    return f"{message} ({'.'.join(parts[:i])} is a value, not a section)"
 
 
 def parse_tokens(text: str) -> int:

@@ -20,13 +20,14 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
+from lclm.errors import StartupError
 from lclm.models.llama import LlamaConfig
 
 _LAYER = "model.layers.{i}."
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
 
 
-class HFFormatError(ValueError):
+class HFFormatError(StartupError):
     """A HuggingFace directory that lclm refuses to load. The message is one line that names
     the file and, where one is at fault, the tensor."""
 

@@ -19,7 +19,8 @@ import dataclasses
 import math
 import sys
 
-from lclm.config import load_config, parse_overrides
+from lclm.config import ConfigError, load_config, mesh_device_count, parse_overrides
+from lclm.errors import StartupError
 
 # name -> (bf16 FLOP/s, one-way link GB/s, memory GiB)
 DEVICES = {
@@ -130,6 +131,18 @@ def report(plan: Plan, device: str | None) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def _plans(args) -> tuple[list, list[Plan]]:
+    """(the configs of the run, one per stage, and their plans); bad input is a StartupError."""
+    from lclm.train.stages import stage_configs
+    config = load_config(args.config, parse_overrides(args.set))
+    count = args.devices or mesh_device_count(config)
+    if count is None:
+        raise ConfigError("the mesh has a -1 axis; pass --devices N (the devices of the run)")
+    # a staged recipe is planned stage by stage; the longest stage decides the fit
+    runs = stage_configs(config) if config.stages.schedule else [config]
+    return runs, [estimate(c, count, args.device) for c in runs]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
@@ -140,18 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--measure", action="store_true",
                     help="also compile (and run) one step on the local devices")
     args = ap.parse_args(argv)
-    config = load_config(args.config, parse_overrides(args.set))
-    from lclm.config import ConfigError, mesh_device_count
-    count = args.devices or mesh_device_count(config)
-    if count is None:
-        print("error: the mesh has a -1 axis; pass --devices N (the devices of the run)",
-              file=sys.stderr)
-        return 2
-    from lclm.train.stages import stage_configs
-    try:  # a staged recipe is planned stage by stage; the longest stage decides the fit
-        runs = stage_configs(config) if config.stages.schedule else [config]
-        plans = [estimate(c, count, args.device) for c in runs]
-    except ConfigError as e:
+    try:
+        runs, plans = _plans(args)
+    except (StartupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for i, (c, plan) in enumerate(zip(runs, plans)):

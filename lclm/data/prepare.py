@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from lclm.errors import StartupError
 from lclm.data.sources import TOKENIZED_META, SourceStats, open_documents
 from lclm.data.tokenizer import Tokenizer
 
@@ -30,7 +31,10 @@ def prepare(source: str, input_path: str, tokenizer_path: str, out: str,
     stats = SourceStats()
     docs = open_documents(source, input_path, tokenizer, text_field=text_field,
                           chat_template=chat_template, stats=stats)
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise StartupError(f"--out {out!r}: {e.strerror}; pass a writable folder") from None
     offsets = [0]
     start = time.perf_counter()
     with open(os.path.join(out, "tokens.bin"), "wb") as ft, \

@@ -6,6 +6,8 @@ import os
 
 import sentencepiece as spm
 
+from lclm.config import ConfigError
+
 
 class Tokenizer:
     """A SentencePiece model file; loading it parses a protobuf, never executes anything."""
@@ -15,7 +17,11 @@ class Tokenizer:
             raise FileNotFoundError(f"tokenizer {path!r} not found; set config.data.tokenizer "
                                     "to a SentencePiece .model file")
         self.path = path
-        self._sp = spm.SentencePieceProcessor(model_file=path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=path)
+        except RuntimeError as e:  # SentencePiece's only error for a file it cannot parse
+            raise ConfigError(f"tokenizer {path!r} is not a SentencePiece model ({e}); set "
+                              "config.data.tokenizer to a .model file") from None
 
     @property
     def vocab_size(self) -> int:
@@ -41,6 +47,6 @@ class Tokenizer:
     def check_fits(self, model_vocab_size: int) -> None:
         """Fail when token ids could fall outside the model's embedding table."""
         if self.vocab_size > model_vocab_size:
-            raise ValueError(f"tokenizer {self.path!r} has {self.vocab_size} pieces but "
-                             f"model.vocab_size={model_vocab_size}; set model.vocab_size >= "
-                             f"{self.vocab_size}")
+            raise ConfigError(f"tokenizer {self.path!r} has {self.vocab_size} pieces but "
+                              f"model.vocab_size={model_vocab_size}; set model.vocab_size >= "
+                              f"{self.vocab_size}")

@@ -40,6 +40,7 @@ import numpy as np
 from lclm import hf
 from lclm.checkpoint import read_config, read_params
 from lclm.config import parse_tokens
+from lclm.errors import StartupError
 from lclm.data.line_retrieval import (Spec, build_example, filler_id, line_format,
                                       parse_answer, spec_of_config)
 from lclm.data.tokenizer import Tokenizer
@@ -350,12 +351,23 @@ def _line_format(args, saved: dict | None):
     return line_format(args.format or spec.format, args.digits or spec.digits)
 
 
+def _check_args(args) -> None:
+    """Flags that would fail only after the model is loaded (or at the very end, for --out)."""
+    for name in ("samples", "depths", "batch_size", "max_new_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise StartupError(f"--{name.replace('_', '-')}={value} must be >= 1")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise StartupError(f"--out {args.out!r} is a file; pass a folder")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    request_cpu_devices(_requested_devices(args))  # no effect once JAX has started
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-restore chatter
     try:
+        _check_args(args)
+        request_cpu_devices(_requested_devices(args))  # no effect once JAX has started
         lengths = parse_lengths(args.lengths)
         if args.checkpoint:
             model, saved = load_checkpoint(args)

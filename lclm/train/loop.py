@@ -6,48 +6,79 @@ import json
 import logging
 import math
 import os
-import re
 import signal
+import sys
 import threading
 import time
+import uuid
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lclm.checkpoint import Checkpoints, read_params
+from lclm.checkpoint import Checkpoints, SaveFailed, read_params
 from lclm.config import ConfigError, validate
+from lclm.errors import TrainingHalted
 from lclm.data.loader import HostBatches, batch_sharding
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.llama import AttentionConfig, LlamaConfig, init_params
 from lclm.parallel.distributed import any_process, check_same_config
 from lclm.parallel.mesh import make_mesh
+from lclm.train.lock import WorkdirLock
 from lclm.train.metrics import MetricsLogger, Progress, flops_per_token, peak_flops
 from lclm.train.state import TrainState, param_shardings
-from lclm.train.step import make_optimizer, make_train_step
+from lclm.train.step import all_finite, make_optimizer, make_train_step
 
 log = logging.getLogger(__name__)
 
-# field names that hold secrets: key, api_key, wandb_api_key, hf_token, secret, password...
-_SECRET = re.compile(r"(^|_)(key|token|secret|password)$")
+# A field is secret when its name contains one of these words (case and separators aside):
+# apikey, wandbApiKey, hf_token, secrets, passwd, credentials, auth_header... lclm's own
+# fields that merely contain one of them are named in _NOT_SECRET (a test keeps it exact).
+_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential", "auth")
+_NOT_SECRET = frozenset({"tokenizer", "tokens_per_batch"})
+
+
+def is_secret(name: str) -> bool:
+    name = name.lower()
+    return name not in _NOT_SECRET and any(w in name for w in _SECRET_WORDS)
 
 
 def public_config(config) -> dict:
-    """The config as a plain dict with every secret-named field removed."""
+    """The config as a plain dict with every secret-named field removed (what config.json,
+    checkpoints and wandb get)."""
     def clean(d):
         return {k: clean(v) if isinstance(v, dict) else v for k, v in d.items()
-                if not _SECRET.search(k.lower())}
+                if not is_secret(k)}
     return clean(config.to_dict())
 
 
-def _wandb_run(config):
+def _wandb_run(config, resume_step: int):
+    """The wandb run of this workdir: the same run id across resumes (`<workdir>/wandb_id`),
+    so a resumed run continues its run instead of starting a second one."""
     if not config.log.wandb or jax.process_index() != 0:
         return None
     import wandb  # optional at run time: only when asked for
     mode = os.environ.get("WANDB_MODE", config.log.wandb_mode)  # the environment wins
-    return wandb.init(project=config.log.wandb_project, mode=mode,
-                      dir=config.workdir, config=public_config(config))
+    id_path = os.path.join(config.workdir, "wandb_id")
+    if os.path.isfile(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = uuid.uuid4().hex[:16]  # wandb ids: letters and digits
+        with open(id_path, "w") as f:
+            f.write(run_id)
+    # wandb records the command line; not when an override on it names a secret
+    secret_args = any(is_secret(a.split("=")[0].rsplit(".", 1)[-1].lstrip("-"))
+                      for a in sys.argv[1:])
+    settings = wandb.Settings(x_disable_meta=True) if secret_args else None
+    if resume_step:
+        log.info("wandb: resuming run %s after step %d (wandb keeps the values it already "
+                 "has for re-run steps; metrics.jsonl holds the re-run ones)", run_id,
+                 resume_step)
+    return wandb.init(project=config.log.wandb_project, mode=mode, dir=config.workdir,
+                      config=public_config(config), id=run_id, resume="allow",
+                      settings=settings)
 
 
 def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState:
@@ -68,12 +99,7 @@ def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState:
 def apply_hf_shapes(config) -> None:
     """Take the model shape fields of `config.model` from `init_from_hf`'s config.json."""
     from lclm import hf
-    path = os.path.join(config.model.init_from_hf, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model.init_from_hf={config.model.init_from_hf!r} has no "
-                                "config.json; point it at a HuggingFace LLaMA directory")
-    with open(path) as f:
-        config.model.update(hf.model_fields(hf.config_from_hf(json.load(f))))
+    config.model.update(hf.model_fields(hf.read_config(config.model.init_from_hf)))
 
 
 def load_hf_params(config, model: LlamaConfig, mesh):
@@ -127,9 +153,35 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     attention = AttentionConfig.from_config(config.attention)
     tokenizer = Tokenizer(config.data.tokenizer)
     tokenizer.check_fits(model.vocab_size)
+    lock = WorkdirLock(config.workdir)  # before anything is written to the workdir
+    lock.acquire()
+    try:
+        return _run(config, sizes, mesh, model, attention, tokenizer, stop_after)
+    finally:
+        lock.release()
+
+
+def _restore_or_init(config, checkpoints: Checkpoints, state: TrainState, model, mesh):
+    """(state, data state) to start from: the workdir's latest readable checkpoint, else the
+    configured initial weights (another run's checkpoint, HF weights, or the fresh init)."""
+    if checkpoints.latest_step() is not None:
+        state, data_state = checkpoints.restore(state)
+        if int(state.step) >= config.train.steps:
+            log.info("the checkpoint in %s is already at step %d of %d: nothing to train "
+                     "(raise train.steps or use a new workdir)", config.workdir,
+                     int(state.step), config.train.steps)
+        return state, data_state
+    if config.model.init_from_checkpoint:
+        state = state._replace(params=load_checkpoint_params(config, state))
+    elif config.model.init_from_hf:
+        state = state._replace(params=load_hf_params(config, model, mesh))
+    return state, None
+
+
+def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[dict]:
+    devices = list(mesh.devices.flat)
     is_main = jax.process_index() == 0
     if is_main:
-        os.makedirs(config.workdir, exist_ok=True)
         with open(os.path.join(config.workdir, "config.json"), "w") as f:
             json.dump(public_config(config), f, indent=1)
     log.info("mesh %s on %d %s devices; model %.2fM params", sizes, len(devices),
@@ -138,78 +190,143 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     optimizer = make_optimizer(config.train)
     state = init_state(model, optimizer, mesh, config.seed)
     checkpoints = Checkpoints(config.workdir, config.checkpoint.every, config.checkpoint.keep)
-    data_state = None
-    if checkpoints.latest_step() is None:
-        if config.model.init_from_checkpoint:
-            state = state._replace(params=load_checkpoint_params(config, state))
-        elif config.model.init_from_hf:
-            state = state._replace(params=load_hf_params(config, model, mesh))
-    else:
-        state, data_state = checkpoints.restore(state)
-        if int(state.step) >= config.train.steps:
-            log.info("the checkpoint in %s is already at step %d of %d: nothing to train "
-                     "(raise train.steps or use a new workdir)", config.workdir,
-                     int(state.step), config.train.steps)
-    state_sharding = jax.tree.map(lambda x: x.sharding, state)
-    step_fn = jax.jit(
-        make_train_step(model, attention, config.train, mesh, optimizer,
-                        document_mask=config.data.document_mask),
-        in_shardings=(state_sharding, batch_sharding(mesh)),
-        out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
-    batches = HostBatches(config, mesh, tokenizer, state=data_state)
-
-    total = config.train.steps
-    tokens_per_step = config.data.batch_size * config.data.seq_len
-    flops = flops_per_token(model, config.data.seq_len) * tokens_per_step
-    peak = peak_flops(devices[0].device_kind)
-    logger = MetricsLogger(config.workdir, _wandb_run(config)) if is_main else None
-    progress = Progress(total) if is_main and config.log.progress else None
-    records = []
-    first = int(state.step) + 1
-    saved_config = public_config(config)
-    preempted = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: preempted.set())
-                for sig in (signal.SIGTERM, signal.SIGINT)
-                if threading.current_thread() is threading.main_thread()}
-    # Simulated CPU devices: one step in flight at a time. Overlapping multi-device CPU
-    # programs were seen to stall XLA's in-process collective rendezvous on 2-core machines
-    # (an abort after its 40 s timeout); real accelerators keep asynchronous dispatch.
-    sync_each_step = devices[0].platform == "cpu"
-    t0, since = time.perf_counter(), first - 1
+    batches = logger = None
+    previous_handlers = {}
     try:
+        state, data_state = _restore_or_init(config, checkpoints, state, model, mesh)
+        state_sharding = jax.tree.map(lambda x: x.sharding, state)
+        step_fn = jax.jit(
+            make_train_step(model, attention, config.train, mesh, optimizer,
+                            document_mask=config.data.document_mask),
+            in_shardings=(state_sharding, batch_sharding(mesh)),
+            out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())),
+            donate_argnums=0)
+        finite_fn = jax.jit(all_finite)
+        batches = HostBatches(config, mesh, tokenizer, state=data_state)
+
+        total = config.train.steps
+        first = int(state.step) + 1
+        tokens_per_step = config.data.batch_size * config.data.seq_len
+        flops = flops_per_token(model, config.data.seq_len) * tokens_per_step
+        peak = peak_flops(devices[0].device_kind)
+        if is_main:
+            logger = MetricsLogger(config.workdir, _wandb_run(config, first - 1),
+                                   resume_step=first - 1)
+        progress = Progress(total) if is_main and config.log.progress else None
+        records = []
+        saved_config = public_config(config)
+        preempted = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            previous_handlers = {sig: signal.signal(sig, lambda *_: preempted.set())
+                                 for sig in (signal.SIGTERM, signal.SIGINT)}
+        max_bad = config.train.max_bad_steps
+        bad_in_a_row = skipped_steps = failed_saves = 0
+
+        def halt(why: str):
+            latest = checkpoints.latest_step()
+            where = (f"step {latest} in {checkpoints.directory}" if latest is not None
+                     else "none (this run has not saved one)")
+            return TrainingHalted(f"{why}; last good checkpoint: {where}")
+
+        def check_step(step: int, skipped) -> None:
+            """Count a non-finite step (its update was skipped inside the step)."""
+            nonlocal bad_in_a_row, skipped_steps
+            if not int(skipped):
+                bad_in_a_row = 0
+                return
+            bad_in_a_row += 1
+            skipped_steps += 1
+            log.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a "
+                        "row, train.max_bad_steps=%d)", step, bad_in_a_row, max_bad)
+            if bad_in_a_row >= max_bad:
+                raise halt(f"stopped at step {step} after {bad_in_a_row} consecutive steps "
+                           "with a non-finite loss or gradient norm (their updates were "
+                           "skipped); lower train.lr or check the data")
+
+        def save_failed(error: SaveFailed, last_chance: bool) -> None:
+            """Policy: report at once; retry at the next checkpoint step (a transient storage
+            fault costs nothing); stop on a second failure in a row or when no later save
+            will come (final step, preemption): a run that cannot save loses its work."""
+            nonlocal failed_saves
+            failed_saves += 1
+            log.error("%s", error)
+            if last_chance or failed_saves >= 2:
+                raise halt(f"stopped: {error}") from None
+            log.error("training goes on; the save is retried at the next checkpoint step")
+
+        def save(step: int, last_chance: bool) -> None:
+            if not bool(finite_fn((state.params, state.opt_state))):
+                raise halt(f"step {step}: parameters or optimizer state are not finite, so no "
+                           "checkpoint was written")
+            try:
+                checkpoints.save(step, state, batches.state(), saved_config)
+            except SaveFailed as e:
+                save_failed(e, last_chance)
+
+        # Simulated CPU devices: one step in flight at a time. Overlapping multi-device CPU
+        # programs were seen to stall XLA's in-process collective rendezvous on 2-core
+        # machines (an abort after its 40 s timeout); real accelerators keep asynchronous
+        # dispatch.
+        sync_each_step = devices[0].platform == "cpu"
+        t0, since = time.perf_counter(), first - 1
         last = total if stop_after is None else min(total, stop_after)
+        unchecked = None   # (step, skipped flag) read one step late: the host never waits
         for step in range(first, last + 1):
             state, metrics = step_fn(state, next(batches))
             if sync_each_step:
                 jax.block_until_ready(metrics)
+            if unchecked is not None:
+                check_step(*unchecked)
+            unchecked = (step, metrics["skipped"])
+            try:
+                if checkpoints.poll():
+                    failed_saves = 0
+            except SaveFailed as e:
+                save_failed(e, last_chance=False)
             if any_process(preempted.is_set()):  # every process must join the save
                 preempted.set()
-            if checkpoints.due(step) or step == total or preempted.is_set():
-                checkpoints.save(step, state, batches.state(), saved_config)
-            if step % config.log.every and step not in (first, last) and not preempted.is_set():
-                continue
-            metrics = jax.device_get(metrics)
-            now = time.perf_counter()
-            seconds = (now - t0) / (step - since)
-            record = dict(step=step, loss=float(metrics["loss"]), lr=float(metrics["lr"]),
-                          grad_norm=float(metrics["grad_norm"]),
-                          tokens_per_sec=tokens_per_step / seconds, step_time=seconds,
-                          mfu=(flops / seconds / (peak * len(devices))) if peak else None)
-            t0, since = now, step
-            records.append(record)
-            if logger:
-                logger.log(record)
-            if progress:
-                progress.update(record, first)
+            saving = checkpoints.due(step) or step == total or preempted.is_set()
+            logging_step = (step % config.log.every == 0 or step in (first, last)
+                            or preempted.is_set())
+            if (saving or logging_step) and unchecked is not None:
+                check_step(*unchecked)   # the host waits for this step now anyway
+                unchecked = None
+            if logging_step:
+                metrics = jax.device_get(metrics)
+                now = time.perf_counter()
+                seconds = (now - t0) / (step - since)
+                record = dict(step=step, loss=float(metrics["loss"]), lr=float(metrics["lr"]),
+                              grad_norm=float(metrics["grad_norm"]),
+                              tokens_per_sec=tokens_per_step / seconds, step_time=seconds,
+                              mfu=(flops / seconds / (peak * len(devices))) if peak else None,
+                              skipped_steps=skipped_steps)
+                t0, since = now, step
+                records.append(record)
+                if logger:
+                    logger.log(record)
+                if progress:
+                    progress.update(record, first)
+            if saving:
+                save(step, last_chance=step == total or preempted.is_set())
             if preempted.is_set():
                 log.warning("stopped after step %d on a termination signal (checkpoint saved)",
                             step)
                 break
+        if unchecked is not None:
+            check_step(*unchecked)
+        try:
+            checkpoints.wait()  # the final save is complete before the run reports success
+        except SaveFailed as e:
+            save_failed(e, last_chance=True)
+        return records
     finally:
-        for sig, handler in previous.items():
+        for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
-        batches.close()
-        checkpoints.close()
+        if batches is not None:
+            batches.close()
+        try:
+            checkpoints.close()
+        except SaveFailed as e:  # already reported, or an error is on its way out
+            log.error("%s", e)
         if logger:
             logger.close()
-    return records

@@ -35,12 +35,43 @@ def flops_per_token(c: LlamaConfig, seq_len: int) -> float:
     return 6.0 * matmul_params + 6.0 * c.n_layers * seq_len * c.dim
 
 
-class MetricsLogger:
-    """Writes one JSON object per logged step to `<workdir>/metrics.jsonl`, and to wandb."""
+def truncate_metrics(path: str, last_step: int) -> int:
+    """Keep only the records of `path` up to `last_step` (the step a resumed run restarts
+    after), so every step appears once; unreadable lines (a crash mid-write) go too. The file
+    is replaced atomically. Returns how many records were dropped."""
+    if not os.path.isfile(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                keep = isinstance(record, dict) and int(record["step"]) <= last_step
+            except (ValueError, KeyError, TypeError):
+                keep = False
+            if keep:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return dropped
 
-    def __init__(self, workdir: str, wandb_run=None):
+
+class MetricsLogger:
+    """Writes one JSON object per logged step to `<workdir>/metrics.jsonl`, and to wandb.
+
+    `resume_step`: the step the run restarts after; records past it (from a run that crashed
+    after its last checkpoint) are dropped before the re-run steps are logged.
+    """
+
+    def __init__(self, workdir: str, wandb_run=None, resume_step: int = 0):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "metrics.jsonl")
+        truncate_metrics(self.path, resume_step)
         self._file = open(self.path, "a")
         self._wandb = wandb_run
 

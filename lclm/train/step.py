@@ -1,4 +1,5 @@
-"""The optimizer and the jitted train step (gradient accumulation, global token-mean loss)."""
+"""The optimizer and the jitted train step (gradient accumulation, global token-mean loss,
+non-finite steps skipped)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def make_train_step(model: LlamaConfig, attention: AttentionConfig, train_config
     """`step(state, batch) -> (state, metrics)`, not yet jitted.
 
     The loss of the step is the mean over every unmasked target token of the global batch
-    (all micro-batches, all devices) under the parameters before the update.
+    (all micro-batches, all devices) under the parameters before the update. A step whose
+    loss or gradient norm is not finite leaves params and optimizer state unchanged (the
+    step counter still advances: its batch is consumed) and reports `skipped=1`.
     """
     accum = train_config.grad_accum
     schedule = lr_schedule(train_config)
@@ -66,10 +69,24 @@ def make_train_step(model: LlamaConfig, attention: AttentionConfig, train_config
         (grads, total, count), _ = lax.scan(micro, init, _micro_batches(batch, accum, mesh))
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, state.params)
+        loss, grad_norm = total / count, optax.tree_utils.tree_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(loss=total / count, grad_norm=optax.tree_utils.tree_norm(grads),
-                       lr=schedule(state.step), tokens=count)
+        # an elementwise select, fused into the update: no conditional, so no device-to-host
+        # round trip on GPUs, and nothing of a NaN step reaches params or moments
+        keep = lambda new, old: jnp.where(finite, new, old)
+        params = jax.tree.map(keep, params, state.params)
+        opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+        metrics = dict(loss=loss, grad_norm=grad_norm, lr=schedule(state.step), tokens=count,
+                       skipped=(~finite).astype(jnp.int32))
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return step
+
+
+def all_finite(tree) -> jax.Array:
+    """Whether every floating-point leaf of `tree` is finite (a scalar bool on device)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 
 import jax
 import numpy as np
@@ -50,11 +51,36 @@ def test_demo_steps_reduce_the_loss_and_write_metrics(tmp_path):
 
 def test_secrets_never_reach_saved_config():
     import ml_collections
-    c = ml_collections.ConfigDict(dict(log=dict(wandb_api_key="s3cret", every=1), token="x",
-                                       data=dict(tokenizer="t.model", hf_token="hf_abc")))
+    secrets = dict(wandb_api_key="s1", token="s2", apikey="s3", wandbApiKey="s4",
+                   secrets="s5", passwd="s6", credentials="s7", auth_header="s8",
+                   db_password="s9", hf_token="s10")
+    c = ml_collections.ConfigDict(dict(log=dict(every=1, **secrets),
+                                       data=dict(tokenizer="t.model", **secrets)))
     public = public_config(c)
-    assert "s3cret" not in json.dumps(public) and "hf_abc" not in json.dumps(public)
-    assert "token" not in public and public["data"] == {"tokenizer": "t.model"}
+    for value in secrets.values():
+        assert f'"{value}"' not in json.dumps(public)
+    assert public == {"log": {"every": 1}, "data": {"tokenizer": "t.model"}}
+    # none of lclm's own fields is mistaken for a secret
+    from lclm.config import base_config
+    assert public_config(base_config()) == base_config().to_dict()
+
+
+def test_wandb_resumes_its_run_and_keeps_secret_command_lines_out(tmp_path, monkeypatch):
+    from lclm.train.loop import _wandb_run
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setattr(sys, "argv", ["train.py", "--config.log.wandb_api_key=SECRETVALUE"])
+    config = demo_config(tmp_path, log__wandb=True)
+    os.makedirs(config.workdir)
+    for resume_step in (0, 8):   # a first start, then a resume in the same workdir
+        _wandb_run(config, resume_step).finish()
+    runs = sorted(os.listdir(os.path.join(config.workdir, "wandb")))
+    runs = [r for r in runs if r.startswith("offline-run-")]
+    run_id = open(os.path.join(config.workdir, "wandb_id")).read()
+    assert len(runs) == 2 and all(r.endswith(run_id) for r in runs)   # one run, resumed
+    for root, _, files in os.walk(config.workdir):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                assert b"SECRETVALUE" not in f.read(), name
 
 
 @pytest.mark.parametrize("layout", ["striped", "contiguous"])

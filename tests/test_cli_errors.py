@@ -1,0 +1,89 @@
+"""Every CLI turns bad input at start into one line `error: ...` and exit status 2 (no
+traceback), found before any model is loaded or step is run."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "configs", "demo.py")
+TOKENIZER = os.path.join(ROOT, "data", "demo", "tokenizer.model")
+
+
+def _assert_one_error_line(err: str, needle: str):
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert needle in err, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config", DEMO, "--config.model.n_layer=3"],
+     "error: unknown config key model.n_layer (did you mean model.n_layers?)"),
+    (["--config", DEMO, "--config.train.steps=abc"],
+     "error: flag --config.train.steps=abc: invalid literal for int()"),
+    (["--config", "nope.py"], "error: config file 'nope.py' not found"),
+])
+def test_train_cli(args, needle):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", WANDB_MODE="disabled")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2
+    _assert_one_error_line(r.stderr, needle)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "data.seq_le=3"], "unknown config key data.seq_le (did you mean data.seq_len?)"),
+    (["--set", "train.steps=abc"], "config key train.steps='abc': expected type int"),
+    (["--set", "model.dim=0"], "model.dim=0 must be >= 1"),
+    (["--set", "train.b2=1.0"], "train.b2=1.0 must be in [0, 1)"),
+    (["--config", "nope.py"], "config file 'nope.py' not found"),
+])
+def test_plan_cli(args, needle, capsys):
+    from lclm.plan import main
+    assert main(["--config", DEMO, "--devices", "8", *args]) == 2
+    _assert_one_error_line(capsys.readouterr().err, needle)
+
+
+def test_bench_cli(tmp_path, capsys):
+    from bench.__main__ import main
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["--suite", "cpu", "--out", str(afile)]) == 2
+    _assert_one_error_line(capsys.readouterr().err, f"--out {str(afile)!r}")
+    assert main(["--suite", "cpu", "--parts", "attention,nope", "--out", str(tmp_path)]) == 2
+    _assert_one_error_line(capsys.readouterr().err, "unknown parts ['nope']")
+
+
+def test_prepare_cli(tmp_path, capsys):
+    from lclm.data.prepare import main
+    corpus = tmp_path / "in.jsonl"
+    corpus.write_text('{"text": "hello world"}\n')
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    args = ["--source", "text", "--input", str(corpus)]
+    assert main([*args, "--tokenizer", TOKENIZER, "--out", str(afile)]) == 2
+    _assert_one_error_line(capsys.readouterr().err, f"--out {str(afile)!r}")
+    assert main([*args, "--tokenizer", str(corpus), "--out", str(tmp_path / "out")]) == 2
+    _assert_one_error_line(capsys.readouterr().err, "is not a SentencePiece model")
+
+
+def test_line_retrieval_eval_cli_checks_flags_before_loading(tmp_path, capsys):
+    from lclm.eval.line_retrieval import main
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    missing = ["--hf", str(tmp_path / "no_model")]  # loading would fail: the flags fail first
+    for args, needle in [(["--samples", "0"], "--samples=0 must be >= 1"),
+                         (["--depths", "-1"], "--depths=-1 must be >= 1"),
+                         (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
+                         (["--out", str(afile)], f"--out {str(afile)!r} is a file")]:
+        assert main([*missing, *args]) == 2
+        _assert_one_error_line(capsys.readouterr().err, needle)
+
+
+@pytest.mark.parametrize("module", ["bench.train_step", "bench.max_context"])
+def test_bench_part_clis_reject_bad_overrides(module, capsys):
+    import importlib
+    main = importlib.import_module(module).main
+    assert main(["--config", DEMO, "--set", "data.seq_le=3"]) == 2
+    _assert_one_error_line(capsys.readouterr().err, "unknown config key data.seq_le")

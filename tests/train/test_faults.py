@@ -1,0 +1,304 @@
+"""Faults a week-long run meets: damaged checkpoints, failed saves, a second run on the same
+workdir, non-finite steps, re-run steps in metrics.jsonl. Every fault is real (damaged files
+on disk, a read-only or full filesystem, a live second process), never a mock."""
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lclm import hf
+from lclm.checkpoint import Checkpoints
+from lclm.config import load_config
+from lclm.models.llama import LlamaConfig, init_params
+from lclm.parallel import make_mesh
+from lclm.train.lock import WorkdirBusy, WorkdirLock
+from lclm.errors import TrainingHalted
+from lclm.train.loop import init_state, train
+from lclm.train.metrics import truncate_metrics
+from lclm.train.step import make_optimizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _config(workdir, **train):
+    c = load_config(os.path.join(ROOT, "configs", "demo.py"))
+    c.workdir = str(workdir)
+    c.model.update(dim=64, n_layers=2, ffn_dim=128, ffn_chunk=32, loss_chunk=32, dtype="float32")
+    c.data.update(seq_len=64, batch_size=4)
+    c.attention.update(q_chunk=16, kv_chunk=16)
+    c.mesh.update(dp=1, fsdp=2, tp=1, sp=2)
+    c.train.update(dict(steps=4, lr=1e-2, warmup=1) | train)
+    c.log.update(every=1, progress=False)
+    c.checkpoint.update(every=2, keep=3)
+    return c
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 4-step run with checkpoints at steps 2 and 4 (copied by each test that damages it)."""
+    workdir = tmp_path_factory.mktemp("base") / "run"
+    train(_config(workdir))
+    return workdir
+
+
+# -- damaged checkpoints --------------------------------------------------------------------
+
+def _chunks(step_dir):
+    return [f for f in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
+            if os.path.isfile(f)]
+
+
+def _damage(step_dir, kind):
+    if kind == "emptied step dir":
+        shutil.rmtree(step_dir)
+        os.makedirs(step_dir)
+    elif kind == "truncated chunks":
+        for f in _chunks(step_dir):
+            with open(f, "r+b") as fh:
+                fh.truncate(10)
+    elif kind == "random chunks":
+        rng = np.random.default_rng(0)
+        for f in _chunks(step_dir):
+            with open(f, "wb") as fh:
+                fh.write(rng.bytes(os.path.getsize(f)))
+    elif kind == "garbage _METADATA":
+        with open(os.path.join(step_dir, "state", "_METADATA"), "w") as fh:
+            fh.write("garbage{")
+    elif kind == "deleted manifest.ocdbt":
+        os.remove(os.path.join(step_dir, "state", "manifest.ocdbt"))
+
+
+DAMAGE = ["emptied step dir", "truncated chunks", "random chunks", "garbage _METADATA",
+          "deleted manifest.ocdbt"]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_used(
+        finished_run, tmp_path, kind, caplog):
+    workdir = tmp_path / "run"
+    shutil.copytree(finished_run, workdir)
+    _damage(str(workdir / "checkpoints" / "4"), kind)
+    config = _config(workdir)
+    template = init_state(LlamaConfig.from_config(config.model), make_optimizer(config.train),
+                          make_mesh(fsdp=2, sp=2), seed=7)
+    checkpoints = Checkpoints(str(workdir), every=2, keep=3)
+    with caplog.at_level(logging.ERROR):
+        state, data = checkpoints.restore(template)
+    checkpoints.close()
+    assert int(state.step) == 2 and data[0]["batches"] == 2
+    assert "checkpoint step 4" in caplog.text and "moved it to" in caplog.text
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]
+    (aside,) = os.listdir(workdir / "checkpoints_damaged")   # kept, not deleted
+    assert aside.startswith("4-")
+
+
+def test_after_falling_back_the_run_goes_on_and_saves_that_step_again(finished_run, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(finished_run, workdir)
+    _damage(str(workdir / "checkpoints" / "4"), "truncated chunks")
+    records = train(_config(workdir, steps=6))
+    assert [r["step"] for r in records] == [3, 4, 5, 6]
+    assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "4", "6"]
+    # the re-run step 3 reproduces the original one (same data, same restored state)
+    original = {r["step"]: r["loss"] for r in map(json.loads, open(finished_run / "metrics.jsonl"))}
+    assert records[0]["loss"] == pytest.approx(original[3], rel=1e-6)
+
+
+def test_no_readable_checkpoint_is_one_clear_error(finished_run, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(finished_run, workdir)
+    for step in ("2", "4"):
+        _damage(str(workdir / "checkpoints" / step), "garbage _METADATA")
+    with pytest.raises(Exception, match="no readable checkpoint") as e:
+        train(_config(workdir, steps=6))
+    assert "\n" not in str(e.value)
+    assert len(os.listdir(workdir / "checkpoints_damaged")) == 2
+
+
+# -- failed saves ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _read_only(directory):
+    """Make `directory` refuse new entries for real: immutable for root, mode 555 otherwise."""
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode:
+            pytest.skip("chattr +i is not available here")
+        undo = ["chattr", "-i", str(directory)]
+    else:
+        os.chmod(directory, 0o555)
+        undo = ["chmod", "755", str(directory)]
+    try:
+        yield lambda: subprocess.run(undo, check=True)
+    finally:
+        subprocess.run(undo, check=True)
+
+
+def test_a_failed_save_is_reported_at_once_retried_then_stops_with_earlier_ones_intact(
+        tmp_path, caplog):
+    workdir = tmp_path / "run"
+    train(_config(workdir, steps=2))
+    with _read_only(workdir / "checkpoints"), caplog.at_level(logging.ERROR):
+        with pytest.raises(TrainingHalted) as e:
+            train(_config(workdir, steps=6))
+    message = str(e.value)
+    assert "\n" not in message
+    assert "checkpoint step 6 could not be saved" in message and "intact checkpoints: [2]" in message
+    assert "last good checkpoint: step 2" in message
+    # step 4's failure was reported when it happened, and training went on to step 6
+    assert "checkpoint step 4 could not be saved" in caplog.text
+    assert "retried at the next checkpoint step" in caplog.text
+    assert os.listdir(workdir / "checkpoints") == ["2"]
+    steps = [json.loads(l)["step"] for l in open(workdir / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_save_that_fails_once_is_retried_and_the_run_completes(tmp_path):
+    workdir = tmp_path / "run"
+    train(_config(workdir, steps=2))
+
+    class FixTheDisk(logging.Handler):  # the fault goes away once it has been reported
+        def emit(self, record):
+            if "retried at the next checkpoint step" in record.getMessage():
+                undo()
+
+    handler = FixTheDisk()
+    logging.getLogger("lclm").addHandler(handler)
+    try:
+        with _read_only(workdir / "checkpoints") as undo:
+            records = train(_config(workdir, steps=6))
+    finally:
+        logging.getLogger("lclm").removeHandler(handler)
+    assert records[-1]["step"] == 6
+    assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "6"]
+
+
+def test_a_full_disk_fails_the_asynchronous_save_and_is_reported(tmp_path, caplog):
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    # a real filesystem with room for one checkpoint of this model but not two (root only)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1700k", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        workdir = mount / "run"
+        with caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
+            train(_config(workdir, steps=6))
+        assert "No space left on device" in caplog.text or "RESOURCE_EXHAUSTED" in caplog.text
+        assert "intact checkpoints: [2]" in str(e.value)
+        assert sorted(s for s in os.listdir(workdir / "checkpoints") if s.isdigit()) == ["2"]
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+# -- one live run per workdir ---------------------------------------------------------------
+
+def test_a_second_run_on_a_live_workdir_is_refused(tmp_path):
+    workdir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from lclm.train.lock import WorkdirLock; "
+         f"WorkdirLock({str(workdir)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(WorkdirBusy, match=f"in use by a live run \\(pid {holder.pid} on "):
+            train(_config(workdir))
+        assert not (workdir / "config.json").exists() and not (workdir / "checkpoints").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died without releasing: the next run takes the lock over
+    lock = WorkdirLock(str(workdir))
+    lock.acquire()
+    assert json.load(open(workdir / "lock"))["pid"] == os.getpid()
+    lock.release()
+    assert not (workdir / "lock").exists()
+
+
+def test_a_lock_from_another_host_or_a_reused_pid(tmp_path, caplog):
+    lock_file = tmp_path / "lock"
+    lock_file.write_text(json.dumps(dict(host="some-other-host", pid=1, since=time.time())))
+    with pytest.raises(WorkdirBusy, match="some-other-host since .*; if that run is dead, delete"):
+        WorkdirLock(str(tmp_path)).acquire()
+    # pid 1 is alive, but it started long before the run that wrote this lock
+    import socket
+    lock_file.write_text(json.dumps(dict(host=socket.gethostname(), pid=1, start="1",
+                                         since=time.time())))
+    with caplog.at_level(logging.WARNING):
+        lock = WorkdirLock(str(tmp_path))
+        lock.acquire()
+    assert "taking over the lock" in caplog.text
+    lock.release()
+
+
+# -- non-finite steps -----------------------------------------------------------------------
+
+def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, caplog):
+    # an absurd learning rate: step 1's update makes every later loss overflow
+    config = _config(tmp_path / "run", steps=10, lr=1e30, warmup=0, max_bad_steps=3)
+    config.checkpoint.every = 1
+    with caplog.at_level(logging.WARNING), pytest.raises(TrainingHalted) as e:
+        train(config)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "stopped at step 4 after 3 consecutive steps with a non-finite" in message
+    # step 4 is found bad before its save: the checkpoints are steps 1-3
+    assert "last good checkpoint: step 3" in message
+    assert caplog.text.count("update skipped") == 3
+    records = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["skipped_steps"] for r in records] == [0, 1, 2]
+    assert records[0]["loss"] is not None and records[1]["loss"] is None
+    # skipped updates left the parameters of step 1 untouched: every checkpoint has them
+    config.train.steps = 1
+    template = init_state(LlamaConfig.from_config(config.model), make_optimizer(config.train),
+                          make_mesh(fsdp=2, sp=2), seed=7)
+    checkpoints = Checkpoints(config.workdir, 0, 9)
+    first = checkpoints.manager.restore(1)["state"]["params"]
+    state, _ = checkpoints.restore(template)
+    checkpoints.close()
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_checkpoint_with_non_finite_parameters_is_never_written(tmp_path):
+    model = LlamaConfig.from_config(_config(tmp_path).model)
+    params = jax.device_get(init_params(model, jax.random.key(0)))
+    params["layers"]["w_up"] = np.asarray(params["layers"]["w_up"]).copy()
+    params["layers"]["w_up"][0, 0, 0] = np.nan
+    hf.save(str(tmp_path / "hf"), model, params)
+    config = _config(tmp_path / "run", steps=2, max_bad_steps=5)
+    config.model.init_from_hf = str(tmp_path / "hf")
+    with pytest.raises(TrainingHalted, match="not finite, so no checkpoint was written"):
+        train(config)
+    assert not glob.glob(str(tmp_path / "run" / "checkpoints" / "[0-9]*"))
+
+
+# -- metrics after a resume -----------------------------------------------------------------
+
+def test_metrics_hold_each_step_once_after_a_resume(tmp_path):
+    workdir = tmp_path / "run"
+    train(_config(workdir, steps=4), stop_after=3)   # a crash after step 3 (checkpoint: 2)
+    assert [json.loads(l)["step"] for l in open(workdir / "metrics.jsonl")] == [1, 2, 3]
+    with open(workdir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')                     # and a line cut short by the crash
+    train(_config(workdir, steps=4))
+    steps = [json.loads(l)["step"] for l in open(workdir / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_truncate_metrics(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\nnot json\n{"step": 3}\n{"no": 1}\n{"step": 2')
+    assert truncate_metrics(str(path), 2) == 4
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert truncate_metrics(str(tmp_path / "absent.jsonl"), 5) == 0
