@@ -1,10 +1,12 @@
 """The benchmark suite in one command.
 
-    python -m bench --suite gpu [--out bench/results/gpu] [--parts attention,striped,...]
+    python -m bench --suite gpu [--out DIR] [--parts attention,striped,...]
     python -m bench --suite cpu [--smallest]
 
 Parts (each writes `<part>.md` and `<part>.png` into the output folder, stamped with device,
-JAX version and date; `index.md` lists them with their wall time):
+JAX version and date; `index.md` lists them with their wall time). The output folder is `--out`,
+by default a new `bench_results/<suite>-<YYYYmmdd-HHMMSS>` in the current directory (untracked);
+the committed reference results in bench/results/<suite> change only when `--out` names them.
 
 - `attention`: forward and forward+backward TFLOP/s of every usable kernel, cuDNN, the official
   ringattention package (bench/attention.py);
@@ -32,6 +34,7 @@ import traceback
 from bench import ROOT
 from bench.attention import AttentionSpec
 from bench.max_context import ONE_DEVICE, MaxContextSpec
+from bench.report import default_out_dir
 from bench.striped_sim import StripedSpec
 from bench.train_step import ModelRun, TrainSpec
 from lclm.errors import StartupError
@@ -161,14 +164,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     ap.add_argument("--suite", choices=sorted(SUITES), required=True)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)}")
-    ap.add_argument("--out", default="", help="default: bench/results/<suite>")
+    ap.add_argument("--out", default="",
+                    help="output folder (default: a new ./bench_results/<suite>-<YYYYmmdd-HHMMSS>, "
+                         "untracked; the committed reference results are bench/results/<suite>: "
+                         "name that folder to update them)")
     ap.add_argument("--smallest", action="store_true", help="first size of every part only")
     ap.add_argument("--in-process", action="store_true",
                     help="run the parts in this process (what a part's own process does)")
     args = ap.parse_args(argv)
     try:
         parts = _parts(args.parts)
-        args.out = _out_dir(args.out or os.path.join(ROOT, "bench", "results", args.suite))
+        args.out = _out_dir(args.out or default_out_dir(args.suite))
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -193,6 +199,7 @@ def main(argv=None) -> int:
         done.append((part, status, time.perf_counter() - t0))
     if not args.in_process or len(parts) > 1:
         write_index(args.out, args.suite, suite, done)
+        print(f"results: {args.out}")
     return 0 if all(status == "ok" for _, status, _ in done) else 1
 
 

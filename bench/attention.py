@@ -27,7 +27,7 @@ import sys
 from typing import Callable, NamedTuple
 
 from bench import int_list
-from bench.report import emit_table, error_status, fmt, stamp
+from bench.report import default_out_dir, emit_table, error_status, fmt, stamp
 
 FWD_BWD_FACTOR = 3.5
 
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default=",".join(map(str, default.heads)))
     ap.add_argument("--chunk", type=int, default=default.q_chunk, help="q and kv tile size")
     ap.add_argument("--iters", type=int, default=default.iters)
-    ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--out", default=default_out_dir("attention"))
     args = ap.parse_args(argv)
     spec = dataclasses.replace(default, blocks=int_list(args.blocks), heads=int_list(args.heads),
                                q_chunk=args.chunk, kv_chunk=args.chunk, iters=args.iters)

@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple
 
 from bench import repo_path
 from bench.isolate import emit_record, run_child
-from bench.report import emit_table, fmt, stamp
+from bench.report import default_out_dir, emit_table, fmt, stamp
 
 ONE_DEVICE = ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1", "mesh.sp=1")
 
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default=default.impl, help="kernel of the blockwise variants")
     ap.add_argument("--budget-mib", type=int, default=None)
     ap.add_argument("--set", nargs="*", default=[], help="config overrides a.b=value")
-    ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--out", default=default_out_dir("max_context"))
     ap.add_argument("--probe", action="store_true", help="child side: one step, one record")
     ap.add_argument("--variant", default="lclm")
     ap.add_argument("--seq", type=int, default=0)

@@ -6,6 +6,16 @@ import datetime
 import os
 
 TOY_NOTE = "**CPU toy sizes: not a performance result.**"
+# Where a run's results go unless --out names a folder: under the current directory, outside the
+# tracked tree (gitignored). The committed reference results in bench/results/ change only when
+# --out names them (e.g. `python -m bench --suite cpu --out bench/results/cpu`).
+RESULTS_DIR = "bench_results"
+
+
+def default_out_dir(name: str) -> str:
+    """`bench_results/<name>-<YYYYmmdd-HHMMSS>` (relative to the current directory): every run
+    without --out gets a folder of its own, so no run overwrites another's results."""
+    return os.path.join(RESULTS_DIR, f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
 
 
 def stamp(toy: bool = False) -> list[str]:

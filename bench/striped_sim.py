@@ -31,7 +31,7 @@ import os
 import sys
 
 from bench import int_list
-from bench.report import emit_table, fmt, stamp
+from bench.report import default_out_dir, emit_table, fmt, stamp
 
 LAYOUTS = ("contiguous", "striped")
 
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", default=",".join(map(str, default.blocks)))
     ap.add_argument("--heads", type=int, default=default.heads)
     ap.add_argument("--chunk", type=int, default=default.q_chunk, help="q and kv tile size")
-    ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--out", default=default_out_dir("striped_sim"))
     args = ap.parse_args(argv)
     spec = dataclasses.replace(default, ns=int_list(args.ns), blocks=int_list(args.blocks),
                                heads=args.heads, q_chunk=args.chunk, kv_chunk=args.chunk)

@@ -3,6 +3,7 @@ the pieces they compute with are right."""
 
 import importlib.util
 import os
+import re
 
 import jax
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from bench import __main__ as suite
 from bench import data_throughput, train_step
 from bench.max_context import search
-from bench.report import TOY_NOTE
+from bench.report import TOY_NOTE, default_out_dir
 from bench.striped_sim import LAYOUTS, block_pairs, mask_class, ring_bound, round_times
 from lclm.ops.layout import original_positions
 
@@ -37,23 +38,57 @@ def test_data_throughput_bench_reports_both_paths(tmp_path):
     assert "tokenize+pack+stripe" in table and "pre-tokenised memmap" in table
 
 
-def test_cpu_suite_smallest_writes_stamped_reports_and_plots(tmp_path):
-    assert suite.main(["--suite", "cpu", "--smallest", "--out", str(tmp_path)]) == 0
+def _tree(path):
+    """{relative path: (size, mtime)} of every file under `path`."""
+    out = {}
+    for folder, _, files in os.walk(path):
+        for name in files:
+            st = os.stat(os.path.join(folder, name))
+            out[os.path.relpath(os.path.join(folder, name), path)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_cpu_suite_smallest_writes_stamped_reports_and_plots(tmp_path, monkeypatch, capsys):
+    """Without --out the suite writes into a new ./bench_results/cpu-<timestamp>, never into the
+    committed reference results under bench/results/."""
+    committed = _tree(os.path.join(ROOT, "bench", "results"))
+    monkeypatch.chdir(tmp_path)
+    assert suite.main(["--suite", "cpu", "--smallest"]) == 0
+    assert _tree(os.path.join(ROOT, "bench", "results")) == committed
+    (out,) = (tmp_path / "bench_results").iterdir()
+    assert out.name.startswith("cpu-") and f"results: {out}" in capsys.readouterr().out
     stamp = f"device: {jax.devices()[0].device_kind} (cpu"
     for name in [*suite.PARTS.values(), "index"]:
-        text = (tmp_path / f"{name}.md").read_text()
+        text = (out / f"{name}.md").read_text()
         assert stamp in text and f"jax {jax.__version__}" in text, name
         assert TOY_NOTE in text, name
     for name in suite.PARTS.values():
-        assert (tmp_path / f"{name}.png").read_bytes().startswith(b"\x89PNG"), name
-    index = (tmp_path / "index.md").read_text()
+        assert (out / f"{name}.png").read_bytes().startswith(b"\x89PNG"), name
+    index = (out / "index.md").read_text()
     assert index.count("| ok |") == len(suite.PARTS) and stamp in index
     # every part measured something: no skipped or failed rows at the smallest sizes
-    assert "| lclm blockwise | causal |" in (tmp_path / "attention.md").read_text()
-    assert "| blockwise | 2 | 128 |" in (tmp_path / "striped_sim.md").read_text()
-    assert "| ok |" in (tmp_path / "train_step.md").read_text()
-    context = (tmp_path / "max_context.md").read_text()
+    assert "| lclm blockwise | causal |" in (out / "attention.md").read_text()
+    assert "| blockwise | 2 | 128 |" in (out / "striped_sim.md").read_text()
+    assert "| ok |" in (out / "train_step.md").read_text()
+    context = (out / "max_context.md").read_text()
     assert "| lclm |" in context and "| vanilla |" in context and "512 ok" in context
+
+
+def test_suite_writes_where_out_says(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "named" / "here"
+    assert suite.main(["--suite", "cpu", "--smallest", "--parts", "striped",
+                       "--out", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["index.md", "striped_sim.md", "striped_sim.png"]
+    assert not (tmp_path / "bench_results").exists()
+
+
+def test_default_results_folder_is_outside_the_tracked_tree():
+    path = default_out_dir("gpu")
+    assert not os.path.isabs(path) and path.startswith(os.path.join("bench_results", "gpu-"))
+    assert re.fullmatch(r"gpu-\d{8}-\d{6}", os.path.basename(path))
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        assert "bench_results/" in f.read().split()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
