@@ -12,8 +12,8 @@ document is split between rows, which would hide the asked line from the answer)
 evaluation prompt of length L is the same document with its answer and EOS removed.
 
 The text is rendered by `lclm.data.chat.render` (user turn = lines + question, assistant
-turn = the answer), which tokenises the turns separately and flags the answer tokens; the
-packer and loader then turn those flags into loss masks as for any chat data.
+turn = the answer after a space), which tokenises it in one call and flags the answer tokens
+and EOS; the packer and loader then turn those flags into loss masks as for any chat data.
 
 As a training source: `config.data.path = "line_retrieval:tokens=256;digits=3;seed=0"`
 (';'-separated `key=value` options, see `Spec`); the documents are generated on the fly,
@@ -29,10 +29,10 @@ import numpy as np
 
 from lclm.data.chat import ChatTemplate, render
 
-# The user turn is the document, the assistant turn the bare answer: no system text, no
-# role markers (the question itself says what is asked).
-TEMPLATE = ChatTemplate(default_system="", system_format="{system}", user_format="{text}",
-                        assistant_prefix="", assistant_format="{text}")
+# The user turn is the document, the assistant turn the answer after a space (as in the
+# lines): no system text, no role markers (the question itself says what is asked).
+TEMPLATE = ChatTemplate(begin="{bos}", system_format="{system}", user_format="{text}",
+                        assistant_prefix="", assistant_format=" {text}{eos}")
 
 KIND = "line_retrieval"  # the data source kind: `line_retrieval:OPTIONS` in data.path
 
@@ -102,8 +102,9 @@ def _render(tokenizer, fmt: LineFormat, values, asked: int):
 def _choose_lines(tokenizer, rng, fmt: LineFormat, n_tokens: int) -> list[int]:
     """Values of as many lines as fit in `n_tokens` with BOS, question, answer and EOS.
 
-    Lines are measured one by one (the text is tokenised piece-wise, so lengths add up); the
-    reserve is the longest question and answer that any of the lines could need."""
+    Lines are measured one by one (with tokenizers that split at whitespace, as SentencePiece
+    does, lengths add up; `build_example` drops lines where they do not); the reserve is the
+    longest question and answer that any of the lines could need."""
     answer_len = len(tokenizer.encode(str(10 ** fmt.digits - 1))) + 2  # + BOS, EOS
     values, used = [], 0
     while True:
@@ -137,9 +138,10 @@ def build_example(tokenizer, rng, n_tokens: int, fmt: LineFormat = line_format()
         if len(ids) <= n_tokens:
             break
         values.pop()  # a tokenizer that merges across pieces made it too long (rare)
-    gap = n_tokens - len(ids)
-    tokens = np.concatenate([ids[:1], np.full(gap, filler, np.int32), ids[1:]]).astype(np.int32)
-    loss = np.concatenate([flags[:1], np.zeros(gap, np.uint8), flags[1:]]).astype(np.int8)
+    gap, lead = n_tokens - len(ids), int(tokenizer.add_bos)  # the filler goes after BOS
+    tokens = np.concatenate([ids[:lead], np.full(gap, filler, np.int32), ids[lead:]]
+                            ).astype(np.int32)
+    loss = np.concatenate([flags[:lead], np.zeros(gap, np.uint8), flags[lead:]]).astype(np.int8)
     return Example(tokens=tokens, loss=loss, prompt_len=int(np.argmax(loss)),
                    answer=str(values[asked]), key=asked + 1, n_lines=len(values),
                    depth=asked / len(values))

@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from lclm.errors import StartupError
+from lclm.data.chat import TEMPLATES
 from lclm.data.sources import TOKENIZED_META, SourceStats, open_documents
 from lclm.data.tokenizer import Tokenizer
 
@@ -64,10 +65,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Pre-tokenise a corpus for lclm.")
     ap.add_argument("--source", choices=("text", "sharegpt"), required=True)
     ap.add_argument("--input", required=True, help="file, directory, glob or hub:NAME")
-    ap.add_argument("--tokenizer", required=True, help="SentencePiece .model file")
+    ap.add_argument("--tokenizer", required=True, help="SentencePiece .model, HuggingFace "
+                                                       "tokenizer.json or a directory holding one")
     ap.add_argument("--out", required=True)
     ap.add_argument("--text-field", default="text")
-    ap.add_argument("--chat-template", default="vicuna")
+    ap.add_argument("--chat-template", default="vicuna", choices=sorted(TEMPLATES))
     args = ap.parse_args(argv)
     try:
         meta = prepare(args.source, args.input, args.tokenizer, args.out, args.text_field,

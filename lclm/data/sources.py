@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lclm.data.chat import TEMPLATES, conversation_turns, render
+from lclm.data.chat import TEMPLATES, check_template, conversation_turns, render
 from lclm.errors import StartupError
 
 TOKENIZED_META = "lclm_tokens.json"
@@ -248,11 +248,11 @@ class TextDocuments:
         record = self.records[i]
         if record is None:
             return None
-        ids = [self.tokenizer.bos_id] + self.tokenizer.encode(record[self.field]) + [
-            self.tokenizer.eos_id]
+        tok = self.tokenizer
+        ids = [tok.bos_id] * tok.add_bos + tok.encode(record[self.field]) + [tok.eos_id]
         tokens = np.asarray(ids, np.int32)
         loss = np.ones(len(ids), np.int8)
-        loss[0] = 0  # BOS starts a document: nothing predicts it
+        loss[0] = 0  # the document's first token (BOS): nothing predicts it
         return tokens, loss
 
 
@@ -263,6 +263,7 @@ class ChatDocuments:
     def __init__(self, records: Sequence, tokenizer, template: str):
         self.records, self.tokenizer = records, tokenizer
         self.template = TEMPLATES[template]
+        check_template(self.template, tokenizer)  # its special tokens exist, or a ConfigError
 
     def __len__(self) -> int:
         return len(self.records)

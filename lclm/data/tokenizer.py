@@ -1,48 +1,92 @@
-"""SentencePiece LLaMA tokenizers (`tokenizer.model`: unk=0, bos=1, eos=2)."""
+"""Tokenizers: SentencePiece `.model` files (LLaMA-1/2: unk=0, bos=1, eos=2) and HuggingFace
+`tokenizer.json` files (LLaMA-3 and most current models), behind one interface.
+
+`Tokenizer(path)` picks the kind from the file's content; `path` may also be a directory
+holding `tokenizer.json` (preferred) or `tokenizer.model`. Both kinds give:
+
+- `encode(text)` ids without BOS/EOS; `encode_with_offsets(text)` the same ids and each
+  token's (start, end) character span in `text` (a token made by the tokenizer itself, like
+  SentencePiece's leading '▁' or the first bytes of a byte-fallback character, has an empty
+  span at the character it precedes); `decode(ids)` text, special tokens left out.
+- `bos_id` (None when there is none), `eos_id`, `pad_id` (None when there is none),
+  `add_bos` (documents start with BOS), `special_id(token)` (the id of a special token such
+  as '<|eot_id|>'), `vocab_size` (one more than the largest id) and `check_fits`.
+
+A HuggingFace tokenizer is read with the `tokenizers` library only; BOS, EOS and pad come from
+the `tokenizer_config.json` and `special_tokens_map.json` beside it (the latter wins where both
+name a token, as in `transformers`), and `add_bos` from `add_bos_token` there or, when that is
+absent, from whether `tokenizer.json`'s post-processor puts BOS first. Special tokens written
+in the text (say '<|eot_id|>') are encoded as those tokens, as `transformers` does.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 
 import sentencepiece as spm
 
 from lclm.config import ConfigError
 
+HF_FILE, SP_FILE = "tokenizer.json", "tokenizer.model"
+HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # later files win
+_NEITHER = f"is not a SentencePiece model or a HuggingFace {HF_FILE}"
+_SET = (f"set config.data.tokenizer to a SentencePiece .model file, a {HF_FILE} or a "
+        "directory holding one")
+
+
+def _line(error: Exception) -> str:
+    return " ".join(str(error).split())[:200]
+
+
+def _resolve(path: str) -> str:
+    """The tokenizer file that `path` names: itself, or in a directory tokenizer.json, else
+    tokenizer.model."""
+    if os.path.isdir(path):
+        for name in (HF_FILE, SP_FILE):
+            if os.path.isfile(os.path.join(path, name)):
+                return os.path.join(path, name)
+        raise FileNotFoundError(f"tokenizer directory {path!r} holds neither {HF_FILE} nor "
+                                f"{SP_FILE}; set config.data.tokenizer to one of those")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer {path!r} not found; {_SET}")
+    return path
+
+
+def _is_json(file: str) -> bool:
+    with open(file, "rb") as f:
+        return f.read(64).lstrip()[:1] == b"{"  # a SentencePiece model starts with 0x0a
+
 
 class Tokenizer:
-    """A SentencePiece model file; loading it parses a protobuf, never executes anything."""
+    """`Tokenizer(path)` is a `SentencePieceTokenizer` or an `HFTokenizer`, by content."""
 
-    def __init__(self, path: str):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer {path!r} not found; set config.data.tokenizer "
-                                    "to a SentencePiece .model file")
-        self.path = path
-        try:
-            self._sp = spm.SentencePieceProcessor(model_file=path)
-        except RuntimeError as e:  # SentencePiece's only error for a file it cannot parse
-            raise ConfigError(f"tokenizer {path!r} is not a SentencePiece model ({e}); set "
-                              "config.data.tokenizer to a .model file") from None
+    path: str
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int
+    pad_id: int | None
+    add_bos: bool
 
-    @property
-    def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
-
-    @property
-    def bos_id(self) -> int:
-        return self._sp.bos_id()
-
-    @property
-    def eos_id(self) -> int:
-        return self._sp.eos_id()
+    def __new__(cls, path: str | None = None):
+        if cls is Tokenizer:
+            cls = HFTokenizer if _is_json(_resolve(path)) else SentencePieceTokenizer
+        return super().__new__(cls)
 
     def encode(self, text: str) -> list[int]:
-        return self._sp.encode(text)
+        raise NotImplementedError
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._sp.encode(texts)
+        return [self.encode(t) for t in texts]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        raise NotImplementedError
 
     def decode(self, ids) -> str:
-        return self._sp.decode([int(i) for i in ids])
+        raise NotImplementedError
+
+    def special_id(self, token: str) -> int:
+        raise NotImplementedError
 
     def check_fits(self, model_vocab_size: int) -> None:
         """Fail when token ids could fall outside the model's embedding table."""
@@ -50,3 +94,135 @@ class Tokenizer:
             raise ConfigError(f"tokenizer {self.path!r} has {self.vocab_size} pieces but "
                               f"model.vocab_size={model_vocab_size}; set model.vocab_size >= "
                               f"{self.vocab_size}")
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model file; loading it parses a protobuf, never executes anything."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=_resolve(path))
+        except RuntimeError as e:  # SentencePiece's only error for a file it cannot parse
+            raise ConfigError(f"tokenizer {path!r} {_NEITHER} (SentencePiece: {_line(e)}); "
+                              f"{_SET}") from None
+        self.vocab_size = self._sp.get_piece_size()
+        self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+        self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
+        if self._sp.eos_id() < 0:
+            raise ConfigError(f"tokenizer {path!r} has no EOS piece; documents and replies "
+                              "end with one")
+        self.eos_id = self._sp.eos_id()
+        self.add_bos = self.bos_id is not None
+        try:
+            self._sp.encode("a", out_type="offset_mapping")
+            self._offset_mapping = True
+        except (RuntimeError, ValueError):  # sentencepiece < 0.2.2 has immutable protos instead
+            self._offset_mapping = False
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(texts)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        if self._offset_mapping:  # sentencepiece >= 0.2.2
+            m = self._sp.encode(text, out_type="offset_mapping")
+            return m["ids"], m["offsets"]
+        pieces = self._sp.encode(text, out_type="immutable_proto").pieces  # older: the same
+        return [p.id for p in pieces], [(p.begin, p.end) for p in pieces]  # character spans
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def special_id(self, token: str) -> int:
+        i = self._sp.piece_to_id(token)
+        if i == self._sp.unk_id() and token != self._sp.id_to_piece(i):
+            raise ConfigError(f"tokenizer {self.path!r} has no token {token!r}; use a chat "
+                              "template written for this tokenizer (data.chat_template)")
+        return i
+
+
+def _token_name(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+class HFTokenizer(Tokenizer):
+    """A HuggingFace `tokenizer.json`, read with the `tokenizers` library (no `transformers`)."""
+
+    def __init__(self, path: str):
+        try:
+            import tokenizers
+        except ImportError:
+            raise ConfigError(f"tokenizer {path!r} is a HuggingFace {HF_FILE}, which needs the "
+                              "`tokenizers` package; pip install tokenizers") from None
+        self.path = path
+        file = _resolve(path)
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(file)
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            raise ConfigError(f"tokenizer {path!r} {_NEITHER} (tokenizers: {_line(e)}); "
+                              f"{_SET}") from None
+        settings = {}
+        for name in HF_CONFIG_FILES:
+            cfg = os.path.join(os.path.dirname(file), name)
+            if os.path.isfile(cfg):
+                try:
+                    with open(cfg, encoding="utf-8") as f:
+                        loaded = json.load(f)
+                except (OSError, ValueError) as e:
+                    raise ConfigError(f"{cfg} is not valid JSON ({_line(e)}); fix or remove "
+                                      "it") from None
+                if isinstance(loaded, dict):
+                    settings.update(loaded)
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(),
+                              default=-1) + 1
+        self.bos_id = self._config_id(settings, "bos_token")
+        self.eos_id = self._config_id(settings, "eos_token")
+        self.pad_id = self._config_id(settings, "pad_token")
+        if self.eos_id is None:
+            raise ConfigError(f"tokenizer {path!r} names no eos_token (tokenizer_config.json or "
+                              "special_tokens_map.json beside it); documents and replies end "
+                              "with one")
+        if isinstance(settings.get("add_bos_token"), bool):
+            self.add_bos = settings["add_bos_token"] and self.bos_id is not None
+        else:  # the post-processor decides, as in transformers
+            probe = self._tok.encode("a", add_special_tokens=True).ids
+            self.add_bos = self.bos_id is not None and probe[:1] == [self.bos_id]
+        # ids never get special tokens from the post-processor (BOS/EOS are placed by the
+        # caller), and without it no offsets are trimmed
+        self._tok.post_processor = None
+
+    def _config_id(self, settings: dict, key: str) -> int | None:
+        name = _token_name(settings.get(key))
+        if name is None:
+            return None
+        i = self._tok.token_to_id(name)
+        if i is None:
+            raise ConfigError(f"tokenizer {self.path!r}: {key} {name!r} from its config is not "
+                              f"in its {HF_FILE}")
+        return i
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        e = self._tok.encode(text, add_special_tokens=False)
+        return e.ids, e.offsets
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def special_id(self, token: str) -> int:
+        i = self._tok.token_to_id(token)
+        if i is None:
+            raise ConfigError(f"tokenizer {self.path!r} has no token {token!r}; use a chat "
+                              "template written for this tokenizer (data.chat_template)")
+        return i

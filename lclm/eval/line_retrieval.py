@@ -1,8 +1,7 @@
 """Line-retrieval accuracy per context length and needle depth (seed 003, section 5.3).
 
     python -m lclm.eval.line_retrieval --checkpoint WORKDIR --lengths 2k,4k,8k --samples 10
-    python -m lclm.eval.line_retrieval --hf HF_DIR --tokenizer HF_DIR/tokenizer.model \\
-        --format paper --lengths 4k,16k --sp 4
+    python -m lclm.eval.line_retrieval --hf HF_DIR --format paper --lengths 4k,16k --sp 4
 
 Each prompt is a document of numbered lines holding random numbers, ending with a question
 for one line (`lclm.data.line_retrieval`, the format the tiny config trains on). The asked
@@ -276,11 +275,11 @@ def load_checkpoint(args) -> tuple[Model, dict]:
 
 
 def load_hf(args) -> Model:
-    """A HuggingFace LLaMA directory (safetensors) with a SentencePiece tokenizer."""
+    """A HuggingFace LLaMA directory (safetensors) with its tokenizer (tokenizer.json or
+    tokenizer.model in the directory, or --tokenizer)."""
 
     model_config, params = hf.load(args.hf)
-    path = args.tokenizer or os.path.join(args.hf, "tokenizer.model")
-    tokenizer = Tokenizer(path)
+    tokenizer = Tokenizer(args.tokenizer or args.hf)
     tokenizer.check_fits(model_config.vocab_size)
     mesh = make_mesh(**_mesh_sizes({}, args))
     params = shard_params(model_config, params, mesh)
@@ -322,8 +321,8 @@ def parse_args(argv=None):
     src.add_argument("--checkpoint", help="an lclm training workdir")
     src.add_argument("--hf", help="a HuggingFace LLaMA directory (safetensors)")
     ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    ap.add_argument("--tokenizer", help="SentencePiece model (default: the run's; "
-                                        "HF_DIR/tokenizer.model with --hf)")
+    ap.add_argument("--tokenizer", help="SentencePiece .model, tokenizer.json or a directory "
+                                        "holding one (default: the run's; HF_DIR with --hf)")
     ap.add_argument("--lengths", default="2k,4k,8k", help="comma-separated, e.g. 512,2k,4k")
     ap.add_argument("--samples", type=int, default=10, help="prompts per (length, depth bin)")
     ap.add_argument("--depths", type=int, default=5, help="number of needle-depth bins")
