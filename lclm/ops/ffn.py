@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from lclm.ops.blockwise import merge_chunks, split_chunks
+
+_CHUNK_AXES = (None, "batch", "seq", None, "act_embed")
 
 
 def swiglu(x, w_gate, w_up, w_down):
@@ -14,15 +19,68 @@ def swiglu(x, w_gate, w_up, w_down):
     return h @ w_down
 
 
+def weight_grad(a, b):
+    """`a [..., m]`, `b [..., n]` -> float32 `[m, n]`, summed over all leading axes: a weight's
+    gradient from its input and output cotangent, never rounded to the compute dtype."""
+    lead = tuple(range(a.ndim - 1))
+    return lax.dot_general(a, b, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+
+
 def blockwise_ffn(x, w_gate, w_up, w_down, *, chunk: int, n_shards: int = 1,
-                  constrain=lambda x, axes: x):
+                  constrain=lambda x, axes: x, dtype=None):
     """SwiGLU of `x [batch, seq, dim]` one sequence chunk at a time, rematerialised.
 
     The `[chunk, ffn]` hidden activation exists for one chunk at a time, in the forward and
     (recomputed) in the backward. `n_shards` is the number of `sp` shards of the sequence;
-    `constrain(array, logical_axes)` pins the chunked activations' sharding.
+    `constrain(array, logical_axes)` pins the chunked activations' sharding. With `dtype`
+    the weights are cast to it for the matmuls (pass float32 parameters: their gradients
+    stay float32 end to end); without it they are used as given.
+
+    The weight gradients are summed over the chunks in float32 (each chunk's contribution is a
+    matmul with float32 output), whatever the compute dtype, and returned in the weights' own
+    dtype: a bfloat16 running sum would lose more precision with every chunk.
     """
-    xs = constrain(split_chunks(x, n_shards, chunk), (None, "batch", "seq", None, "act_embed"))
-    body = jax.checkpoint(lambda xc: swiglu(xc, w_gate, w_up, w_down))
-    ys = lax.map(body, xs)
-    return merge_chunks(ys)
+    return _blockwise_ffn(chunk, n_shards, constrain, dtype, x, (w_gate, w_up, w_down))
+
+
+def _cast(ws, dtype):
+    return ws if dtype is None else tuple(w.astype(dtype) for w in ws)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _blockwise_ffn(chunk, n_shards, constrain, dtype, x, ws):
+    wc = _cast(ws, dtype)
+    xs = constrain(split_chunks(x, n_shards, chunk), _CHUNK_AXES)
+    return merge_chunks(lax.map(lambda xc: swiglu(xc, *wc), xs))
+
+
+def _blockwise_ffn_fwd(chunk, n_shards, constrain, dtype, x, ws):
+    # residuals are the inputs only: every chunk's hidden activation is recomputed
+    return _blockwise_ffn(chunk, n_shards, constrain, dtype, x, ws), (x, ws)
+
+
+def _blockwise_ffn_bwd(chunk, n_shards, constrain, dtype, res, dy):
+    x, ws = res
+    w_gate, w_up, w_down = _cast(ws, dtype)
+    xs = constrain(split_chunks(x, n_shards, chunk), _CHUNK_AXES)
+    dys = constrain(split_chunks(dy, n_shards, chunk), _CHUNK_AXES)
+
+    def body(acc, inputs):
+        xc, dyc = inputs
+        # the activations' cotangents exactly as autodiff of `swiglu` computes them ...
+        (g, u), input_vjp = jax.vjp(lambda xc: (xc @ w_gate, xc @ w_up), xc)
+        h, act_vjp = jax.vjp(lambda g, u: jax.nn.silu(g) * u, g, u)
+        (dh,) = jax.vjp(lambda h: h @ w_down, h)[1](dyc)
+        dg, du = act_vjp(dh)
+        (dxc,) = input_vjp((dg, du))
+        # ... and the weights' as float32 matmuls, added to float32 sums
+        grads = (weight_grad(xc, dg), weight_grad(xc, du), weight_grad(h, dyc))
+        return tuple(a + g for a, g in zip(acc, grads)), dxc
+
+    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in ws)
+    sums, dxs = lax.scan(body, zeros, (xs, dys))
+    dx = merge_chunks(constrain(dxs, _CHUNK_AXES))
+    return dx, tuple(s.astype(w.dtype) for s, w in zip(sums, ws))
+
+
+_blockwise_ffn.defvjp(_blockwise_ffn_fwd, _blockwise_ffn_bwd)

@@ -3,39 +3,98 @@ sequence (seed 004). The loss is a global token mean: sum of masked token losses
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lclm.ops.blockwise import split_chunks
+from lclm.ops.blockwise import merge_chunks, split_chunks
+from lclm.ops.ffn import weight_grad
+
+_SEQ_AXES = (None, "batch", "seq", None)
 
 
-def token_losses(h, w_out, targets):
-    """h `[..., dim]`, w_out `[dim, vocab]`, targets `[...]` -> float32 losses `[...]`."""
-    logits = jnp.einsum("...d,dv->...v", h, w_out, preferred_element_type=jnp.float32)
+def logits_of(h, w_out):
+    """h `[..., dim]`, w_out `[dim, vocab]` -> float32 logits `[..., vocab]`."""
+    return jnp.einsum("...d,dv->...v", h, w_out, preferred_element_type=jnp.float32)
+
+
+def losses_of_logits(logits, targets):
+    """Float32 negative log-likelihoods `[...]` of `targets [...]` under `logits [..., vocab]`."""
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return lse - picked
 
 
+def token_losses(h, w_out, targets):
+    """h `[..., dim]`, w_out `[dim, vocab]`, targets `[...]` -> float32 losses `[...]`."""
+    return losses_of_logits(logits_of(h, w_out), targets)
+
+
 def blockwise_cross_entropy(h, w_out, targets, loss_mask, *, chunk: int, n_shards: int = 1,
-                            constrain=lambda x, axes: x):
+                            constrain=lambda x, axes: x, dtype=None):
     """Masked cross-entropy sums of `h [batch, seq, dim]` against `targets [batch, seq]`.
 
     Returns `(loss_sum, token_count)` as float32 scalars over the whole (global) batch; the
     caller divides once, so every unmasked token weighs the same whatever its row or chunk.
-    """
-    seq_axes = (None, "batch", "seq", None)
-    hs = constrain(split_chunks(h, n_shards, chunk), seq_axes + ("act_embed",))
-    ts = constrain(split_chunks(targets, n_shards, chunk), seq_axes)
-    ms = constrain(split_chunks(loss_mask.astype(jnp.float32), n_shards, chunk), seq_axes)
+    With `dtype` the `[dim, vocab]` weights are cast to it for the matmul (pass the float32
+    parameters: their gradient stays float32 end to end); without it they are used as given.
 
-    @jax.checkpoint
-    def chunk_sum(hc, tc, mc):
-        return jnp.sum(token_losses(hc, w_out, tc) * mc)
+    The weights' gradient is summed over the chunks in float32 (each chunk's contribution is a
+    float32 matmul) and returned in the weights' own dtype; a running sum in the compute dtype
+    would lose more precision with every chunk.
+    """
+    mask = loss_mask.astype(jnp.float32)
+    total = _blockwise_ce(chunk, n_shards, constrain, dtype, h, w_out, targets, mask)
+    return total, jnp.sum(mask)
+
+
+def _chunks(constrain, n_shards, chunk, h, targets, mask):
+    hs = constrain(split_chunks(h, n_shards, chunk), _SEQ_AXES + ("act_embed",))
+    ts = constrain(split_chunks(targets, n_shards, chunk), _SEQ_AXES)
+    ms = constrain(split_chunks(mask, n_shards, chunk), _SEQ_AXES)
+    return hs, ts, ms
+
+
+def _masked_sum(logits, tc, mc):
+    return jnp.sum(losses_of_logits(logits, tc) * mc)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _blockwise_ce(chunk, n_shards, constrain, dtype, h, w_out, targets, mask):
+    w = w_out if dtype is None else w_out.astype(dtype)
 
     def body(total, xs):
-        return total + chunk_sum(*xs), None
+        hc, tc, mc = xs
+        return total + _masked_sum(logits_of(hc, w), tc, mc), None
 
-    total, _ = lax.scan(body, jnp.zeros((), jnp.float32), (hs, ts, ms))
-    return total, jnp.sum(loss_mask.astype(jnp.float32))
+    chunks = _chunks(constrain, n_shards, chunk, h, targets, mask)
+    return lax.scan(body, jnp.zeros((), jnp.float32), chunks)[0]
+
+
+def _blockwise_ce_fwd(chunk, n_shards, constrain, dtype, h, w_out, targets, mask):
+    # residuals are the inputs only: every chunk's logits are recomputed
+    total = _blockwise_ce(chunk, n_shards, constrain, dtype, h, w_out, targets, mask)
+    return total, (h, w_out, targets, mask)
+
+
+def _blockwise_ce_bwd(chunk, n_shards, constrain, dtype, res, dtotal):
+    h, w_out, targets, mask = res
+    w = w_out if dtype is None else w_out.astype(dtype)
+
+    def body(dw, xs):
+        hc, tc, mc = xs
+        # every chunk's sum enters the total with weight 1: its cotangent is `dtotal`
+        logits, logits_vjp = jax.vjp(lambda hc: logits_of(hc, w), hc)
+        (dlogits,) = jax.vjp(lambda lg: _masked_sum(lg, tc, mc), logits)[1](dtotal)
+        (dhc,) = logits_vjp(dlogits)
+        return dw + weight_grad(hc, dlogits), dhc
+
+    hs, ts, ms = _chunks(constrain, n_shards, chunk, h, targets, mask)
+    dw, dhs = lax.scan(body, jnp.zeros(w_out.shape, jnp.float32), (hs, ts, ms))
+    dh = merge_chunks(constrain(dhs, _SEQ_AXES + ("act_embed",)))
+    return dh, dw.astype(w_out.dtype), None, None   # targets and mask are data
+
+
+_blockwise_ce.defvjp(_blockwise_ce_fwd, _blockwise_ce_bwd)
