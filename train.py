@@ -27,6 +27,8 @@ def run(config) -> None:
     request_cpu_devices((mesh_device_count(config) or 1) // distributed.local_process_count())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-save chatter
+    # "Unable to initialize backend 'tpu'" on every machine without one
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     distributed.initialize()
     import jax
     if jax.process_index() != 0:

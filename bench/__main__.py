@@ -42,10 +42,12 @@ from lclm.errors import StartupError
 # part (also the Suite's field name) -> its module in bench/, which writes <module>.md/.png
 PARTS = {"attention": "attention", "striped": "striped_sim", "train": "train_step",
          "max_context": "max_context"}
-# the demo's shapes cut down further: a 2-layer, 64-wide LLaMA with small tiles
-TINY_MODEL = ("model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-              "model.ffn_dim=192", "model.ffn_chunk=64", "model.loss_chunk=64",
-              "attention.q_chunk=64", "attention.kv_chunk=64")
+# the demo's shapes cut down further: a 2-layer, 64-wide LLaMA with small tiles (config
+# overrides are command-line arguments, as for train.py)
+TINY_MODEL = ("--config.model.n_layers=2", "--config.model.dim=64", "--config.model.n_heads=4",
+              "--config.model.n_kv_heads=2", "--config.model.ffn_dim=192",
+              "--config.model.ffn_chunk=64", "--config.model.loss_chunk=64",
+              "--config.attention.q_chunk=64", "--config.attention.kv_chunk=64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +72,8 @@ SUITES = {
             ModelRun("configs/llama1b.py", (8192, 16384, 32768, 65536, 131072), ONE_DEVICE),
             ModelRun("configs/llama3b.py", (8192, 32768, 65536, 131072), ONE_DEVICE),
             ModelRun("configs/llama7b_256k.py", (8192, 32768),
-                     (*ONE_DEVICE, "data.batch_size=1", "model.param_dtype=bfloat16"),
+                     (*ONE_DEVICE, "--config.data.batch_size=1",
+                      "--config.model.param_dtype=bfloat16"),
                      note="one device, batch 1, bfloat16 parameters and AdamW moments "
                           "(float32 ones alone need 108 GB)"),
         ), steps=3, warmup=1),

@@ -1,7 +1,8 @@
 """Longest trainable sequence on one device: lclm's blockwise transformer vs dense baselines.
 
     python -m bench.max_context [--config configs/llama1b.py] [--variants lclm,vanilla]
-        [--start 8192] [--cap 2097152] [--resolution 16384] [--out DIR]
+        [--start 8192] [--cap 2097152] [--resolution 16384] [--out DIR] \
+        [--config.model.n_layers=8 ...]
 
 Variants of the same LLaMA train step (full remat, AdamW, batch 1, one device):
 
@@ -34,7 +35,9 @@ from bench import repo_path
 from bench.isolate import emit_record, run_child
 from bench.report import default_out_dir, emit_table, fmt, stamp
 
-ONE_DEVICE = ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1", "mesh.sp=1")
+# config overrides are command-line arguments, as for train.py
+ONE_DEVICE = ("--config.mesh.dp=1", "--config.mesh.fsdp=1", "--config.mesh.tp=1",
+              "--config.mesh.sp=1")
 
 
 class Variant(NamedTuple):
@@ -60,7 +63,7 @@ PUBLISHED_NOTE = ("Published: BPT paper (Liu & Abbeel 2023, seed 004) Table 2, t
 class MaxContextSpec:
     """The max-context part of a suite."""
     config: str = "configs/llama1b.py"
-    overrides: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = ()  # `--config.a.b=V` arguments
     variants: tuple[str, ...] = ("lclm", "attention_only", "vanilla")
     impl: str = "auto"        # the blockwise variants' kernel; auto = the platform's fused one
     start: int = 8192
@@ -136,7 +139,7 @@ def search_variant(spec: MaxContextSpec, variant: str) -> dict:
         argv = ["--probe", "--variant", variant, "--seq", str(seq), "--config",
                 repo_path(spec.config)]
         argv += ["--budget-mib", str(spec.budget_mib)] if spec.budget_mib else []
-        argv += ["--set", *spec.overrides, f"attention.impl={spec.impl}"]
+        argv += [*spec.overrides, f"--config.attention.impl={spec.impl}"]
         records, status = run_child("bench.max_context", argv, spec.timeout)
         record = records[0] if records else {}
         if status == "ok":  # a clean exit carries its own verdict ('ok' or 'over budget')
@@ -198,32 +201,34 @@ def run(spec: MaxContextSpec, out_dir: str, toy: bool = False) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.max_context",
+                                 description=__doc__.split("\n")[0],
+                                 epilog="config fields: --config.<key>=<value>, as for train.py")
     default = MaxContextSpec()
-    ap.add_argument("--config", default=default.config)
     ap.add_argument("--variants", default=",".join(default.variants))
     ap.add_argument("--start", type=int, default=default.start)
     ap.add_argument("--cap", type=int, default=default.cap)
     ap.add_argument("--resolution", type=int, default=default.resolution)
     ap.add_argument("--impl", default=default.impl, help="kernel of the blockwise variants")
     ap.add_argument("--budget-mib", type=int, default=None)
-    ap.add_argument("--set", nargs="*", default=[], help="config overrides a.b=value")
     ap.add_argument("--out", default=default_out_dir("max_context"))
     ap.add_argument("--probe", action="store_true", help="child side: one step, one record")
     ap.add_argument("--variant", default="lclm")
     ap.add_argument("--seq", type=int, default=0)
-    args = ap.parse_args(argv)
-    from lclm.config import load_config, parse_overrides
+    from lclm.config import parse_cli
     from lclm.errors import StartupError
     try:
-        load_config(args.config, parse_overrides(args.set))  # fails here, not in every probe
+        # a bad config fails here, not in every probe (which measure the file's fields, not
+        # a schedule's stages)
+        args, _ = parse_cli(ap, argv, default.config, runs_stages=False)
         if args.probe:
-            emit_record(probe(args.config, args.set, args.variant, args.seq, args.budget_mib))
+            emit_record(probe(args.config, args.overrides, args.variant, args.seq,
+                              args.budget_mib))
             return 0
-        spec = MaxContextSpec(args.config, tuple(args.set), tuple(args.variants.split(",")),
+        spec = MaxContextSpec(args.config, tuple(args.overrides), tuple(args.variants.split(",")),
                               args.impl, args.start, args.cap, args.resolution, args.budget_mib)
         run(spec, args.out)
-    except (StartupError, FileNotFoundError) as e:  # a bad --config/--set: one line
+    except (StartupError, FileNotFoundError) as e:  # a bad --config FILE/--config.*: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

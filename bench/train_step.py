@@ -2,15 +2,16 @@
 
     python -m bench.train_step --config configs/llama1b.py --seq 8192,32768 \
         [--impls blockwise,pallas_gpu] [--isolate]
-    python -m bench.train_step --config configs/demo.py --seq 512 --layouts striped,contiguous
+    python -m bench.train_step --config configs/demo.py --seq 512 --layouts striped,contiguous \
+        --config.model.n_layers=1
 
 Synthetic tokens (one document per row), the real model, ring attention, optimizer and
-shardings of the config; the attention kernel is `config.attention.impl` (`--impls` runs
-several). MFU counts causal attention as half the square (see
-`lclm.train.metrics.flops_per_token`); on a CPU there is no peak to divide by, and the table
-says so: CPU numbers are not a performance result. `--isolate` runs every row in its own
-process, so an out-of-memory row is reported as OOM and each row's peak memory is its own
-(a process's peak counter never goes down).
+shardings of the config (`--config.<key>=<value>` overrides its fields, as for train.py);
+the attention kernel is `config.attention.impl` (`--impls` runs several). MFU counts causal
+attention as half the square (see `lclm.train.metrics.flops_per_token`); on a CPU there is
+no peak to divide by, and the table says so: CPU numbers are not a performance result.
+`--isolate` runs every row in its own process, so an out-of-memory row is reported as OOM and
+each row's peak memory is its own (a process's peak counter never goes down).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ MESH_AXES = ("dp", "fsdp", "tp", "sp")
 
 @dataclasses.dataclass(frozen=True)
 class ModelRun:
-    """One model of a suite: a config file (relative to the repository), overrides, lengths."""
+    """One model of a suite: a config file (relative to the repository), lengths, and
+    overrides as command-line arguments (`--config.model.n_layers=2`, as for train.py)."""
     config: str
     seqs: tuple[int, ...]
     overrides: tuple[str, ...] = ()
@@ -55,10 +57,12 @@ class TrainSpec:
 
 
 def row_config(config_path: str, overrides, seq: int, layout: str | None, impl: str | None):
-    """The config of one row: the file, its overrides, then this row's length/layout/kernel."""
-    from lclm.config import load_config, parse_overrides
+    """The config of one row: the file, its overrides (`--config.a.b=V` arguments), then this
+    row's length/layout/kernel."""
+    from lclm.config import config_from_argv
 
-    config = load_config(config_path, parse_overrides(overrides))
+    config = config_from_argv(["bench.train_step", "--config", config_path, *overrides],
+                              config_path, runs_stages=False)  # one step of the file's fields
     config.data.seq_len = seq
     if layout:
         config.attention.layout = layout
@@ -183,7 +187,7 @@ def run_row(run: ModelRun, seq: int, layout: str | None, impl: str | None, *, st
     base = dict(seq=seq, impl=impl or "", layout=layout or "", status="")
     if isolate:
         argv = ["--config", repo_path(run.config), "--seq", str(seq), "--steps", str(steps),
-                "--warmup", str(warmup), "--record", "--set", *run.overrides]
+                "--warmup", str(warmup), "--record", *run.overrides]
         argv += ["--layouts", layout] if layout else []
         argv += ["--impls", impl] if impl else []
         records, status = run_child("bench.train_step", argv, timeout)
@@ -261,44 +265,44 @@ def run(spec: TrainSpec, out_dir: str, toy: bool = False) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True)
+    ap = argparse.ArgumentParser(prog="python -m bench.train_step",
+                                 description=__doc__.split("\n")[0],
+                                 epilog="config fields: --config.<key>=<value>, as for train.py")
     ap.add_argument("--seq", default="", help="comma-separated sequence lengths")
     ap.add_argument("--layouts", default="", help="comma-separated layouts (default: config's)")
     ap.add_argument("--impls", default="", help="comma-separated kernels (default: config's)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-    ap.add_argument("--set", nargs="*", default=[], help="config overrides a.b=value")
     ap.add_argument("--isolate", action="store_true", help="one child process per row")
     ap.add_argument("--record", action="store_true",
                     help="print machine-readable records only (the child side of --isolate)")
     ap.add_argument("--out", default="", help="also write the table to this .md file (and a "
                     ".png plot next to it)")
-    args = ap.parse_args(argv)
 
-    from lclm.config import load_config, mesh_device_count, parse_overrides
+    from lclm.config import mesh_device_count, parse_cli
     from lclm.errors import StartupError
     from lclm.parallel.devices import request_cpu_devices
 
     try:
-        base = load_config(args.config, parse_overrides(args.set))
+        args, base = parse_cli(ap, argv, runs_stages=False)  # a schedule's stages do not run
         request_cpu_devices(mesh_device_count(base) or 1)
         seqs = int_list(args.seq) or (base.data.seq_len,)
         layouts = tuple(args.layouts.split(",")) if args.layouts else (None,)
         impls = tuple(args.impls.split(",")) if args.impls else (None,)
-        spec = TrainSpec(models=(ModelRun(os.path.abspath(args.config), seqs, tuple(args.set)),),
+        spec = TrainSpec(models=(ModelRun(os.path.abspath(args.config), seqs,
+                                          tuple(args.overrides)),),
                          steps=args.steps, warmup=args.warmup, isolate=args.isolate)
         if args.record:
             for seq in seqs:
                 for layout in layouts:
                     for impl in impls:
-                        config = row_config(args.config, args.set, seq, layout, impl)
+                        config = row_config(args.config, args.overrides, seq, layout, impl)
                         emit_record(dict(measure(config, steps=args.steps, warmup=args.warmup),
                                          model=os.path.basename(args.config)))
             return 0
         report(collect(spec, impls, layouts), spec, args.out)
         return 0
-    except (StartupError, FileNotFoundError) as e:  # a bad --config/--set: one line
+    except (StartupError, FileNotFoundError) as e:  # a bad --config FILE/--config.*: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
 

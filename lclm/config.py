@@ -1,19 +1,22 @@
 """The one typed configuration of lclm: defaults, model presets and start-up validation.
 
 Config files (`configs/*.py`) define `get_config()` returning `base_config()` with fields
-changed; `config_from_argv` reads train.py's `--config FILE --config.a.b=V`, which overrides any
-field. `validate` turns every inconsistency into a `ConfigError` with a one-line message that
-names the fix; CLIs print the message of any `StartupError` (its base) and exit with status 2.
+changed; `config_from_argv` reads `--config FILE --config.a.b=V`, which overrides any field:
+train.py's command line and, through `parse_cli`, that of every other CLI. `validate` turns
+every inconsistency into a `ConfigError` with a one-line message that names the fix; CLIs
+print the message of any `StartupError` (its base) and exit with status 2.
 
 This module does not import JAX (train.py reads the config before JAX starts).
 """
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import math
 import os
 import re
+import sys
 import tempfile
 
 import ml_collections
@@ -24,14 +27,18 @@ from lclm.errors import StartupError
 
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ROPE_SCALINGS = ("auto", "none", "linear", "llama3")  # llama.ROPE_SCALINGS and "auto"
 LAYOUTS = ("striped", "contiguous")  # lclm.ops.layout.LAYOUTS is checked against this in tests
 
-# LLaMA shapes. 1b/3b are LLaMA-3.2 (1.24B / 3.2B params), 7b/13b are LLaMA-2.
+# LLaMA shapes (and the tokenizer's bos/eos ids). 1b/3b are LLaMA-3.2 (1.24B / 3.2B params),
+# 7b/13b are LLaMA-2 (bos 1, eos 2: the defaults).
 MODEL_PRESETS = {
     "llama3_1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                      ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True),
+                      ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True,
+                      bos_id=128000, eos_ids=(128001,)),
     "llama3_3b": dict(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8,
-                      ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True),
+                      ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True,
+                      bos_id=128000, eos_ids=(128001,)),
     "llama2_7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                       ffn_dim=11008, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
     "llama2_13b": dict(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40,
@@ -62,6 +69,15 @@ def base_config() -> ml_collections.ConfigDict:
                             # run (model.rope_theta still applies: long-context recipes raise it)
         init_from_checkpoint="",  # an lclm workdir: its latest parameters start the run (fresh
                                   # optimizer); staged recipes chain their stages with it
+        # RoPE frequency scaling applied over rope_theta: none | linear | llama3, or auto (the
+        # init_from_hf source's scaling with its parameters; none without a source). The
+        # factors are HF's rope_scaling fields (llama3: Llama-3.1's 8 / 1 / 4 / 8192)
+        rope_scaling="auto", rope_factor=8.0, rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0, rope_original_max_positions=8192,
+        # written to an export's config.json; init_from_hf takes them from the source
+        bos_id=1,           # -1: none
+        eos_ids=(2,),       # one or more end-of-sequence ids
+        max_position_embeddings=4096,  # an export states max(this, data.seq_len trained)
     ))
 
     c.attention = ml_collections.ConfigDict(dict(
@@ -90,7 +106,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def apply_preset(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
-    """Set the model shape fields of `config.model` from `MODEL_PRESETS[name]`."""
+    """Set the model shape fields (and token ids) of `config.model` from `MODEL_PRESETS[name]`."""
     if name not in MODEL_PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; use one of {sorted(MODEL_PRESETS)}")
     config.model.update(MODEL_PRESETS[name])
@@ -111,12 +127,17 @@ def mesh_device_count(config) -> int | None:
 # sizes are checked by resolve_mesh_shape, the first thing that reads them).
 _POSITIVE = (
     "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-    "model.ffn_dim", "model.ffn_chunk", "model.loss_chunk", "attention.q_chunk",
+    "model.ffn_dim", "model.ffn_chunk", "model.loss_chunk", "model.rope_original_max_positions",
+    "model.max_position_embeddings", "attention.q_chunk",
     "attention.kv_chunk", "data.seq_len", "data.batch_size", "train.steps", "train.grad_accum",
     "train.max_bad_steps", "checkpoint.keep", "log.every")
 
 # field -> (accepted, the rule the message states); a nan fails every comparison
 _RANGES = {
+    "model.rope_theta": (lambda x: 0 < x < math.inf, "must be a finite number > 0"),
+    "model.rope_factor": (lambda x: 0 < x < math.inf, "must be a finite number > 0"),
+    "model.rope_low_freq_factor": (lambda x: 0 < x < math.inf, "must be a finite number > 0"),
+    "model.rope_high_freq_factor": (lambda x: 0 < x < math.inf, "must be a finite number > 0"),
     "train.lr": (lambda x: 0 < x < math.inf, "must be a finite number > 0"),
     "train.clip": (lambda x: 0 <= x < math.inf, "must be a finite number >= 0 (0: no clipping)"),
     "train.b1": (lambda x: 0 <= x < 1, "must be in [0, 1)"),
@@ -163,6 +184,21 @@ def _check_workdir(workdir: str) -> None:
               "config.workdir to a writable directory")
 
 
+def _check_rope_and_ids(m) -> None:
+    if m.rope_scaling not in ROPE_SCALINGS:
+        _fail(f"model.rope_scaling={m.rope_scaling!r}; use one of {ROPE_SCALINGS}")
+    if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
+        _fail(f"model.rope_high_freq_factor={m.rope_high_freq_factor!r} must be greater than "
+              f"model.rope_low_freq_factor={m.rope_low_freq_factor!r} for llama3 RoPE scaling")
+    if not -1 <= m.bos_id < m.vocab_size:
+        _fail(f"model.bos_id={m.bos_id!r} must be a token id below model.vocab_size="
+              f"{m.vocab_size} (or -1: none)")
+    for i in m.eos_ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < m.vocab_size:
+            _fail(f"model.eos_ids={tuple(m.eos_ids)!r}: {i!r} is not a token id below "
+                  f"model.vocab_size={m.vocab_size}")
+
+
 def validate(config, device_count: int) -> dict[str, int]:
     """Check `config` against itself and `device_count`; returns the resolved mesh sizes."""
     m, a, d, t = config.model, config.attention, config.data, config.train
@@ -181,6 +217,7 @@ def validate(config, device_count: int) -> dict[str, int]:
             _fail(f"model.{key}={m[key]!r}; use one of {DTYPES}")
     if m.remat not in REMAT_POLICIES:
         _fail(f"model.remat={m.remat!r}; use one of {REMAT_POLICIES}")
+    _check_rope_and_ids(m)
     if a.layout not in LAYOUTS:
         _fail(f"attention.layout={a.layout!r}; use one of {LAYOUTS}")
     from lclm.ops.attention import KERNELS
@@ -260,12 +297,15 @@ def load_config(path: str, overrides: dict | None = None) -> ml_collections.Conf
     return config
 
 
-def config_from_argv(argv: list[str], default: str) -> ml_collections.ConfigDict:
+def config_from_argv(argv: list[str], default: str,
+                     runs_stages: bool = True) -> ml_collections.ConfigDict:
     """The config of a command line `PROG [--config FILE] [--config.a.b=V ...]` (ml_collections
     syntax: typed, locked against new keys); FILE defaults to `default`.
 
     Every mistake (missing file, unknown key, bad value, stray argument) is one ConfigError
-    line; an unknown key names the closest existing one.
+    line; an unknown key names the closest existing one. When the program runs the stages of
+    `stages.schedule` (`runs_stages`; the benchmarks measure the file's own fields instead),
+    an override of a field that a stage replaces is one too.
     """
     path = _config_path(argv) or default
     known = load_config(path)
@@ -283,7 +323,44 @@ def config_from_argv(argv: list[str], default: str) -> ml_collections.ConfigDict
     if rest[1:]:
         raise ConfigError(f"unexpected arguments {rest[1:]}; pass only --config FILE and "
                           "--config.<key>=<value>")
-    return holder.value
+    config = holder.value
+    if runs_stages:
+        _check_stage_overrides(config, _override_keys(argv))
+    return config
+
+
+def _check_stage_overrides(config, keys: list[str]) -> None:
+    """An override of a key that every (or some) stage of `stages.schedule` replaces would
+    be silently lost: refuse it (the schedule, where the stages are, is what to change)."""
+    if not config.stages.schedule:
+        return
+    from lclm.train.stages import keys_set_by_stages  # no JAX: fine before start-up
+    replaced = keys_set_by_stages(config)
+    for key in keys:
+        if key in replaced:
+            raise ConfigError(f"config.{key} is {replaced[key]}")
+
+
+def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None, default: str | None = None,
+              runs_stages: bool = True) -> tuple[argparse.Namespace, ml_collections.ConfigDict]:
+    """(the CLI's own arguments, its config) of `PROG --config FILE [--config.a.b=V ...]
+    [the parser's own arguments]`: every CLI configures the run the way train.py does.
+
+    `parser` defines only the CLI's own arguments; `--config` (required unless `default`) is
+    added here. The `--config.*` arguments go to `config_from_argv` (its checks, its one-line
+    errors) and are kept in `args.overrides`, to be passed on as they are (to child processes).
+    """
+    parser.add_argument("--config", metavar="FILE", default=default, required=default is None,
+                        help="config file" + (f" (default {default})" if default else "")
+                        + "; override its fields with --config.<key>=<value>")
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    for arg in rest:
+        if arg.startswith("-") and not re.match(r"-{1,2}(?:no)?config\.|-[\d.]", arg):
+            raise ConfigError(f"unrecognized argument {arg!r}; see --help (config fields: "
+                              "--config.<key>=<value>)")
+    args.overrides = rest
+    return args, config_from_argv([parser.prog, "--config", args.config, *rest], args.config,
+                                  runs_stages)
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -334,16 +411,3 @@ def parse_tokens(text: str) -> int:
     if n < 1:
         raise ValueError(f"length {text!r} must be positive")
     return n
-
-
-def parse_overrides(items) -> dict:
-    """`["a.b=1", "c.d=text"]` -> `{"a.b": 1, "c.d": "text"}` (Python literals, else strings)."""
-    import ast
-    out = {}
-    for item in items:
-        key, _, raw = item.partition("=")
-        try:
-            out[key] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            out[key] = raw
-    return out

@@ -6,21 +6,30 @@
 An lclm checkpoint lives in `WORKDIR/checkpoints/STEP` (what `train.py` writes and resumes
 from). `--to-checkpoint` writes step 0 with a fresh optimizer state, so
 `train.py --config.workdir=WORKDIR` fine-tunes from it; `--to-hf` exports the parameters of
-the latest step in canonical layout, whatever mesh or layout the run used.
+the latest step in canonical layout, whatever mesh or layout the run used (a staged run's
+WORKDIR exports its last stage with a checkpoint). Only the parameters are read. The export's
+config.json states what was trained: the source's token ids, the RoPE theta and scaling
+trained with (as transformers 4 and 5 read them) and max_position_embeddings = max(the
+source's, the longest data.seq_len trained); the tokenizer (`data.tokenizer`, or
+`--tokenizer PATH`) is exported beside it so that `AutoTokenizer.from_pretrained` loads it.
+Files are written 0o644 (directories 0o755) whatever the umask; each is listed as written.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import re
 import sys
 
 import jax
 import jax.numpy as jnp
 
 from lclm import hf
-from lclm.checkpoint import Checkpoints
+from lclm.checkpoint import Checkpoints, read_config, read_params
 from lclm.config import base_config
-from lclm.models.llama import LlamaConfig, init_params
+from lclm.models.llama import LlamaConfig, param_shapes
 from lclm.train.loop import public_config
 from lclm.train.state import TrainState
 from lclm.train.step import make_optimizer
@@ -30,6 +39,12 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
     model, params = hf.load(hf_dir)
     config = base_config()
     config.model.update({k: v for k, v in vars(model).items() if k in config.model})
+    for name in ("tokenizer.model", "tokenizer.json"):  # what an export of it copies back
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            path = os.path.abspath(hf_dir if name == "tokenizer.json" else
+                                   os.path.join(hf_dir, name))
+            config.data.tokenizer = path
+            break
     optimizer = make_optimizer(config.train)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     checkpoints = Checkpoints(workdir, every=0, keep=3)
@@ -38,32 +53,91 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
     return 0
 
 
-def checkpoint_to_hf(workdir: str, hf_dir: str) -> int:
-    checkpoints = Checkpoints(workdir, every=0, keep=3)
-    step = checkpoints.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {workdir!r}/checkpoints")
-    saved = checkpoints.manager.restore(step, args=_config_args())["config"]
-    config = base_config()
-    config.model.update(saved["model"])
-    config.train.update(saved["train"])
-    model = LlamaConfig.from_config(config.model)
-    optimizer = make_optimizer(config.train)
+_STAGE_DIR = re.compile(r"stage(\d+)_(\d+)")
 
-    def fresh():
-        params = init_params(model, jax.random.key(0))
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
-    template = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fresh))
-    state, _ = checkpoints.restore(template)
-    checkpoints.close()
-    hf.save(hf_dir, model, jax.device_get(state.params))
+def _stage_workdirs(workdir: str) -> list:
+    """The stage workdirs of a staged run's `workdir` that hold a checkpoint, in stage order."""
+    if os.path.isdir(os.path.join(workdir, "checkpoints")) or not os.path.isdir(workdir):
+        return []
+    stages = sorted((int(m.group(1)), name) for name in os.listdir(workdir)
+                    if (m := _STAGE_DIR.fullmatch(name))
+                    and os.path.isdir(os.path.join(workdir, name, "checkpoints")))
+    return [os.path.join(workdir, name) for _, name in stages]
+
+
+def _dataclass_fields(cls, values: dict) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in names}
+
+
+def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None) -> int:
+    """Export the latest parameters of `workdir` (or, for a staged run's workdir, of its last
+    stage with a checkpoint) to `hf_dir`: weights, a config.json that states what was trained
+    (the source's token ids, the RoPE theta and scaling trained with, max positions covering
+    the longest sequence trained) and the tokenizer. Only the parameters are read."""
+    stages = _stage_workdirs(workdir)
+    seq_lens = []
+    for stage in stages:  # every stage up to the exported one trained its sequence length
+        seq_lens.append(read_config(stage)[1].get("data", {}).get("seq_len", 0))
+    if stages:
+        print(f"{workdir}: staged run; exporting its last stage with a checkpoint, "
+              f"{os.path.basename(stages[-1])}")
+        workdir = stages[-1]
+    step, saved = read_config(workdir)
+    model = LlamaConfig(**_dataclass_fields(LlamaConfig, saved["model"]))
+    # step 0 (`--to-checkpoint`'s) has trained nothing: only the source's positions count
+    trained = max([saved.get("data", {}).get("seq_len", 0) if step else 0, *seq_lens])
+    model = dataclasses.replace(
+        model, max_position_embeddings=max(model.max_position_embeddings, trained))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(model.param_dtype), sharding=device),
+        param_shapes(model), is_leaf=lambda x: isinstance(x, tuple))
+    params = jax.device_get(read_params(workdir, step, abstract))
+    written = hf.save(hf_dir, model, params)
+    tokenizer = tokenizer or saved.get("data", {}).get("tokenizer", "")
+    notes = []
+    if tokenizer:
+        try:
+            files, notes = hf.save_tokenizer(tokenizer, hf_dir, model)
+            written += files
+        except (OSError, ValueError) as e:  # the weights are out; say what is missing
+            notes.append(f"{e}; no tokenizer exported (pass --tokenizer PATH)")
+    else:
+        notes.append("the checkpoint's config names no tokenizer; none exported (pass "
+                     "--tokenizer PATH)")
+    stale = [name for name in hf.TOKENIZER_FILES
+             if name not in written and os.path.exists(os.path.join(hf_dir, name))]
+    if stale:
+        notes.append(f"{hf_dir} also holds {', '.join(stale)}, not written by this export")
+    _report(workdir, step, hf_dir, model, trained, tokenizer, written, notes)
     return 0
 
 
-def _config_args():
-    import orbax.checkpoint as ocp
-    return ocp.args.Composite(config=ocp.args.JsonRestore())
+def _report(workdir, step, hf_dir, model, trained, tokenizer, written, notes) -> None:
+    """What the export wrote: one line per file, the config's highlights, the warnings."""
+    rope = f"rope_theta {model.rope_theta:g}"
+    if model.rope_scaling != "none":
+        rope += f", {model.rope_scaling} scaling x{model.rope_factor:g}"
+        if model.rope_scaling == "llama3":
+            rope += (f" (low/high freq factors {model.rope_low_freq_factor:g}/"
+                     f"{model.rope_high_freq_factor:g}, original max positions "
+                     f"{model.rope_original_max_positions})")
+    print(f"exported {workdir} step {step} to {hf_dir}:")
+    for name in written:
+        path = os.path.join(hf_dir, name)
+        what = ""
+        if name == "config.json":
+            what = (f"{model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}, "
+                    f"{model.param_dtype}; {rope}; max_position_embeddings "
+                    f"{model.max_position_embeddings} (longest trained: {trained}); "
+                    f"bos {model.bos_id}, eos {list(model.eos_ids)}")
+        elif name.startswith("tokenizer") or name == "special_tokens_map.json":
+            what = f"from {tokenizer}"
+        print(f"  {name:<32} {os.path.getsize(path):>14,} bytes  {what}".rstrip())
+    for note in notes:
+        print(f"warning: {note}")
 
 
 def main(argv=None) -> int:
@@ -74,12 +148,14 @@ def main(argv=None) -> int:
     dst = ap.add_mutually_exclusive_group(required=True)
     dst.add_argument("--to-checkpoint")
     dst.add_argument("--to-hf")
+    ap.add_argument("--tokenizer", help="with --to-hf: the tokenizer to export (default: the "
+                    "checkpoint's data.tokenizer)")
     args = ap.parse_args(argv)
     try:
         if args.from_hf and args.to_checkpoint:
             return hf_to_checkpoint(args.from_hf, args.to_checkpoint)
         if args.from_checkpoint and args.to_hf:
-            return checkpoint_to_hf(args.from_checkpoint, args.to_hf)
+            return checkpoint_to_hf(args.from_checkpoint, args.to_hf, args.tokenizer)
         ap.error("use --from-hf with --to-checkpoint, or --from-checkpoint with --to-hf")
     except (OSError, ValueError) as e:  # a missing, unreadable or malformed input: one line
         print(f"error: {e}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Plan a run before spending a pod-day: per-device memory and the ring's overlap condition.
 
     python -m lclm.plan --config configs/llama7b_256k.py [--devices 32] [--device h100-nvlink]
-        [--set data.seq_len=524288 ...] [--measure]
+        [--config.data.seq_len=524288 ...] [--measure]
 
 Per device, before anything is compiled: parameter, gradient and optimizer-state bytes under
 the mesh's sharding rules; activation bytes (per layer and in all) for the remat policy and
@@ -19,7 +19,7 @@ import dataclasses
 import math
 import sys
 
-from lclm.config import ConfigError, load_config, mesh_device_count, parse_overrides
+from lclm.config import ConfigError, mesh_device_count, parse_cli
 from lclm.errors import StartupError
 
 # name -> (bf16 FLOP/s, one-way link GB/s, memory GiB)
@@ -131,10 +131,9 @@ def report(plan: Plan, device: str | None) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def _plans(args) -> tuple[list, list[Plan]]:
+def _plans(config, args) -> tuple[list, list[Plan]]:
     """(the configs of the run, one per stage, and their plans); bad input is a StartupError."""
     from lclm.train.stages import stage_configs
-    config = load_config(args.config, parse_overrides(args.set))
     count = args.devices or mesh_device_count(config)
     if count is None:
         raise ConfigError("the mesh has a -1 axis; pass --devices N (the devices of the run)")
@@ -144,17 +143,16 @@ def _plans(args) -> tuple[list, list[Plan]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True)
+    ap = argparse.ArgumentParser(prog="python -m lclm.plan", description=__doc__.split("\n")[0],
+                                 epilog="config fields: --config.<key>=<value>, as for train.py")
     ap.add_argument("--devices", type=int, default=0,
                     help="device count (default: the mesh's product, or the local devices)")
     ap.add_argument("--device", choices=sorted(DEVICES), default=None)
-    ap.add_argument("--set", nargs="*", default=[], help="config overrides a.b=value")
     ap.add_argument("--measure", action="store_true",
                     help="also compile (and run) one step on the local devices")
-    args = ap.parse_args(argv)
     try:
-        runs, plans = _plans(args)
+        args, config = parse_cli(ap, argv)
+        runs, plans = _plans(config, args)
     except (StartupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -165,12 +163,13 @@ def main(argv=None) -> int:
         print(report(plan, args.device))
     if args.measure:  # the same step the benchmark times, at the last (longest) stage
         import runpy
-        last = runs[-1]
-        stage_set = [f"data.seq_len={last.data.seq_len}", f"data.batch_size={last.data.batch_size}",
-                     f"model.rope_theta={last.model.rope_theta}",
-                     f"mesh.sp={last.mesh.sp}"] if len(runs) > 1 else []
-        sys.argv = ["bench.train_step", "--config", args.config, "--steps", "1", "--set",
-                    *args.set, *stage_set]
+        last = runs[-1]  # the benchmark measures the fields it is given, not the stages
+        stage = [f"--config.{key}={value}" for key, value in (
+            ("data.seq_len", last.data.seq_len), ("data.batch_size", last.data.batch_size),
+            ("model.rope_theta", last.model.rope_theta), ("mesh.sp", last.mesh.sp))
+                 ] if config.stages.schedule else []
+        sys.argv = ["bench.train_step", "--config", args.config, "--steps", "1",
+                    *args.overrides, *stage]
         runpy.run_module("bench.train_step", run_name="__main__")
     return 0
 

@@ -23,7 +23,7 @@ def test_train_step_bench_reports_a_table(tmp_path):
     out = tmp_path / "t.md"
     assert train_step.main(["--config", os.path.join(ROOT, "configs", "demo.py"), "--seq", "64",
                             "--layouts", "striped,contiguous", "--steps", "1",
-                            "--set", "model.n_layers=1", "--out", str(out)]) == 0
+                            "--config.model.n_layers=1", "--out", str(out)]) == 0
     table = out.read_text()
     assert TOY_NOTE in table
     assert table.count("| 64 | blockwise | ") == 2

@@ -23,6 +23,8 @@ def _assert_one_error_line(err: str, needle: str):
     (["--config", DEMO, "--config.train.steps=abc"],
      "error: flag --config.train.steps=abc: invalid literal for int()"),
     (["--config", "nope.py"], "error: config file 'nope.py' not found"),
+    (["--config", os.path.join(ROOT, "configs", "demo_stages.py"), "--config.train.steps=10"],
+     "error: config.train.steps is set by every stage of stages.schedule; change the schedule"),
 ])
 def test_train_cli(args, needle):
     env = dict(os.environ, JAX_PLATFORMS="cpu", WANDB_MODE="disabled")
@@ -33,11 +35,16 @@ def test_train_cli(args, needle):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--set", "data.seq_le=3"], "unknown config key data.seq_le (did you mean data.seq_len?)"),
-    (["--set", "train.steps=abc"], "config key train.steps='abc': expected type int"),
-    (["--set", "model.dim=0"], "model.dim=0 must be >= 1"),
-    (["--set", "train.b2=1.0"], "train.b2=1.0 must be in [0, 1)"),
+    (["--config.data.seq_le=3"], "unknown config key data.seq_le (did you mean data.seq_len?)"),
+    (["--config.train.steps=abc"], "flag --config.train.steps=abc: invalid literal for int()"),
+    (["--config.model.dim=0"], "model.dim=0 must be >= 1"),
+    (["--config.train.b2=1.0"], "train.b2=1.0 must be in [0, 1)"),
     (["--config", "nope.py"], "config file 'nope.py' not found"),
+    (["--steps", "3"], "unrecognized argument '--steps'; see --help (config fields: "
+     "--config.<key>=<value>)"),
+    (["--config", os.path.join(ROOT, "configs", "demo_stages.py"), "--config.data.seq_len=256"],
+     "config.data.seq_len is set by every stage of stages.schedule; change the schedule "
+     "(stages.schedule=...) instead"),
 ])
 def test_plan_cli(args, needle, capsys):
     from lclm.plan import main
@@ -85,5 +92,7 @@ def test_line_retrieval_eval_cli_checks_flags_before_loading(tmp_path, capsys):
 def test_bench_part_clis_reject_bad_overrides(module, capsys):
     import importlib
     main = importlib.import_module(module).main
-    assert main(["--config", DEMO, "--set", "data.seq_le=3"]) == 2
+    assert main(["--config", DEMO, "--config.data.seq_le=3"]) == 2
     _assert_one_error_line(capsys.readouterr().err, "unknown config key data.seq_le")
+    assert main(["--config", DEMO, "--config.model.dim=abc"]) == 2
+    _assert_one_error_line(capsys.readouterr().err, "flag --config.model.dim=abc: invalid literal")

@@ -212,3 +212,81 @@ def test_config_from_argv_reads_overrides_and_makes_each_mistake_one_line():
         assert str(e.value).startswith(message) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="config file 'nope.py' not found"):
         config_from_argv(["train.py"], "nope.py")
+
+
+def _staged_argv(*overrides, config="demo_stages.py"):
+    return ["train.py", "--config", os.path.join(ROOT, "configs", config), *overrides]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--config.data.seq_len=256"], "config.data.seq_len is set by every stage of "
+     "stages.schedule; change the schedule (stages.schedule=...) instead"),
+    (["--config.model.rope_theta", "1e6"], "config.model.rope_theta is set by every stage of "
+     "stages.schedule; change the schedule (stages.schedule=...) instead"),
+    (["--config.train.steps=10"], "config.train.steps is set by every stage of "
+     "stages.schedule; change the schedule (stages.schedule=...) instead"),
+    (["--config.mesh.sp=2"], "config.mesh.sp is set by stages 0, 1, 2 of stages.schedule "
+     "(seq_len:rope_theta:steps:sp); change the schedule (stages.schedule=...) instead"),
+    (["--config.data.batch_size=4"], "config.data.batch_size is set by every stage of "
+     "stages.schedule (stages.tokens_per_batch // seq_len); change stages.tokens_per_batch "
+     "instead"),
+    # a schedule given on the command line wins over the other overrides just the same
+    (["--config.stages.schedule=64:1e4:3, 128:1e5:3", "--config.data.seq_len=64"],
+     "config.data.seq_len is set by every stage of stages.schedule; change the schedule"),
+    (["--config.data.seq_len=64", "--config.stages.schedule=64:1e4:3"],
+     "config.data.seq_len is set by every stage of stages.schedule; change the schedule"),
+])
+def test_overrides_that_a_stage_replaces_are_refused_in_one_line(overrides, message):
+    from lclm.config import config_from_argv
+    with pytest.raises(ConfigError) as e:
+        config_from_argv(_staged_argv(*overrides), "unused")
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_overrides_that_no_stage_replaces_are_applied():
+    from lclm.config import config_from_argv
+    c = config_from_argv(_staged_argv("--config.train.lr=0.5", "--config.train.warmup=3",
+                                      "--config.mesh.fsdp=2", "--config.model.n_layers=1",
+                                      "--config.stages.tokens_per_batch=8192"), "unused")
+    assert (c.train.lr, c.train.warmup, c.mesh.fsdp, c.model.n_layers) == (0.5, 3, 2, 1)
+    assert c.stages.tokens_per_batch == 8192
+    # without sp in the schedule, or tokens_per_batch, a stage leaves mesh.sp / batch_size alone
+    c = config_from_argv(_staged_argv("--config.stages.schedule=64:1e4:3, 128:1e5:3",
+                                      "--config.stages.tokens_per_batch=0",
+                                      "--config.mesh.sp=2", "--config.data.batch_size=4"),
+                         "unused")
+    assert (c.mesh.sp, c.data.batch_size) == (2, 4)
+    # no schedule left: nothing is replaced
+    c = config_from_argv(_staged_argv("--config.stages.schedule=", "--config.data.seq_len=64"),
+                         "unused")
+    assert (c.stages.schedule, c.data.seq_len) == ("", 64)
+    # the same fields of an unstaged config, and of a staged one where no stage runs
+    assert config_from_argv(_staged_argv("--config.data.seq_len=64", config="demo.py"),
+                            "unused").data.seq_len == 64
+    assert config_from_argv(_staged_argv("--config.data.seq_len=64"), "unused",
+                            runs_stages=False).data.seq_len == 64
+
+
+def test_parse_cli_splits_the_clis_own_arguments_from_the_config():
+    import argparse
+    from lclm.config import parse_cli
+    demo = os.path.join(ROOT, "configs", "demo.py")
+    ap = argparse.ArgumentParser(prog="prog")
+    ap.add_argument("--devices", type=int, default=0)
+    args, c = parse_cli(ap, ["--config.train.steps=7", "--devices", "8", "--config", demo,
+                             "--config.model.remat", "dots", "--noconfig.log.progress"])
+    assert (args.devices, args.config) == (8, demo)
+    assert (c.train.steps, c.model.remat, c.log.progress) == (7, "dots", False)
+    assert args.overrides == ["--config.train.steps=7", "--config.model.remat", "dots",
+                              "--noconfig.log.progress"]
+    for argv, message in [
+            (["--config", demo, "--steps", "3"], "unrecognized argument '--steps'"),
+            (["--config", demo, "--config.train.stps=3"],
+             "unknown config key train.stps (did you mean train.steps?)"),
+            (["--config", demo, "stray"], "unexpected arguments ['stray']")]:
+        ap = argparse.ArgumentParser(prog="prog")
+        with pytest.raises(ConfigError) as e:
+            parse_cli(ap, argv)
+        assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    ap = argparse.ArgumentParser(prog="prog")
+    assert parse_cli(ap, [], default=demo)[0].config == demo

@@ -36,3 +36,32 @@ def test_plan_cli(capsys):
     assert "32,768" in out and "1,048,576" in out
     assert "the ring overlaps" in out and "tpu-v4 memory" in out
     assert main(["--config", os.path.join(ROOT, "configs", "llama7b_256k.py")]) == 2
+
+
+def test_plan_measure_passes_its_config_to_the_benchmark(monkeypatch, capsys):
+    """--measure runs bench.train_step with the same --config FILE --config.a.b=V arguments,
+    plus the longest stage's fields of a staged config (which the benchmark accepts: it
+    measures the fields it is given, it does not run the stages)."""
+    import argparse
+    import runpy
+    import sys
+
+    from lclm.config import parse_cli
+
+    ran = []
+    monkeypatch.setattr(runpy, "run_module", lambda name, run_name: ran.append(
+        (name, list(sys.argv))))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    staged = os.path.join(ROOT, "configs", "demo_stages.py")
+    assert main(["--config", staged, "--config.model.n_layers=1", "--measure",
+                 "--config.train.lr", "0.5"]) == 0
+    assert "== stage 2: seq_len 512" in capsys.readouterr().out
+    ((name, argv),) = ran
+    assert name == "bench.train_step"
+    assert argv[:5] == ["bench.train_step", "--config", staged, "--steps", "1"]
+    assert argv[5:8] == ["--config.model.n_layers=1", "--config.train.lr", "0.5"]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int)
+    _, c = parse_cli(ap, argv[1:], runs_stages=False)
+    assert (c.model.n_layers, c.train.lr, c.data.seq_len, c.data.batch_size,
+            c.model.rope_theta, c.mesh.sp) == (1, 0.5, 512, 8, 1e6, 4)

@@ -48,10 +48,6 @@ class Cache(NamedTuple):
     new_v: jax.Array
 
 
-def _embed(c: LlamaConfig, params, tokens):
-    return jnp.take(params["embed"], tokens, axis=0).astype(c.compute_dtype)
-
-
 def _logits(c: LlamaConfig, params, x):
     """Float32 logits `[B, V]` of final-layer states x `[B, D]`."""
     h = llama.rms_norm(x, params["final_norm"], c.norm_eps)
@@ -68,8 +64,8 @@ def prefill(c: LlamaConfig, a: AttentionConfig, params, tokens, positions, segme
     without a mesh). The layer stack is the model's own, so the hidden states (and logits)
     are exactly those of `llama.forward`.
     """
-    x = _embed(c, params, tokens)
-    rope = llama.rope_tables(positions, c.head_dim, c.rope_theta)
+    x = llama.embed(c, params, tokens, mesh)
+    rope = llama.rope_tables(positions, c)
 
     def layer(x, p):
         x, k, v = llama.layer_with_kv(c, a, mesh, x, p, rope, segment_ids)
@@ -101,12 +97,12 @@ def _cached_attention(q, cache_k, cache_v, visible, new_k, new_v, n_new):
     return o.reshape(b, 1, h, d)
 
 
-def decode_step(c: LlamaConfig, params, cache: Cache, token, position, step):
+def decode_step(c: LlamaConfig, params, cache: Cache, token, position, step, *, mesh=None):
     """Feed token `[B]` at RoPE position `[B]` into decode slot `step` (scalar int); returns
     (logits `[B, V]` float32 for the next token, new_k, new_v): only the decode slots are
     returned, so the (large) prompt cache is never copied."""
-    x = _embed(c, params, token[:, None])
-    rope = llama.rope_tables(position[:, None], c.head_dim, c.rope_theta)
+    x = llama.embed(c, params, token[:, None], mesh)
+    rope = llama.rope_tables(position[:, None], c)
 
     def layer(x, inputs):
         p, cache_k, cache_v, new_k, new_v = inputs
@@ -130,7 +126,7 @@ def _compiled(c: LlamaConfig, a: AttentionConfig, mesh, last: int, max_new: int)
     """Jitted (prefill, decode step) for one model, mesh and prompt shape."""
     run_prefill = jax.jit(functools.partial(prefill, c, a, last=last, max_new=max_new,
                                             mesh=mesh))
-    run_step = jax.jit(functools.partial(decode_step, c))
+    run_step = jax.jit(functools.partial(decode_step, c, mesh=mesh))
     return run_prefill, run_step
 
 

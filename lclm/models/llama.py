@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from lclm.ops.ffn import blockwise_ffn
@@ -46,6 +47,28 @@ class LlamaConfig:
     remat: str = "full"
     ffn_chunk: int = 2048
     loss_chunk: int = 2048
+    # RoPE frequency scaling over rope_theta: "none", "linear" (every frequency / factor) or
+    # "llama3" (Llama-3.1's: wavelengths above original/low_freq_factor slowed by factor,
+    # below original/high_freq_factor kept, blended between); "auto" (config.model's default:
+    # the init_from_hf source's scaling) means "none" here
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    # what an export's config.json states (not used by the computation): the source
+    # checkpoint's token ids (bos_id -1: none) and its maximum position count
+    bos_id: int = 1
+    eos_ids: tuple = (2,)
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        # a JSON round trip (saved configs) gives lists; the config stays hashable
+        ids = self.eos_ids
+        ids = (ids,) if isinstance(ids, int) else tuple(int(i) for i in ids)
+        object.__setattr__(self, "eos_ids", ids)
+        if self.rope_scaling == "auto":
+            object.__setattr__(self, "rope_scaling", "none")
 
     @classmethod
     def from_config(cls, model_config) -> "LlamaConfig":
@@ -134,10 +157,33 @@ def rms_norm(x, weight, eps):
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(positions, head_dim: int, theta: float):
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+def rope_frequencies(c: LlamaConfig) -> np.ndarray:
+    """The `head_dim/2` rotation frequencies (radians per position, float32) of `c`: theta's
+    geometric series, then `c.rope_scaling` (computed in float64, a trace-time constant).
+
+    llama3 scaling divides by `rope_factor` the frequencies whose wavelength exceeds
+    `original / low_freq_factor` positions, keeps those shorter than
+    `original / high_freq_factor`, and blends linearly in `original / wavelength` between."""
+    inv = c.rope_theta ** (-np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim)
+    if c.rope_scaling == "linear":
+        inv = inv / c.rope_factor
+    elif c.rope_scaling == "llama3":
+        low, high = c.rope_low_freq_factor, c.rope_high_freq_factor
+        # 1: keep, 0: divide by factor; in between (the medium band) a linear blend
+        keep = np.clip((c.rope_original_max_positions * inv / (2 * np.pi) - low) / (high - low),
+                       0.0, 1.0)
+        inv = inv * (keep + (1 - keep) / c.rope_factor)
+    elif c.rope_scaling != "none":
+        raise ValueError(f"rope_scaling={c.rope_scaling!r}; use one of {ROPE_SCALINGS}")
+    return inv.astype(np.float32)
+
+
+def rope_tables(positions, c: LlamaConfig):
     """cos/sin `[batch, seq, 1, head_dim/2]` (float32) for integer positions `[batch, seq]`."""
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_frequencies(c))
     return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
 
 
@@ -182,7 +228,7 @@ def layer_with_kv(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_
     """One transformer block: (output x, its rotated k and v, which a decoder caches).
     x `[batch, seq, dim]` in the compute dtype."""
     constrain = _constrainer(mesh)
-    p = compute_weights(c, p)
+    params, p = p, compute_weights(c, p)
     heads = ("batch", "seq", "act_heads", None)
     q, k, v = (constrain(t, heads) for t in attention_inputs(c, p, x, rope))
     chunks = dict(q_chunk=a.q_chunk, kv_chunk=a.kv_chunk, impl=a.impl, segment_ids=segment_ids)
@@ -193,14 +239,28 @@ def layer_with_kv(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_
     x = x + constrain(jnp.einsum("bthk,hkd->btd", o, p["wo"]), ("batch", "seq", "act_embed"))
     h = rms_norm(x, p["ffn_norm"], c.norm_eps)
     n_shards = 1 if mesh is None else mesh.shape["sp"]
-    x = x + blockwise_ffn(h, p["w_gate"], p["w_up"], p["w_down"], chunk=c.ffn_chunk,
-                          n_shards=n_shards, constrain=constrain)
+    # the stored (float32) weights, cast inside the op: their gradients are summed over the
+    # chunks in float32
+    x = x + blockwise_ffn(h, params["w_gate"], params["w_up"], params["w_down"],
+                          chunk=c.ffn_chunk, n_shards=n_shards, constrain=constrain,
+                          dtype=c.compute_dtype)
     return constrain(x, ("batch", "seq", "act_embed")), k, v
 
 
 def _layer(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):
     """One transformer block, as trained (the k/v outputs are not needed)."""
     return layer_with_kv(c, a, mesh, x, p, rope, segment_ids)[0]
+
+
+def embed(c: LlamaConfig, params, tokens, mesh=None):
+    """Token embeddings `[batch, seq, dim]` in the compute dtype for tokens `[batch, seq]`.
+
+    The table is gathered over its embed dimension first, as FSDP gathers every weight: a
+    lookup into a table sharded along embed yields activations sharded along embed, which XLA
+    can only reshard to (batch, seq) by replicating them whole on every device."""
+    constrain = _constrainer(mesh)
+    table = constrain(params["embed"].astype(c.compute_dtype), ("vocab", None))
+    return constrain(jnp.take(table, tokens, axis=0), ("batch", "seq", "act_embed"))
 
 
 def hidden_states(c: LlamaConfig, params, tokens, positions, segment_ids=None, *, mesh=None,
@@ -210,10 +270,8 @@ def hidden_states(c: LlamaConfig, params, tokens, positions, segment_ids=None, *
     positions `[batch, seq]` are the tokens' RoPE positions; segment_ids `[batch, seq]` (or
     None) keep packed documents apart. All per-token inputs are in the mesh's layout order.
     """
-    constrain = _constrainer(mesh)
-    x = jnp.take(params["embed"], tokens, axis=0).astype(c.compute_dtype)
-    x = constrain(x, ("batch", "seq", "act_embed"))
-    rope = rope_tables(positions, c.head_dim, c.rope_theta)
+    x = embed(c, params, tokens, mesh)
+    rope = rope_tables(positions, c)
     layer = functools.partial(_layer, c, attention, mesh)
     if c.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT[c.remat])
@@ -256,7 +314,8 @@ def loss_terms(c: LlamaConfig, params, batch, *, mesh=None,
     h = hidden_states(c, params, batch["tokens"], batch["positions"], seg, mesh=mesh,
                       attention=attention)
     n_shards = 1 if mesh is None else mesh.shape["sp"]
-    return blockwise_cross_entropy(h, output_weights(c, params), batch["targets"],
-                                   batch["loss_mask"], chunk=c.loss_chunk, n_shards=n_shards,
-                                   constrain=_constrainer(mesh))
+    w_out = params["embed"].T if c.tie_embeddings else params["lm_head"]  # cast inside
+    return blockwise_cross_entropy(h, w_out, batch["targets"], batch["loss_mask"],
+                                   chunk=c.loss_chunk, n_shards=n_shards,
+                                   constrain=_constrainer(mesh), dtype=c.compute_dtype)
 

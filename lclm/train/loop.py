@@ -15,6 +15,7 @@ import uuid
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lclm.checkpoint import Checkpoints, SaveFailed, read_params
@@ -23,7 +24,7 @@ from lclm.errors import TrainingHalted
 from lclm.data.loader import HostBatches, batch_sharding
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.llama import AttentionConfig, LlamaConfig, init_params
-from lclm.parallel.distributed import any_process, check_same_config
+from lclm.parallel.distributed import check_same_config
 from lclm.parallel.mesh import make_mesh
 from lclm.train.lock import WorkdirLock
 from lclm.train.metrics import MetricsLogger, Progress, flops_per_token, peak_flops
@@ -81,25 +82,52 @@ def _wandb_run(config, resume_step: int):
                       settings=settings)
 
 
-def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState:
-    """Fresh parameters and optimizer state, created directly in their shardings."""
+def state_shardings(model: LlamaConfig, optimizer, mesh) -> TrainState:
+    """Where every array of the train state lives: parameters by the logical rules, optimizer
+    moments exactly like their parameters (left to propagation, XLA replicated them), counts
+    and other scalars replicated."""
     shardings = param_shardings(model, mesh)
-    params = jax.jit(lambda k: init_params(model, k), out_shardings=shardings)(
-        jax.random.key(seed))
     replicated = NamedSharding(mesh, PartitionSpec())
-    # moments are sharded exactly like their parameters (left to propagation, XLA replicated
-    # them); counts and other scalars are replicated
+    params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     opt_shardings = optax.tree_utils.tree_map_params(
         optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, params),
         shardings, transform_non_params=lambda _: replicated)
-    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-    return TrainState(jax.device_put(jnp.zeros((), jnp.int32), replicated), params, opt_state)
+    return TrainState(replicated, shardings, opt_shardings)
+
+
+def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState:
+    """Fresh parameters and optimizer state, created directly in their shardings."""
+    where = state_shardings(model, optimizer, mesh)
+    params = jax.jit(lambda k: init_params(model, k), out_shardings=where.params)(
+        jax.random.key(seed))
+    opt_state = jax.jit(optimizer.init, out_shardings=where.opt_state)(params)
+    return TrainState(jax.device_put(jnp.zeros((), jnp.int32), where.step), params, opt_state)
 
 
 def apply_hf_shapes(config) -> None:
-    """Take the model shape fields of `config.model` from `init_from_hf`'s config.json."""
+    """Take the fields of `config.model` that `init_from_hf`'s config.json determines: shapes,
+    token ids, max positions and, where `model.rope_scaling` is 'auto', the RoPE scaling.
+    `model.rope_theta` stays the run's (long-context recipes raise it)."""
     from lclm import hf
-    config.model.update(hf.model_fields(hf.read_config(config.model.init_from_hf)))
+    source = hf.read_config(config.model.init_from_hf)
+    config.model.update(hf.model_fields(source,
+                                        rope_scaling=config.model.rope_scaling == "auto"))
+    if source.rope_theta != config.model.rope_theta:
+        log.info("model.rope_theta=%g replaces %s's rope_theta %g", config.model.rope_theta,
+                 config.model.init_from_hf, source.rope_theta)
+
+
+def apply_checkpoint_fields(config) -> None:
+    """Take the fields of `config.model` that `init_from_checkpoint`'s saved config
+    determines, as `apply_hf_shapes` does for HF weights: shapes, token ids, max positions
+    and, where `model.rope_scaling` is 'auto', the RoPE scaling it trained with."""
+    from lclm import hf
+    from lclm.checkpoint import read_config
+    _, saved = read_config(config.model.init_from_checkpoint)
+    fields = hf.SOURCE_FIELDS + (hf.SCALING_FIELDS if config.model.rope_scaling == "auto"
+                                 else ())
+    config.model.update({k: tuple(v) if isinstance(v, list) else v
+                         for k, v in saved.get("model", {}).items() if k in fields})
 
 
 def load_hf_params(config, model: LlamaConfig, mesh):
@@ -140,6 +168,8 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     devices = jax.devices()
     if config.model.init_from_hf:
         apply_hf_shapes(config)
+    elif config.model.init_from_checkpoint:
+        apply_checkpoint_fields(config)
     sizes = validate(config, len(devices))
     if jax.process_count() > 1:
         used = math.prod(sizes.values())
@@ -178,6 +208,29 @@ def _restore_or_init(config, checkpoints: Checkpoints, state: TrainState, model,
     return state, None
 
 
+def _summary(records: list[dict], started: float, first_logged: float, tokens_per_step: int,
+             checkpoints: Checkpoints, logger: MetricsLogger | None) -> list[str]:
+    """What a finished (or stopped) run did and where its outputs are; throughput counts the
+    steps after the first logged one (compilation excluded)."""
+    first, last = records[0], records[-1]
+    now = time.perf_counter()
+
+    def loss(record):
+        return "nan" if not math.isfinite(record["loss"]) else f"{record['loss']:.4f}"
+
+    line = (f"trained steps {first['step']}-{last['step']} in {now - started:,.0f} s; loss "
+            f"{loss(first)} -> {loss(last)}")
+    if last["step"] > first["step"]:
+        steady = (last["step"] - first["step"]) * tokens_per_step / (now - first_logged)
+        line += f"; {steady:,.0f} tokens/s after compilation"
+    latest = checkpoints.latest_step()
+    lines = [line, "final checkpoint: " + (os.path.join(checkpoints.directory, str(latest))
+                                           if latest is not None else "none")]
+    if logger is not None:
+        lines += logger.outputs()
+    return lines
+
+
 def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[dict]:
     devices = list(mesh.devices.flat)
     is_main = jax.process_index() == 0
@@ -212,11 +265,17 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
         if is_main:
             logger = MetricsLogger(config.workdir, _wandb_run(config, first - 1),
                                    resume_step=first - 1)
-        progress = Progress(total) if is_main and config.log.progress else None
+        progress = Progress(total, first) if is_main and config.log.progress else None
+        started, first_logged = time.perf_counter(), None
         records = []
         saved_config = public_config(config)
         preempted = threading.Event()
-        if threading.current_thread() is threading.main_thread():
+        # One process: SIGTERM/SIGINT save and stop. Several: SIGTERM is the preemption
+        # notice of JAX's distributed runtime, which agrees on a step at which every process
+        # saves (reached_preemption_sync_point) without a collective per step; SIGINT keeps
+        # its default (the run stops; it resumes from its last checkpoint).
+        multi = jax.process_count() > 1
+        if threading.current_thread() is threading.main_thread() and not multi:
             previous_handlers = {sig: signal.signal(sig, lambda *_: preempted.set())
                                  for sig in (signal.SIGTERM, signal.SIGINT)}
         max_bad = config.train.max_bad_steps
@@ -275,6 +334,8 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
             state, metrics = step_fn(state, next(batches))
             if sync_each_step:
                 jax.block_until_ready(metrics)
+            if progress:
+                progress.step_done(step)
             if unchecked is not None:
                 check_step(*unchecked)
             unchecked = (step, metrics["skipped"])
@@ -283,7 +344,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
                     failed_saves = 0
             except SaveFailed as e:
                 save_failed(e, last_chance=False)
-            if any_process(preempted.is_set()):  # every process must join the save
+            if multi and multihost_utils.reached_preemption_sync_point(step):
                 preempted.set()
             saving = checkpoints.due(step) or step == total or preempted.is_set()
             logging_step = (step % config.log.every == 0 or step in (first, last)
@@ -301,11 +362,12 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
                               mfu=(flops / seconds / (peak * len(devices))) if peak else None,
                               skipped_steps=skipped_steps)
                 t0, since = now, step
+                first_logged = first_logged or now
                 records.append(record)
                 if logger:
                     logger.log(record)
                 if progress:
-                    progress.update(record, first)
+                    progress.update(record)
             if saving:
                 save(step, last_chance=step == total or preempted.is_set())
             if preempted.is_set():
@@ -318,6 +380,14 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
             checkpoints.wait()  # the final save is complete before the run reports success
         except SaveFailed as e:
             save_failed(e, last_chance=True)
+        if is_main and records:
+            summary = _summary(records, started, first_logged, tokens_per_step, checkpoints,
+                               logger)
+            if progress:
+                progress.close(summary)
+            else:
+                for line in summary:
+                    log.info("%s", line)
         return records
     finally:
         for sig, handler in previous_handlers.items():

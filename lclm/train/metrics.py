@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -84,30 +85,76 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in clean.items() if k != "step"},
                             step=record["step"])
 
+    def outputs(self) -> list[str]:
+        """Where the metrics went, for the run's summary."""
+        lines = [f"metrics: {self.path}"]
+        if self._wandb is not None:
+            lines.append(f"wandb: run {self._wandb.id} ({self._wandb.url or self._wandb.dir})")
+        return lines
+
     def close(self) -> None:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
 
 
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return (f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600
+            else f"{seconds // 60}m{seconds % 60:02d}s")
+
+
 class Progress:
-    """One console line per log interval with an ETA (plain text: logs stay readable)."""
+    """The console of a run (process 0): "compiling" until the first step is done, then a
+    tqdm bar (steps/s, ETA from compiled steps only, loss, lr, tokens/s) on a terminal, or
+    one plain line per logged step elsewhere (CI, SLURM logs); a summary at the end."""
 
-    def __init__(self, total_steps: int, stream=sys.stdout):
-        self.total = total_steps
+    def __init__(self, total_steps: int, first_step: int, stream=sys.stdout):
+        self.total, self.first, self.stream = total_steps, first_step, stream
+        self.terminal = hasattr(stream, "isatty") and stream.isatty()
         self.start = time.perf_counter()
-        self.stream = stream
+        self.bar = None
+        self.compiled_at = None   # (time, step) when the first step had run
+        print(f"compiling the training step (step {first_step} of {total_steps})...",
+              file=stream, flush=True)
 
-    def update(self, record: dict, first_step: int) -> None:
-        """`record['step']` is 1-based; `first_step` is the first step of this process."""
+    def step_done(self, step: int) -> None:
+        """Called after every step (cheap: no device values)."""
+        if self.compiled_at is None:
+            self.compiled_at = (time.perf_counter(), step)
+            print(f"compiled and ran step {step} in {_duration(self.compiled_at[0] - self.start)}",
+                  file=self.stream, flush=True)
+            if self.terminal:
+                from tqdm import tqdm
+                # a pseudo-terminal may report a 0 x 0 screen, on which tqdm hides its bar;
+                # shutil falls back to 80 x 24 there
+                columns, lines = shutil.get_terminal_size()
+                self.bar = tqdm(total=self.total, initial=step, file=self.stream, unit="step",
+                                ncols=columns, nrows=lines, smoothing=0.1)
+        elif self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def update(self, record: dict) -> None:
+        """A logged step's metrics."""
+        fields = {"loss": f"{record['loss']:.4f}" if record["loss"] is not None else "nan",
+                  "lr": f"{record['lr']:.2e}", "tok/s": f"{record['tokens_per_sec']:,.0f}"}
+        if record.get("mfu") is not None:
+            fields["MFU"] = f"{100 * record['mfu']:.1f}%"
+        if record.get("skipped_steps"):
+            fields["skipped"] = str(record["skipped_steps"])
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=True)
+            return
         step = record["step"]
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / max(step - first_step + 1, 1) * (self.total - step)
-        mfu = record.get("mfu")
-        parts = [f"step {step}/{self.total}", f"loss {record['loss']:.4f}",
-                 f"lr {record['lr']:.2e}", f"grad_norm {record['grad_norm']:.3f}",
-                 f"{record['tokens_per_sec']:,.0f} tok/s"]
-        if mfu is not None:
-            parts.append(f"MFU {100 * mfu:.1f}%")
-        parts.append(f"ETA {eta:,.0f}s")
+        parts = [f"step {step}/{self.total}"] + [f"{k} {v}" for k, v in fields.items()]
+        if self.compiled_at is not None and step > self.compiled_at[1]:
+            t, s = self.compiled_at
+            rate = (step - s) / (time.perf_counter() - t)
+            parts.append(f"{rate:.2f} steps/s, ETA {_duration((self.total - step) / rate)}")
         print(" | ".join(parts), file=self.stream, flush=True)
+
+    def close(self, summary: list[str]) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        for line in summary:
+            print(line, file=self.stream, flush=True)

@@ -51,6 +51,26 @@ def parse_schedule(schedule: str) -> list[Stage]:
     return stages
 
 
+def keys_set_by_stages(config) -> dict[str, str]:
+    """{config key that a stage replaces: why, and what to change instead} of a staged config
+    ({} without a schedule). A command-line override of one of these keys would be silently
+    replaced by the stages (train.warmup is only clamped, so it is not one of them)."""
+    stages = parse_schedule(config.stages.schedule)
+    if not stages:
+        return {}
+    every = "set by every stage of stages.schedule"
+    change = "change the schedule (stages.schedule=...) instead"
+    keys = {k: f"{every}; {change}" for k in ("data.seq_len", "model.rope_theta", "train.steps")}
+    with_sp = [str(i) for i, stage in enumerate(stages) if stage.sp]
+    if with_sp:
+        keys["mesh.sp"] = (f"set by stage{'s' if len(with_sp) > 1 else ''} {', '.join(with_sp)} "
+                           f"of stages.schedule (seq_len:rope_theta:steps:sp); {change}")
+    if config.stages.tokens_per_batch:
+        keys["data.batch_size"] = (f"{every} (stages.tokens_per_batch // seq_len); change "
+                                   "stages.tokens_per_batch instead")
+    return keys
+
+
 def stage_workdir(config, index: int, stage: Stage) -> str:
     return os.path.join(config.workdir, f"stage{index}_{stage.seq_len}")
 

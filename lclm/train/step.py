@@ -15,11 +15,22 @@ from lclm.train.state import TrainState
 
 
 def lr_schedule(train_config) -> optax.Schedule:
-    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `steps`."""
+    """The learning rate of the update after `count` applied ones: linear warmup reaching
+    `lr` at update `warmup`, then cosine decay to `lr * min_lr_ratio` at update `steps`. The
+    first update already gets `lr / warmup` (a warmup from 0 would waste step 1)."""
     t = train_config
-    return optax.warmup_cosine_decay_schedule(
+    base = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup,
         decay_steps=max(t.steps, t.warmup + 1), end_value=t.lr * t.min_lr_ratio)
+    return lambda count: base(count + 1)
+
+
+def applied_updates(opt_state) -> jax.Array:
+    """How many updates the optimizer has applied (skipped steps are not counted): the count
+    its learning-rate schedule is evaluated at."""
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    (state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(x)]
+    return state.count
 
 
 def make_optimizer(train_config) -> optax.GradientTransformation:
@@ -78,7 +89,8 @@ def make_train_step(model: LlamaConfig, attention: AttentionConfig, train_config
         keep = lambda new, old: jnp.where(finite, new, old)
         params = jax.tree.map(keep, params, state.params)
         opt_state = jax.tree.map(keep, opt_state, state.opt_state)
-        metrics = dict(loss=loss, grad_norm=grad_norm, lr=schedule(state.step), tokens=count,
+        metrics = dict(loss=loss, grad_norm=grad_norm, tokens=count,
+                       lr=schedule(applied_updates(state.opt_state)),  # what this update used
                        skipped=(~finite).astype(jnp.int32))
         return TrainState(state.step + 1, params, opt_state), metrics
 

@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -69,3 +71,31 @@ def test_processes_with_different_configs_are_refused(tmp_path):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 2 for p in procs), outs
     assert "different config than process 0" in outs[0]
+
+
+def test_sigterm_to_one_process_saves_every_process_at_the_agreed_step(tmp_path):
+    """JAX's preemption sync point: the notice reaches one process, all save the same step."""
+    env = dict(_env(), LCLM_LOG_DIR=str(tmp_path / "logs"))
+    port = 24567 + os.getpid() % 1000
+    workdir = tmp_path / "run"
+    procs = []
+    for i in range(2):
+        e = dict(env, LCLM_COORDINATOR=f"127.0.0.1:{port}", LCLM_NUM_PROCESSES="2",
+                 LCLM_PROCESS_ID=str(i))
+        procs.append(subprocess.Popen(
+            [sys.executable, "train.py", *ARGS, "--config.train.steps=400",
+             "--config.checkpoint.every=0", f"--config.workdir={workdir}"],
+            cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), \
+            [p.communicate()[0] for p in procs]
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)          # the notice reaches process 1 only
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    saved = [s for s in os.listdir(workdir / "checkpoints") if s.isdigit()]
+    assert len(saved) == 1 and int(saved[0]) < 400, saved
+    assert "stopped after step" in outs[0]
+    assert _losses(workdir)[-1][0] == int(saved[0])

@@ -223,6 +223,75 @@ def config_with_biases(d):
     return "config.json", "attention_bias"
 
 
+# --- what lclm cannot compute as config.json asks is refused, never dropped ---
+
+def config_of_another_architecture(d):
+    _edit_json(d, "config.json", lambda c: c.update(architectures=["LlamaForSequenceClassification"]))
+    return "config.json", "architectures", "LlamaForSequenceClassification"
+
+
+def config_with_gelu(d):
+    _edit_json(d, "config.json", lambda c: c.update(hidden_act="gelu"))
+    return "config.json", "hidden_act", "gelu"
+
+
+def config_with_a_sliding_window(d):
+    _edit_json(d, "config.json", lambda c: c.update(sliding_window=4096))
+    return "config.json", "sliding_window", "4096"
+
+
+def config_using_a_sliding_window(d):
+    _edit_json(d, "config.json", lambda c: c.update(use_sliding_window=True))
+    return "config.json", "use_sliding_window"
+
+
+def config_with_yarn_rope(d):  # transformers 4's layout
+    _edit_json(d, "config.json", lambda c: c.update(
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}))
+    return "config.json", "rope_scaling.rope_type", "yarn"
+
+
+def config_with_dynamic_rope(d):  # transformers 5's layout, with the legacy "type" key
+    _edit_json(d, "config.json", lambda c: c.update(
+        rope_parameters={"type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
+    return "config.json", "rope_parameters.rope_type", "dynamic"
+
+
+def config_with_llama3_rope_lacking_a_factor(d):
+    _edit_json(d, "config.json", lambda c: c.update(rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "rope_theta": 1e4}))
+    return "config.json", "rope_parameters.low_freq_factor"
+
+
+def config_with_llama3_high_below_low(d):
+    _edit_json(d, "config.json", lambda c: c.update(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192}))
+    return "config.json", "rope_scaling.high_freq_factor"
+
+
+def config_with_a_negative_rope_factor(d):
+    _edit_json(d, "config.json", lambda c: c.update(
+        rope_scaling={"rope_type": "linear", "factor": -2.0}))
+    return "config.json", "rope_scaling.factor", "-2.0"
+
+
+def config_with_two_thetas(d):
+    _edit_json(d, "config.json", lambda c: c.update(
+        rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
+    return "config.json", "rope_theta=10000.0", "rope_parameters.rope_theta=500000.0"
+
+
+def config_with_partial_rotary(d):
+    _edit_json(d, "config.json", lambda c: c.update(partial_rotary_factor=0.5))
+    return "config.json", "partial_rotary_factor"
+
+
+def config_with_bad_token_ids(d):
+    _edit_json(d, "config.json", lambda c: c.update(eos_token_id=[2, "3"]))
+    return "config.json", "eos_token_id"
+
+
 # --- sharded directories: the index may name only .safetensors files inside the directory ---
 
 def index_names_a_pickle(d):
@@ -272,6 +341,11 @@ SINGLE = [header_longer_than_file, absurd_header_length, truncated_file, offsets
           transposed_k_proj, transposed_gate_proj, integer_weights, bool_weights, missing_tensor,
           config_not_json, config_lacks_a_field, config_field_of_the_wrong_type,
           config_with_biases]
+REFUSED = [config_of_another_architecture, config_with_gelu, config_with_a_sliding_window,
+           config_using_a_sliding_window, config_with_yarn_rope, config_with_dynamic_rope,
+           config_with_llama3_rope_lacking_a_factor, config_with_llama3_high_below_low,
+           config_with_a_negative_rope_factor, config_with_two_thetas,
+           config_with_partial_rotary, config_with_bad_token_ids]
 SHARDED = [index_names_a_pickle, index_escapes_the_directory, index_names_an_absolute_path,
            index_names_a_missing_shard, index_not_json, tensor_in_two_shards]
 
@@ -292,6 +366,13 @@ def _refused_everywhere(d, names, tmp_path, capsys):
 @pytest.mark.parametrize("case", SINGLE, ids=lambda f: f.__name__)
 def test_a_broken_single_file_directory_is_refused_in_one_line(single, case, tmp_path, capsys):
     _refused_everywhere(single, case(single), tmp_path, capsys)
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=lambda f: f.__name__)
+def test_a_config_lclm_cannot_honour_is_refused_naming_the_field(single, case, tmp_path, capsys):
+    _refused_everywhere(single, case(single), tmp_path, capsys)
+    with pytest.raises(hf.HFFormatError):
+        hf.load(single)
 
 
 @pytest.mark.parametrize("case", SHARDED, ids=lambda f: f.__name__)

@@ -1,5 +1,6 @@
 """The trainer end to end on simulated devices: falling loss, metrics, accumulation."""
 
+import io
 import json
 import os
 import sys
@@ -44,7 +45,9 @@ def test_demo_steps_reduce_the_loss_and_write_metrics(tmp_path):
     for r in lines:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec"} <= set(r)
         assert np.isfinite(r["loss"]) and r["tokens_per_sec"] > 0
-    assert lines[0]["lr"] == 0.0 and lines[1]["lr"] > 0  # warmup from zero
+    # the lr each step used: warmup reaches lr at step `warmup`, step 1 already trains
+    assert lines[0]["lr"] == pytest.approx(config.train.lr / config.train.warmup)
+    assert lines[1]["lr"] < config.train.lr
     saved = json.load(open(tmp_path / "run" / "config.json"))
     assert saved["mesh"]["sp"] == 2
 
@@ -110,8 +113,13 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, layout):
     (m1, p1), (m4, p4) = results
     assert float(m1["loss"]) == pytest.approx(float(m4["loss"]), rel=1e-5)
     assert float(m1["grad_norm"]) == pytest.approx(float(m4["grad_norm"]), rel=1e-4)
+    # Adam's first update is about lr * sign(g): a wrong accumulation flips or zeroes updates
+    # (differences of ~lr), while float32 summation order moves entries whose gradient is
+    # within rounding of zero by a few percent of lr (1 entry in 16384 here)
+    lr = float(m1["lr"])
     for a, c in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
-        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=0.05 * lr)
+        assert np.mean(np.abs(a - c) > 1e-6) < 1e-3
 
 
 def test_resume_from_checkpoint_continues_with_the_same_losses(tmp_path):
@@ -128,3 +136,32 @@ def test_resume_from_checkpoint_continues_with_the_same_losses(tmp_path):
                                [r["loss"] for r in full], rtol=1e-5)
     steps = sorted(os.listdir(tmp_path / "b" / "run" / "checkpoints"))
     assert steps == ["4", "8"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_console_says_compiling_then_counts_eta_from_compiled_steps():
+    from lclm.train.metrics import Progress
+    plain = io.StringIO()   # CI, SLURM logs: plain lines
+    progress = Progress(100, 1, stream=plain)
+    for step in range(1, 11):
+        progress.step_done(step)
+        if step in (1, 10):
+            progress.update(dict(step=step, loss=2.5, lr=1e-3, tokens_per_sec=100.0,
+                                 skipped_steps=0))
+    progress.close(["summary line"])
+    lines = plain.getvalue().splitlines()
+    assert lines[0] == "compiling the training step (step 1 of 100)..."
+    assert lines[1].startswith("compiled and ran step 1 in ")
+    assert "ETA" not in lines[2]                 # no rate yet: only the compiled step ran
+    assert "steps/s, ETA" in lines[3] and lines[-1] == "summary line"
+    terminal = _Terminal()   # a terminal: a bar with the metrics
+    progress = Progress(10, 1, stream=terminal)
+    for step in range(1, 11):
+        progress.step_done(step)
+    progress.update(dict(step=10, loss=2.5, lr=1e-3, tokens_per_sec=100.0))
+    progress.close([])
+    assert "10/10" in terminal.getvalue() and "loss=2.5000" in terminal.getvalue()
