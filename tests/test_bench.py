@@ -16,6 +16,8 @@ from bench.report import TOY_NOTE, default_out_dir
 from bench.striped_sim import LAYOUTS, block_pairs, mask_class, ring_bound, round_times
 from lclm.ops.layout import original_positions
 
+pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -3,9 +3,13 @@
 import json
 import os
 
+import pytest
+
 from lclm.config import load_config
 from lclm.eval import line_retrieval
 from lclm.train.loop import train
+
+pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

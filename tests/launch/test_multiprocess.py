@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["--config", "configs/demo.py", "--config.model.dim=64", "--config.model.n_layers=2",
         "--config.model.ffn_dim=128", "--config.model.ffn_chunk=32",

@@ -93,6 +93,7 @@ def test_convert_cli_roundtrip_through_an_lclm_checkpoint(tmp_path):
     assert main(["--from-checkpoint", str(tmp_path / "nothing"), "--to-hf", str(tmp_path / "x")]) == 2
 
 
+@pytest.mark.slow
 def test_training_starts_from_hf_weights_with_the_configured_rope_theta(tmp_path):
     from lclm.config import load_config
     from lclm.data.loader import HostBatches

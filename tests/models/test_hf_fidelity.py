@@ -12,6 +12,8 @@ import pytest
 from lclm import hf
 from lclm.models.llama import LlamaConfig, forward
 
+pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
+
 if sys.version_info < (3, 12):  # CI's Python: the cross-check must run, never skip
     import torch
     import transformers

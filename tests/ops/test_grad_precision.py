@@ -14,6 +14,8 @@ from lclm.models.llama import AttentionConfig, LlamaConfig, init_params, loss_te
 from lclm.ops.ffn import blockwise_ffn
 from lclm.ops.loss import blockwise_cross_entropy
 
+pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
+
 BF16, F32 = jnp.bfloat16, jnp.float32
 CHUNKS = 64           # compared with a single chunk over the same sequence
 GROWTH = 1.5          # the bfloat16 running sum grew these errors 1.6x-5.6x at 64 chunks

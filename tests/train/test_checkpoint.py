@@ -19,6 +19,8 @@ from lclm.parallel import make_mesh
 from lclm.train.loop import init_state, train
 from lclm.train.step import make_optimizer
 
+pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -6,6 +6,8 @@ import os
 import jax
 import numpy as np
 
+import pytest
+
 from lclm import hf
 from lclm.checkpoint import Checkpoints
 from lclm.config import load_config
@@ -14,6 +16,8 @@ from lclm.train.loop import init_state
 from lclm.train.stages import run_stages, stage_configs
 from lclm.train.step import make_optimizer
 from lclm.parallel import make_mesh
+
+pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -35,6 +35,7 @@ def demo_config(tmp_path, **changes):
     return c
 
 
+@pytest.mark.slow
 def test_demo_steps_reduce_the_loss_and_write_metrics(tmp_path):
     config = demo_config(tmp_path, log__wandb=True)  # WANDB_MODE=disabled in conftest
     records = train(config)
@@ -86,6 +87,7 @@ def test_wandb_resumes_its_run_and_keeps_secret_command_lines_out(tmp_path, monk
                 assert b"SECRETVALUE" not in f.read(), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["striped", "contiguous"])
 def test_grad_accumulation_equals_one_big_batch(tmp_path, layout):
     config = demo_config(tmp_path)
@@ -122,6 +124,7 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, layout):
         assert np.mean(np.abs(a - c) > 1e-6) < 1e-3
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_continues_with_the_same_losses(tmp_path):
     full = train(demo_config(tmp_path / "a", train__steps=8, log__every=1,
                              checkpoint__every=4))
