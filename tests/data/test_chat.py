@@ -159,7 +159,8 @@ def _transformers():
     if sys.version_info < (3, 12):  # CI's Python: the cross-check must run, never skip
         import transformers
         return transformers
-    return pytest.importorskip("transformers")
+    return pytest.importorskip("transformers", reason="the cross-check against transformers "
+                               "needs the [test] extra")
 
 
 # Jinja chat templates written for this test, in the shape of those shipped with the models

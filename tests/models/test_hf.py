@@ -15,8 +15,11 @@ if sys.version_info < (3, 12):  # CI's Python: the cross-check must run, never s
     import torch
     import transformers
 else:  # the [test] extra installs torch only where a CPU build is at hand
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    WHY = ("the transformers cross-check needs torch and transformers; on Python 3.12+ the "
+           "[test] extra leaves torch out (only a CUDA build of several GB would be fetched): "
+           "install a CPU build of torch to run it")
+    torch = pytest.importorskip("torch", reason=WHY)
+    transformers = pytest.importorskip("transformers", reason=WHY)
 
 
 def _tiny_hf(tmp_path, tie=False, dtype=torch.float32):
