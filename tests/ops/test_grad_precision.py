@@ -159,13 +159,15 @@ def test_train_step_grads_with_accumulation_do_not_degrade_with_more_chunks():
 
 
 def _scan_carries(jaxpr):
-    """Avals of the carries of every scan in a (closed) jaxpr, nested ones included."""
+    """Avals of the outputs of every scan in a (closed) jaxpr, nested ones included: the
+    final carries, and the stacked per-step outputs (which have a leading length axis, so a
+    weight-shaped output is a carry). Read from the outputs because scan's parameters that
+    say which inputs are carries differ between jax versions."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     out = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
-            k, n = eqn.params["num_consts"], eqn.params["num_carry"]
-            out += [v.aval for v in eqn.invars[k:k + n]]
+            out += [v.aval for v in eqn.outvars]
         for p in eqn.params.values():
             for sub in p if isinstance(p, (tuple, list)) else (p,):
                 if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
