@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import sys
 
 import jax
@@ -80,7 +81,9 @@ def test_wandb_resumes_its_run_and_keeps_secret_command_lines_out(tmp_path, monk
     runs = sorted(os.listdir(os.path.join(config.workdir, "wandb")))
     runs = [r for r in runs if r.startswith("offline-run-")]
     run_id = open(os.path.join(config.workdir, "wandb_id")).read()
-    assert len(runs) == 2 and all(r.endswith(run_id) for r in runs)   # one run, resumed
+    # one run, resumed (wandb suffixes "-1" to the directory of a start in the same second)
+    assert len(runs) == 2
+    assert all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", r) for r in runs)
     for root, _, files in os.walk(config.workdir):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
