@@ -234,9 +234,10 @@ def _summary(records: list[dict], started: float, first_logged: float, tokens_pe
 def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[dict]:
     devices = list(mesh.devices.flat)
     is_main = jax.process_index() == 0
+    saved_config = public_config(config)   # config.json and every checkpoint get this
     if is_main:
         with open(os.path.join(config.workdir, "config.json"), "w") as f:
-            json.dump(public_config(config), f, indent=1)
+            json.dump(saved_config, f, indent=1)
     log.info("mesh %s on %d %s devices; model %.2fM params", sizes, len(devices),
              devices[0].platform, model.param_count() / 1e6)
 
@@ -268,7 +269,6 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
         progress = Progress(total, first) if is_main and config.log.progress else None
         started, first_logged = time.perf_counter(), None
         records = []
-        saved_config = public_config(config)
         preempted = threading.Event()
         # One process: SIGTERM/SIGINT save and stop. Several: SIGTERM is the preemption
         # notice of JAX's distributed runtime, which agrees on a step at which every process

@@ -12,9 +12,8 @@ from lclm.config import apply_preset, load_config
 from lclm.data.loader import batch_sharding
 from lclm.models.llama import AttentionConfig, LlamaConfig
 from lclm.parallel import make_mesh
-from lclm.train.loop import state_shardings
+from lclm.train.loop import init_state, state_shardings
 from lclm.train.step import make_optimizer, make_train_step
-from lclm.train.state import TrainState
 from jax.sharding import NamedSharding, PartitionSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,8 +39,7 @@ def test_the_train_step_compiles_without_full_rematerialization(shape, capfd):
     model = LlamaConfig.from_config(c.model)
     optimizer = make_optimizer(c.train)
     where = state_shardings(model, optimizer, mesh)
-    shapes = jax.eval_shape(lambda: TrainState(
-        jnp.zeros((), jnp.int32), *_params_and_opt(model, optimizer)))
+    shapes = jax.eval_shape(lambda: init_state(model, optimizer, mesh, 0))
     state = jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
                          shapes, where)   # abstract: a 7B model needs no memory to compile
     rows = batch_sharding(mesh)
@@ -57,8 +55,3 @@ def test_the_train_step_compiles_without_full_rematerialization(shape, capfd):
     step.lower(state, batch).compile()
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
 
-
-def _params_and_opt(model, optimizer):
-    from lclm.models.llama import init_params
-    params = init_params(model, jax.random.key(0))
-    return params, optimizer.init(params)
