@@ -12,12 +12,12 @@ simulated on the CPU. A bad config or input stops the run at start with one line
 steps in a row, checkpoints that cannot be saved) prints one line and exits with status 3.
 """
 
-import logging
 import sys
 
 
 def run(config) -> None:
     """Train `config`, or its stages one after another when it has a schedule."""
+    from lclm import logs
     from lclm.config import mesh_device_count
     from lclm.parallel import distributed
     from lclm.parallel.devices import request_cpu_devices
@@ -25,14 +25,10 @@ def run(config) -> None:
     # before JAX starts: simulated CPU devices (split between local processes), then the
     # multi-process runtime when a launcher started several processes
     request_cpu_devices((mesh_device_count(config) or 1) // distributed.local_process_count())
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-save chatter
-    # "Unable to initialize backend 'tpu'" on every machine without one
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    logs.configure()
     distributed.initialize()
     import jax
-    if jax.process_index() != 0:
-        logging.getLogger().setLevel(logging.WARNING)
+    logs.configure(main_process=jax.process_index() == 0)
     from lclm.train.loop import train
     from lclm.train.stages import run_stages
     run_stages(config) if config.stages.schedule else train(config)

@@ -37,6 +37,7 @@ from bench.max_context import ONE_DEVICE, MaxContextSpec
 from bench.report import default_out_dir
 from bench.striped_sim import StripedSpec
 from bench.train_step import ModelRun, TrainSpec
+from lclm import logs
 from lclm.errors import StartupError
 
 # part (also the Suite's field name) -> its module in bench/, which writes <module>.md/.png
@@ -174,6 +175,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smallest", action="store_true", help="first size of every part only")
     ap.add_argument("--in-process", action="store_true",
                     help="run the parts in this process (what a part's own process does)")
+    logs.configure()
     args = ap.parse_args(argv)
     try:
         parts = _parts(args.parts)

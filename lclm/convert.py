@@ -26,7 +26,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from lclm import hf
+from lclm import hf, logs
 from lclm.checkpoint import Checkpoints, read_config, read_params
 from lclm.config import base_config
 from lclm.models.llama import LlamaConfig, param_shapes
@@ -150,6 +150,7 @@ def main(argv=None) -> int:
     dst.add_argument("--to-hf")
     ap.add_argument("--tokenizer", help="with --to-hf: the tokenizer to export (default: the "
                     "checkpoint's data.tokenizer)")
+    logs.configure()
     args = ap.parse_args(argv)
     try:
         if args.from_hf and args.to_checkpoint:

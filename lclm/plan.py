@@ -19,6 +19,7 @@ import dataclasses
 import math
 import sys
 
+from lclm import logs
 from lclm.config import ConfigError, mesh_device_count, parse_cli
 from lclm.errors import StartupError
 
@@ -150,6 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=sorted(DEVICES), default=None)
     ap.add_argument("--measure", action="store_true",
                     help="also compile (and run) one step on the local devices")
+    logs.configure()
     try:
         args, config = parse_cli(ap, argv)
         runs, plans = _plans(config, args)

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from lclm import logs
 from lclm.errors import StartupError
 from lclm.data.chat import TEMPLATES
 from lclm.data.sources import TOKENIZED_META, SourceStats, open_documents
@@ -70,6 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--text-field", default="text")
     ap.add_argument("--chat-template", default="vicuna", choices=sorted(TEMPLATES))
+    logs.configure()
     args = ap.parse_args(argv)
     try:
         meta = prepare(args.source, args.input, args.tokenizer, args.out, args.text_field,

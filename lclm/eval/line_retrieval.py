@@ -36,7 +36,7 @@ import sys
 import jax
 import numpy as np
 
-from lclm import hf
+from lclm import hf, logs
 from lclm.checkpoint import read_config, read_params
 from lclm.config import parse_tokens
 from lclm.errors import StartupError
@@ -362,8 +362,7 @@ def _check_args(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-restore chatter
+    logs.configure()
     try:
         _check_args(args)
         request_cpu_devices(_requested_devices(args))  # no effect once JAX has started
