@@ -1,4 +1,4 @@
-"""Striped vs contiguous ring attention, simulated on one device with the real kernel and masks.
+"""Striped vs zigzag vs contiguous ring attention, simulated on one device with the real kernel.
 
     python -m bench.striped_sim [--ns 2,4,8,16] [--blocks 4096,8192,16384,32768] [--out DIR]
 
@@ -13,7 +13,9 @@ the README's overlap threshold c).
 
 Identical block pairs share one timing: a pair's work follows from its mask, and the mask
 depends only on the pair's class (`mask_class`): striped 'causal' (source k <= j: x >= y) or
-'strict' (k > j: x > y); contiguous 'full' (k < j), 'causal' (k == j) or 'hidden' (k > j).
+'strict' (k > j: x > y); contiguous 'full' (k < j), 'causal' (k == j) or 'hidden' (k > j);
+zigzag 'causal' (k == j), 'key half' (k < j: every query sees the first half of the keys) or
+'query half' (k > j: the second half of the queries sees every key).
 A class is the same mask in both layouts and for every N (tested), so one timing per (class,
 block) serves all of them, and the bound below uses the very 'causal' time the rings use.
 
@@ -33,7 +35,7 @@ import sys
 from bench import int_list
 from bench.report import default_out_dir, emit_table, fmt, stamp
 
-LAYOUTS = ("contiguous", "striped")
+LAYOUTS = ("contiguous", "striped", "zigzag")
 
 # Brandon et al. 2023, "Striped Attention" (seed 000), Table 5 and Appendix A.1: 1B model,
 # mesh 1 x N (no model parallelism), 8 x A100 80GB, per-device block size ->
@@ -81,6 +83,8 @@ def mask_class(layout: str, n: int, device: int, source: int) -> str:
         return "causal" if source <= device else "strict"
     if layout == "contiguous":
         return "full" if source < device else "causal" if source == device else "hidden"
+    if layout == "zigzag":
+        return "key half" if source < device else "causal" if source == device else "query half"
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -199,10 +203,12 @@ def simulate(impl: str, spec: StripedSpec) -> list[dict]:
         for n in spec.ns:
             rounds = {layout: round_times(layout, n, times) for layout in LAYOUTS}
             contiguous, striped = sum(rounds["contiguous"]), sum(rounds["striped"])
+            zigzag = sum(rounds["zigzag"])
             paper = PAPER_1B.get((n, block), (None, None))
             results.append(dict(
                 impl=impl, n=n, block=block, rounds=rounds, contiguous_s=contiguous,
-                striped_s=striped, speedup=contiguous / striped,
+                striped_s=striped, zigzag_s=zigzag, speedup=contiguous / striped,
+                zigzag_speedup=contiguous / zigzag,
                 kernel_bound=ring_bound(times["causal"], times["full"], n),
                 cudnn_bound=None if cudnn is None else ring_bound(*cudnn, n),
                 tile_ratio=tile_ratio(n, block, spec), paper_tms=paper[0],
@@ -213,12 +219,14 @@ def simulate(impl: str, spec: StripedSpec) -> list[dict]:
 def _plot(results: list[dict], out_dir: str, toy: bool) -> str:
     from bench.plots import Panel, save_lines
 
-    speed = Panel("contiguous / striped time", "simulated devices N", "speedup")
+    speed = Panel("contiguous / striped (zigzag) time", "simulated devices N", "speedup")
     blocks = sorted({r["block"] for r in results})
     for r in results:
         color = f"C{blocks.index(r['block'])}"
         c = f"c={r['block']:,}"
         speed.add(f"{r['impl']} simulated, {c}", r["n"], r["speedup"], f"o-{color}")
+        speed.add(f"{r['impl']} zigzag simulated, {c}", r["n"], r["zigzag_speedup"],
+                  f"s-.{color}")
         speed.add(f"{r['impl']} kernel bound, {c}", r["n"], r["kernel_bound"], f"--{color}")
         speed.add(f"cuDNN bound, {c}", r["n"], r["cudnn_bound"], f":{color}")
         speed.add(f"paper measured (1B, A100), {c}", r["n"], r["paper_speedup"], f"x{color}")
@@ -229,7 +237,7 @@ def _plot(results: list[dict], out_dir: str, toy: bool) -> str:
         for i, t in enumerate(times):
             rounds.add(layout, i, t * 1e3, "o-")
     return save_lines(os.path.join(out_dir, "striped_sim.png"),
-                      "Striped vs contiguous ring, simulated on one device", stamp(toy),
+                      "Striped and zigzag vs contiguous ring, simulated on one device", stamp(toy),
                       [speed, rounds])
 
 
@@ -243,13 +251,14 @@ def run(spec: StripedSpec, out_dir: str, toy: bool = False) -> str:
     results = [r for impl in kernels for r in simulate(impl, spec)]
     rows = [(r["impl"], r["n"], f"{r['block']:,}", fmt(r["tile_ratio"], ".2f"),
              f"{r['contiguous_s'] * 1e3:,.2f}", f"{r['striped_s'] * 1e3:,.2f}",
-             f"{r['speedup']:.2f}", f"{r['kernel_bound']:.2f}", fmt(r["cudnn_bound"], ".2f"),
+             f"{r['zigzag_s'] * 1e3:,.2f}", f"{r['speedup']:.2f}", f"{r['zigzag_speedup']:.2f}",
+             f"{r['kernel_bound']:.2f}", f"{r['speedup'] / r['kernel_bound']:.2f}", fmt(r["cudnn_bound"], ".2f"),
              fmt(r["paper_tms"], ".2f"), fmt(r["paper_speedup"], ".2f")) for r in results]
     notes = stamp(toy) + [
         f"Per device: batch 1, {spec.heads} heads, head dim {spec.head_dim}, {spec.dtype}, "
         f"tiles {spec.q_chunk} x {spec.kv_chunk}; each block pair's kernel forward+backward is "
         f"the median of {spec.iters} runs; ring time = sum over rounds of the slowest device "
-        "(communication assumed hidden).",
+        "(communication assumed hidden). Speedups are contiguous time / layout time.",
         "Bounds: (C + (N-1) F) / (N C) with C, F the causal and full block times of the same "
         "kernel, or of cuDNN (GPU only). Tile ratio: busiest-device tiles summed over rounds, "
         "contiguous / striped (tile_schedule; '-' where too costly to enumerate).",
@@ -257,9 +266,10 @@ def run(spec: StripedSpec, out_dir: str, toy: bool = False) -> str:
         "Skipped kernels: " + ("; ".join(skipped) if skipped else "none") + "."]
     png = _plot(results, out_dir, toy)
     path = os.path.join(out_dir, "striped_sim.md")
-    emit_table("Striped vs contiguous ring attention (one-device simulation)", notes,
+    emit_table("Striped, zigzag and contiguous ring attention (one-device simulation)", notes,
                ["kernel", "N", "block c", "tile ratio", "contiguous ms", "striped ms",
-                "speedup (simulated)", "kernel bound", "cuDNN bound", "paper TMS",
+                "zigzag ms", "speedup striped", "speedup zigzag", "kernel bound",
+                "striped / bound", "cuDNN bound", "paper TMS",
                 "paper measured"], rows, path, images=[png])
     return path
 

@@ -28,7 +28,7 @@ from lclm.errors import StartupError
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ROPE_SCALINGS = ("auto", "none", "linear", "llama3")  # llama.ROPE_SCALINGS and "auto"
-LAYOUTS = ("striped", "contiguous")  # lclm.ops.layout.LAYOUTS is checked against this in tests
+LAYOUTS = ("striped", "contiguous", "zigzag")  # lclm.ops.layout.LAYOUTS is checked against this in tests
 
 # LLaMA shapes (and the tokenizer's bos/eos ids). 1b/3b are LLaMA-3.2 (1.24B / 3.2B params),
 # 7b/13b are LLaMA-2 (bos 1, eos 2: the defaults).
@@ -253,11 +253,17 @@ def validate(config, device_count: int) -> dict[str, int]:
         _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp={sp}; "
               f"use a multiple of {sp}")
     local = d.seq_len // sp
+    # zigzag: each shard holds two runs of consecutive positions; tiles stay inside one
+    runs = 2 if a.layout == "zigzag" and sp > 1 else 1
+    if local % runs:
+        _fail(f"data.seq_len={d.seq_len} is not divisible by 2 x mesh.sp = {2 * sp}, as "
+              f"attention.layout='zigzag' needs; use a multiple of {2 * sp}")
     for key in ("q_chunk", "kv_chunk"):
-        chunk = min(a[key], local)
-        if local % chunk:
-            _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp x attention.{key} = "
-                  f"{sp} x {chunk}; use a multiple of {sp * chunk}")
+        chunk = min(a[key], local // runs)
+        if local % (chunk * runs):
+            what = "2 x mesh.sp" if runs == 2 else "mesh.sp"
+            _fail(f"data.seq_len={d.seq_len} is not divisible by {what} x attention.{key} = "
+                  f"{runs * sp} x {chunk}; use a multiple of {runs * sp * chunk}")
     for key in ("ffn_chunk", "loss_chunk"):
         chunk = min(m[key], local)
         if local % chunk:

@@ -99,8 +99,10 @@ def test_block_pairs_of_one_mask_class_have_one_mask(layout):
     round, device and N) must have the same mask, and the class names must say which mask."""
     c = 8
     x = np.arange(c)
+    first_half = np.broadcast_to(x < c // 2, (c, c))
     expected = {"causal": x[:, None] >= x[None, :], "strict": x[:, None] > x[None, :],
-                "full": np.ones((c, c), bool), "hidden": np.zeros((c, c), bool)}
+                "full": np.ones((c, c), bool), "hidden": np.zeros((c, c), bool),
+                "key half": first_half, "query half": ~first_half.T}
     for n in (2, 4, 8):
         for _, device, source in block_pairs(n):
             q = original_positions(layout, n, device, c)

@@ -45,6 +45,7 @@ from lclm.data.line_retrieval import (Spec, build_example, filler_id, line_forma
 from lclm.data.tokenizer import Tokenizer
 from lclm.eval.decode import greedy_generate
 from lclm.models.llama import AttentionConfig, LlamaConfig, param_shapes
+from lclm.ops.layout import LAYOUTS
 from lclm.parallel.devices import request_cpu_devices
 from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
 from lclm.train.state import param_shardings, shard_params
@@ -337,7 +338,7 @@ def parse_args(argv=None):
     for axis in MESH_AXES:
         ap.add_argument(f"--{axis}", type=int, default=None,
                         help=f"mesh.{axis} (default: the checkpoint's; 1 with --hf)")
-    ap.add_argument("--layout", choices=("striped", "contiguous"), default=None)
+    ap.add_argument("--layout", choices=LAYOUTS, default=None)
     ap.add_argument("--q-chunk", type=int, default=None)
     ap.add_argument("--kv-chunk", type=int, default=None)
     ap.add_argument("--out", default="line_retrieval_eval", help="output directory")

@@ -6,6 +6,10 @@ split into `n` equal contiguous shards (one per `sp` device).
 - `'contiguous'`: original order; device j holds positions j*c ... j*c + c - 1.
 - `'striped'`: device j holds positions j, j+n, j+2n, ... so local index x on device j is
   original position x*n + j (Striped Attention, seed 000).
+- `'zigzag'`: the row is cut into 2n equal chunks and device j holds chunks j and 2n-1-j (in
+  that order). Under a causal mask every ring round is then exactly half of a block pair, as
+  full rectangles: from a device k < j both query halves see the first key half; from k > j
+  the second query half sees all keys (the load balance of striping with contiguous tiles).
 
 Striping is applied once on the host, to every per-token array of a batch together, and
 `unstripe` puts any per-token output back into original order. Attention masks are derived
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-LAYOUTS = ("striped", "contiguous")
+LAYOUTS = ("striped", "contiguous", "zigzag")
 
 
 def _check(length: int, n: int) -> None:
@@ -59,8 +63,35 @@ def _identity(x, n: int, axis: int = 1):
     return x
 
 
+def _zigzag_chunks(n: int) -> np.ndarray:
+    """Chunk order of the zigzag layout: [0, 2n-1, 1, 2n-2, ..., n-1, n]."""
+    return np.stack([np.arange(n), 2 * n - 1 - np.arange(n)], axis=1).reshape(-1)
+
+
+def _by_chunks(x, order: np.ndarray, axis: int):
+    """Reorder `x`'s `axis`, cut into len(order) equal chunks, as `order` says."""
+    length, parts = x.shape[axis], len(order)
+    if length % parts:
+        raise ValueError(f"sequence length {length} is not divisible by 2 x the sp size "
+                         f"({parts}), as the zigzag layout needs")
+    ax = axis % x.ndim
+    y = x.reshape(x.shape[:ax] + (parts, length // parts) + x.shape[ax + 1:])
+    return y.take(order, axis=ax).reshape(x.shape)
+
+
+def zigzag(x, n: int, axis: int = 1):
+    """Original order -> zigzag: shard j of `n` holds chunks j and 2n-1-j of 2n."""
+    return x if n == 1 else _by_chunks(x, _zigzag_chunks(n), axis)
+
+
+def unzigzag(x, n: int, axis: int = 1):
+    """Inverse of `zigzag`."""
+    return x if n == 1 else _by_chunks(x, np.argsort(_zigzag_chunks(n)), axis)
+
+
 # layout -> (original order -> layout, layout -> original order)
-_PERMUTATIONS = {"striped": (stripe, unstripe), "contiguous": (_identity, _identity)}
+_PERMUTATIONS = {"striped": (stripe, unstripe), "contiguous": (_identity, _identity),
+                 "zigzag": (zigzag, unzigzag)}
 
 
 def _permutation(layout: str, inverse: bool):
@@ -89,6 +120,10 @@ def original_positions(layout: str, n: int, device, local_len: int, xp=np):
         return local * n + device
     if layout == "contiguous":
         return device * local_len + local
+    if layout == "zigzag":
+        half = local_len // 2
+        return xp.where(local < half, device * half + local,
+                        (2 * n - 1 - device) * half + local - half)
     raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
 
 

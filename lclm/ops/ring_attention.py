@@ -1,4 +1,4 @@
-"""Ring attention over the `sp` mesh axis: striped (default) or contiguous layout.
+"""Ring attention over the `sp` mesh axis: striped (default), contiguous or zigzag layout.
 
 Each `sp` device keeps its queries; K/V blocks (in the compute dtype, with their segment ids)
 travel the ring with `lax.ppermute`. Every round runs the kernel on one block pair and merges
@@ -8,7 +8,8 @@ recomputes every block pair from the *global* output and log-sum-exp, and dK/dV 
 
 Masks follow from original positions, which each device derives from its ring index and the
 layout (`lclm.ops.layout.original_positions`): for striped, round blocks from devices k <= j
-are causal and k > j strictly causal; for contiguous, blocks are full, causal or hidden.
+are causal and k > j strictly causal; for contiguous, blocks are full, causal or hidden; for
+zigzag, every round is half of the block pair as full tiles (the diagonal round: causal).
 """
 
 from __future__ import annotations
@@ -59,8 +60,11 @@ class _Settings(NamedTuple):
 def _setup(s: _Settings, q, which: str):
     """The kernel pass, this device's query positions, and the key positions per round."""
     kernel_pass = getattr(get_kernel(s.impl), which)
-    block = functools.partial(kernel_pass, causal=s.causal, q_chunk=s.q_chunk,
-                              kv_chunk=s.kv_chunk)
+    # a zigzag shard is two runs of consecutive positions: tiles stay inside one, so that
+    # every tile is entirely visible or entirely hidden in all but the diagonal blocks
+    run = q.shape[1] // 2 if s.layout == "zigzag" and s.n > 1 else q.shape[1]
+    block = functools.partial(kernel_pass, causal=s.causal, q_chunk=min(s.q_chunk, run),
+                              kv_chunk=min(s.kv_chunk, run))
     me = lax.axis_index(s.axis) if s.n > 1 else 0
     q_pos = original_positions(s.layout, s.n, me, q.shape[1], xp=jnp)
     # in round r this device holds the K/V block that started on device me - r

@@ -87,7 +87,7 @@ def test_single_process_block_is_the_whole_batch():
     assert host_block(batch_sharding(mesh), (8, 64)) == (slice(0, 8), slice(0, 64))
 
 
-@pytest.mark.parametrize("layout", ["striped", "contiguous"])
+@pytest.mark.parametrize("layout", ["striped", "contiguous", "zigzag"])
 def test_resume_yields_exactly_the_following_batches(tmp_path, layout):
     config = _config(tmp_path, layout)
     tok = Tokenizer(config.data.tokenizer)

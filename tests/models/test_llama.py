@@ -45,6 +45,8 @@ def _loss_and_grads(cfg, params, batch, mesh, layout):
 @pytest.mark.parametrize("mesh_kw,layout,scan", [
     (dict(sp=4), "striped", True),
     (dict(sp=4, fsdp=2), "contiguous", True),
+    (dict(sp=4, fsdp=2), "zigzag", True),
+    (dict(tp=2, sp=2), "zigzag", False),
     (dict(tp=2, sp=2), "striped", False),
     (dict(fsdp=2), "striped", True),
     (dict(dp=2, fsdp=2, tp=2), "striped", True),
@@ -64,7 +66,7 @@ def test_loss_and_grads_do_not_depend_on_mesh_or_layout(mesh_kw, layout, scan):
         assert err < 1e-4, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("layout", ["striped", "contiguous"])
+@pytest.mark.parametrize("layout", ["striped", "contiguous", "zigzag"])
 def test_changing_a_token_never_changes_earlier_logits(layout):
     params = init_params(CFG, jax.random.key(7))
     rng = np.random.default_rng(11)

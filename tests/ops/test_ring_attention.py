@@ -1,4 +1,4 @@
-"""Ring attention (both layouts, sp 1-8, GQA, segments) against a dense float32 reference."""
+"""Ring attention (all three layouts, sp 1-8, GQA, segments) against a dense float32 reference."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +7,7 @@ import pytest
 
 from lclm.ops import local_attention, ring_attention, stripe, unstripe, to_layout, from_layout
 from lclm.ops.attention import dense_attention
+from lclm.ops.layout import LAYOUTS, original_positions
 from lclm.ops.ring_attention import tile_schedule
 from lclm.parallel import make_mesh
 
@@ -41,7 +42,7 @@ IMPLS = ["blockwise", "pallas_gpu"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("layout", ["striped", "contiguous"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("sp,chunk,hkv,segments", [
     (1, 16, 2, False), (2, 8, 4, True), (4, 4, 1, False), (4, 16, 2, True), (8, 8, 2, True),
 ])
@@ -96,6 +97,42 @@ def test_stripe_roundtrip_and_device_assignment():
     np.testing.assert_array_equal(unstripe(stripe(jnp.asarray(x), 4), 4), x)
 
 
+def test_zigzag_roundtrip_and_device_assignment():
+    n, t = 4, 32
+    x = np.arange(2 * t).reshape(2, t)
+    z = to_layout(x, "zigzag", n)
+    # device j holds chunks j and 2n-1-j of 2n chunks (of 4 positions each), in that order
+    np.testing.assert_array_equal(z[0, :8], [0, 1, 2, 3, 28, 29, 30, 31])
+    np.testing.assert_array_equal(z[0, 24:], [12, 13, 14, 15, 16, 17, 18, 19])
+    np.testing.assert_array_equal(from_layout(z, "zigzag", n), x)
+    np.testing.assert_array_equal(from_layout(to_layout(jnp.asarray(x), "zigzag", n), "zigzag", n), x)
+    for j in range(n):  # the positions the ring derives are the ones the layout put there
+        np.testing.assert_array_equal(original_positions("zigzag", n, j, t // n), z[0, j * 8:(j + 1) * 8])
+    with pytest.raises(ValueError, match="2 x the sp size"):
+        to_layout(np.arange(12)[None], "zigzag", 4)
+
+
+def test_zigzag_rounds_are_half_a_block_pair_of_full_tiles():
+    """Every round but the diagonal one is exactly half the block pair, on every device, as
+    whole tiles (none partly masked); the diagonal round is the causal half."""
+    n, t, c = 4, 256, 8
+    local = t // n
+    tiles = (local // c) ** 2
+    zigzag = tile_schedule("zigzag", n, t, c, c) / tiles
+    np.testing.assert_allclose(zigzag[1:], 0.5)
+    per_half = local // 2 // c
+    diagonal = (2 * per_half * (per_half + 1) / 2 + per_half ** 2) / tiles
+    np.testing.assert_allclose(zigzag[0], diagonal)
+    for r in range(1, n):  # no visible tile straddles the mask
+        for j in range(n):
+            q = original_positions("zigzag", n, j, local).reshape(-1, c)
+            k = original_positions("zigzag", n, (j - r) % n, local).reshape(-1, c)
+            for a in q:
+                for b in k:
+                    seen = a[:, None] >= b[None, :]
+                    assert seen.all() or not seen.any()
+
+
 def test_tile_schedule_matches_paper_workload():
     n, t, c = 4, 256, 8
     tiles = (t // n // c) ** 2
@@ -115,7 +152,8 @@ def test_tile_schedule_matches_paper_workload():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("layout,sp", [("contiguous", 1), ("striped", 2), ("contiguous", 2)])
+@pytest.mark.parametrize("layout,sp", [("contiguous", 1), ("striped", 2), ("contiguous", 2),
+                                       ("zigzag", 2)])
 def test_hidden_tiles_are_skipped_not_masked(impl, layout, sp):
     """NaN keys/values in the last 16 positions: a computed-then-masked tile would spread
     NaN (NaN + -inf = NaN) into every query of that tile; skipped tiles keep earlier queries

@@ -75,6 +75,11 @@ def test_checkpoint_restores_on_another_mesh_layout_and_scan_setting(tmp_path):
     for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(state2.opt_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+    zigzag = _config(tmp_path / "run", sp=4, fsdp=2)
+    zigzag.attention.layout = "zigzag"
+    mesh3, model3, state3, _ = _restore(zigzag)
+    assert _loss(zigzag, mesh3, model3, state3.params, batch) == pytest.approx(want, rel=1e-5)
+
 
 def test_shape_mismatch_names_the_parameter_and_corrupt_latest_falls_back(tmp_path, caplog):
     config = _config(tmp_path / "run")

@@ -91,7 +91,7 @@ def test_wandb_resumes_its_run_and_keeps_secret_command_lines_out(tmp_path, monk
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["striped", "contiguous"])
+@pytest.mark.parametrize("layout", ["striped", "contiguous", "zigzag"])
 def test_grad_accumulation_equals_one_big_batch(tmp_path, layout):
     config = demo_config(tmp_path)
     config.model.update(vocab_size=64)
