@@ -14,8 +14,10 @@ float32; q_pos `[tq]`, k_pos `[tk]` int32 original token positions (masking foll
 them, so any layout works); q_seg `[batch, tq]`, k_seg `[batch, tk]` int32 segment ids or
 None. Returned `o`, `dq`, `dk`, `dv` are float32; statistics are always float32.
 
-Tiles of `q_chunk x kv_chunk` that the mask hides entirely are skipped with `lax.cond`
-(`tile_visible`), not computed and masked.
+Tiles of `q_chunk x kv_chunk` that the mask hides entirely are skipped, not computed and
+masked: each query chunk loops over the span of key chunks that `visible_tiles` marks (and
+each key chunk, in the backward, over its span of query chunks). The spans are loop bounds,
+not a `lax.cond` per tile, which on a GPU would be a device-to-host round trip per tile.
 """
 
 from __future__ import annotations
@@ -43,6 +45,37 @@ def tile_visible(q_pos, k_pos, q_seg, k_seg, causal: bool):
         overlap = (jnp.min(q_seg) <= jnp.max(k_seg)) & (jnp.min(k_seg) <= jnp.max(q_seg))
         visible = visible & overlap
     return visible
+
+
+def visible_tiles(q_pos, k_pos, q_seg, k_seg, causal: bool, q_chunk: int, kv_chunk: int):
+    """`tile_visible` of every (query chunk, key chunk) pair at once: bool `[nq, nk]`.
+
+    q_pos `[tq]`, k_pos `[tk]`; q_seg `[batch, tq]` / k_seg `[batch, tk]` or None.
+    """
+    qp, kp = q_pos.reshape(-1, q_chunk), k_pos.reshape(-1, kv_chunk)
+    visible = jnp.ones((qp.shape[0], kp.shape[0]), bool)
+    if causal:
+        visible = qp.max(1)[:, None] >= kp.min(1)[None, :]
+    if q_seg is not None:
+        qs, ks = _per_chunk(q_seg, q_chunk), _per_chunk(k_seg, kv_chunk)
+        visible &= ((qs.min(1)[:, None] <= ks.max(1)[None, :])
+                    & (ks.min(1)[None, :] <= qs.max(1)[:, None]))
+    return visible
+
+
+def _per_chunk(seg, chunk: int):
+    """`[batch, t]` -> `[t / chunk, batch * chunk]`: every chunk's ids over the whole batch."""
+    b, t = seg.shape
+    return seg.reshape(b, t // chunk, chunk).swapaxes(0, 1).reshape(t // chunk, b * chunk)
+
+
+def _span(visible):
+    """First and one-past-last True of a bool vector (0, 0 when none): the loop bounds."""
+    n = visible.shape[0]
+    any_ = visible.any()
+    first = jnp.argmax(visible)
+    last = n - jnp.argmax(visible[::-1])
+    return jnp.where(any_, first, 0).astype(jnp.int32), jnp.where(any_, last, 0).astype(jnp.int32)
 
 
 def _mask_bias(q_pos, k_pos, q_seg, k_seg, causal: bool):
@@ -83,6 +116,13 @@ def _grouped(x, kv_heads: int):
     return x.reshape(b, t, kv_heads, h // kv_heads, d)
 
 
+def _span_loop(span, body, init):
+    """`for i in range(*span): carry = body(i, carry)` with traced bounds (a `while_loop`)."""
+    lo, hi = span
+    return lax.while_loop(lambda c: c[0] < hi, lambda c: (c[0] + 1, body(c[0], c[1])),
+                          (lo, init))[1]
+
+
 def _loop(n: int, body, init):
     """`for i in range(n): carry = body(i, carry)` as a `while_loop`.
 
@@ -112,6 +152,7 @@ def blockwise_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool,
     ks, vs = _chunks(k, kc), _chunks(v, kc)                 # [nk, b, kc, hkv, d]
     qps, kps = q_pos.reshape(-1, qc), k_pos.reshape(-1, kc)
     qss, kss = _chunks(q_seg, qc), _chunks(k_seg, kc)
+    visible = visible_tiles(q_pos, k_pos, q_seg, k_seg, causal, qc, kc)
     stat_shape = (b, qc, hkv, h // hkv)
 
     def per_q_chunk(i, out):
@@ -119,26 +160,21 @@ def blockwise_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool,
 
         def per_kv_chunk(j, carry):
             kb, vb, kpb, ksb = ks[j], vs[j], kps[j], _at(kss, j)
-
-            def compute(carry):
-                o, m, l = carry
-                s = jnp.einsum("bqhgd,bkhd->bqhgk", qb, kb, preferred_element_type=F32) * scale
-                s = s + _mask_bias(qpb, kpb, qsb, ksb, causal)
-                m_new = jnp.maximum(m, s.max(-1))
-                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                p = jnp.exp(s - m_safe[..., None])
-                corr = jnp.exp(m - m_safe)
-                l = l * corr + p.sum(-1)
-                pv = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(vb.dtype), vb,
-                                preferred_element_type=F32)
-                return o * corr[..., None] + pv, m_new, l
-
-            visible = tile_visible(qpb, kpb, qsb, ksb, causal)
-            return lax.cond(visible, compute, lambda c: c, carry)
+            o, m, l = carry
+            s = jnp.einsum("bqhgd,bkhd->bqhgk", qb, kb, preferred_element_type=F32) * scale
+            s = s + _mask_bias(qpb, kpb, qsb, ksb, causal)
+            m_new = jnp.maximum(m, s.max(-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(s - m_safe[..., None])
+            corr = jnp.exp(m - m_safe)
+            l = l * corr + p.sum(-1)
+            pv = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(vb.dtype), vb,
+                            preferred_element_type=F32)
+            return o * corr[..., None] + pv, m_new, l
 
         init = (jnp.zeros(stat_shape + (d,), F32), jnp.full(stat_shape, -jnp.inf, F32),
                 jnp.zeros(stat_shape, F32))
-        o, m, l = _loop(ks.shape[0], per_kv_chunk, init)
+        o, m, l = _span_loop(_span(visible[i]), per_kv_chunk, init)
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
         o = o / jnp.where(l > 0, l, 1.0)[..., None]
         o_all, lse_all = out
@@ -168,6 +204,7 @@ def blockwise_backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causa
     ks, vs = _chunks(k, kc), _chunks(v, kc)
     qps, kps = q_pos.reshape(-1, qc), k_pos.reshape(-1, kc)
     qss, kss = _chunks(q_seg, qc), _chunks(k_seg, kc)
+    visible = visible_tiles(q_pos, k_pos, q_seg, k_seg, causal, qc, kc)
 
     def per_kv_chunk(j, acc):
         kb, vb, kpb, ksb = ks[j], vs[j], kps[j], _at(kss, j)
@@ -175,27 +212,22 @@ def blockwise_backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causa
         def per_q_chunk(i, carry):
             qb, dob, lseb, deltab = qs[i], dos[i], lses[i], deltas[i]
             qpb, qsb = qps[i], _at(qss, i)
-
-            def compute(carry):
-                dq_all, dk, dv = carry
-                s = jnp.einsum("bqhgd,bkhd->bqhgk", qb, kb, preferred_element_type=F32) * scale
-                s = s + _mask_bias(qpb, kpb, qsb, ksb, causal)
-                p = jnp.exp(s - lseb[..., None])  # exactly 0 where masked
-                dv = dv + jnp.einsum("bqhgk,bqhgd->bkhd", p.astype(dob.dtype), dob,
-                                     preferred_element_type=F32)
-                dp = jnp.einsum("bqhgd,bkhd->bqhgk", dob, vb, preferred_element_type=F32)
-                ds = (p * (dp - deltab[..., None])).astype(qb.dtype)
-                dq = jnp.einsum("bqhgk,bkhd->bqhgd", ds, kb, preferred_element_type=F32) * scale
-                dk = dk + jnp.einsum("bqhgk,bqhgd->bkhd", ds, qb,
-                                     preferred_element_type=F32) * scale
-                return dq_all.at[i].add(dq), dk, dv
-
-            visible = tile_visible(qpb, kpb, qsb, ksb, causal)
-            return lax.cond(visible, compute, lambda c: c, carry)
+            dq_all, dk, dv = carry
+            s = jnp.einsum("bqhgd,bkhd->bqhgk", qb, kb, preferred_element_type=F32) * scale
+            s = s + _mask_bias(qpb, kpb, qsb, ksb, causal)
+            p = jnp.exp(s - lseb[..., None])  # exactly 0 where masked
+            dv = dv + jnp.einsum("bqhgk,bqhgd->bkhd", p.astype(dob.dtype), dob,
+                                 preferred_element_type=F32)
+            dp = jnp.einsum("bqhgd,bkhd->bqhgk", dob, vb, preferred_element_type=F32)
+            ds = (p * (dp - deltab[..., None])).astype(qb.dtype)
+            dq = jnp.einsum("bqhgk,bkhd->bqhgd", ds, kb, preferred_element_type=F32) * scale
+            dk = dk + jnp.einsum("bqhgk,bqhgd->bkhd", ds, qb,
+                                 preferred_element_type=F32) * scale
+            return dq_all.at[i].add(dq), dk, dv
 
         dq_all, dk_all, dv_all = acc
         init = (dq_all, jnp.zeros(kb.shape, F32), jnp.zeros(vb.shape, F32))
-        dq_all, dk, dv = _loop(qs.shape[0], per_q_chunk, init)
+        dq_all, dk, dv = _span_loop(_span(visible[:, j]), per_q_chunk, init)
         return dq_all, dk_all.at[j].set(dk), dv_all.at[j].set(dv)
 
     acc = (jnp.zeros(qs.shape, F32), jnp.zeros(ks.shape, F32), jnp.zeros(vs.shape, F32))

@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from lclm.ops.attention import F32, get_kernel, tile_visible
+from lclm.ops.attention import F32, get_kernel, visible_tiles
 from lclm.ops.layout import LAYOUTS, original_positions
 
 SP = "sp"
@@ -194,7 +194,7 @@ def tile_schedule(layout: str, n: int, seq_len: int, q_chunk: int, kv_chunk: int
                   causal: bool = True) -> np.ndarray:
     """Tiles each device computes in each round: int array `[round, device]`.
 
-    Uses the kernel's own skip predicate (`tile_visible`) on the positions each device holds
+    Uses the kernels' own skip predicate (`visible_tiles`) on the positions each device holds
     in each round (no segments), i.e. the paper's per-round workload at tile granularity.
     Out of `(seq_len/n/q_chunk) * (seq_len/n/kv_chunk)` tiles per block pair.
     """
@@ -202,7 +202,8 @@ def tile_schedule(layout: str, n: int, seq_len: int, q_chunk: int, kv_chunk: int
     counts = np.zeros((n, n), np.int64)
     for r in range(n):
         for j in range(n):
-            qp = np.asarray(original_positions(layout, n, j, local)).reshape(-1, q_chunk)
-            kp = np.asarray(original_positions(layout, n, (j - r) % n, local)).reshape(-1, kv_chunk)
-            counts[r, j] = sum(bool(tile_visible(a, b, None, None, causal)) for a in qp for b in kp)
+            q_pos = original_positions(layout, n, j, local)
+            k_pos = original_positions(layout, n, (j - r) % n, local)
+            counts[r, j] = np.asarray(
+                visible_tiles(q_pos, k_pos, None, None, causal, q_chunk, kv_chunk)).sum()
     return counts
