@@ -85,9 +85,11 @@ def usable_kernels(platform: str) -> tuple[list[str], list[str]]:
 
 
 def preferred_kernel(platform: str) -> str:
-    """The kernel a long run should use here: the platform's fused one when it imports."""
+    """The kernel `attention.impl='auto'` prefers here, when it imports."""
+    from lclm.ops.attention import AUTO, platform_family
+
     usable, _ = usable_kernels(platform)
-    return next((k for k in usable if _kernel_platform(k) == platform), "blockwise")
+    return next((k for k in AUTO.get(platform_family(platform), ()) if k in usable), "blockwise")
 
 
 def lclm_method(impl: str, q_chunk: int, kv_chunk: int) -> Method:

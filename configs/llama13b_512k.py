@@ -26,7 +26,7 @@ def get_config():
     c.model.update(init_from_hf="checkpoints/Llama-2-13b-hf", dtype="bfloat16",
                    param_dtype="float32", scan_layers=True, remat="full",
                    ffn_chunk=4096, loss_chunk=4096)
-    c.attention.update(impl="blockwise", layout="striped", q_chunk=2048, kv_chunk=2048)
+    c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
     c.data.update(source="sharegpt", path="data/sharegpt.json", chat_template="vicuna",
                   seq_len=524288, batch_size=4)
     c.stages.update(schedule="32k:1e6:200:4, 128k:1e7:100:8, 256k:1e7:60:16, 512k:2.5e7:60:32",

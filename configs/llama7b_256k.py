@@ -25,7 +25,7 @@ def get_config():
     c.model.update(init_from_hf="checkpoints/Llama-2-7b-hf", dtype="bfloat16",
                    param_dtype="float32", scan_layers=True, remat="full",
                    ffn_chunk=8192, loss_chunk=8192)
-    c.attention.update(impl="blockwise", layout="striped", q_chunk=2048, kv_chunk=2048)
+    c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
     c.data.update(source="text", path="data/long_documents", seq_len=262144, batch_size=4)
     c.stages.update(schedule="32k:1e6:300:4, 128k:1e7:200:8, 256k:1e7:150:8",
                     tokens_per_batch=1 << 20)

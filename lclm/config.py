@@ -81,7 +81,7 @@ def base_config() -> ml_collections.ConfigDict:
     ))
 
     c.attention = ml_collections.ConfigDict(dict(
-        impl="blockwise", layout="striped", q_chunk=512, kv_chunk=512))
+        impl="auto", layout="striped", q_chunk=512, kv_chunk=512))
 
     c.data = ml_collections.ConfigDict(dict(
         source="text",          # default kind of each data.path entry: text|sharegpt|tokenized
@@ -220,9 +220,9 @@ def validate(config, device_count: int) -> dict[str, int]:
     _check_rope_and_ids(m)
     if a.layout not in LAYOUTS:
         _fail(f"attention.layout={a.layout!r}; use one of {LAYOUTS}")
-    from lclm.ops.attention import KERNELS
-    if a.impl not in KERNELS:
-        _fail(f"attention.impl={a.impl!r} is not available; use one of {sorted(KERNELS)}")
+    from lclm.ops.attention import IMPLS
+    if a.impl not in IMPLS:
+        _fail(f"attention.impl={a.impl!r} is not available; use one of {IMPLS}")
     from lclm.data.chat import TEMPLATES
     from lclm.data.loader import SOURCE_KINDS
     if d.source not in SOURCE_KINDS:
@@ -242,10 +242,6 @@ def validate(config, device_count: int) -> dict[str, int]:
     except ValueError:
         _fail(f"model.n_kv_heads={m.n_kv_heads} cannot be split over mesh.tp={tp}; "
               "pick a tp that divides or is a multiple of n_kv_heads")
-    head_dim = m.dim // m.n_heads
-    if a.impl in ("pallas_gpu", "pallas_tpu") and head_dim & (head_dim - 1):
-        _fail(f"attention.impl={a.impl!r} needs a power-of-two head dim, got {head_dim}; "
-              "use attention.impl='blockwise'")
     if m.ffn_dim % tp:
         _fail(f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tp={tp}")
 
@@ -269,6 +265,12 @@ def validate(config, device_count: int) -> dict[str, int]:
         if local % chunk:
             _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp x model.{key} = "
                   f"{sp} x {chunk}; use a multiple of {sp * chunk}")
+    from lclm.ops.attention import kernel_limits  # the rules every platform shares
+    why = kernel_limits(a.impl, head_dim=m.dim // m.n_heads, q_chunk=a.q_chunk,
+                        kv_chunk=a.kv_chunk, block=local // runs)
+    if why is not None:
+        _fail(f"attention.impl={a.impl!r} cannot serve this model: {why}; "
+              "attention.impl='auto' picks a kernel that can")
     if d.batch_size % t.grad_accum:
         _fail(f"data.batch_size={d.batch_size} is not divisible by train.grad_accum="
               f"{t.grad_accum}")

@@ -77,7 +77,7 @@ def test_bad_stage_schedules_fail_at_start(schedule, needle):
     (lambda c: c.attention.update(impl="cudnn"), 8, "attention.impl='cudnn' is not available"),
     (lambda c: (c.attention.update(impl="pallas_gpu"), c.model.update(dim=96, n_heads=2,
                                                                       n_kv_heads=2)),
-     8, "needs a power-of-two head dim, got 48"),
+     8, "cannot serve this model: its head dim 48 must be a power of two"),
     (lambda c: c.data.update(batch_size=3), 8, "not divisible by mesh.dp x mesh.fsdp"),
     (lambda c: c.model.update(dtype="fp16"), 8, "model.dtype='fp16'"),
     (lambda c: c.data.update(source="csv"), 8, "data.source='csv'"),

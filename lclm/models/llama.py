@@ -92,7 +92,7 @@ class LlamaConfig:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """How attention is computed (`config.attention`)."""
-    impl: str = "blockwise"
+    impl: str = "auto"
     layout: str = "striped"
     q_chunk: int = 512
     kv_chunk: int = 512

@@ -249,10 +249,76 @@ KERNELS: dict[str, Kernel | str] = {
     "pallas_gpu": "lclm.ops.pallas_gpu:KERNEL",
     "pallas_tpu": "lclm.ops.pallas_tpu:KERNEL",
 }
+# what `attention.impl='auto'` tries on each platform, fastest first: the first kernel whose
+# limits (`kernel_limits`) allow the shapes is used. A kernel runs compiled only on its own
+# platform; elsewhere (pallas_* on CPU) it is interpreted, which is for tests, never picked.
+AUTO = {"gpu": ("pallas_gpu", "blockwise"), "tpu": ("pallas_tpu", "blockwise"),
+        "cpu": ("blockwise",)}
+IMPLS = ("auto", *KERNELS)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def kernel_limits(impl: str, *, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
+                  platform: str | None = None) -> str | None:
+    """Why `impl` cannot serve these shapes (None: it can). `block` is the run of consecutive
+    local positions tiles stay inside (the local length; half of it with zigzag). `platform`
+    None checks only the rules that hold everywhere. Segment ids, GQA, causal and strictly
+    causal rounds are served by every kernel."""
+    if impl == "auto":  # resolved per platform by `choose_kernel`, always to a kernel that can
+        return None
+    q_tile, kv_tile = min(q_chunk, block), min(kv_chunk, block)
+    if impl == "pallas_gpu":
+        if platform == "tpu":
+            return "it runs on GPUs (interpreted on CPU); use 'pallas_tpu' on TPU"
+        from_gpu = {"head dim": head_dim, "query tile": min(q_tile, 128),
+                    "key tile": min(kv_tile, 64)}
+        for name, n in from_gpu.items():
+            if not _power_of_two(n) or (name != "head dim" and n < 16):
+                return f"its {name} {n} must be a power of two" + (
+                    "" if name == "head dim" else " >= 16")
+    elif impl == "pallas_tpu":
+        if platform == "gpu":
+            return "it runs on TPUs (interpreted on CPU); use 'pallas_gpu' on GPU"
+        if not _power_of_two(head_dim):
+            return f"its head dim {head_dim} must be a power of two"
+        if platform == "tpu":
+            for name, tile in (("q_chunk", q_tile), ("kv_chunk", kv_tile)):
+                if tile != block and tile % 128:
+                    return f"attention.{name}={tile} must be a multiple of 128 or {block}"
+    elif impl not in KERNELS:
+        return f"it is not a kernel; use one of {IMPLS}"
+    return None
+
+
+def platform_family(platform: str) -> str:
+    """jax's platform name -> the key of `AUTO` ('cuda'/'rocm' are GPUs)."""
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def choose_kernel(impl: str, *, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
+                  platform: str) -> str:
+    """The kernel name `attention.impl` means here: 'auto' -> the first of `AUTO[platform]`
+    that can serve the shapes; an explicit name that cannot -> ValueError (one line)."""
+    platform = platform_family(platform)
+    shapes = dict(head_dim=head_dim, q_chunk=q_chunk, kv_chunk=kv_chunk, block=block,
+                  platform=platform)
+    if impl == "auto":
+        for name in AUTO.get(platform, ("blockwise",)):
+            if kernel_limits(name, **shapes) is None:
+                return name
+        return "blockwise"
+    why = kernel_limits(impl, **shapes)
+    if why is not None:
+        raise ValueError(f"attention.impl={impl!r} cannot run here: {why} "
+                         "(attention.impl='auto' picks a kernel that can)")
+    return impl
 
 
 def get_kernel(impl: str) -> Kernel:
-    """The kernel registered under `config.attention.impl`."""
+    """The kernel registered under a kernel name (see `choose_kernel` for 'auto')."""
     try:
         entry = KERNELS[impl]
     except KeyError:

@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from lclm.ops.attention import F32, get_kernel, visible_tiles
+from lclm.ops.attention import F32, choose_kernel, get_kernel, visible_tiles
 from lclm.ops.layout import LAYOUTS, original_positions
 
 SP = "sp"
@@ -62,7 +62,7 @@ def _setup(s: _Settings, q, which: str):
     kernel_pass = getattr(get_kernel(s.impl), which)
     # a zigzag shard is two runs of consecutive positions: tiles stay inside one, so that
     # every tile is entirely visible or entirely hidden in all but the diagonal blocks
-    run = q.shape[1] // 2 if s.layout == "zigzag" and s.n > 1 else q.shape[1]
+    run = tile_run(s.layout, s.n, q.shape[1] * s.n)
     block = functools.partial(kernel_pass, causal=s.causal, q_chunk=min(s.q_chunk, run),
                               kv_chunk=min(s.kv_chunk, run))
     me = lax.axis_index(s.axis) if s.n > 1 else 0
@@ -136,21 +136,31 @@ def _ring_bwd(settings, residuals, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _settings(n, layout, causal, q_chunk, kv_chunk, impl, axis=SP):
+def tile_run(layout: str, n: int, seq_len: int) -> int:
+    """Length of the runs of consecutive positions a shard holds, which tiles stay inside:
+    the local length, or half of it with zigzag."""
+    local = seq_len // n
+    return local // 2 if layout == "zigzag" and n > 1 else local
+
+
+def _settings(n, layout, causal, q_chunk, kv_chunk, impl, q_shape, axis=SP):
+    """Check the layout and resolve `impl` ('auto' included) for global queries `q_shape`."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+    impl = choose_kernel(impl, head_dim=q_shape[-1], q_chunk=q_chunk, kv_chunk=kv_chunk,
+                         block=tile_run(layout, n, q_shape[1]), platform=jax.default_backend())
     get_kernel(impl)
     return _Settings(axis, n, layout, bool(causal), int(q_chunk), int(kv_chunk), impl)
 
 
 def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_chunk=512,
-                    impl="blockwise"):
+                    impl="auto"):
     """Blockwise attention on one device (no mesh): the ring with a single member.
 
     q `[batch, seq, heads, dim]`, k/v `[batch, seq, kv_heads, dim]` in original order,
     segment_ids `[batch, seq]` or None. Differentiable.
     """
-    settings = _settings(1, "contiguous", causal, q_chunk, kv_chunk, impl, axis=None)
+    settings = _settings(1, "contiguous", causal, q_chunk, kv_chunk, impl, q.shape, axis=None)
     return _ring(settings, q, k, v, segment_ids, segment_ids)
 
 
@@ -165,7 +175,7 @@ def kv_repeats(q_heads: int, kv_heads: int, tp: int) -> int:
 
 
 def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
-                   q_chunk=512, kv_chunk=512, impl="blockwise"):
+                   q_chunk=512, kv_chunk=512, impl="auto"):
     """Ring attention of global arrays whose sequence axis is sharded over `sp`.
 
     q `[batch, seq, heads, dim]`, k/v `[batch, seq, kv_heads, dim]` (kv_heads divides heads),
@@ -177,7 +187,7 @@ def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=
     rep = kv_repeats(q.shape[2], k.shape[2], tp)
     if rep > 1:  # only when kv_heads < tp: each tp shard then holds its own copy
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    settings = _settings(n, layout, causal, q_chunk, kv_chunk, impl)
+    settings = _settings(n, layout, causal, q_chunk, kv_chunk, impl, q.shape)
     x_spec = P(BATCH_AXES, SP, HEAD_AXIS, None)
     seg_spec = P(BATCH_AXES, SP)
     if segment_ids is None:

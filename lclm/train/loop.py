@@ -24,6 +24,8 @@ from lclm.errors import TrainingHalted
 from lclm.data.loader import HostBatches, batch_sharding
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.llama import AttentionConfig, LlamaConfig, init_params
+from lclm.ops.attention import choose_kernel, platform_family
+from lclm.ops.ring_attention import tile_run
 from lclm.parallel.distributed import check_same_config
 from lclm.parallel.mesh import make_mesh
 from lclm.train.lock import WorkdirLock
@@ -159,6 +161,20 @@ def load_checkpoint_params(config, template: TrainState):
     return read_params(source, step, abstract)
 
 
+def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
+    """'<kernel>, <layout> layout' as the ring will run it; an explicit kernel that cannot run
+    on this platform is a config error here, at start, not a traceback inside the step."""
+    a = config.attention
+    try:
+        kernel = choose_kernel(a.impl, head_dim=model.dim // model.n_heads, q_chunk=a.q_chunk,
+                               kv_chunk=a.kv_chunk, platform=platform,
+                               block=tile_run(a.layout, sp, config.data.seq_len))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    chosen = f" (auto on {platform_family(platform)})" if a.impl == "auto" else ""
+    return f"{kernel}{chosen}, {a.layout} layout"
+
+
 def train(config, stop_after: int | None = None) -> list[dict]:
     """Run (or resume) up to `config.train.steps` steps; returns the logged metric records.
 
@@ -238,8 +254,9 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
     if is_main:
         with open(os.path.join(config.workdir, "config.json"), "w") as f:
             json.dump(saved_config, f, indent=1)
-    log.info("mesh %s on %d %s devices; model %.2fM params", sizes, len(devices),
-             devices[0].platform, model.param_count() / 1e6)
+    log.info("mesh %s on %d %s devices; model %.2fM params; attention %s", sizes, len(devices),
+             devices[0].platform, model.param_count() / 1e6,
+             attention_kernel(config, model, sizes["sp"], devices[0].platform))
 
     optimizer = make_optimizer(config.train)
     state = init_state(model, optimizer, mesh, config.seed)

@@ -1,0 +1,77 @@
+"""`attention.impl`: the kernel registry's limits and what 'auto' picks on each platform."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lclm.ops.attention import AUTO, KERNELS, choose_kernel, get_kernel, kernel_limits
+from lclm.ops.ring_attention import local_attention, ring_attention
+from lclm.parallel import make_mesh
+
+LLAMA = dict(head_dim=128, q_chunk=512, kv_chunk=512, block=8192)
+
+
+@pytest.mark.parametrize("platform,shapes,want", [
+    ("cpu", LLAMA, "blockwise"),                            # fused kernels only interpret here
+    ("gpu", LLAMA, "pallas_gpu"),
+    ("cuda", dict(LLAMA, head_dim=64), "pallas_gpu"),
+    ("gpu", dict(LLAMA, head_dim=96), "blockwise"),         # Triton: power-of-two head dims
+    ("gpu", dict(LLAMA, q_chunk=8, kv_chunk=8), "blockwise"),  # Triton tiles are >= 16
+    ("tpu", LLAMA, "pallas_tpu"),
+    ("tpu", dict(LLAMA, q_chunk=64), "blockwise"),          # Mosaic: 128-multiples or whole
+    ("tpu", dict(LLAMA, q_chunk=64, kv_chunk=64, block=64), "pallas_tpu"),
+])
+def test_auto_picks_the_fastest_kernel_that_can_serve(platform, shapes, want):
+    assert choose_kernel("auto", platform=platform, **shapes) == want
+
+
+@pytest.mark.parametrize("impl,platform,shapes,needle", [
+    ("pallas_tpu", "gpu", LLAMA, "runs on TPUs"),
+    ("pallas_gpu", "tpu", LLAMA, "runs on GPUs"),
+    ("pallas_gpu", "gpu", dict(LLAMA, head_dim=96), "head dim 96 must be a power of two"),
+    ("pallas_tpu", "tpu", dict(LLAMA, kv_chunk=192), "attention.kv_chunk=192 must be a multiple"),
+])
+def test_an_explicit_kernel_that_cannot_serve_fails_in_one_line(impl, platform, shapes, needle):
+    with pytest.raises(ValueError) as e:
+        choose_kernel(impl, platform=platform, **shapes)
+    assert needle in str(e.value) and "'auto'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_auto_kernel_is_registered_and_imports_here():
+    for names in AUTO.values():
+        assert names[-1] == "blockwise"  # auto always has a kernel that serves any shape
+        for name in names:
+            assert name in KERNELS and kernel_limits(name, platform=None, **LLAMA) is None
+            get_kernel(name)  # GPU/TPU kernel code imports cleanly on a CPU machine
+
+
+def test_auto_runs_blockwise_on_cpu_with_the_same_values():
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 16), np.float32)) for _ in range(3))
+    auto = local_attention(q, k, v, q_chunk=8, kv_chunk=8)
+    blockwise = local_attention(q, k, v, q_chunk=8, kv_chunk=8, impl="blockwise")
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(blockwise))
+
+
+def test_ring_refuses_a_kernel_that_cannot_serve_before_tracing_it():
+    q = jnp.zeros((2, 32, 2, 24))  # head dim 24: no fused kernel
+    with pytest.raises(ValueError, match="head dim 24 must be a power of two"):
+        ring_attention(q, q, q, mesh=make_mesh(sp=2), impl="pallas_gpu", q_chunk=8, kv_chunk=8)
+
+
+def test_the_trainer_names_its_kernel_and_refuses_one_the_platform_cannot_run():
+    from lclm.config import ConfigError, base_config
+    from lclm.models.llama import LlamaConfig
+    from lclm.train.loop import attention_kernel
+
+    c = base_config()
+    c.model.update(dim=512, n_heads=4, n_kv_heads=4)     # head dim 128
+    c.data.seq_len, c.attention.q_chunk, c.attention.kv_chunk = 8192, 64, 64
+    model = LlamaConfig.from_config(c.model)
+    assert attention_kernel(c, model, 4, "cpu") == "blockwise (auto on cpu), striped layout"
+    assert attention_kernel(c, model, 4, "cuda").startswith("pallas_gpu (auto on gpu)")
+    assert attention_kernel(c, model, 4, "tpu").startswith("blockwise (auto on tpu)")
+    c.attention.impl = "pallas_tpu"
+    with pytest.raises(ConfigError, match="q_chunk=64 must be a multiple of 128"):
+        attention_kernel(c, model, 4, "tpu")
