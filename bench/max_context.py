@@ -38,6 +38,8 @@ from bench.report import default_out_dir, emit_table, fmt, stamp
 # config overrides are command-line arguments, as for train.py
 ONE_DEVICE = ("--config.mesh.dp=1", "--config.mesh.fsdp=1", "--config.mesh.tp=1",
               "--config.mesh.sp=1")
+# the longest sequence: only layer inputs are kept between forward and backward
+FULL_REMAT = ("--config.model.remat=full",)
 
 
 class Variant(NamedTuple):
@@ -99,7 +101,7 @@ def probe(config_path: str, overrides, variant: str, seq: int, budget_mib: int |
     from bench.train_step import measure, row_config
 
     v = VARIANTS[variant]
-    config = row_config(config_path, [*overrides, *ONE_DEVICE], seq, None, None)
+    config = row_config(config_path, [*FULL_REMAT, *overrides, *ONE_DEVICE], seq, None, None)
     if not v.chunked:
         config.model.update(ffn_chunk=seq, loss_chunk=seq)
     patch = dense_attention_patch() if v.dense else contextlib.nullcontext()

@@ -114,11 +114,13 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
 
     import jax
 
+    from lclm.train.loop import attention_kernel
     from lclm.train.metrics import flops_per_token, peak_flops
 
     model, sizes, state, batch, step = _build(config)
+    kernel = attention_kernel(config, model, sizes["sp"], jax.devices()[0].platform)
     record = dict(params=model.param_count(), seq=config.data.seq_len,
-                  impl=config.attention.impl, layout=config.attention.layout,
+                  impl=kernel, layout=config.attention.layout,
                   mesh="x".join(str(sizes[a]) for a in MESH_AXES))
     t0 = time.perf_counter()
     with model_patch or contextlib.nullcontext():

@@ -24,7 +24,7 @@ def get_config():
     c.workdir = "runs/llama13b_512k"
     c.mesh.update(dp=1, fsdp=-1, tp=1, sp=32)
     c.model.update(init_from_hf="checkpoints/Llama-2-13b-hf", dtype="bfloat16",
-                   param_dtype="float32", scan_layers=True, remat="full",
+                   param_dtype="float32", scan_layers=True, remat="attention",
                    ffn_chunk=4096, loss_chunk=4096)
     c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
     c.data.update(source="sharegpt", path="data/sharegpt.json", chat_template="vicuna",

@@ -7,7 +7,7 @@ def get_config():
     c = apply_preset(base_config(), "llama3_3b")
     c.workdir = "runs/llama3b"
     c.mesh.update(dp=1, fsdp=-1, tp=1, sp=4)
-    c.model.update(dtype="bfloat16", remat="full", ffn_chunk=4096, loss_chunk=4096)
+    c.model.update(dtype="bfloat16", remat="attention", ffn_chunk=4096, loss_chunk=4096)
     c.attention.update(q_chunk=1024, kv_chunk=1024)
     c.data.update(seq_len=65536, batch_size=1)
     c.train.update(steps=1000, lr=2e-4, warmup=100)

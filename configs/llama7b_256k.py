@@ -23,7 +23,7 @@ def get_config():
     c.workdir = "runs/llama7b_256k"
     c.mesh.update(dp=1, fsdp=-1, tp=1, sp=8)
     c.model.update(init_from_hf="checkpoints/Llama-2-7b-hf", dtype="bfloat16",
-                   param_dtype="float32", scan_layers=True, remat="full",
+                   param_dtype="float32", scan_layers=True, remat="attention",
                    ffn_chunk=8192, loss_chunk=8192)
     c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
     c.data.update(source="text", path="data/long_documents", seq_len=262144, batch_size=4)

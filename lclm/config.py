@@ -26,7 +26,7 @@ from ml_collections import config_flags
 from lclm.errors import StartupError
 
 DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "attention", "dots", "dots_no_batch")
 ROPE_SCALINGS = ("auto", "none", "linear", "llama3")  # llama.ROPE_SCALINGS and "auto"
 LAYOUTS = ("striped", "contiguous", "zigzag")  # lclm.ops.layout.LAYOUTS is checked against this in tests
 
@@ -62,7 +62,7 @@ def base_config() -> ml_collections.ConfigDict:
         vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192,
         rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, init_std=0.02,
         dtype="bfloat16", param_dtype="float32",
-        scan_layers=True, remat="full",
+        scan_layers=True, remat="attention",
         ffn_chunk=2048,     # tokens per blockwise feed-forward chunk (per sp shard)
         loss_chunk=2048,    # tokens per blockwise cross-entropy chunk (per sp shard)
         init_from_hf="",    # a HuggingFace LLaMA directory: its shapes and weights start the

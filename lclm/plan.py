@@ -90,7 +90,9 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     # saved between layers (the scan carries each layer's input) with full remat; more is
     # saved by the lighter policies (about the layer's matmul outputs)
     carry = batch_local * t * m.dim * cbytes
-    per_layer_saved = {"full": carry, "none": None}.get(m.remat)
+    # 'attention' also keeps the ring's output (compute dtype) and log-sum-exp (float32)
+    ring_out = batch_local * t * heads_local * (m.head_dim * cbytes + 4)
+    per_layer_saved = {"full": carry, "attention": carry + ring_out, "none": None}.get(m.remat)
     inside = (batch_local * t * (2 * heads_local * m.head_dim + 2 * max(kv_dim // tp, m.head_dim))
               * cbytes                                           # q, o, k, v of the layer
               + batch_local * heads_local * min(a.q_chunk, t) * min(a.kv_chunk, t) * 4 * 3
@@ -98,7 +100,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
               + batch_local * min(m.loss_chunk, t) * (m.vocab_size // tp) * 4 * 2)
     if per_layer_saved is None:  # no remat: everything of every layer is kept
         per_layer_saved = carry * 4 + inside
-    elif m.remat != "full":
+    elif m.remat not in ("full", "attention"):
         per_layer_saved = carry * 4
     activations = per_layer_saved * m.n_layers + inside + batch_local * t * m.dim * 4 * 2
     # the ring: K/V held + in flight (compute dtype) and dK/dV accumulators travelling (f32)

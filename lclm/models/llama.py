@@ -23,7 +23,7 @@ from jax import lax
 
 from lclm.ops.ffn import blockwise_ffn
 from lclm.ops.loss import blockwise_cross_entropy
-from lclm.ops.ring_attention import local_attention, ring_attention
+from lclm.ops.ring_attention import SAVED_NAMES, local_attention, ring_attention
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -44,7 +44,7 @@ class LlamaConfig:
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     scan_layers: bool = True
-    remat: str = "full"
+    remat: str = "attention"
     ffn_chunk: int = 2048
     loss_chunk: int = 2048
     # RoPE frequency scaling over rope_theta: "none", "linear" (every frequency / factor) or
@@ -197,6 +197,9 @@ def apply_rope(x, cos, sin):
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
+    # the ring's output and log-sum-exp are kept: the backward recomputes the layer's cheap
+    # parts (norms, projections, RoPE, FFN chunks) but never the ring forward
+    "attention": jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES),
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }

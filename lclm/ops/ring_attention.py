@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from lclm.ops.attention import F32, choose_kernel, get_kernel, visible_tiles
@@ -121,9 +122,15 @@ def _ring(settings, q, k, v, q_seg, k_seg):
     return o.astype(q.dtype)
 
 
+# Names of the ring's residuals for remat policies (`lclm.models.llama`'s 'attention'
+# policy saves them, so the backward does not run the ring forward again).
+SAVED_NAMES = ("attention_out", "attention_lse")
+
+
 def _ring_fwd(settings, q, k, v, q_seg, k_seg):
     o, lse = _ring_forward(settings, q, k, v, q_seg, k_seg)
-    o = o.astype(q.dtype)
+    o = checkpoint_name(o.astype(q.dtype), SAVED_NAMES[0])
+    lse = checkpoint_name(lse, SAVED_NAMES[1])
     return o, (q, k, v, q_seg, k_seg, o, lse)
 
 

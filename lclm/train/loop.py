@@ -162,17 +162,22 @@ def load_checkpoint_params(config, template: TrainState):
 
 
 def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
-    """'<kernel>, <layout> layout' as the ring will run it; an explicit kernel that cannot run
-    on this platform is a config error here, at start, not a traceback inside the step."""
+    """The kernel the ring will run (`attention.impl`, 'auto' resolved); an explicit kernel
+    that cannot run on this platform is a config error here, at start, not a traceback
+    inside the step."""
     a = config.attention
     try:
-        kernel = choose_kernel(a.impl, head_dim=model.dim // model.n_heads, q_chunk=a.q_chunk,
-                               kv_chunk=a.kv_chunk, platform=platform,
-                               block=tile_run(a.layout, sp, config.data.seq_len))
+        return choose_kernel(a.impl, head_dim=model.dim // model.n_heads, q_chunk=a.q_chunk,
+                             kv_chunk=a.kv_chunk, platform=platform,
+                             block=tile_run(a.layout, sp, config.data.seq_len))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    chosen = f" (auto on {platform_family(platform)})" if a.impl == "auto" else ""
-    return f"{kernel}{chosen}, {a.layout} layout"
+
+
+def _attention_line(config, model: LlamaConfig, sp: int, platform: str) -> str:
+    kernel = attention_kernel(config, model, sp, platform)
+    chosen = f" (auto on {platform_family(platform)})" if config.attention.impl == "auto" else ""
+    return f"{kernel}{chosen}, {config.attention.layout} layout"
 
 
 def train(config, stop_after: int | None = None) -> list[dict]:
@@ -256,7 +261,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
             json.dump(saved_config, f, indent=1)
     log.info("mesh %s on %d %s devices; model %.2fM params; attention %s", sizes, len(devices),
              devices[0].platform, model.param_count() / 1e6,
-             attention_kernel(config, model, sizes["sp"], devices[0].platform))
+             _attention_line(config, model, sizes["sp"], devices[0].platform))
 
     optimizer = make_optimizer(config.train)
     state = init_state(model, optimizer, mesh, config.seed)

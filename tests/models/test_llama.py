@@ -86,3 +86,35 @@ def test_changing_a_token_never_changes_earlier_logits(layout):
     # and the ring's logits equal the single-device model's
     ref = np.asarray(forward(CFG, params, jnp.asarray(tokens)))
     np.testing.assert_allclose(a, ref, rtol=1e-4, atol=1e-4)
+
+
+def _grad_and_program(cfg, params, batch, mesh):
+    attn = AttentionConfig(q_chunk=4, kv_chunk=4)
+    batch = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, "striped", 4)
+
+    def mean_loss(p):
+        total, count = loss_terms(cfg, p, batch, mesh=mesh, attention=attn)
+        return total / count
+
+    grad = jax.jit(jax.grad(mean_loss))
+    return grad(params), grad.lower(params).compile().as_text()
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_attention_remat_keeps_the_ring_output_and_never_reruns_the_ring(scan):
+    """remat='attention' saves the ring's output and log-sum-exp by name: gradients equal
+    the unsaved ('full') and the no-remat ones, and the backward holds the ring's forward
+    transfers once (the forward pass) instead of twice (forward + recomputation)."""
+    params = init_params(CFG, jax.random.key(5))
+    batch, mesh = _batch(5), make_mesh(sp=4)
+    params = shard_params(CFG, params, mesh)
+    runs = {remat: _grad_and_program(dataclasses.replace(CFG, remat=remat, scan_layers=scan),
+                                   params, batch, mesh)
+            for remat in ("none", "full", "attention")}
+    want = jax.tree.leaves(runs["none"][0])
+    for remat in ("full", "attention"):
+        for g, w in zip(jax.tree.leaves(runs[remat][0]), want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+    permutes = {remat: hlo.count("collective-permute") for remat, (_, hlo) in runs.items()}
+    forward_ring = permutes["full"] - permutes["none"]  # what full remat recomputes
+    assert forward_ring > 0 and permutes["attention"] == permutes["none"], permutes
