@@ -1,20 +1,27 @@
 """The benchmark suite in one command.
 
+    python -m bench --suite gpu-quick [--out DIR]
     python -m bench --suite gpu [--out DIR] [--parts attention,striped,...]
     python -m bench --suite cpu [--smallest]
 
-Parts (each writes `<part>.md` and `<part>.png` into the output folder, stamped with device,
-JAX version and date; `index.md` lists them with their wall time). The output folder is `--out`,
-by default a new `bench_results/<suite>-<YYYYmmdd-HHMMSS>` in the current directory (untracked);
-the committed reference results in bench/results/<suite> change only when `--out` names them.
+Parts (each writes `<part>.md`, most a `<part>.png` too, into the output folder, stamped with
+device, JAX version and date; `index.md` lists them with their wall time). The output folder
+is `--out`, by default a new `bench_results/<suite>-<YYYYmmdd-HHMMSS>` in the current directory
+(untracked); the committed reference results in bench/results/<suite> change only when `--out`
+names them.
 
+- `correctness`: every usable kernel's forward and backward against a float32 dense reference
+  on this device (bench/correctness.py); a wrong kernel fails the part;
 - `attention`: forward and forward+backward TFLOP/s of every usable kernel, cuDNN, the official
-  ringattention package (bench/attention.py);
-- `striped`: striped vs contiguous ring, simulated on one device (bench/striped_sim.py);
-- `train`: train-step tokens/s, MFU, peak memory of LLaMA 1B/3B/7B shapes (bench/train_step.py);
+  ringattention package, and each one's ratio to cuDNN (bench/attention.py);
+- `striped`: striped, zigzag and contiguous ring, simulated on one device (bench/striped_sim.py);
+- `train`: train-step tokens/s, MFU, peak memory of LLaMA 1B/3B/7B shapes, and the ratio to the
+  plain single-device cuDNN step of bench/baseline.py (bench/train_step.py);
 - `max_context`: longest trainable sequence, lclm vs dense baselines (bench/max_context.py).
 
-`--suite gpu` runs the real sizes on the local accelerator (expect an hour or more on one
+`--suite gpu-quick` is the first command on a lent GPU: correctness, the fused kernel vs cuDNN
+at 8K and 32K blocks (head dims 128 and 64), and the train-step table at 8K and 32K for the
+LLaMA-3.2-1B and Striped Attention 1B shapes with the baseline. `--suite gpu` runs the real sizes on the local accelerator (expect an hour or more on one
 H100; `--parts` runs a subset), each part in its own process so that no part holds device
 memory another needs. `--suite cpu` runs every part at toy sizes on the CPU in a few minutes:
 its numbers check the machinery and are not a performance result (the reports say so).
@@ -33,6 +40,7 @@ import traceback
 
 from bench import ROOT
 from bench.attention import AttentionSpec
+from bench.correctness import CorrectnessSpec
 from bench.max_context import ONE_DEVICE, MaxContextSpec
 from bench.report import default_out_dir
 from bench.striped_sim import StripedSpec
@@ -41,8 +49,8 @@ from lclm import logs
 from lclm.errors import StartupError
 
 # part (also the Suite's field name) -> its module in bench/, which writes <module>.md/.png
-PARTS = {"attention": "attention", "striped": "striped_sim", "train": "train_step",
-         "max_context": "max_context"}
+PARTS = {"correctness": "correctness", "attention": "attention", "striped": "striped_sim",
+         "train": "train_step", "max_context": "max_context"}
 # the demo's shapes cut down further: a 2-layer, 64-wide LLaMA with small tiles (config
 # overrides are command-line arguments, as for train.py)
 TINY_MODEL = ("--config.model.n_layers=2", "--config.model.dim=64", "--config.model.n_heads=4",
@@ -53,24 +61,31 @@ TINY_MODEL = ("--config.model.n_layers=2", "--config.model.dim=64", "--config.mo
 
 @dataclasses.dataclass(frozen=True)
 class Suite:
-    """The sizes of every part, and how parts run."""
-    attention: AttentionSpec
-    striped: StripedSpec
-    train: TrainSpec
-    max_context: MaxContextSpec
+    """The sizes of every part the suite runs (None: not in this suite), and how parts run."""
     toy: bool               # labelled "not a performance result"
     separate_parts: bool    # one process per part (device memory is not shared between parts)
+    correctness: CorrectnessSpec | None = None
+    attention: AttentionSpec | None = None
+    striped: StripedSpec | None = None
+    train: TrainSpec | None = None
+    max_context: MaxContextSpec | None = None
+
+    def parts(self) -> list[str]:
+        return [p for p in PARTS if getattr(self, p) is not None]
 
     def smallest(self) -> "Suite":
-        return dataclasses.replace(self, **{p: getattr(self, p).smallest() for p in PARTS})
+        return dataclasses.replace(self, **{p: getattr(self, p).smallest() for p in self.parts()})
 
 
 SUITES = {
     "gpu": Suite(
+        correctness=CorrectnessSpec(),
         attention=AttentionSpec(),
         striped=StripedSpec(),
         train=TrainSpec(models=(
             ModelRun("configs/llama1b.py", (8192, 16384, 32768, 65536, 131072), ONE_DEVICE),
+            ModelRun("configs/striped_attention_1b.py", (8192, 16384, 32768, 65536, 131072),
+                     ONE_DEVICE),
             ModelRun("configs/llama3b.py", (8192, 32768, 65536, 131072), ONE_DEVICE),
             ModelRun("configs/llama7b_256k.py", (8192, 32768),
                      (*ONE_DEVICE, "--config.data.batch_size=1",
@@ -81,7 +96,20 @@ SUITES = {
         # a probe near the limit runs one step at ~1M tokens: minutes, not seconds
         max_context=MaxContextSpec(start=8192, cap=2 ** 21, resolution=32768, timeout=3600),
         toy=False, separate_parts=True),
+    # the first run on a lent GPU, under 8 minutes by design (not yet timed on one): kernels
+    # right there, the fused kernel against cuDNN at 8K/32K blocks, and lclm's step against
+    # the plain cuDNN step (bench.baseline) on both 1B shapes of issue 14
+    "gpu-quick": Suite(
+        correctness=CorrectnessSpec(),
+        attention=AttentionSpec(blocks=(8192, 32768), heads=(16,), head_dims=(128, 64),
+                                impls=("pallas_gpu",), warmup=1, iters=3),
+        train=TrainSpec(models=(
+            ModelRun("configs/llama1b.py", (8192, 32768), ONE_DEVICE),
+            ModelRun("configs/striped_attention_1b.py", (8192, 32768), ONE_DEVICE),
+        ), impls=("pallas_gpu",), steps=3, warmup=1, isolate=True, timeout=240),
+        toy=False, separate_parts=True),
     "cpu": Suite(
+        correctness=CorrectnessSpec().smallest(),
         attention=AttentionSpec(blocks=(128, 256, 512), heads=(2, 4), q_chunk=64, kv_chunk=64,
                                 warmup=1, iters=3),
         striped=StripedSpec(ns=(2, 4), blocks=(128, 256, 512), heads=2, q_chunk=32,
@@ -138,20 +166,22 @@ def write_index(out_dir: str, suite_name: str, suite: Suite, done: list[tuple]) 
     notes = [_device_line(out_dir, [d[0] for d in done])]
     if suite.toy:
         notes.append(TOY_NOTE)
-    rows = [(part, f"[{PARTS[part]}.md]({PARTS[part]}.md)",
-             f"[{PARTS[part]}.png]({PARTS[part]}.png)", status, f"{seconds:,.0f}")
-            for part, status, seconds in done]
+    plot = lambda part: (f"[{PARTS[part]}.png]({PARTS[part]}.png)"
+                         if os.path.isfile(os.path.join(out_dir, f"{PARTS[part]}.png")) else "-")
+    rows = [(part, f"[{PARTS[part]}.md]({PARTS[part]}.md)", plot(part), status,
+             f"{seconds:,.0f}") for part, status, seconds in done]
     path = os.path.join(out_dir, "index.md")
     emit_table(f"Benchmark suite '{suite_name}'", notes,
                ["part", "report", "plot", "status", "seconds"], rows, path)
     return path
 
 
-def _parts(text: str) -> list[str]:
-    parts = [p for p in text.split(",") if p]
-    unknown = sorted(set(parts) - set(PARTS))
+def _parts(text: str, suite: Suite) -> list[str]:
+    parts = [p for p in text.split(",") if p] or suite.parts()
+    unknown = sorted(set(parts) - set(suite.parts()))
     if unknown:
-        raise StartupError(f"unknown parts {unknown}; choose from {list(PARTS)}")
+        raise StartupError(f"unknown parts {unknown} for this suite; choose from "
+                           f"{suite.parts()}")
     return parts
 
 
@@ -167,7 +197,8 @@ def _out_dir(path: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     ap.add_argument("--suite", choices=sorted(SUITES), required=True)
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)}")
+    ap.add_argument("--parts", default="", help=f"some of {','.join(PARTS)} (default: all "
+                    "of the suite's)")
     ap.add_argument("--out", default="",
                     help="output folder (default: a new ./bench_results/<suite>-<YYYYmmdd-HHMMSS>, "
                          "untracked; the committed reference results are bench/results/<suite>: "
@@ -178,7 +209,7 @@ def main(argv=None) -> int:
     logs.configure()
     args = ap.parse_args(argv)
     try:
-        parts = _parts(args.parts)
+        parts = _parts(args.parts, SUITES[args.suite])
         args.out = _out_dir(args.out or default_out_dir(args.suite))
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """Attention on one device: forward and forward+backward TFLOP/s of every usable kernel.
 
-    python -m bench.attention [--blocks 4096,8192,16384,32768] [--heads 16,32] [--out DIR]
+    python -m bench.attention [--blocks 4096,8192,16384,32768] [--heads 16,32] \
+        [--head-dims 128,64] [--out DIR]
 
 Methods, each jitted once per shape and timed with `bench.timing.median_seconds`:
 
@@ -37,8 +38,9 @@ class AttentionSpec:
     """Sizes of one attention benchmark run."""
     blocks: tuple[int, ...] = (4096, 8192, 16384, 32768)
     heads: tuple[int, ...] = (16, 32)
-    head_dim: int = 128
+    head_dims: tuple[int, ...] = (128,)
     dtype: str = "bfloat16"
+    impls: tuple[str, ...] | None = None  # lclm kernels to time (None: every usable one)
     q_chunk: int = 1024   # lclm kernels' and the official package's tile sizes
     kv_chunk: int = 1024
     warmup: int = 2
@@ -46,7 +48,7 @@ class AttentionSpec:
 
     def smallest(self) -> "AttentionSpec":
         return dataclasses.replace(self, blocks=self.blocks[:1], heads=self.heads[:1],
-                                   warmup=0, iters=1)
+                                   head_dims=self.head_dims[:1], warmup=0, iters=1)
 
 
 class Method(NamedTuple):
@@ -108,7 +110,7 @@ def cudnn_method() -> Method:
 
     def fn(q, k, v, causal):
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
-    return Method("cuDNN (jax.nn)", fn)
+    return Method(CUDNN, fn)
 
 
 def _official_ring_module():
@@ -159,7 +161,8 @@ def official_ring_method(q_chunk: int, kv_chunk: int) -> Method:
 def methods(platform: str, spec: AttentionSpec) -> tuple[list[Method], list[str]]:
     """Every method that runs here, and 'name: why' for the ones skipped."""
     kernels, skipped = usable_kernels(platform)
-    found = [lclm_method(name, spec.q_chunk, spec.kv_chunk) for name in kernels]
+    found = [lclm_method(name, spec.q_chunk, spec.kv_chunk) for name in kernels
+             if spec.impls is None or name in spec.impls]
     if platform == "gpu":
         found.append(cudnn_method())
     else:
@@ -196,13 +199,16 @@ def qkv(batch: int, t: int, heads: int, head_dim: int, dtype: str):
             for key in keys]
 
 
-def measure(method: Method, t: int, heads: int, causal: bool, spec: AttentionSpec) -> dict:
-    """Forward and forward+backward seconds and TFLOP/s of one method at one shape."""
+def measure(method: Method, t: int, heads: int, causal: bool, spec: AttentionSpec,
+            head_dim: int | None = None) -> dict:
+    """Forward and forward+backward seconds and TFLOP/s of one method at one shape
+    (head dim: the spec's first unless given)."""
     from bench.timing import median_seconds
 
-    q, k, v, do = qkv(1, t, heads, spec.head_dim, spec.dtype)
+    head_dim = head_dim or spec.head_dims[0]
+    q, k, v, do = qkv(1, t, heads, head_dim, spec.dtype)
     fwd, fwd_bwd = jitted_passes(method, causal)
-    flops = attention_flops(1, heads, t, spec.head_dim, causal)
+    flops = attention_flops(1, heads, t, head_dim, causal)
     timing = dict(warmup=spec.warmup, iters=spec.iters)
     fwd_s, _ = median_seconds(fwd, q, k, v, **timing)
     fb_s, _ = median_seconds(fwd_bwd, q, k, v, do, **timing)
@@ -211,20 +217,31 @@ def measure(method: Method, t: int, heads: int, causal: bool, spec: AttentionSpe
 
 
 def measure_all(found: list[Method], spec: AttentionSpec) -> list[dict]:
-    """Every method, mask, head count and block; a failure (out of memory, a mask a kernel
-    does not support) becomes that result's status and the run goes on."""
+    """Every method, mask, head dim, head count and block; a failure (out of memory, a mask
+    a kernel does not support) becomes that result's status and the run goes on."""
+    import itertools
+
     results = []
-    for method in found:
-        for causal in (True, False):
-            for heads in spec.heads:
-                for t in spec.blocks:
-                    try:
-                        r = dict(measure(method, t, heads, causal, spec), status="ok")
-                    except Exception as e:  # noqa: BLE001
-                        r = dict(status=error_status(e))
-                    results.append(dict(r, method=method.name, heads=heads, t=t,
-                                        mask="causal" if causal else "full"))
+    shapes = itertools.product((True, False), spec.head_dims, spec.heads, spec.blocks)
+    for (causal, head_dim, heads, t), method in itertools.product(shapes, found):
+        try:
+            r = dict(measure(method, t, heads, causal, spec, head_dim), status="ok")
+        except Exception as e:  # noqa: BLE001
+            r = dict(status=error_status(e))
+        results.append(dict(r, method=method.name, heads=heads, t=t, head_dim=head_dim,
+                            mask="causal" if causal else "full"))
     return results
+
+
+CUDNN = "cuDNN (jax.nn)"
+
+
+def versus(results: list[dict], reference: str = CUDNN) -> list[float | None]:
+    """Each result's forward+backward TFLOP/s over `reference`'s at the same shape and mask."""
+    key = lambda r: (r["mask"], r["head_dim"], r["heads"], r["t"])
+    ref = {key(r): r.get("fwd_bwd_tflops") for r in results if r["method"] == reference}
+    return [None if not ref.get(key(r)) or r.get("fwd_bwd_tflops") is None
+            else r["fwd_bwd_tflops"] / ref[key(r)] for r in results]
 
 
 def _plot(results: list[dict], out_dir: str, toy: bool) -> str:
@@ -233,8 +250,9 @@ def _plot(results: list[dict], out_dir: str, toy: bool) -> str:
     panels = {}
     for r in results:
         for key, label in (("fwd_tflops", "forward"), ("fwd_bwd_tflops", "forward+backward")):
-            panel = panels.setdefault((r["heads"], key), Panel(
-                f"{label}, h={r['heads']}", "block length t (tokens)", "TFLOP/s"))
+            panel = panels.setdefault((r["heads"], r["head_dim"], key), Panel(
+                f"{label}, h={r['heads']}, d={r['head_dim']}", "block length t (tokens)",
+                "TFLOP/s"))
             panel.add(f"{r['method']} {r['mask']}", r["t"], r.get(key),
                       "o-" if r["mask"] == "causal" else "s--")
     return save_lines(os.path.join(out_dir, "attention.png"), "Attention kernels, one device",
@@ -247,20 +265,21 @@ def run(spec: AttentionSpec, out_dir: str, toy: bool = False) -> str:
 
     found, skipped = methods(jax.devices()[0].platform, spec)
     results = measure_all(found, spec)
-    rows = [(r["method"], r["mask"], r["heads"], r["t"], fmt(r.get("fwd_s"), ",.2f", 1e3),
-             fmt(r.get("fwd_tflops"), ".3g"), fmt(r.get("fwd_bwd_s"), ",.2f", 1e3),
-             fmt(r.get("fwd_bwd_tflops"), ".3g"), r["status"]) for r in results]
+    rows = [(r["method"], r["mask"], r["head_dim"], r["heads"], r["t"],
+             fmt(r.get("fwd_s"), ",.2f", 1e3), fmt(r.get("fwd_tflops"), ".3g"),
+             fmt(r.get("fwd_bwd_s"), ",.2f", 1e3), fmt(r.get("fwd_bwd_tflops"), ".3g"),
+             fmt(ratio, ".2f"), r["status"]) for r, ratio in zip(results, versus(results))]
     notes = stamp(toy) + [
-        f"Batch 1, head dim {spec.head_dim}, {spec.dtype}, K/V heads = heads; lclm tiles "
+        f"Batch 1, {spec.dtype}, K/V heads = heads; lclm tiles "
         f"{spec.q_chunk} x {spec.kv_chunk}; median of {spec.iters} runs after "
         f"{spec.warmup} warm-up runs, each jitted once and synchronised with block_until_ready.",
         "Skipped: " + ("; ".join(skipped) if skipped else "none") + "."]
     path = os.path.join(out_dir, "attention.md")
     emit_table(
         "Attention kernels on one device: TFLOP/s", notes,
-        ["method", "mask", "heads", "block t", "fwd ms",
+        ["method", "mask", "head dim", "heads", "block t", "fwd ms",
          "fwd TFLOP/s (4bht²d; causal = half)", "fwd+bwd ms",
-         "fwd+bwd TFLOP/s (3.5 x fwd FLOPs)", "status"],
+         "fwd+bwd TFLOP/s (3.5 x fwd FLOPs)", "fwd+bwd vs cuDNN", "status"],
         rows, path, images=[_plot(results, out_dir, toy)])
     return path
 
@@ -270,12 +289,13 @@ def main(argv=None) -> int:
     default = AttentionSpec()
     ap.add_argument("--blocks", default=",".join(map(str, default.blocks)))
     ap.add_argument("--heads", default=",".join(map(str, default.heads)))
+    ap.add_argument("--head-dims", default=",".join(map(str, default.head_dims)))
     ap.add_argument("--chunk", type=int, default=default.q_chunk, help="q and kv tile size")
     ap.add_argument("--iters", type=int, default=default.iters)
     ap.add_argument("--out", default=default_out_dir("attention"))
     args = ap.parse_args(argv)
     spec = dataclasses.replace(default, blocks=int_list(args.blocks), heads=int_list(args.heads),
-                               q_chunk=args.chunk, kv_chunk=args.chunk, iters=args.iters)
+                               head_dims=int_list(args.head_dims), q_chunk=args.chunk, kv_chunk=args.chunk, iters=args.iters)
     run(spec, args.out)
     return 0
 

@@ -185,7 +185,7 @@ def cudnn_times(block: int, spec: StripedSpec) -> tuple[float, float] | None:
 
     if jax.devices()[0].platform != "gpu":
         return None
-    aspec = AttentionSpec(head_dim=spec.head_dim, dtype=spec.dtype, warmup=spec.warmup,
+    aspec = AttentionSpec(head_dims=(spec.head_dim,), dtype=spec.dtype, warmup=spec.warmup,
                           iters=spec.iters)
     try:
         return tuple(measure(cudnn_method(), block, spec.heads, causal, aspec)["fwd_bwd_s"]

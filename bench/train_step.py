@@ -1,13 +1,16 @@
 """Training-step throughput: tokens/s, MFU and peak memory of one full train step.
 
     python -m bench.train_step --config configs/llama1b.py --seq 8192,32768 \
-        [--impls blockwise,pallas_gpu] [--isolate]
+        [--impls blockwise,pallas_gpu] [--baseline] [--isolate] \
+        --config.mesh.fsdp=1 --config.mesh.sp=1
     python -m bench.train_step --config configs/demo.py --seq 512 --layouts striped,contiguous \
         --config.model.n_layers=1
 
 Synthetic tokens (one document per row), the real model, ring attention, optimizer and
 shardings of the config (`--config.<key>=<value>` overrides its fields, as for train.py);
-the attention kernel is `config.attention.impl` (`--impls` runs several). MFU counts causal
+the attention kernel is `config.attention.impl` (`--impls` runs several). `--baseline` adds,
+per length, the plain single-device step of `bench.baseline` (cuDNN attention on GPUs) on the
+same model, and every row shows its tokens/s as a ratio to it. MFU counts causal
 attention as half the square (see `lclm.train.metrics.flops_per_token`); on a CPU there is
 no peak to divide by, and the table says so: CPU numbers are not a performance result.
 `--isolate` runs every row in its own process, so an out-of-memory row is reported as OOM and
@@ -45,6 +48,7 @@ class TrainSpec:
     """The train-step part of a suite."""
     models: tuple[ModelRun, ...]
     impls: tuple[str, ...] = ("blockwise", "pallas_gpu", "pallas_tpu")  # those usable run
+    baseline: bool = True  # one `bench.baseline` row per (model, length); needs a 1-device mesh
     steps: int = 3
     warmup: int = 2
     isolate: bool = True
@@ -72,7 +76,8 @@ def row_config(config_path: str, overrides, seq: int, layout: str | None, impl: 
 
 
 def synthetic_batch(vocab_size: int, batch_size: int, seq: int, layout: str, sp: int, mesh):
-    """Random tokens as one document per row, in the layout's order, on the mesh."""
+    """Random tokens as one document per row, in the layout's order, on the mesh (or on the
+    first device without one)."""
     import jax
     import numpy as np
 
@@ -86,8 +91,8 @@ def synthetic_batch(vocab_size: int, batch_size: int, seq: int, layout: str, sp:
                  positions=np.broadcast_to(np.arange(seq, dtype=np.int32), (batch_size, seq)),
                  segment_ids=np.ones((batch_size, seq), np.int32))
     batch = batch_to_layout(batch, layout, sp)
-    return {k: jax.device_put(np.ascontiguousarray(v), batch_sharding(mesh))
-            for k, v in batch.items()}
+    where = jax.devices()[0] if mesh is None else batch_sharding(mesh)
+    return {k: jax.device_put(np.ascontiguousarray(v), where) for k, v in batch.items()}
 
 
 def _xla_bytes(compiled) -> int | None:
@@ -100,8 +105,11 @@ def _xla_bytes(compiled) -> int | None:
             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
 
 
+BASELINE = "baseline"  # the kernel column's name for `bench.baseline`'s rows
+
+
 def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
-            model_patch=None) -> dict:
+            model_patch=None, baseline: bool = False) -> dict:
     """Build the state, compile the step, run `warmup` untimed and `steps` timed steps.
 
     Returns a record: params, seq, impl, layout, mesh, compile_s, xla_gib, status and, when
@@ -109,6 +117,7 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
     memory estimate exceeds it is not run (status 'over budget': the only memory limit on a
     CPU). `model_patch` is a context manager entered while the step is traced
     (max_context's dense-attention baseline swaps the model's attention call with it).
+    `baseline` measures `bench.baseline`'s plain step on the same model instead.
     """
     import contextlib
 
@@ -117,8 +126,9 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
     from lclm.train.loop import attention_kernel
     from lclm.train.metrics import flops_per_token, peak_flops
 
-    model, sizes, state, batch, step = _build(config)
-    kernel = attention_kernel(config, model, sizes["sp"], jax.devices()[0].platform)
+    model, sizes, state, batch, step = (_build_baseline if baseline else _build)(config)
+    kernel = BASELINE if baseline else attention_kernel(config, model, sizes["sp"],
+                                                        jax.devices()[0].platform)
     record = dict(params=model.param_count(), seq=config.data.seq_len,
                   impl=kernel, layout=config.attention.layout,
                   mesh="x".join(str(sizes[a]) for a in MESH_AXES))
@@ -165,6 +175,29 @@ def _build(config):
                                                        optimizer)
 
 
+def _build_baseline(config):
+    """`_build` for the plain single-device step (`bench.baseline`), original token order."""
+    import math
+
+    import jax
+
+    from bench import baseline
+    from lclm.config import ConfigError, validate
+    from lclm.models.llama import LlamaConfig
+    from lclm.train.step import make_optimizer
+
+    sizes = validate(config, len(jax.devices()))
+    if math.prod(sizes.values()) != 1:
+        raise ConfigError(f"the baseline runs on one device, not the mesh {sizes}; "
+                          "set --config.mesh.dp/fsdp/tp/sp=1")
+    model = LlamaConfig.from_config(config.model)
+    optimizer = make_optimizer(config.train)
+    state = baseline.init_state(model, optimizer, config.seed)
+    batch = synthetic_batch(model.vocab_size, config.data.batch_size, config.data.seq_len,
+                            "contiguous", 1, None)
+    return model, sizes, state, batch, baseline.make_step(model, optimizer)
+
+
 def _timed_steps(compiled, state, batch, warmup: int, steps: int):
     """(seconds per step over `steps` >= 1 timed steps, the last step's metrics)."""
     import jax
@@ -187,6 +220,7 @@ def run_row(run: ModelRun, seq: int, layout: str | None, impl: str | None, *, st
             warmup: int, isolate: bool, timeout: float) -> dict:
     """One row, in this process or (isolate) in a child; failures become a status."""
     base = dict(seq=seq, impl=impl or "", layout=layout or "", status="")
+    baseline = impl == BASELINE
     if isolate:
         argv = ["--config", repo_path(run.config), "--seq", str(seq), "--steps", str(steps),
                 "--warmup", str(warmup), "--record", *run.overrides]
@@ -195,17 +229,23 @@ def run_row(run: ModelRun, seq: int, layout: str | None, impl: str | None, *, st
         records, status = run_child("bench.train_step", argv, timeout)
         return records[0] if records else dict(base, status=status)
     try:
-        config = row_config(repo_path(run.config), run.overrides, seq, layout, impl)
-        return measure(config, steps=steps, warmup=warmup)
+        config = row_config(repo_path(run.config), run.overrides, seq, layout,
+                            None if baseline else impl)
+        return measure(config, steps=steps, warmup=warmup, baseline=baseline)
     except Exception as e:  # noqa: BLE001  (OOM or a kernel that cannot run: report it)
         return dict(base, status=error_status(e))
 
 
 def collect(spec: TrainSpec, impls, layouts=(None,)) -> list[dict]:
-    """Every (model, seq, kernel, layout) row of `spec`, each tagged with its model's name."""
+    """Every (model, seq, kernel, layout) row of `spec`, each tagged with its model's name;
+    with `spec.baseline`, a baseline row first for every (model, seq)."""
     rows = []
     for run in spec.models:
         for seq in run.seqs:
+            rows += [dict(run_row(run, seq, None, BASELINE, steps=spec.steps,
+                                  warmup=spec.warmup, isolate=spec.isolate,
+                                  timeout=spec.timeout), model=os.path.basename(run.config))
+                     ] if spec.baseline else []
             for impl in impls:
                 for layout in layouts:
                     r = run_row(run, seq, layout, impl, steps=spec.steps, warmup=spec.warmup,
@@ -233,21 +273,31 @@ def _plot(records: list[dict], path: str, toy: bool) -> str:
 def report(records: list[dict], spec: TrainSpec, path: str = "", notes=(),
            toy: bool = False) -> str:
     """Print the table; with `path`, also write it there and its plot next to it (.png)."""
+    baseline = {(r.get("model"), r["seq"]): r.get("tokens_s") for r in records
+                if r.get("impl") == BASELINE and r.get("status") == "ok"}
+
+    def ratio(r):
+        base = baseline.get((r.get("model"), r["seq"]))
+        return None if not base or r.get("tokens_s") is None else r["tokens_s"] / base
+
     rows = [(r.get("model", ""), fmt(r.get("params"), ",.1f", 1e-6), r["seq"],
              r.get("impl", ""), r.get("layout", ""), r.get("mesh", "-"),
              fmt(r.get("step_s"), ",.1f", 1e3), fmt(r.get("tokens_s"), ",.0f"),
-             fmt(r.get("mfu"), ".1%"), fmt(r.get("peak_gib"), ".3g"),
+             fmt(ratio(r), ".2f"), fmt(r.get("mfu"), ".1%"), fmt(r.get("peak_gib"), ".3g"),
              fmt(r.get("xla_gib"), ".3g"), fmt(r.get("compile_s")), fmt(r.get("loss"), ".3f"),
              r.get("status", "")) for r in records]
     lines = stamp(toy) + [
         "MFU counts causal attention as half the square (n/a without a known peak, e.g. on "
         f"CPU); {spec.steps} timed steps after {spec.warmup} warm-up steps; synthetic tokens; "
+        "vs baseline = tokens/s over the 'baseline' row of the same model and length "
+        "(bench.baseline: plain single-device step, jax.nn.dot_product_attention, cuDNN on "
+        "GPUs); "
         "peak = the device's peak bytes in use (one process per row when isolated), XLA "
         "estimate = the compiled step's memory analysis.", *notes]
     images = [_plot(records, os.path.splitext(path)[0] + ".png", toy)] if path else []
     emit_table("Train step: tokens/s, MFU, memory", lines,
                ["model", "params (M)", "seq", "kernel", "layout", "mesh dp x fsdp x tp x sp",
-                "step ms", "tokens/s", "MFU", "peak GiB", "XLA est. GiB", "compile s", "loss",
+                "step ms", "tokens/s", "vs baseline", "MFU", "peak GiB", "XLA est. GiB", "compile s", "loss",
                 "status"], rows, path, images=images)
     return path
 
@@ -273,6 +323,8 @@ def main(argv=None):
     ap.add_argument("--seq", default="", help="comma-separated sequence lengths")
     ap.add_argument("--layouts", default="", help="comma-separated layouts (default: config's)")
     ap.add_argument("--impls", default="", help="comma-separated kernels (default: config's)")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also the plain single-device step (bench.baseline) per length")
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     ap.add_argument("--isolate", action="store_true", help="one child process per row")
@@ -293,13 +345,17 @@ def main(argv=None):
         impls = tuple(args.impls.split(",")) if args.impls else (None,)
         spec = TrainSpec(models=(ModelRun(os.path.abspath(args.config), seqs,
                                           tuple(args.overrides)),),
-                         steps=args.steps, warmup=args.warmup, isolate=args.isolate)
+                         steps=args.steps, warmup=args.warmup, isolate=args.isolate,
+                         baseline=args.baseline)
         if args.record:
             for seq in seqs:
                 for layout in layouts:
                     for impl in impls:
-                        config = row_config(args.config, args.overrides, seq, layout, impl)
-                        emit_record(dict(measure(config, steps=args.steps, warmup=args.warmup),
+                        baseline = impl == BASELINE
+                        config = row_config(args.config, args.overrides, seq, layout,
+                                            None if baseline else impl)
+                        emit_record(dict(measure(config, steps=args.steps, warmup=args.warmup,
+                                                 baseline=baseline),
                                          model=os.path.basename(args.config)))
             return 0
         report(collect(spec, impls, layouts), spec, args.out)

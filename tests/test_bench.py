@@ -65,13 +65,16 @@ def test_cpu_suite_smallest_writes_stamped_reports_and_plots(tmp_path, monkeypat
         assert stamp in text and f"jax {jax.__version__}" in text, name
         assert TOY_NOTE in text, name
     for name in suite.PARTS.values():
-        assert (out / f"{name}.png").read_bytes().startswith(b"\x89PNG"), name
+        if name != "correctness":  # a table of errors, no plot
+            assert (out / f"{name}.png").read_bytes().startswith(b"\x89PNG"), name
     index = (out / "index.md").read_text()
     assert index.count("| ok |") == len(suite.PARTS) and stamp in index
     # every part measured something: no skipped or failed rows at the smallest sizes
+    assert "| blockwise | causal | 64 |" in (out / "correctness.md").read_text()
     assert "| lclm blockwise | causal |" in (out / "attention.md").read_text()
     assert "| blockwise | 2 | 128 |" in (out / "striped_sim.md").read_text()
-    assert "| ok |" in (out / "train_step.md").read_text()
+    train = (out / "train_step.md").read_text()
+    assert "| baseline |" in train and train.count("| ok |") == 2
     context = (out / "max_context.md").read_text()
     assert "| lclm |" in context and "| vanilla |" in context and "512 ok" in context
 
@@ -147,3 +150,71 @@ def test_official_ringattention_wrapper_matches_dense_attention():
     for causal in (True, False):
         out = official_ring_method(32, 32).fn(q, k, v, causal)
         np.testing.assert_allclose(out, dense_attention(q, k, v, causal=causal), atol=2e-5)
+
+
+def test_baseline_step_computes_lclms_loss_and_gradients():
+    """The baseline differs from lclm only in how it computes (dense attention, unchunked
+    FFN): on one device, one document per row, loss and gradients agree in float32."""
+    from bench import baseline
+    from lclm.models.llama import LlamaConfig, init_params, loss_terms
+
+    c = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                    dtype="float32", ffn_chunk=8, loss_chunk=8, tie_embeddings=False)
+    params = init_params(c, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    t = 32
+    batch = dict(tokens=rng.integers(0, 97, (2, t)).astype(np.int32),
+                 targets=rng.integers(0, 97, (2, t)).astype(np.int32),
+                 loss_mask=(rng.random((2, t)) < 0.8).astype(np.float32),
+                 positions=np.broadcast_to(np.arange(t, dtype=np.int32), (2, t)),
+                 segment_ids=np.zeros((2, t), np.int32))
+    mean = lambda terms: (lambda p: terms(p)[0] / terms(p)[1])
+    want, want_g = jax.value_and_grad(mean(lambda p: loss_terms(c, p, batch)))(params)
+    got, got_g = jax.value_and_grad(mean(lambda p: baseline.loss_terms(c, p, batch)))(params)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-6)
+
+
+def test_train_step_table_has_the_baseline_and_ratios(tmp_path):
+    out = tmp_path / "t.md"
+    assert train_step.main(["--config", os.path.join(ROOT, "configs", "demo.py"), "--seq", "64",
+                            "--steps", "1", "--baseline", "--config.model.n_layers=1",
+                            "--config.mesh.fsdp=1", "--config.mesh.sp=1",
+                            "--out", str(out)]) == 0
+    table = out.read_text()
+    rows = {line.split(" | ")[3]: line for line in table.splitlines()
+            if line.startswith("| demo.py")}
+    assert set(rows) == {"baseline", "blockwise"}, table
+    assert "| 1.00 |" in rows["baseline"] and re.search(r"\| \d+\.\d\d \|", rows["blockwise"])
+
+
+def test_correctness_passes_real_kernels_and_catches_a_wrong_one(monkeypatch):
+    from bench.correctness import CASES, CorrectnessSpec, check
+    from lclm.ops import attention
+
+    spec = CorrectnessSpec().smallest()
+    for case in CASES:
+        assert check("blockwise", case, 64, spec)["status"] == "ok", case
+    assert check("pallas_gpu", "segments", 64, spec)["status"] == "ok"  # interpreted here
+    right = attention.KERNELS["blockwise"]
+
+    def backward(*args, **kw):
+        dq, dk, dv = right.backward(*args, **kw)
+        return dq, dk * 1.05, dv
+    monkeypatch.setitem(attention.KERNELS, "wrong", attention.Kernel(right.forward, backward))
+    result = check("wrong", "gqa", 64, spec)
+    assert result["status"] == "WRONG" and result["dk"] > 0.02 > result["dq"]
+
+
+def test_every_suite_names_existing_configs_and_kernels():
+    from lclm.ops.attention import KERNELS
+
+    for name, s in suite.SUITES.items():
+        assert s.parts(), name
+        for run in (s.train.models if s.train else ()):
+            assert os.path.isfile(os.path.join(ROOT, run.config)), run.config
+        for impls in (s.train and s.train.impls, s.attention and s.attention.impls):
+            assert set(impls or ()) <= set(KERNELS), (name, impls)
+    quick = suite.SUITES["gpu-quick"]
+    assert quick.parts() == ["correctness", "attention", "train"] and quick.train.baseline
