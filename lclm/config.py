@@ -26,7 +26,7 @@ from ml_collections import config_flags
 from lclm.errors import StartupError
 
 DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("none", "full", "attention", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch")
 ROPE_SCALINGS = ("auto", "none", "linear", "llama3")  # llama.ROPE_SCALINGS and "auto"
 LAYOUTS = ("striped", "contiguous", "zigzag")  # lclm.ops.layout.LAYOUTS is checked against this in tests
 

@@ -46,6 +46,7 @@ class Plan:
     local_tokens: int
     min_block: float | None
     device_memory: float | None
+    host_activations: float = 0.0  # remat='offload': what the layers keep, in host memory
 
     @property
     def total(self) -> float:
@@ -92,7 +93,8 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     carry = batch_local * t * m.dim * cbytes
     # 'attention' also keeps the ring's output (compute dtype) and log-sum-exp (float32)
     ring_out = batch_local * t * heads_local * (m.head_dim * cbytes + 4)
-    per_layer_saved = {"full": carry, "attention": carry + ring_out, "none": None}.get(m.remat)
+    per_layer_saved = {"full": carry, "attention": carry + ring_out, "offload": carry + ring_out,
+                       "none": None}.get(m.remat)
     inside = (batch_local * t * (2 * heads_local * m.head_dim + 2 * max(kv_dim // tp, m.head_dim))
               * cbytes                                           # q, o, k, v of the layer
               + batch_local * heads_local * min(a.q_chunk, t) * min(a.kv_chunk, t) * 4 * 3
@@ -100,9 +102,14 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
               + batch_local * min(m.loss_chunk, t) * (m.vocab_size // tp) * 4 * 2)
     if per_layer_saved is None:  # no remat: everything of every layer is kept
         per_layer_saved = carry * 4 + inside
-    elif m.remat not in ("full", "attention"):
+    elif m.remat not in ("full", "attention", "offload"):
         per_layer_saved = carry * 4
-    activations = per_layer_saved * m.n_layers + inside + batch_local * t * m.dim * 4 * 2
+    host = 0.0
+    if m.remat == "offload":  # on the device only the layer being recomputed (and its copy)
+        host, per_layer_saved = per_layer_saved * m.n_layers, per_layer_saved
+        activations = 2 * per_layer_saved + inside + batch_local * t * m.dim * 4 * 2
+    else:
+        activations = per_layer_saved * m.n_layers + inside + batch_local * t * m.dim * 4 * 2
     # the ring: K/V held + in flight (compute dtype) and dK/dV accumulators travelling (f32)
     ring = (batch_local * t * 2 * (kv_dim // max(1, min(tp, m.n_kv_heads))) * (2 * cbytes + 4)
             if sp > 1 else 0)
@@ -111,7 +118,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
                 optimizer=2 * local_params * pbytes, activations_per_layer=per_layer_saved,
                 activations=activations, ring=ring, tokens_per_step=d.batch_size * d.seq_len,
                 local_tokens=t, min_block=(flops / (bandwidth * 1e9) if flops else None),
-                device_memory=(memory * 2**30 if memory else None))
+                device_memory=(memory * 2**30 if memory else None), host_activations=host)
 
 
 def report(plan: Plan, device: str | None) -> str:
@@ -123,6 +130,9 @@ def report(plan: Plan, device: str | None) -> str:
             ("activations saved per layer", gib(plan.activations_per_layer)),
             ("activations in all (+ one layer's working set)", gib(plan.activations)),
             ("ring working set", gib(plan.ring)), ("total", gib(plan.total))]
+    if plan.host_activations:
+        rows.append(("host memory (remat='offload': saved activations)",
+                     gib(plan.host_activations)))
     if plan.device_memory:
         rows.append((f"{device} memory", f"{gib(plan.device_memory)} "
                      f"({100 * plan.total / plan.device_memory:.0f}% used)"))

@@ -65,3 +65,18 @@ def test_plan_measure_passes_its_config_to_the_benchmark(monkeypatch, capsys):
     _, c = parse_cli(ap, argv[1:], runs_stages=False)
     assert (c.model.n_layers, c.train.lr, c.data.seq_len, c.data.batch_size,
             c.model.rope_theta, c.mesh.sp) == (1, 0.5, 512, 8, 1e6, 4)
+
+
+def test_offload_moves_the_saved_layers_to_host_memory():
+    plans = {}
+    for remat in ("full", "attention", "offload"):
+        config = load_config(os.path.join(ROOT, "configs", "llama1b.py"))
+        config.model.remat, config.data.seq_len = remat, 524288
+        plans[remat] = estimate(config, 1)
+    full, attention, offload = plans["full"], plans["attention"], plans["offload"]
+    layers = 16  # LLaMA-3.2-1B
+    # attention keeps the ring's output and lse per layer on top of the layer input
+    assert attention.activations_per_layer > full.activations_per_layer
+    assert full.host_activations == attention.host_activations == 0
+    assert offload.host_activations == pytest.approx(layers * attention.activations_per_layer)
+    assert offload.total < full.total < attention.total

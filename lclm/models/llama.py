@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from lclm.ops.ffn import blockwise_ffn
 from lclm.ops.loss import blockwise_cross_entropy
@@ -195,11 +196,18 @@ def apply_rope(x, cos, sin):
     return out.astype(x.dtype)
 
 
+LAYER_INPUT = "layer_input"  # the name remat policies know a layer's input by
+
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # the ring's output and log-sum-exp are kept: the backward recomputes the layer's cheap
     # parts (norms, projections, RoPE, FFN chunks) but never the ring forward
     "attention": jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES),
+    # for the longest sequences on few devices: what 'attention' keeps, and each layer's
+    # input, go to host memory during the forward and come back for the backward
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT, *SAVED_NAMES],
+        offload_src="device", offload_dst="pinned_host"),
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
@@ -231,6 +239,7 @@ def layer_with_kv(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_
     """One transformer block: (output x, its rotated k and v, which a decoder caches).
     x `[batch, seq, dim]` in the compute dtype."""
     constrain = _constrainer(mesh)
+    x = checkpoint_name(x, LAYER_INPUT)  # every use below takes the named value
     params, p = p, compute_weights(c, p)
     heads = ("batch", "seq", "act_heads", None)
     q, k, v = (constrain(t, heads) for t in attention_inputs(c, p, x, rope))

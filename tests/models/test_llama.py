@@ -1,6 +1,7 @@
 """The LLaMA model: causality, and loss/gradients independent of mesh shape and layout."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -118,3 +119,31 @@ def test_attention_remat_keeps_the_ring_output_and_never_reruns_the_ring(scan):
     permutes = {remat: hlo.count("collective-permute") for remat, (_, hlo) in runs.items()}
     forward_ring = permutes["full"] - permutes["none"]  # what full remat recomputes
     assert forward_ring > 0 and permutes["attention"] == permutes["none"], permutes
+
+
+def test_offload_remat_moves_saved_activations_to_host_with_equal_gradients():
+    """remat='offload' keeps what 'attention' keeps plus each layer's input, in host memory:
+    the backward's residuals are host arrays in the program, and gradients are unchanged."""
+    params = init_params(CFG, jax.random.key(6))
+    batch, mesh = _batch(6), make_mesh(sp=4)
+    params = shard_params(CFG, params, mesh)
+    attn = AttentionConfig(q_chunk=4, kv_chunk=4)
+    b = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, "striped", 4)
+    grads, programs = {}, {}
+    for remat in ("none", "offload"):
+        cfg = dataclasses.replace(CFG, remat=remat)
+        grad = jax.grad(lambda p: (lambda t, c: t / c)(*loss_terms(cfg, p, b, mesh=mesh,
+                                                                    attention=attn)))
+        grads[remat] = jax.jit(grad)(params)
+        programs[remat] = str(jax.make_jaxpr(grad)(params))
+    for g, w in zip(jax.tree.leaves(grads["offload"]), jax.tree.leaves(grads["none"])):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+    assert "<host>" not in programs["none"]
+    host = set(re.findall(r"\w+<host>\[[\d,]+\]", programs["offload"]))
+    b_, t, d, h = batch["tokens"].shape[0], batch["tokens"].shape[1], CFG.dim, CFG.n_heads
+    # stacked over the layers: their inputs, and (in the ring's per-device shapes) the ring
+    # outputs `[..., heads, head_dim]` and log-sum-exps `[..., heads]`
+    assert f"f32<host>[{CFG.n_layers},{b_},{t},{d}]" in host, host
+    stacked = [a for a in host if a.startswith(f"f32<host>[{CFG.n_layers},")]
+    assert any(a.endswith(f",{h},{d // h}]") for a in stacked), host
+    assert any(a.endswith(f",{h}]") for a in stacked), host
