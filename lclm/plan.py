@@ -175,6 +175,13 @@ def main(argv=None) -> int:
             print(f"\n== stage {i}: seq_len {c.data.seq_len:,}, rope_theta {c.model.rope_theta:g}, "
                   f"{c.train.steps} steps of {c.data.batch_size} sequences")
         print(report(plan, args.device))
+        if plan.device_memory and plan.total > plan.device_memory and c.model.remat != "offload":
+            offload = c.copy_and_resolve_references()
+            offload.model.remat = "offload"
+            alt = estimate(offload, args.devices or mesh_device_count(offload), args.device)
+            print(f"does not fit; with model.remat='offload': {alt.total / 2**30:,.2f} GiB on "
+                  f"the device ({100 * alt.total / alt.device_memory:.0f}%), "
+                  f"{alt.host_activations / 2**30:,.2f} GiB in host memory")
     if args.measure:  # the same step the benchmark times, at the last (longest) stage
         import runpy
         last = runs[-1]  # the benchmark measures the fields it is given, not the stages

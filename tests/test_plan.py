@@ -80,3 +80,11 @@ def test_offload_moves_the_saved_layers_to_host_memory():
     assert full.host_activations == attention.host_activations == 0
     assert offload.host_activations == pytest.approx(layers * attention.activations_per_layer)
     assert offload.total < full.total < attention.total
+
+
+def test_plan_suggests_offload_when_the_run_does_not_fit(capsys):
+    assert main(["--config", os.path.join(ROOT, "configs", "llama1b.py"), "--devices", "1",
+                 "--config.mesh.fsdp=1", "--config.data.seq_len=524288",
+                 "--device", "h100-nvlink"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit; with model.remat='offload'" in out and "in host memory" in out
