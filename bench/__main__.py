@@ -21,7 +21,8 @@ names them.
 
 `--suite gpu-quick` is the first command on a lent GPU: correctness, the fused kernel vs cuDNN
 at 8K and 32K blocks (head dims 128 and 64), and the train-step table at 8K and 32K for the
-LLaMA-3.2-1B and Striped Attention 1B shapes with the baseline. `--suite gpu` runs the real sizes on the local accelerator (expect an hour or more on one
+LLaMA-3.2-1B and Striped Attention 1B shapes with the baseline. `--suite gpu` runs the real
+sizes on the local accelerator (expect an hour or more on one
 H100; `--parts` runs a subset), each part in its own process so that no part holds device
 memory another needs. `--suite cpu` runs every part at toy sizes on the CPU in a few minutes:
 its numbers check the machinery and are not a performance result (the reports say so).
@@ -102,11 +103,11 @@ SUITES = {
     "gpu-quick": Suite(
         correctness=CorrectnessSpec(),
         attention=AttentionSpec(blocks=(8192, 32768), heads=(16,), head_dims=(128, 64),
-                                impls=("pallas_gpu",), warmup=1, iters=3),
+                                impls=("tokamax_gpu", "pallas_gpu"), warmup=1, iters=3),
         train=TrainSpec(models=(
             ModelRun("configs/llama1b.py", (8192, 32768), ONE_DEVICE),
             ModelRun("configs/striped_attention_1b.py", (8192, 32768), ONE_DEVICE),
-        ), impls=("pallas_gpu",), steps=3, warmup=1, isolate=True, timeout=240),
+        ), impls=("auto",), steps=3, warmup=1, isolate=True, timeout=240),
         toy=False, separate_parts=True),
     "cpu": Suite(
         correctness=CorrectnessSpec().smallest(),

@@ -64,7 +64,7 @@ def attention_flops(batch: int, heads: int, t: int, head_dim: int, causal: bool)
 
 def _kernel_platform(name: str) -> str | None:
     """The platform a kernel is written for ('pallas_gpu' -> 'gpu'); None = every platform."""
-    return name.split("_", 1)[1] if name.startswith("pallas_") else None
+    return name.rsplit("_", 1)[1] if name.endswith(("_gpu", "_tpu")) else None
 
 
 def usable_kernels(platform: str) -> tuple[list[str], list[str]]:
@@ -295,7 +295,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=default_out_dir("attention"))
     args = ap.parse_args(argv)
     spec = dataclasses.replace(default, blocks=int_list(args.blocks), heads=int_list(args.heads),
-                               head_dims=int_list(args.head_dims), q_chunk=args.chunk, kv_chunk=args.chunk, iters=args.iters)
+                               head_dims=int_list(args.head_dims), q_chunk=args.chunk,
+                               kv_chunk=args.chunk, iters=args.iters)
     run(spec, args.out)
     return 0
 

@@ -252,7 +252,8 @@ def run(spec: StripedSpec, out_dir: str, toy: bool = False) -> str:
     rows = [(r["impl"], r["n"], f"{r['block']:,}", fmt(r["tile_ratio"], ".2f"),
              f"{r['contiguous_s'] * 1e3:,.2f}", f"{r['striped_s'] * 1e3:,.2f}",
              f"{r['zigzag_s'] * 1e3:,.2f}", f"{r['speedup']:.2f}", f"{r['zigzag_speedup']:.2f}",
-             f"{r['kernel_bound']:.2f}", f"{r['speedup'] / r['kernel_bound']:.2f}", fmt(r["cudnn_bound"], ".2f"),
+             f"{r['kernel_bound']:.2f}", f"{r['speedup'] / r['kernel_bound']:.2f}",
+             fmt(r["cudnn_bound"], ".2f"),
              fmt(r["paper_tms"], ".2f"), fmt(r["paper_speedup"], ".2f")) for r in results]
     notes = stamp(toy) + [
         f"Per device: batch 1, {spec.heads} heads, head dim {spec.head_dim}, {spec.dtype}, "

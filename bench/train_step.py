@@ -47,7 +47,8 @@ class ModelRun:
 class TrainSpec:
     """The train-step part of a suite."""
     models: tuple[ModelRun, ...]
-    impls: tuple[str, ...] = ("blockwise", "pallas_gpu", "pallas_tpu")  # those usable run
+    # those usable run; 'auto' runs what the trainer would pick (the row names it)
+    impls: tuple[str, ...] = ("blockwise", "pallas_gpu", "pallas_tpu", "tokamax_gpu")
     baseline: bool = True  # one `bench.baseline` row per (model, length); needs a 1-device mesh
     steps: int = 3
     warmup: int = 2
@@ -297,7 +298,8 @@ def report(records: list[dict], spec: TrainSpec, path: str = "", notes=(),
     images = [_plot(records, os.path.splitext(path)[0] + ".png", toy)] if path else []
     emit_table("Train step: tokens/s, MFU, memory", lines,
                ["model", "params (M)", "seq", "kernel", "layout", "mesh dp x fsdp x tp x sp",
-                "step ms", "tokens/s", "vs baseline", "MFU", "peak GiB", "XLA est. GiB", "compile s", "loss",
+                "step ms", "tokens/s", "vs baseline", "MFU", "peak GiB", "XLA est. GiB",
+                "compile s", "loss",
                 "status"], rows, path, images=images)
     return path
 
@@ -309,7 +311,7 @@ def run(spec: TrainSpec, out_dir: str, toy: bool = False) -> str:
     from bench.attention import usable_kernels
 
     usable, skipped = usable_kernels(jax.devices()[0].platform)
-    impls = [i for i in spec.impls if i in usable]
+    impls = [i for i in spec.impls if i == "auto" or i in usable]
     records = collect(spec, impls)
     notes = [f"{run.config}: {run.note}" for run in spec.models if run.note]
     notes.append("Skipped kernels: " + ("; ".join(skipped) if skipped else "none") + ".")

@@ -248,11 +248,12 @@ KERNELS: dict[str, Kernel | str] = {
     "blockwise": Kernel(blockwise_forward, blockwise_backward),
     "pallas_gpu": "lclm.ops.pallas_gpu:KERNEL",
     "pallas_tpu": "lclm.ops.pallas_tpu:KERNEL",
+    "tokamax_gpu": "lclm.ops.tokamax_gpu:KERNEL",
 }
 # what `attention.impl='auto'` tries on each platform, fastest first: the first kernel whose
 # limits (`kernel_limits`) allow the shapes is used. A kernel runs compiled only on its own
 # platform; elsewhere (pallas_* on CPU) it is interpreted, which is for tests, never picked.
-AUTO = {"gpu": ("pallas_gpu", "blockwise"), "tpu": ("pallas_tpu", "blockwise"),
+AUTO = {"gpu": ("tokamax_gpu", "pallas_gpu", "blockwise"), "tpu": ("pallas_tpu", "blockwise"),
         "cpu": ("blockwise",)}
 IMPLS = ("auto", *KERNELS)
 
@@ -276,9 +277,10 @@ def kernel_limits(impl: str, *, head_dim: int, q_chunk: int, kv_chunk: int, bloc
         from_gpu = {"head dim": head_dim, "query tile": min(q_tile, 128),
                     "key tile": min(kv_tile, 64)}
         for name, n in from_gpu.items():
-            if not _power_of_two(n) or (name != "head dim" and n < 16):
-                return f"its {name} {n} must be a power of two" + (
-                    "" if name == "head dim" else " >= 16")
+            if not _power_of_two(n):
+                return f"its {name} {n} must be a power of two"
+            if name != "head dim" and n < 16 and platform == "gpu":  # Triton's smallest dot
+                return f"its {name} {n} must be >= 16 on a GPU"
     elif impl == "pallas_tpu":
         if platform == "gpu":
             return "it runs on TPUs (interpreted on CPU); use 'pallas_gpu' on GPU"
@@ -288,6 +290,12 @@ def kernel_limits(impl: str, *, head_dim: int, q_chunk: int, kv_chunk: int, bloc
             for name, tile in (("q_chunk", q_tile), ("kv_chunk", kv_tile)):
                 if tile != block and tile % 128:
                     return f"attention.{name}={tile} must be a multiple of 128 or {block}"
+    elif impl == "tokamax_gpu":
+        from lclm.ops.tokamax_gpu import INSTALL, available
+        if platform not in ("gpu", None):
+            return "it runs on NVIDIA Hopper/Blackwell GPUs only (tokamax's Mosaic GPU kernel)"
+        if not available():
+            return f"tokamax is not installed: {INSTALL}"
     elif impl not in KERNELS:
         return f"it is not a kernel; use one of {IMPLS}"
     return None

@@ -12,6 +12,20 @@ from lclm.parallel import make_mesh
 LLAMA = dict(head_dim=128, q_chunk=512, kv_chunk=512, block=8192)
 
 
+@pytest.fixture(autouse=True)
+def _no_tokamax(monkeypatch):
+    """The rules below as on a GPU machine without tokamax (its own test is separate)."""
+    from lclm.ops import tokamax_gpu
+    monkeypatch.setattr(tokamax_gpu, "available", lambda: False)
+
+
+def test_auto_prefers_tokamax_on_gpus_where_it_is_installed(monkeypatch):
+    from lclm.ops import tokamax_gpu
+    monkeypatch.setattr(tokamax_gpu, "available", lambda: True)
+    assert choose_kernel("auto", platform="gpu", **LLAMA) == "tokamax_gpu"
+    assert choose_kernel("auto", platform="cpu", **LLAMA) == "blockwise"
+
+
 @pytest.mark.parametrize("platform,shapes,want", [
     ("cpu", LLAMA, "blockwise"),                            # fused kernels only interpret here
     ("gpu", LLAMA, "pallas_gpu"),
@@ -31,6 +45,8 @@ def test_auto_picks_the_fastest_kernel_that_can_serve(platform, shapes, want):
     ("pallas_gpu", "tpu", LLAMA, "runs on GPUs"),
     ("pallas_gpu", "gpu", dict(LLAMA, head_dim=96), "head dim 96 must be a power of two"),
     ("pallas_tpu", "tpu", dict(LLAMA, kv_chunk=192), "attention.kv_chunk=192 must be a multiple"),
+    ("tokamax_gpu", "gpu", LLAMA, "tokamax is not installed"),
+    ("tokamax_gpu", "cpu", LLAMA, "GPUs only"),
 ])
 def test_an_explicit_kernel_that_cannot_serve_fails_in_one_line(impl, platform, shapes, needle):
     with pytest.raises(ValueError) as e:
@@ -39,10 +55,14 @@ def test_an_explicit_kernel_that_cannot_serve_fails_in_one_line(impl, platform, 
 
 
 def test_every_auto_kernel_is_registered_and_imports_here():
+    from lclm.ops import tokamax_gpu
+
     for names in AUTO.values():
         assert names[-1] == "blockwise"  # auto always has a kernel that serves any shape
         for name in names:
-            assert name in KERNELS and kernel_limits(name, platform=None, **LLAMA) is None
+            why = kernel_limits(name, platform=None, **LLAMA)
+            optional = name == "tokamax_gpu" and not tokamax_gpu.available()
+            assert name in KERNELS and (why is None or optional and "not installed" in why)
             get_kernel(name)  # GPU/TPU kernel code imports cleanly on a CPU machine
 
 

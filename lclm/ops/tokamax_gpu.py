@@ -1,0 +1,75 @@
+"""tokamax's Mosaic GPU flash attention (Hopper) as lclm's kernel: `impl='tokamax_gpu'`.
+
+tokamax (openxla/tokamax) takes masks as per-query key ranges plus a causal flag, returns the
+softmax statistics (m, l) as residuals, and its VJP op takes residuals back: fed
+(m = the *global* log-sum-exp, l = 1) and the global output it computes exactly the ring's
+per-round gradients (P = exp(s - lse), delta from the global o and do). `range_kernel` turns
+the two calls into lclm's block-pair kernel (round classes, shifted strict rounds, packed
+documents as k_start).
+
+The classes used are tokamax's private modules (`tokamax._src.ops.attention`), read from the
+0.0.17 release: the version is pinned in the `[cuda]` extra and this adapter is to be checked
+on every upgrade (`python -m bench.correctness` on the GPU). tokamax needs Python >= 3.12,
+and its Mosaic GPU kernels run on Hopper (sm90) and Blackwell GPUs only. Precision: the
+forward's output comes back in the input dtype (bf16); the ring merges rounds in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax.numpy as jnp
+
+from lclm.ops.range_kernel import range_kernel
+
+INSTALL = "pip install 'lclm[cuda]' on Python >= 3.12 (tokamax)"
+
+
+def available() -> bool:
+    """Whether tokamax can be imported here (it is never imported just to find out)."""
+    return importlib.util.find_spec("tokamax") is not None
+
+
+@functools.cache
+def _ops():
+    """(forward op, VJP op, Mask class), imported on first use."""
+    try:
+        from tokamax._src.ops.attention.pallas_mosaic_gpu import (
+            Mask, PallasMosaicGpuFlashAttention)
+        from tokamax._src.ops.attention.pallas_mosaic_gpu_vjp import (
+            PallasMosaicGpuFlashAttentionVjp)
+    except ImportError as e:
+        raise ValueError(f"attention.impl='tokamax_gpu' needs tokamax: {INSTALL}") from e
+    return PallasMosaicGpuFlashAttention(), PallasMosaicGpuFlashAttentionVjp(), Mask
+
+
+def _mask(mask_class, causal: bool, start, end):
+    """tokamax's Mask; ranges `[b, tq]` gain a heads axis of 1 (the same for every head)."""
+    heads = lambda x: None if x is None else x[:, None, :]
+    return mask_class(is_causal=causal, k_start=heads(start), k_end=heads(end))
+
+
+def attend(q, k, v, causal, start, end):
+    """(o `[b, tq, h, d]` in q's dtype, lse `[b, tq, h]` float32; -inf where nothing is seen)."""
+    forward, _, mask_class = _ops()
+    o, (m, l) = forward(q, k, v, mask=_mask(mask_class, causal, start, end),
+                        return_residuals=True)
+    seen = l > 0
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    return o, lse.transpose(0, 2, 1)
+
+
+def attend_vjp(q, k, v, o, lse, do, causal, start, end):
+    """(dq, dk, dv) of one block pair from the global o and (finite) lse `[b, tq, h]`."""
+    forward, vjp, mask_class = _ops()
+    mask = _mask(mask_class, causal, start, end)
+    kwargs = dict(forward.bind(q, k, v, mask=mask, return_residuals=True).kwargs)
+    kwargs.pop("return_residuals")
+    lse = lse.transpose(0, 2, 1)                       # [b, h, tq], as the residuals are
+    grads = vjp((lse, jnp.ones_like(lse)), o.astype(q.dtype), do.astype(q.dtype), q, k, v,
+                **kwargs)
+    return grads["q"], grads["k"], grads["v"]
+
+
+KERNEL = range_kernel(attend, attend_vjp)
