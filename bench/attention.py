@@ -67,15 +67,23 @@ def _kernel_platform(name: str) -> str | None:
     return name.rsplit("_", 1)[1] if name.endswith(("_gpu", "_tpu")) else None
 
 
+# the shapes the suites time (LLaMA head dims, 1K tiles, long blocks): for the kernels' limits
+_SUITE_SHAPES = dict(head_dim=128, q_chunk=1024, kv_chunk=1024, block=32768, dtype="bfloat16")
+
+
 def usable_kernels(platform: str) -> tuple[list[str], list[str]]:
     """(names of lclm kernels that suit `platform` and import, 'name: why' for the others)."""
-    from lclm.ops.attention import KERNELS, get_kernel
+    from lclm.ops.attention import KERNELS, get_kernel, kernel_limits, platform_family
 
     usable, skipped = [], []
     for name in KERNELS:
         target = _kernel_platform(name)
         if target not in (None, platform):
             skipped.append(f"{name}: written for {target}, not {platform}")
+            continue
+        why = kernel_limits(name, platform=platform_family(platform), **_SUITE_SHAPES)
+        if why is not None:  # e.g. tokamax not installed, or not a Hopper GPU
+            skipped.append(f"{name}: {why}")
             continue
         try:
             get_kernel(name)
@@ -87,11 +95,10 @@ def usable_kernels(platform: str) -> tuple[list[str], list[str]]:
 
 
 def preferred_kernel(platform: str) -> str:
-    """The kernel `attention.impl='auto'` prefers here, when it imports."""
-    from lclm.ops.attention import AUTO, platform_family
+    """The kernel `attention.impl='auto'` picks here for the suites' shapes."""
+    from lclm.ops.attention import choose_kernel
 
-    usable, _ = usable_kernels(platform)
-    return next((k for k in AUTO.get(platform_family(platform), ()) if k in usable), "blockwise")
+    return choose_kernel("auto", platform=platform, **_SUITE_SHAPES)
 
 
 def lclm_method(impl: str, q_chunk: int, kv_chunk: int) -> Method:

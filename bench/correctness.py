@@ -3,21 +3,21 @@
     python -m bench.correctness [--out DIR]
 
 The first thing to run on a new accelerator: a kernel that is fast but wrong there (a Triton
-or Mosaic lowering that differs from CPU interpret mode) must be caught before any timing.
-For each kernel and case, one block pair goes through the kernel's own `forward` and
-`backward` (the backward fed the pair's own o and lse, which are then the global ones) with
-the positions of a real ring round:
+or Mosaic lowering that differs from CPU interpret mode, a fused op that ignores the
+statistics it is given) must be caught before any timing. Each case is one device's part of
+a ring: its queries against the K/V blocks of some ring rounds, with the real positions of a
+layout. Every block goes through the kernel's own `forward`; the partial results are merged
+by log-sum-exp as the ring merges them; every block's `backward` then gets the *global*
+output and lse (so an op that recomputed its own block's softmax instead would fail the
+multi-round cases). Rounds: `causal` (diagonal), `strict` (striped, later device), `full`
+(contiguous, earlier device), zigzag's `key half` and `query half`, a hidden round, packed
+documents (segment ids of original positions), GQA (4 query heads per K/V head), and a whole
+ring of 4 (striped, segments, GQA).
 
-- `causal`: the diagonal round (positions equal on both sides);
-- `strict`: a striped round from a later device (key position = query position + 1 at the
-  same local index: the query at local index x sees keys y < x only);
-- `full`: a contiguous round from an earlier device (every key before every query);
-- `segments`: causal with packed documents (segment ids);
-- `gqa`: causal with 4 query heads per K/V head.
-
-Each at head dims 64 and 128, in bfloat16 inputs (as trained). The reference is dense softmax
-attention in float32 on the same (bf16-rounded) inputs with the same mask; errors are the
-maximum absolute error over the maximum reference magnitude, per output (o, dq, dk, dv).
+Each at head dims 64 and 128, bfloat16 inputs (as trained). The reference is dense softmax
+attention in float32 on the same (bf16-rounded) inputs over all the case's keys with the
+positions-and-segments mask; errors are max |kernel - reference| / max |reference| per output
+(o, dq, dk, dv).
 """
 
 from __future__ import annotations
@@ -29,7 +29,20 @@ import sys
 
 from bench.report import default_out_dir, emit_table, error_status, fmt, stamp
 
-CASES = ("causal", "strict", "full", "segments", "gqa")
+# name -> (layout, ring size n, this device, the devices whose K/V blocks it sees, segments,
+# GQA)
+CASES = {
+    "causal": ("contiguous", 1, 0, (0,), False, False),
+    "strict": ("striped", 2, 0, (1,), False, False),
+    "full": ("contiguous", 2, 1, (0,), False, False),
+    "key half": ("zigzag", 2, 1, (0,), False, False),
+    "query half": ("zigzag", 2, 0, (1,), False, False),
+    "causal + hidden": ("contiguous", 2, 0, (0, 1), False, False),
+    "segments": ("contiguous", 1, 0, (0,), True, False),
+    "causal + strict, segments": ("striped", 2, 0, (0, 1), True, False),
+    "gqa": ("contiguous", 1, 0, (0,), False, True),
+    "ring of 4": ("striped", 4, 2, (2, 1, 0, 3), True, True),
+}
 # bf16 inputs, float32 accumulation: errors of the size of bf16 rounding of p and ds
 TOLERANCE = 2e-2
 
@@ -50,22 +63,30 @@ class CorrectnessSpec:
 
 
 def case_inputs(case: str, t: int, heads: int, head_dim: int, dtype: str):
-    """(q, k, v, do, q_pos, k_pos, q_seg, k_seg) of one case; q/k/v/do `[1, t, h, d]`."""
+    """(q, k, v, do, q_pos, k_pos, q_seg, k_seg) of one case; k/v/k_pos/k_seg hold every
+    block the case's device sees, one after another (`t` keys each)."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
-    kv_heads = heads // 4 if case == "gqa" else heads
-    keys = jax.random.split(jax.random.key(CASES.index(case)), 4)
-    shape = lambda h: (1, t, h, head_dim)
-    q, do = (jax.random.normal(k, shape(heads), jnp.dtype(dtype)) for k in keys[:2])
-    k, v = (jax.random.normal(k, shape(kv_heads), jnp.dtype(dtype)) for k in keys[2:])
-    q_pos = jnp.arange(t, dtype=jnp.int32)
-    k_pos = {"strict": q_pos + 1, "full": q_pos - t}.get(case, q_pos)
-    seg = None
-    if case == "segments":  # three documents of uneven lengths
-        seg = jnp.searchsorted(jnp.array([t // 5, t // 2]), q_pos, side="right")[None]
-        seg = seg.astype(jnp.int32)
-    return q, k, v, do, q_pos, k_pos, seg, seg
+    from lclm.ops.layout import original_positions
+
+    layout, n, device, sources, segments, gqa = CASES[case]
+    kv_heads = heads // 4 if gqa else heads
+    keys = jax.random.split(jax.random.key(list(CASES).index(case)), 4)
+    shape = lambda h, blocks: (1, t * blocks, h, head_dim)
+    q, do = (jax.random.normal(key, shape(heads, 1), jnp.dtype(dtype)) for key in keys[:2])
+    k, v = (jax.random.normal(key, shape(kv_heads, len(sources)), jnp.dtype(dtype))
+            for key in keys[2:])
+    q_pos = original_positions(layout, n, device, t)
+    k_pos = np.concatenate([original_positions(layout, n, s, t) for s in sources])
+    seg = lambda pos: None
+    if segments:  # documents of uneven lengths over the original positions of the whole row
+        bounds = np.array([n * t // 5, n * t // 2, n * t * 3 // 4])
+        seg = lambda pos: jnp.asarray(np.searchsorted(bounds, pos, side="right")[None],
+                                      jnp.int32)
+    return (q, k, v, do, jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32),
+            seg(q_pos), seg(k_pos))
 
 
 def dense_reference(q, k, v, do, q_pos, k_pos, q_seg, k_seg):
@@ -90,26 +111,42 @@ def dense_reference(q, k, v, do, q_pos, k_pos, q_seg, k_seg):
     return (o, *vjp(do.astype(jnp.float32)))
 
 
+def ring_of_blocks(kernel, blocks: int, tiles: dict):
+    """`(q, k, v, do, q_pos, k_pos, q_seg, k_seg) -> (o, dq, dk, dv)` float32: the kernel over
+    `blocks` equal K/V blocks as ring rounds (log-sum-exp merge; backward from the global
+    o and lse), jitted."""
+    import jax
+    import jax.numpy as jnp
+
+    from lclm.ops.ring_attention import merge_partials
+
+    def run(q, k, v, do, q_pos, k_pos, q_seg, k_seg):
+        segs = [None] * blocks if k_seg is None else jnp.split(k_seg, blocks, axis=1)
+        rounds = list(zip(jnp.split(k, blocks, axis=1), jnp.split(v, blocks, axis=1),
+                          jnp.split(k_pos, blocks), segs))
+        o = jnp.zeros(q.shape, jnp.float32)
+        lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+        for kb, vb, pb, sb in rounds:
+            o, lse = merge_partials(o, lse, *kernel.forward(q, kb, vb, q_pos, pb, q_seg, sb,
+                                                            **tiles))
+        o_in = o.astype(q.dtype)
+        grads = [kernel.backward(q, kb, vb, o_in, lse, do, q_pos, pb, q_seg, sb, **tiles)
+                 for kb, vb, pb, sb in rounds]
+        dq = sum(g[0] for g in grads)
+        return (o, dq, jnp.concatenate([g[1] for g in grads], axis=1),
+                jnp.concatenate([g[2] for g in grads], axis=1))
+    return jax.jit(run)
+
+
 def check(impl: str, case: str, head_dim: int, spec: CorrectnessSpec) -> dict:
     """Relative errors of one kernel on one case."""
-    import jax
     import numpy as np
 
     from lclm.ops.attention import get_kernel
 
-    kernel = get_kernel(impl)
     args = case_inputs(case, spec.block, spec.heads, head_dim, spec.dtype)
-    q, k, v, do, q_pos, k_pos, q_seg, k_seg = args
     tiles = dict(causal=True, q_chunk=spec.q_chunk, kv_chunk=spec.kv_chunk)
-
-    @jax.jit
-    def both(q, k, v, do, q_pos, k_pos, q_seg, k_seg):
-        o, lse = kernel.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, **tiles)
-        grads = kernel.backward(q, k, v, o.astype(q.dtype), lse, do, q_pos, k_pos, q_seg,
-                                k_seg, **tiles)
-        return (o, *grads)
-
-    got = both(*args)
+    got = ring_of_blocks(get_kernel(impl), len(CASES[case][3]), tiles)(*args)
     want = dense_reference(*args)
     errors = {}
     for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):

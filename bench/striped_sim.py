@@ -16,8 +16,10 @@ depends only on the pair's class (`mask_class`): striped 'causal' (source k <= j
 'strict' (k > j: x > y); contiguous 'full' (k < j), 'causal' (k == j) or 'hidden' (k > j);
 zigzag 'causal' (k == j), 'key half' (k < j: every query sees the first half of the keys) or
 'query half' (k > j: the second half of the queries sees every key).
-A class is the same mask in both layouts and for every N (tested), so one timing per (class,
-block) serves all of them, and the bound below uses the very 'causal' time the rings use.
+A class is the same mask in every layout and for every N (tested), so one timing per (class,
+tile size, block) serves all of them (zigzag's ring keeps tiles inside half a block, so its
+pairs are timed with those tiles), and the bound below uses the very 'causal' time the
+striped and contiguous rings use.
 
 Next to the simulated speedup contiguous/striped: the bound (C + (N-1) F) / (N C) from the
 same kernel's causal (C) and full (F) block times, the same bound from cuDNN's times (GPU),
@@ -115,13 +117,14 @@ def class_times(impl: str, block: int, spec: StripedSpec) -> dict[str, float]:
     from bench.timing import median_seconds
     from lclm.ops.layout import original_positions
 
-    fn = pair_pass(impl, spec.q_chunk, spec.kv_chunk)
     q, k, v, do = qkv(1, block, spec.heads, spec.head_dim, spec.dtype)
-    times = {}
+    times, passes = {}, {}
     for layout in LAYOUTS:
         for n in spec.ns:
+            tiles = layout_tiles(layout, n, block, spec)
+            fn = passes.setdefault(tiles, pair_pass(impl, *tiles))
             for _, device, source in block_pairs(n):
-                key = mask_class(layout, n, device, source)
+                key = time_key(layout, n, device, source, block, spec)
                 if key not in times:
                     q_pos = jnp.asarray(original_positions(layout, n, device, block))
                     k_pos = jnp.asarray(original_positions(layout, n, source, block))
@@ -130,17 +133,32 @@ def class_times(impl: str, block: int, spec: StripedSpec) -> dict[str, float]:
     return times
 
 
+def layout_tiles(layout: str, n: int, block: int, spec: StripedSpec) -> tuple[int, int]:
+    """The (q, kv) tiles a ring of this layout runs at this block (`tile_run`)."""
+    from lclm.ops.ring_attention import tile_run
+
+    run = tile_run(layout, n, n * block)
+    return min(spec.q_chunk, run), min(spec.kv_chunk, run)
+
+
+def time_key(layout: str, n: int, device: int, source: int, block: int, spec: StripedSpec):
+    """Which timing a block pair uses: its mask class at its layout's tiles."""
+    return (mask_class(layout, n, device, source), *layout_tiles(layout, n, block, spec))
+
+
 def block_pairs(n: int) -> list[tuple[int, int, int]]:
     """(round, device, source) of every block pair a ring of n devices computes: in round r
     device j holds the K/V block that started on device (j - r) % n."""
     return [(r, j, (j - r) % n) for r in range(n) for j in range(n)]
 
 
-def round_times(layout: str, n: int, times: dict) -> list[float]:
-    """Per-round time of the ring: the slowest device of each round."""
+def round_times(layout: str, n: int, times: dict, key=None) -> list[float]:
+    """Per-round time of the ring: the slowest device of each round. `times` is keyed by
+    `key(device, source)` (default: the pair's mask class)."""
+    key = key or (lambda device, source: mask_class(layout, n, device, source))
     per_round = [0.0] * n
     for r, device, source in block_pairs(n):
-        per_round[r] = max(per_round[r], times[mask_class(layout, n, device, source)])
+        per_round[r] = max(per_round[r], times[key(device, source)])
     return per_round
 
 
@@ -201,7 +219,10 @@ def simulate(impl: str, spec: StripedSpec) -> list[dict]:
         times = class_times(impl, block, spec)
         cudnn = cudnn_times(block, spec)
         for n in spec.ns:
-            rounds = {layout: round_times(layout, n, times) for layout in LAYOUTS}
+            rounds = {layout: round_times(
+                layout, n, times, lambda d, s, lay=layout: time_key(lay, n, d, s, block, spec))
+                for layout in LAYOUTS}
+            tiles = layout_tiles("striped", n, block, spec)
             contiguous, striped = sum(rounds["contiguous"]), sum(rounds["striped"])
             zigzag = sum(rounds["zigzag"])
             paper = PAPER_1B.get((n, block), (None, None))
@@ -209,7 +230,7 @@ def simulate(impl: str, spec: StripedSpec) -> list[dict]:
                 impl=impl, n=n, block=block, rounds=rounds, contiguous_s=contiguous,
                 striped_s=striped, zigzag_s=zigzag, speedup=contiguous / striped,
                 zigzag_speedup=contiguous / zigzag,
-                kernel_bound=ring_bound(times["causal"], times["full"], n),
+                kernel_bound=ring_bound(times[("causal", *tiles)], times[("full", *tiles)], n),
                 cudnn_bound=None if cudnn is None else ring_bound(*cudnn, n),
                 tile_ratio=tile_ratio(n, block, spec), paper_tms=paper[0],
                 paper_speedup=paper[1]))

@@ -231,7 +231,19 @@ class Checkpoints:
                           f"({_first_line(error)}); intact checkpoints: {intact or 'none'}")
 
     def close(self) -> None:
+        """Wait for the save in flight and release the manager; `SaveFailed` if a save failed.
+
+        Newer Orbax raises a failed background save again from `close()`: that is the same
+        failure (usually reported already), turned into one `SaveFailed`, never a traceback."""
+        failed = None
         try:
             self.wait()
-        finally:
+        except SaveFailed as e:
+            failed = e
+        try:
             self.manager.close()
+        except Exception as e:  # noqa: BLE001
+            failed = failed or SaveFailed(f"a checkpoint save to {self.directory} failed "
+                                          f"({_first_line(e)})")
+        if failed is not None:
+            raise failed

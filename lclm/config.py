@@ -271,7 +271,7 @@ def validate(config, device_count: int) -> dict[str, int]:
                   f"{sp} x {chunk}; use a multiple of {sp * chunk}")
     from lclm.ops.attention import kernel_limits  # the rules every platform shares
     why = kernel_limits(a.impl, head_dim=m.dim // m.n_heads, q_chunk=a.q_chunk,
-                        kv_chunk=a.kv_chunk, block=local // runs)
+                        kv_chunk=a.kv_chunk, block=local // runs, dtype=m.dtype)
     if why is not None:
         _fail(f"attention.impl={a.impl!r} cannot serve this model: {why}; "
               "attention.impl='auto' picks a kernel that can")

@@ -26,7 +26,7 @@ def configure(level: int = logging.INFO, *, main_process: bool = True) -> None:
     Processes other than 0 of a multi-process run log warnings and errors only, so a pod's
     console is not repeated once per host.
     """
-    logging.basicConfig(format=FORMAT, force=True)
+    logging.basicConfig(format=FORMAT)  # no-op where a handler exists (pytest's, a caller's)
     logging.getLogger().setLevel(level if main_process else max(level, logging.WARNING))
     logging.captureWarnings(True)
     for name in _QUIET:

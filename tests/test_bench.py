@@ -189,22 +189,31 @@ def test_train_step_table_has_the_baseline_and_ratios(tmp_path):
     assert "| 1.00 |" in rows["baseline"] and re.search(r"\| \d+\.\d\d \|", rows["blockwise"])
 
 
-def test_correctness_passes_real_kernels_and_catches_a_wrong_one(monkeypatch):
+@pytest.mark.slow
+def test_correctness_passes_real_kernels_and_catches_wrong_ones(monkeypatch):
     from bench.correctness import CASES, CorrectnessSpec, check
     from lclm.ops import attention
 
     spec = CorrectnessSpec().smallest()
     for case in CASES:
         assert check("blockwise", case, 64, spec)["status"] == "ok", case
-    assert check("pallas_gpu", "segments", 64, spec)["status"] == "ok"  # interpreted here
+    assert check("pallas_gpu", "causal + strict, segments", 64, spec)["status"] == "ok"
     right = attention.KERNELS["blockwise"]
 
-    def backward(*args, **kw):
+    def off_dk(*args, **kw):  # a kernel whose dK is 5% off
         dq, dk, dv = right.backward(*args, **kw)
         return dq, dk * 1.05, dv
-    monkeypatch.setitem(attention.KERNELS, "wrong", attention.Kernel(right.forward, backward))
-    result = check("wrong", "gqa", 64, spec)
+
+    def local_statistics(q, k, v, o, lse, do, *ids, **kw):  # ignores the global o and lse
+        o_local, lse_local = right.forward(q, k, v, *ids, **kw)
+        return right.backward(q, k, v, o_local.astype(q.dtype), lse_local, do, *ids, **kw)
+
+    for name, backward in (("off_dk", off_dk), ("local", local_statistics)):
+        monkeypatch.setitem(attention.KERNELS, name, attention.Kernel(right.forward, backward))
+    result = check("off_dk", "gqa", 64, spec)
     assert result["status"] == "WRONG" and result["dk"] > 0.02 > result["dq"]
+    assert check("local", "causal", 64, spec)["status"] == "ok"  # one block: local = global
+    assert check("local", "causal + strict, segments", 64, spec)["status"] == "WRONG"
 
 
 def test_every_suite_names_existing_configs_and_kernels():

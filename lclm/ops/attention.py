@@ -12,12 +12,15 @@ Shapes: q, o, do `[batch, tq, heads, dim]`; k, v `[batch, tk, kv_heads, dim]` wi
 `heads % kv_heads == 0` (GQA: K/V are never repeated in memory); lse `[batch, tq, heads]`
 float32; q_pos `[tq]`, k_pos `[tk]` int32 original token positions (masking follows from
 them, so any layout works); q_seg `[batch, tq]`, k_seg `[batch, tk]` int32 segment ids or
-None. Returned `o`, `dq`, `dk`, `dv` are float32; statistics are always float32.
+None (ids never decrease along the original order, as packing gives them: the blockwise and
+Pallas kernels would serve any ids, the range-based ones of `lclm.ops.range_kernel` need
+this). Returned `o`, `dq`, `dk`, `dv` are float32; statistics are always float32.
 
 Tiles of `q_chunk x kv_chunk` that the mask hides entirely are skipped, not computed and
 masked: each query chunk loops over the span of key chunks that `visible_tiles` marks (and
 each key chunk, in the backward, over its span of query chunks). The spans are loop bounds,
-not a `lax.cond` per tile, which on a GPU would be a device-to-host round trip per tile.
+not a `lax.cond` per tile. (On XLA:GPU a while loop still reads its predicate on the host
+once per iteration; only the fused kernels, whose loops run inside the kernel, avoid both.)
 """
 
 from __future__ import annotations
@@ -263,11 +266,12 @@ def _power_of_two(n: int) -> bool:
 
 
 def kernel_limits(impl: str, *, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
-                  platform: str | None = None) -> str | None:
+                  platform: str | None = None, dtype: str | None = None) -> str | None:
     """Why `impl` cannot serve these shapes (None: it can). `block` is the run of consecutive
     local positions tiles stay inside (the local length; half of it with zigzag). `platform`
-    None checks only the rules that hold everywhere. Segment ids, GQA, causal and strictly
-    causal rounds are served by every kernel."""
+    None checks only the rules that hold everywhere; `dtype` is the compute dtype's name (None:
+    not checked). Segment ids, GQA, causal and strictly causal rounds are served by every
+    kernel (range-based ones need segment ids that never decrease along a row)."""
     if impl == "auto":  # resolved per platform by `choose_kernel`, always to a kernel that can
         return None
     q_tile, kv_tile = min(q_chunk, block), min(kv_chunk, block)
@@ -296,9 +300,22 @@ def kernel_limits(impl: str, *, head_dim: int, q_chunk: int, kv_chunk: int, bloc
             return "it runs on NVIDIA Hopper/Blackwell GPUs only (tokamax's Mosaic GPU kernel)"
         if not available():
             return f"tokamax is not installed: {INSTALL}"
+        if dtype not in (None, "bfloat16", "float16"):
+            return f"it computes in bfloat16/float16, not {dtype}"
+        if platform == "gpu" and not hopper_or_newer():
+            return "its kernels need a Hopper (sm90) or newer GPU"
     elif impl not in KERNELS:
         return f"it is not a kernel; use one of {IMPLS}"
     return None
+
+
+def hopper_or_newer() -> bool:
+    """Whether the first local device is an NVIDIA GPU of compute capability >= 9.0."""
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    try:
+        return float(capability) >= 9.0
+    except ValueError:  # a ROCm 'gfx...' name
+        return False
 
 
 def platform_family(platform: str) -> str:
@@ -307,12 +324,12 @@ def platform_family(platform: str) -> str:
 
 
 def choose_kernel(impl: str, *, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
-                  platform: str) -> str:
+                  platform: str, dtype: str | None = None) -> str:
     """The kernel name `attention.impl` means here: 'auto' -> the first of `AUTO[platform]`
     that can serve the shapes; an explicit name that cannot -> ValueError (one line)."""
     platform = platform_family(platform)
     shapes = dict(head_dim=head_dim, q_chunk=q_chunk, kv_chunk=kv_chunk, block=block,
-                  platform=platform)
+                  platform=platform, dtype=dtype)
     if impl == "auto":
         for name in AUTO.get(platform, ("blockwise",)):
             if kernel_limits(name, **shapes) is None:

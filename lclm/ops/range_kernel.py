@@ -104,7 +104,7 @@ def range_kernel(attend, attend_vjp) -> Kernel:
             o, lse = attend(q, k, v, causal, start, end)
             return o.astype(F32), lse.astype(F32)
 
-        def empty(rows):
+        def nothing(rows):
             return jnp.zeros((b, rows, h, d), F32), jnp.full((b, rows, h), -jnp.inf, F32)
 
         def ranges():
@@ -115,25 +115,28 @@ def range_kernel(attend, attend_vjp) -> Kernel:
         def query_half():
             o, lse = call(q[:, hq:], k, v, False,
                           _doc_start(None if q_seg is None else q_seg[:, hq:], k_seg))
-            zero_o, zero_lse = empty(hq)
+            zero_o, zero_lse = nothing(hq)
             return (jnp.concatenate([zero_o, o], axis=1),
                     jnp.concatenate([zero_lse, lse], axis=1))
 
+        # every branch is traced whatever the class: the halves only exist for even lengths
+        halves = tq % 2 == 0 and k.shape[1] % 2 == 0 and min(tq, k.shape[1]) > 1
         branches = [
-            lambda: empty(tq),
+            lambda: nothing(tq),
             lambda: call(q, k, v, True, _doc_start(q_seg, k_seg)),
             lambda: call(q, _shift_keys(k), _shift_keys(v), True,
                          _at_least(_doc_start(q_seg, _shift_keys(k_seg)), 1, (b, tq))),
             lambda: call(q, k, v, False, _doc_start(q_seg, k_seg)),
-            lambda: call(q, k[:, :hk], v[:, :hk], False,
-                         _doc_start(q_seg, None if k_seg is None else k_seg[:, :hk])),
-            query_half,
+            (lambda: call(q, k[:, :hk], v[:, :hk], False,
+                          _doc_start(q_seg, None if k_seg is None else k_seg[:, :hk])))
+            if halves else ranges,
+            query_half if halves else ranges,
             ranges,
         ]
         o, lse = lax.switch(round_class(q_pos, k_pos, causal), branches)
-        empty = _sees_nothing(q_pos, k_pos, q_seg, k_seg, causal, b)
-        return (jnp.where(empty[..., None, None], 0.0, o),
-                jnp.where(empty[..., None], -jnp.inf, lse))
+        blind = _sees_nothing(q_pos, k_pos, q_seg, k_seg, causal, b)
+        return (jnp.where(blind[..., None, None], 0.0, o),
+                jnp.where(blind[..., None], -jnp.inf, lse))
 
     def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk,
                  kv_chunk):
@@ -142,8 +145,9 @@ def range_kernel(attend, attend_vjp) -> Kernel:
         hq, hk = tq // 2, k.shape[1] // 2
         lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing anywhere
         # rows that see nothing in this pair contribute nothing, whatever the op does with them
-        empty = _sees_nothing(q_pos, k_pos, q_seg, k_seg, causal, q.shape[0])
-        do = jnp.where(empty[..., None, None], jnp.zeros_like(do), do)
+        blind = _sees_nothing(q_pos, k_pos, q_seg, k_seg, causal, q.shape[0])
+        do = jnp.where(blind[..., None, None], jnp.zeros_like(do), do)
+        halves = tq % 2 == 0 and k.shape[1] % 2 == 0 and min(tq, k.shape[1]) > 1
 
         def call(q, k, v, o, lse, do, causal, start, end=None):
             return tuple(g.astype(F32) for g in
@@ -179,11 +183,11 @@ def range_kernel(attend, attend_vjp) -> Kernel:
             lambda: call(q, k, v, o, lse, do, True, _doc_start(q_seg, k_seg)),
             strict,
             lambda: call(q, k, v, o, lse, do, False, _doc_start(q_seg, k_seg)),
-            key_half,
-            query_half,
+            key_half if halves else ranges,
+            query_half if halves else ranges,
             ranges,
         ]
         dq, dk, dv = lax.switch(round_class(q_pos, k_pos, causal), branches)
-        return jnp.where(empty[..., None, None], 0.0, dq), dk, dv
+        return jnp.where(blind[..., None, None], 0.0, dq), dk, dv
 
     return Kernel(forward, backward)

@@ -33,8 +33,9 @@ BATCH_AXES = ("dp", "fsdp")
 HEAD_AXIS = "tp"
 
 
-def _merge(o, lse, o_r, lse_r):
-    """Combine two normalised partial attentions by their log-sum-exps (-inf = empty)."""
+def merge_partials(o, lse, o_r, lse_r):
+    """Combine two normalised partial attentions by their log-sum-exps (-inf = empty).
+    o `[..., dim]` float32, lse `[...]` float32."""
     lse_new = jnp.logaddexp(lse, lse_r)
     safe = jnp.where(jnp.isfinite(lse_new), lse_new, 0.0)
     w, w_r = jnp.exp(lse - safe), jnp.exp(lse_r - safe)
@@ -80,7 +81,7 @@ def _ring_forward(s: _Settings, q, k, v, q_seg, k_seg):
         o, lse, k, v, k_seg = carry
         # The next block is sent before this one is used, so the transfer can overlap compute.
         k_next, v_next, seg_next = _send((k, v, k_seg), s.axis, s.n)
-        o, lse = _merge(o, lse, *block(q, k, v, q_pos, k_pos(r), q_seg, k_seg))
+        o, lse = merge_partials(o, lse, *block(q, k, v, q_pos, k_pos(r), q_seg, k_seg))
         return (o, lse, k_next, v_next, seg_next), None
 
     b, t, h, d = q.shape
@@ -88,7 +89,7 @@ def _ring_forward(s: _Settings, q, k, v, q_seg, k_seg):
     if s.n > 1:
         carry, _ = lax.scan(round_, carry, jnp.arange(s.n - 1))
     o, lse, k, v, k_seg = carry
-    o, lse = _merge(o, lse, *block(q, k, v, q_pos, k_pos(s.n - 1), q_seg, k_seg))
+    o, lse = merge_partials(o, lse, *block(q, k, v, q_pos, k_pos(s.n - 1), q_seg, k_seg))
     return o, lse
 
 
@@ -150,12 +151,14 @@ def tile_run(layout: str, n: int, seq_len: int) -> int:
     return local // 2 if layout == "zigzag" and n > 1 else local
 
 
-def _settings(n, layout, causal, q_chunk, kv_chunk, impl, q_shape, axis=SP):
-    """Check the layout and resolve `impl` ('auto' included) for global queries `q_shape`."""
+def _settings(n, layout, causal, q_chunk, kv_chunk, impl, q, platform, axis=SP):
+    """Check the layout and resolve `impl` ('auto' included) for global queries `q` on
+    devices of `platform`."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
-    impl = choose_kernel(impl, head_dim=q_shape[-1], q_chunk=q_chunk, kv_chunk=kv_chunk,
-                         block=tile_run(layout, n, q_shape[1]), platform=jax.default_backend())
+    impl = choose_kernel(impl, head_dim=q.shape[-1], q_chunk=q_chunk, kv_chunk=kv_chunk,
+                         block=tile_run(layout, n, q.shape[1]), platform=platform,
+                         dtype=jnp.dtype(q.dtype).name)
     get_kernel(impl)
     return _Settings(axis, n, layout, bool(causal), int(q_chunk), int(kv_chunk), impl)
 
@@ -167,7 +170,8 @@ def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_c
     q `[batch, seq, heads, dim]`, k/v `[batch, seq, kv_heads, dim]` in original order,
     segment_ids `[batch, seq]` or None. Differentiable.
     """
-    settings = _settings(1, "contiguous", causal, q_chunk, kv_chunk, impl, q.shape, axis=None)
+    settings = _settings(1, "contiguous", causal, q_chunk, kv_chunk, impl, q,
+                         jax.default_backend(), axis=None)
     return _ring(settings, q, k, v, segment_ids, segment_ids)
 
 
@@ -186,15 +190,18 @@ def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=
     """Ring attention of global arrays whose sequence axis is sharded over `sp`.
 
     q `[batch, seq, heads, dim]`, k/v `[batch, seq, kv_heads, dim]` (kv_heads divides heads),
-    segment_ids `[batch, seq]` int or None; all already in `layout`'s token order (see
-    `lclm.ops.stripe`). Batch is split over (`dp`, `fsdp`), heads over `tp`. Returns the
-    output `[batch, seq, heads, dim]` in the same order and dtype as q. Differentiable.
+    segment_ids `[batch, seq]` int or None (ids that never decrease along the original order,
+    as packing gives them: range-based kernels rely on it); all already in `layout`'s token
+    order (see `lclm.ops.stripe`). Batch is split over (`dp`, `fsdp`), heads over `tp`.
+    Returns the output `[batch, seq, heads, dim]` in the same order and dtype as q.
+    Differentiable.
     """
     n, tp = mesh.shape[SP], mesh.shape[HEAD_AXIS]
     rep = kv_repeats(q.shape[2], k.shape[2], tp)
     if rep > 1:  # only when kv_heads < tp: each tp shard then holds its own copy
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    settings = _settings(n, layout, causal, q_chunk, kv_chunk, impl, q.shape)
+    settings = _settings(n, layout, causal, q_chunk, kv_chunk, impl, q,
+                         mesh.devices.flat[0].platform)
     x_spec = P(BATCH_AXES, SP, HEAD_AXIS, None)
     seg_spec = P(BATCH_AXES, SP)
     if segment_ids is None:

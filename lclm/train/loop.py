@@ -168,7 +168,7 @@ def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
     a = config.attention
     try:
         return choose_kernel(a.impl, head_dim=model.dim // model.n_heads, q_chunk=a.q_chunk,
-                             kv_chunk=a.kv_chunk, platform=platform,
+                             kv_chunk=a.kv_chunk, platform=platform, dtype=model.dtype,
                              block=tile_run(a.layout, sp, config.data.seq_len))
     except ValueError as e:
         raise ConfigError(str(e)) from None

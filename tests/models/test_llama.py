@@ -130,7 +130,7 @@ def test_offload_remat_moves_saved_activations_to_host_with_equal_gradients():
     attn = AttentionConfig(q_chunk=4, kv_chunk=4)
     b = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, "striped", 4)
     grads, programs = {}, {}
-    for remat in ("none", "offload"):
+    for remat in ("none", "attention", "offload"):
         cfg = dataclasses.replace(CFG, remat=remat)
         grad = jax.grad(lambda p: (lambda t, c: t / c)(*loss_terms(cfg, p, b, mesh=mesh,
                                                                     attention=attn)))
@@ -143,7 +143,11 @@ def test_offload_remat_moves_saved_activations_to_host_with_equal_gradients():
     b_, t, d, h = batch["tokens"].shape[0], batch["tokens"].shape[1], CFG.dim, CFG.n_heads
     # stacked over the layers: their inputs, and (in the ring's per-device shapes) the ring
     # outputs `[..., heads, head_dim]` and log-sum-exps `[..., heads]`
-    assert f"f32<host>[{CFG.n_layers},{b_},{t},{d}]" in host, host
+    stacked_inputs = f"[{CFG.n_layers},{b_},{t},{d}]"
+    assert f"f32<host>{stacked_inputs}" in host, host
+    # ... and no longer on the device, where 'attention' keeps them
+    assert f"f32{stacked_inputs}" in programs["attention"]
+    assert f"f32{stacked_inputs}" not in programs["offload"]
     stacked = [a for a in host if a.startswith(f"f32<host>[{CFG.n_layers},")]
     assert any(a.endswith(f",{h},{d // h}]") for a in stacked), host
     assert any(a.endswith(f",{h}]") for a in stacked), host

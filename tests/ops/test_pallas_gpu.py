@@ -171,7 +171,13 @@ def test_kernels_lower_to_triton_for_gpus(monkeypatch, d, segments):
         with jax.sharding.use_abstract_mesh(mesh):
             exported = export(*args)
     else:
-        exported = export(*args)
+        try:
+            exported = export(*args)
+        except Exception as e:  # a jax that asks the device for its GPU generation
+            if "No supported GPU devices" in str(e):
+                pytest.skip(f"this jax ({jax.__version__}) lowers Triton only with a GPU "
+                            "present and has no AbstractDevice to name one")
+            raise
     module = exported.mlir_module()
     for name in ("lclm_flash_forward", "lclm_flash_backward_dkdv", "lclm_flash_backward_dq"):
         assert f'name = "{name}"' in module
