@@ -131,7 +131,7 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
     kernel = BASELINE if baseline else attention_kernel(config, model, sizes["sp"],
                                                         jax.devices()[0].platform)
     record = dict(params=model.param_count(), seq=config.data.seq_len,
-                  impl=kernel, layout=config.attention.layout,
+                  impl=kernel, layout="-" if baseline else config.attention.layout,
                   mesh="x".join(str(sizes[a]) for a in MESH_AXES))
     t0 = time.perf_counter()
     with model_patch or contextlib.nullcontext():
