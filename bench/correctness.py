@@ -90,24 +90,18 @@ def case_inputs(case: str, t: int, heads: int, head_dim: int, dtype: str):
 
 
 def dense_reference(q, k, v, do, q_pos, k_pos, q_seg, k_seg):
-    """(o, dq, dk, dv) in float32 of masked softmax attention (rows with nothing visible: 0)."""
+    """(o, dq, dk, dv) in float32 of `lclm.ops.attention.dense_attention` with the case's
+    positions and segment ids on both sides."""
     import jax
     import jax.numpy as jnp
 
-    mask = (q_pos[:, None] >= k_pos[None, :])[None]
-    if q_seg is not None:
-        mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
+    from lclm.ops.attention import dense_attention
 
     def attend(q, k, v):
-        rep = q.shape[2] // k.shape[2]
-        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
-        s = jnp.where(mask[:, None], s, -jnp.inf)
-        p = jnp.where(mask[:, None], jax.nn.softmax(s, axis=-1), 0.0)
-        return jnp.einsum("bhqk,bkhd->bqhd", jnp.nan_to_num(p), v)
+        return dense_attention(q, k, v, positions=q_pos, segment_ids=q_seg, k_positions=k_pos,
+                               k_segment_ids=k_seg)
 
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    o, vjp = jax.vjp(attend, *f32)
+    o, vjp = jax.vjp(attend, *(x.astype(jnp.float32) for x in (q, k, v)))
     return (o, *vjp(do.astype(jnp.float32)))
 
 
