@@ -28,10 +28,16 @@ def key_ranges(q_pos, k_pos, q_seg=None, k_seg=None, *, causal: bool = True):
     end = (jnp.searchsorted(k_pos, q_pos, side="right").astype(I32)[None] if causal
            else jnp.full((1, tq), tk, I32))
     if q_seg is not None:
-        search = lambda side: jax.vmap(lambda ks, qs: jnp.searchsorted(ks, qs, side=side))
-        start = jnp.maximum(start, search("left")(k_seg, q_seg).astype(I32))
-        end = jnp.minimum(end, search("right")(k_seg, q_seg).astype(I32))
+        start = jnp.maximum(start, segment_starts(q_seg, k_seg))
+        end = jnp.minimum(end, segment_starts(q_seg, k_seg, side="right"))
     return start, jnp.maximum(end, start)
+
+
+def segment_starts(q_seg, k_seg, side: str = "left"):
+    """Per query, the first key of its segment `[batch, tq]` int32 (`side='right'`: one past
+    the last). k_seg `[batch, tk]` never decreasing, q_seg `[batch, tq]`."""
+    search = jax.vmap(lambda ks, qs: jnp.searchsorted(ks, qs, side=side))
+    return search(k_seg, q_seg).astype(I32)
 
 
 def ranges_mask(k_start, k_end, tk: int):

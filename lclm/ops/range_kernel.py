@@ -29,12 +29,15 @@ o and lse (finite where the row sees anything anywhere).
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from lclm.ops.attention import F32, Kernel
-from lclm.ops.key_ranges import key_ranges
+from lclm.ops.key_ranges import key_ranges, segment_starts
 
 CLASSES = ("hidden", "causal", "strict", "full", "key half", "query half", "ranges")
 
@@ -64,17 +67,7 @@ def round_class(q_pos, k_pos, causal: bool = True):
 
 def _doc_start(q_seg, k_seg):
     """First key of each query's segment `[b, tq]` int32 (None without segments)."""
-    if q_seg is None:
-        return None
-    first = jax.vmap(lambda ks, qs: jnp.searchsorted(ks, qs, side="left"))
-    return first(k_seg, q_seg).astype(jnp.int32)
-
-
-def _sees_nothing(q_pos, k_pos, q_seg, k_seg, causal: bool, batch: int):
-    """`[b, tq]` bool: queries with no visible key in this pair. They get o = 0, lse = -inf
-    and no gradient, as the contract says, even from an op that fills empty rows otherwise."""
-    start, end = key_ranges(q_pos, k_pos, q_seg, k_seg, causal=causal)
-    return jnp.broadcast_to(end <= start, (batch, q_pos.shape[0]))
+    return None if q_seg is None else segment_starts(q_seg, k_seg)
 
 
 def _shift_keys(x):
@@ -88,106 +81,117 @@ def _unshift(dx):
     return jnp.concatenate([dx[:, 1:], jnp.zeros_like(dx[:, :1])], axis=1)
 
 
+def _first_half(x):
+    return None if x is None else x[:, :x.shape[1] // 2]
+
+
+def _pad_half(dx):
+    """Gradients of the first half of the keys back to all of them (the rest saw nothing)."""
+    return jnp.concatenate([dx, jnp.zeros_like(dx)], axis=1)
+
+
+# how a call sees the keys, and how its key gradients go back to the block's places
+_KEYS = {"all": (lambda x: x, lambda dx: dx), "first half": (_first_half, _pad_half),
+         "shifted": (_shift_keys, _unshift)}
+
+
+class _Call(NamedTuple):
+    """The one attention call that does a class's work: queries `rows`, keys as `keys` says
+    (`_KEYS`), and the mask (causal flag, k_start / k_end `[b, len(rows)]` or None)."""
+    rows: slice
+    keys: str
+    causal: bool
+    start: jax.Array | None
+    end: jax.Array | None = None
+
+
+def _calls(q_pos, k_pos, q_seg, k_seg, causal: bool, shape):
+    """(per class of `CLASSES`: a function giving its `_Call`, or None for nothing visible;
+    `[b, tq]` bool of the queries that see nothing in this pair). `shape` is q's `[b, tq]`."""
+    start, end = key_ranges(q_pos, k_pos, q_seg, k_seg, causal=causal)
+    blind = jnp.broadcast_to(end <= start, shape)
+    tq, tk = shape[1], k_pos.shape[0]
+    every = slice(None)
+    ranges = lambda: _Call(every, "all", False, jnp.broadcast_to(start, shape),
+                           jnp.broadcast_to(end, shape))
+    # every branch is traced whatever the class: the halves only exist for even lengths
+    halves = tq % 2 == 0 and tk % 2 == 0 and min(tq, tk) > 1
+    late = slice(tq // 2, None)
+    calls = [
+        None,
+        lambda: _Call(every, "all", True, _doc_start(q_seg, k_seg)),
+        lambda: _Call(every, "shifted", True,
+                      _at_least(_doc_start(q_seg, _shift_keys(k_seg)), 1, shape)),
+        lambda: _Call(every, "all", False, _doc_start(q_seg, k_seg)),
+        (lambda: _Call(every, "first half", False, _doc_start(q_seg, _first_half(k_seg))))
+        if halves else ranges,
+        (lambda: _Call(late, "all", False,
+                       _doc_start(None if q_seg is None else q_seg[:, late], k_seg)))
+        if halves else ranges,
+        ranges,
+    ]
+    return calls, blind
+
+
+def _place(x, rows: slice, fill):
+    """A call's per-query result `[b, rows, ...]` at its rows of the block: the queries before
+    `rows.start` (the zigzag query half) get `fill`."""
+    if not rows.start:
+        return x
+    return jnp.concatenate([jnp.full((x.shape[0], rows.start) + x.shape[2:], fill, x.dtype), x],
+                           axis=1)
+
+
 def _at_least(start, n: int, shape):
     return jnp.full(shape, n, jnp.int32) if start is None else jnp.maximum(start, n)
 
 
 def range_kernel(attend, attend_vjp) -> Kernel:
-    """lclm's block-pair `Kernel` from a range-mask attention and its VJP (module docstring)."""
+    """lclm's block-pair `Kernel` from a range-mask attention and its VJP (module docstring).
+    Rows that see nothing in a pair get o = 0, lse = -inf and no gradient, as the contract
+    says, even from an op that fills empty rows otherwise."""
 
     def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk, kv_chunk):
         del q_chunk, kv_chunk  # the fused kernel picks its own tiles
         b, tq, h, d = q.shape
-        hq, hk = tq // 2, k.shape[1] // 2
+        calls, blind = _calls(q_pos, k_pos, q_seg, k_seg, causal, (b, tq))
 
-        def call(q, k, v, causal, start, end=None):
-            o, lse = attend(q, k, v, causal, start, end)
-            return o.astype(F32), lse.astype(F32)
+        def run(call):
+            if call is None:
+                return jnp.zeros((b, tq, h, d), F32), jnp.full((b, tq, h), -jnp.inf, F32)
+            c = call()
+            keys = _KEYS[c.keys][0]
+            o_c, lse_c = attend(q[:, c.rows], keys(k), keys(v), c.causal, c.start, c.end)
+            return (_place(o_c.astype(F32), c.rows, 0.0),
+                    _place(lse_c.astype(F32), c.rows, -jnp.inf))
 
-        def nothing(rows):
-            return jnp.zeros((b, rows, h, d), F32), jnp.full((b, rows, h), -jnp.inf, F32)
-
-        def ranges():
-            start, end = key_ranges(q_pos, k_pos, q_seg, k_seg, causal=causal)
-            return call(q, k, v, False, jnp.broadcast_to(start, (b, tq)),
-                        jnp.broadcast_to(end, (b, tq)))
-
-        def query_half():
-            o, lse = call(q[:, hq:], k, v, False,
-                          _doc_start(None if q_seg is None else q_seg[:, hq:], k_seg))
-            zero_o, zero_lse = nothing(hq)
-            return (jnp.concatenate([zero_o, o], axis=1),
-                    jnp.concatenate([zero_lse, lse], axis=1))
-
-        # every branch is traced whatever the class: the halves only exist for even lengths
-        halves = tq % 2 == 0 and k.shape[1] % 2 == 0 and min(tq, k.shape[1]) > 1
-        branches = [
-            lambda: nothing(tq),
-            lambda: call(q, k, v, True, _doc_start(q_seg, k_seg)),
-            lambda: call(q, _shift_keys(k), _shift_keys(v), True,
-                         _at_least(_doc_start(q_seg, _shift_keys(k_seg)), 1, (b, tq))),
-            lambda: call(q, k, v, False, _doc_start(q_seg, k_seg)),
-            (lambda: call(q, k[:, :hk], v[:, :hk], False,
-                          _doc_start(q_seg, None if k_seg is None else k_seg[:, :hk])))
-            if halves else ranges,
-            query_half if halves else ranges,
-            ranges,
-        ]
-        o, lse = lax.switch(round_class(q_pos, k_pos, causal), branches)
-        blind = _sees_nothing(q_pos, k_pos, q_seg, k_seg, causal, b)
+        o, lse = lax.switch(round_class(q_pos, k_pos, causal),
+                            [functools.partial(run, c) for c in calls])
         return (jnp.where(blind[..., None, None], 0.0, o),
                 jnp.where(blind[..., None], -jnp.inf, lse))
 
     def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk,
                  kv_chunk):
         del q_chunk, kv_chunk
-        tq = q.shape[1]
-        hq, hk = tq // 2, k.shape[1] // 2
+        calls, blind = _calls(q_pos, k_pos, q_seg, k_seg, causal, q.shape[:2])
         lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing anywhere
         # rows that see nothing in this pair contribute nothing, whatever the op does with them
-        blind = _sees_nothing(q_pos, k_pos, q_seg, k_seg, causal, q.shape[0])
         do = jnp.where(blind[..., None, None], jnp.zeros_like(do), do)
-        halves = tq % 2 == 0 and k.shape[1] % 2 == 0 and min(tq, k.shape[1]) > 1
 
-        def call(q, k, v, o, lse, do, causal, start, end=None):
-            return tuple(g.astype(F32) for g in
-                         attend_vjp(q, k, v, o, lse, do, causal, start, end))
+        def run(call):
+            if call is None:
+                return (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32),
+                        jnp.zeros(v.shape, F32))
+            c = call()
+            keys, back = _KEYS[c.keys]
+            r = c.rows
+            dq, dk, dv = attend_vjp(q[:, r], keys(k), keys(v), o[:, r], lse[:, r], do[:, r],
+                                    c.causal, c.start, c.end)
+            return (_place(dq.astype(F32), r, 0.0), back(dk.astype(F32)),
+                    back(dv.astype(F32)))
 
-        def zeros():
-            return (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
-
-        def strict():
-            start = _at_least(_doc_start(q_seg, _shift_keys(k_seg)), 1, q.shape[:2])
-            dq, dk, dv = call(q, _shift_keys(k), _shift_keys(v), o, lse, do, True, start)
-            return dq, _unshift(dk), _unshift(dv)
-
-        def key_half():
-            start = _doc_start(q_seg, None if k_seg is None else k_seg[:, :hk])
-            dq, dk, dv = call(q, k[:, :hk], v[:, :hk], o, lse, do, False, start)
-            pad = lambda g: jnp.concatenate([g, jnp.zeros_like(g)], axis=1)
-            return dq, pad(dk), pad(dv)
-
-        def query_half():
-            start = _doc_start(None if q_seg is None else q_seg[:, hq:], k_seg)
-            dq, dk, dv = call(q[:, hq:], k, v, o[:, hq:], lse[:, hq:], do[:, hq:], False, start)
-            return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
-
-        def ranges():
-            start, end = key_ranges(q_pos, k_pos, q_seg, k_seg, causal=causal)
-            shape = q.shape[:2]
-            return call(q, k, v, o, lse, do, False, jnp.broadcast_to(start, shape),
-                        jnp.broadcast_to(end, shape))
-
-        branches = [
-            zeros,
-            lambda: call(q, k, v, o, lse, do, True, _doc_start(q_seg, k_seg)),
-            strict,
-            lambda: call(q, k, v, o, lse, do, False, _doc_start(q_seg, k_seg)),
-            key_half if halves else ranges,
-            query_half if halves else ranges,
-            ranges,
-        ]
-        dq, dk, dv = lax.switch(round_class(q_pos, k_pos, causal), branches)
+        dq, dk, dv = lax.switch(round_class(q_pos, k_pos, causal),
+                                [functools.partial(run, c) for c in calls])
         return jnp.where(blind[..., None, None], 0.0, dq), dk, dv
 
     return Kernel(forward, backward)
