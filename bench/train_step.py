@@ -217,11 +217,18 @@ def _timed_steps(compiled, state, batch, warmup: int, steps: int):
     return (time.perf_counter() - t0) / steps, metrics
 
 
+def measure_row(config_path: str, overrides, seq: int, layout: str | None, impl: str | None,
+                *, steps: int, warmup: int) -> dict:
+    """One row measured in this process; `impl` BASELINE measures `bench.baseline`'s step."""
+    baseline = impl == BASELINE
+    config = row_config(config_path, overrides, seq, layout, None if baseline else impl)
+    return measure(config, steps=steps, warmup=warmup, baseline=baseline)
+
+
 def run_row(run: ModelRun, seq: int, layout: str | None, impl: str | None, *, steps: int,
             warmup: int, isolate: bool, timeout: float) -> dict:
     """One row, in this process or (isolate) in a child; failures become a status."""
     base = dict(seq=seq, impl=impl or "", layout=layout or "", status="")
-    baseline = impl == BASELINE
     if isolate:
         argv = ["--config", repo_path(run.config), "--seq", str(seq), "--steps", str(steps),
                 "--warmup", str(warmup), "--record", *run.overrides]
@@ -230,9 +237,8 @@ def run_row(run: ModelRun, seq: int, layout: str | None, impl: str | None, *, st
         records, status = run_child("bench.train_step", argv, timeout)
         return records[0] if records else dict(base, status=status)
     try:
-        config = row_config(repo_path(run.config), run.overrides, seq, layout,
-                            None if baseline else impl)
-        return measure(config, steps=steps, warmup=warmup, baseline=baseline)
+        return measure_row(repo_path(run.config), run.overrides, seq, layout, impl, steps=steps,
+                           warmup=warmup)
     except Exception as e:  # noqa: BLE001  (OOM or a kernel that cannot run: report it)
         return dict(base, status=error_status(e))
 
@@ -240,18 +246,15 @@ def run_row(run: ModelRun, seq: int, layout: str | None, impl: str | None, *, st
 def collect(spec: TrainSpec, impls, layouts=(None,)) -> list[dict]:
     """Every (model, seq, kernel, layout) row of `spec`, each tagged with its model's name;
     with `spec.baseline`, a baseline row first for every (model, seq)."""
+    kernels = [(BASELINE, None)] if spec.baseline else []  # the baseline has no layout
+    kernels += [(impl, layout) for impl in impls for layout in layouts]
     rows = []
     for run in spec.models:
         for seq in run.seqs:
-            rows += [dict(run_row(run, seq, None, BASELINE, steps=spec.steps,
-                                  warmup=spec.warmup, isolate=spec.isolate,
-                                  timeout=spec.timeout), model=os.path.basename(run.config))
-                     ] if spec.baseline else []
-            for impl in impls:
-                for layout in layouts:
-                    r = run_row(run, seq, layout, impl, steps=spec.steps, warmup=spec.warmup,
-                                isolate=spec.isolate, timeout=spec.timeout)
-                    rows.append(dict(r, model=os.path.basename(run.config)))
+            for impl, layout in kernels:
+                r = run_row(run, seq, layout, impl, steps=spec.steps, warmup=spec.warmup,
+                            isolate=spec.isolate, timeout=spec.timeout)
+                rows.append(dict(r, model=os.path.basename(run.config)))
     return rows
 
 
@@ -353,12 +356,9 @@ def main(argv=None):
             for seq in seqs:
                 for layout in layouts:
                     for impl in impls:
-                        baseline = impl == BASELINE
-                        config = row_config(args.config, args.overrides, seq, layout,
-                                            None if baseline else impl)
-                        emit_record(dict(measure(config, steps=args.steps, warmup=args.warmup,
-                                                 baseline=baseline),
-                                         model=os.path.basename(args.config)))
+                        record = measure_row(args.config, args.overrides, seq, layout, impl,
+                                             steps=args.steps, warmup=args.warmup)
+                        emit_record(dict(record, model=os.path.basename(args.config)))
             return 0
         report(collect(spec, impls, layouts), spec, args.out)
         return 0

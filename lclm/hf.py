@@ -12,7 +12,6 @@ Only JSON and safetensors are read: nothing is unpickled or executed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -505,12 +504,14 @@ SCALING_FIELDS = ("rope_scaling", "rope_factor", "rope_low_freq_factor",
                    "rope_high_freq_factor", "rope_original_max_positions")
 
 
-def model_fields(c: LlamaConfig, rope_scaling: bool = True) -> dict:
-    """The fields of `config.model` that a loaded checkpoint determines: shapes, token ids,
-    max positions and (with `rope_scaling`) its RoPE scaling. Never rope_theta: the run's
-    `model.rope_theta` applies over the checkpoint's."""
+def model_fields(fields: dict, rope_scaling: bool = True) -> dict:
+    """The fields of `config.model` that a source model determines, taken from its model
+    fields (an HF checkpoint's `LlamaConfig` as a dict, or an lclm checkpoint's saved
+    `model`): shapes, token ids, max positions and (with `rope_scaling`) its RoPE scaling.
+    Never rope_theta: the run's `model.rope_theta` applies over the source's. JSON lists
+    come back as tuples."""
     keep = SOURCE_FIELDS + (SCALING_FIELDS if rope_scaling else ())
-    return {k: v for k, v in dataclasses.asdict(c).items() if k in keep}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if k in keep}
 
 
 # --- tokenizers ------------------------------------------------------------------------

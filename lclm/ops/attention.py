@@ -55,21 +55,10 @@ def visible_tiles(q_pos, k_pos, q_seg, k_seg, causal: bool, q_chunk: int, kv_chu
 
     q_pos `[tq]`, k_pos `[tk]`; q_seg `[batch, tq]` / k_seg `[batch, tk]` or None.
     """
-    qp, kp = q_pos.reshape(-1, q_chunk), k_pos.reshape(-1, kv_chunk)
-    visible = jnp.ones((qp.shape[0], kp.shape[0]), bool)
-    if causal:
-        visible = qp.max(1)[:, None] >= kp.min(1)[None, :]
-    if q_seg is not None:
-        qs, ks = _per_chunk(q_seg, q_chunk), _per_chunk(k_seg, kv_chunk)
-        visible &= ((qs.min(1)[:, None] <= ks.max(1)[None, :])
-                    & (ks.min(1)[None, :] <= qs.max(1)[:, None]))
-    return visible
-
-
-def _per_chunk(seg, chunk: int):
-    """`[batch, t]` -> `[t / chunk, batch * chunk]`: every chunk's ids over the whole batch."""
-    b, t = seg.shape
-    return seg.reshape(b, t // chunk, chunk).swapaxes(0, 1).reshape(t // chunk, b * chunk)
+    pair = lambda qp, kp, qs, ks: tile_visible(qp, kp, qs, ks, causal)
+    per_query_chunk = jax.vmap(jax.vmap(pair, (None, 0, None, 0)), (0, None, 0, None))
+    return per_query_chunk(q_pos.reshape(-1, q_chunk), k_pos.reshape(-1, kv_chunk),
+                           _chunks(q_seg, q_chunk), _chunks(k_seg, kv_chunk))
 
 
 def _span(visible):
@@ -120,24 +109,23 @@ def _grouped(x, kv_heads: int):
 
 
 def _span_loop(span, body, init):
-    """`for i in range(*span): carry = body(i, carry)` with traced bounds (a `while_loop`)."""
-    lo, hi = span
-    return lax.while_loop(lambda c: c[0] < hi, lambda c: (c[0] + 1, body(c[0], c[1])),
-                          (lo, init))[1]
-
-
-def _loop(n: int, body, init):
-    """`for i in range(n): carry = body(i, carry)` as a `while_loop`.
+    """`for i in range(*span): carry = body(i, carry)` with traced bounds, as a `while_loop`.
 
     Deliberately not a scan: kernels run only inside the ring's custom VJP and are never
     differentiated, and a scan inside the layer scan would let JAX's partial evaluation hoist
     the loop-invariant per-tile masks out of the layer loop, stacked over all tiles
     (materialising [seq, seq] arrays). A while loop is opaque to that.
     """
+    lo, hi = span
+    return lax.while_loop(lambda c: c[0] < hi, lambda c: (c[0] + 1, body(c[0], c[1])),
+                          (lo, init))[1]
+
+
+def _loop(n: int, body, init):
+    """`for i in range(n): carry = body(i, carry)` (`_span_loop` over 0..n; inline for 1)."""
     if n == 1:
         return body(jnp.int32(0), init)
-    return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])),
-                          (jnp.int32(0), init))[1]
+    return _span_loop((jnp.int32(0), n), body, init)
 
 
 def _at(x, i):

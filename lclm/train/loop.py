@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -112,7 +113,7 @@ def apply_hf_shapes(config) -> None:
     `model.rope_theta` stays the run's (long-context recipes raise it)."""
     from lclm import hf
     source = hf.read_config(config.model.init_from_hf)
-    config.model.update(hf.model_fields(source,
+    config.model.update(hf.model_fields(dataclasses.asdict(source),
                                         rope_scaling=config.model.rope_scaling == "auto"))
     if source.rope_theta != config.model.rope_theta:
         log.info("model.rope_theta=%g replaces %s's rope_theta %g", config.model.rope_theta,
@@ -126,10 +127,8 @@ def apply_checkpoint_fields(config) -> None:
     from lclm import hf
     from lclm.checkpoint import read_config
     _, saved = read_config(config.model.init_from_checkpoint)
-    fields = hf.SOURCE_FIELDS + (hf.SCALING_FIELDS if config.model.rope_scaling == "auto"
-                                 else ())
-    config.model.update({k: tuple(v) if isinstance(v, list) else v
-                         for k, v in saved.get("model", {}).items() if k in fields})
+    config.model.update(hf.model_fields(saved.get("model", {}),
+                                        rope_scaling=config.model.rope_scaling == "auto"))
 
 
 def load_hf_params(config, model: LlamaConfig, mesh):
