@@ -46,7 +46,8 @@ def blockwise_cross_entropy(h, w_out, targets, loss_mask, *, chunk: int, n_shard
     would lose more precision with every chunk.
     """
     mask = loss_mask.astype(jnp.float32)
-    total = _blockwise_ce(chunk, n_shards, constrain, dtype, h, w_out, targets, mask)
+    static = (chunk, n_shards, constrain, dtype or w_out.dtype, w_out.dtype)
+    total = _blockwise_ce(static, h, w_out, targets, mask)
     return total, jnp.sum(mask)
 
 
@@ -61,9 +62,14 @@ def _masked_sum(logits, tc, mc):
     return jnp.sum(losses_of_logits(logits, tc) * mc)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _blockwise_ce(chunk, n_shards, constrain, dtype, h, w_out, targets, mask):
-    w = w_out if dtype is None else w_out.astype(dtype)
+def _whole(static, w_out):
+    """The `[dim, vocab]` weights in the compute dtype, gathered along `dim` (FSDP's gather;
+    `vocab` stays split over `tp`)."""
+    return static[2](w_out.astype(static[3]), ("act_embed", "act_vocab"))
+
+
+def _total(static, h, w, targets, mask):
+    chunk, n_shards, constrain = static[:3]
 
     def body(total, xs):
         hc, tc, mc = xs
@@ -73,15 +79,24 @@ def _blockwise_ce(chunk, n_shards, constrain, dtype, h, w_out, targets, mask):
     return lax.scan(body, jnp.zeros((), jnp.float32), chunks)[0]
 
 
-def _blockwise_ce_fwd(chunk, n_shards, constrain, dtype, h, w_out, targets, mask):
-    # residuals are the inputs only: every chunk's logits are recomputed
-    total = _blockwise_ce(chunk, n_shards, constrain, dtype, h, w_out, targets, mask)
-    return total, (h, w_out, targets, mask)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blockwise_ce(static, h, w_out, targets, mask):
+    """static: (chunk, n_shards, constrain, compute dtype, the weights' dtype)."""
+    return _total(static, h, _whole(static, w_out), targets, mask)
 
 
-def _blockwise_ce_bwd(chunk, n_shards, constrain, dtype, res, dtotal):
-    h, w_out, targets, mask = res
-    w = w_out if dtype is None else w_out.astype(dtype)
+def _blockwise_ce_fwd(static, h, w_out, targets, mask):
+    # residuals: the inputs, with the weights as the forward cast them, and every chunk's
+    # logits are recomputed. Casting again in the backward made the SPMD partitioner gather
+    # the weights a second time, at the start of the step beside the layers' gathers (on
+    # simulated CPU meshes one more collective in flight, see lclm.parallel.devices)
+    w = _whole(static, w_out)
+    return _total(static, h, w, targets, mask), (h, w, targets, mask)
+
+
+def _blockwise_ce_bwd(static, res, dtotal):
+    chunk, n_shards, constrain, _, w_dtype = static
+    h, w, targets, mask = res
 
     def body(dw, xs):
         hc, tc, mc = xs
@@ -92,9 +107,9 @@ def _blockwise_ce_bwd(chunk, n_shards, constrain, dtype, res, dtotal):
         return dw + weight_grad(hc, dlogits), dhc
 
     hs, ts, ms = _chunks(constrain, n_shards, chunk, h, targets, mask)
-    dw, dhs = lax.scan(body, jnp.zeros(w_out.shape, jnp.float32), (hs, ts, ms))
+    dw, dhs = lax.scan(body, jnp.zeros(w.shape, jnp.float32), (hs, ts, ms))
     dh = merge_chunks(constrain(dhs, _SEQ_AXES + ("act_embed",)))
-    return dh, dw.astype(w_out.dtype), None, None   # targets and mask are data
+    return dh, dw.astype(w_dtype), None, None   # targets and mask are data
 
 
 _blockwise_ce.defvjp(_blockwise_ce_fwd, _blockwise_ce_bwd)

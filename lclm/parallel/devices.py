@@ -16,14 +16,40 @@ MAX_SIMULATED_DEVICES = 16
 # ring's collective-permute and an FSDP all-gather in different orders: a deadlock that XLA
 # aborts after 40 s (reproduced with jax 0.12 on 2 cores; gone with this flag).
 CPU_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+# Simulated devices run their programs' operations on one shared pool of XLA:CPU worker
+# threads, and an in-process collective blocks its thread until every device has joined it.
+# XLA orders a device's collectives only by when they start, so collectives that are ready
+# at the same time (an FSDP gather beside a loop that holds gathers) run concurrently, each
+# on its own thread. The pool is sized by the core count (8 threads on a 2-core machine):
+# four devices with two collectives in flight each can block all of it while the device
+# that would complete them waits for a thread, until XLA aborts after 40 s. Real GPUs and
+# TPUs run one static schedule per device and never block a shared pool. XLA sizes the pool
+# from the NPROC environment variable where it is set; idle threads cost nothing.
+POOL_THREADS_PER_DEVICE = 4
 
 
 def request_cpu_devices(n: int) -> None:
     """Ask XLA for `min(n, MAX_SIMULATED_DEVICES)` host devices (unless the environment already
-    chose a count) and set `CPU_FLAGS`. No effect once JAX has started: call it first."""
+    chose a count), set `CPU_FLAGS`, and give XLA:CPU's worker pool enough threads for that
+    many devices' collectives (NPROC, unless set). No effect once JAX has started: call it
+    first."""
     flags = os.environ.get("XLA_FLAGS", "")
     extra = [f for f in CPU_FLAGS if f.split("=")[0] not in flags]
     n = min(n, MAX_SIMULATED_DEVICES)
     if n > 1 and _FLAG not in flags:
         extra.append(f"{_FLAG}={n}")
     os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+    simulated = n if _FLAG not in flags else _flag_count(flags)
+    if simulated > 1 and "NPROC" not in os.environ:
+        os.environ["NPROC"] = str(max(os.cpu_count() or 1, POOL_THREADS_PER_DEVICE * simulated))
+
+
+def _flag_count(flags: str) -> int:
+    """The device count an XLA_FLAGS string already asks for (1 if unreadable)."""
+    for part in flags.split():
+        if part.startswith(_FLAG + "="):
+            try:
+                return int(part.split("=", 1)[1])
+            except ValueError:
+                return 1
+    return 1
