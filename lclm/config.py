@@ -104,8 +104,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict(dict(every=0, keep=3))  # every=0: final save only
 
     # staged context extension (lclm.train.stages): "seq_len:rope_theta:steps, ..." runs one
-    # stage after another, each from the previous one's final weights; empty = a single run
-    c.stages = ml_collections.ConfigDict(dict(schedule="", tokens_per_batch=0))
+    # stage after another, each from the previous one's final weights; empty = a single run.
+    # extend_lr: the peak learning rate of every stage after the first (each fine-tunes its
+    # predecessor's weights with a fresh optimizer); 0 = train.lr
+    c.stages = ml_collections.ConfigDict(dict(schedule="", tokens_per_batch=0, extend_lr=0.0))
     return c
 
 
@@ -150,6 +152,9 @@ _RANGES = {
     "train.min_lr_ratio": (lambda x: 0 <= x <= 1, "must be in [0, 1]"),
     "train.warmup": (lambda x: x >= 0, "must be >= 0"),
     "checkpoint.every": (lambda x: x >= 0, "must be >= 0 (0: save at the end only)"),
+    "stages.extend_lr": (lambda x: 0 <= x < math.inf,
+                         "must be a finite number >= 0 (0: the stages after the first use "
+                         "train.lr)"),
 }
 
 

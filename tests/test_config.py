@@ -50,6 +50,18 @@ def test_staged_recipes_hold_tokens_per_step_and_validate(name, devices, seq_len
     assert [c.model.init_from_checkpoint for c in stages[1:]] == [c.workdir for c in stages[:-1]]
 
 
+def test_stages_after_the_first_fine_tune_at_extend_lr():
+    from lclm.train.stages import stage_configs
+    config = _load("demo_stages.py")
+    config.train.lr, config.stages.extend_lr = 3e-3, 1e-3
+    assert [c.train.lr for c in stage_configs(config)] == [3e-3, 1e-3, 1e-3]
+    config.stages.extend_lr = 0.0  # unset: every stage at train.lr
+    assert [c.train.lr for c in stage_configs(config)] == [3e-3] * 3
+    config.stages.extend_lr = -1.0
+    with pytest.raises(ConfigError, match=r"stages.extend_lr=-1.0 must be a finite number >= 0"):
+        validate(config, 8)
+
+
 @pytest.mark.parametrize("schedule,needle", [
     ("32k:1e6", "is not seq_len:rope_theta:steps[:sp]"),
     ("32k:1e6:-3", "needs positive values"),

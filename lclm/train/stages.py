@@ -8,7 +8,8 @@ an ordinary training run in `{workdir}/stage{i}_{seq_len}` with that sequence le
 theta and step count; the batch is `stages.tokens_per_batch // seq_len` sequences, so every
 stage sees the same tokens per step. Stage 0 starts from `model.init_from_hf` (or from
 scratch); stage i > 0 starts from stage i-1's final parameters (fresh optimizer state and
-schedule, as a new fine-tuning phase). Re-running the same command resumes: finished stages
+schedule, as a new fine-tuning phase, at `stages.extend_lr` where set: a fresh optimizer at a
+from-scratch learning rate can wipe what the previous stage learned). Re-running the same command resumes: finished stages
 are skipped, a stage with a checkpoint resumes from it (same data order), the next one starts
 from its predecessor's final checkpoint.
 """
@@ -97,6 +98,7 @@ def stage_configs(config) -> list:
             c.data.batch_size = tokens // stage.seq_len
         if previous is not None:  # weights come from the previous stage, not from HF
             c.model.init_from_checkpoint = previous
+            c.train.lr = config.stages.extend_lr or c.train.lr
         configs.append(c)
         previous = c.workdir
     return configs
