@@ -20,8 +20,8 @@ CPU_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
 # threads, and an in-process collective blocks its thread until every device has joined it.
 # XLA orders a device's collectives only by when they start, so collectives that are ready
 # at the same time (an FSDP gather beside a loop that holds gathers) run concurrently, each
-# on its own thread. The pool is sized by the core count (8 threads on a 2-core machine):
-# four devices with two collectives in flight each can block all of it while the device
+# on its own thread. The pool is small (measured: 4 threads for 4 simulated devices on 2
+# cores): devices with two collectives in flight each can block all of it while the device
 # that would complete them waits for a thread, until XLA aborts after 40 s. Real GPUs and
 # TPUs run one static schedule per device and never block a shared pool. XLA sizes the pool
 # from the NPROC environment variable where it is set; idle threads cost nothing.
