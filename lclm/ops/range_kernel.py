@@ -4,8 +4,7 @@ Fused GPU kernels such as tokamax's Mosaic GPU flash attention take a mask as pe
 ranges `[k_start, k_end)` plus a causal flag, and skip hidden tiles in their backward only for
 the plain causal mask. `range_kernel(attend, attend_vjp)` turns such a pair of functions into
 lclm's `Kernel` (see `lclm.ops.attention`) by classifying each block pair from its positions
-(a few reductions) and running, with `lax.switch`, the call that does exactly its work on
-static slices:
+(a few reductions) and running the call that does exactly its work on static slices:
 
 - `hidden`: nothing visible: o = 0, lse = -inf, zero gradients, no call;
 - `causal`: local query x sees keys y <= x (diagonal rounds; striped rounds from k <= j);
@@ -14,7 +13,18 @@ static slices:
 - `full`: every key before every query (contiguous rounds from k < j);
 - `key half` / `query half` (zigzag rounds off the diagonal): full attention of all queries
   to the first half of the keys / of the second half of the queries to all keys;
-- `ranges`: anything else (and non-causal attention): exact ranges from `key_ranges`.
+- `ranges`: anything else (and non-causal attention): exact ranges from `key_ranges` (none
+  at all, k_start = k_end = None, for non-causal attention without segments: every key).
+
+One compiled branch where the class is known: XLA compiles every branch of a `lax.switch`
+(each a fused-kernel call in the forward and the backward) and XLA:GPU reads the index of
+each executed one on the host. So the class is picked in Python whenever it is known while
+tracing: from concrete positions (numpy, or a call outside `jit`), or from `classes=`, the
+classes a call site can meet, which the ring derives on the host from its layout with
+`RangeKernel.classify` (positions inside the ring are traced: they depend on
+`lax.axis_index`). One class (sp=1, non-causal): a direct call; several (the ring's devices
+differ, e.g. striped rounds from k < j and k > j): a `lax.switch` over those only; unknown
+(traced positions, no `classes`): over all.
 
 Packed documents: in every class but `ranges` the visible keys precede (or equal) the query
 in position, so with segment ids non-decreasing along a row (lclm's packing) a query's
@@ -34,6 +44,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from lclm.ops.attention import F32, Kernel
@@ -42,27 +53,73 @@ from lclm.ops.key_ranges import key_ranges, segment_starts
 CLASSES = ("hidden", "causal", "strict", "full", "key half", "query half", "ranges")
 
 
-def round_class(q_pos, k_pos, causal: bool = True):
-    """Index into `CLASSES` of a block pair with (increasing) positions q_pos `[tq]`, k_pos
-    `[tk]`: a traced int32 scalar (the first class whose pattern the positions match)."""
-    if not causal:
-        return jnp.int32(CLASSES.index("ranges"))
+def _patterns(q_pos, k_pos, xp):
+    """Whether the block pair matches each class's pattern, bool `[len(CLASSES)]`, computed
+    with the array module `xp` (jax.numpy while tracing, numpy on the host)."""
     tq, tk = q_pos.shape[0], k_pos.shape[0]
-    no = jnp.bool_(False)
+    no = xp.bool_(False)
     square = tq == tk
     hq, hk = tq // 2, tk // 2
     tests = {
         "hidden": q_pos.max() < k_pos.min(),
-        "causal": (jnp.all(q_pos >= k_pos) & jnp.all(q_pos[:-1] < k_pos[1:])) if square else no,
-        "strict": (jnp.all(q_pos < k_pos) & jnp.all(q_pos[1:] >= k_pos[:-1])) if square else no,
+        "causal": (xp.all(q_pos >= k_pos) & xp.all(q_pos[:-1] < k_pos[1:])) if square else no,
+        "strict": (xp.all(q_pos < k_pos) & xp.all(q_pos[1:] >= k_pos[:-1])) if square else no,
         "full": k_pos.max() <= q_pos.min(),
         "key half": ((k_pos[:hk].max() <= q_pos.min()) & (k_pos[hk:].min() > q_pos.max())
                      if tk % 2 == 0 and tk > 1 else no),
         "query half": ((q_pos[:hq].max() < k_pos.min()) & (q_pos[hq:].min() >= k_pos.max())
                        if tq % 2 == 0 and tq > 1 else no),
-        "ranges": jnp.bool_(True),
+        "ranges": xp.bool_(True),
     }
-    return jnp.argmax(jnp.stack([tests[c] for c in CLASSES])).astype(jnp.int32)
+    return xp.stack([tests[c] for c in CLASSES])
+
+
+def round_class(q_pos, k_pos, causal: bool = True):
+    """Index into `CLASSES` of a block pair with (increasing) positions q_pos `[tq]`, k_pos
+    `[tk]`: a traced int32 scalar (the first class whose pattern the positions match)."""
+    if not causal:
+        return jnp.int32(CLASSES.index("ranges"))
+    return jnp.argmax(_patterns(q_pos, k_pos, jnp)).astype(jnp.int32)
+
+
+def pair_class(q_pos, k_pos, causal: bool = True) -> str:
+    """`round_class` of concrete positions (numpy, or jax arrays outside `jit`), on the host:
+    the class's name."""
+    if not causal:
+        return "ranges"
+    return CLASSES[int(np.argmax(_patterns(np.asarray(q_pos), np.asarray(k_pos), np)))]
+
+
+def _host(x):
+    """x as a numpy array, or None while it is traced (its values unknown until run)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def possible_classes(q_pos, k_pos, causal: bool, classes=None) -> list[int]:
+    """Indices into `CLASSES` (sorted) of the classes a block pair can be in while tracing:
+    `classes` (names) where the caller knows them, the one class of concrete positions (or of
+    non-causal attention), else all of them."""
+    if not causal:
+        classes = ("ranges",)
+    elif classes is None:
+        q_host, k_host = _host(q_pos), _host(k_pos)
+        known = q_host is not None and k_host is not None
+        classes = (pair_class(q_host, k_host, causal),) if known else CLASSES
+    return sorted({CLASSES.index(c) for c in classes})
+
+
+def _by_class(possible: list[int], q_pos, k_pos, causal: bool, branches):
+    """`branches[c]()` for the block pair's class c: a direct call when only one class is
+    possible (no conditional in the program), else a `lax.switch` over the possible ones."""
+    if len(possible) == 1:
+        return branches[possible[0]]()
+    slot = np.zeros(len(CLASSES), np.int32)   # class index -> position among the branches
+    slot[possible] = np.arange(len(possible))
+    return lax.switch(jnp.asarray(slot)[round_class(q_pos, k_pos, causal)],
+                      [branches[c] for c in possible])
 
 
 def _doc_start(q_seg, k_seg):
@@ -114,7 +171,9 @@ def _calls(q_pos, k_pos, q_seg, k_seg, causal: bool, shape):
     every = slice(None)
     ranges = lambda: _Call(every, "all", False, jnp.broadcast_to(start, shape),
                            jnp.broadcast_to(end, shape))
-    # every branch is traced whatever the class: the halves only exist for even lengths
+    if q_seg is None and not causal:  # every key for every query: no ranges to pass
+        ranges = lambda: _Call(every, "all", False, None)
+    # a switch traces every possible branch, whatever the class: halves need even lengths
     halves = tq % 2 == 0 and tk % 2 == 0 and min(tq, tk) > 1
     late = slice(tq // 2, None)
     calls = [
@@ -146,12 +205,22 @@ def _at_least(start, n: int, shape):
     return jnp.full(shape, n, jnp.int32) if start is None else jnp.maximum(start, n)
 
 
-def range_kernel(attend, attend_vjp) -> Kernel:
+class RangeKernel(Kernel):
+    """A `Kernel` made by `range_kernel`: its passes also take `classes=`, the names (of
+    `CLASSES`) of the classes a call site can meet, and `classify(q_pos, k_pos, causal)`
+    (numpy positions) gives a block pair's class, so that a caller with static knowledge (the
+    ring: its layout, every device and round a call site serves) can compute them."""
+    __slots__ = ()
+    classify = staticmethod(pair_class)
+
+
+def range_kernel(attend, attend_vjp) -> RangeKernel:
     """lclm's block-pair `Kernel` from a range-mask attention and its VJP (module docstring).
     Rows that see nothing in a pair get o = 0, lse = -inf and no gradient, as the contract
     says, even from an op that fills empty rows otherwise."""
 
-    def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk, kv_chunk):
+    def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk, kv_chunk,
+                classes=None):
         del q_chunk, kv_chunk  # the fused kernel picks its own tiles
         b, tq, h, d = q.shape
         calls, blind = _calls(q_pos, k_pos, q_seg, k_seg, causal, (b, tq))
@@ -165,13 +234,13 @@ def range_kernel(attend, attend_vjp) -> Kernel:
             return (_place(o_c.astype(F32), c.rows, 0.0),
                     _place(lse_c.astype(F32), c.rows, -jnp.inf))
 
-        o, lse = lax.switch(round_class(q_pos, k_pos, causal),
-                            [functools.partial(run, c) for c in calls])
+        o, lse = _by_class(possible_classes(q_pos, k_pos, causal, classes), q_pos, k_pos,
+                           causal, [functools.partial(run, c) for c in calls])
         return (jnp.where(blind[..., None, None], 0.0, o),
                 jnp.where(blind[..., None], -jnp.inf, lse))
 
     def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk,
-                 kv_chunk):
+                 kv_chunk, classes=None):
         del q_chunk, kv_chunk
         calls, blind = _calls(q_pos, k_pos, q_seg, k_seg, causal, q.shape[:2])
         lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing anywhere
@@ -187,11 +256,16 @@ def range_kernel(attend, attend_vjp) -> Kernel:
             r = c.rows
             dq, dk, dv = attend_vjp(q[:, r], keys(k), keys(v), o[:, r], lse[:, r], do[:, r],
                                     c.causal, c.start, c.end)
+            # bf16 per-round gradients: a fused op returns a round's dq/dk/dv in the input
+            # dtype (tokamax: bf16 when training; float32 inside the kernel), so each round's
+            # share is rounded once, then the ring adds rounds in float32 (`_ring_backward`'s
+            # dq and travelling dK/dV accumulators): errors add over sp rounds, not compound.
+            # `bench.correctness` checks a ring of 4; check sp=8 against dense on the device.
             return (_place(dq.astype(F32), r, 0.0), back(dk.astype(F32)),
                     back(dv.astype(F32)))
 
-        dq, dk, dv = lax.switch(round_class(q_pos, k_pos, causal),
-                                [functools.partial(run, c) for c in calls])
+        dq, dk, dv = _by_class(possible_classes(q_pos, k_pos, causal, classes), q_pos, k_pos,
+                               causal, [functools.partial(run, c) for c in calls])
         return jnp.where(blind[..., None, None], 0.0, dq), dk, dv
 
-    return Kernel(forward, backward)
+    return RangeKernel(forward, backward)

@@ -10,6 +10,9 @@ Masks follow from original positions, which each device derives from its ring in
 layout (`lclm.ops.layout.original_positions`): for striped, round blocks from devices k <= j
 are causal and k > j strictly causal; for contiguous, blocks are full, causal or hidden; for
 zigzag, every round is half of the block pair as full tiles (the diagonal round: causal).
+A kernel that specializes on such a class (`classify`: `lclm.ops.range_kernel`) is told at
+each call site (the scanned rounds, the last round) the classes it can meet there, found on
+the host from the layout, so it compiles only those (one at sp=1: no conditional).
 """
 
 from __future__ import annotations
@@ -60,22 +63,45 @@ class _Settings(NamedTuple):
 
 
 def _setup(s: _Settings, q, which: str):
-    """The kernel pass, this device's query positions, and the key positions per round."""
-    kernel_pass = getattr(get_kernel(s.impl), which)
+    """(`rounds -> kernel pass` for the call site that runs those rounds, this device's
+    query positions, the key positions per round)."""
+    kernel = get_kernel(s.impl)
     # a zigzag shard is two runs of consecutive positions: tiles stay inside one, so that
     # every tile is entirely visible or entirely hidden in all but the diagonal blocks
     run = tile_run(s.layout, s.n, q.shape[1] * s.n)
-    block = functools.partial(kernel_pass, causal=s.causal, q_chunk=min(s.q_chunk, run),
-                              kv_chunk=min(s.kv_chunk, run))
+    block = functools.partial(getattr(kernel, which), causal=s.causal,
+                              q_chunk=min(s.q_chunk, run), kv_chunk=min(s.kv_chunk, run))
     me = lax.axis_index(s.axis) if s.n > 1 else 0
     q_pos = original_positions(s.layout, s.n, me, q.shape[1], xp=jnp)
     # in round r this device holds the K/V block that started on device me - r
     k_pos = lambda r: original_positions(s.layout, s.n, (me - r) % s.n, q.shape[1], xp=jnp)
-    return block, q_pos, k_pos
+    return functools.partial(_site, block, kernel, s, q.shape[1]), q_pos, k_pos
+
+
+def _site(block, kernel, s: _Settings, local: int, rounds: range):
+    """The kernel pass of the call site that runs `rounds`. A kernel that specializes on a
+    static property of a block pair's positions (`classify`, as `range_kernel`'s round
+    classes) gets the values it takes there (`classes=`): traced positions (they depend on
+    `lax.axis_index` and the scanned round) would leave it a conditional over all of them."""
+    classify = getattr(kernel, "classify", None)
+    if classify is None:
+        return block
+    return functools.partial(block, classes=_site_classes(classify, s.layout, s.n, local,
+                                                          s.causal, rounds))
+
+
+@functools.cache
+def _site_classes(classify, layout: str, n: int, local: int, causal: bool,
+                  rounds: range) -> frozenset:
+    """`classify` of every block pair some device meets in `rounds`, on the host (numpy)."""
+    pos = lambda device: original_positions(layout, n, device, local)
+    return frozenset(classify(pos(j), pos((j - r) % n), causal)
+                     for r in rounds for j in range(n))
 
 
 def _ring_forward(s: _Settings, q, k, v, q_seg, k_seg):
-    block, q_pos, k_pos = _setup(s, q, "forward")
+    site, q_pos, k_pos = _setup(s, q, "forward")
+    block, last = site(range(s.n - 1)), site(range(s.n - 1, s.n))
 
     def round_(carry, r):
         o, lse, k, v, k_seg = carry
@@ -89,13 +115,14 @@ def _ring_forward(s: _Settings, q, k, v, q_seg, k_seg):
     if s.n > 1:
         carry, _ = lax.scan(round_, carry, jnp.arange(s.n - 1))
     o, lse, k, v, k_seg = carry
-    o, lse = merge_partials(o, lse, *block(q, k, v, q_pos, k_pos(s.n - 1), q_seg, k_seg))
+    o, lse = merge_partials(o, lse, *last(q, k, v, q_pos, k_pos(s.n - 1), q_seg, k_seg))
     return o, lse
 
 
 def _ring_backward(s: _Settings, residuals, do):
     q, k, v, q_seg, k_seg, o, lse = residuals
-    block, q_pos, k_pos = _setup(s, q, "backward")
+    site, q_pos, k_pos = _setup(s, q, "backward")
+    block, last = site(range(s.n - 1)), site(range(s.n - 1, s.n))
 
     def round_(carry, r):
         dq, k, v, k_seg, dk, dv = carry
@@ -109,8 +136,8 @@ def _ring_backward(s: _Settings, residuals, do):
     if s.n > 1:
         carry, _ = lax.scan(round_, carry, jnp.arange(s.n - 1))
     dq, k_last, v_last, seg_last, dk, dv = carry
-    dq_r, dk_r, dv_r = block(q, k_last, v_last, o, lse, do, q_pos, k_pos(s.n - 1), q_seg,
-                             seg_last)
+    dq_r, dk_r, dv_r = last(q, k_last, v_last, o, lse, do, q_pos, k_pos(s.n - 1), q_seg,
+                            seg_last)
     dk, dv = dk + dk_r, dv + dv_r
     if s.n > 1:  # the accumulators of the block held last belong to the next device
         dk, dv = _send((dk, dv), s.axis, s.n)

@@ -45,9 +45,21 @@ def _ops():
 
 
 def _mask(mask_class, causal: bool, start, end):
-    """tokamax's Mask; ranges `[b, tq]` gain a heads axis of 1 (the same for every head)."""
-    heads = lambda x: None if x is None else x[:, None, :]
-    return mask_class(is_causal=causal, k_start=heads(start), k_end=heads(end))
+    """tokamax's Mask; ranges `[b, tq]` gain a heads axis of 1 (the same for every head).
+
+    Never per head: with GQA tokamax's sm90 dK/dV kernel indexes per-head ranges wrongly;
+    a heads axis of 1 is read as the same row for every head.
+    """
+    return mask_class(is_causal=causal, k_start=_one_head(start), k_end=_one_head(end))
+
+
+def _one_head(x):
+    """Per-row key ranges `[b, tq]` -> `[b, 1, tq]` (None stays None)."""
+    if x is None:
+        return None
+    if x.ndim != 2:
+        raise ValueError(f"key ranges must be per row [batch, tq], not {x.shape}")
+    return x[:, None, :]
 
 
 def attend(q, k, v, causal, start, end):

@@ -31,6 +31,20 @@ def test_auto_prefers_tokamax_on_gpus_where_it_is_installed(monkeypatch):
     assert choose_kernel("auto", platform="gpu", **LLAMA) == "pallas_gpu"
 
 
+@pytest.mark.parametrize("head_dim,want", [(64, "tokamax_gpu"), (128, "tokamax_gpu"),
+                                            (256, "pallas_gpu"), (96, "blockwise")])
+def test_tokamax_serves_only_the_head_dims_checked_on_a_gpu(monkeypatch, head_dim, want):
+    from lclm.ops import attention, tokamax_gpu
+    monkeypatch.setattr(tokamax_gpu, "available", lambda: True)
+    monkeypatch.setattr(attention, "hopper_or_newer", lambda: True)
+    shapes = dict(LLAMA, head_dim=head_dim)
+    assert choose_kernel("auto", platform="gpu", **shapes) == want
+    why = kernel_limits("tokamax_gpu", platform="gpu", **shapes)
+    assert (why is None) == (want == "tokamax_gpu")
+    if why is not None:
+        assert f"head dim {head_dim} must be 64 or 128" in why
+
+
 @pytest.mark.parametrize("platform,shapes,want", [
     ("cpu", LLAMA, "blockwise"),                            # fused kernels only interpret here
     ("gpu", LLAMA, "pallas_gpu"),
@@ -52,6 +66,7 @@ def test_auto_picks_the_fastest_kernel_that_can_serve(platform, shapes, want):
     ("pallas_tpu", "tpu", dict(LLAMA, kv_chunk=192), "attention.kv_chunk=192 must be a multiple"),
     ("tokamax_gpu", "gpu", LLAMA, "tokamax is not installed"),
     ("tokamax_gpu", "cpu", LLAMA, "GPUs only"),
+    ("tokamax_gpu", "gpu", dict(LLAMA, head_dim=256), "head dim 256 must be 64 or 128"),
 ])
 def test_an_explicit_kernel_that_cannot_serve_fails_in_one_line(impl, platform, shapes, needle):
     with pytest.raises(ValueError) as e:

@@ -4,15 +4,18 @@ for all layouts, segments and GQA, and every ring round of lclm's layouts gets a
 call does exactly that round's work. tokamax's own kernels need a Hopper GPU
 (`python -m bench.correctness` checks them there)."""
 
+from types import SimpleNamespace
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lclm.ops import attention, from_layout, ring_attention, to_layout
+from lclm.ops import attention, from_layout, local_attention, ring_attention, to_layout
 from lclm.ops.attention import dense_attention
 from lclm.ops.layout import LAYOUTS, original_positions
-from lclm.ops.range_kernel import CLASSES, range_kernel, round_class
+from lclm.ops.range_kernel import CLASSES, pair_class, range_kernel, round_class
 from lclm.parallel import make_mesh
 
 F32 = jnp.float32
@@ -74,24 +77,26 @@ def reference_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("sp,hkv,segments", [(1, 2, True), (2, 4, False), (4, 1, True),
-                                             (8, 2, True)])
+@pytest.mark.parametrize("sp,hkv,segments,causal", [
+    (1, 2, True, True), (2, 4, False, True), (4, 1, True, True), (8, 2, True, True),
+    (2, 2, False, False)])                   # non-causal, no segments: no ranges passed
 def test_ring_through_the_range_kernel_matches_dense(reference_kernel, layout, sp, hkv,
-                                                     segments):
+                                                     segments, causal):
     rng = np.random.default_rng(sp * 10 + hkv)
     b, t, h, d = 2, 64, 4, 16
     q = rng.standard_normal((b, t, h, d), np.float32)
     k, v = (rng.standard_normal((b, t, hkv, d), np.float32) for _ in range(2))
     do = rng.standard_normal((b, t, h, d), np.float32)
     seg = np.cumsum(rng.random((b, t)) < 0.08, axis=1).astype(np.int32) if segments else None
-    want, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, segment_ids=seg), q, k, v)
+    want, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, causal=causal,
+                                                        segment_ids=seg), q, k, v)
     want = (want, *vjp(do))
     mesh = make_mesh(sp=sp, fsdp=2 if sp <= 4 else 1)
     lay = lambda x: None if x is None else to_layout(jnp.asarray(x), layout, sp)
 
     def f(q, k, v):
-        return ring_attention(q, k, v, mesh=mesh, layout=layout, segment_ids=lay(seg),
-                              impl=reference_kernel)
+        return ring_attention(q, k, v, mesh=mesh, layout=layout, causal=causal,
+                              segment_ids=lay(seg), impl=reference_kernel)
 
     out, vjp = jax.vjp(jax.jit(f), lay(q), lay(k), lay(v))
     for got, w in zip((out, *vjp(lay(do))), want):
@@ -113,6 +118,7 @@ def test_every_ring_round_gets_a_class_that_does_exactly_its_work(layout, expect
             q_pos = jnp.asarray(original_positions(layout, n, device, local))
             k_pos = jnp.asarray(original_positions(layout, n, source, local))
             seen.add(CLASSES[int(round_class(q_pos, k_pos))])
+            assert pair_class(q_pos, k_pos) == CLASSES[int(round_class(q_pos, k_pos))]
     assert seen == expected  # never the 'ranges' fallback, which skips no backward tiles
 
 
@@ -185,3 +191,147 @@ def test_tokamax_adapter_against_dense_with_tokamaxs_xla_reference_ops(monkeypat
     np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=2e-5)
     for g, w in zip(grads, want_grads):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=5e-5)
+
+
+def _counting(calls: list):
+    """A range kernel over `ref_attend` that records every call (at trace time): ('attend' or
+    'vjp', causal, k_start, k_end)."""
+    def attend(q, k, v, causal, start, end):
+        calls.append(("attend", causal, start, end))
+        return ref_attend(q, k, v, causal, start, end)
+
+    def attend_vjp(q, k, v, o, lse, do, causal, start, end):
+        calls.append(("vjp", causal, start, end))
+        return ref_attend_vjp(q, k, v, o, lse, do, causal, start, end)
+    return range_kernel(attend, attend_vjp)
+
+
+# (sp, layout, causal) -> conditionals and attend calls of the forward program (the
+# backward's are the same, with attend_vjp). sp=4: two call sites, the scanned rounds 0..2
+# and the last round, each a switch over the classes its rounds meet on the four devices:
+# striped causal/strict at both (2 + 2 calls), contiguous causal/full/hidden then full/hidden
+# (2 + 1: hidden calls nothing), zigzag causal/key half/query half then the halves (3 + 2);
+# non-causal rounds are all 'ranges' (1 + 1, no switch). Before: 1 (sp=1) or 2 switches of
+# 6 calls each, whatever the layout.
+EXPECTED_PROGRAM = {(1, "striped", True): (0, 1), (4, "striped", True): (2, 4),
+                    (4, "contiguous", True): (2, 3), (4, "zigzag", True): (2, 5),
+                    (4, "striped", False): (0, 2)}
+
+
+@pytest.mark.parametrize("sp,layout,causal", list(EXPECTED_PROGRAM))
+def test_one_compiled_branch_where_the_class_is_known(monkeypatch, sp, layout, causal):
+    calls = []
+    monkeypatch.setitem(attention.KERNELS, "counting", _counting(calls))
+    q = jnp.zeros((2, 64, 4, 16))
+    k = jnp.zeros((2, 64, 2, 16))
+    seg = jnp.zeros((2, 64), jnp.int32)
+    mesh = make_mesh(sp=sp)
+    f = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, layout=layout, causal=causal,
+                                       segment_ids=seg, impl="counting")
+    forward = jax.jit(f).lower(q, k, k).as_text()
+    conditionals, attends = EXPECTED_PROGRAM[sp, layout, causal]
+    assert (forward.count("stablehlo.case"), len(calls)) == (conditionals, attends)
+    calls.clear()
+    grad = jax.jit(jax.grad(lambda *x: f(*x).sum(), argnums=(0, 1, 2))).lower(q, k, k)
+    assert grad.as_text().count("stablehlo.case") == 2 * conditionals
+    assert [c[0] for c in calls].count("vjp") == attends
+    if sp == 1:  # local attention is the ring of one: one call, no conditional
+        calls.clear()
+        local = jax.jit(lambda q, k, v: local_attention(q, k, v, impl="counting"))
+        assert "stablehlo.case" not in local.lower(q, k, k).as_text() and len(calls) == 1
+
+
+def test_concrete_positions_pick_the_class_traced_ones_switch_over_all():
+    calls = []
+    kernel = _counting(calls)
+    n, t = 4, 16
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, t, 2, 8)), F32)
+    q_pos, k_pos = (original_positions("striped", n, d, t) for d in (1, 3))  # a strict round
+    tiles = dict(causal=True, q_chunk=t, kv_chunk=t)
+    run = lambda q, q_pos, k_pos: kernel.forward(q, q, q, q_pos, k_pos, None, None, **tiles)
+    known = jax.jit(lambda q: run(q, q_pos, k_pos))(q)     # numpy positions: constants
+    assert [c[:2] for c in calls] == [("attend", True)]
+    calls.clear()
+    traced = jax.jit(run)(q, q_pos, k_pos)
+    assert len(calls) == len(CLASSES) - 1           # every class but 'hidden' calls attend
+    for got, want in zip(traced, known):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+
+@pytest.mark.parametrize("causal,pair,segments,want", [
+    (False, ("striped", 1, 3), False, (None, None)),     # every key: no ranges at all
+    (False, ("striped", 1, 3), True, ("rows", "rows")),  # documents: exact ranges
+    (True, ("striped", 2, 2), False, (None, None)),      # causal: the flag alone
+    (True, ("striped", 1, 3), False, ("rows", None)),    # strict: k_start >= 1
+    (True, ("contiguous", 3, 1), False, (None, None)),   # full
+    (True, ("zigzag", 3, 1), False, (None, None)),       # key half
+    (True, ("striped", 2, 2), True, ("rows", None)),     # documents: their first keys
+])
+def test_ranges_are_passed_only_where_rows_need_them(causal, pair, segments, want):
+    calls = []
+    kernel = _counting(calls)
+    layout, device, source = pair
+    n, t, b = 4, 16, 2
+    q = jnp.zeros((b, t, 4, 8))
+    q_pos, k_pos = (original_positions(layout, n, d, t) for d in (device, source))
+    seg = jnp.asarray(np.repeat(np.arange(b * t // 4), 4).reshape(b, t)) if segments else None
+    tiles = dict(causal=causal, q_chunk=t, kv_chunk=t)
+
+    def both(q, seg):
+        o, lse = kernel.forward(q, q, q, q_pos, k_pos, seg, seg, **tiles)
+        return kernel.backward(q, q, q, o, lse, q, q_pos, k_pos, seg, seg, **tiles)
+    jax.eval_shape(both, q, seg)  # the calls are made while tracing
+    assert [c[:2] for c in calls] == [("attend", causal and layout == "striped"),
+                                      ("vjp", causal and layout == "striped")]
+    for _, _, start, end in calls:
+        got = tuple(None if x is None else "rows" for x in (start, end))
+        assert got == want
+        for x in (start, end):
+            assert x is None or x.shape == (b, t)       # per row, never per head
+
+
+def test_tokamax_gets_key_ranges_with_one_heads_axis_for_every_head(monkeypatch):
+    """tokamax's sm90 dK/dV kernel indexes per-head key ranges wrongly with GQA: the adapter
+    must hand it `[b, 1, tq]` (the same ranges for every head), in the forward and the VJP.
+    Fake tokamax ops record the masks (tokamax itself is not needed)."""
+    from lclm.ops import tokamax_gpu
+
+    masks = []
+
+    class Mask(NamedTuple):
+        is_causal: bool
+        k_start: object
+        k_end: object
+
+    class Forward:
+        def __call__(self, q, k, v, *, mask, return_residuals):
+            masks.append(mask)
+            b, t, h, _ = q.shape
+            return jnp.zeros_like(q), (jnp.zeros((b, h, t)), jnp.ones((b, h, t)))
+
+        def bind(self, q, k, v, **kwargs):
+            return SimpleNamespace(kwargs=kwargs)
+
+    def vjp(residuals, o, do, q, k, v, *, mask):
+        masks.append(mask)
+        return {"q": jnp.zeros_like(q), "k": jnp.zeros_like(k), "v": jnp.zeros_like(v)}
+
+    monkeypatch.setattr(tokamax_gpu, "_ops", lambda: (Forward(), vjp, Mask))
+    b, t, n = 2, 16, 4
+    q = jnp.zeros((b, t, 4, 64), jnp.bfloat16)
+    kv = jnp.zeros((b, t, 1, 64), jnp.bfloat16)                       # GQA: 4 heads per K/V
+    seg = jnp.asarray(np.repeat(np.arange(b * t // 4), 4).reshape(b, t), jnp.int32)
+    kernel = tokamax_gpu.KERNEL
+    for causal, (device, source) in ((True, (1, 3)), (True, (2, 2)), (False, (0, 1))):
+        q_pos, k_pos = (original_positions("striped", n, d, t) for d in (device, source))
+        tiles = dict(causal=causal, q_chunk=t, kv_chunk=t)
+
+        def both(q, kv, seg):
+            o, lse = kernel.forward(q, kv, kv, q_pos, k_pos, seg, seg, **tiles)
+            return kernel.backward(q, kv, kv, o, lse, q, q_pos, k_pos, seg, seg, **tiles)
+        jax.eval_shape(both, q, kv, seg)
+    assert len(masks) == 6            # strict, causal and exact ranges: forward and VJP
+    shapes = {x.shape for m in masks for x in (m.k_start, m.k_end) if x is not None}
+    assert shapes == {(b, 1, t)}
+    with pytest.raises(ValueError, match="per row"):
+        tokamax_gpu._mask(Mask, True, jnp.zeros((b, 4, t), jnp.int32), None)
