@@ -10,6 +10,14 @@ against the device's memory; tokens per step; and the minimal per-device block f
 the ring's transfers on the chosen interconnect (seed 003 Table 2: c = FLOPS / bandwidth).
 `--measure` also compiles one real train step on the local devices and prints XLA's memory
 analysis (and the measured peak after one step where the device reports it).
+
+    python -m lclm.plan --config configs/llama7b_256k.py --compile v4-64
+
+`--compile SLICE` compiles every stage's train step for a TPU slice ahead of time, on this
+machine, with libtpu and no TPU (lclm.aot): compile time, XLA's per-device memory against the
+chip's HBM and the Mosaic kernels in the program, beside the planner's estimate. Exit 0 when
+every stage compiles and fits, 3 when one does not (one line per stage: what overflowed and
+what to change), 2 for a bad config or no libtpu.
 """
 
 from __future__ import annotations
@@ -155,6 +163,53 @@ def _plans(config, args) -> tuple[list, list[Plan]]:
     return runs, [estimate(c, count, args.device) for c in runs]
 
 
+_FIXES = {"HBM": "shard more (mesh.fsdp/sp), lower data.batch_size, or model.remat='offload'",
+          "VMEM": "smaller fused-kernel tiles (attention.q_chunk/kv_chunk)"}
+
+
+def _compile_stages(config, args) -> int:
+    """`--compile SLICE`: every stage compiled for the slice; exit 0 if all fit, else 3."""
+    from lclm import aot
+    from lclm.train.stages import stage_configs
+    target = aot.tpu_target(args.compile)
+    devices = aot.target_devices(target)
+    device = f"tpu-{target.generation}" if f"tpu-{target.generation}" in DEVICES else None
+    gib = lambda x: f"{x / 2**30:,.2f}"
+    runs = stage_configs(config) if config.stages.schedule else [config]
+    print(f"{target.name}: {target.devices} devices ({target.topology}"
+          f"{', ' + target.chip_config if target.chip_config else ''}), "
+          f"{gib(target.hbm_bytes)} GiB HBM each")
+    print("| stage | seq_len | compile s | arguments GiB | temporaries GiB | outputs GiB | "
+          "total GiB | HBM used | Mosaic kernels | planner GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    failed = []
+    for i, c in enumerate(runs):
+        planned = estimate(c, target.devices, device).total
+        try:
+            r = aot.compile_step(c, devices)
+        except StartupError:
+            raise
+        except Exception as e:  # noqa: BLE001  (XLA reports overflows as compile errors)
+            kind = aot.overflow(e)
+            if kind is None:
+                raise
+            failed.append(f"stage {i} (seq_len {c.data.seq_len:,}): {kind} overflow on "
+                          f"{target.name}; {_FIXES[kind]}")
+            print(f"| {i} | {c.data.seq_len:,} | - | - | - | - | {kind} overflow | - | - | "
+                  f"{gib(planned)} |", flush=True)
+            continue
+        used = r.total / target.hbm_bytes
+        if used > 1:
+            failed.append(f"stage {i} (seq_len {c.data.seq_len:,}): {gib(r.total)} GiB of "
+                          f"{gib(target.hbm_bytes)} GiB HBM; {_FIXES['HBM']}")
+        print(f"| {i} | {c.data.seq_len:,} | {r.seconds:,.0f} | {gib(r.arguments)} | "
+              f"{gib(r.temporaries)} | {gib(r.outputs)} | {gib(r.total)} | {100 * used:.0f}% | "
+              f"{r.kernels} | {gib(planned)} |", flush=True)
+    for line in failed:
+        print(f"error: {line}", file=sys.stderr)
+    return 3 if failed else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lclm.plan", description=__doc__.split("\n")[0],
                                  epilog="config fields: --config.<key>=<value>, as for train.py")
@@ -163,9 +218,16 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=sorted(DEVICES), default=None)
     ap.add_argument("--measure", action="store_true",
                     help="also compile (and run) one step on the local devices")
+    ap.add_argument("--compile", metavar="SLICE", default="",
+                    help="compile every stage for a TPU slice ahead of time (needs libtpu, no "
+                         "TPU): v4-N and v5p-N count TensorCores (2 per chip, one megacore "
+                         "device: v4-64 = 32 chips, topology v4:2x4x4), v5e-N and v6e-N count "
+                         "chips")
     logs.configure()
     try:
         args, config = parse_cli(ap, argv)
+        if args.compile:
+            return _compile_stages(config, args)
         runs, plans = _plans(config, args)
     except (StartupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

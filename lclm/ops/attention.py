@@ -228,9 +228,15 @@ def blockwise_backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causa
 
 
 class Kernel(NamedTuple):
-    """A block-pair attention kernel (see the module docstring for the contract)."""
+    """A block-pair attention kernel (see the module docstring for the contract).
+
+    `takes_platform`: its passes take `platform=`, the platform of the devices the program
+    is compiled for (a mesh's, which need not be JAX's default backend: ahead-of-time
+    compilation for a TPU on a CPU machine); they compile for their own platform and run
+    interpreted on others."""
     forward: Callable
     backward: Callable
+    takes_platform: bool = False
 
 
 # name -> Kernel, or "module:attribute" of one, imported on first use so that a backend's

@@ -42,8 +42,10 @@ MAX_BLOCK_K = 64
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _interpret() -> bool:
-    backend = jax.default_backend()
+def _interpret(platform: str | None) -> bool:
+    """Interpret mode on CPU, Triton on GPU; `platform`: that of the devices the program is
+    for (default: JAX's default backend)."""
+    backend = platform or jax.default_backend()
     if backend == "tpu":
         raise ValueError("attention.impl='pallas_gpu' runs on GPUs; use 'pallas_tpu' on TPU")
     return backend == "cpu"
@@ -126,7 +128,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, causal, scale, b
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int, kv_chunk: int):
+def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int, kv_chunk: int,
+            platform: str | None = None):
     """Attention of one query block over one K/V block. Returns (o f32, lse f32).
 
     q `[b, tq, h, d]`, k/v `[b, tk, hkv, d]`, q_pos `[tq]`, k_pos `[tk]`, q_seg `[b, tq]` /
@@ -157,7 +160,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int, 
         out_shape=[jax.ShapeDtypeStruct((b, tq, h, d), F32),
                    jax.ShapeDtypeStruct((b, h, tq), F32)],
         compiler_params=_compiler_params(bq, bk),
-        interpret=_interpret(),
+        interpret=_interpret(platform),
         name="lclm_flash_forward",
     )(*args)
     return o, jnp.swapaxes(lse, 1, 2)
@@ -232,7 +235,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, 
 
 
 def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
-             kv_chunk: int):
+             kv_chunk: int, platform: str | None = None):
     """Gradients of one block pair from the global output and lse. Returns f32 (dq, dk, dv)."""
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -246,7 +249,7 @@ def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q
     delta = jnp.swapaxes(jnp.sum(do.astype(F32) * o.astype(F32), axis=-1), 1, 2)  # [b, h, tq]
     pos = [q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)]
     segs = [q_seg.astype(jnp.int32), k_seg.astype(jnp.int32)] if seg else []
-    interpret, params = _interpret(), _compiler_params(bq, bk)
+    interpret, params = _interpret(platform), _compiler_params(bq, bk)
 
     # dk, dv: grid over (batch, kv head, key tile); the group's query heads are read in place
     q_all = pl.BlockSpec((None, tq, group, d), lambda b_, g_, j: (b_, 0, g_, 0))
@@ -288,4 +291,4 @@ def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q
     return dq, dk, dv
 
 
-KERNEL = Kernel(forward, backward)
+KERNEL = Kernel(forward, backward, takes_platform=True)

@@ -76,6 +76,7 @@ class _Cfg(NamedTuple):
     kc: int
     causal: bool
     segments: bool
+    compiled: bool  # Mosaic for a TPU; Pallas's TPU interpreter for any other platform
 
     @property
     def nq(self) -> int:
@@ -94,7 +95,7 @@ class _Cfg(NamedTuple):
         return self.dim ** -0.5
 
 
-def _config(q, k, q_seg, causal, q_chunk, kv_chunk) -> _Cfg:
+def _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform) -> _Cfg:
     """Validated static settings; q `[b, tq, h, d]`, k `[b, tk, kv_heads, d]`."""
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -104,8 +105,9 @@ def _config(q, k, q_seg, causal, q_chunk, kv_chunk) -> _Cfg:
     if tq % qc or tk % kc:
         raise ValueError(f"pallas_tpu: block lengths {tq}/{tk} are not divisible by "
                          f"q_chunk={qc}/kv_chunk={kc}")
-    cfg = _Cfg(b, h, hkv, tq, tk, d, qc, kc, bool(causal), q_seg is not None)
-    if not _interpret():
+    cfg = _Cfg(b, h, hkv, tq, tk, d, qc, kc, bool(causal), q_seg is not None,
+               (platform or jax.default_backend()) == "tpu")
+    if cfg.compiled:
         _check_tpu_tiles(cfg)
     return cfg
 
@@ -120,9 +122,9 @@ def _check_tpu_tiles(cfg: _Cfg) -> None:
                              f"whole block length {length}")
 
 
-def _interpret():
+def _interpret(cfg: _Cfg):
     """TPU interpret mode off TPU (see the module docstring), compiled Mosaic on TPU."""
-    return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
+    return False if cfg.compiled else pltpu.InterpretParams()
 
 
 # ----------------------------------------------------------------------------- tile tables
@@ -394,7 +396,7 @@ def _call(kernel, cfg: _Cfg, grid, sequential: int, in_specs, out_specs, out_sha
         out_shape=out_shape,
         grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
-        interpret=_interpret(),
+        interpret=_interpret(cfg),
         name=name,
     )
 
@@ -402,13 +404,14 @@ def _call(kernel, cfg: _Cfg, grid, sequential: int, in_specs, out_specs, out_sha
 # ----------------------------------------------------------------------------- interface
 
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
-            kv_chunk: int):
+            kv_chunk: int, platform: str | None = None):
     """Attention of one query block over one key/value block. Returns (o f32, lse f32).
 
     q `[b, tq, h, d]`, k/v `[b, tk, kv_heads, d]`, q_pos `[tq]`, k_pos `[tk]`,
     q_seg `[b, tq]` / k_seg `[b, tk]` or None; o `[b, tq, h, d]`, lse `[b, tq, h]`.
+    `platform`: that of the devices the program is for (default: JAX's default backend).
     """
-    cfg = _config(q, k, q_seg, causal, q_chunk, kv_chunk)
+    cfg = _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform)
     qt, kt, hull_kv, _ = _tables(cfg, q_pos, k_pos, q_seg, k_seg)
     q_like, stat, k_like, q_ids, k_ids = _query_major_specs(cfg, stat_width=1)
     b, h = cfg.batch, cfg.heads
@@ -424,13 +427,13 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
 
 
 def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
-             kv_chunk: int):
+             kv_chunk: int, platform: str | None = None):
     """Gradients of one block pair given the global output and log-sum-exp. All float32.
 
     Shapes as in `forward`; o/do `[b, tq, h, d]`, lse `[b, tq, h]` (global over ring rounds).
     Returns dq `[b, tq, h, d]`, dk/dv `[b, tk, kv_heads, d]`.
     """
-    cfg = _config(q, k, q_seg, causal, q_chunk, kv_chunk)
+    cfg = _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform)
     qt, kt, hull_kv, hull_q = _tables(cfg, q_pos, k_pos, q_seg, k_seg)
     delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1)
     # rows with nothing visible (lse = -inf) have every score at -inf: any finite shift
@@ -460,4 +463,4 @@ def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q
     return _heads_first(dq), _heads_first(dk), _heads_first(dv)
 
 
-KERNEL = Kernel(forward, backward)
+KERNEL = Kernel(forward, backward, takes_platform=True)

@@ -60,6 +60,7 @@ class _Settings(NamedTuple):
     q_chunk: int
     kv_chunk: int
     impl: str
+    platform: str  # of the devices the program is for (the mesh's)
 
 
 def _setup(s: _Settings, q, which: str):
@@ -70,7 +71,8 @@ def _setup(s: _Settings, q, which: str):
     # every tile is entirely visible or entirely hidden in all but the diagonal blocks
     run = tile_run(s.layout, s.n, q.shape[1] * s.n)
     block = functools.partial(getattr(kernel, which), causal=s.causal,
-                              q_chunk=min(s.q_chunk, run), kv_chunk=min(s.kv_chunk, run))
+                              q_chunk=min(s.q_chunk, run), kv_chunk=min(s.kv_chunk, run),
+                              **({"platform": s.platform} if kernel.takes_platform else {}))
     me = lax.axis_index(s.axis) if s.n > 1 else 0
     q_pos = original_positions(s.layout, s.n, me, q.shape[1], xp=jnp)
     # in round r this device holds the K/V block that started on device me - r
@@ -187,7 +189,8 @@ def _settings(n, layout, causal, q_chunk, kv_chunk, impl, q, platform, axis=SP):
                          block=tile_run(layout, n, q.shape[1]), platform=platform,
                          dtype=jnp.dtype(q.dtype).name)
     get_kernel(impl)
-    return _Settings(axis, n, layout, bool(causal), int(q_chunk), int(kv_chunk), impl)
+    return _Settings(axis, n, layout, bool(causal), int(q_chunk), int(kv_chunk), impl,
+                     platform)
 
 
 def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_chunk=512,

@@ -180,7 +180,8 @@ def test_tile_tables_and_hulls():
     t = 3 * TILE
     pos = jnp.arange(t, dtype=jnp.int32)
     seg = jnp.repeat(jnp.asarray([[0, 1, 0]], jnp.int32), TILE, axis=1)
-    cfg = lambda causal, segments: _Cfg(1, 1, 1, t, t, 64, TILE, TILE, causal, segments)
+    cfg = lambda causal, segments: _Cfg(1, 1, 1, t, t, 64, TILE, TILE, causal, segments,
+                                                compiled=False)
     qt, kt, hull_kv, hull_q = _tables(cfg(True, False), pos, pos, None, None)
     np.testing.assert_array_equal(np.asarray(qt).reshape(3, 4)[:, :2],
                                   [[0, 127], [128, 255], [256, 383]])
@@ -199,10 +200,13 @@ def test_registered_under_pallas_tpu():
 
 def test_tile_sizes_are_clipped_and_checked():
     q, k = jnp.zeros((1, 256, 4, 64)), jnp.zeros((1, 384, 2, 64))
-    cfg = _config(q, k, None, True, q_chunk=1024, kv_chunk=128)
+    cfg = _config(q, k, None, True, q_chunk=1024, kv_chunk=128, platform="cpu")
     assert (cfg.qc, cfg.kc, cfg.nq, cfg.nk, cfg.group) == (256, 128, 1, 3, 2)
+    assert not cfg.compiled and _config(q, k, None, True, 1024, 128, platform="tpu").compiled
     with pytest.raises(ValueError, match="not divisible"):
-        _config(q, k, None, True, q_chunk=96, kv_chunk=128)
+        _config(q, k, None, True, q_chunk=96, kv_chunk=128, platform="cpu")
+    with pytest.raises(ValueError, match="multiple of 128"):  # checked for a TPU only
+        _config(q, k, None, True, q_chunk=256, kv_chunk=64, platform="tpu")
     _check_tpu_tiles(cfg)  # whole-block and 128-multiple tiles lower on a TPU
     with pytest.raises(ValueError, match="multiple of 128"):
         _check_tpu_tiles(cfg._replace(kc=64, tk=384))
@@ -233,17 +237,17 @@ def test_ring_with_pallas_tpu_matches_dense(layout):
 
 @pytest.mark.parametrize("dtype,causal,segments,hkv,d", [
     (jnp.bfloat16, True, True, 2, 128), (jnp.float32, False, False, 1, 64)])
-def test_lowers_to_mosaic_for_tpu(monkeypatch, dtype, causal, segments, hkv, d):
+def test_lowers_to_mosaic_for_tpu(dtype, causal, segments, hkv, d):
     """Without a TPU, export for the TPU platform: the Pallas -> Mosaic lowering (block shape
     rules, scalar prefetch, every op in the kernels) must accept all three kernels. The
-    Mosaic compiler itself (in libtpu) is not run here."""
-    monkeypatch.setattr(pallas_tpu, "_interpret", lambda: False)
+    Mosaic compiler itself (in libtpu) is not run here. `platform='tpu'` (what the ring passes
+    for a mesh of TPU devices) compiles them although JAX's default backend is the CPU."""
     b, t, h = 2, 512, 4
     x = jax.ShapeDtypeStruct((b, t, h, d), dtype)
     kv = jax.ShapeDtypeStruct((b, t, hkv, d), dtype)
     pos = jax.ShapeDtypeStruct((t,), jnp.int32)
     seg = jax.ShapeDtypeStruct((b, t), jnp.int32) if segments else None
-    kw = dict(causal=causal, q_chunk=TILE, kv_chunk=2 * TILE)
+    kw = dict(causal=causal, q_chunk=TILE, kv_chunk=2 * TILE, platform="tpu")
 
     def both_passes(q, k, v, do, pos, seg):
         o, lse = KERNEL.forward(q, k, v, pos, pos, seg, seg, **kw)
