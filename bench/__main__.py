@@ -1,6 +1,6 @@
 """The benchmark suite in one command.
 
-    python -m bench --suite gpu-quick [--out DIR]
+    python -m bench --suite gpu-quick [--out DIR] [--parts correctness,attention,train]
     python -m bench --suite gpu [--out DIR] [--parts attention,striped,...]
     python -m bench --suite cpu [--smallest]
 
@@ -16,17 +16,36 @@ names them.
   ringattention package, and each one's ratio to cuDNN (bench/attention.py);
 - `striped`: striped, zigzag and contiguous ring, simulated on one device (bench/striped_sim.py);
 - `train`: train-step tokens/s, MFU, peak memory of LLaMA 1B/3B/7B shapes, and the ratio to the
-  plain single-device cuDNN step of bench/baseline.py (bench/train_step.py);
+  plain single-device cuDNN step of bench/baseline.py, timed with no remat, `dots` and full
+  remat, the fastest that fits being the baseline (bench/train_step.py);
 - `max_context`: longest trainable sequence, lclm vs dense baselines (bench/max_context.py).
 
-`--suite gpu-quick` is the first command on a lent GPU: correctness, the fused kernel vs cuDNN
-at 8K and 32K blocks (head dims 128 and 64), and the train-step table at 8K and 32K for the
-LLaMA-3.2-1B and Striped Attention 1B shapes with the baseline. `--suite gpu` runs the real
-sizes on the local accelerator (expect an hour or more on one
-H100; `--parts` runs a subset), each part in its own process so that no part holds device
-memory another needs. `--suite cpu` runs every part at toy sizes on the CPU in a few minutes:
-its numbers check the machinery and are not a performance result (the reports say so).
-`--smallest` cuts every part to its first size (the smoke test).
+Nothing measured is lost to a kill: every part writes each row to its `.md` file (and stdout,
+flushed) the moment it is measured, the table before any plot, and a plot that fails is logged
+and skipped. `--suite gpu` and `--suite gpu-quick` need a GPU: elsewhere they say so in one
+line and exit 2.
+
+`--suite gpu-quick` is the first command on a lent GPU: each part at its quick size
+(`<Spec>.quick()`, also `python -m bench.<part> --quick`), designed to finish in under 8
+minutes on one H100, and cut there by a time budget (rows not started within it are marked
+skipped; a part is killed after 9 minutes at the latest): `correctness` (every usable kernel,
+every case, head dims 64 and 128), `attention` (causal 8K and 32K blocks, 16 heads of 128 and
+64: tokamax_gpu and pallas_gpu vs cuDNN) and `train` (LLaMA-3.2-1B at 8K and 32K: the kernel
+`auto` picks vs the baseline); `--parts striped` or `--parts max_context` runs the other two
+parts' quick sizes. Every part runs in a process of its own, so a part that is killed costs
+only itself; on a machine with a per-command time limit (10 minutes) give each part its own
+command, into one folder:
+
+    python -m bench --suite gpu-quick --parts correctness --out DIR
+    python -m bench --suite gpu-quick --parts attention --out DIR
+    python -m bench --suite gpu-quick --parts train --out DIR
+
+(`index.md` lists the parts of every command into that folder). `--suite gpu` runs the real
+sizes on the local accelerator (expect an hour or more on one H100; `--parts` runs a subset),
+each part in its own process so that no part holds device memory another needs. `--suite cpu`
+runs every part at toy sizes on the CPU in a few minutes: its numbers check the machinery and
+are not a performance result (the reports say so). `--smallest` cuts every part to its first
+size (the smoke test).
 """
 
 from __future__ import annotations
@@ -34,6 +53,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -70,45 +90,53 @@ class Suite:
     striped: StripedSpec | None = None
     train: TrainSpec | None = None
     max_context: MaxContextSpec | None = None
+    needs_gpu: bool = False
+    default_parts: tuple[str, ...] | None = None  # run without --parts (None: all)
+    part_timeout: float | None = None  # seconds before a separate part's process is killed
 
     def parts(self) -> list[str]:
+        """Every part the suite can run (`--parts` picks among them)."""
         return [p for p in PARTS if getattr(self, p) is not None]
+
+    def defaults(self) -> list[str]:
+        """The parts run when `--parts` is not given."""
+        return [p for p in self.parts() if self.default_parts is None or p in self.default_parts]
 
     def smallest(self) -> "Suite":
         return dataclasses.replace(self, **{p: getattr(self, p).smallest() for p in self.parts()})
 
+    def quick(self, default_parts=None, part_timeout: float = 540.0) -> "Suite":
+        """Every part at its quick size (each designed for under 8 minutes on one H100)."""
+        return dataclasses.replace(self, default_parts=default_parts, part_timeout=part_timeout,
+                                   **{p: getattr(self, p).quick() for p in self.parts()})
+
+
+GPU = Suite(
+    correctness=CorrectnessSpec(),
+    attention=AttentionSpec(),
+    striped=StripedSpec(),
+    train=TrainSpec(models=(
+        ModelRun("configs/llama1b.py", (8192, 16384, 32768, 65536, 131072), ONE_DEVICE),
+        ModelRun("configs/striped_attention_1b.py", (8192, 16384, 32768, 65536, 131072),
+                 ONE_DEVICE),
+        ModelRun("configs/llama3b.py", (8192, 32768, 65536, 131072), ONE_DEVICE),
+        ModelRun("configs/llama7b_256k.py", (8192, 32768),
+                 (*ONE_DEVICE, "--config.data.batch_size=1",
+                  "--config.model.param_dtype=bfloat16"),
+                 note="one device, batch 1, bfloat16 parameters and AdamW moments "
+                      "(float32 ones alone need 108 GB)"),
+    ), steps=3, warmup=1),
+    # a probe near the limit runs one step at ~1M tokens: minutes, not seconds
+    max_context=MaxContextSpec(start=8192, cap=2 ** 21, resolution=32768, timeout=3600),
+    toy=False, separate_parts=True, needs_gpu=True)
 
 SUITES = {
-    "gpu": Suite(
-        correctness=CorrectnessSpec(),
-        attention=AttentionSpec(),
-        striped=StripedSpec(),
-        train=TrainSpec(models=(
-            ModelRun("configs/llama1b.py", (8192, 16384, 32768, 65536, 131072), ONE_DEVICE),
-            ModelRun("configs/striped_attention_1b.py", (8192, 16384, 32768, 65536, 131072),
-                     ONE_DEVICE),
-            ModelRun("configs/llama3b.py", (8192, 32768, 65536, 131072), ONE_DEVICE),
-            ModelRun("configs/llama7b_256k.py", (8192, 32768),
-                     (*ONE_DEVICE, "--config.data.batch_size=1",
-                      "--config.model.param_dtype=bfloat16"),
-                     note="one device, batch 1, bfloat16 parameters and AdamW moments "
-                          "(float32 ones alone need 108 GB)"),
-        ), steps=3, warmup=1),
-        # a probe near the limit runs one step at ~1M tokens: minutes, not seconds
-        max_context=MaxContextSpec(start=8192, cap=2 ** 21, resolution=32768, timeout=3600),
-        toy=False, separate_parts=True),
-    # the first run on a lent GPU, under 8 minutes by design (not yet timed on one): kernels
-    # right there, the fused kernel against cuDNN at 8K/32K blocks, and lclm's step against
-    # the plain cuDNN step (bench.baseline) on both 1B shapes of issue 14
-    "gpu-quick": Suite(
-        correctness=CorrectnessSpec(),
-        attention=AttentionSpec(blocks=(8192, 32768), heads=(16,), head_dims=(128, 64),
-                                impls=("tokamax_gpu", "pallas_gpu"), warmup=1, iters=3),
-        train=TrainSpec(models=(
-            ModelRun("configs/llama1b.py", (8192, 32768), ONE_DEVICE),
-            ModelRun("configs/striped_attention_1b.py", (8192, 32768), ONE_DEVICE),
-        ), impls=("auto",), steps=3, warmup=1, isolate=True, timeout=240),
-        toy=False, separate_parts=True),
+    "gpu": GPU,
+    # the first run on a lent GPU: every part at its quick size (under 8 minutes each on one
+    # H100 by design, cut by a budget; not yet timed on one), by default the kernels' correctness
+    # there, the fused kernels against cuDNN at 8K/32K blocks, and lclm's step against the
+    # fastest plain cuDNN step (bench.baseline) on LLaMA-3.2-1B at 8K and 32K
+    "gpu-quick": GPU.quick(default_parts=("correctness", "attention", "train")),
     "cpu": Suite(
         correctness=CorrectnessSpec().smallest(),
         attention=AttentionSpec(blocks=(128, 256, 512), heads=(2, 4), q_chunk=64, kv_chunk=64,
@@ -138,14 +166,55 @@ def run_part(part: str, suite: Suite, out_dir: str) -> str:
     return module.run(spec, out_dir, toy=suite.toy)
 
 
-def _part_in_child(part: str, args) -> str:
-    """Run one part as `python -m bench ... --parts <part>` and wait (output streams through)."""
+GPU_CHECKED = "LCLM_BENCH_GPU_CHECKED"  # set for a suite's part processes: checked once
+
+
+def _part_in_child(part: str, args, timeout: float | None) -> str:
+    """Run one part as `python -m bench ... --parts <part> --in-process` in a process group of
+    its own and wait (output streams through); after `timeout` seconds the group (the part
+    and any children it started) is killed, and what the part wrote so far stays."""
     from bench.isolate import child_env
 
     argv = [sys.executable, "-m", "bench", "--suite", args.suite, "--parts", part,
             "--out", args.out, "--in-process"] + (["--smallest"] if args.smallest else [])
-    rc = subprocess.call(argv, env=child_env(), cwd=ROOT)
+    env = dict(child_env(), **{GPU_CHECKED: "1"})
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return f"killed after {timeout:g} s (rows measured so far are in its report)"
+    except BaseException:  # Ctrl-C: the part runs in its own session and would go on
+        _kill_group(proc)
+        raise
     return "ok" if rc == 0 else f"failed (exit {rc})"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def gpu_missing() -> str | None:
+    """Why no GPU suite can run here (a few words), or None where JAX's backend is a GPU.
+
+    Asked of a short child process, so that this process (the launcher of the parts) never
+    holds GPU memory."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and not {"cuda", "gpu", "rocm"} & set(platforms.lower().split(",")):
+        return f"JAX_PLATFORMS={platforms}"
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    try:
+        probe = subprocess.run([sys.executable, "-c",
+                                "import jax; print(jax.default_backend())"],
+                               capture_output=True, text=True, timeout=300, env=env)
+    except subprocess.TimeoutExpired:
+        return "JAX did not start within 300 s"
+    backend = (probe.stdout.strip().splitlines() or ["unknown (JAX failed to start)"])[-1]
+    return None if backend == "gpu" else f"JAX's default backend here is {backend}"
 
 
 def _device_line(out_dir: str, parts) -> str:
@@ -161,9 +230,23 @@ def _device_line(out_dir: str, parts) -> str:
 
 
 def write_index(out_dir: str, suite_name: str, suite: Suite, done: list[tuple]) -> str:
-    """`index.md`: the stamp and one row per part (report, plot, status, wall time)."""
+    """`index.md`: the stamp and one row per part (report, plot, status, wall time), the
+    parts of earlier commands into the same folder included (kept in `index.json`), so that
+    one command per part still gives one index."""
+    import json
+
     from bench.report import TOY_NOTE, emit_table
 
+    record = os.path.join(out_dir, "index.json")
+    try:
+        with open(record) as f:
+            earlier = {part: tuple(v) for part, v in json.load(f).items() if part in PARTS}
+    except (OSError, ValueError, TypeError):
+        earlier = {}
+    parts = dict(earlier, **{part: (status, seconds) for part, status, seconds in done})
+    with open(record, "w") as f:
+        json.dump(parts, f)
+    done = [(part, *parts[part]) for part in PARTS if part in parts]
     notes = [_device_line(out_dir, [d[0] for d in done])]
     if suite.toy:
         notes.append(TOY_NOTE)
@@ -178,7 +261,7 @@ def write_index(out_dir: str, suite_name: str, suite: Suite, done: list[tuple]) 
 
 
 def _parts(text: str, suite: Suite) -> list[str]:
-    parts = [p for p in text.split(",") if p] or suite.parts()
+    parts = [p for p in text.split(",") if p] or suite.defaults()
     unknown = sorted(set(parts) - set(suite.parts()))
     if unknown:
         raise StartupError(f"unknown parts {unknown} for this suite; choose from "
@@ -198,8 +281,8 @@ def _out_dir(path: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     ap.add_argument("--suite", choices=sorted(SUITES), required=True)
-    ap.add_argument("--parts", default="", help=f"some of {','.join(PARTS)} (default: all "
-                    "of the suite's)")
+    ap.add_argument("--parts", default="", help=f"some of {','.join(PARTS)} (default: the "
+                    "suite's; gpu-quick: correctness,attention,train)")
     ap.add_argument("--out", default="",
                     help="output folder (default: a new ./bench_results/<suite>-<YYYYmmdd-HHMMSS>, "
                          "untracked; the committed reference results are bench/results/<suite>: "
@@ -211,6 +294,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         parts = _parts(args.parts, SUITES[args.suite])
+        if SUITES[args.suite].needs_gpu and not os.environ.get(GPU_CHECKED):
+            why = gpu_missing()
+            if why:
+                raise StartupError(f"--suite {args.suite} needs a GPU, and {why}; on this "
+                                   "machine run --suite cpu")
         args.out = _out_dir(args.out or default_out_dir(args.suite))
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -225,7 +313,10 @@ def main(argv=None) -> int:
     for part in parts:
         t0 = time.perf_counter()
         if separate:
-            status = _part_in_child(part, args)
+            print(f"== part {part}: python -m bench --suite {args.suite} --parts {part} "
+                  f"--out {args.out}", flush=True)
+            status = _part_in_child(part, args, suite.part_timeout)
+            print(f"== part {part}: {status} ({time.perf_counter() - t0:,.0f} s)", flush=True)
         else:
             try:
                 run_part(part, suite, args.out)

@@ -1,7 +1,7 @@
 """Attention on one device: forward and forward+backward TFLOP/s of every usable kernel.
 
     python -m bench.attention [--blocks 4096,8192,16384,32768] [--heads 16,32] \
-        [--head-dims 128,64] [--out DIR]
+        [--head-dims 128,64] [--quick] [--out DIR]
 
 Methods, each jitted once per shape and timed with `bench.timing.median_seconds`:
 
@@ -28,7 +28,7 @@ import sys
 from typing import Callable, NamedTuple
 
 from bench import int_list
-from bench.report import default_out_dir, emit_table, error_status, fmt, stamp
+from bench.report import Table, default_out_dir, error_status, fmt, stamp, try_plot
 
 FWD_BWD_FACTOR = 3.5
 
@@ -45,10 +45,22 @@ class AttentionSpec:
     kv_chunk: int = 1024
     warmup: int = 2
     iters: int = 5
+    masks: tuple[str, ...] = ("causal", "full")
+    budget_s: float | None = None  # stop starting measurements after this many seconds
 
     def smallest(self) -> "AttentionSpec":
         return dataclasses.replace(self, blocks=self.blocks[:1], heads=self.heads[:1],
-                                   head_dims=self.head_dims[:1], warmup=0, iters=1)
+                                   head_dims=self.head_dims[:1], masks=self.masks[:1],
+                                   warmup=0, iters=1)
+
+    def quick(self) -> "AttentionSpec":
+        """Causal blocks of 8K and 32K tokens, 16 heads of 128 and of 64: tokamax_gpu and
+        pallas_gpu against cuDNN (24 compiles: 2 x 2 shapes x 3 methods x fwd, fwd+bwd),
+        within a 400 s budget."""
+        return dataclasses.replace(self, blocks=(8192, 32768), heads=(16,),
+                                   head_dims=(128, 64), masks=("causal",),
+                                   impls=("tokamax_gpu", "pallas_gpu"), warmup=1, iters=3,
+                                   budget_s=400.0)
 
 
 class Method(NamedTuple):
@@ -166,14 +178,13 @@ def official_ring_method(q_chunk: int, kv_chunk: int) -> Method:
 
 
 def methods(platform: str, spec: AttentionSpec) -> tuple[list[Method], list[str]]:
-    """Every method that runs here, and 'name: why' for the ones skipped."""
+    """Every method that runs here (cuDNN first), and 'name: why' for the ones skipped."""
     kernels, skipped = usable_kernels(platform)
-    found = [lclm_method(name, spec.q_chunk, spec.kv_chunk) for name in kernels
-             if spec.impls is None or name in spec.impls]
-    if platform == "gpu":
-        found.append(cudnn_method())
-    else:
+    found = [cudnn_method()] if platform == "gpu" else []  # first: the reference of each shape
+    if platform != "gpu":
         skipped.append("cuDNN: GPU only")
+    found += [lclm_method(name, spec.q_chunk, spec.kv_chunk) for name in kernels
+              if spec.impls is None or name in spec.impls]
     try:
         found.append(official_ring_method(spec.q_chunk, spec.kv_chunk))
     except Exception as e:  # noqa: BLE001  (optional package; any import failure skips it)
@@ -223,20 +234,31 @@ def measure(method: Method, t: int, heads: int, causal: bool, spec: AttentionSpe
                 fwd_bwd_tflops=FWD_BWD_FACTOR * flops / fb_s / 1e12)
 
 
-def measure_all(found: list[Method], spec: AttentionSpec) -> list[dict]:
+def measure_all(found: list[Method], spec: AttentionSpec, on_result=None) -> list[dict]:
     """Every method, mask, head dim, head count and block; a failure (out of memory, a mask
-    a kernel does not support) becomes that result's status and the run goes on."""
+    a kernel does not support) becomes that result's status and the run goes on; past the
+    spec's budget the remaining results are marked skipped. `on_result(result)` is called as
+    each one is measured."""
     import itertools
 
+    from bench.timing import Budget
+
+    budget = Budget(spec.budget_s)
     results = []
-    shapes = itertools.product((True, False), spec.head_dims, spec.heads, spec.blocks)
-    for (causal, head_dim, heads, t), method in itertools.product(shapes, found):
-        try:
-            r = dict(measure(method, t, heads, causal, spec, head_dim), status="ok")
-        except Exception as e:  # noqa: BLE001
-            r = dict(status=error_status(e))
-        results.append(dict(r, method=method.name, heads=heads, t=t, head_dim=head_dim,
-                            mask="causal" if causal else "full"))
+    shapes = itertools.product(spec.masks, spec.head_dims, spec.heads, spec.blocks)
+    for (mask, head_dim, heads, t), method in itertools.product(shapes, found):
+        if budget.spent():
+            r = dict(status=budget.skipped())
+        else:
+            try:
+                r = dict(measure(method, t, heads, mask == "causal", spec, head_dim),
+                         status="ok")
+            except Exception as e:  # noqa: BLE001
+                r = dict(status=error_status(e))
+        r = dict(r, method=method.name, heads=heads, t=t, head_dim=head_dim, mask=mask)
+        results.append(r)
+        if on_result is not None:
+            on_result(r)
     return results
 
 
@@ -266,28 +288,43 @@ def _plot(results: list[dict], out_dir: str, toy: bool) -> str:
                       stamp(toy), list(panels.values()))
 
 
+HEADER = ["method", "mask", "head dim", "heads", "block t", "fwd ms",
+          "fwd TFLOP/s (4bht²d; causal = half)", "fwd+bwd ms",
+          "fwd+bwd TFLOP/s (3.5 x fwd FLOPs)", "fwd+bwd vs cuDNN", "status"]
+
+
+def row(r: dict, ratio) -> tuple:
+    return (r["method"], r["mask"], r["head_dim"], r["heads"], r["t"],
+            fmt(r.get("fwd_s"), ",.2f", 1e3), fmt(r.get("fwd_tflops"), ".3g"),
+            fmt(r.get("fwd_bwd_s"), ",.2f", 1e3), fmt(r.get("fwd_bwd_tflops"), ".3g"),
+            fmt(ratio, ".2f"), r["status"])
+
+
 def run(spec: AttentionSpec, out_dir: str, toy: bool = False) -> str:
-    """Measure every method at every size; write `attention.md` and plots. Returns the md path."""
+    """Measure every method at every size; write `attention.md` row by row, then its plot.
+    Returns the md path."""
     import jax
 
     found, skipped = methods(jax.devices()[0].platform, spec)
-    results = measure_all(found, spec)
-    rows = [(r["method"], r["mask"], r["head_dim"], r["heads"], r["t"],
-             fmt(r.get("fwd_s"), ",.2f", 1e3), fmt(r.get("fwd_tflops"), ".3g"),
-             fmt(r.get("fwd_bwd_s"), ",.2f", 1e3), fmt(r.get("fwd_bwd_tflops"), ".3g"),
-             fmt(ratio, ".2f"), r["status"]) for r, ratio in zip(results, versus(results))]
     notes = stamp(toy) + [
         f"Batch 1, {spec.dtype}, K/V heads = heads; lclm tiles "
         f"{spec.q_chunk} x {spec.kv_chunk}; median of {spec.iters} runs after "
-        f"{spec.warmup} warm-up runs, each jitted once and synchronised with block_until_ready.",
+        f"{spec.warmup} warm-up runs, each jitted once and synchronised with block_until_ready."
+        " TFLOP/s count causal attention as half the square.",
         "Skipped: " + ("; ".join(skipped) if skipped else "none") + "."]
+    if spec.budget_s is not None:
+        notes.append(f"Measurements start only within a {spec.budget_s:g} s budget (rows past "
+                     "it say so).")
     path = os.path.join(out_dir, "attention.md")
-    emit_table(
-        "Attention kernels on one device: TFLOP/s", notes,
-        ["method", "mask", "head dim", "heads", "block t", "fwd ms",
-         "fwd TFLOP/s (4bht²d; causal = half)", "fwd+bwd ms",
-         "fwd+bwd TFLOP/s (3.5 x fwd FLOPs)", "fwd+bwd vs cuDNN", "status"],
-        rows, path, images=[_plot(results, out_dir, toy)])
+    table = Table("Attention kernels on one device: TFLOP/s", notes, HEADER, path)
+    done = []
+
+    def write(r):  # the shape's cuDNN row, measured first, is already in `done`
+        done.append(r)
+        table.add(row(r, versus(done)[-1]))
+
+    results = measure_all(found, spec, on_result=write)
+    table.image(try_plot(_plot, results, out_dir, toy))
     return path
 
 
@@ -299,12 +336,14 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dims", default=",".join(map(str, default.head_dims)))
     ap.add_argument("--chunk", type=int, default=default.q_chunk, help="q and kv tile size")
     ap.add_argument("--iters", type=int, default=default.iters)
+    ap.add_argument("--quick", action="store_true",
+                    help="the quick size (AttentionSpec.quick; the size options are ignored)")
     ap.add_argument("--out", default=default_out_dir("attention"))
     args = ap.parse_args(argv)
     spec = dataclasses.replace(default, blocks=int_list(args.blocks), heads=int_list(args.heads),
                                head_dims=int_list(args.head_dims), q_chunk=args.chunk,
                                kv_chunk=args.chunk, iters=args.iters)
-    run(spec, args.out)
+    run(default.quick() if args.quick else spec, args.out)
     return 0
 
 

@@ -1,12 +1,17 @@
 """The plain single-device training step every lclm train-step row is compared with.
 
 What a JAX user writes without lclm, on the same `LlamaConfig` and parameter tree: scanned
-layers, each rematerialised whole (`jax.checkpoint`, nothing saved), attention through
+layers under one of three remat settings (`REMATS`: none, `dots` =
+`jax.checkpoint_policies.checkpoint_dots`, or `full` = nothing saved), attention through
 `jax.nn.dot_product_attention` (cuDNN's fused kernel on GPUs, XLA elsewhere; GQA without
 repeating K/V), an unchunked SwiGLU, a cross-entropy over sequence chunks (each chunk's logits
 recomputed in the backward) and lclm's own AdamW. No mesh, no ring, no document masks (the
 bench's synthetic batch is one document per row). Only the attention, the feed-forward and the
 loss differ from lclm's step; RMSNorm and RoPE are lclm's functions, the same math.
+
+A fair baseline is the fastest of these that fits: `bench.train_step` times all three (in one
+process, in the order of `REMATS`, along which memory grows) and compares lclm's rows with
+`fastest_that_fits`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,20 @@ from lclm.models.llama import LlamaConfig, apply_rope, rms_norm, rope_tables
 from lclm.train.state import TrainState
 
 F32 = jnp.float32
+# layer remat settings timed, in the order they run (each keeps more than the one before, so
+# memory grows along it): name -> jax.checkpoint policy (None: no remat at all)
+REMATS = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "none": None,
+}
+
+
+def fastest_that_fits(records: list[dict]) -> dict | None:
+    """The record, among one model and length's remat variants, of the fastest step that ran
+    ('ok' status: it compiled, fit in device memory and finished); None if none did."""
+    ran = [r for r in records if r.get("status") == "ok" and r.get("step_s")]
+    return min(ran, key=lambda r: r["step_s"], default=None)
 
 
 def attention_implementation() -> str | None:
@@ -63,12 +82,15 @@ def _chunked_cross_entropy(h, w_out, targets, mask, chunk: int):
     return total, mask.sum()
 
 
-def loss_terms(c: LlamaConfig, params, batch):
+def loss_terms(c: LlamaConfig, params, batch, remat: str = "full"):
     """(sum of masked token losses, number of unmasked tokens), as lclm's `loss_terms`.
-    batch: `[batch, seq]` arrays in original order (tokens, targets, loss_mask, positions)."""
+    batch: `[batch, seq]` arrays in original order (tokens, targets, loss_mask, positions);
+    remat: a key of `REMATS`."""
     x = jnp.take(params["embed"].astype(c.compute_dtype), batch["tokens"], axis=0)
     rope = rope_tables(batch["positions"], c)
-    layer = jax.checkpoint(lambda x, p: _layer(c, x, p, rope))
+    layer = lambda x, p: _layer(c, x, p, rope)
+    if REMATS[remat] is not None:
+        layer = jax.checkpoint(layer, policy=REMATS[remat])
     x, _ = lax.scan(lambda x, p: (layer(x, p), None), x, params["layers"])
     h = rms_norm(x, params["final_norm"], c.norm_eps)
     w_out = params["embed"].T if c.tie_embeddings else params["lm_head"]
@@ -76,11 +98,11 @@ def loss_terms(c: LlamaConfig, params, batch):
                                   batch["loss_mask"].astype(F32), c.loss_chunk)
 
 
-def make_step(c: LlamaConfig, optimizer: optax.GradientTransformation):
+def make_step(c: LlamaConfig, optimizer: optax.GradientTransformation, remat: str = "full"):
     """`step(state, batch) -> (state, metrics)`, not yet jitted: mean loss, AdamW update."""
     def step(state: TrainState, batch):
         def mean_loss(params):
-            total, count = loss_terms(c, params, batch)
+            total, count = loss_terms(c, params, batch, remat)
             return total / jnp.maximum(count, 1.0)
 
         loss, grads = jax.value_and_grad(mean_loss)(state.params)

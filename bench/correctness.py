@@ -1,6 +1,6 @@
 """Kernel correctness on this device: every usable lclm kernel against a float32 dense reference.
 
-    python -m bench.correctness [--out DIR]
+    python -m bench.correctness [--quick] [--out DIR]
 
 The first thing to run on a new accelerator: a kernel that is fast but wrong there (a Triton
 or Mosaic lowering that differs from CPU interpret mode, a fused op that ignores the
@@ -27,7 +27,7 @@ import dataclasses
 import os
 import sys
 
-from bench.report import default_out_dir, emit_table, error_status, fmt, stamp
+from bench.report import Table, default_out_dir, error_status, fmt, stamp
 
 # name -> (layout, ring size n, this device, the devices whose K/V blocks it sees, segments,
 # GQA)
@@ -56,15 +56,24 @@ class CorrectnessSpec:
     q_chunk: int = 128
     kv_chunk: int = 128
     dtype: str = "bfloat16"
+    impls: tuple[str, ...] | None = None  # kernels to check (None: every usable one)
+    budget_s: float | None = None  # stop starting checks after this many seconds
 
     def smallest(self) -> "CorrectnessSpec":
         return dataclasses.replace(self, block=128, heads=4, head_dims=self.head_dims[:1],
                                    q_chunk=64, kv_chunk=64)
 
+    def quick(self) -> "CorrectnessSpec":
+        """The first part on a lent GPU: every usable kernel (the one `auto` picks first,
+        blockwise last), every case, head dims 64 and 128, within 400 s of checks."""
+        return dataclasses.replace(self, budget_s=400.0)
+
 
 def case_inputs(case: str, t: int, heads: int, head_dim: int, dtype: str):
     """(q, k, v, do, q_pos, k_pos, q_seg, k_seg) of one case; k/v/k_pos/k_seg hold every
-    block the case's device sees, one after another (`t` keys each)."""
+    block the case's device sees, one after another (`t` keys each). Positions and segment
+    ids are host (numpy) arrays: the checks close over them as constants, as the ring tells a
+    kernel the block pair's class where it is known."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -78,46 +87,61 @@ def case_inputs(case: str, t: int, heads: int, head_dim: int, dtype: str):
     q, do = (jax.random.normal(key, shape(heads, 1), jnp.dtype(dtype)) for key in keys[:2])
     k, v = (jax.random.normal(key, shape(kv_heads, len(sources)), jnp.dtype(dtype))
             for key in keys[2:])
-    q_pos = original_positions(layout, n, device, t)
-    k_pos = np.concatenate([original_positions(layout, n, s, t) for s in sources])
+    q_pos = np.asarray(original_positions(layout, n, device, t), np.int32)
+    k_pos = np.concatenate([original_positions(layout, n, s, t) for s in sources]).astype(
+        np.int32)
     seg = lambda pos: None
     if segments:  # documents of uneven lengths over the original positions of the whole row
         bounds = np.array([n * t // 5, n * t // 2, n * t * 3 // 4])
-        seg = lambda pos: jnp.asarray(np.searchsorted(bounds, pos, side="right")[None],
-                                      jnp.int32)
-    return (q, k, v, do, jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32),
-            seg(q_pos), seg(k_pos))
+        seg = lambda pos: np.searchsorted(bounds, pos, side="right")[None].astype(np.int32)
+    return q, k, v, do, q_pos, k_pos, seg(q_pos), seg(k_pos)
 
 
 def dense_reference(q, k, v, do, q_pos, k_pos, q_seg, k_seg):
     """(o, dq, dk, dv) in float32 of `lclm.ops.attention.dense_attention` with the case's
-    positions and segment ids on both sides."""
+    positions and segment ids on both sides (jitted once, the ids as constants)."""
     import jax
     import jax.numpy as jnp
 
     from lclm.ops.attention import dense_attention
 
-    def attend(q, k, v):
-        return dense_attention(q, k, v, positions=q_pos, segment_ids=q_seg, k_positions=k_pos,
-                               k_segment_ids=k_seg)
+    @jax.jit
+    def reference(q, k, v, do):
+        def attend(q, k, v):
+            return dense_attention(q, k, v, positions=q_pos, segment_ids=q_seg,
+                                   k_positions=k_pos, k_segment_ids=k_seg)
 
-    o, vjp = jax.vjp(attend, *(x.astype(jnp.float32) for x in (q, k, v)))
-    return (o, *vjp(do.astype(jnp.float32)))
+        o, vjp = jax.vjp(attend, *(x.astype(jnp.float32) for x in (q, k, v)))
+        return (o, *vjp(do.astype(jnp.float32)))
+    return reference(q, k, v, do)
 
 
-def ring_of_blocks(kernel, blocks: int, tiles: dict):
-    """`(q, k, v, do, q_pos, k_pos, q_seg, k_seg) -> (o, dq, dk, dv)` float32: the kernel over
-    `blocks` equal K/V blocks as ring rounds (log-sum-exp merge; backward from the global
-    o and lse), jitted."""
+def ring_of_blocks(kernel, blocks: int, tiles: dict, q_pos, k_pos, q_seg=None, k_seg=None):
+    """`(q, k, v, do) -> (o, dq, dk, dv)` float32, jitted: the kernel over `blocks` equal K/V
+    blocks as ring rounds (log-sum-exp merge; backward from the global o and lse).
+
+    The positions and segment ids (host arrays, split here on the host) are closed over as
+    constants, not passed as jit arguments: a range-based kernel then sees each block pair's
+    class while tracing and lowers one fused call per round (and none for a hidden round)
+    instead of a `lax.switch` over every class, as lclm's ring does where it knows the class.
+    """
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from lclm.ops.ring_attention import merge_partials
 
-    def run(q, k, v, do, q_pos, k_pos, q_seg, k_seg):
-        segs = [None] * blocks if k_seg is None else jnp.split(k_seg, blocks, axis=1)
+    # device arrays made here, outside the trace: concrete values inside it (kernels index
+    # them with traced loop counters, which numpy arrays would refuse)
+    const = lambda x: None if x is None else jnp.asarray(x)
+    q_pos, q_seg = const(q_pos), const(q_seg)
+    segs = ([None] * blocks if k_seg is None
+            else [const(s) for s in np.split(np.asarray(k_seg), blocks, axis=1)])
+    positions = [const(p) for p in np.split(np.asarray(k_pos), blocks)]
+
+    def run(q, k, v, do):
         rounds = list(zip(jnp.split(k, blocks, axis=1), jnp.split(v, blocks, axis=1),
-                          jnp.split(k_pos, blocks), segs))
+                          positions, segs))
         o = jnp.zeros(q.shape, jnp.float32)
         lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
         for kb, vb, pb, sb in rounds:
@@ -132,16 +156,25 @@ def ring_of_blocks(kernel, blocks: int, tiles: dict):
     return jax.jit(run)
 
 
-def check(impl: str, case: str, head_dim: int, spec: CorrectnessSpec) -> dict:
-    """Relative errors of one kernel on one case."""
+def check(impl: str, case: str, head_dim: int, spec: CorrectnessSpec, cache=None) -> dict:
+    """Relative errors of one kernel on one case. `cache` (a dict) keeps each case's inputs
+    and reference between kernels."""
     import numpy as np
 
     from lclm.ops.attention import get_kernel
 
-    args = case_inputs(case, spec.block, spec.heads, head_dim, spec.dtype)
+    key = (case, head_dim)
+    if cache is None or key not in cache:
+        args = case_inputs(case, spec.block, spec.heads, head_dim, spec.dtype)
+        entry = (args, dense_reference(*args))
+        if cache is not None:
+            cache[key] = entry
+    else:
+        entry = cache[key]
+    args, want = entry
+    q, k, v, do, *ids = args
     tiles = dict(causal=True, q_chunk=spec.q_chunk, kv_chunk=spec.kv_chunk)
-    got = ring_of_blocks(get_kernel(impl), len(CASES[case][3]), tiles)(*args)
-    want = dense_reference(*args)
+    got = ring_of_blocks(get_kernel(impl), len(CASES[case][3]), tiles, *ids)(q, k, v, do)
     errors = {}
     for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
@@ -151,46 +184,81 @@ def check(impl: str, case: str, head_dim: int, spec: CorrectnessSpec) -> dict:
     return dict(errors, worst=worst, status="ok" if ok else "WRONG")
 
 
-def run(spec: CorrectnessSpec, out_dir: str, toy: bool = False) -> str:
-    """Check every usable kernel; write `correctness.md`. Returns its path."""
+def kernel_order(kernels: list[str], preferred: str | None) -> list[str]:
+    """The kernel `auto` picks first, the other fused kernels next, blockwise (pure JAX, the
+    one checked everywhere else) last: what a budget cuts short is the least informative."""
+    rank = lambda k: (k != preferred, k == "blockwise")
+    return sorted(kernels, key=rank)
+
+
+HEADER = ["kernel", "case", "head dim", "o", "dq", "dk", "dv", "seconds", "status"]
+
+
+def run(spec: CorrectnessSpec, out_dir: str, toy: bool = False, on_row=None) -> str:
+    """Check every usable kernel; write `correctness.md` row by row. Returns its path.
+
+    `on_row(result)` is called after each row is written. Raises RuntimeError (after the
+    table is complete) when a kernel is wrong or could not run."""
+    import time
+
     import jax
 
-    from bench.attention import usable_kernels
+    from bench.attention import preferred_kernel, usable_kernels
+    from bench.timing import Budget
 
-    kernels, skipped = usable_kernels(jax.devices()[0].platform)
-    results = []
+    platform = jax.devices()[0].platform
+    kernels, skipped = usable_kernels(platform)
+    kernels = [k for k in kernels if spec.impls is None or k in spec.impls]
+    kernels = kernel_order(kernels, preferred_kernel(platform))
+    budget = Budget(spec.budget_s)
+    notes = stamp(toy) + [
+        f"One device's queries ({spec.block} tokens, {spec.heads} query heads, {spec.dtype} "
+        f"inputs, tiles {spec.q_chunk} x {spec.kv_chunk}) against the K/V blocks of some ring "
+        "rounds: the kernel's forward and backward (merged as the ring merges them, backward "
+        "from the global o and lse) against dense float32 attention with the same mask; "
+        f"error = max |kernel - reference| / max |reference|; 'ok' below {TOLERANCE:g}. "
+        "Positions are constants of each jitted check (one fused call per round); seconds = "
+        "compile + run of the check.",
+        "Skipped kernels: " + ("; ".join(skipped) if skipped else "none") + "."]
+    if spec.budget_s is not None:
+        notes.append(f"Checks start only within a {spec.budget_s:g} s budget (rows past it "
+                     "say so).")
+    path = os.path.join(out_dir, "correctness.md")
+    table = Table("Kernel correctness against a float32 dense reference", notes, HEADER, path)
+    cache, bad = {}, []
     for impl in kernels:
         for head_dim in spec.head_dims:
             for case in CASES:
-                try:
-                    r = check(impl, case, head_dim, spec)
-                except Exception as e:  # noqa: BLE001  (a kernel that cannot run here)
-                    r = dict(status=error_status(e))
-                results.append(dict(r, impl=impl, case=case, head_dim=head_dim))
-    rows = [(r["impl"], r["case"], r["head_dim"], *(fmt(r.get(n), ".1e") for n in
-                                                     ("o", "dq", "dk", "dv")), r["status"])
-            for r in results]
-    notes = stamp(toy) + [
-        f"One block pair of {spec.block} x {spec.block} tokens, {spec.heads} query heads, "
-        f"{spec.dtype} inputs, tiles {spec.q_chunk} x {spec.kv_chunk}: the kernel's forward "
-        "and backward against dense float32 attention with the same mask; error = max "
-        f"|kernel - reference| / max |reference|; 'ok' below {TOLERANCE:g}.",
-        "Skipped kernels: " + ("; ".join(skipped) if skipped else "none") + "."]
-    path = os.path.join(out_dir, "correctness.md")
-    emit_table("Kernel correctness against a float32 dense reference", notes,
-               ["kernel", "case", "head dim", "o", "dq", "dk", "dv", "status"], rows, path)
-    if any(r["status"] != "ok" for r in results):
-        raise RuntimeError(f"kernel correctness failed: see {path}")
+                t0 = time.perf_counter()
+                if budget.spent():
+                    r = dict(status=budget.skipped())
+                else:
+                    try:
+                        r = check(impl, case, head_dim, spec, cache)
+                    except Exception as e:  # noqa: BLE001  (a kernel that cannot run here)
+                        r = dict(status=error_status(e))
+                r = dict(r, impl=impl, case=case, head_dim=head_dim,
+                         seconds=time.perf_counter() - t0)
+                if not r["status"].startswith(("ok", "skipped")):
+                    bad.append(r)
+                table.add((impl, case, head_dim,
+                           *(fmt(r.get(n), ".1e") for n in ("o", "dq", "dk", "dv")),
+                           fmt(r["seconds"], ".1f"), r["status"]))
+                if on_row is not None:
+                    on_row(r)
+    if bad:
+        raise RuntimeError(f"kernel correctness failed ({len(bad)} rows): see {path}")
     return path
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=default_out_dir("correctness"))
+    ap.add_argument("--quick", action="store_true", help="the quick size (a 400 s budget)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     try:
-        run(CorrectnessSpec(), args.out)
+        run(CorrectnessSpec().quick() if args.quick else CorrectnessSpec(), args.out)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -49,23 +49,56 @@ def child_env() -> dict:
     return env
 
 
-def run_child(module: str, argv: list[str], timeout: float) -> tuple[list[dict], str]:
+def run_child(module: str, argv: list[str], timeout: float,
+              on_record=None) -> tuple[list[dict], str]:
     """Run `python -m module *argv`; returns (its records, status).
 
+    Records are read as the child prints them: `on_record(record)` is called for each one the
+    moment it arrives (so the parent can write it down before the child ends, or is killed).
     status is 'ok' (exit 0), 'OOM' (an out-of-memory message, or SIGKILL: how the kernel's OOM
-    killer ends a process), 'timeout', or 'failed: <last error line>'.
+    killer ends a process), 'timeout' (killed after `timeout` seconds), or
+    'failed: <last error line>'.
     """
-    try:
-        proc = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True,
-                              text=True, timeout=timeout, env=child_env(), cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return [], "timeout"
-    records = [json.loads(line[len(PREFIX):]) for line in proc.stdout.splitlines()
-               if line.startswith(PREFIX)]
-    if proc.returncode == 0:
+    import tempfile
+    import threading
+
+    records, output = [], []
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=subprocess.PIPE,
+                                stderr=err, text=True, env=child_env(), cwd=ROOT)
+        expired = threading.Event()
+
+        def kill():
+            expired.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout, kill)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                if line.startswith(PREFIX):
+                    record = json.loads(line[len(PREFIX):])
+                    records.append(record)
+                    if on_record is not None:
+                        on_record(record)
+                else:
+                    output.append(line)
+                    del output[:-200]  # the tail is enough for an error line
+            returncode = proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:  # on_record raised: do not leave the child running
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+        err.seek(0)
+        stderr = err.read()
+    if expired.is_set():
+        return records, "timeout"
+    if returncode == 0:
         return records, "ok"
-    output = proc.stdout + proc.stderr
-    if proc.returncode == -9 or any(m in output for m in _OOM_MARKERS):
+    text = "".join(output) + stderr
+    if returncode == -9 or any(m in text for m in _OOM_MARKERS):
         return records, "OOM"
-    last = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["?"]
+    last = [line for line in stderr.strip().splitlines() if line.strip()][-1:] or ["?"]
     return records, f"failed: {last[0][:120]}"

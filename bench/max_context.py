@@ -1,7 +1,7 @@
 """Longest trainable sequence on one device: lclm's blockwise transformer vs dense baselines.
 
     python -m bench.max_context [--config configs/llama1b.py] [--variants lclm,vanilla]
-        [--start 8192] [--cap 2097152] [--resolution 16384] [--out DIR] \
+        [--start 8192] [--cap 2097152] [--resolution 16384] [--quick] [--out DIR] \
         [--config.model.n_layers=8 ...]
 
 Variants of the same LLaMA train step (full remat, AdamW, batch 1, one device):
@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 
 from bench import repo_path
 from bench.isolate import emit_record, run_child
-from bench.report import default_out_dir, emit_table, fmt, stamp
+from bench.report import Table, default_out_dir, fmt, stamp, try_plot
 
 # config overrides are command-line arguments, as for train.py
 ONE_DEVICE = ("--config.mesh.dp=1", "--config.mesh.fsdp=1", "--config.mesh.tp=1",
@@ -72,10 +72,18 @@ class MaxContextSpec:
     cap: int = 2 ** 21
     resolution: int = 16384   # a multiple of every chunk of the config
     budget_mib: int | None = None
-    timeout: float = 1800.0
+    timeout: float = 1800.0  # per probe
+    budget_s: float | None = None  # stop starting probes after this many seconds
 
     def smallest(self) -> "MaxContextSpec":
         return dataclasses.replace(self, cap=self.start)
+
+    def quick(self) -> "MaxContextSpec":
+        """Dense attention first (16K, then 32K if that fit: one or two probes), then lclm
+        doubling 16K -> 128K (four probes, one compile each), within a 400 s budget (a probe
+        started near its end gets a minute past it)."""
+        return dataclasses.replace(self, variants=("vanilla", "lclm"), start=16384,
+                                   cap=131072, resolution=16384, timeout=240.0, budget_s=400.0)
 
 
 def _dense_ring_attention(q, k, v, *, mesh, segment_ids=None, **_tiles):
@@ -133,24 +141,52 @@ def search(fits: Callable[[int], bool], start: int, cap: int, resolution: int):
     return best, fail
 
 
-def search_variant(spec: MaxContextSpec, variant: str) -> dict:
-    """Probe one variant in child processes; returns the search result and every probe."""
+class _BudgetSpent(Exception):
+    """The part's time budget ran out before a probe."""
+
+
+def search_variant(spec: MaxContextSpec, variant: str, on_probe=None, budget=None) -> dict:
+    """Probe one variant in child processes; returns the search result and every probe.
+    `on_probe(variant, seq, record)` is called as each probe ends; past `budget` (a
+    `bench.timing.Budget`) the search stops and keeps what it found."""
+    from bench.timing import Budget
+
+    budget = budget or Budget(None)
     probes = {}
 
     def fits(seq: int) -> bool:
+        if budget.spent():
+            raise _BudgetSpent
         argv = ["--probe", "--variant", variant, "--seq", str(seq), "--config",
                 repo_path(spec.config)]
         argv += ["--budget-mib", str(spec.budget_mib)] if spec.budget_mib else []
         argv += [*spec.overrides, f"--config.attention.impl={spec.impl}"]
-        records, status = run_child("bench.max_context", argv, spec.timeout)
+        timeout = min(spec.timeout, budget.left() + BUDGET_GRACE_S)
+        records, status = run_child("bench.max_context", argv, timeout)
         record = records[0] if records else {}
         if status == "ok":  # a clean exit carries its own verdict ('ok' or 'over budget')
             status = record.get("status", "no record")
         probes[seq] = dict(record, status=status)
+        if on_probe is not None:
+            on_probe(variant, seq, probes[seq])
+        if status == "timeout" and budget.spent():
+            raise _BudgetSpent  # cut by the budget: not a verdict on that length
         return status == "ok"
 
-    best, fail = search(fits, spec.start, spec.cap, spec.resolution)
-    return dict(variant=variant, best=best, fail=fail, probes=probes)
+    try:
+        best, fail = search(fits, spec.start, spec.cap, spec.resolution)
+        stopped = None
+    except _BudgetSpent:
+        ran = [s for s, p in probes.items() if p["status"] == "ok"]
+        best = max(ran, default=None)
+        failed = [s for s, p in probes.items() if p["status"] not in ("ok", "timeout")
+                  and (best is None or s > best)]
+        fail = min(failed, default=None)
+        stopped = budget.skipped()
+    return dict(variant=variant, best=best, fail=fail, probes=probes, stopped=stopped)
+
+
+BUDGET_GRACE_S = 60.0
 
 
 def _tokens(n: int | None) -> str:
@@ -164,6 +200,8 @@ def _row(result: dict, spec: MaxContextSpec) -> tuple:
     at_best = result["probes"].get(result["best"], {})
     failed = result["probes"].get(result["fail"], {})
     best = _tokens(result["best"]) + (" (cap)" if result["best"] == spec.cap else "")
+    if result.get("stopped"):
+        best += " (search stopped: time budget)"
     fail = "-" if result["fail"] is None else f"{_tokens(result['fail'])} ({failed['status']})"
     probes = ", ".join(f"{_tokens(s)} {p['status']}" for s, p in sorted(result["probes"].items()))
     return (result["variant"], v.what, best, fail, fmt(at_best.get("peak_gib"), ".3g"),
@@ -171,16 +209,22 @@ def _row(result: dict, spec: MaxContextSpec) -> tuple:
             v.published, probes)
 
 
+PROBE_HEADER = ["variant", "seq", "status", "peak GiB", "XLA est. GiB", "compile s", "step s"]
+HEADER = ["variant", "what", "longest that ran", "first that did not", "peak GiB",
+          "XLA est. GiB", "step s", "BPT paper (1B, A100)", "probes"]
+
+
 def run(spec: MaxContextSpec, out_dir: str, toy: bool = False) -> str:
-    """Search every variant; write `max_context.md` and a bar chart. Returns the md path."""
+    """Search every variant; write `max_context.md` (each probe the moment it ends, then the
+    longest length per variant) and a bar chart. Returns the md path."""
     import jax
 
     from bench.attention import preferred_kernel
     from bench.plots import save_bars
+    from bench.timing import Budget
 
     if spec.impl == "auto":
         spec = dataclasses.replace(spec, impl=preferred_kernel(jax.devices()[0].platform))
-    results = [search_variant(spec, variant) for variant in spec.variants]
     limit = (f"a probe fits when its step runs and XLA's estimate is <= {spec.budget_mib} MiB"
              if spec.budget_mib else "a probe fits when its step runs without running out of "
              "device memory (GPU: 95% of memory usable)")
@@ -190,15 +234,26 @@ def run(spec: MaxContextSpec, out_dir: str, toy: bool = False) -> str:
         f"per probe in its own process; {limit}; doubling from {_tokens(spec.start)}, then "
         f"bisection to {_tokens(spec.resolution)}, capped at {_tokens(spec.cap)}.",
         PUBLISHED_NOTE]
-    bars = {r["variant"]: r["best"] or 0 for r in results}
-    png = save_bars(os.path.join(out_dir, "max_context.png"), "Longest trainable sequence",
-                    stamp(toy), "tokens", bars,
-                    {k: _tokens(b) + (" (cap)" if b == spec.cap else "") for k, b in bars.items()})
+    if spec.budget_s is not None:
+        notes.append(f"Probes start only within a {spec.budget_s:g} s budget.")
     path = os.path.join(out_dir, "max_context.md")
-    emit_table("Max context: longest sequence that trains one step on one device", notes,
-               ["variant", "what", "longest that ran", "first that did not", "peak GiB",
-                "XLA est. GiB", "step s", "BPT paper (1B, A100)", "probes"],
-               [_row(r, spec) for r in results], path, images=[png])
+    table = Table("Max context: longest sequence that trains one step on one device", notes,
+                  PROBE_HEADER, path)
+
+    def probed(variant, seq, p):
+        table.add((variant, _tokens(seq), p["status"], fmt(p.get("peak_gib"), ".3g"),
+                   fmt(p.get("xla_gib"), ".3g"), fmt(p.get("compile_s")),
+                   fmt(p.get("step_s"), ".2f")))
+
+    budget = Budget(spec.budget_s)
+    results = [search_variant(spec, variant, probed, budget) for variant in spec.variants]
+    table.section("Longest sequence per variant", HEADER)
+    for r in results:
+        table.add(_row(r, spec))
+    bars = {r["variant"]: r["best"] or 0 for r in results}
+    labels = {k: _tokens(b) + (" (cap)" if b == spec.cap else "") for k, b in bars.items()}
+    table.image(try_plot(save_bars, os.path.join(out_dir, "max_context.png"),
+                         "Longest trainable sequence", stamp(toy), "tokens", bars, labels))
     return path
 
 
@@ -213,6 +268,8 @@ def main(argv=None) -> int:
     ap.add_argument("--resolution", type=int, default=default.resolution)
     ap.add_argument("--impl", default=default.impl, help="kernel of the blockwise variants")
     ap.add_argument("--budget-mib", type=int, default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="the quick search (MaxContextSpec.quick; the size options are ignored)")
     ap.add_argument("--out", default=default_out_dir("max_context"))
     ap.add_argument("--probe", action="store_true", help="child side: one step, one record")
     ap.add_argument("--variant", default="lclm")
@@ -229,6 +286,9 @@ def main(argv=None) -> int:
             return 0
         spec = MaxContextSpec(args.config, tuple(args.overrides), tuple(args.variants.split(",")),
                               args.impl, args.start, args.cap, args.resolution, args.budget_mib)
+        if args.quick:
+            spec = dataclasses.replace(MaxContextSpec().quick(), config=args.config,
+                                       overrides=tuple(args.overrides), impl=args.impl)
         run(spec, args.out)
     except (StartupError, FileNotFoundError) as e:  # a bad --config FILE/--config.*: one line
         print(f"error: {e}", file=sys.stderr)

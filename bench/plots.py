@@ -1,7 +1,9 @@
 """PNG plots of benchmark results (matplotlib, non-interactive 'Agg' backend).
 
-Every figure carries the report's stamp (device, JAX version, date, toy-size warning) as its
-subtitle, so a plot copied out of its report still says where it was measured.
+Callers go through `bench.report.try_plot`: a failed plot is logged and the part goes on (its
+table is already written). Every figure carries the report's stamp (device, JAX version, date,
+toy-size warning) as its subtitle, so a plot copied out of its report still says where it was
+measured.
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ def _pyplot():
 
 
 def save_lines(path: str, title: str, stamp: list[str], panels: list[Panel]) -> str:
-    """Write line plots (one panel per `Panel`, two per row) to `path`; returns `path`."""
+    """Write line plots (one panel per `Panel`, two per row) to `path`; returns `path`.
+    Raises ValueError when no panel has a point (every row failed or was skipped)."""
+    if not any(panel.series for panel in panels):
+        raise ValueError(f"nothing to plot in {os.path.basename(path)}: no measured point")
     plt = _pyplot()
     cols = min(len(panels), 2)
     rows = -(-len(panels) // cols)
@@ -66,6 +71,8 @@ def save_lines(path: str, title: str, stamp: list[str], panels: list[Panel]) -> 
 def save_bars(path: str, title: str, stamp: list[str], ylabel: str, bars: dict[str, float],
               labels: dict[str, str] | None = None) -> str:
     """Write a bar chart of `bars` (name -> value, with optional text above each bar)."""
+    if not bars:
+        raise ValueError(f"nothing to plot in {os.path.basename(path)}: no bars")
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.8))
     names = list(bars)

@@ -1,6 +1,7 @@
 """Striped vs zigzag vs contiguous ring attention, simulated on one device with the real kernel.
 
-    python -m bench.striped_sim [--ns 2,4,8,16] [--blocks 4096,8192,16384,32768] [--out DIR]
+    python -m bench.striped_sim [--ns 2,4,8,16] [--blocks 4096,8192,16384,32768] [--quick] \
+        [--out DIR]
 
 N devices, per-device block c: in round r device j keeps its queries and holds the K/V block
 that started on device (j - r) % N. For each layout, round and device the kernel
@@ -31,11 +32,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 
 from bench import int_list
-from bench.report import default_out_dir, emit_table, fmt, stamp
+from bench.report import Table, default_out_dir, fmt, stamp, try_plot
 
 LAYOUTS = ("contiguous", "striped", "zigzag")
 
@@ -73,10 +75,17 @@ class StripedSpec:
     # tile_schedule evaluates the skip predicate tile by tile in Python: above this many
     # (device, round, tile) evaluations the tile ratio is left out rather than waited for
     tile_limit: int = 2 ** 14
+    budget_s: float | None = None  # stop starting blocks after this many seconds
 
     def smallest(self) -> "StripedSpec":
         return dataclasses.replace(self, ns=self.ns[:1], blocks=self.blocks[:1], warmup=0,
                                    iters=1)
+
+    def quick(self) -> "StripedSpec":
+        """N = 2, 4, 8 at 8K-token blocks: per kernel one compile (zigzag's 4K half blocks
+        keep the 1K tiles) and 8 timed block-pair classes; cuDNN's two block times once;
+        within a 400 s budget."""
+        return dataclasses.replace(self, ns=(2, 4, 8), blocks=(8192,), budget_s=400.0)
 
 
 def mask_class(layout: str, n: int, device: int, source: int) -> str:
@@ -168,6 +177,7 @@ def ring_bound(causal_s: float, full_s: float, n: int) -> float:
     return (causal_s + (n - 1) * full_s) / (n * causal_s)
 
 
+@functools.lru_cache(maxsize=None)  # the same for every kernel
 def tile_ratio(n: int, block: int, spec: StripedSpec) -> float | None:
     """Busiest-device tile count summed over rounds, contiguous / striped (None: too costly)."""
     import jax
@@ -195,6 +205,7 @@ def _host_device():
         return jax.devices()[0]
 
 
+@functools.lru_cache(maxsize=None)  # the same for every kernel
 def cudnn_times(block: int, spec: StripedSpec) -> tuple[float, float] | None:
     """cuDNN's forward+backward seconds at one block, (causal, full); None off GPU."""
     import jax
@@ -212,34 +223,41 @@ def cudnn_times(block: int, spec: StripedSpec) -> tuple[float, float] | None:
         return None
 
 
+def simulate_block(impl: str, block: int, spec: StripedSpec) -> list[dict]:
+    """One result per N at one block: simulated ring times, speedup and its bounds."""
+    results = []
+    times = class_times(impl, block, spec)
+    cudnn = cudnn_times(block, spec)
+    for n in spec.ns:
+        rounds = {layout: round_times(
+            layout, n, times, lambda d, s, lay=layout: time_key(lay, n, d, s, block, spec))
+            for layout in LAYOUTS}
+        tiles = layout_tiles("striped", n, block, spec)
+        contiguous, striped = sum(rounds["contiguous"]), sum(rounds["striped"])
+        zigzag = sum(rounds["zigzag"])
+        paper = PAPER_1B.get((n, block), (None, None))
+        results.append(dict(
+            impl=impl, n=n, block=block, rounds=rounds, contiguous_s=contiguous,
+            striped_s=striped, zigzag_s=zigzag, speedup=contiguous / striped,
+            zigzag_speedup=contiguous / zigzag,
+            kernel_bound=ring_bound(times[("causal", *tiles)], times[("full", *tiles)], n),
+            cudnn_bound=None if cudnn is None else ring_bound(*cudnn, n),
+            tile_ratio=tile_ratio(n, block, spec), paper_tms=paper[0],
+            paper_speedup=paper[1], status="ok"))
+    return results
+
+
 def simulate(impl: str, spec: StripedSpec) -> list[dict]:
     """One result per (N, block): simulated ring times, speedup and its bounds."""
-    results = []
-    for block in spec.blocks:
-        times = class_times(impl, block, spec)
-        cudnn = cudnn_times(block, spec)
-        for n in spec.ns:
-            rounds = {layout: round_times(
-                layout, n, times, lambda d, s, lay=layout: time_key(lay, n, d, s, block, spec))
-                for layout in LAYOUTS}
-            tiles = layout_tiles("striped", n, block, spec)
-            contiguous, striped = sum(rounds["contiguous"]), sum(rounds["striped"])
-            zigzag = sum(rounds["zigzag"])
-            paper = PAPER_1B.get((n, block), (None, None))
-            results.append(dict(
-                impl=impl, n=n, block=block, rounds=rounds, contiguous_s=contiguous,
-                striped_s=striped, zigzag_s=zigzag, speedup=contiguous / striped,
-                zigzag_speedup=contiguous / zigzag,
-                kernel_bound=ring_bound(times[("causal", *tiles)], times[("full", *tiles)], n),
-                cudnn_bound=None if cudnn is None else ring_bound(*cudnn, n),
-                tile_ratio=tile_ratio(n, block, spec), paper_tms=paper[0],
-                paper_speedup=paper[1]))
-    return results
+    return [r for block in spec.blocks for r in simulate_block(impl, block, spec)]
 
 
 def _plot(results: list[dict], out_dir: str, toy: bool) -> str:
     from bench.plots import Panel, save_lines
 
+    results = [r for r in results if r["status"] == "ok"]
+    if not results:
+        raise ValueError("no simulated ring to plot")
     speed = Panel("contiguous / striped (zigzag) time", "simulated devices N", "speedup")
     blocks = sorted({r["block"] for r in results})
     for r in results:
@@ -262,20 +280,32 @@ def _plot(results: list[dict], out_dir: str, toy: bool) -> str:
                       [speed, rounds])
 
 
+HEADER = ["kernel", "N", "block c", "tile ratio", "contiguous ms", "striped ms", "zigzag ms",
+          "speedup striped", "speedup zigzag", "kernel bound", "striped / bound", "cuDNN bound",
+          "paper TMS", "paper measured", "status"]
+
+
+def row(r: dict) -> tuple:
+    ms = lambda key: fmt(r.get(key), ",.2f", 1e3)
+    bound = r.get("kernel_bound")
+    return (r["impl"], r["n"], f"{r['block']:,}", fmt(r.get("tile_ratio"), ".2f"),
+            ms("contiguous_s"), ms("striped_s"), ms("zigzag_s"), fmt(r.get("speedup"), ".2f"),
+            fmt(r.get("zigzag_speedup"), ".2f"), fmt(bound, ".2f"),
+            fmt(None if bound is None else r["speedup"] / bound, ".2f"),
+            fmt(r.get("cudnn_bound"), ".2f"), fmt(r.get("paper_tms"), ".2f"),
+            fmt(r.get("paper_speedup"), ".2f"), r["status"])
+
+
 def run(spec: StripedSpec, out_dir: str, toy: bool = False) -> str:
-    """Simulate every usable kernel; write `striped_sim.md` and its plot. Returns the md path."""
+    """Simulate every usable kernel; write `striped_sim.md` (the rows of each block as soon as
+    they are simulated) and its plot. Returns the md path."""
     import jax
 
     from bench.attention import usable_kernels
+    from bench.report import error_status
+    from bench.timing import Budget
 
     kernels, skipped = usable_kernels(jax.devices()[0].platform)
-    results = [r for impl in kernels for r in simulate(impl, spec)]
-    rows = [(r["impl"], r["n"], f"{r['block']:,}", fmt(r["tile_ratio"], ".2f"),
-             f"{r['contiguous_s'] * 1e3:,.2f}", f"{r['striped_s'] * 1e3:,.2f}",
-             f"{r['zigzag_s'] * 1e3:,.2f}", f"{r['speedup']:.2f}", f"{r['zigzag_speedup']:.2f}",
-             f"{r['kernel_bound']:.2f}", f"{r['speedup'] / r['kernel_bound']:.2f}",
-             fmt(r["cudnn_bound"], ".2f"),
-             fmt(r["paper_tms"], ".2f"), fmt(r["paper_speedup"], ".2f")) for r in results]
     notes = stamp(toy) + [
         f"Per device: batch 1, {spec.heads} heads, head dim {spec.head_dim}, {spec.dtype}, "
         f"tiles {spec.q_chunk} x {spec.kv_chunk}; each block pair's kernel forward+backward is "
@@ -286,13 +316,29 @@ def run(spec: StripedSpec, out_dir: str, toy: bool = False) -> str:
         "contiguous / striped (tile_schedule; '-' where too costly to enumerate).",
         PAPER_CITATION,
         "Skipped kernels: " + ("; ".join(skipped) if skipped else "none") + "."]
-    png = _plot(results, out_dir, toy)
+    if spec.budget_s is not None:
+        notes.append(f"Blocks start only within a {spec.budget_s:g} s budget (rows past it "
+                     "say so).")
     path = os.path.join(out_dir, "striped_sim.md")
-    emit_table("Striped, zigzag and contiguous ring attention (one-device simulation)", notes,
-               ["kernel", "N", "block c", "tile ratio", "contiguous ms", "striped ms",
-                "zigzag ms", "speedup striped", "speedup zigzag", "kernel bound",
-                "striped / bound", "cuDNN bound", "paper TMS",
-                "paper measured"], rows, path, images=[png])
+    table = Table("Striped, zigzag and contiguous ring attention (one-device simulation)",
+                  notes, HEADER, path)
+    budget = Budget(spec.budget_s)
+    results = []
+    for impl in kernels:
+        for block in spec.blocks:
+            if budget.spent():
+                done = [dict(impl=impl, n=n, block=block, status=budget.skipped())
+                        for n in spec.ns]
+            else:
+                try:
+                    done = simulate_block(impl, block, spec)
+                except Exception as e:  # noqa: BLE001  (OOM, a kernel that cannot run here)
+                    done = [dict(impl=impl, n=n, block=block, status=error_status(e))
+                            for n in spec.ns]
+            for r in done:
+                table.add(row(r))
+            results += done
+    table.image(try_plot(_plot, results, out_dir, toy))
     return path
 
 
@@ -303,11 +349,13 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", default=",".join(map(str, default.blocks)))
     ap.add_argument("--heads", type=int, default=default.heads)
     ap.add_argument("--chunk", type=int, default=default.q_chunk, help="q and kv tile size")
+    ap.add_argument("--quick", action="store_true",
+                    help="the quick size (StripedSpec.quick; the size options are ignored)")
     ap.add_argument("--out", default=default_out_dir("striped_sim"))
     args = ap.parse_args(argv)
     spec = dataclasses.replace(default, ns=int_list(args.ns), blocks=int_list(args.blocks),
                                heads=args.heads, q_chunk=args.chunk, kv_chunk=args.chunk)
-    run(spec, args.out)
+    run(default.quick() if args.quick else spec, args.out)
     return 0
 
 

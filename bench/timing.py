@@ -27,3 +27,27 @@ def median_seconds(fn, *args, warmup: int = 1, iters: int = 5) -> tuple[float, f
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), first
+
+
+class Budget:
+    """The wall-clock seconds a part may spend starting measurements (None: no limit).
+
+    A quick part checks `spent()` before each row and reports the rows it did not start as
+    skipped, so the part ends in about its budget plus one row, whatever the device's speed;
+    `left()` bounds a child process's timeout.
+    """
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self._end = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float:
+        return float("inf") if self._end is None else self._end - time.monotonic()
+
+    def spent(self, need: float = 0.0) -> bool:
+        """Whether less than `need` seconds are left."""
+        return self.left() <= need
+
+    def skipped(self) -> str:
+        """The status of a row not started."""
+        return f"skipped: the part's {self.seconds:g} s budget was spent"

@@ -1,7 +1,7 @@
 """Training-step throughput: tokens/s, MFU and peak memory of one full train step.
 
     python -m bench.train_step --config configs/llama1b.py --seq 8192,32768 \
-        [--impls blockwise,pallas_gpu] [--baseline] [--isolate] \
+        [--impls blockwise,pallas_gpu] [--baseline] [--isolate] [--quick] \
         --config.mesh.fsdp=1 --config.mesh.sp=1
     python -m bench.train_step --config configs/demo.py --seq 512 --layouts striped,contiguous \
         --config.model.n_layers=1
@@ -10,11 +10,14 @@ Synthetic tokens (one document per row), the real model, ring attention, optimiz
 shardings of the config (`--config.<key>=<value>` overrides its fields, as for train.py);
 the attention kernel is `config.attention.impl` (`--impls` runs several). `--baseline` adds,
 per length, the plain single-device step of `bench.baseline` (cuDNN attention on GPUs) on the
-same model, and every row shows its tokens/s as a ratio to it. MFU counts causal
-attention as half the square (see `lclm.train.metrics.flops_per_token`); on a CPU there is
-no peak to divide by, and the table says so: CPU numbers are not a performance result.
-`--isolate` runs every row in its own process, so an out-of-memory row is reported as OOM and
-each row's peak memory is its own (a process's peak counter never goes down).
+same model with no layer remat, with `dots` saved and with full remat; the fastest of those
+that fits is the baseline, and every row shows its tokens/s as a ratio to it. MFU is lclm's:
+6N + 6 L T D FLOPs per token, causal attention counted as half the square
+(`lclm.train.metrics.flops_per_token`); on a CPU there is no peak to divide by, and the table
+says so: CPU numbers are not a performance result. `--isolate` runs every row in its own
+process (the baseline's three variants share one), so an out-of-memory row is reported as
+OOM and each row's peak memory is its own (a process's peak counter never goes down).
+Every row is written to the table (`--out`) and stdout the moment it is measured.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 
 from bench import int_list, repo_path
 from bench.isolate import emit_record, run_child
-from bench.report import emit_table, error_status, fmt, stamp
+from bench.report import MFU_NOTE, Table, error_status, fmt, stamp, try_plot
 
 MESH_AXES = ("dp", "fsdp", "tp", "sp")
 
@@ -53,7 +56,18 @@ class TrainSpec:
     steps: int = 3
     warmup: int = 2
     isolate: bool = True
-    timeout: float = 1800.0
+    timeout: float = 1800.0  # per child process (one row; the baseline's three remat variants)
+    budget_s: float | None = None  # stop starting rows after this many seconds
+
+    def quick(self) -> "TrainSpec":
+        """The first model at 8K and 32K tokens, the kernel `auto` picks against the
+        baseline: per length one child for the baseline's three remat variants (3 compiles)
+        and one for lclm (1 compile), 3 timed steps after 1 warm-up, within a 400 s budget
+        (a child started near its end gets a minute past it)."""
+        first = self.models[0]
+        return dataclasses.replace(self, models=(dataclasses.replace(first, seqs=(8192, 32768)),),
+                                   impls=("auto",), baseline=True, steps=3, warmup=1,
+                                   isolate=True, timeout=300.0, budget_s=400.0)
 
     def smallest(self) -> "TrainSpec":
         first = self.models[0]
@@ -110,15 +124,17 @@ BASELINE = "baseline"  # the kernel column's name for `bench.baseline`'s rows
 
 
 def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
-            model_patch=None, baseline: bool = False) -> dict:
+            model_patch=None, baseline: str | None = None) -> dict:
     """Build the state, compile the step, run `warmup` untimed and `steps` timed steps.
 
-    Returns a record: params, seq, impl, layout, mesh, compile_s, xla_gib, status and, when
-    the step ran, step_s, tokens_s, mfu, peak_gib, loss. With `budget_bytes`, a step whose XLA
-    memory estimate exceeds it is not run (status 'over budget': the only memory limit on a
-    CPU). `model_patch` is a context manager entered while the step is traced
+    Returns a record: params, seq, impl, layout, remat, mesh, compile_s, xla_gib, status and,
+    when the step ran, step_s, tokens_s, mfu, peak_gib, loss. With `budget_bytes`, a step whose
+    XLA memory estimate exceeds it is not run (status 'over budget': the only memory limit on
+    a CPU). `model_patch` is a context manager entered while the step is traced
     (max_context's dense-attention baseline swaps the model's attention call with it).
-    `baseline` measures `bench.baseline`'s plain step on the same model instead.
+    `baseline` (a key of `bench.baseline.REMATS`) measures `bench.baseline`'s plain step with
+    that layer remat on the same model instead; where the device reports its memory, a
+    baseline step whose XLA estimate exceeds it is not run (status 'does not fit').
     """
     import contextlib
 
@@ -127,11 +143,15 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
     from lclm.train.loop import attention_kernel
     from lclm.train.metrics import flops_per_token, peak_flops
 
-    model, sizes, state, batch, step = (_build_baseline if baseline else _build)(config)
-    kernel = BASELINE if baseline else attention_kernel(config, model, sizes["sp"],
-                                                        jax.devices()[0].platform)
+    if baseline:
+        model, sizes, state, batch, step = _build_baseline(config, baseline)
+        kernel = BASELINE
+    else:
+        model, sizes, state, batch, step = _build(config)
+        kernel = attention_kernel(config, model, sizes["sp"], jax.devices()[0].platform)
     record = dict(params=model.param_count(), seq=config.data.seq_len,
                   impl=kernel, layout="-" if baseline else config.attention.layout,
+                  remat=baseline or config.model.remat,
                   mesh="x".join(str(sizes[a]) for a in MESH_AXES))
     t0 = time.perf_counter()
     with model_patch or contextlib.nullcontext():
@@ -141,6 +161,10 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
     record["xla_gib"] = None if estimate is None else estimate / 2 ** 30
     if budget_bytes is not None and estimate is not None and estimate > budget_bytes:
         return dict(record, status="over budget")
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit") if baseline else None
+    if limit and estimate is not None and estimate > limit:
+        return dict(record, status=f"does not fit: XLA estimate {estimate / 2 ** 30:.1f} GiB "
+                                   f"> {limit / 2 ** 30:.1f} GiB")
     dt, metrics = _timed_steps(compiled, state, batch, warmup, steps)
     device = jax.devices()[0]
     peak = peak_flops(device.device_kind)
@@ -176,8 +200,9 @@ def _build(config):
                                                        optimizer)
 
 
-def _build_baseline(config):
-    """`_build` for the plain single-device step (`bench.baseline`), original token order."""
+def _build_baseline(config, remat: str):
+    """`_build` for the plain single-device step (`bench.baseline`) with layer remat `remat`,
+    original token order."""
     import math
 
     import jax
@@ -196,7 +221,7 @@ def _build_baseline(config):
     state = baseline.init_state(model, optimizer, config.seed)
     batch = synthetic_batch(model.vocab_size, config.data.batch_size, config.data.seq_len,
                             "contiguous", 1, None)
-    return model, sizes, state, batch, baseline.make_step(model, optimizer)
+    return model, sizes, state, batch, baseline.make_step(model, optimizer, remat)
 
 
 def _timed_steps(compiled, state, batch, warmup: int, steps: int):
@@ -217,55 +242,128 @@ def _timed_steps(compiled, state, batch, warmup: int, steps: int):
     return (time.perf_counter() - t0) / steps, metrics
 
 
-def measure_row(config_path: str, overrides, seq: int, layout: str | None, impl: str | None,
-                *, steps: int, warmup: int) -> dict:
-    """One row measured in this process; `impl` BASELINE measures `bench.baseline`'s step."""
-    baseline = impl == BASELINE
-    config = row_config(config_path, overrides, seq, layout, None if baseline else impl)
-    return measure(config, steps=steps, warmup=warmup, baseline=baseline)
+def row_remats(impl: str | None) -> tuple[str | None, ...]:
+    """The records one row yields: the baseline's remat variants, or one (the config's)."""
+    from bench.baseline import REMATS
+
+    return tuple(REMATS) if impl == BASELINE else (None,)
+
+
+def measure_rows(config_path: str, overrides, seq: int, layout: str | None, impl: str | None,
+                 *, steps: int, warmup: int):
+    """The records of one row measured in this process, yielded as each is measured: one for
+    an lclm kernel; for `impl` BASELINE, one per `bench.baseline.REMATS` variant, in order
+    (a variant that fails, e.g. out of memory, is a status and the next one runs)."""
+    if impl != BASELINE:
+        config = row_config(config_path, overrides, seq, layout, impl)
+        yield measure(config, steps=steps, warmup=warmup)
+        return
+    config = row_config(config_path, overrides, seq, None, None)
+    for remat in row_remats(impl):
+        try:
+            yield measure(config, steps=steps, warmup=warmup, baseline=remat)
+        except Exception as e:  # noqa: BLE001  (OOM: report it, try the next variant)
+            yield dict(seq=seq, impl=BASELINE, layout="-", remat=remat, status=error_status(e))
 
 
 def run_row(run: ModelRun, seq: int, layout: str | None, impl: str | None, *, steps: int,
-            warmup: int, isolate: bool, timeout: float) -> dict:
-    """One row, in this process or (isolate) in a child; failures become a status."""
-    base = dict(seq=seq, impl=impl or "", layout=layout or "", status="")
+            warmup: int, isolate: bool, timeout: float, on_record=None) -> list[dict]:
+    """One row's records (the baseline's: one per remat variant), in this process or
+    (isolate) in a child; failures become a status. `on_record(record)` is called as each
+    record arrives, before the next one is measured."""
+    on_record = on_record or (lambda r: None)
+    model = os.path.basename(run.config)
+    records = []
+
+    def got(record):
+        record = dict(record, model=model)
+        records.append(record)
+        on_record(record)
+
+    expected = row_remats(impl)
     if isolate:
         argv = ["--config", repo_path(run.config), "--seq", str(seq), "--steps", str(steps),
                 "--warmup", str(warmup), "--record", *run.overrides]
         argv += ["--layouts", layout] if layout else []
         argv += ["--impls", impl] if impl else []
-        records, status = run_child("bench.train_step", argv, timeout)
-        return records[0] if records else dict(base, status=status)
-    try:
-        return measure_row(repo_path(run.config), run.overrides, seq, layout, impl, steps=steps,
-                           warmup=warmup)
-    except Exception as e:  # noqa: BLE001  (OOM or a kernel that cannot run: report it)
-        return dict(base, status=error_status(e))
+        _, status = run_child("bench.train_step", argv, timeout, on_record=got)
+    else:
+        status = "ok"
+        try:
+            for record in measure_rows(repo_path(run.config), run.overrides, seq, layout, impl,
+                                       steps=steps, warmup=warmup):
+                got(record)
+        except Exception as e:  # noqa: BLE001  (OOM or a kernel that cannot run: report it)
+            status = error_status(e)
+    for remat in expected[len(records):]:  # what the child did not get to
+        got(dict(seq=seq, impl=impl or "", layout=layout or "", remat=remat or "",
+                 status=status if status != "ok" else "no record"))
+    return records
 
 
-def collect(spec: TrainSpec, impls, layouts=(None,)) -> list[dict]:
-    """Every (model, seq, kernel, layout) row of `spec`, each tagged with its model's name;
-    with `spec.baseline`, a baseline row first for every (model, seq)."""
+def baseline_choice(records: list[dict], model: str, seq: int) -> dict:
+    """The row naming a model and length's baseline: the fastest remat variant that fits
+    (`bench.baseline.fastest_that_fits`), or a 'no baseline' row."""
+    from bench.baseline import REMATS, fastest_that_fits
+
+    best = fastest_that_fits(records)
+    if best is None:
+        return dict(model=model, seq=seq, impl=BASELINE, layout="-", choice=True,
+                    remat=f"none of {'/'.join(REMATS)} ran", status="no baseline")
+    return dict(best, choice=True, remat=f"{best['remat']} (fastest that fits)")
+
+
+def collect(spec: TrainSpec, impls, layouts=(None,), on_record=None) -> list[dict]:
+    """Every (model, seq, kernel, layout) row of `spec`, each tagged with its model's name,
+    in the order measured; `on_record(record)` is called as each arrives. With
+    `spec.baseline`, first for every (model, seq) the baseline's remat variants and the row
+    naming the fastest that fits (`choice`). Rows not started within `spec.budget_s` are
+    'skipped'."""
+    from bench.timing import Budget
+
+    on_record = on_record or (lambda r: None)
+    budget = Budget(spec.budget_s)
     kernels = [(BASELINE, None)] if spec.baseline else []  # the baseline has no layout
     kernels += [(impl, layout) for impl in impls for layout in layouts]
     rows = []
+
+    def add(record):
+        rows.append(record)
+        on_record(record)
+
     for run in spec.models:
+        model = os.path.basename(run.config)
         for seq in run.seqs:
             for impl, layout in kernels:
-                r = run_row(run, seq, layout, impl, steps=spec.steps, warmup=spec.warmup,
-                            isolate=spec.isolate, timeout=spec.timeout)
-                rows.append(dict(r, model=os.path.basename(run.config)))
+                if budget.spent():
+                    for remat in row_remats(impl):
+                        add(dict(model=model, seq=seq, impl=impl or "", layout=layout or "",
+                                 remat=remat or "", status=budget.skipped()))
+                    continue
+                # a row started near the end of the budget gets at most a minute past it
+                timeout = min(spec.timeout, budget.left() + BUDGET_GRACE_S)
+                records = run_row(run, seq, layout, impl, steps=spec.steps, warmup=spec.warmup,
+                                  isolate=spec.isolate, timeout=timeout, on_record=add)
+                if impl == BASELINE:
+                    add(baseline_choice(records, model, seq))
     return rows
+
+
+BUDGET_GRACE_S = 60.0
 
 
 def _plot(records: list[dict], path: str, toy: bool) -> str:
     from bench.plots import Panel, save_lines
 
     speed = Panel("throughput", "sequence length (tokens)", "tokens/s")
-    mfu = Panel("MFU (causal attention counted as half)", "sequence length (tokens)", "MFU %")
+    mfu = Panel("MFU (6N + 6LTD per token: causal attention counted as half)",
+                "sequence length (tokens)", "MFU %")
     memory = Panel("memory", "sequence length (tokens)", "GiB")
     for r in records:
-        label = f"{r['model']} {r.get('impl', '')} {r.get('layout', '')}".strip()
+        if r.get("choice"):  # a repeat of one of the baseline's variants
+            continue
+        remat = f" remat={r['remat']}" if r.get("impl") == BASELINE else ""
+        label = f"{r['model']} {r.get('impl', '')} {r.get('layout', '')}{remat}".strip()
         speed.add(label, r["seq"], r.get("tokens_s"))
         mfu.add(label, r["seq"], None if r.get("mfu") is None else 100 * r["mfu"])
         memory.add(f"{label} peak", r["seq"], r.get("peak_gib"))
@@ -274,37 +372,60 @@ def _plot(records: list[dict], path: str, toy: bool) -> str:
     return save_lines(path, "Train step", stamp(toy), panels)
 
 
-def report(records: list[dict], spec: TrainSpec, path: str = "", notes=(),
-           toy: bool = False) -> str:
-    """Print the table; with `path`, also write it there and its plot next to it (.png)."""
-    baseline = {(r.get("model"), r["seq"]): r.get("tokens_s") for r in records
-                if r.get("impl") == BASELINE and r.get("status") == "ok"}
+HEADER = ["model", "params (M)", "seq", "kernel", "layout", "remat", "mesh dp x fsdp x tp x sp",
+          "step ms", "tokens/s", "vs baseline", "MFU (6N + 6LTD per token)", "peak GiB",
+          "XLA est. GiB", "compile s", "loss", "status"]
 
-    def ratio(r):
-        base = baseline.get((r.get("model"), r["seq"]))
+
+class TrainReport:
+    """The train-step table, written row by row (`add`), then its plot (`finish`)."""
+
+    def __init__(self, spec: TrainSpec, path: str = "", notes=(), toy: bool = False):
+        from bench.baseline import REMATS
+
+        self.spec, self.path, self.toy = spec, path, toy
+        self.records: list[dict] = []
+        self.baseline: dict[tuple, float | None] = {}
+        lines = stamp(toy) + [
+            MFU_NOTE,
+            f"{spec.steps} timed steps after {spec.warmup} warm-up steps; synthetic tokens; "
+            "peak = the device's peak bytes in use (one process per row when isolated), XLA "
+            "estimate = the compiled step's memory analysis.",
+            "Baseline: bench.baseline, the plain single-device step (scanned layers, "
+            "jax.nn.dot_product_attention: cuDNN on GPUs, chunked loss, AdamW) timed with "
+            f"layer remat {', '.join(REMATS)} (dots = jax.checkpoint_policies.checkpoint_dots)"
+            ", in that order in one process (memory grows along it, so each peak is its own"
+            " when isolated); the row '<remat> (fastest that fits)' is the baseline, and "
+            "vs baseline = tokens/s over its tokens/s at the same model and length.", *notes]
+        if spec.budget_s is not None:
+            lines.append(f"Rows start only within a {spec.budget_s:g} s budget (rows past it "
+                         "say so).")
+        self.table = Table("Train step: tokens/s, MFU, memory", lines, HEADER, path)
+
+    def ratio(self, r: dict) -> float | None:
+        base = self.baseline.get((r.get("model"), r["seq"]))
+        if r.get("impl") == BASELINE and not r.get("choice"):
+            return None  # a variant: the baseline is chosen after all of them
         return None if not base or r.get("tokens_s") is None else r["tokens_s"] / base
 
-    rows = [(r.get("model", ""), fmt(r.get("params"), ",.1f", 1e-6), r["seq"],
-             r.get("impl", ""), r.get("layout", ""), r.get("mesh", "-"),
-             fmt(r.get("step_s"), ",.1f", 1e3), fmt(r.get("tokens_s"), ",.0f"),
-             fmt(ratio(r), ".2f"), fmt(r.get("mfu"), ".1%"), fmt(r.get("peak_gib"), ".3g"),
-             fmt(r.get("xla_gib"), ".3g"), fmt(r.get("compile_s")), fmt(r.get("loss"), ".3f"),
-             r.get("status", "")) for r in records]
-    lines = stamp(toy) + [
-        "MFU counts causal attention as half the square (n/a without a known peak, e.g. on "
-        f"CPU); {spec.steps} timed steps after {spec.warmup} warm-up steps; synthetic tokens; "
-        "vs baseline = tokens/s over the 'baseline' row of the same model and length "
-        "(bench.baseline: plain single-device step, jax.nn.dot_product_attention, cuDNN on "
-        "GPUs); "
-        "peak = the device's peak bytes in use (one process per row when isolated), XLA "
-        "estimate = the compiled step's memory analysis.", *notes]
-    images = [_plot(records, os.path.splitext(path)[0] + ".png", toy)] if path else []
-    emit_table("Train step: tokens/s, MFU, memory", lines,
-               ["model", "params (M)", "seq", "kernel", "layout", "mesh dp x fsdp x tp x sp",
-                "step ms", "tokens/s", "vs baseline", "MFU", "peak GiB", "XLA est. GiB",
-                "compile s", "loss",
-                "status"], rows, path, images=images)
-    return path
+    def add(self, r: dict) -> None:
+        if r.get("choice"):
+            self.baseline[(r.get("model"), r["seq"])] = r.get("tokens_s")
+        self.records.append(r)
+        self.table.add((r.get("model", ""), fmt(r.get("params"), ",.1f", 1e-6), r["seq"],
+                        r.get("impl", ""), r.get("layout", ""), r.get("remat", ""),
+                        r.get("mesh", "-"), fmt(r.get("step_s"), ",.1f", 1e3),
+                        fmt(r.get("tokens_s"), ",.0f"), fmt(self.ratio(r), ".2f"),
+                        fmt(r.get("mfu"), ".1%"), fmt(r.get("peak_gib"), ".3g"),
+                        fmt(r.get("xla_gib"), ".3g"), fmt(r.get("compile_s")),
+                        fmt(r.get("loss"), ".3f"), r.get("status", "")))
+
+    def finish(self) -> str:
+        """The plot (best effort) below the table. Returns the table's path."""
+        if self.path:
+            png = os.path.splitext(self.path)[0] + ".png"
+            self.table.image(try_plot(_plot, self.records, png, self.toy))
+        return self.path
 
 
 def run(spec: TrainSpec, out_dir: str, toy: bool = False) -> str:
@@ -315,10 +436,11 @@ def run(spec: TrainSpec, out_dir: str, toy: bool = False) -> str:
 
     usable, skipped = usable_kernels(jax.devices()[0].platform)
     impls = [i for i in spec.impls if i == "auto" or i in usable]
-    records = collect(spec, impls)
     notes = [f"{run.config}: {run.note}" for run in spec.models if run.note]
     notes.append("Skipped kernels: " + ("; ".join(skipped) if skipped else "none") + ".")
-    return report(records, spec, os.path.join(out_dir, "train_step.md"), notes, toy)
+    report = TrainReport(spec, os.path.join(out_dir, "train_step.md"), notes, toy)
+    collect(spec, impls, on_record=report.add)
+    return report.finish()
 
 
 def main(argv=None):
@@ -337,7 +459,11 @@ def main(argv=None):
                     help="print machine-readable records only (the child side of --isolate)")
     ap.add_argument("--out", default="", help="also write the table to this .md file (and a "
                     ".png plot next to it)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the quick size (TrainSpec.quick): 8K and 32K tokens, the kernel auto "
+                         "picks, --baseline --isolate, 3 steps after 1 warm-up, a 400 s budget")
 
+    from bench.isolate import launcher_process
     from lclm.config import mesh_device_count, parse_cli
     from lclm.errors import StartupError
     from lclm.parallel.devices import request_cpu_devices
@@ -352,15 +478,21 @@ def main(argv=None):
                                           tuple(args.overrides)),),
                          steps=args.steps, warmup=args.warmup, isolate=args.isolate,
                          baseline=args.baseline)
+        if args.quick and not args.record:
+            spec, impls, layouts = spec.quick(), ("auto",), (None,)
+        if spec.isolate and not args.record:
+            launcher_process()  # children measure: this process must not reserve GPU memory
         if args.record:
             for seq in seqs:
                 for layout in layouts:
                     for impl in impls:
-                        record = measure_row(args.config, args.overrides, seq, layout, impl,
-                                             steps=args.steps, warmup=args.warmup)
-                        emit_record(dict(record, model=os.path.basename(args.config)))
+                        for record in measure_rows(args.config, args.overrides, seq, layout,
+                                                   impl, steps=args.steps, warmup=args.warmup):
+                            emit_record(dict(record, model=os.path.basename(args.config)))
             return 0
-        report(collect(spec, impls, layouts), spec, args.out)
+        report = TrainReport(spec, args.out)
+        collect(spec, impls, layouts, on_record=report.add)
+        report.finish()
         return 0
     except (StartupError, FileNotFoundError) as e:  # a bad --config FILE/--config.*: one line
         print(f"error: {e}", file=sys.stderr)

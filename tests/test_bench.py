@@ -2,8 +2,13 @@
 the pieces they compute with are right."""
 
 import importlib.util
+import logging
 import os
 import re
+import subprocess
+import sys
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -74,7 +79,9 @@ def test_cpu_suite_smallest_writes_stamped_reports_and_plots(tmp_path, monkeypat
     assert "| lclm blockwise | causal |" in (out / "attention.md").read_text()
     assert "| blockwise | 2 | 128 |" in (out / "striped_sim.md").read_text()
     train = (out / "train_step.md").read_text()
-    assert "| baseline |" in train and train.count("| ok |") == 2
+    # the baseline's three remat variants, the row naming the fastest, lclm's row
+    assert train.count("| baseline |") == 4 and "(fastest that fits) |" in train
+    assert train.count("| ok |") == 5 and "6N + 6 L T D" in train
     context = (out / "max_context.md").read_text()
     assert "| lclm |" in context and "| vanilla |" in context and "512 ok" in context
 
@@ -84,7 +91,8 @@ def test_suite_writes_where_out_says(tmp_path, monkeypatch):
     out = tmp_path / "named" / "here"
     assert suite.main(["--suite", "cpu", "--smallest", "--parts", "striped",
                        "--out", str(out)]) == 0
-    assert sorted(os.listdir(out)) == ["index.md", "striped_sim.md", "striped_sim.png"]
+    assert sorted(os.listdir(out)) == ["index.json", "index.md", "striped_sim.md",
+                                       "striped_sim.png"]
     assert not (tmp_path / "bench_results").exists()
 
 
@@ -176,17 +184,34 @@ def test_baseline_step_computes_lclms_loss_and_gradients():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-6)
 
 
-def test_train_step_table_has_the_baseline_and_ratios(tmp_path):
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_train_step_table_has_the_baseline_and_ratios(tmp_path, monkeypatch):
+    """A tiny real run, every row in a child (--isolate): the baseline's child times its three
+    remat variants; the fastest of them is the baseline every ratio divides by."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # what --isolate sets here
     out = tmp_path / "t.md"
     assert train_step.main(["--config", os.path.join(ROOT, "configs", "demo.py"), "--seq", "64",
-                            "--steps", "1", "--baseline", "--config.model.n_layers=1",
-                            "--config.mesh.fsdp=1", "--config.mesh.sp=1",
-                            "--out", str(out)]) == 0
+                            "--steps", "1", "--warmup", "0", "--baseline", "--isolate",
+                            "--config.model.n_layers=1", "--config.mesh.fsdp=1",
+                            "--config.mesh.sp=1", "--out", str(out)]) == 0
     table = out.read_text()
-    rows = {line.split(" | ")[3]: line for line in table.splitlines()
-            if line.startswith("| demo.py")}
-    assert set(rows) == {"baseline", "blockwise"}, table
-    assert "| 1.00 |" in rows["baseline"] and re.search(r"\| \d+\.\d\d \|", rows["blockwise"])
+    header, *rows = [_cells(line) for line in table.splitlines()
+                     if line.startswith(("| model", "| demo.py"))]
+    col = {name: i for i, name in enumerate(header)}
+    rows = [{name: row[i] for name, i in col.items()} for row in rows]
+    assert [r["kernel"] for r in rows] == ["baseline"] * 4 + ["blockwise"], table
+    variants, choice, lclm = rows[:3], rows[3], rows[4]
+    assert [r["remat"] for r in variants] == ["full", "dots", "none"]
+    assert all(r["status"] == "ok" and r["vs baseline"] == "-" for r in variants), table
+    tokens = lambda r: float(r["tokens/s"].replace(",", ""))
+    fastest = max(variants, key=tokens)
+    assert choice["remat"] == f"{fastest['remat']} (fastest that fits)"
+    assert choice["tokens/s"] == fastest["tokens/s"] and choice["vs baseline"] == "1.00"
+    assert float(lclm["vs baseline"]) == pytest.approx(tokens(lclm) / tokens(fastest), abs=0.01)
+    assert "6N + 6 L T D" in table and "MFU (6N + 6LTD per token)" in header
 
 
 @pytest.mark.slow
@@ -226,4 +251,242 @@ def test_every_suite_names_existing_configs_and_kernels():
         for impls in (s.train and s.train.impls, s.attention and s.attention.impls):
             assert set(impls or ()) <= {"auto", *KERNELS}, (name, impls)
     quick = suite.SUITES["gpu-quick"]
-    assert quick.parts() == ["correctness", "attention", "train"] and quick.train.baseline
+    assert quick.defaults() == ["correctness", "attention", "train"] and quick.train.baseline
+    assert quick.parts() == list(suite.PARTS) and quick.needs_gpu and quick.separate_parts
+    assert quick.part_timeout < 600  # under a device command's limit
+    for part in quick.parts():  # every part is held to a budget that ends well before
+        assert getattr(quick, part).budget_s <= 420, part
+    assert [(os.path.basename(run.config), run.seqs) for run in quick.train.models] == [
+        ("llama1b.py", (8192, 32768))]
+    assert quick.attention.masks == ("causal",) and quick.attention.blocks == (8192, 32768)
+
+
+
+# -- results survive a kill, plots are best-effort, GPU suites need a GPU, a fair baseline --
+
+
+def _table_rows(path) -> list[str]:
+    """The data rows of every markdown table in the file at `path` (as written so far)."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    heads = {i - 1 for i, line in enumerate(lines) if line.startswith("| ---")}
+    return [line for i, line in enumerate(lines)
+            if line.startswith("| ") and i not in heads and not line.startswith("| ---")]
+
+
+def _fake_attention(monkeypatch, tmp_path, names=("a", "b")):
+    """bench.attention with methods `names` and a `measure` that records how many rows the
+    report held when each measurement started (no JAX work: milliseconds)."""
+    from bench import attention
+
+    path = tmp_path / "attention.md"
+    rows_before = []
+
+    def measure(method, t, heads, causal, spec, head_dim=None):
+        rows_before.append(len(_table_rows(path)))
+        return dict(fwd_s=1e-3, fwd_bwd_s=3e-3, fwd_tflops=1.0, fwd_bwd_tflops=2.0)
+
+    monkeypatch.setattr(attention, "measure", measure)
+    monkeypatch.setattr(attention, "methods", lambda platform, spec: (
+        [attention.Method(n, None) for n in names], []))
+    spec = attention.AttentionSpec(blocks=(128, 256), heads=(2,), head_dims=(64,),
+                                   masks=("causal",), warmup=0, iters=1)
+    return attention, spec, path, rows_before
+
+
+def test_a_part_writes_each_row_the_moment_it_is_measured(tmp_path, monkeypatch):
+    """When the k-th measurement starts, the k-1 before it are already in the file: a part
+    killed midway leaves every finished row."""
+    attention, spec, path, rows_before = _fake_attention(monkeypatch, tmp_path)
+    assert attention.run(spec, str(tmp_path)) == str(path)
+    assert rows_before == [0, 1, 2, 3]
+    assert len(_table_rows(path)) == 4 and "![attention.png](attention.png)" in path.read_text()
+
+
+_CHILD = """
+import os, sys, time
+from bench.isolate import emit_record
+emit_record({"n": 1})
+for _ in range(200):  # 10 s for the parent to see record 1 while this process still runs
+    if os.path.exists(sys.argv[1]):
+        break
+    time.sleep(0.05)
+else:
+    sys.exit(3)
+emit_record({"n": 2})
+"""
+
+
+def test_a_child_process_hands_over_each_record_as_it_prints_it(tmp_path, monkeypatch):
+    """The train part's rows (and the baseline's three remat variants) come from children:
+    each record reaches the parent while the child still runs, and a child killed at its
+    timeout keeps the records it printed."""
+    from bench.isolate import run_child
+
+    (tmp_path / "bench_child_probe.py").write_text(_CHILD)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    go = tmp_path / "go"
+    got = []
+
+    def on_record(record):
+        got.append((record["n"], go.exists()))
+        go.touch()  # the child waits for this before its second record
+
+    records, status = run_child("bench_child_probe", [str(go)], 60, on_record=on_record)
+    assert (status, got, records) == ("ok", [(1, False), (2, True)], [{"n": 1}, {"n": 2}])
+    records, status = run_child("bench_child_probe", [str(tmp_path / "never")], 1.5)
+    assert (status, records) == ("timeout", [{"n": 1}])
+
+
+def test_a_failed_plot_keeps_the_table(tmp_path, monkeypatch, caplog):
+    from bench import plots
+
+    attention, spec, path, _ = _fake_attention(monkeypatch, tmp_path)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(plots, "save_lines", broken)
+    with caplog.at_level(logging.WARNING, logger="bench"):
+        assert attention.run(spec, str(tmp_path)) == str(path)
+    assert len(_table_rows(path)) == 4 and "![" not in path.read_text()
+    assert "plot _plot failed (RuntimeError: no display)" in caplog.text
+    # nothing measured at all (no usable method): the table, and no ZeroDivisionError
+    monkeypatch.undo()
+    attention, spec, path, _ = _fake_attention(monkeypatch, tmp_path, names=())
+    with caplog.at_level(logging.WARNING, logger="bench"):
+        attention.run(spec, str(tmp_path))
+    assert _table_rows(path) == [] and "nothing to plot" in caplog.text
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plots.save_lines(str(tmp_path / "x.png"), "t", [], [])
+
+
+@pytest.mark.parametrize("platforms", [None, "cpu"])
+def test_gpu_suites_on_a_cpu_say_so_in_one_line_and_exit_2(tmp_path, platforms):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    if platforms:
+        env["JAX_PLATFORMS"] = platforms
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "bench", "--suite", "gpu-quick", "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--suite gpu-quick needs a GPU" in lines[0], proc.stderr
+    assert proc.stdout == "" and not out.exists()  # nothing started, nothing written
+
+
+def test_the_baseline_is_the_fastest_remat_that_fits():
+    from bench.baseline import REMATS, fastest_that_fits
+
+    assert list(REMATS) == ["full", "dots", "none"]  # the order they run in: memory grows
+    full = dict(remat="full", status="ok", step_s=3.0)
+    dots = dict(remat="dots", status="ok", step_s=2.0)
+    assert fastest_that_fits([full, dots, dict(remat="none", status="OOM")]) is dots
+    none = dict(remat="none", status="ok", step_s=1.5)
+    assert fastest_that_fits([full, dots, none]) is none
+    too_big = dict(remat="none", status="does not fit: XLA estimate 90.0 GiB > 75.0 GiB",
+                   step_s=None)
+    assert fastest_that_fits([full, dict(dots, status="timeout"), too_big]) is full
+    assert fastest_that_fits([dict(full, status="OOM"), dict(dots, status="failed: x")]) is None
+
+
+def _fake_row(times):
+    """A `train_step.run_row` whose records have the step seconds `times[(impl, remat)]`
+    (None: out of memory)."""
+    def run_row(run, seq, layout, impl, *, steps, warmup, isolate, timeout, on_record=None):
+        records = []
+        for remat in train_step.row_remats(impl):
+            step_s = times[(impl, remat)]
+            r = dict(model=os.path.basename(run.config), seq=seq, impl=impl,
+                     layout=layout or "", remat=remat or "attention",
+                     status="ok" if step_s else "OOM", step_s=step_s,
+                     tokens_s=seq / step_s if step_s else None)
+            records.append(r)
+            on_record(r)
+        return records
+    return run_row
+
+
+def test_train_rows_compare_with_the_fastest_baseline_that_fits(tmp_path, monkeypatch):
+    times = {("baseline", "full"): 4.0, ("baseline", "dots"): 2.0, ("baseline", "none"): None,
+             ("blockwise", None): 1.0}
+    monkeypatch.setattr(train_step, "run_row", _fake_row(times))
+    spec = train_step.TrainSpec(models=(train_step.ModelRun("configs/demo.py", (64, 128)),),
+                                impls=("blockwise",))
+    path = tmp_path / "train_step.md"
+    report = train_step.TrainReport(spec, str(path))
+    written = []
+
+    def add(record):
+        written.append(len(_table_rows(path)))  # rows in the file before this one
+        report.add(record)
+
+    train_step.collect(spec, spec.impls, on_record=add)
+    assert written == list(range(10))  # 2 lengths x (3 variants, the choice, lclm)
+    rows = [_cells(line) for line in _table_rows(path)]
+    assert [(r[2], r[5], r[9], r[-1]) for r in rows[:5]] == [
+        ("64", "full", "-", "ok"), ("64", "dots", "-", "ok"), ("64", "none", "-", "OOM"),
+        ("64", "dots (fastest that fits)", "1.00", "ok"), ("64", "attention", "2.00", "ok")]
+    # a budget spent before the first row: every row says so, nothing runs
+    monkeypatch.setattr(train_step, "run_row", None)
+    skipped = train_step.collect(dataclasses.replace(spec, budget_s=0.0), spec.impls)
+    assert len(skipped) == 8 and all("budget" in r["status"] for r in skipped)  # no choices
+
+
+def test_correctness_checks_lower_one_fused_call_per_visible_round():
+    """Positions closed over as constants: a range-based kernel (tokamax_gpu's adapter) sees
+    each block pair's class while tracing and lowers one attend and one VJP call per round
+    that sees anything, instead of a switch over all six classes per round."""
+    import jax.numpy as jnp
+
+    from bench.correctness import CASES, case_inputs, ring_of_blocks
+    from lclm.ops.range_kernel import range_kernel
+
+    calls = []
+
+    def attend(q, k, v, causal, start, end):
+        calls.append("attend")
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:3], jnp.float32)
+
+    def attend_vjp(q, k, v, o, lse, do, causal, start, end):
+        calls.append("vjp")
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+
+    kernel = range_kernel(attend, attend_vjp)
+    tiles = dict(causal=True, q_chunk=32, kv_chunk=32)
+    for case, (_, _, _, sources, _, _) in CASES.items():
+        q, k, v, do, *ids = case_inputs(case, 64, 4, 64, "float32")
+        ring_of_blocks(kernel, len(sources), tiles, *ids).lower(q, k, v, do)
+    # 15 block pairs over the 10 cases, one of them hidden ('causal + hidden')
+    assert calls.count("attend") == calls.count("vjp") == 14
+
+
+def test_max_context_search_stops_at_its_budget_and_keeps_what_it_found(monkeypatch):
+    from bench import max_context
+
+    probed = []
+
+    def run_child(module, argv, timeout):
+        seq = int(argv[argv.index("--seq") + 1])
+        probed.append(seq)
+        return [dict(status="ok", seq=seq, step_s=1.0)], "ok"
+
+    class TwoProbes:  # a budget spent after two probes
+        seconds = 1.0
+
+        def spent(self):
+            return len(probed) >= 2
+
+        def left(self):
+            return 100.0
+
+        def skipped(self):
+            return "skipped: budget"
+
+    monkeypatch.setattr(max_context, "run_child", run_child)
+    spec = max_context.MaxContextSpec(start=512, cap=8192, resolution=512)
+    seen = []
+    result = max_context.search_variant(spec, "lclm", lambda *a: seen.append(a[1]), TwoProbes())
+    assert probed == seen == [512, 1024]
+    assert (result["best"], result["fail"], result["stopped"]) == (1024, None, "skipped: budget")
+    assert "1K (search stopped: time budget)" in max_context._row(result, spec)
