@@ -129,8 +129,12 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
                 device_memory=(memory * 2**30 if memory else None), host_activations=host)
 
 
+def _gib(x: float) -> str:
+    return f"{x / 2**30:,.2f}"
+
+
 def report(plan: Plan, device: str | None) -> str:
-    gib = lambda x: f"{x / 2**30:,.2f} GiB"
+    gib = lambda x: f"{_gib(x)} GiB"
     rows = [("mesh", str(plan.mesh)), ("tokens per step", f"{plan.tokens_per_step:,}"),
             ("tokens per device (sequence block)", f"{plan.local_tokens:,}"),
             ("parameters", gib(plan.params)), ("gradients (float32)", gib(plan.grads)),
@@ -174,11 +178,11 @@ def _compile_stages(config, args) -> int:
     target = aot.tpu_target(args.compile)
     devices = aot.target_devices(target)
     device = f"tpu-{target.generation}" if f"tpu-{target.generation}" in DEVICES else None
-    gib = lambda x: f"{x / 2**30:,.2f}"
+
     runs = stage_configs(config) if config.stages.schedule else [config]
     print(f"{target.name}: {target.devices} devices ({target.topology}"
           f"{', ' + target.chip_config if target.chip_config else ''}), "
-          f"{gib(target.hbm_bytes)} GiB HBM each")
+          f"{_gib(target.hbm_bytes)} GiB HBM each")
     print("| stage | seq_len | compile s | arguments GiB | temporaries GiB | outputs GiB | "
           "total GiB | HBM used | Mosaic kernels | planner GiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -196,15 +200,15 @@ def _compile_stages(config, args) -> int:
             failed.append(f"stage {i} (seq_len {c.data.seq_len:,}): {kind} overflow on "
                           f"{target.name}; {_FIXES[kind]}")
             print(f"| {i} | {c.data.seq_len:,} | - | - | - | - | {kind} overflow | - | - | "
-                  f"{gib(planned)} |", flush=True)
+                  f"{_gib(planned)} |", flush=True)
             continue
         used = r.total / target.hbm_bytes
         if used > 1:
-            failed.append(f"stage {i} (seq_len {c.data.seq_len:,}): {gib(r.total)} GiB of "
-                          f"{gib(target.hbm_bytes)} GiB HBM; {_FIXES['HBM']}")
-        print(f"| {i} | {c.data.seq_len:,} | {r.seconds:,.0f} | {gib(r.arguments)} | "
-              f"{gib(r.temporaries)} | {gib(r.outputs)} | {gib(r.total)} | {100 * used:.0f}% | "
-              f"{r.kernels} | {gib(planned)} |", flush=True)
+            failed.append(f"stage {i} (seq_len {c.data.seq_len:,}): {_gib(r.total)} GiB of "
+                          f"{_gib(target.hbm_bytes)} GiB HBM; {_FIXES['HBM']}")
+        print(f"| {i} | {c.data.seq_len:,} | {r.seconds:,.0f} | {_gib(r.arguments)} | "
+              f"{_gib(r.temporaries)} | {_gib(r.outputs)} | {_gib(r.total)} | {100 * used:.0f}% | "
+              f"{r.kernels} | {_gib(planned)} |", flush=True)
     for line in failed:
         print(f"error: {line}", file=sys.stderr)
     return 3 if failed else 0

@@ -9,9 +9,9 @@ theta and step count; the batch is `stages.tokens_per_batch // seq_len` sequence
 stage sees the same tokens per step. Stage 0 starts from `model.init_from_hf` (or from
 scratch); stage i > 0 starts from stage i-1's final parameters (fresh optimizer state and
 schedule, as a new fine-tuning phase, at `stages.extend_lr` where set: a fresh optimizer at a
-from-scratch learning rate can wipe what the previous stage learned). Re-running the same command resumes: finished stages
-are skipped, a stage with a checkpoint resumes from it (same data order), the next one starts
-from its predecessor's final checkpoint.
+from-scratch learning rate can wipe what the previous stage learned). Re-running the same
+command resumes: finished stages are skipped, a stage with a checkpoint resumes from it (same
+data order), the next one starts from its predecessor's final checkpoint.
 """
 
 from __future__ import annotations
