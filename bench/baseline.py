@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lclm.models.llama import LlamaConfig, apply_rope, rms_norm, rope_tables
+from lclm.config import LlamaConfig
+from lclm.models.llama import apply_rope, rms_norm, rope_tables
 from lclm.train.state import TrainState
 
 F32 = jnp.float32
@@ -49,7 +50,7 @@ def attention_implementation() -> str | None:
 
 def _layer(c: LlamaConfig, x, p, rope):
     """One transformer block. x `[batch, seq, dim]` in the compute dtype."""
-    p = jax.tree.map(lambda w: w.astype(c.compute_dtype), p)
+    p = jax.tree.map(lambda w: w.astype(jnp.dtype(c.dtype)), p)
     h = rms_norm(x, p["attn_norm"], c.norm_eps)
     q = apply_rope(jnp.einsum("btd,dhk->bthk", h, p["wq"]), *rope)
     k = apply_rope(jnp.einsum("btd,dhk->bthk", h, p["wk"]), *rope)
@@ -86,7 +87,7 @@ def loss_terms(c: LlamaConfig, params, batch, remat: str = "full"):
     """(sum of masked token losses, number of unmasked tokens), as lclm's `loss_terms`.
     batch: `[batch, seq]` arrays in original order (tokens, targets, loss_mask, positions);
     remat: a key of `REMATS`."""
-    x = jnp.take(params["embed"].astype(c.compute_dtype), batch["tokens"], axis=0)
+    x = jnp.take(params["embed"].astype(jnp.dtype(c.dtype)), batch["tokens"], axis=0)
     rope = rope_tables(batch["positions"], c)
     layer = lambda x, p: _layer(c, x, p, rope)
     if REMATS[remat] is not None:
@@ -94,7 +95,7 @@ def loss_terms(c: LlamaConfig, params, batch, remat: str = "full"):
     x, _ = lax.scan(lambda x, p: (layer(x, p), None), x, params["layers"])
     h = rms_norm(x, params["final_norm"], c.norm_eps)
     w_out = params["embed"].T if c.tie_embeddings else params["lm_head"]
-    return _chunked_cross_entropy(h, w_out.astype(c.compute_dtype), batch["targets"],
+    return _chunked_cross_entropy(h, w_out.astype(jnp.dtype(c.dtype)), batch["targets"],
                                   batch["loss_mask"].astype(F32), c.loss_chunk)
 
 

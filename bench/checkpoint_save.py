@@ -34,10 +34,11 @@ def main(argv=None) -> int:
     import jax
 
     from lclm.checkpoint import Checkpoints
-    from lclm.config import apply_preset, load_config
-    from lclm.models.llama import LlamaConfig
+    from lclm.config import LlamaConfig, apply_preset, load_config
+    from lclm.models.llama import param_count
     from lclm.parallel.mesh import make_mesh
-    from lclm.train.loop import init_state, public_config
+    from lclm.train.state import init_state
+    from lclm.train.setup import public_config
     from lclm.train.step import make_optimizer
 
     mesh = make_mesh(fsdp=8)
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
             ckpt.manager.wait_until_finished()
             total = time.perf_counter() - t0
         ckpt.close()
-        rows.append((name, f"{model.param_count() / 1e6:,.1f}M",
+        rows.append((name, f"{param_count(model) / 1e6:,.1f}M",
                      "params" if params_only else "params + AdamW",
                      f"{nbytes / 1e9:.2f}", f"{blocking:.2f}", f"{total:.2f}",
                      f"{nbytes / 1e9 / total:.2f}"))

@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     ap.add_argument("--probe", action="store_true", help="child side: one step, one record")
     ap.add_argument("--variant", default="lclm")
     ap.add_argument("--seq", type=int, default=0)
-    from lclm.config import parse_cli
+    from lclm.cli import parse_cli
     from lclm.errors import StartupError
     try:
         # a bad config fails here, not in every probe (which measure the file's fields, not

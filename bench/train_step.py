@@ -78,7 +78,7 @@ class TrainSpec:
 def row_config(config_path: str, overrides, seq: int, layout: str | None, impl: str | None):
     """The config of one row: the file, its overrides (`--config.a.b=V` arguments), then this
     row's length/layout/kernel."""
-    from lclm.config import config_from_argv
+    from lclm.cli import config_from_argv
 
     config = config_from_argv(["bench.train_step", "--config", config_path, *overrides],
                               config_path, runs_stages=False)  # one step of the file's fields
@@ -140,7 +140,8 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
 
     import jax
 
-    from lclm.train.loop import attention_kernel
+    from lclm.train.setup import attention_kernel
+    from lclm.models.llama import param_count
     from lclm.train.metrics import flops_per_token, peak_flops
 
     if baseline:
@@ -149,7 +150,7 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
     else:
         model, sizes, state, batch, step = _build(config)
         kernel = attention_kernel(config, model, sizes["sp"], jax.devices()[0].platform)
-    record = dict(params=model.param_count(), seq=config.data.seq_len,
+    record = dict(params=param_count(model), seq=config.data.seq_len,
                   impl=kernel, layout="-" if baseline else config.attention.layout,
                   remat=baseline or config.model.remat,
                   mesh="x".join(str(sizes[a]) for a in MESH_AXES))
@@ -181,10 +182,10 @@ def _build(config):
     """(model config, mesh sizes, fresh train state, synthetic batch, un-jitted step)."""
     import jax
 
-    from lclm.config import validate
-    from lclm.models.llama import AttentionConfig, LlamaConfig
+    from lclm.train.setup import validate
+    from lclm.config import AttentionConfig, LlamaConfig
     from lclm.parallel.mesh import make_mesh
-    from lclm.train.loop import init_state
+    from lclm.train.state import init_state
     from lclm.train.step import make_optimizer, make_train_step
 
     devices = jax.devices()
@@ -208,8 +209,9 @@ def _build_baseline(config, remat: str):
     import jax
 
     from bench import baseline
-    from lclm.config import ConfigError, validate
-    from lclm.models.llama import LlamaConfig
+    from lclm.errors import ConfigError
+    from lclm.train.setup import validate
+    from lclm.config import LlamaConfig
     from lclm.train.step import make_optimizer
 
     sizes = validate(config, len(jax.devices()))
@@ -464,7 +466,8 @@ def main(argv=None):
                          "picks, --baseline --isolate, 3 steps after 1 warm-up, a 400 s budget")
 
     from bench.isolate import launcher_process
-    from lclm.config import mesh_device_count, parse_cli
+    from lclm.config import mesh_device_count
+    from lclm.cli import parse_cli
     from lclm.errors import StartupError
     from lclm.parallel.devices import request_cpu_devices
 

@@ -19,7 +19,18 @@ import math
 import re
 import time
 
-from lclm.config import ConfigError
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lclm.config import AttentionConfig, LlamaConfig
+from lclm.data.loader import batch_sharding
+from lclm.errors import ConfigError
+from lclm.parallel.mesh import make_mesh
+from lclm.train.setup import validate
+from lclm.train.state import init_state, state_shardings
+from lclm.train.step import make_optimizer, make_train_step
 
 # generation -> (TensorCores per chip, chip config, torus dimensions, HBM GiB per device)
 GENERATIONS = {
@@ -67,7 +78,6 @@ def target_devices(target: Target):
     except ImportError:
         raise ConfigError("--compile needs libtpu (it runs the TPU compiler on this machine): "
                           "pip install 'lclm[tpu]'") from None
-    from jax.experimental import topologies
     kwargs = {"chip_config_name": target.chip_config} if target.chip_config else {}
     topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
                                             **kwargs)
@@ -92,16 +102,6 @@ def compile_step(config, devices) -> Compiled:
     """Lower and compile the train step train.py builds for `config` on `devices` (abstract
     state and batch in their real shardings; nothing is allocated). A compile error (HBM or
     VMEM overflow among them) propagates."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from lclm.config import validate
-    from lclm.data.loader import batch_sharding
-    from lclm.models.llama import AttentionConfig, LlamaConfig
-    from lclm.parallel import make_mesh
-    from lclm.train.loop import init_state, state_shardings
-    from lclm.train.step import make_optimizer, make_train_step
 
     sizes = validate(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices[:math.prod(sizes.values())])

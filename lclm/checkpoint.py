@@ -26,6 +26,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from lclm.errors import StartupError
+from lclm.parallel.distributed import any_process
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,6 @@ class Checkpoints:
         """(state placed like `template`, the data states of every process that saved it) of
         the latest readable checkpoint. Damaged steps are set aside; a shape mismatch is a
         config error and stops."""
-        from lclm.parallel.distributed import any_process
         for step in sorted(self.manager.all_steps(), reverse=True):
             error, result = None, None
             try:

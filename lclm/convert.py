@@ -28,9 +28,11 @@ import jax.numpy as jnp
 
 from lclm import hf, logs
 from lclm.checkpoint import Checkpoints, read_config, read_params
+from lclm.cli import run_cli
 from lclm.config import base_config
-from lclm.models.llama import LlamaConfig, param_shapes
-from lclm.train.loop import public_config
+from lclm.config import LlamaConfig
+from lclm.models.llama import param_shapes
+from lclm.train.setup import public_config
 from lclm.train.state import TrainState
 from lclm.train.step import make_optimizer
 
@@ -152,16 +154,16 @@ def main(argv=None) -> int:
                     "checkpoint's data.tokenizer)")
     logs.configure()
     args = ap.parse_args(argv)
-    try:
+
+    def body():
         if args.from_hf and args.to_checkpoint:
             return hf_to_checkpoint(args.from_hf, args.to_checkpoint)
         if args.from_checkpoint and args.to_hf:
             return checkpoint_to_hf(args.from_checkpoint, args.to_hf, args.tokenizer)
         ap.error("use --from-hf with --to-checkpoint, or --from-checkpoint with --to-hf")
-    except (OSError, ValueError) as e:  # a missing, unreadable or malformed input: one line
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    # an unreadable or malformed input (OSError, ValueError from the readers): one line
+    return run_cli(body, input_errors=(OSError, ValueError))
 
 
 if __name__ == "__main__":

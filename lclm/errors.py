@@ -11,6 +11,10 @@ class StartupError(ValueError):
     in the start-up path."""
 
 
+class ConfigError(StartupError):
+    """An invalid configuration; the message is one line that says how to fix it."""
+
+
 class TrainingHalted(RuntimeError):
     """A run that stopped itself (non-finite steps in a row, checkpoints that cannot be
     saved); the message says why and which checkpoint to resume from, in one line. CLIs

@@ -27,9 +27,16 @@ import dataclasses
 import math
 import sys
 
-from lclm import logs
-from lclm.config import ConfigError, mesh_device_count, parse_cli
-from lclm.errors import StartupError
+import jax
+
+from lclm import aot, logs
+from lclm.cli import parse_cli, run_cli
+from lclm.config import LlamaConfig, mesh_device_count
+from lclm.config.stages import stage_configs
+from lclm.errors import ConfigError, StartupError
+from lclm.models.llama import is_param_entry, param_table
+from lclm.parallel.mesh import logical_spec
+from lclm.train.setup import validate
 
 # name -> (bf16 FLOP/s, one-way link GB/s, memory GiB)
 DEVICES = {
@@ -69,9 +76,6 @@ class _MeshShape:
 
 def estimate(config, device_count: int, device: str | None = None) -> Plan:
     """Per-device memory estimate (bytes) of `config` on `device_count` devices."""
-    from lclm.config import validate
-    from lclm.models.llama import LlamaConfig, is_param_entry, param_table
-    from lclm.parallel.mesh import logical_spec
 
     sizes = validate(config, device_count)
     m = LlamaConfig.from_config(config.model)
@@ -88,7 +92,6 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
                     split *= sizes[a]
         return math.prod(shape) / split
 
-    import jax
     local_params = sum(shard(e) for e in jax.tree.leaves(param_table(m), is_leaf=is_param_entry))
     d, a = config.data, config.attention
     sp, tp = sizes["sp"], sizes["tp"]
@@ -158,7 +161,6 @@ def report(plan: Plan, device: str | None) -> str:
 
 def _plans(config, args) -> tuple[list, list[Plan]]:
     """(the configs of the run, one per stage, and their plans); bad input is a StartupError."""
-    from lclm.train.stages import stage_configs
     count = args.devices or mesh_device_count(config)
     if count is None:
         raise ConfigError("the mesh has a -1 axis; pass --devices N (the devices of the run)")
@@ -173,8 +175,6 @@ _FIXES = {"HBM": "shard more (mesh.fsdp/sp), lower data.batch_size, or model.rem
 
 def _compile_stages(config, args) -> int:
     """`--compile SLICE`: every stage compiled for the slice; exit 0 if all fit, else 3."""
-    from lclm import aot
-    from lclm.train.stages import stage_configs
     target = aot.tpu_target(args.compile)
     devices = aot.target_devices(target)
     device = f"tpu-{target.generation}" if f"tpu-{target.generation}" in DEVICES else None
@@ -228,14 +228,14 @@ def main(argv=None) -> int:
                          "device: v4-64 = 32 chips, topology v4:2x4x4), v5e-N and v6e-N count "
                          "chips")
     logs.configure()
-    try:
-        args, config = parse_cli(ap, argv)
-        if args.compile:
-            return _compile_stages(config, args)
-        runs, plans = _plans(config, args)
-    except (StartupError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: _run(ap, argv))
+
+
+def _run(ap: argparse.ArgumentParser, argv) -> int:
+    args, config = parse_cli(ap, argv)
+    if args.compile:
+        return _compile_stages(config, args)
+    runs, plans = _plans(config, args)
     for i, (c, plan) in enumerate(zip(runs, plans)):
         if len(runs) > 1:
             print(f"\n== stage {i}: seq_len {c.data.seq_len:,}, rope_theta {c.model.rope_theta:g}, "

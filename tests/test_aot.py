@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from lclm.aot import tpu_target
-from lclm.config import ConfigError
+from lclm.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None

@@ -96,3 +96,16 @@ def test_bench_part_clis_reject_bad_overrides(module, capsys):
     _assert_one_error_line(capsys.readouterr().err, "unknown config key data.seq_le")
     assert main(["--config", DEMO, "--config.model.dim=abc"]) == 2
     _assert_one_error_line(capsys.readouterr().err, "flag --config.model.dim=abc: invalid literal")
+
+
+def test_every_console_script_names_a_main_function():
+    import importlib
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert set(scripts) == {"lclm-train", "lclm-plan", "lclm-convert", "lclm-prepare",
+                            "lclm-eval"}
+    for target in scripts.values():
+        module, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), target

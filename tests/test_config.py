@@ -6,7 +6,10 @@ import sys
 
 import pytest
 
-from lclm.config import ConfigError, LAYOUTS, base_config, load_config, validate
+from lclm.errors import ConfigError
+from lclm.config.schema import LAYOUTS
+from lclm.config import base_config, load_config
+from lclm.train.setup import validate
 from lclm.ops import layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +40,8 @@ def test_shipped_configs_validate(name, devices, sizes):
     ("demo_stages.py", 8, [128, 256, 512], [32, 16, 8], [2, 4, 4]),
 ])
 def test_staged_recipes_hold_tokens_per_step_and_validate(name, devices, seq_lens, batches, sps):
-    from lclm.train.stages import stage_configs, validate_stages
+    from lclm.config.stages import stage_configs
+    from lclm.train.stages import validate_stages
     config = _load(name)
     validate_stages(config, devices)
     stages = stage_configs(config)
@@ -51,7 +55,7 @@ def test_staged_recipes_hold_tokens_per_step_and_validate(name, devices, seq_len
 
 
 def test_stages_after_the_first_fine_tune_at_extend_lr():
-    from lclm.train.stages import stage_configs
+    from lclm.config.stages import stage_configs
     config = _load("demo_stages.py")
     config.train.lr, config.stages.extend_lr = 3e-3, 1e-3
     assert [c.train.lr for c in stage_configs(config)] == [3e-3, 1e-3, 1e-3]
@@ -209,7 +213,7 @@ def test_load_config_applies_overrides_and_rejects_unknown_keys():
 
 
 def test_config_from_argv_reads_overrides_and_makes_each_mistake_one_line():
-    from lclm.config import config_from_argv
+    from lclm.cli import config_from_argv
     demo = os.path.join(ROOT, "configs", "demo.py")
     c = config_from_argv(["train.py", "--config", demo, "--config.train.steps=7",
                           "--config.model.remat", "dots", "--noconfig.log.progress"], "unused")
@@ -253,14 +257,14 @@ def _staged_argv(*overrides, config="demo_stages.py"):
      "config.data.seq_len is set by every stage of stages.schedule; change the schedule"),
 ])
 def test_overrides_that_a_stage_replaces_are_refused_in_one_line(overrides, message):
-    from lclm.config import config_from_argv
+    from lclm.cli import config_from_argv
     with pytest.raises(ConfigError) as e:
         config_from_argv(_staged_argv(*overrides), "unused")
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 def test_overrides_that_no_stage_replaces_are_applied():
-    from lclm.config import config_from_argv
+    from lclm.cli import config_from_argv
     c = config_from_argv(_staged_argv("--config.train.lr=0.5", "--config.train.warmup=3",
                                       "--config.mesh.fsdp=2", "--config.model.n_layers=1",
                                       "--config.stages.tokens_per_batch=8192"), "unused")
@@ -285,7 +289,7 @@ def test_overrides_that_no_stage_replaces_are_applied():
 
 def test_parse_cli_splits_the_clis_own_arguments_from_the_config():
     import argparse
-    from lclm.config import parse_cli
+    from lclm.cli import parse_cli
     demo = os.path.join(ROOT, "configs", "demo.py")
     ap = argparse.ArgumentParser(prog="prog")
     ap.add_argument("--devices", type=int, default=0)

@@ -6,10 +6,10 @@ import jax
 import pytest
 
 from lclm.config import load_config
-from lclm.models.llama import LlamaConfig
+from lclm.config import LlamaConfig
 from lclm.parallel import make_mesh
 from lclm.plan import estimate, main
-from lclm.train.loop import init_state
+from lclm.train.state import init_state
 from lclm.train.step import make_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +46,7 @@ def test_plan_measure_passes_its_config_to_the_benchmark(monkeypatch, capsys):
     import runpy
     import sys
 
-    from lclm.config import parse_cli
+    from lclm.cli import parse_cli
 
     ran = []
     monkeypatch.setattr(runpy, "run_module", lambda name, run_name: ran.append(

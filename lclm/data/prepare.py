@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from lclm import logs
+from lclm.cli import run_cli
 from lclm.errors import StartupError
 from lclm.data.chat import TEMPLATES
 from lclm.data.sources import TOKENIZED_META, SourceStats, open_documents
@@ -73,15 +74,14 @@ def main(argv=None) -> int:
     ap.add_argument("--chat-template", default="vicuna", choices=sorted(TEMPLATES))
     logs.configure()
     args = ap.parse_args(argv)
-    try:
+
+    def body():
         meta = prepare(args.source, args.input, args.tokenizer, args.out, args.text_field,
                        args.chat_template)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{meta['documents']} documents, {meta['tokens']} tokens in {meta['seconds']} s "
-          f"-> {args.out}; {meta['skipped']} records skipped {meta['skipped_examples']}")
-    return 0
+        print(f"{meta['documents']} documents, {meta['tokens']} tokens in {meta['seconds']} s "
+              f"-> {args.out}; {meta['skipped']} records skipped {meta['skipped_examples']}")
+
+    return run_cli(body, input_errors=(ValueError,))  # a corpus no document came from
 
 
 if __name__ == "__main__":

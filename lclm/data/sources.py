@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from lclm.data import line_retrieval
 from lclm.data.chat import TEMPLATES, check_template, conversation_turns, render
 from lclm.errors import StartupError
 
@@ -340,8 +341,7 @@ def open_documents(kind: str, path: str, tokenizer, *, text_field: str = "text",
     """
     stats = SourceStats() if stats is None else stats
     if kind == "line_retrieval":  # synthetic documents made on the fly; `path` holds options
-        from lclm.data.line_retrieval import open_source
-        return open_source(path, tokenizer)
+        return line_retrieval.open_source(path, tokenizer)
     if kind == "tokenized" or (os.path.isdir(path) and is_tokenized_dir(path)):
         docs = TokenizedDocuments(path)
         if docs.vocab_size > tokenizer.vocab_size:

@@ -26,7 +26,7 @@ import os
 
 import sentencepiece as spm
 
-from lclm.config import ConfigError
+from lclm.errors import ConfigError
 
 HF_FILE, SP_FILE = "tokenizer.json", "tokenizer.model"
 HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # later files win

@@ -27,7 +27,7 @@ from jax import lax
 
 from lclm.data.loader import batch_sharding
 from lclm.models import llama
-from lclm.models.llama import AttentionConfig, LlamaConfig
+from lclm.config import AttentionConfig, LlamaConfig
 from lclm.ops.ffn import swiglu
 from lclm.ops.layout import batch_to_layout, to_layout
 

@@ -38,13 +38,15 @@ import numpy as np
 
 from lclm import hf, logs
 from lclm.checkpoint import read_config, read_params
-from lclm.config import parse_tokens
+from lclm.cli import run_cli
+from lclm.config.syntax import parse_lengths
 from lclm.errors import StartupError
 from lclm.data.line_retrieval import (Spec, build_example, filler_id, line_format,
                                       parse_answer, spec_of_config)
 from lclm.data.tokenizer import Tokenizer
 from lclm.eval.decode import greedy_generate
-from lclm.models.llama import AttentionConfig, LlamaConfig, param_shapes
+from lclm.config import AttentionConfig, LlamaConfig
+from lclm.models.llama import param_shapes
 from lclm.ops.layout import LAYOUTS
 from lclm.parallel.devices import request_cpu_devices
 from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
@@ -56,11 +58,6 @@ MESH_AXES = ("dp", "fsdp", "tp", "sp")
 
 
 # -- lengths, prompts and padding (host side, numpy only) ----------------------------------
-
-def parse_lengths(text: str) -> list[int]:
-    """'2k,4k' -> [2048, 4096]."""
-    return [parse_tokens(t) for t in text.split(",") if t.strip()]
-
 
 def format_length(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
@@ -364,28 +361,25 @@ def _check_args(args) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logs.configure()
-    try:
-        _check_args(args)
-        request_cpu_devices(_requested_devices(args))  # no effect once JAX has started
-        lengths = parse_lengths(args.lengths)
-        if args.checkpoint:
-            model, saved = load_checkpoint(args)
-        else:
-            model, saved = load_hf(args), None
-        fmt = _line_format(args, saved)
-        result = evaluate(model, lengths, samples=args.samples, n_bins=args.depths, fmt=fmt,
-                          seed=args.seed, batch_size=args.batch_size,
-                          max_new=args.max_new_tokens)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: _run(args), input_errors=(ValueError,))  # e.g. a prompt too long
+
+
+def _run(args) -> None:
+    _check_args(args)
+    request_cpu_devices(_requested_devices(args))  # no effect once JAX has started
+    lengths = parse_lengths(args.lengths)
+    if args.checkpoint:
+        model, saved = load_checkpoint(args)
+    else:
+        model, saved = load_hf(args), None
+    fmt = _line_format(args, saved)
+    result = evaluate(model, lengths, samples=args.samples, n_bins=args.depths, fmt=fmt,
+                      seed=args.seed, batch_size=args.batch_size, max_new=args.max_new_tokens)
     meta = dict(model=model.name, mesh=dict(model.mesh.shape), layout=model.attention.layout,
                 format=dataclasses.asdict(fmt), samples_per_cell=args.samples, seed=args.seed)
     table = write_report(args.out, result, lengths, args.depths, meta)
     print(table)
     print(f"wrote {args.out}/line_retrieval.{{md,json,png}}")
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,6 @@ the data pipeline produced (striped for the ring), RoPE uses the `positions` it 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -22,85 +21,16 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from lclm.config.model import AttentionConfig, LlamaConfig
 from lclm.ops.ffn import blockwise_ffn
 from lclm.ops.loss import blockwise_cross_entropy
 from lclm.ops.ring_attention import SAVED_NAMES, local_attention, ring_attention
+from lclm.parallel.mesh import logical_sharding
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """Model hyper-parameters (a typed, hashable view of `config.model`)."""
-    vocab_size: int = 512
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_dim: int = 192
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    dtype: str = "bfloat16"
-    param_dtype: str = "float32"
-    scan_layers: bool = True
-    remat: str = "attention"
-    ffn_chunk: int = 2048
-    loss_chunk: int = 2048
-    # RoPE frequency scaling over rope_theta: "none", "linear" (every frequency / factor) or
-    # "llama3" (Llama-3.1's: wavelengths above original/low_freq_factor slowed by factor,
-    # below original/high_freq_factor kept, blended between); "auto" (config.model's default:
-    # the init_from_hf source's scaling) means "none" here
-    rope_scaling: str = "none"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_positions: int = 8192
-    # what an export's config.json states (not used by the computation): the source
-    # checkpoint's token ids (bos_id -1: none) and its maximum position count
-    bos_id: int = 1
-    eos_ids: tuple = (2,)
-    max_position_embeddings: int = 4096
-
-    def __post_init__(self):
-        # a JSON round trip (saved configs) gives lists; the config stays hashable
-        ids = self.eos_ids
-        ids = (ids,) if isinstance(ids, int) else tuple(int(i) for i in ids)
-        object.__setattr__(self, "eos_ids", ids)
-        if self.rope_scaling == "auto":
-            object.__setattr__(self, "rope_scaling", "none")
-
-    @classmethod
-    def from_config(cls, model_config) -> "LlamaConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in dict(model_config).items() if k in names})
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def compute_dtype(self):
-        return _DTYPES[self.dtype]
-
-    def param_count(self, include_embeddings: bool = True) -> int:
-        shapes = jax.tree.leaves(param_shapes(self), is_leaf=lambda x: isinstance(x, tuple))
-        total = sum(math.prod(s) for s in shapes)
-        return total if include_embeddings else total - self.vocab_size * self.dim
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """How attention is computed (`config.attention`)."""
-    impl: str = "auto"
-    layout: str = "striped"
-    q_chunk: int = 512
-    kv_chunk: int = 512
-
-    @classmethod
-    def from_config(cls, attention_config) -> "AttentionConfig":
-        return cls(**dict(attention_config))
+def param_count(c: LlamaConfig, include_embeddings: bool = True) -> int:
+    shapes = jax.tree.leaves(param_shapes(c), is_leaf=lambda x: isinstance(x, tuple))
+    total = sum(math.prod(s) for s in shapes)
+    return total if include_embeddings else total - c.vocab_size * c.dim
 
 
 def param_table(c: LlamaConfig):
@@ -140,7 +70,7 @@ def init_params(c: LlamaConfig, key):
     table = param_table(c)
     leaves, treedef = jax.tree.flatten(table, is_leaf=is_param_entry)
     keys = jax.random.split(key, len(leaves))
-    dtype = _DTYPES[c.param_dtype]
+    dtype = jnp.dtype(c.param_dtype)
 
     def one(entry, k):
         shape, axes = entry
@@ -216,13 +146,12 @@ _REMAT = {
 def _constrainer(mesh):
     if mesh is None:
         return lambda x, axes: x
-    from lclm.parallel.mesh import logical_sharding
     return lambda x, axes: lax.with_sharding_constraint(x, logical_sharding(mesh, axes, x.shape))
 
 
 def compute_weights(c: LlamaConfig, p):
     """A layer's weights cast to the compute dtype."""
-    return jax.tree.map(lambda w: w.astype(c.compute_dtype), p)
+    return jax.tree.map(lambda w: w.astype(jnp.dtype(c.dtype)), p)
 
 
 def attention_inputs(c: LlamaConfig, p, x, rope):
@@ -255,7 +184,7 @@ def layer_with_kv(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_
     # chunks in float32
     x = x + blockwise_ffn(h, params["w_gate"], params["w_up"], params["w_down"],
                           chunk=c.ffn_chunk, n_shards=n_shards, constrain=constrain,
-                          dtype=c.compute_dtype)
+                          dtype=jnp.dtype(c.dtype))
     return constrain(x, ("batch", "seq", "act_embed")), k, v
 
 
@@ -271,7 +200,7 @@ def embed(c: LlamaConfig, params, tokens, mesh=None):
     lookup into a table sharded along embed yields activations sharded along embed, which XLA
     can only reshard to (batch, seq) by replicating them whole on every device."""
     constrain = _constrainer(mesh)
-    table = constrain(params["embed"].astype(c.compute_dtype), ("vocab", None))
+    table = constrain(params["embed"].astype(jnp.dtype(c.dtype)), ("vocab", None))
     return constrain(jnp.take(table, tokens, axis=0), ("batch", "seq", "act_embed"))
 
 
@@ -298,7 +227,7 @@ def hidden_states(c: LlamaConfig, params, tokens, positions, segment_ids=None, *
 def output_weights(c: LlamaConfig, params):
     """The `[dim, vocab]` projection to logits (the tied embedding when configured)."""
     w = params["embed"].T if c.tie_embeddings else params["lm_head"]
-    return w.astype(c.compute_dtype)
+    return w.astype(jnp.dtype(c.dtype))
 
 
 def forward(c: LlamaConfig, params, tokens, positions=None, segment_ids=None, *, mesh=None,
@@ -329,5 +258,5 @@ def loss_terms(c: LlamaConfig, params, batch, *, mesh=None,
     w_out = params["embed"].T if c.tie_embeddings else params["lm_head"]  # cast inside
     return blockwise_cross_entropy(h, w_out, batch["targets"], batch["loss_mask"],
                                    chunk=c.loss_chunk, n_shards=n_shards,
-                                   constrain=_constrainer(mesh), dtype=c.compute_dtype)
+                                   constrain=_constrainer(mesh), dtype=jnp.dtype(c.dtype))
 

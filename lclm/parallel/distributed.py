@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 
+from lclm.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -70,7 +72,6 @@ def check_same_config(config_json: str) -> None:
     digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
     differing = [i for i, d in enumerate(digests) if d != digests[0]]
     if differing:
-        from lclm.config import ConfigError
         raise ConfigError(f"processes {differing} were started with a different config than "
                           "process 0; launch every process with the same arguments")
 

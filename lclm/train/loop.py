@@ -2,182 +2,35 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
-import uuid
 
 import jax
-import jax.numpy as jnp
-import optax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lclm.checkpoint import Checkpoints, SaveFailed, read_params
-from lclm.config import ConfigError, validate
-from lclm.errors import TrainingHalted
+from lclm.checkpoint import Checkpoints, SaveFailed
+from lclm.config.model import AttentionConfig, LlamaConfig
 from lclm.data.loader import HostBatches, batch_sharding
 from lclm.data.tokenizer import Tokenizer
-from lclm.models.llama import AttentionConfig, LlamaConfig, init_params
-from lclm.ops.attention import choose_kernel, platform_family
-from lclm.ops.ring_attention import tile_run
+from lclm.errors import ConfigError, TrainingHalted
+from lclm.models.llama import param_count
 from lclm.parallel.distributed import check_same_config
 from lclm.parallel.mesh import make_mesh
 from lclm.train.lock import WorkdirLock
 from lclm.train.metrics import MetricsLogger, Progress, flops_per_token, peak_flops
-from lclm.train.state import TrainState, param_shardings
+from lclm.train.setup import (apply_checkpoint_fields, apply_hf_shapes, attention_line,
+                              load_checkpoint_params, load_hf_params, public_config, validate,
+                              wandb_run)
+from lclm.train.state import TrainState, init_state
 from lclm.train.step import all_finite, make_optimizer, make_train_step
 
 log = logging.getLogger(__name__)
-
-# A field is secret when its name contains one of these words (case and separators aside):
-# apikey, wandbApiKey, hf_token, secrets, passwd, credentials, auth_header... lclm's own
-# fields that merely contain one of them are named in _NOT_SECRET (a test keeps it exact).
-_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential", "auth")
-_NOT_SECRET = frozenset({"tokenizer", "tokens_per_batch"})
-
-
-def is_secret(name: str) -> bool:
-    name = name.lower()
-    return name not in _NOT_SECRET and any(w in name for w in _SECRET_WORDS)
-
-
-def public_config(config) -> dict:
-    """The config as a plain dict with every secret-named field removed (what config.json,
-    checkpoints and wandb get)."""
-    def clean(d):
-        return {k: clean(v) if isinstance(v, dict) else v for k, v in d.items()
-                if not is_secret(k)}
-    return clean(config.to_dict())
-
-
-def _wandb_run(config, resume_step: int):
-    """The wandb run of this workdir: the same run id across resumes (`<workdir>/wandb_id`),
-    so a resumed run continues its run instead of starting a second one."""
-    if not config.log.wandb or jax.process_index() != 0:
-        return None
-    import wandb  # optional at run time: only when asked for
-    mode = os.environ.get("WANDB_MODE", config.log.wandb_mode)  # the environment wins
-    id_path = os.path.join(config.workdir, "wandb_id")
-    if os.path.isfile(id_path):
-        with open(id_path) as f:
-            run_id = f.read().strip()
-    else:
-        run_id = uuid.uuid4().hex[:16]  # wandb ids: letters and digits
-        with open(id_path, "w") as f:
-            f.write(run_id)
-    # wandb records the command line; not when an override on it names a secret
-    secret_args = any(is_secret(a.split("=")[0].rsplit(".", 1)[-1].lstrip("-"))
-                      for a in sys.argv[1:])
-    settings = wandb.Settings(x_disable_meta=True) if secret_args else None
-    if resume_step:
-        log.info("wandb: resuming run %s after step %d (wandb keeps the values it already "
-                 "has for re-run steps; metrics.jsonl holds the re-run ones)", run_id,
-                 resume_step)
-    return wandb.init(project=config.log.wandb_project, mode=mode, dir=config.workdir,
-                      config=public_config(config), id=run_id, resume="allow",
-                      settings=settings)
-
-
-def state_shardings(model: LlamaConfig, optimizer, mesh) -> TrainState:
-    """Where every array of the train state lives: parameters by the logical rules, optimizer
-    moments exactly like their parameters (left to propagation, XLA replicated them), counts
-    and other scalars replicated."""
-    shardings = param_shardings(model, mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
-    opt_shardings = optax.tree_utils.tree_map_params(
-        optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, params),
-        shardings, transform_non_params=lambda _: replicated)
-    return TrainState(replicated, shardings, opt_shardings)
-
-
-def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState:
-    """Fresh parameters and optimizer state, created directly in their shardings."""
-    where = state_shardings(model, optimizer, mesh)
-    params = jax.jit(lambda k: init_params(model, k), out_shardings=where.params)(
-        jax.random.key(seed))
-    opt_state = jax.jit(optimizer.init, out_shardings=where.opt_state)(params)
-    return TrainState(jax.device_put(jnp.zeros((), jnp.int32), where.step), params, opt_state)
-
-
-def apply_hf_shapes(config) -> None:
-    """Take the fields of `config.model` that `init_from_hf`'s config.json determines: shapes,
-    token ids, max positions and, where `model.rope_scaling` is 'auto', the RoPE scaling.
-    `model.rope_theta` stays the run's (long-context recipes raise it)."""
-    from lclm import hf
-    source = hf.read_config(config.model.init_from_hf)
-    config.model.update(hf.model_fields(dataclasses.asdict(source),
-                                        rope_scaling=config.model.rope_scaling == "auto"))
-    if source.rope_theta != config.model.rope_theta:
-        log.info("model.rope_theta=%g replaces %s's rope_theta %g", config.model.rope_theta,
-                 config.model.init_from_hf, source.rope_theta)
-
-
-def apply_checkpoint_fields(config) -> None:
-    """Take the fields of `config.model` that `init_from_checkpoint`'s saved config
-    determines, as `apply_hf_shapes` does for HF weights: shapes, token ids, max positions
-    and, where `model.rope_scaling` is 'auto', the RoPE scaling it trained with."""
-    from lclm import hf
-    from lclm.checkpoint import read_config
-    _, saved = read_config(config.model.init_from_checkpoint)
-    config.model.update(hf.model_fields(saved.get("model", {}),
-                                        rope_scaling=config.model.rope_scaling == "auto"))
-
-
-def load_hf_params(config, model: LlamaConfig, mesh):
-    """`init_from_hf` weights in the run's param dtype and shardings."""
-    from lclm import hf
-    _, params = hf.load(config.model.init_from_hf)
-    dtype = jnp.dtype(model.param_dtype)
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
-    log.info("initialised from %s (rope_theta %g)", config.model.init_from_hf, model.rope_theta)
-    return jax.device_put(params, param_shardings(model, mesh))
-
-
-def load_checkpoint_params(config, template: TrainState):
-    """The latest parameters of the lclm run in `init_from_checkpoint`, placed like
-    `template.params` (its optimizer state is not read)."""
-    source = config.model.init_from_checkpoint
-    checkpoints = Checkpoints(source, every=0, keep=1)
-    try:
-        step = checkpoints.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"model.init_from_checkpoint={source!r} has no checkpoint; "
-                                    "point it at the workdir of a finished lclm run")
-        checkpoints.check_shapes(step, template.params)
-    finally:
-        checkpoints.close()
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            template.params)
-    log.info("initialised from %s step %d", source, step)
-    return read_params(source, step, abstract)
-
-
-def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
-    """The kernel the ring will run (`attention.impl`, 'auto' resolved); an explicit kernel
-    that cannot run on this platform is a config error here, at start, not a traceback
-    inside the step."""
-    a = config.attention
-    try:
-        return choose_kernel(a.impl, head_dim=model.dim // model.n_heads, q_chunk=a.q_chunk,
-                             kv_chunk=a.kv_chunk, platform=platform, dtype=model.dtype,
-                             block=tile_run(a.layout, sp, config.data.seq_len))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _attention_line(config, model: LlamaConfig, sp: int, platform: str) -> str:
-    kernel = attention_kernel(config, model, sp, platform)
-    chosen = f" (auto on {platform_family(platform)})" if config.attention.impl == "auto" else ""
-    return f"{kernel}{chosen}, {config.attention.layout} layout"
-
 
 def train(config, stop_after: int | None = None) -> list[dict]:
     """Run (or resume) up to `config.train.steps` steps; returns the logged metric records.
@@ -259,8 +112,8 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
         with open(os.path.join(config.workdir, "config.json"), "w") as f:
             json.dump(saved_config, f, indent=1)
     log.info("mesh %s on %d %s devices; model %.2fM params; attention %s", sizes, len(devices),
-             devices[0].platform, model.param_count() / 1e6,
-             _attention_line(config, model, sizes["sp"], devices[0].platform))
+             devices[0].platform, param_count(model) / 1e6,
+             attention_line(config, model, sizes["sp"], devices[0].platform))
 
     optimizer = make_optimizer(config.train)
     state = init_state(model, optimizer, mesh, config.seed)
@@ -285,7 +138,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
         flops = flops_per_token(model, config.data.seq_len) * tokens_per_step
         peak = peak_flops(devices[0].device_kind)
         if is_main:
-            logger = MetricsLogger(config.workdir, _wandb_run(config, first - 1),
+            logger = MetricsLogger(config.workdir, wandb_run(config, first - 1),
                                    resume_step=first - 1)
         progress = Progress(total, first) if is_main and config.log.progress else None
         started, first_logged = time.perf_counter(), None

@@ -9,7 +9,8 @@ import shutil
 import sys
 import time
 
-from lclm.models.llama import LlamaConfig
+from lclm.config import LlamaConfig
+from lclm.models.llama import param_count
 
 # Dense bf16 peak FLOP/s per device, by `device_kind` prefix (vendor datasheets).
 PEAK_FLOPS = {
@@ -30,7 +31,7 @@ def peak_flops(device_kind: str) -> float | None:
 def flops_per_token(c: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (non-embedding params + output projection) plus
     attention 6 x layers x seq x dim, i.e. causal attention counted as half the square."""
-    matmul_params = c.param_count(include_embeddings=False)
+    matmul_params = param_count(c, include_embeddings=False)
     if c.tie_embeddings:
         matmul_params += c.vocab_size * c.dim
     return 6.0 * matmul_params + 6.0 * c.n_layers * seq_len * c.dim

@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
-from lclm.models.llama import LlamaConfig, is_param_entry, param_table
+from lclm.config import LlamaConfig
+from lclm.models.llama import init_params, is_param_entry, param_table
 from lclm.parallel.mesh import logical_sharding
 
 
@@ -27,3 +30,25 @@ class TrainState(NamedTuple):
     step: jax.Array
     params: dict
     opt_state: optax.OptState
+
+
+def state_shardings(model: LlamaConfig, optimizer, mesh) -> TrainState:
+    """Where every array of the train state lives: parameters by the logical rules, optimizer
+    moments exactly like their parameters (left to propagation, XLA replicated them), counts
+    and other scalars replicated."""
+    shardings = param_shardings(model, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+    opt_shardings = optax.tree_utils.tree_map_params(
+        optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, params),
+        shardings, transform_non_params=lambda _: replicated)
+    return TrainState(replicated, shardings, opt_shardings)
+
+
+def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState:
+    """Fresh parameters and optimizer state, created directly in their shardings."""
+    where = state_shardings(model, optimizer, mesh)
+    params = jax.jit(lambda k: init_params(model, k), out_shardings=where.params)(
+        jax.random.key(seed))
+    opt_state = jax.jit(optimizer.init, out_shardings=where.opt_state)(params)
+    return TrainState(jax.device_put(jnp.zeros((), jnp.int32), where.step), params, opt_state)

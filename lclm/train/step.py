@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lclm.models.llama import AttentionConfig, LlamaConfig, loss_terms
+from lclm.config import AttentionConfig, LlamaConfig
+from lclm.models.llama import loss_terms
 from lclm.parallel.mesh import logical_sharding
 from lclm.train.state import TrainState
 

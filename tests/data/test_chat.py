@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from lclm.config import ConfigError
+from lclm.errors import ConfigError
 from lclm.data.chat import TEMPLATES, ChatTemplate, render, render_prompt, token_flags
 from lclm.data.sources import open_documents
 from lclm.data.tokenizer import Tokenizer

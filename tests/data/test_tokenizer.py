@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from lclm.config import ConfigError
+from lclm.errors import ConfigError
 from lclm.data.line_retrieval import build_example
 from lclm.data.prepare import prepare
 from lclm.data.sources import open_documents

@@ -12,8 +12,9 @@ from lclm.data.line_retrieval import (Spec, build_example, chance_accuracy, line
 from lclm.data.packing import pack_documents
 from lclm.data.sources import open_documents
 from lclm.data.tokenizer import Tokenizer
-from lclm.config import parse_tokens
-from lclm.eval.line_retrieval import pad_front, padded_length, parse_lengths
+from lclm.config.syntax import parse_tokens
+from lclm.eval.line_retrieval import pad_front, padded_length
+from lclm.config.syntax import parse_lengths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

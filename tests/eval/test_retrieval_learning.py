@@ -15,7 +15,8 @@ import pytest
 
 from lclm.config import load_config
 from lclm.eval import line_retrieval
-from lclm.train.stages import run_stages, stage_configs
+from lclm.train.stages import run_stages
+from lclm.config.stages import stage_configs
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 

@@ -101,7 +101,8 @@ def test_training_starts_from_hf_weights_with_the_configured_rope_theta(tmp_path
     from lclm.config import load_config
     from lclm.data.loader import HostBatches
     from lclm.data.tokenizer import Tokenizer
-    from lclm.models.llama import AttentionConfig, loss_terms
+    from lclm.config import AttentionConfig
+    from lclm.models.llama import loss_terms
     from lclm.parallel import make_mesh
     from lclm.train.loop import train
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from lclm import hf
-from lclm.models.llama import LlamaConfig, forward
+from lclm.config import LlamaConfig
+from lclm.models.llama import forward
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
@@ -118,7 +119,7 @@ def test_scaled_rope_logits_match_transformers_past_the_original_length(tmp_path
 
 def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one(tmp_path):
     from lclm.config import base_config
-    from lclm.train.loop import apply_hf_shapes
+    from lclm.train.setup import apply_hf_shapes
 
     _tiny_hf(tmp_path / "src", SCALINGS["llama3"], theta=500000.0, bos_token_id=7,
              eos_token_id=[8, 9])
@@ -157,7 +158,9 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
     ("eos_ids", (2, 600), "model.eos_ids=(2, 600)"),
 ])
 def test_bad_rope_and_token_fields_stop_the_run_in_one_line(tmp_path, field, value, message):
-    from lclm.config import ConfigError, base_config, validate
+    from lclm.errors import ConfigError
+    from lclm.config import base_config
+    from lclm.train.setup import validate
 
     config = base_config()
     config.workdir = str(tmp_path / "run")
@@ -270,7 +273,8 @@ def test_the_eval_decoder_applies_the_scaling(tmp_path):
     import jax.numpy as jnp
 
     from lclm.eval.decode import greedy_generate
-    from lclm.models.llama import AttentionConfig, init_params
+    from lclm.config import AttentionConfig
+    from lclm.models.llama import init_params
 
     model = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
                         dtype="float32", init_std=0.5, remat="none", ffn_chunk=8, loss_chunk=8,

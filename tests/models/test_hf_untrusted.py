@@ -13,7 +13,8 @@ from safetensors.numpy import load_file, save_file
 
 from lclm import hf
 from lclm.convert import main
-from lclm.models.llama import LlamaConfig, init_params
+from lclm.config import LlamaConfig
+from lclm.models.llama import init_params
 
 TINY = LlamaConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=12,
                    dtype="float32", param_dtype="float32")

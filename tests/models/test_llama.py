@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lclm.models.llama import AttentionConfig, LlamaConfig, forward, init_params, loss_terms
+from lclm.config import AttentionConfig, LlamaConfig
+from lclm.models.llama import forward, init_params, loss_terms
 from lclm.ops.layout import batch_to_layout, from_layout, to_layout
 from lclm.parallel import make_mesh
 from lclm.train.state import shard_params

@@ -10,7 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from lclm.models.llama import AttentionConfig, LlamaConfig, init_params, loss_terms
+from lclm.config import AttentionConfig, LlamaConfig
+from lclm.models.llama import init_params, loss_terms
 from lclm.ops.ffn import blockwise_ffn
 from lclm.ops.loss import blockwise_cross_entropy
 
@@ -129,7 +130,7 @@ def test_train_step_grads_with_accumulation_do_not_degrade_with_more_chunks():
     from lclm.data.loader import batch_sharding
     from lclm.ops.layout import batch_to_layout
     from lclm.parallel import make_mesh
-    from lclm.train.loop import init_state
+    from lclm.train.state import init_state
     from lclm.train.step import make_train_step
 
     mesh, sp, t, input_vocab = make_mesh(fsdp=2, sp=2), 2, 512, 128

@@ -22,10 +22,10 @@ import numpy as np  # noqa: E402
 
 from lclm.config import base_config  # noqa: E402
 from lclm.data.loader import batch_sharding  # noqa: E402
-from lclm.models.llama import AttentionConfig, LlamaConfig  # noqa: E402
+from lclm.config import AttentionConfig, LlamaConfig  # noqa: E402
 from lclm.ops.layout import batch_to_layout  # noqa: E402
 from lclm.parallel import make_mesh  # noqa: E402
-from lclm.train.loop import init_state  # noqa: E402
+from lclm.train.state import init_state  # noqa: E402
 from lclm.train.step import make_optimizer, make_train_step  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 

@@ -20,11 +20,13 @@ import pytest
 from lclm import hf
 from lclm.checkpoint import Checkpoints
 from lclm.config import load_config
-from lclm.models.llama import LlamaConfig, init_params
+from lclm.config import LlamaConfig
+from lclm.models.llama import init_params
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirBusy, WorkdirLock
 from lclm.errors import TrainingHalted
-from lclm.train.loop import init_state, train
+from lclm.train.state import init_state
+from lclm.train.loop import train
 from lclm.train.metrics import truncate_metrics
 from lclm.train.step import make_optimizer
 

@@ -10,9 +10,9 @@ import pytest
 
 from lclm.config import apply_preset, load_config
 from lclm.data.loader import batch_sharding
-from lclm.models.llama import AttentionConfig, LlamaConfig
+from lclm.config import AttentionConfig, LlamaConfig
 from lclm.parallel import make_mesh
-from lclm.train.loop import init_state, state_shardings
+from lclm.train.state import init_state, state_shardings
 from lclm.train.step import make_optimizer, make_train_step
 from jax.sharding import NamedSharding, PartitionSpec
 

@@ -11,9 +11,11 @@ import pytest
 from lclm import hf
 from lclm.checkpoint import Checkpoints
 from lclm.config import load_config
-from lclm.models.llama import LlamaConfig, init_params
-from lclm.train.loop import init_state
-from lclm.train.stages import run_stages, stage_configs
+from lclm.config import LlamaConfig
+from lclm.models.llama import init_params
+from lclm.train.state import init_state
+from lclm.train.stages import run_stages
+from lclm.config.stages import stage_configs
 from lclm.train.step import make_optimizer
 from lclm.parallel import make_mesh
 

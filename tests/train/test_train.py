@@ -12,10 +12,12 @@ import pytest
 
 from lclm.config import load_config
 from lclm.data.loader import batch_sharding
-from lclm.models.llama import AttentionConfig, LlamaConfig
+from lclm.config import AttentionConfig, LlamaConfig
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
-from lclm.train.loop import init_state, public_config, train
+from lclm.train.state import init_state
+from lclm.train.setup import public_config
+from lclm.train.loop import train
 from lclm.train.step import make_optimizer, make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,13 +73,13 @@ def test_secrets_never_reach_saved_config():
 
 
 def test_wandb_resumes_its_run_and_keeps_secret_command_lines_out(tmp_path, monkeypatch):
-    from lclm.train.loop import _wandb_run
+    from lclm.train.setup import wandb_run
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setattr(sys, "argv", ["train.py", "--config.log.wandb_api_key=SECRETVALUE"])
     config = demo_config(tmp_path, log__wandb=True)
     os.makedirs(config.workdir)
     for resume_step in (0, 8):   # a first start, then a resume in the same workdir
-        _wandb_run(config, resume_step).finish()
+        wandb_run(config, resume_step).finish()
     runs = sorted(os.listdir(os.path.join(config.workdir, "wandb")))
     runs = [r for r in runs if r.startswith("offline-run-")]
     run_id = open(os.path.join(config.workdir, "wandb_id")).read()

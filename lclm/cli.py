@@ -1,0 +1,118 @@
+"""The command line every lclm CLI shares: `PROG [--config FILE] [--config.a.b=V ...]` gives
+the config (train.py's syntax for every program), and `run_cli` turns the errors a user can
+fix into one line on stderr and an exit status (2: bad input at start, 3: a run that stopped
+itself) instead of a traceback.
+
+No JAX here: CLIs read their config before JAX starts (simulated devices are requested from
+the mesh size first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Callable
+
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+from lclm.config.files import field, load_config
+from lclm.config.stages import keys_set_by_stages
+from lclm.errors import ConfigError, StartupError, TrainingHalted
+
+
+def run_cli(body: Callable[[], int | None], input_errors: tuple[type, ...] = ()) -> int:
+    """`body()`'s exit status (None: 0). A StartupError, a missing file or one of
+    `input_errors` (what else means bad input to this CLI, e.g. ValueError for a program
+    whose inputs are parsed by libraries) is `error: ...` on stderr and status 2; a
+    TrainingHalted is `error: ...` and status 3."""
+    try:
+        return body() or 0
+    except (StartupError, FileNotFoundError, *input_errors) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TrainingHalted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+
+
+def config_from_argv(argv: list[str], default: str,
+                     runs_stages: bool = True) -> ml_collections.ConfigDict:
+    """The config of a command line `PROG [--config FILE] [--config.a.b=V ...]` (ml_collections
+    syntax: typed, locked against new keys); FILE defaults to `default`.
+
+    Every mistake (missing file, unknown key, bad value, stray argument) is one ConfigError
+    line; an unknown key names the closest existing one. When the program runs the stages of
+    `stages.schedule` (`runs_stages`; the benchmarks measure the file's own fields instead),
+    an override of a field that a stage replaces is one too.
+    """
+    path = _config_path(argv) or default
+    known = load_config(path)
+    for key in _override_keys(argv):
+        field(known, key)
+    values = flags.FlagValues()
+    holder = config_flags.DEFINE_config_file("config", path, "config file", flag_values=values,
+                                             sys_argv=argv)
+    try:
+        rest = values(argv)
+    except flags.UnrecognizedFlagError as e:
+        raise ConfigError(f"{e}; set config fields with --config.<key>=<value>") from None
+    except flags.Error as e:
+        raise ConfigError(str(e)) from None
+    if rest[1:]:
+        raise ConfigError(f"unexpected arguments {rest[1:]}; pass only --config FILE and "
+                          "--config.<key>=<value>")
+    config = holder.value
+    if runs_stages:
+        _check_stage_overrides(config, _override_keys(argv))
+    return config
+
+
+def _check_stage_overrides(config, keys: list[str]) -> None:
+    """An override of a key that every (or some) stage of `stages.schedule` replaces would
+    be silently lost: refuse it (the schedule, where the stages are, is what to change)."""
+    if not config.stages.schedule:
+        return
+    replaced = keys_set_by_stages(config)
+    for key in keys:
+        if key in replaced:
+            raise ConfigError(f"config.{key} is {replaced[key]}")
+
+
+def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None, default: str | None = None,
+              runs_stages: bool = True) -> tuple[argparse.Namespace, ml_collections.ConfigDict]:
+    """(the CLI's own arguments, its config) of `PROG --config FILE [--config.a.b=V ...]
+    [the parser's own arguments]`: every CLI configures the run the way train.py does.
+
+    `parser` defines only the CLI's own arguments; `--config` (required unless `default`) is
+    added here. The `--config.*` arguments go to `config_from_argv` (its checks, its one-line
+    errors) and are kept in `args.overrides`, to be passed on as they are (to child processes).
+    """
+    parser.add_argument("--config", metavar="FILE", default=default, required=default is None,
+                        help="config file" + (f" (default {default})" if default else "")
+                        + "; override its fields with --config.<key>=<value>")
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    for arg in rest:
+        if arg.startswith("-") and not re.match(r"-{1,2}(?:no)?config\.|-[\d.]", arg):
+            raise ConfigError(f"unrecognized argument {arg!r}; see --help (config fields: "
+                              "--config.<key>=<value>)")
+    args.overrides = rest
+    return args, config_from_argv([parser.prog, "--config", args.config, *rest], args.config,
+                                  runs_stages)
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """FILE of `--config FILE` / `--config=FILE` (also with one dash, as absl allows)."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--config", "-config"):
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def _override_keys(argv: list[str]) -> list[str]:
+    """`a.b` of every `--config.a.b=V`, `--config.a.b V` and boolean `--[no]config.a.b`."""
+    found = (re.match(r"-{1,2}(?:no)?config\.([^=]+)", arg) for arg in argv)
+    return [m.group(1) for m in found if m]

@@ -1,0 +1,12 @@
+"""The one typed configuration of lclm (JAX-free): `base_config()` and the presets a config
+file starts from, the model schema, `load_config` for files. Submodules: `schema` (fields,
+defaults, names, single-field checks), `model` (LlamaConfig, AttentionConfig), `files`
+(config files and dotted keys), `syntax` (token counts, lengths, stage schedules), `stages`
+(the config of every stage of a schedule)."""
+
+from lclm.config.files import load_config
+from lclm.config.model import AttentionConfig, LlamaConfig
+from lclm.config.schema import MODEL_PRESETS, apply_preset, base_config, mesh_device_count
+
+__all__ = ["AttentionConfig", "LlamaConfig", "MODEL_PRESETS", "apply_preset", "base_config",
+           "load_config", "mesh_device_count"]

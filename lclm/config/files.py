@@ -1,0 +1,58 @@
+"""Config files and keys: `get_config()` of a file with overrides, and the lookup of a dotted
+key (`model.n_layers`) that names the closest existing key when it is wrong."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+
+import ml_collections
+
+from lclm.errors import ConfigError
+
+
+def load_config(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
+    """`get_config()` of a config file, with `{"section.field": value}` overrides applied.
+
+    For programs other than train.py (benchmarks, tests); a missing file, an unknown key or a
+    value of the wrong type is a ConfigError.
+    """
+    spec = importlib.util.spec_from_file_location("lclm_user_config", path)
+    if spec is None or not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} not found")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    for key, value in (overrides or {}).items():
+        node, name = field(config, key)
+        try:
+            node[name] = value
+        except TypeError:
+            raise ConfigError(f"config key {key}={value!r}: expected type "
+                              f"{type(node[name]).__name__}") from None
+    return config
+
+
+def field(config, key: str) -> tuple[ml_collections.ConfigDict, str]:
+    """(the section holding `key`, its last name); an unknown key is a ConfigError."""
+    parts = key.split(".")
+    node = config
+    for i, part in enumerate(parts):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            raise ConfigError(_unknown_key(parts, i, node))
+        if i < len(parts) - 1:
+            node = node[part]
+    return node, parts[-1]
+
+
+def _unknown_key(parts: list[str], i: int, node) -> str:
+    """'unknown config key model.n_layer (did you mean model.n_layers?)'."""
+    message = f"unknown config key {'.'.join(parts)}"
+    names = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+    close = difflib.get_close_matches(parts[i], names, n=1)
+    if close:
+        return f"{message} (did you mean {'.'.join([*parts[:i], close[0], *parts[i + 1:]])}?)"
+    if names:
+        return f"{message} ({'.'.join(parts[:i]) or 'the config'} has {', '.join(sorted(names))})"
+    return f"{message} ({'.'.join(parts[:i])} is a value, not a section)"

@@ -1,0 +1,48 @@
+"""Train a LLaMA with striped ring attention.
+
+    python train.py --config configs/demo.py   (or: lclm-train, python -m lclm.train)
+    python train.py --config configs/demo.py --config.train.steps=10 --config.mesh.sp=4 \
+        --config.workdir=/tmp/run
+
+A config with `stages.schedule` runs its stages one after another (lclm.train.stages); the
+same command resumes an interrupted staged run. Any config field can be overridden with
+--config.<path>=<value>. When the mesh needs more devices than the machine has, they are
+simulated on the CPU. A bad config or input stops the run at start with one line
+`error: ...` and exit status 2; a run that stops itself (train.max_bad_steps non-finite
+steps in a row, checkpoints that cannot be saved) prints one line and exits with status 3.
+"""
+
+import sys
+
+from lclm import logs
+from lclm.cli import config_from_argv, run_cli
+from lclm.config import mesh_device_count
+from lclm.parallel import distributed
+from lclm.parallel.devices import request_cpu_devices
+
+
+def run(config) -> None:
+    """Train `config`, or its stages one after another when it has a schedule."""
+    # JAX is imported here, not at the top: simulated CPU devices (split between local
+    # processes) must be requested before JAX starts, then the multi-process runtime when a
+    # launcher started several processes
+    request_cpu_devices((mesh_device_count(config) or 1) // distributed.local_process_count())
+    logs.configure()
+    distributed.initialize()
+    import jax
+    logs.configure(main_process=jax.process_index() == 0)
+    from lclm.train.loop import train
+    from lclm.train.stages import run_stages
+    run_stages(config) if config.stages.schedule else train(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv if argv is None else argv
+    if {"-h", "--help"} & set(argv[1:]):
+        print(__doc__)
+        return 0
+    return run_cli(lambda: run(config_from_argv(argv, default="configs/demo.py")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Run set-up: everything between a config and the training loop that involves more than one
+component. The cross-component checks (`validate`: the mesh against the devices, kernels,
+data sources, divisibility), the workdir probe, the model fields and weights a run takes
+from HuggingFace or another lclm run, the attention kernel `auto` resolves to, and what of
+the config may leave the process (`public_config`: secrets removed) and wandb.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import tempfile
+import uuid
+
+import jax
+import jax.numpy as jnp
+
+from lclm import hf
+from lclm.checkpoint import Checkpoints, read_config, read_params
+from lclm.config.model import LlamaConfig
+from lclm.config.schema import check_fields
+from lclm.data.chat import TEMPLATES
+from lclm.data.loader import SOURCE_KINDS
+from lclm.errors import ConfigError
+from lclm.ops.attention import IMPLS, choose_kernel, kernel_limits, platform_family
+from lclm.ops.ring_attention import kv_repeats, tile_run
+from lclm.parallel.mesh import resolve_mesh_shape
+from lclm.train.state import TrainState, param_shardings
+
+log = logging.getLogger(__name__)
+
+
+def _fail(msg: str):
+    raise ConfigError(msg)
+
+
+def validate(config, device_count: int) -> dict[str, int]:
+    """Check `config` against itself, the components it names and `device_count`; returns
+    the resolved mesh sizes. Raises a one-line ConfigError naming the fix."""
+    m, a, d, t = config.model, config.attention, config.data, config.train
+    check_fields(config)
+    check_workdir(config.workdir)
+    try:
+        sizes = resolve_mesh_shape(**{k: config.mesh[k] for k in ("dp", "fsdp", "tp", "sp")},
+                                   device_count=device_count)
+    except ValueError as e:
+        _fail(f"config.mesh: {e}")
+    dp, fsdp, tp, sp = sizes["dp"], sizes["fsdp"], sizes["tp"], sizes["sp"]
+
+    if a.impl not in IMPLS:
+        _fail(f"attention.impl={a.impl!r} is not available; use one of {IMPLS}")
+    if d.source not in SOURCE_KINDS:
+        _fail(f"data.source={d.source!r}; use one of {SOURCE_KINDS}")
+    if d.chat_template not in TEMPLATES:
+        _fail(f"data.chat_template={d.chat_template!r}; use one of {sorted(TEMPLATES)}")
+    if m.n_heads % tp:
+        _fail(f"model.n_heads={m.n_heads} is not divisible by mesh.tp={tp}; "
+              "pick a tp that divides the head count")
+    try:
+        kv_repeats(m.n_heads, m.n_kv_heads, tp)
+    except ValueError:
+        _fail(f"model.n_kv_heads={m.n_kv_heads} cannot be split over mesh.tp={tp}; "
+              "pick a tp that divides or is a multiple of n_kv_heads")
+    if m.ffn_dim % tp:
+        _fail(f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tp={tp}")
+
+    if d.seq_len % sp:
+        _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp={sp}; "
+              f"use a multiple of {sp}")
+    local = d.seq_len // sp
+    # zigzag: each shard holds two runs of consecutive positions; tiles stay inside one
+    runs = 2 if a.layout == "zigzag" and sp > 1 else 1
+    if local % runs:
+        _fail(f"data.seq_len={d.seq_len} is not divisible by 2 x mesh.sp = {2 * sp}, as "
+              f"attention.layout='zigzag' needs; use a multiple of {2 * sp}")
+    for key in ("q_chunk", "kv_chunk"):
+        chunk = min(a[key], local // runs)
+        if local % (chunk * runs):
+            what = "2 x mesh.sp" if runs == 2 else "mesh.sp"
+            _fail(f"data.seq_len={d.seq_len} is not divisible by {what} x attention.{key} = "
+                  f"{runs * sp} x {chunk}; use a multiple of {runs * sp * chunk}")
+    for key in ("ffn_chunk", "loss_chunk"):
+        chunk = min(m[key], local)
+        if local % chunk:
+            _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp x model.{key} = "
+                  f"{sp} x {chunk}; use a multiple of {sp * chunk}")
+    why = kernel_limits(a.impl, head_dim=m.dim // m.n_heads, q_chunk=a.q_chunk,
+                        kv_chunk=a.kv_chunk, block=local // runs, dtype=m.dtype)
+    if why is not None:
+        _fail(f"attention.impl={a.impl!r} cannot serve this model: {why}; "
+              "attention.impl='auto' picks a kernel that can")
+    if d.batch_size % t.grad_accum:
+        _fail(f"data.batch_size={d.batch_size} is not divisible by train.grad_accum="
+              f"{t.grad_accum}")
+    micro = d.batch_size // t.grad_accum
+    if micro % (dp * fsdp):
+        _fail(f"micro-batch data.batch_size/train.grad_accum={micro} is not divisible by "
+              f"mesh.dp x mesh.fsdp = {dp * fsdp}; change the batch size or the mesh")
+    return sizes
+
+
+def check_workdir(workdir: str) -> None:
+    """Fail at start, not at the first save, when the run cannot write its workdir. Leaves
+    nothing behind: the probe is a temporary file in the deepest directory that exists."""
+    if not workdir:
+        _fail("workdir is empty; set config.workdir to the run's directory")
+    existing = os.path.abspath(workdir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        _fail(f"workdir={workdir!r}: {existing!r} is not a directory; set config.workdir to a "
+              "directory path")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        _fail(f"workdir={workdir!r}: cannot write in {existing!r} ({e.strerror}); set "
+              "config.workdir to a writable directory")
+
+
+def apply_hf_shapes(config) -> None:
+    """Take the fields of `config.model` that `init_from_hf`'s config.json determines: shapes,
+    token ids, max positions and, where `model.rope_scaling` is 'auto', the RoPE scaling.
+    `model.rope_theta` stays the run's (long-context recipes raise it)."""
+    source = hf.read_config(config.model.init_from_hf)
+    config.model.update(hf.model_fields(dataclasses.asdict(source),
+                                        rope_scaling=config.model.rope_scaling == "auto"))
+    if source.rope_theta != config.model.rope_theta:
+        log.info("model.rope_theta=%g replaces %s's rope_theta %g", config.model.rope_theta,
+                 config.model.init_from_hf, source.rope_theta)
+
+
+def apply_checkpoint_fields(config) -> None:
+    """Take the fields of `config.model` that `init_from_checkpoint`'s saved config
+    determines, as `apply_hf_shapes` does for HF weights: shapes, token ids, max positions
+    and, where `model.rope_scaling` is 'auto', the RoPE scaling it trained with."""
+    _, saved = read_config(config.model.init_from_checkpoint)
+    config.model.update(hf.model_fields(saved.get("model", {}),
+                                        rope_scaling=config.model.rope_scaling == "auto"))
+
+
+def load_hf_params(config, model: LlamaConfig, mesh):
+    """`init_from_hf` weights in the run's param dtype and shardings."""
+    _, params = hf.load(config.model.init_from_hf)
+    dtype = jnp.dtype(model.param_dtype)
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    log.info("initialised from %s (rope_theta %g)", config.model.init_from_hf, model.rope_theta)
+    return jax.device_put(params, param_shardings(model, mesh))
+
+
+def load_checkpoint_params(config, template: TrainState):
+    """The latest parameters of the lclm run in `init_from_checkpoint`, placed like
+    `template.params` (its optimizer state is not read)."""
+    source = config.model.init_from_checkpoint
+    checkpoints = Checkpoints(source, every=0, keep=1)
+    try:
+        step = checkpoints.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"model.init_from_checkpoint={source!r} has no checkpoint; "
+                                    "point it at the workdir of a finished lclm run")
+        checkpoints.check_shapes(step, template.params)
+    finally:
+        checkpoints.close()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            template.params)
+    log.info("initialised from %s step %d", source, step)
+    return read_params(source, step, abstract)
+
+
+def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
+    """The kernel the ring will run (`attention.impl`, 'auto' resolved); an explicit kernel
+    that cannot run on this platform is a config error here, at start, not a traceback
+    inside the step."""
+    a = config.attention
+    try:
+        return choose_kernel(a.impl, head_dim=model.dim // model.n_heads, q_chunk=a.q_chunk,
+                             kv_chunk=a.kv_chunk, platform=platform, dtype=model.dtype,
+                             block=tile_run(a.layout, sp, config.data.seq_len))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def attention_line(config, model: LlamaConfig, sp: int, platform: str) -> str:
+    kernel = attention_kernel(config, model, sp, platform)
+    chosen = f" (auto on {platform_family(platform)})" if config.attention.impl == "auto" else ""
+    return f"{kernel}{chosen}, {config.attention.layout} layout"
+
+
+# A field is secret when its name contains one of these words (case and separators aside):
+# apikey, wandbApiKey, hf_token, secrets, passwd, credentials, auth_header... lclm's own
+# fields that merely contain one of them are named in _NOT_SECRET (a test keeps it exact).
+_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential", "auth")
+_NOT_SECRET = frozenset({"tokenizer", "tokens_per_batch"})
+
+
+def is_secret(name: str) -> bool:
+    name = name.lower()
+    return name not in _NOT_SECRET and any(w in name for w in _SECRET_WORDS)
+
+
+def public_config(config) -> dict:
+    """The config as a plain dict with every secret-named field removed (what config.json,
+    checkpoints and wandb get)."""
+    def clean(d):
+        return {k: clean(v) if isinstance(v, dict) else v for k, v in d.items()
+                if not is_secret(k)}
+    return clean(config.to_dict())
+
+
+def wandb_run(config, resume_step: int):
+    """The wandb run of this workdir: the same run id across resumes (`<workdir>/wandb_id`),
+    so a resumed run continues its run instead of starting a second one."""
+    if not config.log.wandb or jax.process_index() != 0:
+        return None
+    import wandb  # 0.4 s to import: only runs that log to wandb pay it
+    mode = os.environ.get("WANDB_MODE", config.log.wandb_mode)  # the environment wins
+    id_path = os.path.join(config.workdir, "wandb_id")
+    if os.path.isfile(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = uuid.uuid4().hex[:16]  # wandb ids: letters and digits
+        with open(id_path, "w") as f:
+            f.write(run_id)
+    # wandb records the command line; not when an override on it names a secret
+    secret_args = any(is_secret(a.split("=")[0].rsplit(".", 1)[-1].lstrip("-"))
+                      for a in sys.argv[1:])
+    settings = wandb.Settings(x_disable_meta=True) if secret_args else None
+    if resume_step:
+        log.info("wandb: resuming run %s after step %d (wandb keeps the values it already "
+                 "has for re-run steps; metrics.jsonl holds the re-run ones)", run_id,
+                 resume_step)
+    return wandb.init(project=config.log.wandb_project, mode=mode, dir=config.workdir,
+                      config=public_config(config), id=run_id, resume="allow",
+                      settings=settings)
