@@ -67,6 +67,7 @@ from bench.report import default_out_dir
 from bench.striped_sim import StripedSpec
 from bench.train_step import ModelRun, TrainSpec
 from lclm import logs
+from lclm.cli import run_cli
 from lclm.errors import StartupError
 
 # part (also the Suite's field name) -> its module in bench/, which writes <module>.md/.png
@@ -292,17 +293,17 @@ def main(argv=None) -> int:
                     help="run the parts in this process (what a part's own process does)")
     logs.configure()
     args = ap.parse_args(argv)
-    try:
-        parts = _parts(args.parts, SUITES[args.suite])
-        if SUITES[args.suite].needs_gpu and not os.environ.get(GPU_CHECKED):
-            why = gpu_missing()
-            if why:
-                raise StartupError(f"--suite {args.suite} needs a GPU, and {why}; on this "
-                                   "machine run --suite cpu")
-        args.out = _out_dir(args.out or default_out_dir(args.suite))
-    except StartupError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: _run(args))
+
+
+def _run(args) -> int:
+    parts = _parts(args.parts, SUITES[args.suite])
+    if SUITES[args.suite].needs_gpu and not os.environ.get(GPU_CHECKED):
+        why = gpu_missing()
+        if why:
+            raise StartupError(f"--suite {args.suite} needs a GPU, and {why}; on this "
+                               "machine run --suite cpu")
+    args.out = _out_dir(args.out or default_out_dir(args.suite))
     suite = SUITES[args.suite].smallest() if args.smallest else SUITES[args.suite]
     if args.suite == "cpu":  # toy sizes are meant for the CPU even where an accelerator exists
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -5,7 +5,7 @@
 
 Methods, each jitted once per shape and timed with `bench.timing.median_seconds`:
 
-- every lclm kernel (`lclm.ops.attention.KERNELS`) that imports and suits the backend
+- every lclm kernel (`lclm.ops.kernels.KERNELS`) that imports and suits the backend
   (`pallas_gpu` on GPU, `pallas_tpu` on TPU, `blockwise` everywhere), called through
   `lclm.ops.ring_attention.local_attention` (the ring with one member, custom VJP included);
 - `jax.nn.dot_product_attention(implementation='cudnn')` on GPU (fused, not ring-capable);
@@ -85,7 +85,7 @@ _SUITE_SHAPES = dict(head_dim=128, q_chunk=1024, kv_chunk=1024, block=32768, dty
 
 def usable_kernels(platform: str) -> tuple[list[str], list[str]]:
     """(names of lclm kernels that suit `platform` and import, 'name: why' for the others)."""
-    from lclm.ops.attention import KERNELS, get_kernel, kernel_limits, platform_family
+    from lclm.ops.kernels import KERNELS, get_kernel, platform_family
 
     usable, skipped = [], []
     for name in KERNELS:
@@ -93,14 +93,14 @@ def usable_kernels(platform: str) -> tuple[list[str], list[str]]:
         if target not in (None, platform):
             skipped.append(f"{name}: written for {target}, not {platform}")
             continue
-        why = kernel_limits(name, platform=platform_family(platform), **_SUITE_SHAPES)
-        if why is not None:  # e.g. tokamax not installed, or not a Hopper GPU
-            skipped.append(f"{name}: {why}")
-            continue
         try:
-            get_kernel(name)
+            kernel = get_kernel(name)
         except Exception as e:  # noqa: BLE001  (a missing or half-written kernel module)
             skipped.append(f"{name}: {type(e).__name__}: {str(e)[:100]}")
+            continue
+        why = kernel.limits(platform=platform_family(platform), **_SUITE_SHAPES)
+        if why is not None:  # e.g. tokamax not installed, or not a Hopper GPU
+            skipped.append(f"{name}: {why}")
             continue
         usable.append(name)
     return usable, skipped
@@ -108,7 +108,7 @@ def usable_kernels(platform: str) -> tuple[list[str], list[str]]:
 
 def preferred_kernel(platform: str) -> str:
     """The kernel `attention.impl='auto'` picks here for the suites' shapes."""
-    from lclm.ops.attention import choose_kernel
+    from lclm.ops.kernels import choose_kernel
 
     return choose_kernel("auto", platform=platform, **_SUITE_SHAPES)
 

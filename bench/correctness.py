@@ -98,12 +98,12 @@ def case_inputs(case: str, t: int, heads: int, head_dim: int, dtype: str):
 
 
 def dense_reference(q, k, v, do, q_pos, k_pos, q_seg, k_seg):
-    """(o, dq, dk, dv) in float32 of `lclm.ops.attention.dense_attention` with the case's
+    """(o, dq, dk, dv) in float32 of `lclm.ops.kernels.reference.dense_attention` with the case's
     positions and segment ids on both sides (jitted once, the ids as constants)."""
     import jax
     import jax.numpy as jnp
 
-    from lclm.ops.attention import dense_attention
+    from lclm.ops.kernels.reference import dense_attention
 
     @jax.jit
     def reference(q, k, v, do):
@@ -161,7 +161,7 @@ def check(impl: str, case: str, head_dim: int, spec: CorrectnessSpec, cache=None
     and reference between kernels."""
     import numpy as np
 
-    from lclm.ops.attention import get_kernel
+    from lclm.ops.kernels import get_kernel
 
     key = (case, head_dim)
     if cache is None or key not in cache:

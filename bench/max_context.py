@@ -9,7 +9,7 @@ Variants of the same LLaMA train step (full remat, AdamW, batch 1, one device):
 - `lclm`: blockwise attention (the config's kernel), blockwise feed-forward and loss (BPT);
 - `attention_only`: blockwise attention, feed-forward and loss unchunked (chunk = sequence),
   the "memory-efficient attention" baseline of the BPT paper;
-- `vanilla`: dense attention (`lclm.ops.attention.dense_attention`: float32 `[heads, t, t]`
+- `vanilla`: dense attention (`lclm.ops.kernels.reference.dense_attention`: float32 `[heads, t, t]`
   scores and probabilities materialised), feed-forward and loss unchunked. lclm's model has
   no dense-attention setting, so for this variant the probe swaps the model's attention call
   (`lclm.models.llama.ring_attention`) while the step is traced; everything else is lclm's.
@@ -88,7 +88,7 @@ class MaxContextSpec:
 
 def _dense_ring_attention(q, k, v, *, mesh, segment_ids=None, **_tiles):
     """Stand-in for the model's ring call on one device: plain dense causal attention."""
-    from lclm.ops.attention import dense_attention
+    from lclm.ops.kernels.reference import dense_attention
 
     if mesh.shape["sp"] != 1:
         raise ValueError("the dense-attention baseline runs on one device (mesh.sp=1)")
@@ -274,9 +274,9 @@ def main(argv=None) -> int:
     ap.add_argument("--probe", action="store_true", help="child side: one step, one record")
     ap.add_argument("--variant", default="lclm")
     ap.add_argument("--seq", type=int, default=0)
-    from lclm.cli import parse_cli
-    from lclm.errors import StartupError
-    try:
+    from lclm.cli import parse_cli, run_cli
+
+    def body():
         # a bad config fails here, not in every probe (which measure the file's fields, not
         # a schedule's stages)
         args, _ = parse_cli(ap, argv, default.config, runs_stages=False)
@@ -290,10 +290,8 @@ def main(argv=None) -> int:
             spec = dataclasses.replace(MaxContextSpec().quick(), config=args.config,
                                        overrides=tuple(args.overrides), impl=args.impl)
         run(spec, args.out)
-    except (StartupError, FileNotFoundError) as e:  # a bad --config FILE/--config.*: one line
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_cli(body)
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def pair_pass(impl: str, q_chunk: int, kv_chunk: int):
     """
     import jax
 
-    from lclm.ops.attention import get_kernel
+    from lclm.ops.kernels import get_kernel
 
     kernel = get_kernel(impl)
     tiles = dict(causal=True, q_chunk=q_chunk, kv_chunk=kv_chunk)

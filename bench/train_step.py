@@ -467,11 +467,11 @@ def main(argv=None):
 
     from bench.isolate import launcher_process
     from lclm.config import mesh_device_count
-    from lclm.cli import parse_cli
-    from lclm.errors import StartupError
+    from lclm.cli import parse_cli, run_cli
     from lclm.parallel.devices import request_cpu_devices
 
-    try:
+
+    def body():
         args, base = parse_cli(ap, argv, runs_stages=False)  # a schedule's stages do not run
         request_cpu_devices(mesh_device_count(base) or 1)
         seqs = int_list(args.seq) or (base.data.seq_len,)
@@ -497,9 +497,8 @@ def main(argv=None):
         collect(spec, impls, layouts, on_record=report.add)
         report.finish()
         return 0
-    except (StartupError, FileNotFoundError) as e:  # a bad --config FILE/--config.*: one line
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+
+    return run_cli(body)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ def test_official_ringattention_wrapper_matches_dense_attention():
     if importlib.util.find_spec("ringattention") is None:  # its __init__ fails on new JAX
         pytest.skip("the ringattention package is not installed")
     from bench.attention import official_ring_method, qkv
-    from lclm.ops.attention import dense_attention
+    from lclm.ops.kernels.reference import dense_attention
 
     q, k, v, _ = qkv(1, 128, 2, 64, "float32")
     for causal in (True, False):
@@ -218,13 +218,13 @@ def test_train_step_table_has_the_baseline_and_ratios(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_correctness_passes_real_kernels_and_catches_wrong_ones(monkeypatch):
     from bench.correctness import CASES, CorrectnessSpec, check
-    from lclm.ops import attention
+    from lclm.ops import kernels
 
     spec = CorrectnessSpec().smallest()
     for case in CASES:
         assert check("blockwise", case, 64, spec)["status"] == "ok", case
     assert check("pallas_gpu", "causal + strict, segments", 64, spec)["status"] == "ok"
-    right = attention.KERNELS["blockwise"]
+    right = kernels.KERNELS["blockwise"]
 
     def off_dk(*args, **kw):  # a kernel whose dK is 5% off
         dq, dk, dv = right.backward(*args, **kw)
@@ -235,7 +235,7 @@ def test_correctness_passes_real_kernels_and_catches_wrong_ones(monkeypatch):
         return right.backward(q, k, v, o_local.astype(q.dtype), lse_local, do, *ids, **kw)
 
     for name, backward in (("off_dk", off_dk), ("local", local_statistics)):
-        monkeypatch.setitem(attention.KERNELS, name, attention.Kernel(right.forward, backward))
+        monkeypatch.setitem(kernels.KERNELS, name, kernels.Kernel(right.forward, backward))
     result = check("off_dk", "gqa", 64, spec)
     assert result["status"] == "WRONG" and result["dk"] > 0.02 > result["dq"]
     assert check("local", "causal", 64, spec)["status"] == "ok"  # one block: local = global
@@ -243,7 +243,7 @@ def test_correctness_passes_real_kernels_and_catches_wrong_ones(monkeypatch):
 
 
 def test_every_suite_names_existing_configs_and_kernels():
-    from lclm.ops.attention import KERNELS
+    from lclm.ops.kernels import KERNELS
 
     for name, s in suite.SUITES.items():
         assert s.parts(), name
@@ -441,7 +441,7 @@ def test_correctness_checks_lower_one_fused_call_per_visible_round():
     import jax.numpy as jnp
 
     from bench.correctness import CASES, case_inputs, ring_of_blocks
-    from lclm.ops.range_kernel import range_kernel
+    from lclm.ops.kernels.range_kernel import range_kernel
 
     calls = []
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lclm.ops.blockwise import merge_chunks, split_chunks
+from lclm.ops.chunking import merge_chunks, split_chunks
 
 _CHUNK_AXES = (None, "batch", "seq", None, "act_embed")
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lclm.ops.blockwise import merge_chunks, split_chunks
+from lclm.ops.chunking import merge_chunks, split_chunks
 from lclm.ops.ffn import weight_grad
 
 _SEQ_AXES = (None, "batch", "seq", None)

@@ -10,9 +10,9 @@ Masks follow from original positions, which each device derives from its ring in
 layout (`lclm.ops.layout.original_positions`): for striped, round blocks from devices k <= j
 are causal and k > j strictly causal; for contiguous, blocks are full, causal or hidden; for
 zigzag, every round is half of the block pair as full tiles (the diagonal round: causal).
-A kernel that specializes on such a class (`classify`: `lclm.ops.range_kernel`) is told at
-each call site (the scanned rounds, the last round) the classes it can meet there, found on
-the host from the layout, so it compiles only those (one at sp=1: no conditional).
+A kernel that specializes on such a class (`classify`: `lclm.ops.kernels.range_kernel`) is
+told at each call site (the scanned rounds, the last round) the classes it can meet there,
+found on the host from the layout, so it compiles only those (one at sp=1: no conditional).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from lclm.ops.attention import F32, choose_kernel, get_kernel, visible_tiles
+from lclm.ops.kernels import choose_kernel, get_kernel
+from lclm.ops.kernels.contract import F32, visible_tiles
 from lclm.ops.layout import LAYOUTS, original_positions
 
 SP = "sp"
@@ -188,7 +189,6 @@ def _settings(n, layout, causal, q_chunk, kv_chunk, impl, q, platform, axis=SP):
     impl = choose_kernel(impl, head_dim=q.shape[-1], q_chunk=q_chunk, kv_chunk=kv_chunk,
                          block=tile_run(layout, n, q.shape[1]), platform=platform,
                          dtype=jnp.dtype(q.dtype).name)
-    get_kernel(impl)
     return _Settings(axis, n, layout, bool(causal), int(q_chunk), int(kv_chunk), impl,
                      platform)
 

@@ -14,25 +14,25 @@ steps in a row, checkpoints that cannot be saved) prints one line and exits with
 
 import sys
 
+import jax
+
 from lclm import logs
 from lclm.cli import config_from_argv, run_cli
 from lclm.config import mesh_device_count
 from lclm.parallel import distributed
 from lclm.parallel.devices import request_cpu_devices
+from lclm.train.loop import train
+from lclm.train.stages import run_stages
 
 
 def run(config) -> None:
     """Train `config`, or its stages one after another when it has a schedule."""
-    # JAX is imported here, not at the top: simulated CPU devices (split between local
-    # processes) must be requested before JAX starts, then the multi-process runtime when a
-    # launcher started several processes
+    # before JAX starts its backends (importing it does not): simulated CPU devices (split
+    # between local processes), then the multi-process runtime when a launcher started several
     request_cpu_devices((mesh_device_count(config) or 1) // distributed.local_process_count())
     logs.configure()
     distributed.initialize()
-    import jax
     logs.configure(main_process=jax.process_index() == 0)
-    from lclm.train.loop import train
-    from lclm.train.stages import run_stages
     run_stages(config) if config.stages.schedule else train(config)
 
 

@@ -24,7 +24,7 @@ from lclm.config.schema import check_fields
 from lclm.data.chat import TEMPLATES
 from lclm.data.loader import SOURCE_KINDS
 from lclm.errors import ConfigError
-from lclm.ops.attention import IMPLS, choose_kernel, kernel_limits, platform_family
+from lclm.ops.kernels import IMPLS, choose_kernel, get_kernel, platform_family
 from lclm.ops.ring_attention import kv_repeats, tile_run
 from lclm.parallel.mesh import resolve_mesh_shape
 from lclm.train.state import TrainState, param_shardings
@@ -86,8 +86,10 @@ def validate(config, device_count: int) -> dict[str, int]:
         if local % chunk:
             _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp x model.{key} = "
                   f"{sp} x {chunk}; use a multiple of {sp * chunk}")
-    why = kernel_limits(a.impl, head_dim=m.dim // m.n_heads, q_chunk=a.q_chunk,
-                        kv_chunk=a.kv_chunk, block=local // runs, dtype=m.dtype)
+    # 'auto' is resolved per platform (`attention_kernel`), always to a kernel that can serve
+    why = None if a.impl == "auto" else get_kernel(a.impl).limits(
+        head_dim=m.dim // m.n_heads, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
+        block=local // runs, dtype=m.dtype)
     if why is not None:
         _fail(f"attention.impl={a.impl!r} cannot serve this model: {why}; "
               "attention.impl='auto' picks a kernel that can")

@@ -1,5 +1,6 @@
 """Malformed or hostile HuggingFace directories: `hf.load` and `python -m lclm.convert` refuse
-each with one line naming the file and the tensor (or config field) at fault."""
+each with one line naming the file and the tensor (or config field) at fault; a safetensors
+file whose header safetensors itself rejects is named as damaged, with safetensors' reason."""
 
 import json
 import os
@@ -20,6 +21,8 @@ TINY = LlamaConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ff
                    dtype="float32", param_dtype="float32")
 EMBED, NORM = "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"
 K_PROJ, GATE = "model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.gate_proj.weight"
+# lclm's words for a file safetensors refuses to open (its reason follows, worded by version)
+DAMAGED = "truncated, damaged or not a safetensors file"
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +81,6 @@ def _edit_json(d, file, edit):
     path.write_text(json.dumps(data))
 
 
-def _last_tensor(d):
-    header, _ = _split(os.path.join(d, "model.safetensors"))
-    del header["__metadata__"]
-    return max(header, key=lambda name: header[name]["data_offsets"][1])
-
-
 def _shard_of(d, name):
     return json.loads(Path(d, "model.safetensors.index.json").read_text())["weight_map"][name]
 
@@ -94,7 +91,7 @@ def header_longer_than_file(d):
     path = Path(d, "model.safetensors")
     raw = path.read_bytes()
     path.write_bytes(len(raw).to_bytes(8, "little") + raw[8:])
-    return "model.safetensors", "header claims"
+    return "model.safetensors", DAMAGED
 
 
 def absurd_header_length(d):
@@ -102,14 +99,13 @@ def absurd_header_length(d):
     with open(path, "r+b") as f:  # a sparse 300 MB file whose header claims 200 MB
         f.write((200 << 20).to_bytes(8, "little"))
         f.truncate(300 << 20)
-    return "model.safetensors", "limit"
+    return "model.safetensors", DAMAGED
 
 
 def truncated_file(d):
-    last = _last_tensor(d)
     path = Path(d, "model.safetensors")
     path.write_bytes(path.read_bytes()[:-16])
-    return "model.safetensors", last
+    return "model.safetensors", DAMAGED
 
 
 def offsets_past_the_end(d):
@@ -118,14 +114,14 @@ def offsets_past_the_end(d):
     def edit(header):
         header[NORM]["data_offsets"] = [o + size for o in header[NORM]["data_offsets"]]
     _edit_header(d, edit)
-    return "model.safetensors", NORM
+    return "model.safetensors", DAMAGED
 
 
 def offsets_disagree_with_shape(d):
     def edit(header):
         header[EMBED]["shape"] = [TINY.vocab_size + 1, TINY.dim]
     _edit_header(d, edit)
-    return "model.safetensors", EMBED
+    return "model.safetensors", DAMAGED
 
 
 def overlapping_tensors(d):
@@ -134,33 +130,44 @@ def overlapping_tensors(d):
     def edit(header):
         header[other]["data_offsets"] = header[NORM]["data_offsets"]
     _edit_header(d, edit)
-    return "model.safetensors", "overlap"
+    return "model.safetensors", DAMAGED
 
 
 def unknown_dtype(d):
     def edit(header):
         header[NORM]["dtype"] = "Q7"
     _edit_header(d, edit)
-    return "model.safetensors", NORM
+    return "model.safetensors", DAMAGED
 
 
 def header_not_json(d):
     path = os.path.join(d, "model.safetensors")
     _write(path, b"{'not': json}", _split(path)[1])
-    return "model.safetensors", "not valid JSON"
+    return "model.safetensors", DAMAGED
 
 
 def header_not_an_object(d):
     path = os.path.join(d, "model.safetensors")
     _write(path, b"[1, 2, 3]", _split(path)[1])
-    return "model.safetensors", "not a JSON object"
+    return "model.safetensors", DAMAGED
 
 
 def metadata_safetensors_rejects(d):
     def edit(header):
         header["__metadata__"] = {"format": 1}
     _edit_header(d, edit)
-    return "model.safetensors", "header"
+    return "model.safetensors", DAMAGED
+
+
+def tensor_name_with_a_line_break(d):  # safetensors' reason quotes the name as it is
+    def edit(header):
+        first = min((n for n in header if n != "__metadata__"),
+                    key=lambda n: header[n]["data_offsets"][0])
+        entry = header.pop(first)
+        entry["data_offsets"][0] += 1
+        header["x\nerror: a forged line"] = entry
+    _edit_header(d, edit)
+    return "model.safetensors", DAMAGED
 
 
 def embedding_one_row_too_many(d):
@@ -338,10 +345,10 @@ def tensor_in_two_shards(d):
 
 SINGLE = [header_longer_than_file, absurd_header_length, truncated_file, offsets_past_the_end,
           offsets_disagree_with_shape, overlapping_tensors, unknown_dtype, header_not_json,
-          header_not_an_object, metadata_safetensors_rejects, embedding_one_row_too_many,
-          transposed_k_proj, transposed_gate_proj, integer_weights, bool_weights, missing_tensor,
-          config_not_json, config_lacks_a_field, config_field_of_the_wrong_type,
-          config_with_biases]
+          header_not_an_object, metadata_safetensors_rejects, tensor_name_with_a_line_break,
+          embedding_one_row_too_many, transposed_k_proj, transposed_gate_proj, integer_weights,
+          bool_weights, missing_tensor, config_not_json, config_lacks_a_field,
+          config_field_of_the_wrong_type, config_with_biases]
 REFUSED = [config_of_another_architecture, config_with_gelu, config_with_a_sliding_window,
            config_using_a_sliding_window, config_with_yarn_rope, config_with_dynamic_rope,
            config_with_llama3_rope_lacking_a_factor, config_with_llama3_high_below_low,

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from lclm.ops.attention import AUTO, KERNELS, choose_kernel, get_kernel, kernel_limits
+from lclm.ops.kernels import AUTO, KERNELS, choose_kernel, get_kernel
 from lclm.ops.ring_attention import ring_attention
 from lclm.parallel import make_mesh
 
@@ -14,32 +14,31 @@ LLAMA = dict(head_dim=128, q_chunk=512, kv_chunk=512, block=8192)
 @pytest.fixture(autouse=True)
 def _no_tokamax(monkeypatch):
     """The rules below as on a GPU machine without tokamax (its own test is separate)."""
-    from lclm.ops import tokamax_gpu
+    from lclm.ops.kernels import tokamax_gpu
     monkeypatch.setattr(tokamax_gpu, "available", lambda: False)
 
 
 def test_auto_prefers_tokamax_on_gpus_where_it_is_installed(monkeypatch):
-    from lclm.ops import tokamax_gpu
-    from lclm.ops import attention
+    from lclm.ops.kernels import tokamax_gpu
     monkeypatch.setattr(tokamax_gpu, "available", lambda: True)
-    monkeypatch.setattr(attention, "hopper_or_newer", lambda: True)
+    monkeypatch.setattr(tokamax_gpu, "hopper_or_newer", lambda: True)
     assert choose_kernel("auto", platform="gpu", **LLAMA) == "tokamax_gpu"
     assert choose_kernel("auto", platform="cpu", **LLAMA) == "blockwise"
     # its kernels compute in bf16/f16 and need sm90+: elsewhere auto falls back
     assert choose_kernel("auto", platform="gpu", dtype="float32", **LLAMA) == "pallas_gpu"
-    monkeypatch.setattr(attention, "hopper_or_newer", lambda: False)   # e.g. an A100
+    monkeypatch.setattr(tokamax_gpu, "hopper_or_newer", lambda: False)   # e.g. an A100
     assert choose_kernel("auto", platform="gpu", **LLAMA) == "pallas_gpu"
 
 
 @pytest.mark.parametrize("head_dim,want", [(64, "tokamax_gpu"), (128, "tokamax_gpu"),
                                             (256, "pallas_gpu"), (96, "blockwise")])
 def test_tokamax_serves_only_the_head_dims_checked_on_a_gpu(monkeypatch, head_dim, want):
-    from lclm.ops import attention, tokamax_gpu
+    from lclm.ops.kernels import tokamax_gpu
     monkeypatch.setattr(tokamax_gpu, "available", lambda: True)
-    monkeypatch.setattr(attention, "hopper_or_newer", lambda: True)
+    monkeypatch.setattr(tokamax_gpu, "hopper_or_newer", lambda: True)
     shapes = dict(LLAMA, head_dim=head_dim)
     assert choose_kernel("auto", platform="gpu", **shapes) == want
-    why = kernel_limits("tokamax_gpu", platform="gpu", **shapes)
+    why = get_kernel("tokamax_gpu").limits(platform="gpu", **shapes)
     assert (why is None) == (want == "tokamax_gpu")
     if why is not None:
         assert f"head dim {head_dim} must be 64 or 128" in why
@@ -75,12 +74,12 @@ def test_an_explicit_kernel_that_cannot_serve_fails_in_one_line(impl, platform, 
 
 
 def test_every_auto_kernel_is_registered_and_imports_here():
-    from lclm.ops import tokamax_gpu
+    from lclm.ops.kernels import tokamax_gpu
 
     for names in AUTO.values():
         assert names[-1] == "blockwise"  # auto always has a kernel that serves any shape
         for name in names:
-            why = kernel_limits(name, platform=None, **LLAMA)
+            why = get_kernel(name).limits(platform=None, **LLAMA)
             optional = name == "tokamax_gpu" and not tokamax_gpu.available()
             assert name in KERNELS and (why is None or optional and "not installed" in why)
             get_kernel(name)  # GPU/TPU kernel code imports cleanly on a CPU machine

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lclm.ops import local_attention, ring_attention, stripe, unstripe, to_layout, from_layout
-from lclm.ops.attention import dense_attention
+from lclm.ops.kernels.reference import dense_attention
 from lclm.ops.layout import LAYOUTS, original_positions
 from lclm.ops.ring_attention import tile_schedule
 from lclm.parallel import make_mesh

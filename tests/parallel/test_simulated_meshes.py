@@ -17,8 +17,9 @@ pytestmark = pytest.mark.slow  # starts processes: left out by -m 'not slow'
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
-CASES = ["sp4:striped:64", "sp4:contiguous:64", "sp4:zigzag:64", "fsdp2sp4:striped:32",
-         "fsdp2sp2:zigzag:128", "dp2sp2tp2:contiguous:64"]
+# every layout and mesh axis once, each process ~25 s (the suite's time budget)
+CASES = ["sp4:striped:64", "fsdp2sp4:striped:32", "fsdp2sp2:zigzag:128",
+         "dp2sp2tp2:contiguous:64"]
 
 
 def _steps(case: str) -> float:

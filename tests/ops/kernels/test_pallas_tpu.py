@@ -13,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lclm.ops import from_layout, pallas_tpu, ring_attention, to_layout
-from lclm.ops.attention import (blockwise_backward, blockwise_forward, dense_attention,
-                                get_kernel)
-from lclm.ops.pallas_tpu import KERNEL, _Cfg, _check_tpu_tiles, _config, _tables
+from lclm.ops import from_layout, ring_attention, to_layout
+from lclm.ops.kernels import get_kernel
+from lclm.ops.kernels.blockwise import backward as blockwise_backward
+from lclm.ops.kernels.blockwise import forward as blockwise_forward
+from lclm.ops.kernels.pallas_tpu import KERNEL, _Cfg, _check_tpu_tiles, _config, _tables
+from lclm.ops.kernels.reference import dense_attention
 from lclm.parallel import make_mesh
 
 TILE = 128

@@ -3,7 +3,7 @@
 Fused GPU kernels such as tokamax's Mosaic GPU flash attention take a mask as per-query key
 ranges `[k_start, k_end)` plus a causal flag, and skip hidden tiles in their backward only for
 the plain causal mask. `range_kernel(attend, attend_vjp)` turns such a pair of functions into
-lclm's `Kernel` (see `lclm.ops.attention`) by classifying each block pair from its positions
+lclm's `Kernel` (see `lclm.ops.kernels.contract`) by classifying each block pair from its positions
 (a few reductions) and running the call that does exactly its work on static slices:
 
 - `hidden`: nothing visible: o = 0, lse = -inf, zero gradients, no call;
@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lclm.ops.attention import F32, Kernel
-from lclm.ops.key_ranges import key_ranges, segment_starts
+from lclm.ops.kernels.contract import F32, Kernel, serves_any
+from lclm.ops.kernels.key_ranges import key_ranges, segment_starts
 
 CLASSES = ("hidden", "causal", "strict", "full", "key half", "query half", "ranges")
 
@@ -214,10 +214,11 @@ class RangeKernel(Kernel):
     classify = staticmethod(pair_class)
 
 
-def range_kernel(attend, attend_vjp) -> RangeKernel:
-    """lclm's block-pair `Kernel` from a range-mask attention and its VJP (module docstring).
-    Rows that see nothing in a pair get o = 0, lse = -inf and no gradient, as the contract
-    says, even from an op that fills empty rows otherwise."""
+def range_kernel(attend, attend_vjp, limits=serves_any) -> RangeKernel:
+    """lclm's block-pair `Kernel` from a range-mask attention and its VJP (module docstring)
+    and the op's `limits` (`contract.Kernel.limits`). Rows that see nothing in a pair get
+    o = 0, lse = -inf and no gradient, as the contract says, even from an op that fills empty
+    rows otherwise."""
 
     def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk, kv_chunk,
                 classes=None):
@@ -268,4 +269,4 @@ def range_kernel(attend, attend_vjp) -> RangeKernel:
                                causal, [functools.partial(run, c) for c in calls])
         return jnp.where(blind[..., None, None], 0.0, dq), dk, dv
 
-    return RangeKernel(forward, backward)
+    return RangeKernel(forward, backward, limits)

@@ -1,6 +1,6 @@
 """Flash-attention block kernel for TPUs, in Pallas (Mosaic lowering): `impl='pallas_tpu'`.
 
-Implements lclm's kernel contract (`lclm.ops.attention`): `forward` returns the block's float32
+Implements lclm's kernel contract (`contract`): `forward` returns the block's float32
 output and natural-log log-sum-exp; `backward` takes the *global* output and log-sum-exp of all
 ring rounds and returns float32 dq, dk, dv of this block pair. Masks come from original token
 positions (`q_pos >= k_pos` when causal, which also covers the striped rounds' strictly causal
@@ -29,7 +29,7 @@ block length (`_check_tpu_tiles`).
 Tile skipping: per-tile ranges (min/max position, min/max segment id) and, for each row of
 tiles, the first and last tile that may be visible ("hull") go to SMEM by scalar prefetch
 (`pltpu.PrefetchScalarGridSpec`). Inside the kernels `pl.when(visible)` skips the compute of
-tiles the mask hides entirely (same predicate as `lclm.ops.attention.tile_visible`); the index
+tiles the mask hides entirely (same predicate as `contract.tile_visible`); the index
 maps clamp the streamed tile index into the hull, so tiles before it are not fetched early and
 tiles after it repeat the last block index, which the Pallas pipeline does not fetch again.
 The tables hold O(batch * (tiles_q + tiles_k)) scalars, so SMEM use stays small at any length.
@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lclm.ops.attention import F32, Kernel
+from lclm.ops.kernels.contract import F32, Kernel
 
 I32 = jnp.int32
 _SQ = pl.squeezed  # a block dim of size 1 that the kernel does not see
@@ -112,14 +112,43 @@ def _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform) -> _Cfg:
     return cfg
 
 
-def _check_tpu_tiles(cfg: _Cfg) -> None:
-    """Mosaic block rule: the last two block dims are multiples of (8, 128) or whole dims.
+def _tile_rule(name: str, tile: int, length: int) -> str | None:
+    """Mosaic's block rule for a tile of a block of `length`: the last two block dims are
+    multiples of (8, 128) or whole dims, and tiles appear as the lane (last) dim of the
+    `(2, tile)` id / stat blocks, hence 128. Why `tile` breaks it, None when it lowers."""
+    if tile != length and tile % 128:
+        return f"{name}={tile} must be a multiple of 128 or the whole block length {length}"
+    return None
 
-    Tiles appear as the lane (last) dim of the `(2, tile)` id / stat blocks, hence 128."""
+
+def _check_tpu_tiles(cfg: _Cfg) -> None:
+    """`_tile_rule` for both tiles of a call compiled for a TPU."""
     for name, tile, length in (("q_chunk", cfg.qc, cfg.tq), ("kv_chunk", cfg.kc, cfg.tk)):
-        if tile != length and tile % 128:
-            raise ValueError(f"pallas_tpu: {name}={tile} must be a multiple of 128 or the "
-                             f"whole block length {length}")
+        why = _tile_rule(name, tile, length)
+        if why is not None:
+            raise ValueError(f"pallas_tpu: {why}")
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def limits(*, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
+           platform: str | None = None, dtype: str | None = None) -> str | None:
+    """Why this kernel cannot serve the shapes (`contract.Kernel.limits`): TPUs only
+    (interpreted on CPU), a power-of-two head dim, and on a TPU Mosaic's tile rule. Every
+    float dtype is served."""
+    del dtype
+    if platform == "gpu":
+        return "it runs on TPUs (interpreted on CPU); use 'pallas_gpu' on GPU"
+    if not _power_of_two(head_dim):
+        return f"its head dim {head_dim} must be a power of two"
+    if platform == "tpu":
+        for name, chunk in (("q_chunk", q_chunk), ("kv_chunk", kv_chunk)):
+            why = _tile_rule(f"attention.{name}", min(chunk, block), block)
+            if why is not None:
+                return why
+    return None
 
 
 def _interpret(cfg: _Cfg):
@@ -150,7 +179,7 @@ def _visible(qi, ki, causal: bool):
     """Whether a (query tile, key tile) pair may hold a visible pair.
 
     qi, ki: the 4 fields of `_tile_table` as scalars (in kernels) or broadcastable arrays.
-    Same predicate as `lclm.ops.attention.tile_visible`.
+    Same predicate as `contract.tile_visible`.
     """
     vis = (qi[2] <= ki[3]) & (ki[2] <= qi[3])
     if causal:
@@ -463,4 +492,4 @@ def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q
     return _heads_first(dq), _heads_first(dk), _heads_first(dv)
 
 
-KERNEL = Kernel(forward, backward, takes_platform=True)
+KERNEL = Kernel(forward, backward, limits, takes_platform=True)

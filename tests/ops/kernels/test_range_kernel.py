@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lclm.ops import attention, from_layout, local_attention, ring_attention, to_layout
-from lclm.ops.attention import dense_attention
+from lclm.ops import from_layout, kernels, local_attention, ring_attention, to_layout
+from lclm.ops.kernels.range_kernel import CLASSES, pair_class, range_kernel, round_class
+from lclm.ops.kernels.reference import dense_attention
 from lclm.ops.layout import LAYOUTS, original_positions
-from lclm.ops.range_kernel import CLASSES, pair_class, range_kernel, round_class
 from lclm.parallel import make_mesh
 
 F32 = jnp.float32
@@ -71,7 +71,7 @@ def ref_attend_vjp(q, k, v, o, lse, do, causal, start, end):
 
 @pytest.fixture
 def reference_kernel(monkeypatch):
-    monkeypatch.setitem(attention.KERNELS, "range_reference",
+    monkeypatch.setitem(kernels.KERNELS, "range_reference",
                         range_kernel(ref_attend, ref_attend_vjp))
     return "range_reference"
 
@@ -129,28 +129,28 @@ def test_non_causal_attention_uses_exact_ranges():
 
 
 def test_tokamax_adapter_imports_here_and_is_never_picked_off_gpu(monkeypatch):
-    from lclm.ops import tokamax_gpu
-    monkeypatch.setattr(attention, "hopper_or_newer", lambda: True)
+    from lclm.ops.kernels import tokamax_gpu
+    monkeypatch.setattr(tokamax_gpu, "hopper_or_newer", lambda: True)
 
-    assert attention.get_kernel("tokamax_gpu") is tokamax_gpu.KERNEL
+    assert kernels.get_kernel("tokamax_gpu") is tokamax_gpu.KERNEL
     shapes = dict(head_dim=128, q_chunk=512, kv_chunk=512, block=8192)
-    assert "GPUs only" in attention.kernel_limits("tokamax_gpu", platform="cpu", **shapes)
-    assert attention.choose_kernel("auto", platform="cpu", **shapes) == "blockwise"
+    assert "GPUs only" in kernels.get_kernel("tokamax_gpu").limits(platform="cpu", **shapes)
+    assert kernels.choose_kernel("auto", platform="cpu", **shapes) == "blockwise"
     expected = "tokamax_gpu" if tokamax_gpu.available() else "pallas_gpu"
-    assert attention.choose_kernel("auto", platform="gpu", **shapes) == expected
+    assert kernels.choose_kernel("auto", platform="gpu", **shapes) == expected
 
 
 @pytest.mark.parametrize("case", ["causal", "strict", "full", "key half", "query half",
                                   "segments", "gqa"])
 def test_tokamax_adapter_against_dense_with_tokamaxs_xla_reference_ops(monkeypatch, case):
-    """`lclm.ops.tokamax_gpu`'s calls (Mask with ranges, residuals, bind kwargs, the VJP's
+    """`lclm.ops.kernels.tokamax_gpu`'s calls (Mask with ranges, residuals, bind kwargs, the VJP's
     dict) run here against tokamax's own XLA reference ops, which share the Mosaic ops'
     signatures; one block pair, so its own lse is the global one (the reference VJP
     recomputes the softmax instead of reading the residuals)."""
     pytest.importorskip("tokamax", reason="tokamax needs Python >= 3.12 (the [cuda] extra)")
     from tokamax._src.ops.attention import base
 
-    from lclm.ops import tokamax_gpu
+    from lclm.ops.kernels import tokamax_gpu
     monkeypatch.setattr(tokamax_gpu, "_ops", lambda: (base.DotProductAttention(),
                                                       base.DotProductAttentionVjp(), base.Mask))
     kernel = range_kernel(tokamax_gpu.attend, tokamax_gpu.attend_vjp)
@@ -221,7 +221,7 @@ EXPECTED_PROGRAM = {(1, "striped", True): (0, 1), (4, "striped", True): (2, 4),
 @pytest.mark.parametrize("sp,layout,causal", list(EXPECTED_PROGRAM))
 def test_one_compiled_branch_where_the_class_is_known(monkeypatch, sp, layout, causal):
     calls = []
-    monkeypatch.setitem(attention.KERNELS, "counting", _counting(calls))
+    monkeypatch.setitem(kernels.KERNELS, "counting", _counting(calls))
     q = jnp.zeros((2, 64, 4, 16))
     k = jnp.zeros((2, 64, 2, 16))
     seg = jnp.zeros((2, 64), jnp.int32)
@@ -294,7 +294,7 @@ def test_tokamax_gets_key_ranges_with_one_heads_axis_for_every_head(monkeypatch)
     """tokamax's sm90 dK/dV kernel indexes per-head key ranges wrongly with GQA: the adapter
     must hand it `[b, 1, tq]` (the same ranges for every head), in the forward and the VJP.
     Fake tokamax ops record the masks (tokamax itself is not needed)."""
-    from lclm.ops import tokamax_gpu
+    from lclm.ops.kernels import tokamax_gpu
 
     masks = []
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+import jax
 import jax.numpy as jnp
 
-from lclm.ops.range_kernel import range_kernel
+from lclm.ops.kernels.range_kernel import range_kernel
 
 INSTALL = "pip install 'lclm[cuda]' on Python >= 3.12 (tokamax)"
 
@@ -29,6 +30,34 @@ INSTALL = "pip install 'lclm[cuda]' on Python >= 3.12 (tokamax)"
 def available() -> bool:
     """Whether tokamax can be imported here (it is never imported just to find out)."""
     return importlib.util.find_spec("tokamax") is not None
+
+
+def hopper_or_newer() -> bool:
+    """Whether the first local device is an NVIDIA GPU of compute capability >= 9.0."""
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    try:
+        return float(capability) >= 9.0
+    except ValueError:  # a ROCm 'gfx...' name
+        return False
+
+
+def limits(*, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
+           platform: str | None = None, dtype: str | None = None) -> str | None:
+    """Why this kernel cannot serve the shapes (`contract.Kernel.limits`): a Hopper or newer
+    GPU with tokamax installed, the head dims checked on a GPU, 16-bit compute. tokamax
+    picks its own tiles (chunks and block are not its concern)."""
+    del q_chunk, kv_chunk, block
+    if platform not in ("gpu", None):
+        return "it runs on NVIDIA Hopper/Blackwell GPUs only (tokamax's Mosaic GPU kernel)"
+    if head_dim not in (64, 128):  # bench.correctness's; others are unmeasured (tokamax pads)
+        return f"its head dim {head_dim} must be 64 or 128 (the ones checked on a GPU yet)"
+    if not available():
+        return f"tokamax is not installed: {INSTALL}"
+    if dtype not in (None, "bfloat16", "float16"):
+        return f"it computes in bfloat16/float16, not {dtype}"
+    if platform == "gpu" and not hopper_or_newer():
+        return "its kernels need a Hopper (sm90) or newer GPU"
+    return None
 
 
 @functools.cache
@@ -84,4 +113,4 @@ def attend_vjp(q, k, v, o, lse, do, causal, start, end):
     return grads["q"], grads["k"], grads["v"]
 
 
-KERNEL = range_kernel(attend, attend_vjp)
+KERNEL = range_kernel(attend, attend_vjp, limits)

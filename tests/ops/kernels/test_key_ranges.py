@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lclm.ops.key_ranges import key_ranges, ranges_mask
+from lclm.ops.kernels.key_ranges import key_ranges, ranges_mask
 from lclm.ops.layout import LAYOUTS, original_positions, to_layout
 
 

@@ -2,7 +2,8 @@
 
 Block-pair level: forward (o, lse) and backward from the *global* o/lse, for the masks the
 ring produces (causal, strictly causal striped rounds, full, segments), GQA/MQA and the LLaMA
-head dims. The ring-level tests in test_ring_attention.py run the same kernel over meshes.
+head dims. The ring-level tests in tests/ops/test_ring_attention.py run the same kernel over
+meshes.
 """
 
 import jax
@@ -10,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lclm.ops.attention import blockwise_backward, blockwise_forward, dense_attention
-from lclm.ops.pallas_gpu import backward, forward
+from lclm.ops.kernels.blockwise import backward as blockwise_backward
+from lclm.ops.kernels.blockwise import forward as blockwise_forward
+from lclm.ops.kernels.pallas_gpu import backward, forward
+from lclm.ops.kernels.reference import dense_attention
 
 
 def _dense_block(q, k, v, q_pos, k_pos, q_seg, k_seg, causal):

@@ -1,6 +1,6 @@
 """Fused flash-attention block kernel for GPUs, in Pallas (Triton lowering): `impl='pallas_gpu'`.
 
-Implements lclm's kernel contract (`lclm.ops.attention`): `forward` returns the block's output
+Implements lclm's kernel contract (`contract`): `forward` returns the block's output
 and float32 natural-log log-sum-exp; `backward` takes the *global* output and log-sum-exp of
 all ring rounds and returns float32 dq, dk, dv for this block pair. Masks come from original
 token positions (`q_pos >= k_pos` when causal, which also expresses the striped rounds'
@@ -14,7 +14,7 @@ Structure (FlashAttention-2):
   delta = rowsum(do * o) is computed outside in plain JAX.
 - A tile pair is skipped (`lax.cond`, lowered to `scf.if`) unless its positions/segment-id
   ranges allow a visible pair: the same predicate as the blockwise kernel
-  (`lclm.ops.attention.tile_visible`), at this kernel's own tile size, in both passes.
+  (`contract.tile_visible`), at this kernel's own tile size, in both passes.
   Rows with nothing visible give o = 0, lse = -inf, zero gradients and no NaN.
 
 Tile sizes are `min(q_chunk, 128) x min(kv_chunk, 64)` (clipped to the block); Triton needs
@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lclm.ops.attention import F32, Kernel, tile_visible
+from lclm.ops.kernels.contract import F32, Kernel, tile_visible
 
 MAX_BLOCK_Q = 128
 MAX_BLOCK_K = 64
@@ -51,12 +51,33 @@ def _interpret(platform: str | None) -> bool:
     return backend == "cpu"
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def limits(*, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
+           platform: str | None = None, dtype: str | None = None) -> str | None:
+    """Why this kernel cannot serve the shapes (`contract.Kernel.limits`): Triton's rules on
+    tiles and head dim, GPUs only (interpreted on CPU). Every float dtype is served."""
+    del dtype
+    if platform == "tpu":
+        return "it runs on GPUs (interpreted on CPU); use 'pallas_tpu' on TPU"
+    sizes = {"head dim": head_dim, "query tile": min(q_chunk, block, MAX_BLOCK_Q),
+             "key tile": min(kv_chunk, block, MAX_BLOCK_K)}
+    for name, n in sizes.items():
+        if not _power_of_two(n):
+            return f"its {name} {n} must be a power of two"
+        if name != "head dim" and n < 16 and platform == "gpu":  # Triton's smallest dot
+            return f"its {name} {n} must be >= 16 on a GPU"
+    return None
+
+
 def _tiles(tq: int, tk: int, d: int, q_chunk: int, kv_chunk: int) -> tuple[int, int]:
     bq, bk = min(q_chunk, MAX_BLOCK_Q, tq), min(kv_chunk, MAX_BLOCK_K, tk)
     if tq % bq or tk % bk:
         raise ValueError(f"pallas_gpu: block lengths {tq}/{tk} are not divisible by tiles {bq}/{bk}")
     for name, n in (("query tile", bq), ("key tile", bk), ("head dim", d)):
-        if n & (n - 1):
+        if not _power_of_two(n):
             raise ValueError(f"pallas_gpu: {name} {n} must be a power of two")
     return bq, bk
 
@@ -291,4 +312,4 @@ def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q
     return dq, dk, dv
 
 
-KERNEL = Kernel(forward, backward, takes_platform=True)
+KERNEL = Kernel(forward, backward, limits, takes_platform=True)

@@ -1,0 +1,230 @@
+"""HuggingFace LLaMA `config.json` <-> lclm's LlamaConfig.
+
+Whatever a config.json asks for that lclm's LLaMA does not compute (another architecture,
+biases, an activation other than SiLU, sliding windows, RoPE scaling other than linear/llama3)
+is refused with an HFFormatError naming the field, never silently dropped.
+"""
+
+import json
+import math
+import os
+
+from lclm.config import LlamaConfig
+from lclm.hf.errors import HFFormatError
+
+# float16 checkpoints are computed in float32
+_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
+
+
+def _field(hf: dict, name: str, kind, default=None, where: str = ""):
+    """`hf[name]` checked to be a positive `kind`; `default` where it is absent or null (a
+    field without a default is required). `where` prefixes the name (`rope_scaling.`)."""
+    value = hf.get(name)
+    if value is None:
+        if default is None:
+            raise HFFormatError(f"config.json lacks required field {where + name!r}")
+        return default
+    # JSON true/false are Python ints: a bool is never a size
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+        what = "integer" if kind is int else "number"
+        raise HFFormatError(f"config.json field {where + name!r} must be a positive {what}, "
+                            f"not {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise HFFormatError(f"config.json field {where + name!r} must be finite, not {value!r}")
+    return value
+
+
+_NUMBER = (int, float)
+# what transformers' LlamaConfig assumes where config.json is silent
+_HF_DEFAULTS = dict(rope_theta=10000.0, max_position_embeddings=2048, bos_token_id=1,
+                    eos_token_id=2)
+
+
+def _check_supported(hf: dict) -> None:
+    """Refuse, naming the field, whatever config.json asks for that lclm's LLaMA does not
+    compute: loading it anyway would silently drop it."""
+    model_type = hf.get("model_type", "llama")
+    if model_type != "llama":
+        raise HFFormatError(f"config.json model_type={model_type!r} is not supported; lclm "
+                            "implements LLaMA (model_type 'llama') only")
+    architectures = hf.get("architectures")
+    if architectures is not None and architectures != ["LlamaForCausalLM"]:
+        raise HFFormatError(f"config.json architectures={architectures!r} is not supported; "
+                            "lclm implements ['LlamaForCausalLM'] only")
+    for name in ("attention_bias", "mlp_bias"):
+        if hf.get(name):  # lclm's layers have no biases: loading would silently drop them
+            raise HFFormatError(f"config.json asks for {name}={hf[name]!r}, which lclm lacks "
+                                "(its layers have no biases)")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # transformers' "swish" is the same function
+        raise HFFormatError(f"config.json hidden_act={act!r} is not supported; lclm's "
+                            "feed-forward is SwiGLU (hidden_act 'silu')")
+    if hf.get("use_sliding_window") or (
+            hf.get("sliding_window") not in (None, 0) and hf.get("use_sliding_window") is not False):
+        raise HFFormatError(f"config.json asks for sliding-window attention (sliding_window="
+                            f"{hf.get('sliding_window')!r}, use_sliding_window="
+                            f"{hf.get('use_sliding_window')!r}); lclm attends to the whole "
+                            "causal context")
+
+
+def _rope_from_hf(hf: dict) -> dict:
+    """lclm's RoPE fields of a config.json in either layout: transformers 4 (`rope_theta` +
+    `rope_scaling`) or 5 (`rope_parameters` with rope_type, rope_theta and the factors). Both
+    versions let a non-empty `rope_scaling` win over `rope_parameters`."""
+    for name in ("rope_scaling", "rope_parameters"):
+        if hf.get(name) is not None and not isinstance(hf[name], dict):
+            raise HFFormatError(f"config.json field {name!r} must be an object, not "
+                                f"{hf[name]!r:.100}")
+    name = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = hf.get(name) or {}
+    where = name + "."
+    nested = [k for k, v in rope.items() if isinstance(v, dict)]
+    if nested:
+        raise HFFormatError(f"config.json {where}{nested[0]} holds per-layer RoPE parameters, "
+                            "which lclm does not support")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = _field(rope, "rope_theta", _NUMBER, 0, where) or None
+    top = _field(hf, "rope_theta", _NUMBER, 0) or None
+    if theta and top and theta != top:
+        raise HFFormatError(f"config.json rope_theta={top!r} and {where}rope_theta={theta!r} "
+                            "disagree (transformers 4 and 5 would use different ones)")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1:
+        raise HFFormatError(f"config.json partial_rotary_factor={partial!r} is not supported; "
+                            "lclm rotates every head dimension")
+    fields = dict(rope_theta=float(theta or top or _HF_DEFAULTS["rope_theta"]),
+                  rope_scaling="none")
+    if kind in (None, "default"):
+        return fields
+    if kind not in ("linear", "llama3"):
+        raise HFFormatError(f"config.json {where}rope_type={kind!r} is not supported; lclm "
+                            "implements RoPE scaling 'default', 'linear' and 'llama3'")
+    fields.update(rope_scaling=kind, rope_factor=float(_field(rope, "factor", _NUMBER, None,
+                                                                where)))
+    if kind == "llama3":
+        low = _field(rope, "low_freq_factor", _NUMBER, None, where)
+        high = _field(rope, "high_freq_factor", _NUMBER, None, where)
+        if not high > low:
+            raise HFFormatError(f"config.json {where}high_freq_factor={high!r} must be greater "
+                                f"than {where}low_freq_factor={low!r}")
+        # transformers 5 falls back to max_position_embeddings
+        original = _field(rope, "original_max_position_embeddings", int,
+                          _field(hf, "max_position_embeddings", int,
+                                 _HF_DEFAULTS["max_position_embeddings"]), where)
+        fields.update(rope_low_freq_factor=float(low), rope_high_freq_factor=float(high),
+                      rope_original_max_positions=original)
+    return fields
+
+
+def _token_ids(hf: dict) -> dict:
+    """bos_id (-1: none) and eos_ids (a tuple: config.json may hold one id or a list)."""
+    def token_id(name, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise HFFormatError(f"config.json field {name!r} must hold non-negative integer "
+                                f"token ids, not {hf[name]!r:.100}")
+        return value
+
+    bos = hf.get("bos_token_id", _HF_DEFAULTS["bos_token_id"])
+    eos = hf.get("eos_token_id", _HF_DEFAULTS["eos_token_id"])
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    return dict(bos_id=-1 if bos is None else token_id("bos_token_id", bos),
+                eos_ids=tuple(token_id("eos_token_id", i) for i in eos))
+
+
+def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
+    """LlamaConfig from a HuggingFace LLaMA `config.json` dict. The compute and parameter
+    dtypes follow `torch_dtype` (float16 checkpoints are computed in float32). Whatever lclm
+    cannot compute as the file asks (another architecture, biases, an activation other than
+    SiLU, sliding windows, RoPE scaling other than linear/llama3, ...) raises HFFormatError
+    naming the field."""
+    if not isinstance(hf, dict):
+        raise HFFormatError("config.json must hold a JSON object")
+    _check_supported(hf)
+    n_heads = _field(hf, "num_attention_heads", int)
+    dim = _field(hf, "hidden_size", int)
+    head_dim = _field(hf, "head_dim", int, dim // n_heads)
+    if head_dim * n_heads != dim:
+        raise HFFormatError(f"config.json head_dim={head_dim} x num_attention_heads={n_heads} "
+                            f"!= hidden_size={dim} is not supported")
+    n_kv_heads = _field(hf, "num_key_value_heads", int, n_heads)
+    if n_heads % n_kv_heads:
+        raise HFFormatError("config.json num_attention_heads is not a multiple of "
+                            "num_key_value_heads")
+    dtype = _TORCH_DTYPES.get(str(hf.get("torch_dtype", hf.get("dtype", "float32"))), "float32")
+    fields = dict(
+        vocab_size=_field(hf, "vocab_size", int), dim=dim,
+        n_layers=_field(hf, "num_hidden_layers", int), n_heads=n_heads, n_kv_heads=n_kv_heads,
+        ffn_dim=_field(hf, "intermediate_size", int),
+        norm_eps=float(_field(hf, "rms_norm_eps", _NUMBER, 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=_field(hf, "max_position_embeddings", int,
+                                       _HF_DEFAULTS["max_position_embeddings"]),
+        dtype=dtype, param_dtype=dtype, **_rope_from_hf(hf), **_token_ids(hf))
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def read_config(hf_dir: str, **overrides) -> LlamaConfig:
+    """`config_from_hf` of `hf_dir/config.json`, every failure one line naming the directory."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{hf_dir!r} has no config.json; expected a HuggingFace LLaMA "
+                                "directory")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        hf = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # undecodable bytes, bad or absurdly nested JSON
+        raise HFFormatError(f"{path!r} is not valid JSON ({e})") from None
+    try:
+        return config_from_hf(hf, **overrides)
+    except ValueError as e:
+        raise HFFormatError(f"{hf_dir!r}: {e}") from None
+
+
+def rope_to_hf(c: LlamaConfig) -> dict:
+    """The RoPE fields of a config.json for `c`, in both layouts: `rope_theta` + `rope_scaling`
+    (transformers 4) and `rope_parameters` (transformers 5)."""
+    scaling = None
+    if c.rope_scaling != "none":
+        scaling = {"rope_type": c.rope_scaling, "factor": c.rope_factor}
+        if c.rope_scaling == "llama3":
+            scaling.update(low_freq_factor=c.rope_low_freq_factor,
+                           high_freq_factor=c.rope_high_freq_factor,
+                           original_max_position_embeddings=c.rope_original_max_positions)
+    parameters = {"rope_type": "default", "rope_theta": c.rope_theta, **(scaling or {})}
+    return {"rope_theta": c.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}
+
+
+def config_to_hf(c: LlamaConfig) -> dict:
+    """The config.json of an export of `c`, which transformers 4 and 5 both read."""
+    eos = list(c.eos_ids)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": c.vocab_size, "hidden_size": c.dim, "intermediate_size": c.ffn_dim,
+        "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.norm_eps,
+        **rope_to_hf(c),
+        "tie_word_embeddings": c.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": None if c.bos_id < 0 else c.bos_id,
+        "eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None,
+        "torch_dtype": c.param_dtype,
+    }
+
+
+# what a checkpoint determines: its shapes and what an export must state again
+SOURCE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                  "norm_eps", "tie_embeddings", "bos_id", "eos_ids", "max_position_embeddings")
+SCALING_FIELDS = ("rope_scaling", "rope_factor", "rope_low_freq_factor",
+                   "rope_high_freq_factor", "rope_original_max_positions")
+
+
+def model_fields(fields: dict, rope_scaling: bool = True) -> dict:
+    """The fields of `config.model` that a source model determines, taken from its model
+    fields (an HF checkpoint's `LlamaConfig` as a dict, or an lclm checkpoint's saved
+    `model`): shapes, token ids, max positions and (with `rope_scaling`) its RoPE scaling.
+    Never rope_theta: the run's `model.rope_theta` applies over the source's. JSON lists
+    come back as tuples."""
+    keep = SOURCE_FIELDS + (SCALING_FIELDS if rope_scaling else ())
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if k in keep}

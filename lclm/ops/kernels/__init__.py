@@ -1,0 +1,68 @@
+"""Attention kernels, one module each, and the registry `attention.impl` names them in.
+
+`contract` says what a kernel is; `blockwise` (pure JAX, any platform), `pallas_gpu`,
+`pallas_tpu` and `tokamax_gpu` (through `range_kernel`) are the kernels; `reference` is the
+dense attention they are tested against. Each kernel's module states its own limits
+(`Kernel.limits`); this registry only knows names, module paths and the order in which
+`attention.impl='auto'` tries them on each platform.
+
+A fused kernel's module is imported the first time its name is asked for (`get_kernel`,
+`choose_kernel`), so a run loads only the backends it may use: 'auto' asks its candidates
+in order and stops at the first that serves, which keeps GPU code off TPUs and tokamax (the
+package) unimported unless 'tokamax_gpu' is named or picked on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from lclm.ops.kernels import blockwise
+from lclm.ops.kernels.contract import Kernel
+
+# name -> Kernel, or the module whose `KERNEL` it is (imported on first use)
+KERNELS: dict[str, Kernel | str] = {
+    "blockwise": blockwise.KERNEL,
+    "pallas_gpu": "lclm.ops.kernels.pallas_gpu",
+    "pallas_tpu": "lclm.ops.kernels.pallas_tpu",
+    "tokamax_gpu": "lclm.ops.kernels.tokamax_gpu",
+}
+# what `attention.impl='auto'` tries on each platform, fastest first: the first kernel whose
+# limits allow the shapes is used. A kernel runs compiled only on its own platform; elsewhere
+# (pallas_* on CPU) it is interpreted, which is for tests, never picked. Every list ends with
+# blockwise, which serves any shape.
+AUTO = {"gpu": ("tokamax_gpu", "pallas_gpu", "blockwise"), "tpu": ("pallas_tpu", "blockwise"),
+        "cpu": ("blockwise",)}
+IMPLS = ("auto", *KERNELS)
+
+
+def platform_family(platform: str) -> str:
+    """jax's platform name -> the key of `AUTO` ('cuda'/'rocm' are GPUs)."""
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def get_kernel(impl: str) -> Kernel:
+    """The kernel registered under a kernel name (see `choose_kernel` for 'auto')."""
+    try:
+        entry = KERNELS[impl]
+    except KeyError:
+        raise ValueError(
+            f"attention impl {impl!r} is not available; use one of {sorted(KERNELS)}") from None
+    return importlib.import_module(entry).KERNEL if isinstance(entry, str) else entry
+
+
+def choose_kernel(impl: str, *, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
+                  platform: str, dtype: str | None = None) -> str:
+    """The kernel name `attention.impl` means here: 'auto' -> the first of `AUTO[platform]`
+    that can serve the shapes (`Kernel.limits`); an explicit name that cannot -> ValueError
+    (one line). `block`: the run of consecutive local positions tiles stay inside."""
+    platform = platform_family(platform)
+    shapes = dict(head_dim=head_dim, q_chunk=q_chunk, kv_chunk=kv_chunk, block=block,
+                  platform=platform, dtype=dtype)
+    if impl == "auto":
+        return next(name for name in AUTO.get(platform, ("blockwise",))
+                    if get_kernel(name).limits(**shapes) is None)
+    why = get_kernel(impl).limits(**shapes)
+    if why is not None:
+        raise ValueError(f"attention.impl={impl!r} cannot run here: {why} "
+                         "(attention.impl='auto' picks a kernel that can)")
+    return impl
