@@ -103,10 +103,10 @@ class Suite:
         """The parts run when `--parts` is not given."""
         return [p for p in self.parts() if self.default_parts is None or p in self.default_parts]
 
-    def smallest(self) -> "Suite":
+    def smallest(self) -> Suite:
         return dataclasses.replace(self, **{p: getattr(self, p).smallest() for p in self.parts()})
 
-    def quick(self, default_parts=None, part_timeout: float = 540.0) -> "Suite":
+    def quick(self, default_parts=None, part_timeout: float = 540.0) -> Suite:
         """Every part at its quick size (each designed for under 8 minutes on one H100)."""
         return dataclasses.replace(self, default_parts=default_parts, part_timeout=part_timeout,
                                    **{p: getattr(self, p).quick() for p in self.parts()})

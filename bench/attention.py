@@ -25,7 +25,8 @@ import functools
 import importlib.util
 import os
 import sys
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from bench import int_list
 from bench.report import Table, default_out_dir, error_status, fmt, stamp, try_plot
@@ -48,12 +49,12 @@ class AttentionSpec:
     masks: tuple[str, ...] = ("causal", "full")
     budget_s: float | None = None  # stop starting measurements after this many seconds
 
-    def smallest(self) -> "AttentionSpec":
+    def smallest(self) -> AttentionSpec:
         return dataclasses.replace(self, blocks=self.blocks[:1], heads=self.heads[:1],
                                    head_dims=self.head_dims[:1], masks=self.masks[:1],
                                    warmup=0, iters=1)
 
-    def quick(self) -> "AttentionSpec":
+    def quick(self) -> AttentionSpec:
         """Causal blocks of 8K and 32K tokens, 16 heads of 128 and of 64: tokamax_gpu and
         pallas_gpu against cuDNN (24 compiles: 2 x 2 shapes x 3 methods x fwd, fwd+bwd),
         within a 400 s budget."""

@@ -59,11 +59,11 @@ class CorrectnessSpec:
     impls: tuple[str, ...] | None = None  # kernels to check (None: every usable one)
     budget_s: float | None = None  # stop starting checks after this many seconds
 
-    def smallest(self) -> "CorrectnessSpec":
+    def smallest(self) -> CorrectnessSpec:
         return dataclasses.replace(self, block=128, heads=4, head_dims=self.head_dims[:1],
                                    q_chunk=64, kv_chunk=64)
 
-    def quick(self) -> "CorrectnessSpec":
+    def quick(self) -> CorrectnessSpec:
         """The first part on a lent GPU: every usable kernel (the one `auto` picks first,
         blockwise last), every case, head dims 64 and 128, within 400 s of checks."""
         return dataclasses.replace(self, budget_s=400.0)

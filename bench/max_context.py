@@ -29,7 +29,8 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from bench import repo_path
 from bench.isolate import emit_record, run_child
@@ -46,7 +47,7 @@ class Variant(NamedTuple):
     dense: bool      # dense_attention instead of the blockwise kernel
     chunked: bool    # the config's blockwise feed-forward and loss chunks
     what: str
-    published: str   # BPT paper (seed 004) Table 2, 1B on one A100 80GB: a published figure
+    published: str   # Blockwise Parallel Transformer paper, Table 2, 1B on one A100 80GB
 
 
 VARIANTS = {
@@ -56,7 +57,7 @@ VARIANTS = {
     "vanilla": Variant(True, False, "dense attention (materialised); FFN and loss unchunked",
                        "16K"),
 }
-PUBLISHED_NOTE = ("Published: BPT paper (Liu & Abbeel 2023, seed 004) Table 2, their 1B model "
+PUBLISHED_NOTE = ("Published: BPT paper (Liu & Abbeel 2023) Table 2, their 1B model "
                   "on one A100 80GB: vanilla 16K, memory-efficient attention 65K, BPT 131K "
                   "(a different model and device: for orientation only).")
 
@@ -75,10 +76,10 @@ class MaxContextSpec:
     timeout: float = 1800.0  # per probe
     budget_s: float | None = None  # stop starting probes after this many seconds
 
-    def smallest(self) -> "MaxContextSpec":
+    def smallest(self) -> MaxContextSpec:
         return dataclasses.replace(self, cap=self.start)
 
-    def quick(self) -> "MaxContextSpec":
+    def quick(self) -> MaxContextSpec:
         """Dense attention first (16K, then 32K if that fit: one or two probes), then lclm
         doubling 16K -> 128K (four probes, one compile each), within a 400 s budget (a probe
         started near its end gets a minute past it)."""

@@ -41,7 +41,7 @@ from bench.report import Table, default_out_dir, fmt, stamp, try_plot
 
 LAYOUTS = ("contiguous", "striped", "zigzag")
 
-# Brandon et al. 2023, "Striped Attention" (seed 000), Table 5 and Appendix A.1: 1B model,
+# Brandon et al. 2023, "Striped Attention", Table 5 and Appendix A.1: 1B model,
 # mesh 1 x N (no model parallelism), 8 x A100 80GB, per-device block size ->
 # (theoretical maximum speedup, measured end-to-end training speedup over ring attention).
 # Published figures, end-to-end (not attention alone), tiles of 2048 x 4096.
@@ -54,7 +54,7 @@ PAPER_1B = {
     (8, 4096): (1.67, 0.93), (8, 8192): (1.76, 1.11), (8, 16384): (1.81, 1.29),
     (8, 24576): (1.83, 1.37),
 }
-PAPER_CITATION = ("Paper: Striped Attention (Brandon et al. 2023, seed 000), Table 5 / "
+PAPER_CITATION = ("Paper: Striped Attention (Brandon et al. 2023), Table 5 / "
                   "Appendix A.1, published figures: 1B model, mesh 1 x N, 8 x A100 80GB, "
                   "end-to-end training speedup (TMS = their theoretical maximum, counting "
                   "non-attention FLOPs), tiles 2048 x 4096.")
@@ -77,11 +77,11 @@ class StripedSpec:
     tile_limit: int = 2 ** 14
     budget_s: float | None = None  # stop starting blocks after this many seconds
 
-    def smallest(self) -> "StripedSpec":
+    def smallest(self) -> StripedSpec:
         return dataclasses.replace(self, ns=self.ns[:1], blocks=self.blocks[:1], warmup=0,
                                    iters=1)
 
-    def quick(self) -> "StripedSpec":
+    def quick(self) -> StripedSpec:
         """N = 2, 4, 8 at 8K-token blocks: per kernel one compile (zigzag's 4K half blocks
         keep the 1K tiles) and 8 timed block-pair classes; cuDNN's two block times once;
         within a 400 s budget."""
@@ -177,7 +177,7 @@ def ring_bound(causal_s: float, full_s: float, n: int) -> float:
     return (causal_s + (n - 1) * full_s) / (n * causal_s)
 
 
-@functools.lru_cache(maxsize=None)  # the same for every kernel
+@functools.cache  # the same for every kernel
 def tile_ratio(n: int, block: int, spec: StripedSpec) -> float | None:
     """Busiest-device tile count summed over rounds, contiguous / striped (None: too costly)."""
     import jax
@@ -205,7 +205,7 @@ def _host_device():
         return jax.devices()[0]
 
 
-@functools.lru_cache(maxsize=None)  # the same for every kernel
+@functools.cache  # the same for every kernel
 def cudnn_times(block: int, spec: StripedSpec) -> tuple[float, float] | None:
     """cuDNN's forward+backward seconds at one block, (causal, full); None off GPU."""
     import jax
@@ -230,7 +230,7 @@ def simulate_block(impl: str, block: int, spec: StripedSpec) -> list[dict]:
     cudnn = cudnn_times(block, spec)
     for n in spec.ns:
         rounds = {layout: round_times(
-            layout, n, times, lambda d, s, lay=layout: time_key(lay, n, d, s, block, spec))
+            layout, n, times, lambda d, s, lay=layout, n=n: time_key(lay, n, d, s, block, spec))
             for layout in LAYOUTS}
         tiles = layout_tiles("striped", n, block, spec)
         contiguous, striped = sum(rounds["contiguous"]), sum(rounds["striped"])

@@ -59,7 +59,7 @@ class TrainSpec:
     timeout: float = 1800.0  # per child process (one row; the baseline's three remat variants)
     budget_s: float | None = None  # stop starting rows after this many seconds
 
-    def quick(self) -> "TrainSpec":
+    def quick(self) -> TrainSpec:
         """The first model at 8K and 32K tokens, the kernel `auto` picks against the
         baseline: per length one child for the baseline's three remat variants (3 compiles)
         and one for lclm (1 compile), 3 timed steps after 1 warm-up, within a 400 s budget
@@ -69,7 +69,7 @@ class TrainSpec:
                                    impls=("auto",), baseline=True, steps=3, warmup=1,
                                    isolate=True, timeout=300.0, budget_s=400.0)
 
-    def smallest(self) -> "TrainSpec":
+    def smallest(self) -> TrainSpec:
         first = self.models[0]
         return dataclasses.replace(self, models=(dataclasses.replace(first, seqs=first.seqs[:1]),),
                                    steps=1, warmup=0)
@@ -140,9 +140,9 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
 
     import jax
 
-    from lclm.train.setup import attention_kernel
     from lclm.models.llama import param_count
     from lclm.train.metrics import flops_per_token, peak_flops
+    from lclm.train.setup import attention_kernel
 
     if baseline:
         model, sizes, state, batch, step = _build_baseline(config, baseline)
@@ -182,9 +182,9 @@ def _build(config):
     """(model config, mesh sizes, fresh train state, synthetic batch, un-jitted step)."""
     import jax
 
-    from lclm.train.setup import validate
     from lclm.config import AttentionConfig, LlamaConfig
     from lclm.parallel.mesh import make_mesh
+    from lclm.train.setup import validate
     from lclm.train.state import init_state
     from lclm.train.step import make_optimizer, make_train_step
 
@@ -209,9 +209,9 @@ def _build_baseline(config, remat: str):
     import jax
 
     from bench import baseline
+    from lclm.config import LlamaConfig
     from lclm.errors import ConfigError
     from lclm.train.setup import validate
-    from lclm.config import LlamaConfig
     from lclm.train.step import make_optimizer
 
     sizes = validate(config, len(jax.devices()))
@@ -466,8 +466,8 @@ def main(argv=None):
                          "picks, --baseline --isolate, 3 steps after 1 warm-up, a 400 s budget")
 
     from bench.isolate import launcher_process
-    from lclm.config import mesh_device_count
     from lclm.cli import parse_cli, run_cli
+    from lclm.config import mesh_device_count
     from lclm.parallel.devices import request_cpu_devices
 
 

@@ -1,7 +1,8 @@
-"""Fine-tune LLaMA-2-13B to 524,288 tokens on ShareGPT in four stages (seed 003, section 5.3).
+"""Fine-tune LLaMA-2-13B to 524,288 tokens on ShareGPT in four stages (Ring Attention, 5.3).
 
     python train.py --config configs/llama13b_512k.py \
-        --config.model.init_from_hf=/path/to/Llama-2-13b-hf --config.data.path=/path/to/sharegpt.json
+        --config.model.init_from_hf=/path/to/Llama-2-13b-hf \
+        --config.data.path=/path/to/sharegpt.json
     python -m lclm.plan --config configs/llama13b_512k.py --devices 32 --device a100-nvlink
     python -m lclm.eval.line_retrieval --checkpoint runs/llama13b_512k/stage3_524288 \
         --lengths 32k,128k,256k,512k

@@ -11,7 +11,7 @@ used at those lengths (Liu et al. 2024, "World Model on Million-Length Video and
 Blockwise RingAttention": 1e6 at 32K, 1e7 at 128K and 256K) and 1M tokens per step in every
 stage (32 x 32K, 8 x 128K, 4 x 256K sequences). The ring grows with the sequence: sp=4 at
 32K and sp=8 from 128K, i.e. 8K-32K tokens per device, above the ~1-4K block that hides the
-ring's transfers on NVLink / TPU ICI (seed 003 Table 2); FSDP takes the other devices
+ring's transfers on NVLink / TPU ICI (Ring Attention, Table 2); FSDP takes the other devices
 (32 devices: 4 nodes x 8 H100, or a v4-64 slice). Re-running the command resumes.
 """
 

@@ -1,4 +1,4 @@
-"""The 1B model of Striped Attention (seed 000; vocab 32000, 22 layers, 16 heads x 128, ffn 5504)
+"""The 1B model of Striped Attention (vocab 32000, 22 layers, 16 heads x 128, ffn 5504)
 at 32K tokens on one device (sp=1) or a few."""
 
 from lclm.config import apply_preset, base_config

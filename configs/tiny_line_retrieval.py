@@ -1,4 +1,4 @@
-"""A tiny LLaMA trained from scratch on line retrieval (seed 003's long-context test) with
+"""A tiny LLaMA trained from scratch on line retrieval (Ring Attention's long-context test) with
 striped ring attention over sp=4 simulated devices, in context-extension stages: a few
 minutes on 2 CPU cores.
 

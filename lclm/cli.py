@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import ml_collections
 from absl import flags

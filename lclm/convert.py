@@ -29,8 +29,7 @@ import jax.numpy as jnp
 from lclm import hf, logs
 from lclm.checkpoint import Checkpoints, read_config, read_params
 from lclm.cli import run_cli
-from lclm.config import base_config
-from lclm.config import LlamaConfig
+from lclm.config import LlamaConfig, base_config
 from lclm.models.llama import param_shapes
 from lclm.train.setup import public_config
 from lclm.train.state import TrainState

@@ -5,9 +5,10 @@
 
 Per device, before anything is compiled: parameter, gradient and optimizer-state bytes under
 the mesh's sharding rules; activation bytes (per layer and in all) for the remat policy and
-the blockwise chunks; the ring's working set (seed 003: about 6 x block x hidden); the total
+the blockwise chunks; the ring's working set (Ring Attention: about 6 x block x hidden); the total
 against the device's memory; tokens per step; and the minimal per-device block for hiding
-the ring's transfers on the chosen interconnect (seed 003 Table 2: c = FLOPS / bandwidth).
+the ring's transfers on the chosen interconnect (Ring Attention, Table 2: c = FLOPS /
+bandwidth).
 `--measure` also compiles one real train step on the local devices and prints XLA's memory
 analysis (and the measured peak after one step where the device reports it).
 

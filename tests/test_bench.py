@@ -1,14 +1,13 @@
 """The benchmarks run (toy sizes on CPU; numbers are not asserted, only that they report) and
 the pieces they compute with are right."""
 
+import dataclasses
 import importlib.util
 import logging
 import os
 import re
 import subprocess
 import sys
-
-import dataclasses
 
 import jax
 import numpy as np

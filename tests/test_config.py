@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from lclm.errors import ConfigError
-from lclm.config.schema import LAYOUTS
 from lclm.config import base_config, load_config
-from lclm.train.setup import validate
+from lclm.config.schema import LAYOUTS
+from lclm.errors import ConfigError
 from lclm.ops import layout
+from lclm.train.setup import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -289,6 +289,7 @@ def test_overrides_that_no_stage_replaces_are_applied():
 
 def test_parse_cli_splits_the_clis_own_arguments_from_the_config():
     import argparse
+
     from lclm.cli import parse_cli
     demo = os.path.join(ROOT, "configs", "demo.py")
     ap = argparse.ArgumentParser(prog="prog")

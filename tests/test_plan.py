@@ -5,8 +5,7 @@ import os
 import jax
 import pytest
 
-from lclm.config import load_config
-from lclm.config import LlamaConfig
+from lclm.config import LlamaConfig, load_config
 from lclm.parallel import make_mesh
 from lclm.plan import estimate, main
 from lclm.train.state import init_state

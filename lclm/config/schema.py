@@ -33,7 +33,7 @@ MODEL_PRESETS = {
     "llama3_3b": dict(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8,
                       ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True,
                       bos_id=128000, eos_ids=(128001,)),
-    # the 1B model of Striped Attention (seed 000), LLaMA-2 style: the issue-14 bench shape
+    # the 1B model of Striped Attention, LLaMA-2 style: the issue-14 bench shape
     "striped_attention_1b": dict(vocab_size=32000, dim=2048, n_layers=22, n_heads=16,
                                  n_kv_heads=16, ffn_dim=5504, rope_theta=10000.0, norm_eps=1e-5,
                                  tie_embeddings=False),

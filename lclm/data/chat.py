@@ -50,7 +50,7 @@ class ChatTemplate:
 
 
 TEMPLATES = {
-    # Vicuna v1.1 (FastChat), as used for ShareGPT fine-tuning in seed 003:
+    # Vicuna v1.1 (FastChat), as used for ShareGPT fine-tuning in the Ring Attention paper:
     # BOS system USER: q ASSISTANT: a</s>USER: q2 ASSISTANT: a2</s>
     "vicuna": ChatTemplate(
         default_system="A chat between a curious user and an artificial intelligence "
@@ -84,7 +84,7 @@ class Special:
 _VALUE = object()  # where a turn's text goes
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _parse(fmt: str) -> tuple:
     """A template string as a tuple of literal text, `_VALUE` and `Special` pieces."""
     out = []

@@ -1,4 +1,4 @@
-"""Line retrieval (seed 003, section 5.3): numbered lines of random numbers, one asked for.
+"""Line retrieval (Ring Attention, section 5.3): numbered lines of random numbers, one asked for.
 
 A document is `BOS, filler, "line 1: 382. line 2: 907. ... line N: 115.", question, answer,
 EOS`, e.g. the question "Tell me line 17:" and the answer "382" (the value of line 17). The
@@ -180,7 +180,7 @@ class Spec:
     docs: int = 1_000_000
 
     @classmethod
-    def parse(cls, text: str) -> "Spec":
+    def parse(cls, text: str) -> Spec:
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
         values = {}
         for item in filter(None, (s.strip() for s in text.split(";"))):

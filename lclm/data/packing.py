@@ -10,7 +10,7 @@ continues in the next row, positions continuing. All in original token order.
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -21,10 +21,10 @@ import numpy as np
 
 from lclm import logs
 from lclm.cli import run_cli
-from lclm.errors import StartupError
 from lclm.data.chat import TEMPLATES
 from lclm.data.sources import TOKENIZED_META, SourceStats, open_documents
 from lclm.data.tokenizer import Tokenizer
+from lclm.errors import StartupError
 
 
 def prepare(source: str, input_path: str, tokenizer_path: str, out: str,

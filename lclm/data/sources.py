@@ -21,7 +21,7 @@ import dataclasses
 import glob
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -286,7 +286,8 @@ class TokenizedDocuments:
         meta_path = os.path.join(directory, TOKENIZED_META)
         if not os.path.isfile(meta_path):
             raise FileNotFoundError(f"{directory!r} is not a pre-tokenised directory (no "
-                                    f"{TOKENIZED_META}); write one with python -m lclm.data.prepare")
+                                    f"{TOKENIZED_META}); write one with python -m "
+                                    "lclm.data.prepare")
         try:
             with open(meta_path) as f:
                 self.meta = json.load(f)

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.loader import batch_sharding
 from lclm.models import llama
-from lclm.config import AttentionConfig, LlamaConfig
 from lclm.ops.ffn import swiglu
 from lclm.ops.layout import batch_to_layout, to_layout
 

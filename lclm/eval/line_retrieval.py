@@ -1,4 +1,4 @@
-"""Line-retrieval accuracy per context length and needle depth (seed 003, section 5.3).
+"""Line-retrieval accuracy per context length and needle depth (Ring Attention, section 5.3).
 
     python -m lclm.eval.line_retrieval --checkpoint WORKDIR --lengths 2k,4k,8k --samples 10
     python -m lclm.eval.line_retrieval --hf HF_DIR --format paper --lengths 4k,16k --sp 4
@@ -39,13 +39,19 @@ import numpy as np
 from lclm import hf, logs
 from lclm.checkpoint import read_config, read_params
 from lclm.cli import run_cli
-from lclm.config.syntax import parse_lengths
-from lclm.errors import StartupError
-from lclm.data.line_retrieval import (Spec, build_example, filler_id, line_format,
-                                      parse_answer, spec_of_config)
-from lclm.data.tokenizer import Tokenizer
-from lclm.eval.decode import greedy_generate
 from lclm.config import AttentionConfig, LlamaConfig
+from lclm.config.syntax import parse_lengths
+from lclm.data.line_retrieval import (
+    Spec,
+    build_example,
+    filler_id,
+    line_format,
+    parse_answer,
+    spec_of_config,
+)
+from lclm.data.tokenizer import Tokenizer
+from lclm.errors import StartupError
+from lclm.eval.decode import greedy_generate
 from lclm.models.llama import param_shapes
 from lclm.ops.layout import LAYOUTS
 from lclm.parallel.devices import request_cpu_devices

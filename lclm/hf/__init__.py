@@ -5,8 +5,15 @@ safetensors (`load`, `save`), `tokenizer` puts the training tokenizer into an ex
 JSON, safetensors and SentencePiece model protos are read: nothing is unpickled or executed.
 """
 
-from lclm.hf.config import (SCALING_FIELDS, SOURCE_FIELDS, config_from_hf, config_to_hf,
-                            model_fields, read_config, rope_to_hf)
+from lclm.hf.config import (
+                            SCALING_FIELDS,
+                            SOURCE_FIELDS,
+                            config_from_hf,
+                            config_to_hf,
+                            model_fields,
+                            read_config,
+                            rope_to_hf,
+)
 from lclm.hf.errors import HFFormatError
 from lclm.hf.tokenizer import TOKENIZER_FILES, save_tokenizer, sentencepiece_to_hf
 from lclm.hf.weights import hf_shapes, load, save

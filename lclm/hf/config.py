@@ -59,8 +59,8 @@ def _check_supported(hf: dict) -> None:
     if act not in ("silu", "swish"):  # transformers' "swish" is the same function
         raise HFFormatError(f"config.json hidden_act={act!r} is not supported; lclm's "
                             "feed-forward is SwiGLU (hidden_act 'silu')")
-    if hf.get("use_sliding_window") or (
-            hf.get("sliding_window") not in (None, 0) and hf.get("use_sliding_window") is not False):
+    window = hf.get("sliding_window") not in (None, 0)
+    if hf.get("use_sliding_window") or (window and hf.get("use_sliding_window") is not False):
         raise HFFormatError(f"config.json asks for sliding-window attention (sliding_window="
                             f"{hf.get('sliding_window')!r}, use_sliding_window="
                             f"{hf.get('use_sliding_window')!r}); lclm attends to the whole "

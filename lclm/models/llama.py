@@ -27,6 +27,7 @@ from lclm.ops.loss import blockwise_cross_entropy
 from lclm.ops.ring_attention import SAVED_NAMES, local_attention, ring_attention
 from lclm.parallel.mesh import logical_sharding
 
+
 def param_count(c: LlamaConfig, include_embeddings: bool = True) -> int:
     shapes = jax.tree.leaves(param_shapes(c), is_leaf=lambda x: isinstance(x, tuple))
     total = sum(math.prod(s) for s in shapes)
@@ -220,7 +221,7 @@ def hidden_states(c: LlamaConfig, params, tokens, positions, segment_ids=None, *
         x, _ = lax.scan(lambda x, p: (layer(x, p, rope, segment_ids), None), x, params["layers"])
     else:
         for i in range(c.n_layers):
-            x = layer(x, jax.tree.map(lambda w: w[i], params["layers"]), rope, segment_ids)
+            x = layer(x, jax.tree.map(lambda w, i=i: w[i], params["layers"]), rope, segment_ids)
     return rms_norm(x, params["final_norm"], c.norm_eps)
 
 

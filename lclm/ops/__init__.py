@@ -1,6 +1,6 @@
 """Array operations: layouts, attention kernels, the ring, blockwise FFN and loss."""
 
-from lclm.ops.layout import stripe, unstripe, to_layout, from_layout
-from lclm.ops.ring_attention import ring_attention, local_attention
+from lclm.ops.layout import from_layout, stripe, to_layout, unstripe
+from lclm.ops.ring_attention import local_attention, ring_attention
 
 __all__ = ["stripe", "unstripe", "to_layout", "from_layout", "ring_attention", "local_attention"]

@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward, computed blockwise over the sequence (seed 004)."""
+"""SwiGLU feed-forward, computed blockwise over the sequence (Blockwise Parallel Transformer)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ split into `n` equal contiguous shards (one per `sp` device).
 
 - `'contiguous'`: original order; device j holds positions j*c ... j*c + c - 1.
 - `'striped'`: device j holds positions j, j+n, j+2n, ... so local index x on device j is
-  original position x*n + j (Striped Attention, seed 000).
+  original position x*n + j (Striped Attention).
 - `'zigzag'`: the row is cut into 2n equal chunks and device j holds chunks j and 2n-1-j (in
   that order). Under a causal mask every ring round is then exactly half of a block pair, as
   full rectangles: from a device k < j both query halves see the first key half; from k > j

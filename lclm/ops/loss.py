@@ -1,5 +1,6 @@
 """Cross-entropy over the vocabulary, computed blockwise: logits never exist for the whole
-sequence (seed 004). The loss is a global token mean: sum of masked token losses / count."""
+sequence (the Blockwise Parallel Transformer paper). The loss is a global token mean: sum of
+masked token losses / count."""
 
 from __future__ import annotations
 

@@ -24,9 +24,16 @@ from lclm.parallel.distributed import check_same_config
 from lclm.parallel.mesh import make_mesh
 from lclm.train.lock import WorkdirLock
 from lclm.train.metrics import MetricsLogger, Progress, flops_per_token, peak_flops
-from lclm.train.setup import (apply_checkpoint_fields, apply_hf_shapes, attention_line,
-                              load_checkpoint_params, load_hf_params, public_config, validate,
-                              wandb_run)
+from lclm.train.setup import (
+    apply_checkpoint_fields,
+    apply_hf_shapes,
+    attention_line,
+    load_checkpoint_params,
+    load_hf_params,
+    public_config,
+    validate,
+    wandb_run,
+)
 from lclm.train.state import TrainState, init_state
 from lclm.train.step import all_finite, make_optimizer, make_train_step
 

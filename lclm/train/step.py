@@ -4,6 +4,7 @@ non-finite steps skipped)."""
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 import optax

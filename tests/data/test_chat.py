@@ -9,10 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from lclm.errors import ConfigError
 from lclm.data.chat import TEMPLATES, ChatTemplate, render, render_prompt, token_flags
 from lclm.data.sources import open_documents
 from lclm.data.tokenizer import Tokenizer
+from lclm.errors import ConfigError
 
 SYSTEM = "Be brief."
 TURNS = [("system", SYSTEM),

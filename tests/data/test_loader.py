@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lclm.config import load_config
-from lclm.data.loader import HostBatches, host_block, batch_sharding, parse_sources
+from lclm.data.loader import HostBatches, batch_sharding, host_block, parse_sources
 from lclm.data.sources import DataError
 from lclm.data.stream import DocumentStream, EpochOrders
 from lclm.data.synthetic import conversations

@@ -61,7 +61,7 @@ def test_packer_state_is_positions_and_resumes_the_partial_row_exactly(max_len):
         # the feeder draws the pending documents again, from the first still pending
         redraw = iter(docs[cut - state["documents"]:])
         resumed = Packer(24)
-        resumed.restore(state, lambda: next(redraw))
+        resumed.restore(state, lambda redraw=redraw: next(redraw))
         _pack(resumed, redraw, got)
         assert len(got) == len(whole)
         for a, b in zip(got, whole):

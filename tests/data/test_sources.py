@@ -147,7 +147,8 @@ def test_sharegpt_loss_covers_exactly_the_assistant_turns(tok):
     # roles spelled differently and malformed conversations
     assert conversation_turns({"messages": [{"role": "user", "content": "hi"},
                                             {"role": "assistant", "content": "yo"}]})
-    assert conversation_turns({"conversations": [{"from": "human", "value": "only a question"}]}) is None
+    question_only = {"conversations": [{"from": "human", "value": "only a question"}]}
+    assert conversation_turns(question_only) is None
     assert conversation_turns({"conversations": [{"from": "alien", "value": "x"}]}) is None
 
 

@@ -8,11 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from lclm.errors import ConfigError
 from lclm.data.line_retrieval import build_example
 from lclm.data.prepare import prepare
 from lclm.data.sources import open_documents
 from lclm.data.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
+from lclm.errors import ConfigError
 
 TEXTS = ["Ada has 3 apples.", "  two  spaces and\n\nnew lines\t tab ", "é ü 中文 🙂 mixed",
          "1234567 digits", "specials <|eot_id|> inside<|end_of_text|>text", "", " ", "x"]

@@ -7,14 +7,19 @@ import re
 import numpy as np
 import pytest
 
-from lclm.data.line_retrieval import (Spec, build_example, chance_accuracy, line_format,
-                                      parse_answer, spec_of_config)
+from lclm.config.syntax import parse_lengths, parse_tokens
+from lclm.data.line_retrieval import (
+    Spec,
+    build_example,
+    chance_accuracy,
+    line_format,
+    parse_answer,
+    spec_of_config,
+)
 from lclm.data.packing import pack_documents
 from lclm.data.sources import open_documents
 from lclm.data.tokenizer import Tokenizer
-from lclm.config.syntax import parse_tokens
 from lclm.eval.line_retrieval import pad_front, padded_length
-from lclm.config.syntax import parse_lengths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

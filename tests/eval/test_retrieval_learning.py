@@ -14,9 +14,9 @@ import os
 import pytest
 
 from lclm.config import load_config
+from lclm.config.stages import stage_configs
 from lclm.eval import line_retrieval
 from lclm.train.stages import run_stages
-from lclm.config.stages import stage_configs
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 

@@ -87,21 +87,22 @@ def test_convert_cli_roundtrip_through_an_lclm_checkpoint(tmp_path):
     from lclm.convert import main
     _, path = _tiny_hf(tmp_path)
     assert main(["--from-hf", path, "--to-checkpoint", str(tmp_path / "work")]) == 0
-    assert main(["--from-checkpoint", str(tmp_path / "work"), "--to-hf", str(tmp_path / "back")]) == 0
+    back = str(tmp_path / "back")
+    assert main(["--from-checkpoint", str(tmp_path / "work"), "--to-hf", back]) == 0
     c, params = hf.load(path)
     c2, params2 = hf.load(str(tmp_path / "back"))
     assert c2 == c
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert main(["--from-checkpoint", str(tmp_path / "nothing"), "--to-hf", str(tmp_path / "x")]) == 2
+    nothing = str(tmp_path / "nothing")
+    assert main(["--from-checkpoint", nothing, "--to-hf", str(tmp_path / "x")]) == 2
 
 
 @pytest.mark.slow
 def test_training_starts_from_hf_weights_with_the_configured_rope_theta(tmp_path):
-    from lclm.config import load_config
+    from lclm.config import AttentionConfig, load_config
     from lclm.data.loader import HostBatches
     from lclm.data.tokenizer import Tokenizer
-    from lclm.config import AttentionConfig
     from lclm.models.llama import loss_terms
     from lclm.parallel import make_mesh
     from lclm.train.loop import train

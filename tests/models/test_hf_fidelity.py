@@ -158,8 +158,8 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
     ("eos_ids", (2, 600), "model.eos_ids=(2, 600)"),
 ])
 def test_bad_rope_and_token_fields_stop_the_run_in_one_line(tmp_path, field, value, message):
-    from lclm.errors import ConfigError
     from lclm.config import base_config
+    from lclm.errors import ConfigError
     from lclm.train.setup import validate
 
     config = base_config()
@@ -272,8 +272,8 @@ def test_the_eval_decoder_applies_the_scaling(tmp_path):
 
     import jax.numpy as jnp
 
-    from lclm.eval.decode import greedy_generate
     from lclm.config import AttentionConfig
+    from lclm.eval.decode import greedy_generate
     from lclm.models.llama import init_params
 
     model = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,

@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from lclm import hf
-from lclm.convert import main
 from lclm.config import LlamaConfig
+from lclm.convert import main
 from lclm.models.llama import init_params
 
 TINY = LlamaConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=12,
@@ -234,7 +234,8 @@ def config_with_biases(d):
 # --- what lclm cannot compute as config.json asks is refused, never dropped ---
 
 def config_of_another_architecture(d):
-    _edit_json(d, "config.json", lambda c: c.update(architectures=["LlamaForSequenceClassification"]))
+    _edit_json(d, "config.json",
+               lambda c: c.update(architectures=["LlamaForSequenceClassification"]))
     return "config.json", "architectures", "LlamaForSequenceClassification"
 
 
@@ -255,7 +256,8 @@ def config_using_a_sliding_window(d):
 
 def config_with_yarn_rope(d):  # transformers 4's layout
     _edit_json(d, "config.json", lambda c: c.update(
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}))
+        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                      "original_max_position_embeddings": 2048}))
     return "config.json", "rope_scaling.rope_type", "yarn"
 
 

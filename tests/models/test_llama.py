@@ -133,8 +133,10 @@ def test_offload_remat_moves_saved_activations_to_host_with_equal_gradients():
     grads, programs = {}, {}
     for remat in ("none", "attention", "offload"):
         cfg = dataclasses.replace(CFG, remat=remat)
-        grad = jax.grad(lambda p: (lambda t, c: t / c)(*loss_terms(cfg, p, b, mesh=mesh,
-                                                                    attention=attn)))
+        def mean_loss(p, cfg=cfg):
+            total, count = loss_terms(cfg, p, b, mesh=mesh, attention=attn)
+            return total / count
+        grad = jax.grad(mean_loss)
         grads[remat] = jax.jit(grad)(params)
         programs[remat] = str(jax.make_jaxpr(grad)(params))
     for g, w in zip(jax.tree.leaves(grads["offload"]), jax.tree.leaves(grads["none"])):

@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lclm.models.llama import (AttentionConfig, LlamaConfig, forward, init_params,
-                               is_param_entry, loss_terms, param_table)
+from lclm.models.llama import (
+    AttentionConfig,
+    LlamaConfig,
+    forward,
+    init_params,
+    is_param_entry,
+    loss_terms,
+    param_table,
+)
 from lclm.models.nnx_llama import LlamaModule, flax_axis_rules, from_params, to_params
 from lclm.parallel import make_mesh
 from lclm.train.state import param_shardings

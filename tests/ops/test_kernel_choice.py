@@ -1,6 +1,5 @@
 """`attention.impl`: the kernel registry's limits and what 'auto' picks on each platform."""
 
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -92,9 +91,8 @@ def test_ring_refuses_a_kernel_that_cannot_serve_before_tracing_it():
 
 
 def test_the_trainer_names_its_kernel_and_refuses_one_the_platform_cannot_run():
+    from lclm.config import LlamaConfig, base_config
     from lclm.errors import ConfigError
-    from lclm.config import base_config
-    from lclm.config import LlamaConfig
     from lclm.train.setup import attention_kernel
 
     c = base_config()

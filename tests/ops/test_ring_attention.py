@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lclm.ops import local_attention, ring_attention, stripe, unstripe, to_layout, from_layout
+from lclm.ops import from_layout, local_attention, ring_attention, stripe, to_layout, unstripe
 from lclm.ops.kernels.reference import dense_attention
 from lclm.ops.layout import LAYOUTS, original_positions
 from lclm.ops.ring_attention import tile_schedule

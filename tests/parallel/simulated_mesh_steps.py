@@ -19,15 +19,18 @@ request_cpu_devices(math.prod(SIZES.values()))  # XLA's worker pool depends on t
 import jax  # noqa: E402  (after the XLA flags)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from lclm.config import base_config  # noqa: E402
+from lclm.config import (  # noqa: E402
+    AttentionConfig,
+    LlamaConfig,
+    base_config,  # noqa: E402
+)
 from lclm.data.loader import batch_sharding  # noqa: E402
-from lclm.config import AttentionConfig, LlamaConfig  # noqa: E402
 from lclm.ops.layout import batch_to_layout  # noqa: E402
 from lclm.parallel import make_mesh  # noqa: E402
 from lclm.train.state import init_state  # noqa: E402
 from lclm.train.step import make_optimizer, make_train_step  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 SEQ, BATCH = 1024, 8
 

@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 
 from lclm.checkpoint import Checkpoints
-from lclm.config import load_config
+from lclm.config import AttentionConfig, LlamaConfig, load_config
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
-from lclm.config import AttentionConfig, LlamaConfig
 from lclm.models.llama import loss_terms
 from lclm.ops.layout import batch_to_layout, from_layout
 from lclm.parallel import make_mesh
-from lclm.train.state import init_state
 from lclm.train.loop import train
+from lclm.train.state import init_state
 from lclm.train.step import make_optimizer
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'

@@ -13,21 +13,19 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from lclm import hf
 from lclm.checkpoint import Checkpoints
-from lclm.config import load_config
-from lclm.config import LlamaConfig
+from lclm.config import LlamaConfig, load_config
+from lclm.errors import TrainingHalted
 from lclm.models.llama import init_params
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirBusy, WorkdirLock
-from lclm.errors import TrainingHalted
-from lclm.train.state import init_state
 from lclm.train.loop import train
 from lclm.train.metrics import truncate_metrics
+from lclm.train.state import init_state
 from lclm.train.step import make_optimizer
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
@@ -157,7 +155,8 @@ def test_a_failed_save_is_reported_at_once_retried_then_stops_with_earlier_ones_
             train(_config(workdir, steps=6))
     message = str(e.value)
     assert "\n" not in message
-    assert "checkpoint step 6 could not be saved" in message and "intact checkpoints: [2]" in message
+    assert "checkpoint step 6 could not be saved" in message
+    assert "intact checkpoints: [2]" in message
     assert "last good checkpoint: step 2" in message
     # step 4's failure was reported when it happened, and training went on to step 6
     assert "checkpoint step 4 could not be saved" in caplog.text

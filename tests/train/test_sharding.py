@@ -7,14 +7,13 @@ import os
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
-from lclm.config import apply_preset, load_config
+from lclm.config import AttentionConfig, LlamaConfig, apply_preset, load_config
 from lclm.data.loader import batch_sharding
-from lclm.config import AttentionConfig, LlamaConfig
 from lclm.parallel import make_mesh
 from lclm.train.state import init_state, state_shardings
 from lclm.train.step import make_optimizer, make_train_step
-from jax.sharding import NamedSharding, PartitionSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

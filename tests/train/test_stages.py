@@ -5,19 +5,17 @@ import os
 
 import jax
 import numpy as np
-
 import pytest
 
 from lclm import hf
 from lclm.checkpoint import Checkpoints
-from lclm.config import load_config
-from lclm.config import LlamaConfig
-from lclm.models.llama import init_params
-from lclm.train.state import init_state
-from lclm.train.stages import run_stages
+from lclm.config import LlamaConfig, load_config
 from lclm.config.stages import stage_configs
-from lclm.train.step import make_optimizer
+from lclm.models.llama import init_params
 from lclm.parallel import make_mesh
+from lclm.train.stages import run_stages
+from lclm.train.state import init_state
+from lclm.train.step import make_optimizer
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 

@@ -10,14 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-from lclm.config import load_config
+from lclm.config import AttentionConfig, LlamaConfig, load_config
 from lclm.data.loader import batch_sharding
-from lclm.config import AttentionConfig, LlamaConfig
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
-from lclm.train.state import init_state
-from lclm.train.setup import public_config
 from lclm.train.loop import train
+from lclm.train.setup import public_config
+from lclm.train.state import init_state
 from lclm.train.step import make_optimizer, make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -24,7 +24,8 @@ Each kernel also says where it cannot run (`Kernel.limits`), so that `attention.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

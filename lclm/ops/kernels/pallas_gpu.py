@@ -75,7 +75,8 @@ def limits(*, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
 def _tiles(tq: int, tk: int, d: int, q_chunk: int, kv_chunk: int) -> tuple[int, int]:
     bq, bk = min(q_chunk, MAX_BLOCK_Q, tq), min(kv_chunk, MAX_BLOCK_K, tk)
     if tq % bq or tk % bk:
-        raise ValueError(f"pallas_gpu: block lengths {tq}/{tk} are not divisible by tiles {bq}/{bk}")
+        raise ValueError(f"pallas_gpu: block lengths {tq}/{tk} are not divisible by tiles "
+                         f"{bq}/{bk}")
     for name, n in (("query tile", bq), ("key tile", bk), ("head dim", d)):
         if not _power_of_two(n):
             raise ValueError(f"pallas_gpu: {name} {n} must be a power of two")

@@ -64,10 +64,10 @@ def limits(*, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
 def _ops():
     """(forward op, VJP op, Mask class), imported on first use."""
     try:
-        from tokamax._src.ops.attention.pallas_mosaic_gpu import (
-            Mask, PallasMosaicGpuFlashAttention)
+        from tokamax._src.ops.attention.pallas_mosaic_gpu import Mask, PallasMosaicGpuFlashAttention
         from tokamax._src.ops.attention.pallas_mosaic_gpu_vjp import (
-            PallasMosaicGpuFlashAttentionVjp)
+            PallasMosaicGpuFlashAttentionVjp,
+        )
     except ImportError as e:
         raise ValueError(f"attention.impl='tokamax_gpu' needs tokamax: {INSTALL}") from e
     return PallasMosaicGpuFlashAttention(), PallasMosaicGpuFlashAttentionVjp(), Mask

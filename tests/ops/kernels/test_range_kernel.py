@@ -326,7 +326,7 @@ def test_tokamax_gets_key_ranges_with_one_heads_axis_for_every_head(monkeypatch)
         q_pos, k_pos = (original_positions("striped", n, d, t) for d in (device, source))
         tiles = dict(causal=causal, q_chunk=t, kv_chunk=t)
 
-        def both(q, kv, seg):
+        def both(q, kv, seg, q_pos=q_pos, k_pos=k_pos, tiles=tiles):
             o, lse = kernel.forward(q, kv, kv, q_pos, k_pos, seg, seg, **tiles)
             return kernel.backward(q, kv, kv, o, lse, q, q_pos, k_pos, seg, seg, **tiles)
         jax.eval_shape(both, q, kv, seg)
