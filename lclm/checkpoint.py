@@ -196,8 +196,9 @@ class Checkpoints:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def save(self, step: int, state, data_state: dict, config: dict) -> None:
-        """Start an asynchronous save of `step` (returns once the arrays are copied).
+    def save(self, step: int, state, data_state: dict | None, config: dict) -> None:
+        """Start an asynchronous save of `step` (returns once the arrays are copied);
+        `data_state` is None where no data has been read (a converted checkpoint).
         Raises `SaveFailed` if the previous save or this one cannot be written."""
         self.wait()
         data = {"processes": gather_json(data_state)}

@@ -23,14 +23,16 @@ from lclm.config.stages import keys_set_by_stages
 from lclm.errors import ConfigError, StartupError, TrainingHalted
 
 
-def run_cli(body: Callable[[], int | None], input_errors: tuple[type, ...] = ()) -> int:
+def run_cli(body: Callable[[], int | None],
+            input_errors: tuple[type[BaseException], ...] = ()) -> int:
     """`body()`'s exit status (None: 0). A StartupError, a missing file or one of
     `input_errors` (what else means bad input to this CLI, e.g. ValueError for a program
     whose inputs are parsed by libraries) is `error: ...` on stderr and status 2; a
     TrainingHalted is `error: ...` and status 3."""
+    bad_input: tuple[type[BaseException], ...] = (StartupError, FileNotFoundError, *input_errors)
     try:
         return body() or 0
-    except (StartupError, FileNotFoundError, *input_errors) as e:
+    except bad_input as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingHalted as e:

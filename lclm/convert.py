@@ -98,7 +98,7 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None) ->
     params = jax.device_get(read_params(workdir, step, abstract))
     written = hf.save(hf_dir, model, params)
     tokenizer = tokenizer or saved.get("data", {}).get("tokenizer", "")
-    notes = []
+    notes: list[str] = []
     if tokenizer:
         try:
             files, notes = hf.save_tokenizer(tokenizer, hf_dir, model)

@@ -71,7 +71,7 @@ class Plan:
 
 class _MeshShape:
     """Just the axis sizes: what the sharding rules need to decide divisibility."""
-    def __init__(self, sizes):
+    def __init__(self, sizes: dict[str, int]):
         self.shape = sizes
 
 
@@ -125,12 +125,16 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     # the ring: K/V held + in flight (compute dtype) and dK/dV accumulators travelling (f32)
     ring = (batch_local * t * 2 * (kv_dim // max(1, min(tp, m.n_kv_heads))) * (2 * cbytes + 4)
             if sp > 1 else 0)
-    flops, bandwidth, memory = DEVICES.get(device, (None, None, None))
+    min_block: float | None = None
+    device_memory: float | None = None
+    if device in DEVICES:  # an unknown or no device: neither is known
+        flops, bandwidth, memory = DEVICES[device]
+        min_block, device_memory = flops / (bandwidth * 1e9), memory * 2**30
     return Plan(mesh=sizes, params=local_params * pbytes, grads=local_params * 4,
                 optimizer=2 * local_params * pbytes, activations_per_layer=per_layer_saved,
                 activations=activations, ring=ring, tokens_per_step=d.batch_size * d.seq_len,
-                local_tokens=t, min_block=(flops / (bandwidth * 1e9) if flops else None),
-                device_memory=(memory * 2**30 if memory else None), host_activations=host)
+                local_tokens=t, min_block=min_block, device_memory=device_memory,
+                host_activations=host)
 
 
 def _gib(x: float) -> str:
@@ -245,7 +249,11 @@ def _run(ap: argparse.ArgumentParser, argv) -> int:
         if plan.device_memory and plan.total > plan.device_memory and c.model.remat != "offload":
             offload = c.copy_and_resolve_references()
             offload.model.remat = "offload"
-            alt = estimate(offload, args.devices or mesh_device_count(offload), args.device)
+            count = args.devices or mesh_device_count(offload)
+            # not None: _plans required --devices for a mesh with a -1 axis; stages set sp >= 1
+            assert count is not None
+            alt = estimate(offload, count, args.device)
+            assert alt.device_memory is not None  # the same device as `plan`'s
             print(f"does not fit; with model.remat='offload': {alt.total / 2**30:,.2f} GiB on "
                   f"the device ({100 * alt.total / alt.device_memory:.0f}%), "
                   f"{alt.host_activations / 2**30:,.2f} GiB in host memory")

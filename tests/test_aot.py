@@ -10,11 +10,11 @@ import subprocess
 import sys
 
 import pytest
+from support import DEMO_CONFIG, ROOT
 
 from lclm.aot import tpu_target
 from lclm.errors import ConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 
@@ -43,7 +43,7 @@ def test_bad_slice_names_are_one_line_errors(name, needle):
 def _plan(*args):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.run([sys.executable, "-m", "lclm.plan", "--config",
-                           os.path.join(ROOT, "configs", "demo.py"), *args],
+                           DEMO_CONFIG, *args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
 
 

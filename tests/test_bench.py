@@ -12,6 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from support import DEMO_CONFIG, ROOT
 
 from bench import __main__ as suite
 from bench import data_throughput, train_step
@@ -22,12 +23,10 @@ from lclm.ops.layout import original_positions
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def test_train_step_bench_reports_a_table(tmp_path):
     out = tmp_path / "t.md"
-    assert train_step.main(["--config", os.path.join(ROOT, "configs", "demo.py"), "--seq", "64",
+    assert train_step.main(["--config", DEMO_CONFIG, "--seq", "64",
                             "--layouts", "striped,contiguous", "--steps", "1",
                             "--config.model.n_layers=1", "--out", str(out)]) == 0
     table = out.read_text()
@@ -193,7 +192,7 @@ def test_train_step_table_has_the_baseline_and_ratios(tmp_path, monkeypatch):
     remat variants; the fastest of them is the baseline every ratio divides by."""
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # what --isolate sets here
     out = tmp_path / "t.md"
-    assert train_step.main(["--config", os.path.join(ROOT, "configs", "demo.py"), "--seq", "64",
+    assert train_step.main(["--config", DEMO_CONFIG, "--seq", "64",
                             "--steps", "1", "--warmup", "0", "--baseline", "--isolate",
                             "--config.model.n_layers=1", "--config.mesh.fsdp=1",
                             "--config.mesh.sp=1", "--out", str(out)]) == 0
@@ -259,7 +258,6 @@ def test_every_suite_names_existing_configs_and_kernels():
     assert [(os.path.basename(run.config), run.seqs) for run in quick.train.models] == [
         ("llama1b.py", (8192, 32768))]
     assert quick.attention.masks == ("causal",) and quick.attention.blocks == (8192, 32768)
-
 
 
 # -- results survive a kill, plots are best-effort, GPU suites need a GPU, a fair baseline --

@@ -6,10 +6,7 @@ import subprocess
 import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMO = os.path.join(ROOT, "configs", "demo.py")
-TOKENIZER = os.path.join(ROOT, "data", "demo", "tokenizer.model")
+from support import DEMO_CONFIG, DEMO_TOKENIZER, ROOT
 
 
 def _assert_one_error_line(err: str, needle: str):
@@ -18,9 +15,9 @@ def _assert_one_error_line(err: str, needle: str):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--config", DEMO, "--config.model.n_layer=3"],
+    (["--config", DEMO_CONFIG, "--config.model.n_layer=3"],
      "error: unknown config key model.n_layer (did you mean model.n_layers?)"),
-    (["--config", DEMO, "--config.train.steps=abc"],
+    (["--config", DEMO_CONFIG, "--config.train.steps=abc"],
      "error: flag --config.train.steps=abc: invalid literal for int()"),
     (["--config", "nope.py"], "error: config file 'nope.py' not found"),
     (["--config", os.path.join(ROOT, "configs", "demo_stages.py"), "--config.train.steps=10"],
@@ -48,7 +45,7 @@ def test_train_cli(args, needle):
 ])
 def test_plan_cli(args, needle, capsys):
     from lclm.plan import main
-    assert main(["--config", DEMO, "--devices", "8", *args]) == 2
+    assert main(["--config", DEMO_CONFIG, "--devices", "8", *args]) == 2
     _assert_one_error_line(capsys.readouterr().err, needle)
 
 
@@ -69,7 +66,7 @@ def test_prepare_cli(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("")
     args = ["--source", "text", "--input", str(corpus)]
-    assert main([*args, "--tokenizer", TOKENIZER, "--out", str(afile)]) == 2
+    assert main([*args, "--tokenizer", DEMO_TOKENIZER, "--out", str(afile)]) == 2
     _assert_one_error_line(capsys.readouterr().err, f"--out {str(afile)!r}")
     assert main([*args, "--tokenizer", str(corpus), "--out", str(tmp_path / "out")]) == 2
     _assert_one_error_line(capsys.readouterr().err, "is not a SentencePiece model")
@@ -92,9 +89,9 @@ def test_line_retrieval_eval_cli_checks_flags_before_loading(tmp_path, capsys):
 def test_bench_part_clis_reject_bad_overrides(module, capsys):
     import importlib
     main = importlib.import_module(module).main
-    assert main(["--config", DEMO, "--config.data.seq_le=3"]) == 2
+    assert main(["--config", DEMO_CONFIG, "--config.data.seq_le=3"]) == 2
     _assert_one_error_line(capsys.readouterr().err, "unknown config key data.seq_le")
-    assert main(["--config", DEMO, "--config.model.dim=abc"]) == 2
+    assert main(["--config", DEMO_CONFIG, "--config.model.dim=abc"]) == 2
     _assert_one_error_line(capsys.readouterr().err, "flag --config.model.dim=abc: invalid literal")
 
 

@@ -5,14 +5,13 @@ import subprocess
 import sys
 
 import pytest
+from support import DEMO_CONFIG, DEMO_TOKENIZER, ROOT
 
 from lclm.config import base_config, load_config
 from lclm.config.schema import LAYOUTS
 from lclm.errors import ConfigError
 from lclm.ops import layout
 from lclm.train.setup import validate
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load(name):
@@ -165,7 +164,7 @@ def test_workdir_that_cannot_hold_a_run_fails_at_start(tmp_path):
 
 def test_tokenizer_larger_than_the_model_is_a_config_error(tmp_path):
     from lclm.data.tokenizer import Tokenizer
-    tok = Tokenizer(os.path.join(ROOT, "data", "demo", "tokenizer.model"))
+    tok = Tokenizer(DEMO_TOKENIZER)
     with pytest.raises(ConfigError, match="set model.vocab_size >= 512"):
         tok.check_fits(256)
     (tmp_path / "bad.model").write_text("not a model")
@@ -196,9 +195,9 @@ def test_base_config_is_locked_against_typos():
 
 
 def test_load_config_applies_overrides_and_rejects_unknown_keys():
-    c = load_config(os.path.join(ROOT, "configs", "demo.py"), {"mesh.sp": 2, "train.lr": 0.5})
+    c = load_config(DEMO_CONFIG, {"mesh.sp": 2, "train.lr": 0.5})
     assert c.mesh.sp == 2 and c.train.lr == 0.5
-    demo = os.path.join(ROOT, "configs", "demo.py")
+    demo = DEMO_CONFIG
     for overrides, message in [
             ({"train.lrr": 1}, "unknown config key train.lrr (did you mean train.lr?)"),
             ({"modle.dim": 1}, "unknown config key modle.dim (did you mean model.dim?)"),
@@ -214,7 +213,7 @@ def test_load_config_applies_overrides_and_rejects_unknown_keys():
 
 def test_config_from_argv_reads_overrides_and_makes_each_mistake_one_line():
     from lclm.cli import config_from_argv
-    demo = os.path.join(ROOT, "configs", "demo.py")
+    demo = DEMO_CONFIG
     c = config_from_argv(["train.py", "--config", demo, "--config.train.steps=7",
                           "--config.model.remat", "dots", "--noconfig.log.progress"], "unused")
     assert (c.train.steps, c.model.remat, c.log.progress) == (7, "dots", False)
@@ -291,7 +290,7 @@ def test_parse_cli_splits_the_clis_own_arguments_from_the_config():
     import argparse
 
     from lclm.cli import parse_cli
-    demo = os.path.join(ROOT, "configs", "demo.py")
+    demo = DEMO_CONFIG
     ap = argparse.ArgumentParser(prog="prog")
     ap.add_argument("--devices", type=int, default=0)
     args, c = parse_cli(ap, ["--config.train.steps=7", "--devices", "8", "--config", demo,

@@ -4,6 +4,7 @@ import os
 
 import jax
 import pytest
+from support import DEMO_CONFIG, ROOT
 
 from lclm.config import LlamaConfig, load_config
 from lclm.parallel import make_mesh
@@ -11,12 +12,10 @@ from lclm.plan import estimate, main
 from lclm.train.state import init_state
 from lclm.train.step import make_optimizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.mark.parametrize("mesh", [dict(fsdp=2, sp=4), dict(tp=2, sp=4), dict(dp=2, fsdp=4)])
 def test_parameter_and_optimizer_bytes_match_the_sharded_state(mesh):
-    config = load_config(os.path.join(ROOT, "configs", "demo.py"))
+    config = load_config(DEMO_CONFIG)
     config.mesh.update(dict(dp=1, fsdp=1, tp=1, sp=1) | mesh)
     plan = estimate(config, 8)
     model = LlamaConfig.from_config(config.model)

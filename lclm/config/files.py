@@ -22,6 +22,7 @@ def load_config(path: str, overrides: dict | None = None) -> ml_collections.Conf
     if spec is None or not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} not found")
     module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None  # spec_from_file_location gives each spec it makes a loader
     spec.loader.exec_module(module)
     config = module.get_config()
     for key, value in (overrides or {}).items():

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import itertools
 import string
+from typing import cast
 
 import numpy as np
 
@@ -85,9 +86,9 @@ _VALUE = object()  # where a turn's text goes
 
 
 @functools.cache
-def _parse(fmt: str) -> tuple:
+def _parse(fmt: str) -> tuple[object, ...]:
     """A template string as a tuple of literal text, `_VALUE` and `Special` pieces."""
-    out = []
+    out: list[object] = []
     for literal, field, _, _ in string.Formatter().parse(fmt):
         if literal:
             out.append(literal)
@@ -148,7 +149,9 @@ def _layout(turns, template: ChatTemplate, prompt: bool = False) -> list[tuple[o
         system, turns = turns[0][1], turns[1:]
     system, pending = strip(system), ""
     if system and template.system_in_first_user:
-        pending = "".join(system if p is _VALUE else p for p in _parse(template.system_format))
+        # plain text and _VALUE only: check_template rejects a Special there
+        pending = "".join(system if p is _VALUE else cast(str, p)
+                          for p in _parse(template.system_format))
     elif system:
         add(template.system_format, system)
     for role, text in turns:
@@ -187,8 +190,11 @@ def token_flags(offsets, spans, length: int) -> np.ndarray:
 def _tokenize(parts, tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Ids and flags of (piece, flag) pairs: each run of text between special tokens is
     tokenised in one call, flags from the tokens' character spans."""
-    ids, flags = [], []
-    segment, spans, n = [], [], 0
+    ids: list[int] = []
+    flags: list[int] = []
+    segment: list[str] = []
+    spans: list[tuple[int, int]] = []
+    n = 0
 
     def flush():
         nonlocal segment, spans, n

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 import numpy as np
 
@@ -106,7 +107,8 @@ def _choose_lines(tokenizer, rng, fmt: LineFormat, n_tokens: int) -> list[int]:
     does, lengths add up; `build_example` drops lines where they do not); the reserve is the
     longest question and answer that any of the lines could need."""
     answer_len = len(tokenizer.encode(str(10 ** fmt.digits - 1))) + 2  # + BOS, EOS
-    values, used = [], 0
+    values: list[int] = []
+    used = 0
     while True:
         v = int(_values(rng, 1, fmt.digits)[0])
         key = len(values) + 1
@@ -182,7 +184,7 @@ class Spec:
     @classmethod
     def parse(cls, text: str) -> Spec:
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
-        values = {}
+        values: dict[str, Any] = {}  # str for format, int for the others
         for item in filter(None, (s.strip() for s in text.split(";"))):
             key, sep, raw = item.partition("=")
             if not sep or key not in fields:

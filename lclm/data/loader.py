@@ -21,6 +21,7 @@ import collections
 import logging
 import queue
 import threading
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -71,8 +72,10 @@ def host_block(sharding: NamedSharding, global_shape) -> tuple[slice, slice]:
         q = (min(a for a, _ in seqs), max(b for _, b in seqs))
         return r, q
 
-    mine = [idx for device, idx in sharding.devices_indices_map(tuple(global_shape)).items()
-            if device.process_index == jax.process_index()]
+    # jax annotates the keys with an alias of jax.Device that mypy cannot resolve
+    indices: Mapping[jax.Device, tuple[slice, ...]] = sharding.devices_indices_map(
+        tuple(global_shape))
+    mine = [idx for device, idx in indices.items() if device.process_index == jax.process_index()]
     (r0, r1), (s0, s1) = box(mine)
     return slice(r0, r1), slice(s0, s1)
 

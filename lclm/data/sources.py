@@ -22,6 +22,7 @@ import glob
 import json
 import os
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -96,8 +97,10 @@ def chat_problem(record) -> str | None:
 
 # A file's entries: (where, record, why) with `why` the reason it could not be read (None:
 # `record` was read; whether it is usable is for the source kind to say).
+_Entry = tuple[str, object, str | None]
 
-def _json_entries(file: str, text: str) -> list[tuple[str, object, str | None]]:
+
+def _json_entries(file: str, text: str) -> list[_Entry]:
     """Entries of a .json file (a list of records) or of JSON lines (.jsonl, or a .json
     file that is not one JSON document); a bad line costs only that line."""
     if file.endswith(".json"):
@@ -111,7 +114,7 @@ def _json_entries(file: str, text: str) -> list[tuple[str, object, str | None]]:
             if isinstance(data, list):
                 return [(f"{file}[{k}]", r, None) for k, r in enumerate(data)]
             return [(file, None, "a .json file must hold a list of records")]
-    entries = []
+    entries: list[_Entry] = []
     for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
@@ -126,9 +129,10 @@ def _json_entries(file: str, text: str) -> list[tuple[str, object, str | None]]:
     return entries
 
 
-def _text_entries(file: str, text: str, text_field: str) -> list[tuple[str, object, None]]:
+def _text_entries(file: str, text: str, text_field: str) -> list[_Entry]:
     """Entries of a .txt file: documents separated by blank lines."""
-    entries, line = [], 1
+    entries: list[_Entry] = []
+    line = 1
     for chunk in text.split("\n\n"):
         if chunk.strip():
             entries.append((f"{file}:{line}", {text_field: chunk}, None))
@@ -136,7 +140,7 @@ def _text_entries(file: str, text: str, text_field: str) -> list[tuple[str, obje
     return entries
 
 
-def _file_entries(file: str, text_field: str) -> list[tuple[str, object, str | None]]:
+def _file_entries(file: str, text_field: str) -> list[_Entry]:
     """Entries of one file of any format that is read whole."""
     if file.endswith((".parquet", ".arrow")):
         import datasets
@@ -165,6 +169,14 @@ def _usable(file: str, entries, problem, stats: SourceStats) -> list:
         raise DataError(f"{file} is empty" if not bad else
                         f"{file} holds no usable record ({bad} malformed, the first {first})")
     return good
+
+
+class Records(Protocol):
+    """A random-access sequence of records (a list, or `CheckedAsRead`)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int, /) -> Any: ...
 
 
 class CheckedAsRead:
@@ -212,7 +224,7 @@ def _arrow_dataset(path: str):
 
 
 def read_records(path: str, text_field: str, problem, columns: Sequence[str],
-                 stats: SourceStats) -> Sequence:
+                 stats: SourceStats) -> Records:
     """The records of a source, as a random-access sequence of dicts.
 
     Files read whole (.jsonl, .json, .txt, and .parquet/.arrow beside them) are checked now
@@ -239,7 +251,7 @@ class TextDocuments:
     """Plain documents: BOS + text + EOS, every token a target. `records` hold usable
     records (None for a malformed one, see `read_records`)."""
 
-    def __init__(self, records: Sequence, text_field: str, tokenizer):
+    def __init__(self, records: Records, text_field: str, tokenizer):
         self.records, self.field, self.tokenizer = records, text_field, tokenizer
 
     def __len__(self) -> int:
@@ -261,7 +273,7 @@ class ChatDocuments:
     """ShareGPT conversations rendered with a chat template; loss on assistant tokens.
     `records` as for `TextDocuments`."""
 
-    def __init__(self, records: Sequence, tokenizer, template: str):
+    def __init__(self, records: Records, tokenizer, template: str):
         self.records, self.tokenizer = records, tokenizer
         self.template = TEMPLATES[template]
         check_template(self.template, tokenizer)  # its special tokens exist, or a ConfigError

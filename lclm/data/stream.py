@@ -51,7 +51,8 @@ class DocumentStream:
         self.docs, self.orders = docs, orders
         self.shard, self.num_shards = shard, num_shards
         self.epoch, self.index = 0, 0
-        self._share_epoch, self._share = None, None
+        self._share_epoch: int | None = None
+        self._share: np.ndarray | None = None
 
     def __iter__(self):
         return self
@@ -61,6 +62,7 @@ class DocumentStream:
         if self._share_epoch != self.epoch:
             self._share = self.orders.get(self.epoch)[self.shard::self.num_shards].copy()
             self._share_epoch = self.epoch
+        assert self._share is not None  # made above for the current epoch
         return self._share
 
     def __next__(self):

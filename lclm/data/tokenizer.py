@@ -70,6 +70,8 @@ class Tokenizer:
 
     def __new__(cls, path: str | None = None):
         if cls is Tokenizer:
+            if path is None:  # as os.path would raise; subclasses may be made without a path
+                raise TypeError("Tokenizer() needs the path of a tokenizer")
             cls = HFTokenizer if _is_json(_resolve(path)) else SentencePieceTokenizer
         return super().__new__(cls)
 
@@ -130,7 +132,8 @@ class SentencePieceTokenizer(Tokenizer):
         if self._offset_mapping:  # sentencepiece >= 0.2.2
             m = self._sp.encode(text, out_type="offset_mapping")
             return m["ids"], m["offsets"]
-        pieces = self._sp.encode(text, out_type="immutable_proto").pieces  # older: the same
+        # older: the same (the stubs of sentencepiece >= 0.2.2 no longer list this out_type)
+        pieces = self._sp.encode(text, out_type="immutable_proto").pieces  # type: ignore[arg-type]
         return [p.id for p in pieces], [(p.begin, p.end) for p in pieces]  # character spans
 
     def decode(self, ids) -> str:
@@ -182,12 +185,13 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(),
                               default=-1) + 1
         self.bos_id = self._config_id(settings, "bos_token")
-        self.eos_id = self._config_id(settings, "eos_token")
+        eos_id = self._config_id(settings, "eos_token")
         self.pad_id = self._config_id(settings, "pad_token")
-        if self.eos_id is None:
+        if eos_id is None:
             raise ConfigError(f"tokenizer {path!r} names no eos_token (tokenizer_config.json or "
                               "special_tokens_map.json beside it); documents and replies end "
                               "with one")
+        self.eos_id = eos_id
         if isinstance(settings.get("add_bos_token"), bool):
             self.add_bos = settings["add_bos_token"] and self.bos_id is not None
         else:  # the post-processor decides, as in transformers

@@ -90,7 +90,8 @@ def make_examples(tokenizer, length: int, n_bins: int, samples: int, fmt, seed: 
     return out
 
 
-def pad_front(prompts: list[np.ndarray], length: int, pad_id: int):
+def pad_front(prompts: list[np.ndarray], length: int,
+              pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows `[B, length]` (tokens, positions, segment_ids) of prompts right-aligned.
 
     Padding has segment 0 and the document segment 1, so no document token sees padding;
@@ -141,7 +142,7 @@ def generate_answers(model: Model, prompts: list[np.ndarray], max_new: int,
     chunks = (model.attention.q_chunk, model.attention.kv_chunk, model.config.ffn_chunk)
     length = padded_length(max(map(len, prompts)), model.mesh.shape["sp"], chunks)
     pad = filler_id(model.tokenizer)  # any id: the pad segment is never attended to
-    answers = []
+    answers: list[str] = []
     for start in range(0, len(prompts), batch_size):
         group = prompts[start:start + batch_size]
         n = len(group)

@@ -34,7 +34,8 @@ def sentencepiece_to_hf(model_path: str, add_bos: bool = True) -> tuple[dict, di
     with open(model_path, "rb") as f:
         raw = f.read()
     try:
-        proto = sentencepiece_model_pb2.ModelProto.FromString(raw)
+        # the protobuf module builds its classes at import time and ships no stubs of them
+        proto = sentencepiece_model_pb2.ModelProto.FromString(raw)  # type: ignore[attr-defined]
     except DecodeError as e:
         raise HFFormatError(f"{model_path!r} is not a SentencePiece model ({e})") from None
     kind = proto.trainer_spec.model_type
@@ -55,7 +56,7 @@ def sentencepiece_to_hf(model_path: str, add_bos: bool = True) -> tuple[dict, di
         if 0 <= piece_id < len(pieces):
             specials[name] = pieces[piece_id][0]
 
-    normalizers = []
+    normalizers: list[dict] = []
     if norm.precompiled_charsmap:
         normalizers.append({"type": "Precompiled", "precompiled_charsmap":
                             base64.b64encode(norm.precompiled_charsmap).decode()})
@@ -90,7 +91,7 @@ def sentencepiece_to_hf(model_path: str, add_bos: bool = True) -> tuple[dict, di
     added = [{"id": i, "content": pieces[i][0], "single_word": False, "lstrip": False,
               "rstrip": False, "normalized": False, "special": pieces[i][2] != _USER_DEFINED}
              for i in sorted(by_type(_UNKNOWN) + by_type(_CONTROL) + by_type(_USER_DEFINED))]
-    decoders = [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}]
+    decoders: list[dict] = [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}]
     if byte_fallback:
         decoders.append({"type": "ByteFallback"})
     decoders.append({"type": "Fuse"})
@@ -113,7 +114,7 @@ def sentencepiece_to_hf(model_path: str, add_bos: bool = True) -> tuple[dict, di
     return tokenizer, specials
 
 
-def save_tokenizer(source: str, hf_dir: str, c: LlamaConfig) -> tuple[list, list]:
+def save_tokenizer(source: str, hf_dir: str, c: LlamaConfig) -> tuple[list[str], list[str]]:
     """Put the tokenizer the model was trained with into the export `hf_dir` so that
     `transformers.AutoTokenizer.from_pretrained(hf_dir)` loads it; returns (the files written,
     warnings). `source` is a SentencePiece `.model` (copied as tokenizer.model, with a
@@ -136,7 +137,8 @@ def save_tokenizer(source: str, hf_dir: str, c: LlamaConfig) -> tuple[list, list
                                     "tokenizer.json nor tokenizer.model")
     if not os.path.isfile(source):
         raise FileNotFoundError(f"tokenizer {source!r} not found")
-    written, warnings = [], []
+    written: list[str] = []
+    warnings: list[str] = []
     if source.endswith(".json"):  # a HuggingFace tokenizer: its own files, as they are
         written.append(copy(source, "tokenizer.json"))
         for name in TOKENIZER_FILES[1:]:

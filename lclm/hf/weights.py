@@ -88,7 +88,7 @@ def _damaged(path: str, e: SafetensorError) -> HFFormatError:
                          f"(safetensors: {reason})")
 
 
-def _header(path: str) -> dict:
+def _header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> `(dtype, shape)` of every tensor in the safetensors file `path`. Opening it is
     safetensors' own check of the whole header before any data is read: its size (at most
     100 MB, and within the file), JSON, known dtypes, and offsets that tile the data exactly,
@@ -104,7 +104,7 @@ def _header(path: str) -> dict:
 def _read_tensors(hf_dir: str, shapes: dict) -> dict:
     """The tensors named in `shapes` from `hf_dir`, read once every file's header is valid and
     holds them with these shapes, each exactly once, as floats."""
-    where = {}
+    where: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # name -> (file, dtype, shape)
     for path in _weight_files(hf_dir):
         for name, (dtype, shape) in _header(path).items():
             if name in where:

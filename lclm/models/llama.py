@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -214,7 +216,7 @@ def hidden_states(c: LlamaConfig, params, tokens, positions, segment_ids=None, *
     """
     x = embed(c, params, tokens, mesh)
     rope = rope_tables(positions, c)
-    layer = functools.partial(_layer, c, attention, mesh)
+    layer: Callable[..., Any] = functools.partial(_layer, c, attention, mesh)
     if c.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT[c.remat])
     if c.scan_layers:

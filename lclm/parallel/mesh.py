@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -77,8 +78,16 @@ def make_mesh(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,
     return Mesh(grid, AXES)
 
 
+class AxisSizes(Protocol):
+    """What `logical_spec` reads of a mesh: its size per axis name (a `Mesh`, or a stand-in
+    that holds only the sizes)."""
+
+    @property
+    def shape(self) -> Mapping[str, int]: ...
+
+
 def logical_spec(axes: Sequence[str | None], shape: Sequence[int] | None = None,
-                 mesh: Mesh | None = None) -> P:
+                 mesh: AxisSizes | None = None) -> P:
     """PartitionSpec for logical axis names under `AXIS_RULES`.
 
     With `shape` and `mesh`, mesh axes that do not divide a dimension are dropped (that

@@ -262,6 +262,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
         except SaveFailed as e:
             save_failed(e, last_chance=True)
         if is_main and records:
+            assert first_logged is not None  # set with the first record
             summary = _summary(records, started, first_logged, tokens_per_step, checkpoints,
                                logger)
             if progress:

@@ -115,7 +115,7 @@ class Progress:
         self.terminal = hasattr(stream, "isatty") and stream.isatty()
         self.start = time.perf_counter()
         self.bar = None
-        self.compiled_at = None   # (time, step) when the first step had run
+        self.compiled_at: tuple[float, int] | None = None  # (time, step) of the first step run
         print(f"compiling the training step (step {first_step} of {total_steps})...",
               file=stream, flush=True)
 

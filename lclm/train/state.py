@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -25,14 +25,18 @@ def shard_params(c: LlamaConfig, params, mesh):
     return jax.device_put(params, param_shardings(c, mesh))
 
 
-class TrainState(NamedTuple):
-    """Everything a step updates. `step` counts completed updates."""
-    step: jax.Array
+_Step = TypeVar("_Step")
+
+
+class TrainState(NamedTuple, Generic[_Step]):
+    """Everything a step updates. `step` counts completed updates. `state_shardings` gives
+    the same tree with each array's sharding in its place (`TrainState[NamedSharding]`)."""
+    step: _Step
     params: dict
     opt_state: optax.OptState
 
 
-def state_shardings(model: LlamaConfig, optimizer, mesh) -> TrainState:
+def state_shardings(model: LlamaConfig, optimizer, mesh) -> TrainState[NamedSharding]:
     """Where every array of the train state lives: parameters by the logical rules, optimizer
     moments exactly like their parameters (left to propagation, XLA replicated them), counts
     and other scalars replicated."""
@@ -45,7 +49,7 @@ def state_shardings(model: LlamaConfig, optimizer, mesh) -> TrainState:
     return TrainState(replicated, shardings, opt_shardings)
 
 
-def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState:
+def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState[jax.Array]:
     """Fresh parameters and optimizer state, created directly in their shardings."""
     where = state_shardings(model, optimizer, mesh)
     params = jax.jit(lambda k: init_params(model, k), out_shardings=where.params)(

@@ -1,10 +1,10 @@
 """The loader: host shares, mixtures, exact resume, layout on the host, global arrays."""
 
 import json
-import os
 
 import numpy as np
 import pytest
+from support import DEMO_CONFIG, DEMO_CORPUS
 
 from lclm.config import load_config
 from lclm.data.loader import HostBatches, batch_sharding, host_block, parse_sources
@@ -15,14 +15,12 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.ops.layout import from_layout
 from lclm.parallel import make_mesh
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def _config(tmp_path, layout="striped"):
     chats = tmp_path / "chats.jsonl"
     chats.write_text("\n".join(json.dumps(r) for r in conversations(60, seed=1)) + "\n{oops\n")
-    c = load_config(os.path.join(ROOT, "configs", "demo.py"))
-    corpus = os.path.join(ROOT, "data", "demo", "corpus.jsonl")
+    c = load_config(DEMO_CONFIG)
+    corpus = DEMO_CORPUS
     c.data.update(path=f"{corpus}@0.7,sharegpt:{chats}@0.3", seq_len=64, batch_size=4)
     c.attention.layout = layout
     return c

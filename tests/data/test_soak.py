@@ -2,9 +2,9 @@
 of batches; and the data state stays small and exact with very long documents."""
 
 import json
-import os
 
 import numpy as np
+from support import DEMO_CONFIG, DEMO_CORPUS
 
 from lclm.config import load_config
 from lclm.data.loader import HostBatches
@@ -14,8 +14,7 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.ops.layout import from_layout
 from lclm.parallel import make_mesh
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CORPUS = os.path.join(ROOT, "data", "demo", "corpus.jsonl")
+CORPUS = DEMO_CORPUS
 
 
 def _corpus_texts(n):
@@ -24,7 +23,7 @@ def _corpus_texts(n):
 
 
 def _config(path, seq_len, batch_size):
-    c = load_config(os.path.join(ROOT, "configs", "demo.py"))
+    c = load_config(DEMO_CONFIG)
     c.data.update(path=path, seq_len=seq_len, batch_size=batch_size)
     return c
 

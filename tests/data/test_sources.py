@@ -1,10 +1,10 @@
 """Sources: tolerant reading, ShareGPT rendering with assistant-only loss, pre-tokenised files."""
 
 import json
-import os
 
 import numpy as np
 import pytest
+from support import DEMO_TOKENIZER
 
 from lclm.data.chat import TEMPLATES, conversation_turns, render
 from lclm.data.prepare import prepare
@@ -12,13 +12,10 @@ from lclm.data.sources import DataError, SourceStats, open_documents
 from lclm.data.synthetic import conversations
 from lclm.data.tokenizer import Tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOKENIZER = os.path.join(ROOT, "data", "demo", "tokenizer.model")
-
 
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer(TOKENIZER)
+    return Tokenizer(DEMO_TOKENIZER)
 
 
 def test_bundled_tokenizer_is_llama_style(tok):
@@ -106,7 +103,7 @@ def test_unusable_datasets_and_tokenized_dirs_fail_when_opened(tmp_path, tok):
         open_documents("sharegpt", str(tmp_path / "p.parquet"), tok)
     (tmp_path / "c.jsonl").write_text("\n".join(f'{{"text": "doc {i}"}}' for i in range(6)))
     out = tmp_path / "out"
-    prepare("text", str(tmp_path / "c.jsonl"), TOKENIZER, str(out))
+    prepare("text", str(tmp_path / "c.jsonl"), DEMO_TOKENIZER, str(out))
     with open(out / "tokens.bin", "r+b") as f:
         f.truncate(8)
     with pytest.raises(DataError, match=r"tokens.bin has 8 bytes where .* \(6 documents"):
@@ -157,7 +154,7 @@ def test_prepare_writes_memmap_documents_equal_to_on_the_fly(tmp_path, tok):
     records = conversations(40, seed=3)
     records.insert(5, {"conversations": "broken"})
     path.write_text(json.dumps(records))
-    meta = prepare("sharegpt", str(path), TOKENIZER, str(tmp_path / "out"))
+    meta = prepare("sharegpt", str(path), DEMO_TOKENIZER, str(tmp_path / "out"))
     assert meta["documents"] == 40 and meta["skipped"] == 1
     stored = open_documents("tokenized", str(tmp_path / "out"), tok)
     live = open_documents("sharegpt", str(path), tok)

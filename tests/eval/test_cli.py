@@ -4,14 +4,13 @@ import json
 import os
 
 import pytest
+from support import DEMO_TOKENIZER, ROOT
 
 from lclm.config import load_config
 from lclm.eval import line_retrieval
 from lclm.train.loop import train
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def tiny_config(tmp_path):
@@ -71,7 +70,7 @@ def test_eval_cli_on_a_huggingface_directory(tmp_path, capsys):
                         ffn_dim=64, dtype="float32", ffn_chunk=32)
     hf.save(str(tmp_path / "hf"), model, init_params(model, jax.random.key(0)))
     rc = line_retrieval.main(["--hf", str(tmp_path / "hf"), "--tokenizer",
-                              os.path.join(ROOT, "data", "demo", "tokenizer.model"),
+                              DEMO_TOKENIZER,
                               "--format", "paper", "--digits", "2", "--lengths", "200",
                               "--samples", "1", "--depths", "2", "--sp", "2", "--q-chunk", "32",
                               "--kv-chunk", "32", "--out", str(tmp_path / "eval")])

@@ -1,11 +1,11 @@
 """Line-retrieval documents and prompts: exact lengths, correct answers, depth bins, loss
 masks, and the data source feeding the packer one document per row."""
 
-import os
 import re
 
 import numpy as np
 import pytest
+from support import DEMO_TOKENIZER
 
 from lclm.config.syntax import parse_lengths, parse_tokens
 from lclm.data.line_retrieval import (
@@ -21,12 +21,10 @@ from lclm.data.sources import open_documents
 from lclm.data.tokenizer import Tokenizer
 from lclm.eval.line_retrieval import pad_front, padded_length
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return Tokenizer(os.path.join(ROOT, "data", "demo", "tokenizer.model"))
+    return Tokenizer(DEMO_TOKENIZER)
 
 
 def _lines(text):

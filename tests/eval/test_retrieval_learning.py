@@ -12,6 +12,7 @@ import json
 import os
 
 import pytest
+from support import ROOT
 
 from lclm.config import load_config
 from lclm.config.stages import stage_configs
@@ -19,8 +20,6 @@ from lclm.eval import line_retrieval
 from lclm.train.stages import run_stages
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_the_staged_recipe_learns_retrieval_well_above_chance(tmp_path):

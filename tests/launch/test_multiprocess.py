@@ -8,10 +8,10 @@ import sys
 import time
 
 import pytest
+from support import ROOT
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["--config", "configs/demo.py", "--config.model.dim=64", "--config.model.n_layers=2",
         "--config.model.ffn_dim=128", "--config.model.ffn_chunk=32",
         "--config.model.loss_chunk=32", "--config.data.seq_len=128", "--config.data.batch_size=4",

@@ -4,10 +4,10 @@ import os
 import subprocess
 
 import pytest
+from support import ROOT
 
 from lclm.parallel import distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLURM = dict(SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu[01-02]",
              SLURM_NTASKS_PER_NODE="8", SLURM_GPUS_PER_NODE="8", SLURM_SUBMIT_DIR="/shared/lclm")
 

@@ -8,6 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from support import DEMO_CONFIG, DEMO_CORPUS, DEMO_TOKENIZER
 
 from lclm import hf
 from lclm.config import LlamaConfig
@@ -25,7 +26,6 @@ else:
     torch = pytest.importorskip("torch", reason=WHY)
     transformers = pytest.importorskip("transformers", reason=WHY)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ORIGINAL = 32  # original_max_position_embeddings of the tiny models; sequences run past it
 SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
@@ -183,7 +183,7 @@ def test_training_from_hf_then_export_states_what_was_trained(tmp_path, capsys, 
     scaling = SCALINGS["llama3"]
     _tiny_hf(tmp_path / "src", scaling, vocab=512, bos_token_id=1, eos_token_id=[2, 3])
     def run_config(workdir, steps, **init):
-        c = load_config(os.path.join(ROOT, "configs", "demo.py"))
+        c = load_config(DEMO_CONFIG)
         c.workdir = str(workdir)
         c.model.update(rope_theta=20000.0, dtype="float32", ffn_chunk=16, loss_chunk=16, **init)
         c.data.update(seq_len=64, batch_size=2)
@@ -254,10 +254,10 @@ def test_training_from_hf_then_export_states_what_was_trained(tmp_path, capsys, 
     assert _relative_error(got, want) < 1e-4
 
     # the tokenizer loads with AutoTokenizer and encodes as lclm's does
-    ours = Tokenizer(os.path.join(ROOT, "data", "demo", "tokenizer.model"))
+    ours = Tokenizer(DEMO_TOKENIZER)
     theirs = transformers.AutoTokenizer.from_pretrained(str(export))
     assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
-    with open(os.path.join(ROOT, "data", "demo", "corpus.jsonl")) as f:
+    with open(DEMO_CORPUS) as f:
         texts = [json.loads(line)["text"] for line in f][:300]
     texts += ["two  spaces\nand\n\nnewlines ", " leading space", "ünïcödé 東京 🙂", "", "  "]
     for text in texts:

@@ -11,11 +11,11 @@ import subprocess
 import sys
 
 import pytest
+from support import ROOT
 
 pytestmark = pytest.mark.slow  # starts processes: left out by -m 'not slow'
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 # every layout and mesh axis once, each process ~25 s (the suite's time budget)
 CASES = ["sp4:striped:64", "fsdp2sp4:striped:32", "fsdp2sp2:zigzag:128",

@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import small_train_config
 
 from lclm.checkpoint import Checkpoints
-from lclm.config import AttentionConfig, LlamaConfig, load_config
+from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.llama import loss_terms
@@ -22,20 +23,10 @@ from lclm.train.step import make_optimizer
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def _config(workdir, **mesh):
-    c = load_config(os.path.join(ROOT, "configs", "demo.py"))
-    c.workdir = str(workdir)
-    c.model.update(dim=64, n_layers=2, ffn_dim=128, ffn_chunk=32, loss_chunk=32, dtype="float32")
-    c.data.update(seq_len=64, batch_size=4)
-    c.attention.update(q_chunk=8, kv_chunk=8)
-    c.mesh.update(dict(dp=1, fsdp=2, tp=1, sp=4) | mesh)
-    c.train.update(steps=4, lr=1e-2, warmup=1)
-    c.log.update(every=1, progress=False)
-    c.checkpoint.update(every=2, keep=3)
-    return c
+    return small_train_config(workdir, mesh=dict(dp=1, fsdp=2, tp=1, sp=4) | mesh,
+                              attention=dict(q_chunk=8, kv_chunk=8))
 
 
 def _restore(config):

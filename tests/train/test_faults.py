@@ -15,10 +15,11 @@ import time
 import jax
 import numpy as np
 import pytest
+from support import ROOT, small_train_config
 
 from lclm import hf
 from lclm.checkpoint import Checkpoints
-from lclm.config import LlamaConfig, load_config
+from lclm.config import LlamaConfig
 from lclm.errors import TrainingHalted
 from lclm.models.llama import init_params
 from lclm.parallel import make_mesh
@@ -30,20 +31,10 @@ from lclm.train.step import make_optimizer
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def _config(workdir, **train):
-    c = load_config(os.path.join(ROOT, "configs", "demo.py"))
-    c.workdir = str(workdir)
-    c.model.update(dim=64, n_layers=2, ffn_dim=128, ffn_chunk=32, loss_chunk=32, dtype="float32")
-    c.data.update(seq_len=64, batch_size=4)
-    c.attention.update(q_chunk=16, kv_chunk=16)
-    c.mesh.update(dp=1, fsdp=2, tp=1, sp=2)
-    c.train.update(dict(steps=4, lr=1e-2, warmup=1) | train)
-    c.log.update(every=1, progress=False)
-    c.checkpoint.update(every=2, keep=3)
-    return c
+    return small_train_config(workdir, mesh=dict(dp=1, fsdp=2, tp=1, sp=2),
+                              attention=dict(q_chunk=16, kv_chunk=16), train=train)
 
 
 @pytest.fixture(scope="module")

@@ -2,20 +2,18 @@
 "Involuntary full rematerialization" when a sharding change can only be done by replicating
 a whole tensor on every device (memory and time that grow with the model and the sequence)."""
 
-import os
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
+from support import DEMO_CONFIG
 
 from lclm.config import AttentionConfig, LlamaConfig, apply_preset, load_config
 from lclm.data.loader import batch_sharding
 from lclm.parallel import make_mesh
 from lclm.train.state import init_state, state_shardings
 from lclm.train.step import make_optimizer, make_train_step
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _demo(c):
@@ -33,7 +31,7 @@ def _llama7b(c):
 
 @pytest.mark.parametrize("shape", [_demo, _llama7b], ids=["demo", "llama7b"])
 def test_the_train_step_compiles_without_full_rematerialization(shape, capfd):
-    c = shape(load_config(os.path.join(ROOT, "configs", "demo.py")))
+    c = shape(load_config(DEMO_CONFIG))
     mesh = make_mesh(**{k: c.mesh[k] for k in ("dp", "fsdp", "tp", "sp")})
     model = LlamaConfig.from_config(c.model)
     optimizer = make_optimizer(c.train)

@@ -6,6 +6,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from support import ROOT
 
 from lclm import hf
 from lclm.checkpoint import Checkpoints
@@ -18,8 +19,6 @@ from lclm.train.state import init_state
 from lclm.train.step import make_optimizer
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _recipe(tmp_path, name, hf_dir, lr=3e-3, schedule="64:1e4:3:2, 128:1e5:3:4, 256:1e6:3:4"):

@@ -9,6 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from support import DEMO_CONFIG
 
 from lclm.config import AttentionConfig, LlamaConfig, load_config
 from lclm.data.loader import batch_sharding
@@ -19,11 +20,9 @@ from lclm.train.setup import public_config
 from lclm.train.state import init_state
 from lclm.train.step import make_optimizer, make_train_step
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def demo_config(tmp_path, **changes):
-    c = load_config(os.path.join(ROOT, "configs", "demo.py"))
+    c = load_config(DEMO_CONFIG)
     c.workdir = str(tmp_path / "run")
     c.model.update(dim=64, n_layers=2, ffn_dim=128, ffn_chunk=32, loss_chunk=32)
     c.data.update(seq_len=128, batch_size=4)

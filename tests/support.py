@@ -1,0 +1,27 @@
+"""What many tests share: the repository's paths and the small trainable config built from
+configs/demo.py. (Session set-up, simulated devices among it, is conftest.py's.)"""
+
+import os
+
+from lclm.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_CONFIG = os.path.join(ROOT, "configs", "demo.py")
+DEMO_TOKENIZER = os.path.join(ROOT, "data", "demo", "tokenizer.model")
+DEMO_CORPUS = os.path.join(ROOT, "data", "demo", "corpus.jsonl")
+
+
+def small_train_config(workdir, *, mesh: dict, attention: dict, train: dict | None = None):
+    """configs/demo.py shrunk to a model that trains in seconds on simulated devices: 2 layers
+    of width 64 in float32, 4 rows of 64 tokens, 4 steps logged each, a checkpoint every 2;
+    `mesh`, `attention` and `train` update those sections."""
+    c = load_config(DEMO_CONFIG)
+    c.workdir = str(workdir)
+    c.model.update(dim=64, n_layers=2, ffn_dim=128, ffn_chunk=32, loss_chunk=32, dtype="float32")
+    c.data.update(seq_len=64, batch_size=4)
+    c.attention.update(attention)
+    c.mesh.update(mesh)
+    c.train.update(dict(steps=4, lr=1e-2, warmup=1) | (train or {}))
+    c.log.update(every=1, progress=False)
+    c.checkpoint.update(every=2, keep=3)
+    return c

@@ -1,0 +1,73 @@
+"""lclm's import graph runs one way: errors -> config -> logs/cli -> ops -> parallel -> models
+-> hf -> data -> checkpoint -> train -> eval -> the planner and converter CLIs. No module
+imports a higher layer, none imports lclm inside a function (the old way to dodge a cycle),
+and so there are no cycles. Read from the source (AST), nothing is imported."""
+
+import ast
+import pathlib
+
+from support import ROOT
+
+LAYERS = ["lclm.errors", "lclm.config", "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel",
+          "lclm.models", "lclm.hf", "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval",
+          "lclm.aot", "lclm.plan", "lclm.convert"]
+
+
+def _layer(module: str) -> int | None:
+    found = [i for i, p in enumerate(LAYERS) if module == p or module.startswith(p + ".")]
+    return found[-1] if found else None
+
+
+def _modules():
+    """(module name, its AST) of every file in lclm/."""
+    for path in sorted(pathlib.Path(ROOT, "lclm").rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        yield name, ast.parse(path.read_text())
+
+
+def _lclm_imports(node) -> list[str]:
+    """The lclm modules an import statement may load (`from lclm import hf` -> lclm.hf)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.startswith("lclm")]
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lclm"):
+        return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return []
+
+
+def test_every_module_has_a_layer():
+    assert [name for name, _ in _modules() if name != "lclm" and _layer(name) is None] == []
+
+
+def test_imports_only_go_down_the_layers():
+    upward = []
+    for name, tree in _modules():
+        for node in ast.walk(tree):
+            targets = [_layer(t) for t in _lclm_imports(node) if _layer(t) is not None]
+            if targets and _layer(name) is not None and max(targets) > _layer(name):
+                upward.append((name, node.lineno))
+    assert upward == []
+
+
+def test_no_lclm_import_inside_a_function():
+    inside = []
+    for name, tree in _modules():
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inside += [(name, n.lineno) for n in ast.walk(fn) if _lclm_imports(n)]
+    assert inside == []
+
+
+def test_no_import_cycles():
+    graph = {name: {t for n in tree.body for t in _lclm_imports(n)} for name, tree in _modules()}
+    graph = {k: {t for t in v if t in graph and t != k} for k, v in graph.items()}
+
+    def reaches(start):
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += graph[m]
+        return seen
+
+    assert [m for m in graph if m in reaches(m)] == []
