@@ -10,7 +10,7 @@ with the original positions of `lclm.ops.layout.original_positions`, i.e. the re
 the kernel's own tile skipping. A ring round lasts as long as its slowest device, so the
 simulated ring time is the sum over rounds of the per-round maximum over devices.
 Communication is not modelled (assumed hidden behind compute, which holds for blocks above
-the README's overlap threshold c).
+the overlap threshold c of docs/scaling.md).
 
 Identical block pairs share one timing: a pair's work follows from its mask, and the mask
 depends only on the pair's class (`mask_class`): striped 'causal' (source k <= j: x >= y) or

@@ -247,20 +247,31 @@ def read_records(path: str, text_field: str, problem, columns: Sequence[str],
     return records
 
 
-class TextDocuments:
-    """Plain documents: BOS + text + EOS, every token a target. `records` hold usable
-    records (None for a malformed one, see `read_records`)."""
+class _RecordDocuments:
+    """Documents made one per record of `records` (None for a malformed one, see
+    `read_records`, which stays None); subclasses say how in `document`."""
 
-    def __init__(self, records: Records, text_field: str, tokenizer):
-        self.records, self.field, self.tokenizer = records, text_field, tokenizer
+    records: Records
 
     def __len__(self) -> int:
         return len(self.records)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray] | None:
         record = self.records[i]
-        if record is None:
-            return None
+        return None if record is None else self.document(record)
+
+    def document(self, record) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens `[n]` int32, loss flags `[n]` int8) of one usable record."""
+        raise NotImplementedError
+
+
+class TextDocuments(_RecordDocuments):
+    """Plain documents: BOS + text + EOS, every token a target."""
+
+    def __init__(self, records: Records, text_field: str, tokenizer):
+        self.records, self.field, self.tokenizer = records, text_field, tokenizer
+
+    def document(self, record) -> tuple[np.ndarray, np.ndarray]:
         tok = self.tokenizer
         ids = [tok.bos_id] * tok.add_bos + tok.encode(record[self.field]) + [tok.eos_id]
         tokens = np.asarray(ids, np.int32)
@@ -269,22 +280,15 @@ class TextDocuments:
         return tokens, loss
 
 
-class ChatDocuments:
-    """ShareGPT conversations rendered with a chat template; loss on assistant tokens.
-    `records` as for `TextDocuments`."""
+class ChatDocuments(_RecordDocuments):
+    """ShareGPT conversations rendered with a chat template; loss on assistant tokens."""
 
     def __init__(self, records: Records, tokenizer, template: str):
         self.records, self.tokenizer = records, tokenizer
         self.template = TEMPLATES[template]
         check_template(self.template, tokenizer)  # its special tokens exist, or a ConfigError
 
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, i: int):
-        record = self.records[i]
-        if record is None:
-            return None
+    def document(self, record) -> tuple[np.ndarray, np.ndarray]:
         tokens, flags = render(conversation_turns(record), self.tokenizer, self.template)
         return tokens, flags.astype(np.int8)
 

@@ -118,11 +118,14 @@ def _over_key_tiles(k_ref, v_ref, kp_ref, ks_ref, qp, qs, *, bk, causal, step, i
     return lax.fori_loop(0, k_ref.shape[0] // bk, body, init)
 
 
+def _split_refs(rest, seg):
+    """(query segment ref, key segment ref, output refs) of a kernel's trailing refs: the
+    segment refs come first, and exist only where `seg`."""
+    return (rest[0], rest[1], rest[2:]) if seg else (None, None, rest)
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, causal, scale, bk, seg):
-    if seg:
-        qs_ref, ks_ref, o_ref, lse_ref = rest
-    else:
-        (o_ref, lse_ref), qs_ref, ks_ref = rest, None, None
+    qs_ref, ks_ref, (o_ref, lse_ref) = _split_refs(rest, seg)
     bq, d = q_ref.shape
     q, qp = q_ref[...], qp_ref[...]
     qs = qs_ref[...] if seg else None
@@ -198,10 +201,7 @@ def _probabilities(q, k, qp, kp, qs, ks, lse, scale, causal):
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest,
                  causal, scale, bq, group, seg):
-    if seg:
-        qs_ref, ks_ref, dk_ref, dv_ref = rest
-    else:
-        (dk_ref, dv_ref), qs_ref, ks_ref = rest, None, None
+    qs_ref, ks_ref, (dk_ref, dv_ref) = _split_refs(rest, seg)
     bk, d = k_ref.shape
     k, v = k_ref[...], v_ref[...]
     kp = kp_ref[...]
@@ -235,10 +235,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest,
                causal, scale, bk, seg):
-    if seg:
-        qs_ref, ks_ref, dq_ref = rest
-    else:
-        (dq_ref,), qs_ref, ks_ref = rest, None, None
+    qs_ref, ks_ref, (dq_ref,) = _split_refs(rest, seg)
     bq, d = q_ref.shape
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
