@@ -22,7 +22,6 @@ import time
 import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
-from jax.sharding import NamedSharding, PartitionSpec
 
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.loader import batch_sharding
@@ -30,7 +29,7 @@ from lclm.errors import ConfigError
 from lclm.parallel.mesh import make_mesh
 from lclm.train.setup import validate
 from lclm.train.state import init_state, state_shardings
-from lclm.train.step import make_optimizer, make_train_step
+from lclm.train.step import jit_train_step, make_optimizer
 
 # generation -> (TensorCores per chip, chip config, torus dimensions, HBM GiB per device)
 GENERATIONS = {
@@ -111,18 +110,13 @@ def compile_step(config, devices) -> Compiled:
     shapes = jax.eval_shape(lambda: init_state(model, optimizer, mesh, 0))
     state = jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
                          shapes, where)
-    rows = batch_sharding(mesh)
     d = config.data
     batch = {k: jax.ShapeDtypeStruct((d.batch_size, d.seq_len),
                                      jnp.float32 if k == "loss_mask" else jnp.int32,
-                                     sharding=rows)
+                                     sharding=batch_sharding(mesh))
              for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
-    step = jax.jit(make_train_step(model, AttentionConfig.from_config(config.attention),
-                                   config.train, mesh, optimizer,
-                                   document_mask=d.document_mask),
-                   in_shardings=(where, rows),
-                   out_shardings=(where, NamedSharding(mesh, PartitionSpec())),
-                   donate_argnums=0)
+    step = jit_train_step(model, AttentionConfig.from_config(config.attention), config.train,
+                          mesh, optimizer, where, document_mask=d.document_mask)
     started = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     seconds = time.perf_counter() - started
@@ -137,7 +131,8 @@ def compile_step(config, devices) -> Compiled:
 def overflow(error: Exception) -> str | None:
     """'HBM' or 'VMEM' when a compile error is a memory overflow, else None."""
     text = str(error)
-    if "vmem" in text.lower() and "Ran out of memory" in text:
+    # v4 says "Ran out of memory in memory space vmem", v5p "CompileTimeScopedVmemOom"
+    if "vmem" in text.lower() and "Ran out of memory" in text or "VmemOom" in text:
         return "VMEM"
     if "HbmOom" in text or "Ran out of memory in memory space hbm" in text or \
             "exceeds the memory capacity" in text.lower():

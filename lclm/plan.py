@@ -175,7 +175,8 @@ def _plans(config, args) -> tuple[list, list[Plan]]:
 
 
 _FIXES = {"HBM": "shard more (mesh.fsdp/sp), lower data.batch_size, or model.remat='offload'",
-          "VMEM": "smaller fused-kernel tiles (attention.q_chunk/kv_chunk)"}
+          "VMEM": "attention.impl='blockwise' (no Mosaic kernel), and report the TPU: "
+                  "pallas_tpu sizes its tiles per generation (TPU_TILES)"}
 
 
 def _compile_stages(config, args) -> int:

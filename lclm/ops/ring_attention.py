@@ -62,6 +62,7 @@ class _Settings(NamedTuple):
     kv_chunk: int
     impl: str
     platform: str  # of the devices the program is for (the mesh's)
+    device_kind: str  # theirs too, e.g. 'TPU v4' (a TPU kernel sizes its tiles by it)
 
 
 def _setup(s: _Settings, q, which: str):
@@ -73,7 +74,8 @@ def _setup(s: _Settings, q, which: str):
     run = tile_run(s.layout, s.n, q.shape[1] * s.n)
     block = functools.partial(getattr(kernel, which), causal=s.causal,
                               q_chunk=min(s.q_chunk, run), kv_chunk=min(s.kv_chunk, run),
-                              **({"platform": s.platform} if kernel.takes_platform else {}))
+                              **({"platform": s.platform, "device_kind": s.device_kind}
+                                 if kernel.takes_platform else {}))
     me = lax.axis_index(s.axis) if s.n > 1 else 0
     q_pos = original_positions(s.layout, s.n, me, q.shape[1], xp=jnp)
     # in round r this device holds the K/V block that started on device me - r
@@ -181,16 +183,17 @@ def tile_run(layout: str, n: int, seq_len: int) -> int:
     return local // 2 if layout == "zigzag" and n > 1 else local
 
 
-def _settings(n, layout, causal, q_chunk, kv_chunk, impl, q, platform, axis=SP):
+def _settings(n, layout, causal, q_chunk, kv_chunk, impl, q, device, axis=SP):
     """Check the layout and resolve `impl` ('auto' included) for global queries `q` on
-    devices of `platform`."""
+    devices like `device`."""
+    platform = device.platform
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
     impl = choose_kernel(impl, head_dim=q.shape[-1], q_chunk=q_chunk, kv_chunk=kv_chunk,
                          block=tile_run(layout, n, q.shape[1]), platform=platform,
                          dtype=jnp.dtype(q.dtype).name)
     return _Settings(axis, n, layout, bool(causal), int(q_chunk), int(kv_chunk), impl,
-                     platform)
+                     platform, device.device_kind)
 
 
 def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_chunk=512,
@@ -201,7 +204,7 @@ def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_c
     segment_ids `[batch, seq]` or None. Differentiable.
     """
     settings = _settings(1, "contiguous", causal, q_chunk, kv_chunk, impl, q,
-                         jax.default_backend(), axis=None)
+                         jax.devices()[0], axis=None)
     return _ring(settings, q, k, v, segment_ids, segment_ids)
 
 
@@ -230,8 +233,7 @@ def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=
     rep = kv_repeats(q.shape[2], k.shape[2], tp)
     if rep > 1:  # only when kv_heads < tp: each tp shard then holds its own copy
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    settings = _settings(n, layout, causal, q_chunk, kv_chunk, impl, q,
-                         mesh.devices.flat[0].platform)
+    settings = _settings(n, layout, causal, q_chunk, kv_chunk, impl, q, mesh.devices.flat[0])
     x_spec = P(BATCH_AXES, SP, HEAD_AXIS, None)
     seg_spec = P(BATCH_AXES, SP)
     if segment_ids is None:

@@ -12,11 +12,10 @@ import time
 
 import jax
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 
 from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.config.model import AttentionConfig, LlamaConfig
-from lclm.data.loader import HostBatches, batch_sharding
+from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError, TrainingHalted
 from lclm.models.llama import param_count
@@ -35,7 +34,7 @@ from lclm.train.setup import (
     wandb_run,
 )
 from lclm.train.state import TrainState, init_state
-from lclm.train.step import all_finite, make_optimizer, make_train_step
+from lclm.train.step import all_finite, jit_train_step, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +129,8 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
     try:
         state, data_state = _restore_or_init(config, checkpoints, state, model, mesh)
         state_sharding = jax.tree.map(lambda x: x.sharding, state)
-        step_fn = jax.jit(
-            make_train_step(model, attention, config.train, mesh, optimizer,
-                            document_mask=config.data.document_mask),
-            in_shardings=(state_sharding, batch_sharding(mesh)),
-            out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())),
-            donate_argnums=0)
+        step_fn = jit_train_step(model, attention, config.train, mesh, optimizer, state_sharding,
+                                 document_mask=config.data.document_mask)
         finite_fn = jax.jit(all_finite)
         batches = HostBatches(config, mesh, tokenizer, state=data_state)
 

@@ -9,8 +9,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lclm.config import AttentionConfig, LlamaConfig
+from lclm.data.loader import batch_sharding
 from lclm.models.llama import loss_terms
 from lclm.parallel.mesh import logical_sharding
 from lclm.train.state import TrainState
@@ -97,6 +99,19 @@ def make_train_step(model: LlamaConfig, attention: AttentionConfig, train_config
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return step
+
+
+def jit_train_step(model: LlamaConfig, attention: AttentionConfig, train_config, mesh,
+                   optimizer: optax.GradientTransformation, state_sharding,
+                   document_mask: bool = True):
+    """The step train.py runs, jitted: `step(state, batch) -> (state, metrics)` with the state
+    in `state_sharding` (donated, updated in place), batch rows as the loader shards them and
+    replicated metrics. `lclm.aot` compiles this very function for a TPU slice."""
+    return jax.jit(make_train_step(model, attention, train_config, mesh, optimizer,
+                                   document_mask=document_mask),
+                   in_shardings=(state_sharding, batch_sharding(mesh)),
+                   out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())),
+                   donate_argnums=0)
 
 
 def all_finite(tree) -> jax.Array:

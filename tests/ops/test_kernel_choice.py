@@ -50,8 +50,9 @@ def test_tokamax_serves_only_the_head_dims_checked_on_a_gpu(monkeypatch, head_di
     ("gpu", dict(LLAMA, head_dim=96), "blockwise"),         # Triton: power-of-two head dims
     ("gpu", dict(LLAMA, q_chunk=8, kv_chunk=8), "blockwise"),  # Triton tiles are >= 16
     ("tpu", LLAMA, "pallas_tpu"),
-    ("tpu", dict(LLAMA, q_chunk=64), "blockwise"),          # Mosaic: 128-multiples or whole
-    ("tpu", dict(LLAMA, q_chunk=64, kv_chunk=64, block=64), "pallas_tpu"),
+    ("tpu", dict(LLAMA, q_chunk=64), "pallas_tpu"),          # its tiles are its own on a TPU
+    ("tpu", dict(LLAMA, block=1088), "blockwise"),          # no 128-multiple tile divides it
+    ("tpu", dict(LLAMA, q_chunk=64, kv_chunk=64, block=64), "pallas_tpu"),  # one whole tile
 ])
 def test_auto_picks_the_fastest_kernel_that_can_serve(platform, shapes, want):
     assert choose_kernel("auto", platform=platform, **shapes) == want
@@ -61,7 +62,7 @@ def test_auto_picks_the_fastest_kernel_that_can_serve(platform, shapes, want):
     ("pallas_tpu", "gpu", LLAMA, "runs on TPUs"),
     ("pallas_gpu", "tpu", LLAMA, "runs on GPUs"),
     ("pallas_gpu", "gpu", dict(LLAMA, head_dim=96), "head dim 96 must be a power of two"),
-    ("pallas_tpu", "tpu", dict(LLAMA, kv_chunk=192), "attention.kv_chunk=192 must be a multiple"),
+    ("pallas_tpu", "tpu", dict(LLAMA, block=1088), "block of 1088 tokens must be a multiple"),
     ("tokamax_gpu", "gpu", LLAMA, "tokamax is not installed"),
     ("tokamax_gpu", "cpu", LLAMA, "GPUs only"),
     ("tokamax_gpu", "gpu", dict(LLAMA, head_dim=256), "head dim 256 must be 64 or 128"),
@@ -101,7 +102,9 @@ def test_the_trainer_names_its_kernel_and_refuses_one_the_platform_cannot_run():
     model = LlamaConfig.from_config(c.model)
     assert attention_kernel(c, model, 4, "cpu") == "blockwise"
     assert attention_kernel(c, model, 4, "cuda") == "pallas_gpu"
-    assert attention_kernel(c, model, 4, "tpu") == "blockwise"  # chunks of 64: not Mosaic's
+    assert attention_kernel(c, model, 4, "tpu") == "pallas_tpu"  # it sizes its own tiles
+    c.data.seq_len = 4 * 1088  # local blocks of 1088 tokens: no 128-multiple tile divides them
+    assert attention_kernel(c, model, 4, "tpu") == "blockwise"
     c.attention.impl = "pallas_tpu"
-    with pytest.raises(ConfigError, match="q_chunk=64 must be a multiple of 128"):
+    with pytest.raises(ConfigError, match="block of 1088 tokens must be a multiple of 128"):
         attention_kernel(c, model, 4, "tpu")

@@ -49,10 +49,10 @@ class Kernel(NamedTuple):
     every platform; `dtype` is the compute dtype's name (None: not checked). Availability
     (the platform, an optional package, the GPU generation) is part of it.
 
-    `takes_platform`: its passes take `platform=`, the platform of the devices the program
-    is compiled for (a mesh's, which need not be JAX's default backend: ahead-of-time
-    compilation for a TPU on a CPU machine); they compile for their own platform and run
-    interpreted on others."""
+    `takes_platform`: its passes take `platform=` and `device_kind=`, those of the devices
+    the program is compiled for (a mesh's, which need not be JAX's default backend: ahead-of-
+    time compilation for a TPU on a CPU machine); they compile for their own platform (sized
+    for the device kind where that matters) and run interpreted on others."""
     forward: Callable
     backward: Callable
     limits: Callable[..., str | None] = serves_any

@@ -154,12 +154,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, causal, scale, b
 
 
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int, kv_chunk: int,
-            platform: str | None = None):
+            platform: str | None = None, device_kind: str | None = None):
     """Attention of one query block over one K/V block. Returns (o f32, lse f32).
 
     q `[b, tq, h, d]`, k/v `[b, tk, hkv, d]`, q_pos `[tq]`, k_pos `[tk]`, q_seg `[b, tq]` /
     k_seg `[b, tk]` or None. o `[b, tq, h, d]`, lse `[b, tq, h]`.
     """
+    del device_kind  # the tiles follow the chunks on every GPU
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     group = h // hkv
@@ -254,8 +255,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, 
 
 
 def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
-             kv_chunk: int, platform: str | None = None):
+             kv_chunk: int, platform: str | None = None, device_kind: str | None = None):
     """Gradients of one block pair from the global output and lse. Returns f32 (dq, dk, dv)."""
+    del device_kind  # the tiles follow the chunks on every GPU
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     group = h // hkv

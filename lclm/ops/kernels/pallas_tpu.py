@@ -6,7 +6,7 @@ ring rounds and returns float32 dq, dk, dv of this block pair. Masks come from o
 positions (`q_pos >= k_pos` when causal, which also covers the striped rounds' strictly causal
 blocks) and segment ids (visible where equal), so one kernel serves every ring layout.
 
-Structure (FlashAttention-2, three `pallas_call`s, grids iterate tiles of q_chunk x kv_chunk):
+Structure (FlashAttention-2, three `pallas_call`s, grids iterate tiles of qc x kc):
 - forward, grid (batch, heads, q tiles, kv tiles): running max / sum / output in VMEM
   scratch across the kv-tile axis; o and lse are written at the last kv tile.
 - dK/dV, grid (batch, kv heads, kv tiles, group, q tiles): accumulates over the query heads
@@ -23,8 +23,8 @@ to the array dim is always legal) and each pass streams one such array per side:
 (position, segment id) `[b, t, 2]` and, for the backward, row statistics (lse, delta)
 `[b, h, tq, 2]`. The forward and dQ kernels see query data as columns (`[qc, 2]`) and key
 data as rows (`[2, kc]`); the dK/dV kernel sees the transpose, and the forward's lse comes out
-as `[b, h, tq, 1]`. On a real TPU both chunks must therefore be multiples of 128 or the whole
-block length (`_check_tpu_tiles`).
+as `[b, h, tq, 1]`. On a real TPU both tiles must therefore be multiples of 128 or the whole
+block length (`_tile`), and they are sized to the generation's VMEM (`TPU_TILES`).
 
 Tile skipping: per-tile ranges (min/max position, min/max segment id) and, for each row of
 tiles, the first and last tile that may be visible ("hull") go to SMEM by scalar prefetch
@@ -36,10 +36,10 @@ The tables hold O(batch * (tiles_q + tiles_k)) scalars, so SMEM use stays small 
 Rows with nothing visible give o = 0, lse = -inf, zero gradients and no NaN (NaN inputs,
 though, still give NaN: emptiness is tested as `l == 0`, not `l > 0`).
 
-Interpret mode: off TPU (`jax.default_backend() != 'tpu'`) the same kernels run in Pallas's
-TPU interpret mode, `pallas_call(..., interpret=pltpu.InterpretParams())`, which exists in
-jax 0.10 and 0.12 alike, simulates TPU memory spaces, scalar prefetch and the grid, and is
-scoped to these calls (unlike the global `pltpu.force_tpu_interpret_mode()` context). Its
+Interpret mode: for devices other than TPUs (`platform`, the mesh's) the same kernels run in
+Pallas's TPU interpret mode, `pallas_call(..., interpret=pltpu.InterpretParams())`, which
+exists in jax 0.10 and 0.12 alike, simulates TPU memory spaces, scalar prefetch and the grid,
+and is scoped to these calls (unlike the global `pltpu.force_tpu_interpret_mode()` context). Its
 default fills uninitialised memory with NaN, so a missing scratch initialisation shows up in
 tests. This is how CI checks the kernels on CPU (slowly). CI also exports them for the TPU
 platform (`jax.export`), which runs the Pallas -> Mosaic lowering with its block-shape checks;
@@ -95,38 +95,64 @@ class _Cfg(NamedTuple):
         return self.dim ** -0.5
 
 
-def _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform) -> _Cfg:
-    """Validated static settings; q `[b, tq, h, d]`, k `[b, tk, kv_heads, d]`."""
+# Largest (query, key) tiles per TPU generation (jax's device_kind), the biggest that the
+# XLA:TPU/Mosaic compiler of libtpu 0.0.42 fits in the default scoped VMEM for both passes
+# at head dims 64 and 128 with GQA and segments (ahead-of-time compiles, 2026-11-24): v4 and
+# v5p overflow at 2048 x 1024 (v4 already at 2048 x 512, 16.6M of 16M), v5e and v6e fit it.
+# VMEM use grows with the tile area, not the head dim, so tiles are set apart from
+# attention.q_chunk/kv_chunk (the blockwise and ring chunking, often 2048 and larger).
+TPU_TILES = {
+    "TPU v4": (1024, 1024),
+    "TPU v5": (1024, 1024),        # v5p
+    "TPU v5 lite": (2048, 1024),   # v5e
+    "TPU v6 lite": (2048, 1024),   # v6e
+}
+# a generation not in the table (a new one, or an unnamed device kind) gets the smallest
+_TPU_TILES_DEFAULT = min(TPU_TILES.values())
+_MAX_HEAD_DIM = 128  # the head dims the tiles were compiled at
+
+
+def tpu_tiles(device_kind: str | None) -> tuple[int, int]:
+    """The largest (query, key) tiles `pallas_tpu` uses on a TPU of `device_kind`."""
+    return TPU_TILES.get(device_kind or "", _TPU_TILES_DEFAULT)
+
+
+def _tile(length: int, largest: int) -> int | None:
+    """The tile of a block of `length`: the whole block when it is at most `largest`, else
+    the largest power of two up to `largest` that divides it and keeps Mosaic's rule (the
+    tile is the lane dim of the `(2, tile)` id / stat blocks: a multiple of 128 or the
+    whole block). None when there is none."""
+    if length <= largest:
+        return length
+    tile = 1 << (largest.bit_length() - 1)
+    while tile >= 128 and length % tile:
+        tile //= 2
+    return tile if tile >= 128 else None
+
+
+def _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform, device_kind=None) -> _Cfg:
+    """Validated static settings; q `[b, tq, h, d]`, k `[b, tk, kv_heads, d]`.
+
+    Compiled for a TPU the tiles come from `tpu_tiles(device_kind)`; interpreted (tests, CPU
+    meshes) they are `q_chunk`/`kv_chunk` clipped to the block, so that small blocks still
+    exercise several tiles."""
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     if h % hkv:
         raise ValueError(f"pallas_tpu: {h} query heads are not a multiple of {hkv} kv heads")
-    qc, kc = min(q_chunk, tq), min(kv_chunk, tk)  # tile sizes, clipped to the block
-    if tq % qc or tk % kc:
-        raise ValueError(f"pallas_tpu: block lengths {tq}/{tk} are not divisible by "
-                         f"q_chunk={qc}/kv_chunk={kc}")
-    cfg = _Cfg(b, h, hkv, tq, tk, d, qc, kc, bool(causal), q_seg is not None,
-               (platform or jax.default_backend()) == "tpu")
-    if cfg.compiled:
-        _check_tpu_tiles(cfg)
-    return cfg
-
-
-def _tile_rule(name: str, tile: int, length: int) -> str | None:
-    """Mosaic's block rule for a tile of a block of `length`: the last two block dims are
-    multiples of (8, 128) or whole dims, and tiles appear as the lane (last) dim of the
-    `(2, tile)` id / stat blocks, hence 128. Why `tile` breaks it, None when it lowers."""
-    if tile != length and tile % 128:
-        return f"{name}={tile} must be a multiple of 128 or the whole block length {length}"
-    return None
-
-
-def _check_tpu_tiles(cfg: _Cfg) -> None:
-    """`_tile_rule` for both tiles of a call compiled for a TPU."""
-    for name, tile, length in (("q_chunk", cfg.qc, cfg.tq), ("kv_chunk", cfg.kc, cfg.tk)):
-        why = _tile_rule(name, tile, length)
-        if why is not None:
-            raise ValueError(f"pallas_tpu: {why}")
+    compiled = (platform or jax.default_backend()) == "tpu"
+    if compiled:
+        largest_q, largest_k = tpu_tiles(device_kind)
+        qc, kc = _tile(tq, largest_q), _tile(tk, largest_k)
+        if qc is None or kc is None:
+            raise ValueError(f"pallas_tpu: block lengths {tq}/{tk} must be multiples of 128 "
+                             f"(or at most {largest_q}/{largest_k}) on a TPU")
+    else:
+        qc, kc = min(q_chunk, tq), min(kv_chunk, tk)
+        if tq % qc or tk % kc:
+            raise ValueError(f"pallas_tpu: block lengths {tq}/{tk} are not divisible by "
+                             f"q_chunk={qc}/kv_chunk={kc}")
+    return _Cfg(b, h, hkv, tq, tk, d, qc, kc, bool(causal), q_seg is not None, compiled)
 
 
 def _power_of_two(n: int) -> bool:
@@ -136,18 +162,17 @@ def _power_of_two(n: int) -> bool:
 def limits(*, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
            platform: str | None = None, dtype: str | None = None) -> str | None:
     """Why this kernel cannot serve the shapes (`contract.Kernel.limits`): TPUs only
-    (interpreted on CPU), a power-of-two head dim, and on a TPU Mosaic's tile rule. Every
+    (interpreted on CPU), a power-of-two head dim of at most 128, and on a TPU a block
+    that its own tiles divide (`q_chunk`/`kv_chunk` do not set its tiles there). Every
     float dtype is served."""
-    del dtype
+    del dtype, q_chunk, kv_chunk
     if platform == "gpu":
         return "it runs on TPUs (interpreted on CPU); use 'pallas_gpu' on GPU"
-    if not _power_of_two(head_dim):
-        return f"its head dim {head_dim} must be a power of two"
-    if platform == "tpu":
-        for name, chunk in (("q_chunk", q_chunk), ("kv_chunk", kv_chunk)):
-            why = _tile_rule(f"attention.{name}", min(chunk, block), block)
-            if why is not None:
-                return why
+    if not _power_of_two(head_dim) or head_dim > _MAX_HEAD_DIM:
+        return f"its head dim {head_dim} must be a power of two up to {_MAX_HEAD_DIM}"
+    if platform == "tpu" and _tile(block, min(_TPU_TILES_DEFAULT)) is None:
+        return (f"the local block of {block} tokens must be a multiple of 128 (or at most "
+                f"{min(_TPU_TILES_DEFAULT)}) on a TPU")
     return None
 
 
@@ -433,14 +458,15 @@ def _call(kernel, cfg: _Cfg, grid, sequential: int, in_specs, out_specs, out_sha
 # ----------------------------------------------------------------------------- interface
 
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
-            kv_chunk: int, platform: str | None = None):
+            kv_chunk: int, platform: str | None = None, device_kind: str | None = None):
     """Attention of one query block over one key/value block. Returns (o f32, lse f32).
 
     q `[b, tq, h, d]`, k/v `[b, tk, kv_heads, d]`, q_pos `[tq]`, k_pos `[tk]`,
     q_seg `[b, tq]` / k_seg `[b, tk]` or None; o `[b, tq, h, d]`, lse `[b, tq, h]`.
-    `platform`: that of the devices the program is for (default: JAX's default backend).
+    `platform`, `device_kind`: those of the devices the program is for (default: JAX's
+    default backend); on a TPU the tiles follow the generation (`tpu_tiles`).
     """
-    cfg = _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform)
+    cfg = _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform, device_kind)
     qt, kt, hull_kv, _ = _tables(cfg, q_pos, k_pos, q_seg, k_seg)
     q_like, stat, k_like, q_ids, k_ids = _query_major_specs(cfg, stat_width=1)
     b, h = cfg.batch, cfg.heads
@@ -456,13 +482,13 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
 
 
 def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
-             kv_chunk: int, platform: str | None = None):
+             kv_chunk: int, platform: str | None = None, device_kind: str | None = None):
     """Gradients of one block pair given the global output and log-sum-exp. All float32.
 
     Shapes as in `forward`; o/do `[b, tq, h, d]`, lse `[b, tq, h]` (global over ring rounds).
     Returns dq `[b, tq, h, d]`, dk/dv `[b, tk, kv_heads, d]`.
     """
-    cfg = _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform)
+    cfg = _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform, device_kind)
     qt, kt, hull_kv, hull_q = _tables(cfg, q_pos, k_pos, q_seg, k_seg)
     delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1)
     # rows with nothing visible (lse = -inf) have every score at -inf: any finite shift

@@ -17,7 +17,7 @@ from lclm.ops import from_layout, ring_attention, to_layout
 from lclm.ops.kernels import get_kernel
 from lclm.ops.kernels.blockwise import backward as blockwise_backward
 from lclm.ops.kernels.blockwise import forward as blockwise_forward
-from lclm.ops.kernels.pallas_tpu import KERNEL, _Cfg, _check_tpu_tiles, _config, _tables
+from lclm.ops.kernels.pallas_tpu import KERNEL, _Cfg, _config, _tables, _tile, limits, tpu_tiles
 from lclm.ops.kernels.reference import dense_attention
 from lclm.parallel import make_mesh
 
@@ -200,18 +200,37 @@ def test_registered_under_pallas_tpu():
     assert get_kernel("pallas_tpu") is KERNEL
 
 
-def test_tile_sizes_are_clipped_and_checked():
+def test_interpreted_tiles_are_the_chunks_clipped_to_the_block():
     q, k = jnp.zeros((1, 256, 4, 64)), jnp.zeros((1, 384, 2, 64))
     cfg = _config(q, k, None, True, q_chunk=1024, kv_chunk=128, platform="cpu")
     assert (cfg.qc, cfg.kc, cfg.nq, cfg.nk, cfg.group) == (256, 128, 1, 3, 2)
-    assert not cfg.compiled and _config(q, k, None, True, 1024, 128, platform="tpu").compiled
+    assert not cfg.compiled
     with pytest.raises(ValueError, match="not divisible"):
         _config(q, k, None, True, q_chunk=96, kv_chunk=128, platform="cpu")
-    with pytest.raises(ValueError, match="multiple of 128"):  # checked for a TPU only
-        _config(q, k, None, True, q_chunk=256, kv_chunk=64, platform="tpu")
-    _check_tpu_tiles(cfg)  # whole-block and 128-multiple tiles lower on a TPU
-    with pytest.raises(ValueError, match="multiple of 128"):
-        _check_tpu_tiles(cfg._replace(kc=64, tk=384))
+
+
+def test_compiled_tiles_follow_the_tpu_generation_not_the_chunks():
+    q, k = jnp.zeros((1, 8192, 1, 64)), jnp.zeros((1, 1536, 1, 64))
+    for kind, (qc, kc) in [("TPU v4", (1024, 512)), ("TPU v5 lite", (2048, 512)),
+                           ("TPU v7 unknown", (1024, 512)), (None, (1024, 512))]:
+        cfg = _config(q, k, None, True, q_chunk=64, kv_chunk=8192, platform="tpu",
+                      device_kind=kind)
+        assert cfg.compiled and (cfg.qc, cfg.kc) == (qc, kc), kind
+    assert tpu_tiles("TPU v6 lite") == (2048, 1024) and tpu_tiles("TPU v4") == (1024, 1024)
+    # the whole block when it fits, else a power-of-two divisor that is a multiple of 128
+    assert [_tile(n, 1024) for n in (96, 1000, 8192, 1536, 1152, 1088)] == \
+        [96, 1000, 1024, 512, 128, None]
+    with pytest.raises(ValueError, match="multiples of 128"):
+        _config(jnp.zeros((1, 1088, 1, 64)), k, None, True, 64, 64, platform="tpu")
+
+
+@pytest.mark.parametrize("shape,why", [
+    (dict(head_dim=64, block=65536), None), (dict(head_dim=128, block=640), None),
+    (dict(head_dim=96, block=4096), "power of two"), (dict(head_dim=256, block=4096), "up to 128"),
+    (dict(head_dim=64, block=1088), "multiple of 128")])
+def test_limits_on_a_tpu(shape, why):
+    got = limits(q_chunk=2048, kv_chunk=2048, platform="tpu", **shape)
+    assert got is None if why is None else why in got
 
 
 @pytest.mark.parametrize("layout", ["striped", "contiguous"])
