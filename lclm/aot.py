@@ -48,6 +48,9 @@ class Target:
     chip_config: str | None
     devices: int        # JAX devices of the slice (chips)
     hbm_bytes: int      # per device
+    # chips per host where a slice is smaller than the default host of 2x2x1 chips (libtpu
+    # refuses such a topology otherwise): the whole slice on one host
+    host_bounds: tuple[int, ...] | None = None
 
 
 def tpu_target(name: str) -> Target:
@@ -66,8 +69,9 @@ def tpu_target(name: str) -> Target:
     for _ in range(chips.bit_length() - 1):  # a torus as close to a cube as the count allows
         dims[dims.index(min(dims))] *= 2
     dims = sorted(d for d in dims if d > 1) + [1] * dims.count(1)
+    host = tuple(dims + [1] * (3 - ndim)) if chips < 4 else None
     return Target(name, generation, f"{generation}:{'x'.join(map(str, dims))}", chip_config, chips,
-                  hbm_gib * 2**30)
+                  hbm_gib * 2**30, host)
 
 
 def target_devices(target: Target):
@@ -77,7 +81,9 @@ def target_devices(target: Target):
     except ImportError:
         raise ConfigError("--compile needs libtpu (it runs the TPU compiler on this machine): "
                           "pip install 'lclm[tpu]'") from None
-    kwargs = {"chip_config_name": target.chip_config} if target.chip_config else {}
+    kwargs: dict = {"chip_config_name": target.chip_config} if target.chip_config else {}
+    if target.host_bounds:
+        kwargs["chips_per_host_bounds"] = list(target.host_bounds)
     topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
                                             **kwargs)
     return list(topology.devices)
@@ -91,6 +97,7 @@ class Compiled:
     outputs: int
     aliased: int     # donated arguments reused as outputs (counted once)
     kernels: int     # fused-kernel custom calls (Mosaic) in the compiled program
+    callbacks: int   # host callbacks in it (a kernel left in interpret mode would be one)
 
     @property
     def total(self) -> int:
@@ -125,16 +132,18 @@ def compile_step(config, devices) -> Compiled:
     assert memory is not None and text is not None
     return Compiled(seconds, memory.argument_size_in_bytes, memory.temp_size_in_bytes,
                     memory.output_size_in_bytes, memory.alias_size_in_bytes,
-                    text.count("tpu_custom_call"))
+                    text.count("tpu_custom_call"),
+                    len(re.findall(r'custom_call_target="[^"]*callback', text)))
 
 
 def overflow(error: Exception) -> str | None:
     """'HBM' or 'VMEM' when a compile error is a memory overflow, else None."""
-    text = str(error)
-    # v4 says "Ran out of memory in memory space vmem", v5p "CompileTimeScopedVmemOom"
-    if "vmem" in text.lower() and "Ran out of memory" in text or "VmemOom" in text:
-        return "VMEM"
-    if "HbmOom" in text or "Ran out of memory in memory space hbm" in text or \
-            "exceeds the memory capacity" in text.lower():
+    text = str(error).lower()
+    # "Ran out of memory in memory space vmem" (v4), "CompileTimeScopedVmemOom" (v5p),
+    # "CompileTimeHbmOom", "Ran out of memory on HBM ... exceeds available HBM"
+    for kind in ("vmem", "hbm"):
+        if f"{kind}oom" in text or "ran out of memory" in text and kind in text:
+            return kind.upper()
+    if "exceeds the memory capacity" in text:
         return "HBM"
     return None

@@ -8,6 +8,9 @@ request_cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# libtpu (ahead-of-time TPU compiles, tests/test_aot.py) takes a machine-wide lock unless
+# told otherwise; with no TPU here, parallel test workers may each load it
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 
