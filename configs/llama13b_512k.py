@@ -15,6 +15,9 @@ HuggingFace weights), RoPE theta raised per stage as in LWM (Liu et al. 2024: 1e
 sequences), loss only on the assistant replies (Vicuna template). The ring grows with the
 sequence (sp 4 -> 8 -> 16 -> 32: 8K-16K tokens per device) and FSDP takes the rest of the 32
 devices; parameters and optimizer state are sharded over fsdp x sp either way.
+
+On TPUs: a v4-64 slice (32 chips), checked ahead of time with
+`python -m lclm.plan --config configs/llama13b_512k.py --compile v4-64`.
 """
 
 from lclm.config import apply_preset, base_config
@@ -24,8 +27,12 @@ def get_config():
     c = apply_preset(base_config(), "llama2_13b")
     c.workdir = "runs/llama13b_512k"
     c.mesh.update(dp=1, fsdp=-1, tp=1, sp=32)
+    # remat='offload': each layer's saved input and ring output wait in host memory. With
+    # 'attention' XLA:TPU needs 93.7 GiB per device in every stage (a v5p's 95; more than an
+    # A100's 80); offloaded 30.1 GiB of a v4's 32 (plan --compile v4-64), with about 50 GiB
+    # of host memory per device.
     c.model.update(init_from_hf="checkpoints/Llama-2-13b-hf", dtype="bfloat16",
-                   param_dtype="float32", scan_layers=True, remat="attention",
+                   param_dtype="float32", scan_layers=True, remat="offload",
                    ffn_chunk=4096, loss_chunk=4096)
     c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
     c.data.update(source="sharegpt", path="data/sharegpt.json", chat_template="vicuna",

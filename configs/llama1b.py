@@ -1,4 +1,8 @@
-"""LLaMA-3.2-1B shapes (1.24B params) at 32K tokens on one device (sp=1) or a few."""
+"""LLaMA-3.2-1B shapes (1.24B params) at 32K tokens on one device (sp=1) or a few.
+
+One H100, or one TPU v5p chip: `python -m lclm.plan --config configs/llama1b.py --compile
+v5p-2` (36 GiB of 95; a v4 chip's 32 GiB is too small unsharded: 35.8 GiB).
+"""
 
 from lclm.config import apply_preset, base_config
 

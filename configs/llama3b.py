@@ -1,4 +1,8 @@
-"""LLaMA-3.2-3B shapes (3.2B params) at 64K tokens, sequence-parallel over sp=4."""
+"""LLaMA-3.2-3B shapes (3.2B params) at 64K tokens, sequence-parallel over sp=4.
+
+Four devices: 4 H100s, or a TPU v4-8 slice (4 chips): `python -m lclm.plan --config
+configs/llama3b.py --compile v4-8` (25.9 GiB of 32 per chip).
+"""
 
 from lclm.config import apply_preset, base_config
 

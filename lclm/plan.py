@@ -36,6 +36,8 @@ from lclm.config import LlamaConfig, mesh_device_count
 from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError, StartupError
 from lclm.models.llama import is_param_entry, param_table
+from lclm.ops.kernels import choose_kernel
+from lclm.ops.ring_attention import tile_run
 from lclm.parallel.mesh import logical_spec
 from lclm.train.setup import validate
 
@@ -47,6 +49,7 @@ DEVICES = {
     "tpu-v4": (275e12, 268, 32), "tpu-v5e": (197e12, 186, 16), "tpu-v5p": (459e12, 600, 95),
 }
 _BYTES = {"float32": 4, "bfloat16": 2}
+_BACKWARD_F32 = 3  # float32 arrays the size of q (and of k) live in the attention backward
 
 
 @dataclasses.dataclass
@@ -93,7 +96,8 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
                     split *= sizes[a]
         return math.prod(shape) / split
 
-    local_params = sum(shard(e) for e in jax.tree.leaves(param_table(m), is_leaf=is_param_entry))
+    table = param_table(m)
+    local_params = sum(shard(e) for e in jax.tree.leaves(table, is_leaf=is_param_entry))
     d, a = config.data, config.attention
     sp, tp = sizes["sp"], sizes["tp"]
     batch_local = d.batch_size // config.train.grad_accum // (sizes["dp"] * sizes["fsdp"])
@@ -107,15 +111,38 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     ring_out = batch_local * t * heads_local * (m.head_dim * cbytes + 4)
     per_layer_saved = {"full": carry, "attention": carry + ring_out, "offload": carry + ring_out,
                        "none": None}.get(m.remat)
-    inside = (batch_local * t * (2 * heads_local * m.head_dim + 2 * max(kv_dim // tp, m.head_dim))
-              * cbytes                                           # q, o, k, v of the layer
-              + batch_local * heads_local * min(a.q_chunk, t) * min(a.kv_chunk, t) * 4 * 3
-              + batch_local * min(m.ffn_chunk, t) * (m.ffn_dim // tp) * cbytes * 3
-              + batch_local * min(m.loss_chunk, t) * (m.vocab_size // tp) * 4 * 2)
+    kv_local = max(kv_dim // tp, m.head_dim)
+    platform = "tpu" if (device or "").startswith("tpu") else "gpu" if device else None
+    # a fused kernel keeps its score tiles in VMEM / shared memory, the blockwise kernel in HBM
+    fused = platform is not None and choose_kernel(
+        a.impl, head_dim=m.head_dim, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
+        block=tile_run(a.layout, sp, d.seq_len), platform=platform) != "blockwise"
+    # the working set on top of what is saved: the larger of one layer's (its q, o, k, v, the
+    # score tiles of the blockwise kernel, the feed-forward chunk, and the attention backward
+    # in float32: per-block dq, dk, dv, their running sums, o and do upcast for delta, as the
+    # XLA:TPU buffer assignments of the 1B and 7B steps show) and the loss chunk's logits.
+    # On a TPU the per-row statistics [.., t, 1] and [.., t, 2] are padded to 128 lanes.
+    layer = (batch_local * t * (2 * heads_local * m.head_dim + 2 * kv_local) * cbytes
+             + (0 if fused else
+                batch_local * heads_local * min(a.q_chunk, t) * min(a.kv_chunk, t) * 4 * 3)
+             + batch_local * min(m.ffn_chunk, t) * (m.ffn_dim // tp) * cbytes * 3
+             + batch_local * t * 4 * _BACKWARD_F32 * (heads_local * m.head_dim + kv_local)
+             + (2 * batch_local * heads_local * t * 128 * 4 if platform == "tpu" else 0))
+    loss = batch_local * min(m.loss_chunk, t) * (m.vocab_size // tp) * 4 * 2
+    # measured, not derived: with every layer's residuals on the device XLA's peak holds both
+    # working sets, with them offloaded it holds the larger (XLA:TPU, 7B stages on a v4-64)
+    inside = max(layer, loss) if m.remat == "offload" else layer + loss
     if per_layer_saved is None:  # no remat: everything of every layer is kept
         per_layer_saved = carry * 4 + inside
     elif m.remat not in ("full", "attention", "offload"):
         per_layer_saved = carry * 4
+    if m.dtype != m.param_dtype:  # XLA casts every local weight to the compute dtype at once
+        inside += local_params * cbytes
+    if shard(table["embed"]) < m.vocab_size * m.dim:
+        # sharded embeddings are gathered whole for the lookup and the head's matmul (compute
+        # dtype, one copy each way round), and the head's float32 gradient is whole until it
+        # is reduce-scattered (the buffer assignments show all three)
+        inside += m.vocab_size * m.dim * (2 * cbytes + 4)
     host = 0.0
     if m.remat == "offload":  # on the device only the layer being recomputed (and its copy)
         host, per_layer_saved = per_layer_saved * m.n_layers, per_layer_saved

@@ -95,16 +95,17 @@ class _Cfg(NamedTuple):
         return self.dim ** -0.5
 
 
-# Largest (query, key) tiles per TPU generation (jax's device_kind), the biggest that the
-# XLA:TPU/Mosaic compiler of libtpu 0.0.42 fits in the default scoped VMEM for both passes
-# at head dims 64 and 128 with GQA and segments (ahead-of-time compiles, 2026-11-24): v4 and
-# v5p overflow at 2048 x 1024 (v4 already at 2048 x 512, 16.6M of 16M), v5e and v6e fit it.
+# Largest (query, key) tiles per TPU generation (jax's device_kind): the biggest that the
+# XLA:TPU/Mosaic compiler of libtpu 0.0.42 fits in the default scoped VMEM for both passes at
+# head dims 64 and 128, GQA and segments, blocks of 8K-64K tokens (ahead-of-time compiles,
+# 2026-11-24). v4 overflows at 2048 x 512 (16.6M of 16M), v5p at 2048 x 1024; v5e fits
+# 2048 x 1024 at 8K blocks but not at 32K or in a LLaMA-1B step at 4K; v6e fits it at all.
 # VMEM use grows with the tile area, not the head dim, so tiles are set apart from
 # attention.q_chunk/kv_chunk (the blockwise and ring chunking, often 2048 and larger).
 TPU_TILES = {
     "TPU v4": (1024, 1024),
     "TPU v5": (1024, 1024),        # v5p
-    "TPU v5 lite": (2048, 1024),   # v5e
+    "TPU v5 lite": (1024, 1024),   # v5e
     "TPU v6 lite": (2048, 1024),   # v6e
 }
 # a generation not in the table (a new one, or an unnamed device kind) gets the smallest
@@ -278,14 +279,24 @@ def _rows(x):
 
 # ----------------------------------------------------------------------------- kernel math
 
+def _precision(a, b):
+    """Full float32 matmuls for float32 operands, the native pass for narrower ones: set here,
+    not inherited from `jax_default_matmul_precision`, because Mosaic refuses HIGHEST on
+    bfloat16 operands ("Bad lhs type")."""
+    wide = a.dtype == F32 and b.dtype == F32
+    return lax.Precision.HIGHEST if wide else lax.Precision.DEFAULT
+
+
 def _dot_nt(a, b):
     """a @ b.T with float32 accumulation: a `[m, d]`, b `[n, d]` -> `[m, n]`."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
+                           preferred_element_type=F32)
 
 
 def _dot_nn(a, b):
     """a @ b with float32 accumulation: a `[m, n]`, b `[n, d]` -> `[m, d]`."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a, b),
+                           preferred_element_type=F32)
 
 
 def _masked_scores(cfg: _Cfg, rows, cols, row_ids, col_ids, q_is_row: bool):

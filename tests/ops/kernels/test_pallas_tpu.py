@@ -211,7 +211,7 @@ def test_interpreted_tiles_are_the_chunks_clipped_to_the_block():
 
 def test_compiled_tiles_follow_the_tpu_generation_not_the_chunks():
     q, k = jnp.zeros((1, 8192, 1, 64)), jnp.zeros((1, 1536, 1, 64))
-    for kind, (qc, kc) in [("TPU v4", (1024, 512)), ("TPU v5 lite", (2048, 512)),
+    for kind, (qc, kc) in [("TPU v4", (1024, 512)), ("TPU v6 lite", (2048, 512)),
                            ("TPU v7 unknown", (1024, 512)), (None, (1024, 512))]:
         cfg = _config(q, k, None, True, q_chunk=64, kv_chunk=8192, platform="tpu",
                       device_kind=kind)
