@@ -31,6 +31,20 @@ def test_train_cli(args, needle):
     _assert_one_error_line(r.stderr, needle)
 
 
+@pytest.mark.parametrize("text,needle", [
+    ("def get_config(:\n", "line 1: invalid syntax"),
+    ("x = 1\n", "defines no get_config()"),
+    ("def get_config():\n    return 1 / 0\n", "line 2: ZeroDivisionError: division by zero"),
+    ("import lclm_no_such_module\n", "line 1: ModuleNotFoundError: No module named"),
+])
+def test_a_broken_config_file_is_one_line(text, needle, tmp_path, capsys):
+    from lclm.plan import main
+    path = tmp_path / "broken.py"
+    path.write_text(text)
+    assert main(["--config", str(path), "--devices", "8"]) == 2
+    _assert_one_error_line(capsys.readouterr().err, f"config file {str(path)!r} {needle}")
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--config.data.seq_le=3"], "unknown config key data.seq_le (did you mean data.seq_len?)"),
     (["--config.train.steps=abc"], "flag --config.train.steps=abc: invalid literal for int()"),

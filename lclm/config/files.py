@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+import traceback
 
 import ml_collections
 
@@ -23,8 +24,20 @@ def load_config(path: str, overrides: dict | None = None) -> ml_collections.Conf
         raise ConfigError(f"config file {path!r} not found")
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None  # spec_from_file_location gives each spec it makes a loader
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    try:
+        spec.loader.exec_module(module)
+        get_config = getattr(module, "get_config", None)
+        if not callable(get_config):
+            raise ConfigError(f"config file {path!r} defines no get_config(); a config file "
+                              "returns its ConfigDict from get_config() (see configs/demo.py)")
+        config = get_config()
+    except ConfigError:
+        raise
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path!r} line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # noqa: BLE001  (the user's code: one line naming where it failed)
+        raise ConfigError(f"config file {path!r} line {_line_in(e, path)}: "
+                          f"{type(e).__name__}: {e}") from None
     for key, value in (overrides or {}).items():
         node, name = field(config, key)
         try:
@@ -33,6 +46,13 @@ def load_config(path: str, overrides: dict | None = None) -> ml_collections.Conf
             raise ConfigError(f"config key {key}={value!r}: expected type "
                               f"{type(node[name]).__name__}") from None
     return config
+
+
+def _line_in(error: Exception, path: str) -> int | str:
+    """The last line of `path` that `error`'s traceback passes through ('?' if none)."""
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
+             if os.path.abspath(frame.filename) == os.path.abspath(path)]
+    return lines[-1] if lines and lines[-1] is not None else "?"
 
 
 def field(config, key: str) -> tuple[ml_collections.ConfigDict, str]:

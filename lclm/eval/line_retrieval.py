@@ -345,8 +345,15 @@ def parse_args(argv=None):
     ap.add_argument("--layout", choices=LAYOUTS, default=None)
     ap.add_argument("--q-chunk", type=int, default=None)
     ap.add_argument("--kv-chunk", type=int, default=None)
-    ap.add_argument("--out", default="line_retrieval_eval", help="output directory")
-    return ap.parse_args(argv)
+    ap.add_argument("--out", help="output directory (default: line_retrieval_eval/ in the "
+                                   "checkpoint's workdir; runs/line_retrieval_eval/<name> "
+                                   "with --hf)")
+    args = ap.parse_args(argv)
+    if args.out is None:  # beside what was evaluated, never in the current directory
+        args.out = (os.path.join(args.checkpoint, "line_retrieval_eval") if args.checkpoint else
+                    os.path.join("runs", "line_retrieval_eval",
+                                 os.path.basename(os.path.normpath(args.hf))))
+    return args
 
 
 def _line_format(args, saved: dict | None):

@@ -79,3 +79,12 @@ def test_eval_cli_on_a_huggingface_directory(tmp_path, capsys):
     assert report["model"] == "hf" and report["mesh"]["sp"] == 2
     assert report["format"]["line"].startswith("line {key}: REGISTER_CONTENT")
     assert all(0.0 <= c["accuracy"] <= 1.0 for c in report["cells"])
+
+
+def test_results_go_beside_what_was_evaluated_not_into_the_current_directory():
+    from lclm.eval.line_retrieval import parse_args
+    assert parse_args(["--checkpoint", "runs/demo"]).out == \
+        os.path.join("runs/demo", "line_retrieval_eval")
+    assert parse_args(["--hf", "/models/Llama-2-7b-hf/"]).out == \
+        os.path.join("runs", "line_retrieval_eval", "Llama-2-7b-hf")
+    assert parse_args(["--hf", "x", "--out", "elsewhere"]).out == "elsewhere"
