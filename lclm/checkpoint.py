@@ -129,7 +129,9 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def check_shapes(self, step: int, params) -> None:
-        """A clear error naming the first parameter whose saved shape differs."""
+        """A clear error naming the first parameter whose saved shape differs, or that only
+        one of the checkpoint and the model has (a changed config, not damage: nothing is
+        set aside for it)."""
         saved = self.manager.item_metadata(step)["state"].tree["params"]
         saved = {jax.tree_util.keystr(k): v.shape
                  for k, v in jax.tree_util.tree_leaves_with_path(
@@ -144,6 +146,13 @@ class Checkpoints:
                                     f"{tuple(saved[name])} but the model expects "
                                     f"{tuple(leaf.shape)}; check config.model against the "
                                     "run that wrote it")
+        extra = sorted(set(saved) - {jax.tree_util.keystr(path) for path, _ in
+                                     jax.tree_util.tree_leaves_with_path(params)})
+        if extra:
+            raise ShapeMismatch(f"checkpoint step {step} in {self.directory} has parameter "
+                                f"{extra[0]} that the model does not (e.g. "
+                                "model.tie_embeddings); check config.model against the run "
+                                "that wrote it")
 
     def _read(self, step: int, template):
         """`(state, data states)` of `step`; raises whatever a damaged step raises."""

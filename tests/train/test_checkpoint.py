@@ -80,6 +80,11 @@ def test_shape_mismatch_names_the_parameter_and_corrupt_latest_falls_back(tmp_pa
     wrong.model.ffn_dim = 96
     with pytest.raises(ValueError, match=r"parameter \['layers'\]\['w_down'\] has shape"):
         _restore(wrong)
+    tied = _config(tmp_path / "run")  # one parameter fewer: a changed config, not damage
+    tied.model.tie_embeddings = True
+    with pytest.raises(ValueError, match=r"has parameter \['lm_head'\] that the model does not"):
+        _restore(tied)
+    assert not os.path.exists(tmp_path / "run" / "checkpoints_damaged")
     # damage step 4's array data: step 2 is used, and the damage is reported
     for f in glob.glob(str(tmp_path / "run" / "checkpoints" / "4" / "state" / "**" / "*"),
                        recursive=True):
