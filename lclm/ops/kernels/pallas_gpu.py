@@ -153,6 +153,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, causal, scale, b
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
+def _block_shapes(q, k, q_chunk: int, kv_chunk: int):
+    """(batch, tq, heads, dim, tk, query heads per kv head, query tile, key tile) of a call."""
+    b, tq, h, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    return (b, tq, h, d, tk, h // hkv, *_tiles(tq, tk, d, q_chunk, kv_chunk))
+
+
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int, kv_chunk: int,
             platform: str | None = None, device_kind: str | None = None):
     """Attention of one query block over one K/V block. Returns (o f32, lse f32).
@@ -161,10 +168,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int, 
     k_seg `[b, tk]` or None. o `[b, tq, h, d]`, lse `[b, tq, h]`.
     """
     del device_kind  # the tiles follow the chunks on every GPU
-    b, tq, h, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
-    group = h // hkv
-    bq, bk = _tiles(tq, tk, d, q_chunk, kv_chunk)
+    b, tq, h, d, tk, group, bq, bk = _block_shapes(q, k, q_chunk, kv_chunk)
     seg = q_seg is not None
     q_tile = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
     kv_all = pl.BlockSpec((None, tk, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0))
@@ -258,10 +262,7 @@ def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q
              kv_chunk: int, platform: str | None = None, device_kind: str | None = None):
     """Gradients of one block pair from the global output and lse. Returns f32 (dq, dk, dv)."""
     del device_kind  # the tiles follow the chunks on every GPU
-    b, tq, h, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
-    group = h // hkv
-    bq, bk = _tiles(tq, tk, d, q_chunk, kv_chunk)
+    b, tq, h, d, tk, group, bq, bk = _block_shapes(q, k, q_chunk, kv_chunk)
     seg = q_seg is not None
     scale = d ** -0.5
     do = do.astype(q.dtype)
@@ -284,7 +285,7 @@ def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q
                      pl.BlockSpec((None, bk), lambda b_, g_, j: (b_, j))]
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, causal=causal, scale=scale, bq=bq, group=group, seg=seg),
-        grid=(b, hkv, tk // bk),
+        grid=(b, h // group, tk // bk),
         in_specs=in_specs,
         out_specs=[k_tile, k_tile],
         out_shape=[jax.ShapeDtypeStruct(k.shape, F32), jax.ShapeDtypeStruct(v.shape, F32)],
