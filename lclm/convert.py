@@ -51,6 +51,8 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
     checkpoints = Checkpoints(workdir, every=0, keep=3)
     checkpoints.save(0, state, None, public_config(config))
     checkpoints.close()
+    print(f"converted {hf_dir} to {checkpoints.directory} step 0 "
+          f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters)")
     return 0
 
 

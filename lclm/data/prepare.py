@@ -78,8 +78,10 @@ def main(argv=None) -> int:
     def body():
         meta = prepare(args.source, args.input, args.tokenizer, args.out, args.text_field,
                        args.chat_template)
+        skipped = (f"; {meta['skipped']} records skipped (first: "
+                   f"{'; '.join(meta['skipped_examples'])})" if meta["skipped"] else "")
         print(f"{meta['documents']} documents, {meta['tokens']} tokens in {meta['seconds']} s "
-              f"-> {args.out}; {meta['skipped']} records skipped {meta['skipped_examples']}")
+              f"-> {args.out}{skipped}")
 
     return run_cli(body, input_errors=(ValueError,))  # a corpus no document came from
 

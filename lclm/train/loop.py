@@ -142,7 +142,11 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
         if is_main:
             logger = MetricsLogger(config.workdir, wandb_run(config, first - 1),
                                    resume_step=first - 1)
-        progress = Progress(total, first) if is_main and config.log.progress else None
+        if first > total and is_main:
+            log.info("%s is already trained to step %d (train.steps); nothing to do: raise "
+                     "train.steps to train on", config.workdir, total)
+        progress = (Progress(total, first) if is_main and config.log.progress and first <= total
+                    else None)
         started, first_logged = time.perf_counter(), None
         records = []
         preempted = threading.Event()

@@ -83,10 +83,12 @@ def test_bf16_checkpoint_gives_bf16_config_and_pickles_are_refused(tmp_path):
         hf.config_from_hf(cfg)
 
 
-def test_convert_cli_roundtrip_through_an_lclm_checkpoint(tmp_path):
+def test_convert_cli_roundtrip_through_an_lclm_checkpoint(tmp_path, capsys):
     from lclm.convert import main
     _, path = _tiny_hf(tmp_path)
     assert main(["--from-hf", path, "--to-checkpoint", str(tmp_path / "work")]) == 0
+    assert f"converted {path} to {tmp_path / 'work' / 'checkpoints'} step 0" in \
+        capsys.readouterr().out  # says what it did
     back = str(tmp_path / "back")
     assert main(["--from-checkpoint", str(tmp_path / "work"), "--to-hf", back]) == 0
     c, params = hf.load(path)

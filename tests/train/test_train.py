@@ -2,6 +2,7 @@
 
 import io
 import json
+import logging
 import os
 import re
 import sys
@@ -128,7 +129,7 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, layout):
 
 
 @pytest.mark.slow
-def test_resume_from_checkpoint_continues_with_the_same_losses(tmp_path):
+def test_resume_from_checkpoint_continues_with_the_same_losses(tmp_path, caplog):
     full = train(demo_config(tmp_path / "a", train__steps=8, log__every=1,
                              checkpoint__every=4))
     first = train(demo_config(tmp_path / "b", train__steps=8, log__every=1,
@@ -142,6 +143,9 @@ def test_resume_from_checkpoint_continues_with_the_same_losses(tmp_path):
                                [r["loss"] for r in full], rtol=1e-5)
     steps = sorted(os.listdir(tmp_path / "b" / "run" / "checkpoints"))
     assert steps == ["4", "8"]
+    with caplog.at_level(logging.INFO):  # a finished run says so and trains nothing
+        assert train(demo_config(tmp_path / "b", train__steps=8, checkpoint__every=4)) == []
+    assert "is already trained to step 8 (train.steps); nothing to do" in caplog.text
 
 
 class _Terminal(io.StringIO):
