@@ -30,7 +30,9 @@ from lclm import hf, logs
 from lclm.checkpoint import Checkpoints, read_config, read_params
 from lclm.cli import run_cli
 from lclm.config import LlamaConfig, base_config
+from lclm.errors import StartupError
 from lclm.models.llama import param_shapes
+from lclm.train.lock import WorkdirLock
 from lclm.train.setup import public_config
 from lclm.train.state import TrainState
 from lclm.train.step import make_optimizer
@@ -48,9 +50,20 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
             break
     optimizer = make_optimizer(config.train)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-    checkpoints = Checkpoints(workdir, every=0, keep=3)
-    checkpoints.save(0, state, None, public_config(config))
-    checkpoints.close()
+    os.makedirs(workdir, exist_ok=True)
+    lock = WorkdirLock(workdir)  # as training does: never beside a live run
+    lock.acquire()
+    try:
+        checkpoints = Checkpoints(workdir, every=0, keep=3)
+        held = checkpoints.latest_step()
+        if held is not None:  # step 0 beside a run's steps: retention would delete its older ones
+            checkpoints.close()
+            raise StartupError(f"{workdir!r} already holds a run's checkpoints (latest step "
+                               f"{held}); convert into a new directory")
+        checkpoints.save(0, state, None, public_config(config))
+        checkpoints.close()
+    finally:
+        lock.release()
     print(f"converted {hf_dir} to {checkpoints.directory} step 0 "
           f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters)")
     return 0

@@ -89,6 +89,10 @@ def test_convert_cli_roundtrip_through_an_lclm_checkpoint(tmp_path, capsys):
     assert main(["--from-hf", path, "--to-checkpoint", str(tmp_path / "work")]) == 0
     assert f"converted {path} to {tmp_path / 'work' / 'checkpoints'} step 0" in \
         capsys.readouterr().out  # says what it did
+    # again into the same directory: refused in one line, the checkpoint left as it was
+    assert main(["--from-hf", path, "--to-checkpoint", str(tmp_path / "work")]) == 2
+    assert "already holds a run's checkpoints (latest step 0)" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path / "work" / "checkpoints")) == ["0"]
     back = str(tmp_path / "back")
     assert main(["--from-checkpoint", str(tmp_path / "work"), "--to-hf", back]) == 0
     c, params = hf.load(path)
