@@ -136,18 +136,18 @@ class Checkpoints:
         saved = {jax.tree_util.keystr(k): v.shape
                  for k, v in jax.tree_util.tree_leaves_with_path(
                      saved, is_leaf=lambda x: hasattr(x, "shape"))}
-        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-            name = jax.tree_util.keystr(path)
+        expected = {jax.tree_util.keystr(path): leaf.shape
+                    for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+        for name, shape in expected.items():
             if name not in saved:
                 raise ShapeMismatch(f"checkpoint step {step} in {self.directory} has no "
                                     f"parameter {name}; it was written for another model")
-            if tuple(saved[name]) != tuple(leaf.shape):
+            if tuple(saved[name]) != tuple(shape):
                 raise ShapeMismatch(f"checkpoint step {step} parameter {name} has shape "
                                     f"{tuple(saved[name])} but the model expects "
-                                    f"{tuple(leaf.shape)}; check config.model against the "
+                                    f"{tuple(shape)}; check config.model against the "
                                     "run that wrote it")
-        extra = sorted(set(saved) - {jax.tree_util.keystr(path) for path, _ in
-                                     jax.tree_util.tree_leaves_with_path(params)})
+        extra = sorted(set(saved) - set(expected))
         if extra:
             raise ShapeMismatch(f"checkpoint step {step} in {self.directory} has parameter "
                                 f"{extra[0]} that the model does not (e.g. "

@@ -31,7 +31,7 @@ from lclm.checkpoint import Checkpoints, read_config, read_params
 from lclm.cli import run_cli
 from lclm.config import LlamaConfig, base_config
 from lclm.errors import StartupError
-from lclm.models.llama import param_shapes
+from lclm.models.llama import param_count, param_shapes
 from lclm.train.lock import WorkdirLock
 from lclm.train.setup import public_config
 from lclm.train.state import TrainState
@@ -39,6 +39,29 @@ from lclm.train.step import make_optimizer
 
 
 def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
+    os.makedirs(workdir, exist_ok=True)
+    lock = WorkdirLock(workdir)  # as training does: never beside a live run
+    lock.acquire()
+    try:
+        checkpoints = Checkpoints(workdir, every=0, keep=3)
+        try:
+            held = checkpoints.latest_step()
+            if held is not None:  # step 0 beside a run's: retention would delete older steps
+                raise StartupError(f"{workdir!r} already holds a run's checkpoints (latest "
+                                   f"step {held}); convert into a new directory")
+            model = _save_hf_as_step_0(hf_dir, checkpoints)
+        finally:
+            checkpoints.close()
+    finally:
+        lock.release()
+    print(f"converted {hf_dir} to {checkpoints.directory} step 0 "
+          f"({param_count(model):,} parameters)")
+    return 0
+
+
+def _save_hf_as_step_0(hf_dir: str, checkpoints: Checkpoints) -> LlamaConfig:
+    """Read the HuggingFace directory (only once the workdir is known to be free) and save it
+    as step 0 with a fresh optimizer state; returns its model config."""
     model, params = hf.load(hf_dir)
     config = base_config()
     config.model.update({k: v for k, v in vars(model).items() if k in config.model})
@@ -50,23 +73,8 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
             break
     optimizer = make_optimizer(config.train)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-    os.makedirs(workdir, exist_ok=True)
-    lock = WorkdirLock(workdir)  # as training does: never beside a live run
-    lock.acquire()
-    try:
-        checkpoints = Checkpoints(workdir, every=0, keep=3)
-        held = checkpoints.latest_step()
-        if held is not None:  # step 0 beside a run's steps: retention would delete its older ones
-            checkpoints.close()
-            raise StartupError(f"{workdir!r} already holds a run's checkpoints (latest step "
-                               f"{held}); convert into a new directory")
-        checkpoints.save(0, state, None, public_config(config))
-        checkpoints.close()
-    finally:
-        lock.release()
-    print(f"converted {hf_dir} to {checkpoints.directory} step 0 "
-          f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters)")
-    return 0
+    checkpoints.save(0, state, None, public_config(config))
+    return model
 
 
 _STAGE_DIR = re.compile(r"stage(\d+)_(\d+)")

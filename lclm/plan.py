@@ -36,10 +36,8 @@ from lclm.config import LlamaConfig, mesh_device_count
 from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError, StartupError
 from lclm.models.llama import is_param_entry, param_table
-from lclm.ops.kernels import choose_kernel
-from lclm.ops.ring_attention import tile_run
 from lclm.parallel.mesh import logical_spec
-from lclm.train.setup import validate
+from lclm.train.setup import attention_kernel, validate
 
 # name -> (bf16 FLOP/s, one-way link GB/s, memory GiB)
 DEVICES = {
@@ -114,9 +112,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     kv_local = max(kv_dim // tp, m.head_dim)
     platform = "tpu" if (device or "").startswith("tpu") else "gpu" if device else None
     # a fused kernel keeps its score tiles in VMEM / shared memory, the blockwise kernel in HBM
-    fused = platform is not None and choose_kernel(
-        a.impl, head_dim=m.head_dim, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
-        block=tile_run(a.layout, sp, d.seq_len), platform=platform) != "blockwise"
+    fused = platform is not None and attention_kernel(config, m, sp, platform) != "blockwise"
     # the working set on top of what is saved: the larger of one layer's (its q, o, k, v, the
     # score tiles of the blockwise kernel, the feed-forward chunk, and the attention backward
     # in float32: per-block dq, dk, dv, their running sums, o and do upcast for delta, as the

@@ -51,6 +51,8 @@ def test_a_broken_config_file_is_one_line(text, needle, tmp_path, capsys):
     (["--config.model.dim=0"], "model.dim=0 must be >= 1"),
     (["--config.train.b2=1.0"], "train.b2=1.0 must be in [0, 1)"),
     (["--config", "nope.py"], "config file 'nope.py' not found"),
+    (["--device", "tpu-v4", "--config.attention.impl=pallas_gpu"],
+     "attention.impl='pallas_gpu' cannot run here: it runs on GPUs"),
     (["--steps", "3"], "unrecognized argument '--steps'; see --help (config fields: "
      "--config.<key>=<value>)"),
     (["--config", os.path.join(ROOT, "configs", "demo_stages.py"), "--config.data.seq_len=256"],
