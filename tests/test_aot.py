@@ -44,19 +44,21 @@ def test_bad_slice_names_are_one_line_errors(name, needle):
         tpu_target(name)
 
 
-def _plan(*args):
+def _python(*args):
+    """A fresh Python (without the simulated devices' XLA_FLAGS) in the repository root."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run([sys.executable, "-m", "lclm.plan", "--config",
-                           DEMO_CONFIG, *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+
+
+def _plan(*args):
+    return _python("-m", "lclm.plan", "--config", DEMO_CONFIG, *args)
 
 
 def test_compile_without_libtpu_says_so_in_one_line():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     hide_libtpu = ("import sys; sys.modules['libtpu'] = None; from lclm.plan import main; "
                    f"sys.exit(main(['--config', {DEMO_CONFIG!r}, '--compile', 'v5e-8']))")
-    done = subprocess.run([sys.executable, "-c", hide_libtpu], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=600)
+    done = _python("-c", hide_libtpu)
     assert done.returncode == 2
     assert done.stderr.strip() == ("error: --compile needs libtpu (it runs the TPU compiler on "
                                    "this machine): pip install 'lclm[tpu]'")
