@@ -39,30 +39,7 @@ from lclm.train.step import make_optimizer
 
 
 def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
-    os.makedirs(workdir, exist_ok=True)
-    lock = WorkdirLock(workdir)  # as training does: never beside a live run
-    lock.acquire()
-    try:
-        checkpoints = Checkpoints(workdir, every=0, keep=3)
-        try:
-            held = checkpoints.latest_step()
-            if held is not None:  # step 0 beside a run's: retention would delete older steps
-                raise StartupError(f"{workdir!r} already holds a run's checkpoints (latest "
-                                   f"step {held}); convert into a new directory")
-            model = _save_hf_as_step_0(hf_dir, checkpoints)
-        finally:
-            checkpoints.close()
-    finally:
-        lock.release()
-    print(f"converted {hf_dir} to {checkpoints.directory} step 0 "
-          f"({param_count(model):,} parameters)")
-    return 0
-
-
-def _save_hf_as_step_0(hf_dir: str, checkpoints: Checkpoints) -> LlamaConfig:
-    """Read the HuggingFace directory (only once the workdir is known to be free) and save it
-    as step 0 with a fresh optimizer state; returns its model config."""
-    model, params = hf.load(hf_dir)
+    model, params = hf.load(hf_dir)  # first: a directory it refuses leaves no workdir behind
     config = base_config()
     config.model.update({k: v for k, v in vars(model).items() if k in config.model})
     for name in ("tokenizer.model", "tokenizer.json"):  # what an export of it copies back
@@ -73,8 +50,24 @@ def _save_hf_as_step_0(hf_dir: str, checkpoints: Checkpoints) -> LlamaConfig:
             break
     optimizer = make_optimizer(config.train)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-    checkpoints.save(0, state, None, public_config(config))
-    return model
+    os.makedirs(workdir, exist_ok=True)
+    lock = WorkdirLock(workdir)  # as training does: never beside a live run
+    lock.acquire()
+    try:
+        checkpoints = Checkpoints(workdir, every=0, keep=3)
+        try:
+            held = checkpoints.latest_step()
+            if held is not None:  # step 0 beside a run's: retention would delete older steps
+                raise StartupError(f"{workdir!r} already holds a run's checkpoints (latest "
+                                   f"step {held}); convert into a new directory")
+            checkpoints.save(0, state, None, public_config(config))
+        finally:
+            checkpoints.close()
+    finally:
+        lock.release()
+    print(f"converted {hf_dir} to {checkpoints.directory} step 0 "
+          f"({param_count(model):,} parameters)")
+    return 0
 
 
 _STAGE_DIR = re.compile(r"stage(\d+)_(\d+)")
