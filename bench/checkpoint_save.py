@@ -35,9 +35,9 @@ def main(argv=None) -> int:
 
     from lclm.checkpoint import Checkpoints
     from lclm.config import LlamaConfig, apply_preset, load_config
+    from lclm.config.secrets import public_config
     from lclm.models.llama import param_count
     from lclm.parallel.mesh import make_mesh
-    from lclm.train.setup import public_config
     from lclm.train.state import init_state
     from lclm.train.step import make_optimizer
 

@@ -1,5 +1,6 @@
 """Every CLI turns bad input at start into one line `error: ...` and exit status 2 (no
-traceback), found before any model is loaded or step is run."""
+traceback), found before any model is loaded or step is run; every config-driven CLI lists
+the config fields in its --help and prints its resolved config with --print-config."""
 
 import os
 import subprocess
@@ -22,6 +23,11 @@ def _assert_one_error_line(err: str, needle: str):
     (["--config", "nope.py"], "error: config file 'nope.py' not found"),
     (["--config", os.path.join(ROOT, "configs", "demo_stages.py"), "--config.train.steps=10"],
      "error: config.train.steps is set by every stage of stages.schedule; change the schedule"),
+    # Orbax matches checkpoint files with glob patterns: '[0]' would make them unreadable
+    (["--config", DEMO_CONFIG, "--config.workdir=/tmp/lclm runs/exp[0]"],
+     "error: workdir='/tmp/lclm runs/exp[0]' contains '[' or ']'"),
+    (["--config", DEMO_CONFIG, "--config.checkpoint.allow_changed=data.batch_sise"],
+     "error: unknown config key data.batch_sise (did you mean data.batch_size?)"),
 ])
 def test_train_cli(args, needle):
     env = dict(os.environ, JAX_PLATFORMS="cpu", WANDB_MODE="disabled")
@@ -118,7 +124,81 @@ def test_every_console_script_names_a_main_function():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
     assert set(scripts) == {"lclm-train", "lclm-plan", "lclm-convert", "lclm-prepare",
-                            "lclm-eval"}
+                            "lclm-eval", "lclm-generate"}
     for target in scripts.values():
         module, function = target.split(":")
         assert callable(getattr(importlib.import_module(module), function)), target
+
+
+def test_generate_cli_checks_its_input_before_loading(tmp_path, capsys):
+    from lclm.generate import main
+    missing = ["--hf", str(tmp_path / "no_model")]  # loading would fail: the flags fail first
+    for args, needle in [(["--prompt", " "], "--prompt is empty"),
+                         (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens=0 must"),
+                         (["--prompt", "a", "--temperature", "-1"], "--temperature=-1.0 must"),
+                         (["--prompt", "a", "--top-p", "0"], "--top-p=0.0 must be in (0, 1]"),
+                         (["--prompt", "a", "--top-k", "5"], "pass --temperature > 0 to sample")]:
+        assert main([*missing, *args]) == 2
+        _assert_one_error_line(capsys.readouterr().err, needle)
+    assert main(["--checkpoint", str(tmp_path), "--prompt", "a"]) == 2
+    _assert_one_error_line(capsys.readouterr().err, f"no checkpoints in {str(tmp_path)!r}")
+
+
+def _train(*args, cwd=ROOT):
+    # no JAX backend can start: --help and --print-config must not start one
+    env = dict(os.environ, JAX_PLATFORMS="none_may_start", WANDB_MODE="disabled")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_train_help_lists_every_config_field_with_its_default_and_comment():
+    from lclm.cli import _flat
+    from lclm.config import base_config
+    r = _train("--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Train a LLaMA with striped ring attention.")
+    for key, value in _flat(base_config().to_dict()):
+        assert f"\n  {key}={value!r}\n" in r.stdout
+    assert "  checkpoint.every=0\n      steps between saves (0: none by step count)\n" \
+        in r.stdout
+    assert "  # staged context extension (lclm.train.stages)" in r.stdout
+
+
+def test_train_print_config_prints_the_resolved_config_without_secrets(tmp_path):
+    config = tmp_path / "secret.py"
+    config.write_text(f"""
+import runpy
+def get_config():
+    c = runpy.run_path({DEMO_CONFIG!r})["get_config"]()
+    c.log.wandb_api_key = "SECRET_VALUE"
+    return c
+""")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    r = _train("--config", str(config), "--print-config", "--config.train.steps=7",
+               f"--config.workdir={cwd / 'run'}", cwd=cwd)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    lines = r.stdout.splitlines()
+    assert "train.steps=7" in lines and "data.seq_len=512" in lines  # override, config file
+    assert f"workdir={str(cwd / 'run')!r}" in lines
+    assert "SECRET_VALUE" not in r.stdout and "wandb_api_key" not in r.stdout
+    assert os.listdir(cwd) == []  # nothing written, no workdir made
+    r = _train("--print-config", "--config.train.step=7")
+    assert r.returncode == 2
+    _assert_one_error_line(r.stderr, "unknown config key train.step")
+
+
+@pytest.mark.parametrize("module", ["lclm.plan", "bench.train_step", "bench.max_context"])
+def test_config_driven_clis_print_the_config_and_list_its_fields(module, capsys):
+    import importlib
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as done:
+        main(["--config", DEMO_CONFIG, "--config.mesh.sp=4", "--print-config"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "mesh.sp=4" in lines and "data.seq_len=512" in lines
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "  --print-config" in out and "\n  model.dim=64\n" in out

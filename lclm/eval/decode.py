@@ -1,4 +1,5 @@
-"""Greedy decoding: a ring-attention prefill that fills a KV cache, then cached steps.
+"""Decoding: a ring-attention prefill that fills a KV cache, then cached steps, each token
+chosen greedily or sampled (temperature, top-k, top-p).
 
 Prefill runs the model's own layers (`lclm.models.llama.layer_with_kv`: striped ring attention over
 `sp` when a mesh is given, the blockwise kernel on one device otherwise) over the prompt in
@@ -12,12 +13,17 @@ over the prefill cache plus a small cache of the tokens decoded so far (float32 
 two parts merged by one joint softmax). Under `jit` on a mesh this is GSPMD over the sharded
 cache (the reductions over the sequence become collectives); it is meant for a few tokens.
 
-Shapes: B rows, P prefill tokens, M decode slots, L layers, K kv heads, Dh head dim.
+Prompts of different lengths share one row length P: each is padded at the front with a
+separate pad segment (`pad_front`), so its last token is the row's last and no prompt token
+sees the padding; `padded_length` gives a P that the mesh's `sp` and the chunks divide.
+
+Shapes: B rows, P prefill tokens, M decode slots, L layers, K kv heads, Dh head dim, V vocab.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -32,6 +38,9 @@ from lclm.ops.ffn import swiglu
 from lclm.ops.layout import batch_to_layout, to_layout
 
 F32 = jnp.float32
+
+# chooses decoded token s of every row: (logits `[B, V]` float32, s) -> ids `[B]` int32
+Pick = Callable[[jax.Array, int], jax.Array]
 
 
 class Cache(NamedTuple):
@@ -130,19 +139,79 @@ def _compiled(c: LlamaConfig, a: AttentionConfig, mesh, last: int, max_new: int)
     return run_prefill, run_step
 
 
+def padded_length(n: int, sp: int, chunks: tuple[int, ...]) -> int:
+    """The smallest P >= n that `sp` divides and whose per-device block P/sp every chunk
+    (capped at the block, as the ring and blockwise ops do) divides."""
+    p = -(-n // sp) * sp
+    while any((p // sp) % min(c, p // sp) for c in chunks):
+        p += sp
+    return p
+
+
+def pad_front(prompts: list[np.ndarray], length: int,
+              pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows `[B, length]` (tokens, positions, segment_ids) of prompts right-aligned.
+
+    Padding has segment 0 and the document segment 1, so no document token sees padding;
+    document positions run 0..n-1 like a packed training row.
+    """
+    b = len(prompts)
+    tokens = np.full((b, length), pad_id, np.int32)
+    positions = np.tile(np.arange(length, dtype=np.int32), (b, 1))
+    segments = np.zeros((b, length), np.int32)
+    for r, p in enumerate(prompts):
+        n = len(p)
+        if n > length:
+            raise ValueError(f"prompt of {n} tokens does not fit {length}")
+        tokens[r, length - n:] = p
+        positions[r, length - n:] = np.arange(n)
+        segments[r, length - n:] = 1
+    return tokens, positions, segments
+
+
+def greedy(logits, step: int):
+    """The most likely token of every row (a `Pick`)."""
+    return jnp.argmax(logits, -1).astype(jnp.int32)
+
+
+def sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Pick:
+    """A `Pick` drawing from softmax(logits / temperature) over the `top_k` most likely tokens
+    (0: all) that are also in the smallest set whose probability reaches `top_p` (1: all).
+    Token s is drawn with key fold_in(key(seed), s): a seed gives the same tokens every run."""
+    key = jax.random.key(seed)
+    return lambda logits, step: _sample(logits, jax.random.fold_in(key, step), temperature,
+                                        top_k, top_p)
+
+
+@jax.jit
+def _sample(logits, key, temperature, top_k, top_p):
+    """One draw per row from the filtered distribution (see `sampler`); logits `[B, V]`."""
+    logits = logits / temperature
+    ranked = -jnp.sort(-logits, axis=-1)  # [B, V] most likely first
+    probs = jax.nn.softmax(ranked, axis=-1)
+    above = jnp.cumsum(probs, -1) - probs  # mass ranked above each token; the first is 0
+    rank = jnp.arange(logits.shape[-1])
+    keep = ((top_k < 1) | (rank < top_k)) & ((top_p >= 1) | (above < top_p))
+    # the least likely kept logit; ties with it are kept as well
+    cutoff = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
+    filtered = jnp.where(logits >= cutoff, logits, -jnp.inf)
+    return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+
+
 def last_layout_index(layout: str, sp: int, length: int) -> int:
     """Where the final token (original position length-1) sits in `layout` order."""
     order = to_layout(np.arange(length)[None], layout, sp)[0]
     return int(np.flatnonzero(order == length - 1)[0])
 
 
-def greedy_generate(c: LlamaConfig, a: AttentionConfig, params, tokens, positions,
-                    segment_ids, max_new: int, mesh=None) -> np.ndarray:
-    """Greedy continuation `[B, max_new]` int32 of prompts that end at the last column.
+def generate(c: LlamaConfig, a: AttentionConfig, params, tokens, positions, segment_ids,
+             max_new: int, mesh=None, pick: Pick = greedy) -> np.ndarray:
+    """Continuation `[B, max_new]` int32 of prompts that end at the last column, each token
+    chosen by `pick`.
 
     tokens, positions, segment_ids: numpy `[B, P]` in original order (front padding goes in
-    its own segment, see `lclm.eval.line_retrieval`); P must suit the mesh (`sp` and the
-    chunks divide it) and B the mesh's batch axes. Decoded token s sits at position
+    its own segment, see `pad_front`); P must suit the mesh (`sp` and the chunks divide it,
+    see `padded_length`) and B the mesh's batch axes. Decoded token s sits at position
     positions[:, -1] + 1 + s.
     """
     sp = 1 if mesh is None else mesh.shape["sp"]
@@ -157,7 +226,7 @@ def greedy_generate(c: LlamaConfig, a: AttentionConfig, params, tokens, position
         raise ValueError(f"max_new={max_new}; decode at least one token")
     logits, cache = run_prefill(params, batch["tokens"], batch["positions"],
                                 batch["segment_ids"])
-    out = [jnp.argmax(logits, -1).astype(jnp.int32)]
+    out = [pick(logits, 0)]
     next_position = jnp.asarray(positions[:, -1] + 1, jnp.int32)
     # simulated CPU devices: one program in flight at a time (as in the training loop,
     # overlapping multi-device CPU programs can stall XLA's collective rendezvous)
@@ -166,5 +235,11 @@ def greedy_generate(c: LlamaConfig, a: AttentionConfig, params, tokens, position
         logits, new_k, new_v = sync(run_step(params, cache, out[-1], next_position + s,
                                              jnp.int32(s)))
         cache = cache._replace(new_k=new_k, new_v=new_v)
-        out.append(jnp.argmax(logits, -1).astype(jnp.int32))
+        out.append(sync(pick(logits, s + 1)))
     return np.asarray(jax.device_get(jnp.stack(out, axis=1)))
+
+
+def greedy_generate(c: LlamaConfig, a: AttentionConfig, params, tokens, positions,
+                    segment_ids, max_new: int, mesh=None) -> np.ndarray:
+    """The greedy continuation `[B, max_new]` (`generate` with `greedy`)."""
+    return generate(c, a, params, tokens, positions, segment_ids, max_new, mesh)

@@ -29,17 +29,13 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import os
 import sys
 
-import jax
 import numpy as np
 
-from lclm import hf, logs
-from lclm.checkpoint import read_config, read_params
+from lclm import logs
 from lclm.cli import run_cli
-from lclm.config import AttentionConfig, LlamaConfig
 from lclm.config.syntax import parse_lengths
 from lclm.data.line_retrieval import (
     Spec,
@@ -49,33 +45,17 @@ from lclm.data.line_retrieval import (
     parse_answer,
     spec_of_config,
 )
-from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
-from lclm.eval.decode import greedy_generate
-from lclm.models.llama import param_shapes
-from lclm.ops.layout import LAYOUTS
-from lclm.parallel.devices import request_cpu_devices
-from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
-from lclm.train.state import param_shardings, shard_params
+from lclm.eval.decode import greedy_generate, pad_front, padded_length
+from lclm.eval.model import Model, add_model_arguments, answer_text, load_model
 
 log = logging.getLogger(__name__)
 
-MESH_AXES = ("dp", "fsdp", "tp", "sp")
 
-
-# -- lengths, prompts and padding (host side, numpy only) ----------------------------------
+# -- lengths and prompts (host side, numpy only) -------------------------------------------
 
 def format_length(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
-def padded_length(n: int, sp: int, chunks: tuple[int, ...]) -> int:
-    """The smallest P >= n that `sp` divides and whose per-device block P/sp every chunk
-    (capped at the block, as the ring and blockwise ops do) divides."""
-    p = -(-n // sp) * sp
-    while any((p // sp) % min(c, p // sp) for c in chunks):
-        p += sp
-    return p
 
 
 def make_examples(tokenizer, length: int, n_bins: int, samples: int, fmt, seed: int):
@@ -90,47 +70,7 @@ def make_examples(tokenizer, length: int, n_bins: int, samples: int, fmt, seed: 
     return out
 
 
-def pad_front(prompts: list[np.ndarray], length: int,
-              pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows `[B, length]` (tokens, positions, segment_ids) of prompts right-aligned.
-
-    Padding has segment 0 and the document segment 1, so no document token sees padding;
-    document positions run 0..n-1 like a packed training row.
-    """
-    b = len(prompts)
-    tokens = np.full((b, length), pad_id, np.int32)
-    positions = np.tile(np.arange(length, dtype=np.int32), (b, 1))
-    segments = np.zeros((b, length), np.int32)
-    for r, p in enumerate(prompts):
-        n = len(p)
-        if n > length:
-            raise ValueError(f"prompt of {n} tokens does not fit {length}")
-        tokens[r, length - n:] = p
-        positions[r, length - n:] = np.arange(n)
-        segments[r, length - n:] = 1
-    return tokens, positions, segments
-
-
-def answer_text(tokenizer, ids) -> str:
-    """Decoded generation up to (not including) the first EOS."""
-    ids = [int(i) for i in ids]
-    if tokenizer.eos_id in ids:
-        ids = ids[:ids.index(tokenizer.eos_id)]
-    return tokenizer.decode(ids)
-
-
 # -- evaluation ----------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Model:
-    """What evaluation needs: configs, parameters placed on `mesh`, tokenizer, description."""
-    config: LlamaConfig
-    attention: AttentionConfig
-    params: dict
-    mesh: jax.sharding.Mesh
-    tokenizer: Tokenizer
-    name: str
-
 
 def generate_answers(model: Model, prompts: list[np.ndarray], max_new: int,
                      batch_size: int) -> tuple[list[str], int]:
@@ -246,88 +186,11 @@ def write_report(out_dir: str, result: dict, lengths, n_bins: int, meta: dict) -
     return table
 
 
-# -- loading (checkpoint or HuggingFace) ---------------------------------------------------
-
-def restore_params(workdir: str, step: int, model_config, mesh) -> dict:
-    """The parameters of checkpoint `step`, placed with the training shardings on `mesh`
-    (optimizer state and data state are not read)."""
-    dtype = jax.numpy.dtype(model_config.param_dtype)
-    abstract = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype,
-                                                                         sharding=sharding),
-                            param_shapes(model_config), param_shardings(model_config, mesh),
-                            is_leaf=lambda x: isinstance(x, tuple))
-    return read_params(workdir, step, abstract)
-
-
-def _dataclass_fields(cls, values: dict) -> dict:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in values.items() if k in names}
-
-
-def load_checkpoint(args) -> tuple[Model, dict]:
-    """The model of an lclm workdir; returns (Model, the saved config)."""
-
-    step, saved = read_config(args.checkpoint, args.step)
-    model_config = LlamaConfig(**_dataclass_fields(LlamaConfig, saved["model"]))
-    attention = _attention(AttentionConfig(**_dataclass_fields(AttentionConfig,
-                                                               saved["attention"])), args)
-    mesh = make_mesh(**_mesh_sizes(saved.get("mesh", {}), args))
-    tokenizer = Tokenizer(args.tokenizer or saved["data"]["tokenizer"])
-    tokenizer.check_fits(model_config.vocab_size)
-    params = restore_params(args.checkpoint, step, model_config, mesh)
-    name = f"{os.path.basename(os.path.abspath(args.checkpoint))} step {step}"
-    return Model(model_config, attention, params, mesh, tokenizer, name), saved
-
-
-def load_hf(args) -> Model:
-    """A HuggingFace LLaMA directory (safetensors) with its tokenizer (tokenizer.json or
-    tokenizer.model in the directory, or --tokenizer)."""
-
-    model_config, params = hf.load(args.hf)
-    tokenizer = Tokenizer(args.tokenizer or args.hf)
-    tokenizer.check_fits(model_config.vocab_size)
-    mesh = make_mesh(**_mesh_sizes({}, args))
-    params = shard_params(model_config, params, mesh)
-    attention = _attention(AttentionConfig(), args)
-    return Model(model_config, attention, params, mesh, tokenizer,
-                 os.path.basename(os.path.abspath(args.hf)))
-
-
-def _mesh_sizes(saved_mesh: dict, args) -> dict:
-    """Saved mesh sizes with the flags' overrides, -1 resolved against the devices."""
-    sizes = {a: int(saved_mesh.get(a, 1)) for a in MESH_AXES}
-    sizes.update({a: getattr(args, a) for a in MESH_AXES if getattr(args, a) is not None})
-    return resolve_mesh_shape(**sizes, device_count=len(jax.devices()))
-
-
-def _attention(attention, args):
-    changes = {k: getattr(args, k) for k in ("layout", "q_chunk", "kv_chunk")
-               if getattr(args, k) is not None}
-    return dataclasses.replace(attention, **changes)
-
-
-def _requested_devices(args) -> int:
-    """Devices the mesh will need, read before JAX starts (simulated on a CPU): the flags,
-    else the run's `config.json` next to its checkpoints; -1 counts as 1."""
-    saved = {}
-    if args.checkpoint and os.path.isfile(os.path.join(args.checkpoint, "config.json")):
-        with open(os.path.join(args.checkpoint, "config.json")) as f:
-            saved = json.load(f).get("mesh", {})
-    sizes = [getattr(args, a) if getattr(args, a) is not None else saved.get(a, 1)
-             for a in MESH_AXES]
-    return math.prod(max(1, int(s)) for s in sizes)
-
-
 # -- command line --------------------------------------------------------------------------
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="an lclm training workdir")
-    src.add_argument("--hf", help="a HuggingFace LLaMA directory (safetensors)")
-    ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    ap.add_argument("--tokenizer", help="SentencePiece .model, tokenizer.json or a directory "
-                                        "holding one (default: the run's; HF_DIR with --hf)")
+    add_model_arguments(ap)
     ap.add_argument("--lengths", default="2k,4k,8k", help="comma-separated, e.g. 512,2k,4k")
     ap.add_argument("--samples", type=int, default=10, help="prompts per (length, depth bin)")
     ap.add_argument("--depths", type=int, default=5, help="number of needle-depth bins")
@@ -339,12 +202,6 @@ def parse_args(argv=None):
                     help="prompts per prefill (rounded up to the mesh's dp x fsdp)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="tokens decoded per prompt (default: digits + 3)")
-    for axis in MESH_AXES:
-        ap.add_argument(f"--{axis}", type=int, default=None,
-                        help=f"mesh.{axis} (default: the checkpoint's; 1 with --hf)")
-    ap.add_argument("--layout", choices=LAYOUTS, default=None)
-    ap.add_argument("--q-chunk", type=int, default=None)
-    ap.add_argument("--kv-chunk", type=int, default=None)
     ap.add_argument("--out", help="output directory (default: line_retrieval_eval/ in the "
                                    "checkpoint's workdir; runs/line_retrieval_eval/<name> "
                                    "with --hf)")
@@ -380,12 +237,8 @@ def main(argv=None) -> int:
 
 def _run(args) -> None:
     _check_args(args)
-    request_cpu_devices(_requested_devices(args))  # no effect once JAX has started
     lengths = parse_lengths(args.lengths)
-    if args.checkpoint:
-        model, saved = load_checkpoint(args)
-    else:
-        model, saved = load_hf(args), None
+    model, saved = load_model(args)
     fmt = _line_format(args, saved)
     result = evaluate(model, lengths, samples=args.samples, n_bins=args.depths, fmt=fmt,
                       seed=args.seed, batch_size=args.batch_size, max_new=args.max_new_tokens)

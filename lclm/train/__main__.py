@@ -1,15 +1,17 @@
 """Train a LLaMA with striped ring attention.
 
     python train.py --config configs/demo.py   (or: lclm-train, python -m lclm.train)
-    python train.py --config configs/demo.py --config.train.steps=10 --config.mesh.sp=4 \
+    python train.py --config configs/demo.py --config.train.steps=10 --config.mesh.sp=4 \\
         --config.workdir=/tmp/run
+    python train.py --config configs/demo.py --print-config   (the config a run gets; no run)
 
 A config with `stages.schedule` runs its stages one after another (lclm.train.stages); the
 same command resumes an interrupted staged run. Any config field can be overridden with
---config.<path>=<value>. When the mesh needs more devices than the machine has, they are
-simulated on the CPU. A bad config or input stops the run at start with one line
-`error: ...` and exit status 2; a run that stops itself (train.max_bad_steps non-finite
-steps in a row, checkpoints that cannot be saved) prints one line and exits with status 3.
+--config.<path>=<value>; `--help` lists every field with its default. When the mesh needs
+more devices than the machine has, they are simulated on the CPU. A bad config or input
+stops the run at start with one line `error: ...` and exit status 2; a run that stops
+itself (train.max_bad_steps non-finite steps in a row, checkpoints that cannot be saved)
+prints one line and exits with status 3.
 """
 
 import sys
@@ -17,7 +19,7 @@ import sys
 import jax
 
 from lclm import logs
-from lclm.cli import config_from_argv, run_cli
+from lclm.cli import config_main
 from lclm.config import mesh_device_count
 from lclm.parallel import distributed
 from lclm.parallel.devices import request_cpu_devices
@@ -37,11 +39,7 @@ def run(config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv if argv is None else argv
-    if {"-h", "--help"} & set(argv[1:]):
-        print(__doc__)
-        return 0
-    return run_cli(lambda: run(config_from_argv(argv, default="configs/demo.py")))
+    return config_main(sys.argv if argv is None else argv, "configs/demo.py", __doc__, run)
 
 
 if __name__ == "__main__":

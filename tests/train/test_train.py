@@ -13,11 +13,11 @@ import pytest
 from support import DEMO_CONFIG
 
 from lclm.config import AttentionConfig, LlamaConfig, load_config
+from lclm.config.secrets import public_config
 from lclm.data.loader import batch_sharding
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
 from lclm.train.loop import train
-from lclm.train.setup import public_config
 from lclm.train.state import init_state
 from lclm.train.step import make_optimizer, make_train_step
 

@@ -1,0 +1,144 @@
+"""The model an evaluation CLI decodes with: an lclm checkpoint (its saved config, tokenizer
+and mesh) or a HuggingFace LLaMA directory, its parameters placed on a mesh, and the flags
+that choose it (`add_model_arguments`), shared by `lclm.eval.line_retrieval` and
+`lclm.generate`.
+
+Loading reads Orbax tensors, JSON, safetensors and a tokenizer file only: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+
+import jax
+
+from lclm import hf
+from lclm.checkpoint import read_config, read_params
+from lclm.config import AttentionConfig, LlamaConfig
+from lclm.data.tokenizer import Tokenizer
+from lclm.models.llama import param_shapes
+from lclm.ops.layout import LAYOUTS
+from lclm.parallel.devices import request_cpu_devices
+from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
+from lclm.train.state import param_shardings, shard_params
+
+MESH_AXES = ("dp", "fsdp", "tp", "sp")
+
+
+@dataclasses.dataclass
+class Model:
+    """What evaluation needs: configs, parameters placed on `mesh`, tokenizer, description."""
+    config: LlamaConfig
+    attention: AttentionConfig
+    params: dict
+    mesh: jax.sharding.Mesh
+    tokenizer: Tokenizer
+    name: str
+
+
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """--checkpoint WORKDIR | --hf HF_DIR (one required), --step, --tokenizer, the mesh sizes
+    and the attention layout and chunks (default: the checkpoint's)."""
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="an lclm training workdir")
+    src.add_argument("--hf", help="a HuggingFace LLaMA directory (safetensors)")
+    ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    ap.add_argument("--tokenizer", help="SentencePiece .model, tokenizer.json or a directory "
+                                        "holding one (default: the run's; HF_DIR with --hf)")
+    for axis in MESH_AXES:
+        ap.add_argument(f"--{axis}", type=int, default=None,
+                        help=f"mesh.{axis} (default: the checkpoint's; 1 with --hf)")
+    ap.add_argument("--layout", choices=LAYOUTS, default=None)
+    ap.add_argument("--q-chunk", type=int, default=None)
+    ap.add_argument("--kv-chunk", type=int, default=None)
+
+
+def load_model(args) -> tuple[Model, dict | None]:
+    """(the Model the flags of `add_model_arguments` name, the checkpoint's saved config or
+    None for --hf). Call before JAX starts: the mesh's devices are simulated on a CPU."""
+    request_cpu_devices(_requested_devices(args))  # no effect once JAX has started
+    if args.checkpoint:
+        return load_checkpoint(args)
+    return load_hf(args), None
+
+
+def restore_params(workdir: str, step: int, model_config, mesh) -> dict:
+    """The parameters of checkpoint `step`, placed with the training shardings on `mesh`
+    (optimizer state and data state are not read)."""
+    dtype = jax.numpy.dtype(model_config.param_dtype)
+    abstract = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype,
+                                                                         sharding=sharding),
+                            param_shapes(model_config), param_shardings(model_config, mesh),
+                            is_leaf=lambda x: isinstance(x, tuple))
+    return read_params(workdir, step, abstract)
+
+
+def _dataclass_fields(cls, values: dict) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in names}
+
+
+def load_checkpoint(args) -> tuple[Model, dict]:
+    """The model of an lclm workdir; returns (Model, the saved config)."""
+
+    step, saved = read_config(args.checkpoint, args.step)
+    model_config = LlamaConfig(**_dataclass_fields(LlamaConfig, saved["model"]))
+    attention = _attention(AttentionConfig(**_dataclass_fields(AttentionConfig,
+                                                               saved["attention"])), args)
+    mesh = make_mesh(**_mesh_sizes(saved.get("mesh", {}), args))
+    tokenizer = Tokenizer(args.tokenizer or saved["data"]["tokenizer"])
+    tokenizer.check_fits(model_config.vocab_size)
+    params = restore_params(args.checkpoint, step, model_config, mesh)
+    name = f"{os.path.basename(os.path.abspath(args.checkpoint))} step {step}"
+    return Model(model_config, attention, params, mesh, tokenizer, name), saved
+
+
+def load_hf(args) -> Model:
+    """A HuggingFace LLaMA directory (safetensors) with its tokenizer (tokenizer.json or
+    tokenizer.model in the directory, or --tokenizer)."""
+
+    model_config, params = hf.load(args.hf)
+    tokenizer = Tokenizer(args.tokenizer or args.hf)
+    tokenizer.check_fits(model_config.vocab_size)
+    mesh = make_mesh(**_mesh_sizes({}, args))
+    params = shard_params(model_config, params, mesh)
+    attention = _attention(AttentionConfig(), args)
+    return Model(model_config, attention, params, mesh, tokenizer,
+                 os.path.basename(os.path.abspath(args.hf)))
+
+
+def answer_text(tokenizer, ids) -> str:
+    """Decoded generation up to (not including) the first EOS."""
+    ids = [int(i) for i in ids]
+    if tokenizer.eos_id in ids:
+        ids = ids[:ids.index(tokenizer.eos_id)]
+    return tokenizer.decode(ids)
+
+
+def _mesh_sizes(saved_mesh: dict, args) -> dict:
+    """Saved mesh sizes with the flags' overrides, -1 resolved against the devices."""
+    sizes = {a: int(saved_mesh.get(a, 1)) for a in MESH_AXES}
+    sizes.update({a: getattr(args, a) for a in MESH_AXES if getattr(args, a) is not None})
+    return resolve_mesh_shape(**sizes, device_count=len(jax.devices()))
+
+
+def _attention(attention, args):
+    changes = {k: getattr(args, k) for k in ("layout", "q_chunk", "kv_chunk")
+               if getattr(args, k) is not None}
+    return dataclasses.replace(attention, **changes)
+
+
+def _requested_devices(args) -> int:
+    """Devices the mesh will need, read before JAX starts (simulated on a CPU): the flags,
+    else the run's `config.json` next to its checkpoints; -1 counts as 1."""
+    saved = {}
+    if args.checkpoint and os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        with open(os.path.join(args.checkpoint, "config.json")) as f:
+            saved = json.load(f).get("mesh", {})
+    sizes = [getattr(args, a) if getattr(args, a) is not None else saved.get(a, 1)
+             for a in MESH_AXES]
+    return math.prod(max(1, int(s)) for s in sizes)

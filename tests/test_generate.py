@@ -1,0 +1,104 @@
+"""lclm.generate: a prompt's continuation from a checkpoint, greedy (the argmax of the full
+forward, recomputed here without a cache) or sampled (the same tokens for the same seed)."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support import DEMO_TOKENIZER
+
+from lclm import generate, hf
+from lclm.config import LlamaConfig
+from lclm.convert import hf_to_checkpoint
+from lclm.eval.decode import sampler
+from lclm.eval.model import answer_text, load_model
+from lclm.models.llama import forward, init_params
+
+pytestmark = pytest.mark.slow  # writes a checkpoint and compiles decoding
+
+# large init so that greedy choices are far from ties; the demo tokenizer's 512 pieces
+MODEL = LlamaConfig(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                    dtype="float32", init_std=0.5)
+PROMPT = "The quick brown fox"
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(an lclm workdir converted from a tiny HuggingFace directory that holds the demo
+    tokenizer, the model's parameters)."""
+    tmp = tmp_path_factory.mktemp("generate")
+    params = init_params(MODEL, jax.random.key(0))
+    hf.save(str(tmp / "hf"), MODEL, params)
+    shutil.copy(DEMO_TOKENIZER, tmp / "hf" / "tokenizer.model")
+    hf_to_checkpoint(str(tmp / "hf"), str(tmp / "run"))
+    return str(tmp / "run"), params
+
+
+def load(workdir, *flags):
+    return load_model(generate.parse_args(["--checkpoint", workdir, "--prompt", PROMPT,
+                                           *flags]))[0]
+
+
+def reference_greedy(params, ids, steps):
+    """The full forward on one device, re-run for every new token (no cache). The sequence is
+    right-padded to one width: causal attention never looks ahead."""
+    logits_of = jax.jit(lambda p, tokens: forward(MODEL, p, tokens))
+    seq = list(ids)
+    for _ in range(steps):
+        tokens = np.zeros((1, len(ids) + steps), np.int32)
+        tokens[0, :len(seq)] = seq
+        seq.append(int(jnp.argmax(logits_of(params, tokens)[0, len(seq) - 1])))
+    return seq[len(ids):]
+
+
+def test_greedy_continuation_on_a_mesh_is_the_full_forwards_argmax(run):
+    workdir, params = run
+    model = load(workdir, "--fsdp", "2", "--sp", "2")  # a ring of 2, 2 rows of the prompt
+    ids = generate.prompt_ids(model.tokenizer, PROMPT)
+    assert ids[0] == model.tokenizer.bos_id and len(ids) > 2
+    out = generate.continuation(model, ids, NEW).tolist()
+    assert out == reference_greedy(params, ids, NEW)
+    assert generate.continuation(model, ids, NEW).tolist() == out
+
+
+def test_sampling_gives_the_same_tokens_for_a_seed(run):
+    model = load(run[0])
+    ids = generate.prompt_ids(model.tokenizer, PROMPT)
+    draw = lambda **kw: generate.continuation(model, ids, NEW, sampler(**kw)).tolist()
+    first = draw(temperature=2.0, seed=1)
+    assert draw(temperature=2.0, seed=1) == first
+    assert draw(temperature=2.0, seed=2) != first
+    greedy = generate.continuation(model, ids, NEW).tolist()
+    assert draw(temperature=2.0, top_k=1, seed=1) == greedy
+    assert draw(temperature=2.0, top_p=1e-6, seed=1) == greedy  # a nucleus of one token
+
+
+def test_the_cli_prints_the_continuation(run, capsys):
+    workdir, params = run
+    argv = ["--checkpoint", workdir, "--prompt", PROMPT, "--max-new-tokens", str(NEW)]
+    assert generate.main(argv) == 0
+    text = capsys.readouterr().out
+    model = load(workdir)
+    ids = generate.prompt_ids(model.tokenizer, PROMPT)
+    assert text == answer_text(model.tokenizer, reference_greedy(params, ids, NEW)) + "\n"
+    assert text.strip()
+    sampled = [*argv, "--temperature", "1.5", "--top-p", "0.9", "--seed", "4"]
+    assert generate.main(sampled) == 0
+    first = capsys.readouterr().out
+    assert generate.main(sampled) == 0
+    assert capsys.readouterr().out == first
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--step", "7"], "checkpoints/7 not found"),
+    (["--max-new-tokens", "4086"], "the prompt's 11 tokens and --max-new-tokens=4086 pass the "
+     "model's 4096 positions"),
+    (["--prompt", "fox " * 5000], "pass the model's 4096 positions"),
+])
+def test_a_step_or_prompt_the_checkpoint_lacks_is_one_line(run, capsys, flags, needle):
+    assert generate.main(["--checkpoint", run[0], "--prompt", PROMPT, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
