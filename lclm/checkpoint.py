@@ -87,6 +87,16 @@ def read_params(workdir: str, step: int, abstract_params):
     return restored["state"]["params"]
 
 
+def path_problem(workdir: str) -> str | None:
+    """Why checkpoints cannot be kept under `workdir` (None: they can). Orbax finds the files
+    each process wrote with glob patterns that contain the path, so a '[' or ']' in it (a
+    character class to glob) would make every checkpoint written there unreadable."""
+    if "[" in workdir or "]" in workdir:
+        return ("contains '[' or ']', which Orbax's file matching reads as a pattern: "
+                "checkpoints written there could not be read back; rename it")
+    return None
+
+
 class ShapeMismatch(StartupError):
     """The checkpoint was written for another model (the config, not the files, is wrong)."""
 
@@ -95,7 +105,7 @@ class SaveFailed(RuntimeError):
     """A checkpoint save did not complete; the checkpoints before it are intact."""
 
 
-def _first_line(e: BaseException, limit: int = 300) -> str:
+def first_line(e: BaseException, limit: int = 300) -> str:
     """A one-line summary of an exception (tensorstore errors run to dozens of lines)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return text[:limit]
@@ -127,6 +137,16 @@ class Checkpoints:
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def saved_config(self, step: int) -> dict | None:
+        """The config saved with `step`, or None where it cannot be read (damage is
+        `restore`'s business: it sets the step aside)."""
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                config=ocp.args.JsonRestore()))
+        except Exception:  # noqa: BLE001  (any damage)
+            return None
+        return restored["config"]
 
     def check_shapes(self, step: int, params) -> None:
         """A clear error naming the first parameter whose saved shape differs, or that only
@@ -193,7 +213,7 @@ class Checkpoints:
             except Exception as e:  # noqa: BLE001  (any damage: truncated, random, missing)
                 error = e
             if any_process(error is not None):  # every process falls back together
-                self.set_aside(step, _first_line(error) if error else "unreadable on another "
+                self.set_aside(step, first_line(error) if error else "unreadable on another "
                                "process")
                 continue
             log.info("restored checkpoint step %d of %s", step, self.directory)
@@ -238,7 +258,7 @@ class Checkpoints:
     def _failed(self, step, error: BaseException) -> SaveFailed:
         intact = [s for s in self.manager.all_steps() if s != step]
         return SaveFailed(f"checkpoint step {step} could not be saved to {self.directory} "
-                          f"({_first_line(error)}); intact checkpoints: {intact or 'none'}")
+                          f"({first_line(error)}); intact checkpoints: {intact or 'none'}")
 
     def close(self) -> None:
         """Wait for the save in flight and release the manager; `SaveFailed` if a save failed.
@@ -254,6 +274,6 @@ class Checkpoints:
             self.manager.close()
         except Exception as e:  # noqa: BLE001
             failed = failed or SaveFailed(f"a checkpoint save to {self.directory} failed "
-                                          f"({_first_line(e)})")
+                                          f"({first_line(e)})")
         if failed is not None:
             raise failed

@@ -1,7 +1,11 @@
 """What many tests share: the repository's paths and the small trainable config built from
 configs/demo.py. (Session set-up, simulated devices among it, is conftest.py's.)"""
 
+import glob
 import os
+import shutil
+
+import numpy as np
 
 from lclm.config import load_config
 
@@ -25,3 +29,35 @@ def small_train_config(workdir, *, mesh: dict, attention: dict, train: dict | No
     c.log.update(every=1, progress=False)
     c.checkpoint.update(every=2, keep=3)
     return c
+
+
+def chunk_files(step_dir):
+    """The array data files of a checkpoint step directory."""
+    return [f for f in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
+            if os.path.isfile(f)]
+
+
+def damage_checkpoint(step_dir, kind):
+    """Damage the checkpoint step directory `step_dir` in one of the ways of `DAMAGE`."""
+    if kind == "emptied step dir":
+        shutil.rmtree(step_dir)
+        os.makedirs(step_dir)
+    elif kind == "truncated chunks":
+        for f in chunk_files(step_dir):
+            with open(f, "r+b") as fh:
+                fh.truncate(10)
+    elif kind == "random chunks":
+        rng = np.random.default_rng(0)
+        for f in chunk_files(step_dir):
+            with open(f, "wb") as fh:
+                fh.write(rng.bytes(os.path.getsize(f)))
+    elif kind == "garbage _METADATA":
+        with open(os.path.join(step_dir, "state", "_METADATA"), "w") as fh:
+            fh.write("garbage{")
+    elif kind == "deleted manifest.ocdbt":
+        os.remove(os.path.join(step_dir, "state", "manifest.ocdbt"))
+
+
+
+DAMAGE = ["emptied step dir", "truncated chunks", "random chunks", "garbage _METADATA",
+          "deleted manifest.ocdbt"]

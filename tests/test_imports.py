@@ -1,5 +1,5 @@
-"""lclm's import graph runs one way: errors -> config -> logs/cli -> ops -> parallel -> models
--> hf -> data -> checkpoint -> train -> eval -> the planner and converter CLIs. No module
+"""lclm's import graph runs one way: errors -> files -> config -> logs/cli -> ops -> parallel
+-> models -> hf -> data -> checkpoint -> train -> eval -> the planner and converter CLIs. No module
 imports a higher layer, none imports lclm inside a function (the old way to dodge a cycle),
 and so there are no cycles. Read from the source (AST), nothing is imported."""
 
@@ -8,9 +8,9 @@ import pathlib
 
 from support import ROOT
 
-LAYERS = ["lclm.errors", "lclm.config", "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel",
-          "lclm.models", "lclm.hf", "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval",
-          "lclm.aot", "lclm.plan", "lclm.convert"]
+LAYERS = ["lclm.errors", "lclm.files", "lclm.config", "lclm.logs", "lclm.cli", "lclm.ops",
+          "lclm.parallel", "lclm.models", "lclm.hf", "lclm.data", "lclm.checkpoint",
+          "lclm.train", "lclm.eval", "lclm.aot", "lclm.plan", "lclm.convert", "lclm.generate"]
 
 
 def _layer(module: str) -> int | None:

@@ -48,6 +48,9 @@ def base_config() -> ml_collections.ConfigDict:
     """All fields with their defaults (a tiny model; presets fill real shapes)."""
     c = ml_collections.ConfigDict()
     c.workdir = "runs/default"
+    # the workdir lock is a lease its run renews; one not renewed for this long (a dead host,
+    # a requeued job) may be taken over by the next run (lclm.train.lock)
+    c.workdir_lease_minutes = 10.0
     c.seed = 0
 
     c.mesh = ml_collections.ConfigDict(dict(dp=1, fsdp=1, tp=1, sp=1))
@@ -79,7 +82,18 @@ def base_config() -> ml_collections.ConfigDict:
     c.log = ml_collections.ConfigDict(dict(
         every=10, wandb=False, wandb_project="lclm", wandb_mode="online", progress=True))
 
-    c.checkpoint = ml_collections.ConfigDict(dict(every=0, keep=3))  # every=0: final save only
+    c.checkpoint = ml_collections.ConfigDict(dict(
+        every=0,              # steps between saves (0: none by step count)
+        every_minutes=30.0,   # training minutes between saves (0: none by time); a kill -9
+                              # or an OOM then loses at most this much
+        keep=3,
+        # comma-separated config keys a resume may change from the config its checkpoints were
+        # written with (e.g. "data.batch_size"); the change is logged. See lclm.train.resume
+        allow_changed=""))
+
+    # held-out data (the data.path syntax; empty: none): the mean loss over its first `batches`
+    # batches (the same ones every time) is logged as val_loss every `every` steps and at the end
+    c.validation = ml_collections.ConfigDict(dict(path="", every=200, batches=4))
 
     # staged context extension (lclm.train.stages): "seq_len:rope_theta:steps, ..." runs one
     # stage after another, each from the previous one's final weights; empty = a single run.
@@ -114,7 +128,8 @@ _POSITIVE = (
     "model.ffn_dim", "model.ffn_chunk", "model.loss_chunk", "model.rope_original_max_positions",
     "model.max_position_embeddings", "attention.q_chunk",
     "attention.kv_chunk", "data.seq_len", "data.batch_size", "train.steps", "train.grad_accum",
-    "train.max_bad_steps", "checkpoint.keep", "log.every")
+    "train.max_bad_steps", "checkpoint.keep", "log.every", "validation.every",
+    "validation.batches")
 
 # field -> (accepted, the rule the message states); a nan fails every comparison
 _RANGES = {
@@ -129,7 +144,10 @@ _RANGES = {
     "train.weight_decay": (lambda x: 0 <= x < math.inf, "must be a finite number >= 0"),
     "train.min_lr_ratio": (lambda x: 0 <= x <= 1, "must be in [0, 1]"),
     "train.warmup": (lambda x: x >= 0, "must be >= 0"),
-    "checkpoint.every": (lambda x: x >= 0, "must be >= 0 (0: save at the end only)"),
+    "checkpoint.every": (lambda x: x >= 0, "must be >= 0 (0: no saves by step count)"),
+    "checkpoint.every_minutes": (lambda x: 0 <= x < math.inf,
+                                 "must be a finite number >= 0 (0: no saves by time)"),
+    "workdir_lease_minutes": (lambda x: 0 < x < math.inf, "must be a finite number > 0"),
     "stages.extend_lr": (lambda x: 0 <= x < math.inf,
                          "must be a finite number >= 0 (0: the stages after the first use "
                          "train.lr)"),

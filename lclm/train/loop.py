@@ -11,30 +11,39 @@ import threading
 import time
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.config.model import AttentionConfig, LlamaConfig
+from lclm.config.secrets import public_config
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError, TrainingHalted
+from lclm.files import write_json
 from lclm.models.llama import param_count
-from lclm.parallel.distributed import check_same_config
+from lclm.parallel.distributed import any_process, check_same_config
 from lclm.parallel.mesh import make_mesh
 from lclm.train.lock import WorkdirLock
-from lclm.train.metrics import MetricsLogger, Progress, flops_per_token, peak_flops
+from lclm.train.metrics import (
+    MetricsFailed,
+    MetricsLogger,
+    Progress,
+    flops_per_token,
+    peak_flops,
+)
+from lclm.train.resume import allowed_keys, check_resume, tokenizer_fingerprint
 from lclm.train.setup import (
     apply_checkpoint_fields,
     apply_hf_shapes,
     attention_line,
     load_checkpoint_params,
     load_hf_params,
-    public_config,
     validate,
     wandb_run,
 )
 from lclm.train.state import TrainState, init_state
-from lclm.train.step import all_finite, jit_train_step, make_optimizer
+from lclm.train.step import all_finite, jit_eval_loss, jit_train_step, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +79,19 @@ def train(config, stop_after: int | None = None) -> list[dict]:
         lock.release()
 
 
-def _restore_or_init(config, checkpoints: Checkpoints, state: TrainState, model, mesh):
-    """(state, data state) to start from: the workdir's latest readable checkpoint, else the
-    configured initial weights (another run's checkpoint, HF weights, or the fresh init)."""
-    if checkpoints.latest_step() is not None:
+def _restore_or_init(config, checkpoints: Checkpoints, state: TrainState, model, mesh,
+                     saved_config: dict):
+    """(state, data state) to start from: the workdir's latest readable checkpoint (if the
+    config may resume it, `lclm.train.resume`), else the configured initial weights (another
+    run's checkpoint, HF weights, or the fresh init)."""
+    latest = checkpoints.latest_step()
+    if latest is not None:
+        saved = checkpoints.saved_config(latest)
+        restart_data = saved is not None and check_resume(saved, saved_config,
+                                                          allowed_keys(config), latest)
         state, data_state = checkpoints.restore(state)
+        if restart_data:
+            data_state = None
         if int(state.step) >= config.train.steps:
             log.info("the checkpoint in %s is already at step %d of %d: nothing to train "
                      "(raise train.steps or use a new workdir)", config.workdir,
@@ -85,6 +102,30 @@ def _restore_or_init(config, checkpoints: Checkpoints, state: TrainState, model,
     elif config.model.init_from_hf:
         state = state._replace(params=load_hf_params(config, model, mesh))
     return state, None
+
+
+def _validation(config, mesh, tokenizer, model, attention, param_sharding):
+    """`val_loss(params) -> float`: the mean token loss over the first `validation.batches`
+    batches of `validation.path` (read once, so every evaluation sees the same tokens), or
+    None when the run has no validation data."""
+    v = config.validation
+    if not v.path:
+        return None
+    held_out = config.copy_and_resolve_references()
+    held_out.data.path = v.path
+    reader = HostBatches(held_out, mesh, tokenizer, prefetch=0)
+    try:
+        batches = [next(reader) for _ in range(v.batches)]
+    finally:
+        reader.close()
+    loss_fn = jit_eval_loss(model, attention, mesh, param_sharding,
+                            document_mask=config.data.document_mask)
+
+    def val_loss(params) -> float:
+        sums = [jax.device_get(loss_fn(params, batch)) for batch in batches]
+        return float(sum(t for t, _ in sums)) / max(float(sum(c for _, c in sums)), 1.0)
+
+    return val_loss
 
 
 def _summary(records: list[dict], started: float, first_logged: float, tokens_per_step: int,
@@ -113,10 +154,12 @@ def _summary(records: list[dict], started: float, first_logged: float, tokens_pe
 def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[dict]:
     devices = list(mesh.devices.flat)
     is_main = jax.process_index() == 0
-    saved_config = public_config(config)   # config.json and every checkpoint get this
+    # config.json and every checkpoint get this; `identity` tells a resume what the tokenizer
+    # was even when its file has moved
+    saved_config = dict(public_config(config),
+                        identity=dict(tokenizer=tokenizer_fingerprint(tokenizer)))
     if is_main:
-        with open(os.path.join(config.workdir, "config.json"), "w") as f:
-            json.dump(saved_config, f, indent=1)
+        write_json(os.path.join(config.workdir, "config.json"), saved_config)
     log.info("mesh %s on %d %s devices; model %.2fM params; attention %s", sizes, len(devices),
              devices[0].platform, param_count(model) / 1e6,
              attention_line(config, model, sizes["sp"], devices[0].platform))
@@ -127,12 +170,15 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
     batches = logger = None
     previous_handlers = {}
     try:
-        state, data_state = _restore_or_init(config, checkpoints, state, model, mesh)
+        state, data_state = _restore_or_init(config, checkpoints, state, model, mesh,
+                                             saved_config)
         state_sharding = jax.tree.map(lambda x: x.sharding, state)
         step_fn = jit_train_step(model, attention, config.train, mesh, optimizer, state_sharding,
                                  document_mask=config.data.document_mask)
         finite_fn = jax.jit(all_finite)
         batches = HostBatches(config, mesh, tokenizer, state=data_state)
+        val_loss = _validation(config, mesh, tokenizer, model, attention,
+                               state_sharding.params)
 
         total = config.train.steps
         first = int(state.step) + 1
@@ -147,6 +193,8 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
                      "train.steps to train on", config.workdir, total)
         progress = (Progress(total, first) if is_main and config.log.progress and first <= total
                     else None)
+        if is_main and progress is None and first <= total:   # the bar says it where there is one
+            log.info("compiling the training step (step %d of %d)", first, total)
         started, first_logged = time.perf_counter(), None
         records = []
         preempted = threading.Event()
@@ -159,7 +207,8 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
             previous_handlers = {sig: signal.signal(sig, lambda *_: preempted.set())
                                  for sig in (signal.SIGTERM, signal.SIGINT)}
         max_bad = config.train.max_bad_steps
-        bad_in_a_row = skipped_steps = failed_saves = 0
+        bad_in_a_row = skipped_steps = 0
+        failures = {"checkpoint": 0, "metrics": 0}   # failed writes in a row, per kind
 
         def halt(why: str):
             latest = checkpoints.latest_step()
@@ -182,25 +231,47 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
                            "with a non-finite loss or gradient norm (their updates were "
                            "skipped); lower train.lr or check the data")
 
-        def save_failed(error: SaveFailed, last_chance: bool) -> None:
-            """Policy: report at once; retry at the next checkpoint step (a transient storage
-            fault costs nothing); stop on a second failure in a row or when no later save
-            will come (final step, preemption): a run that cannot save loses its work."""
-            nonlocal failed_saves
-            failed_saves += 1
+        def write_failed(kind: str, error: Exception, last_chance: bool) -> bool:
+            """The one policy for every write of the run: report at once; retry at the next
+            chance (a transient storage fault costs nothing); give up on a second failure in
+            a row or when no later chance will come. A run that cannot save a checkpoint stops
+            (exit 3) with its earlier ones intact; one that cannot write its metrics returns
+            True: it saves a checkpoint, then stops, so no trained step is lost."""
+            failures[kind] += 1
             log.error("%s", error)
-            if last_chance or failed_saves >= 2:
+            if last_chance or failures[kind] >= 2:
+                if kind == "metrics":
+                    return True
                 raise halt(f"stopped: {error}") from None
-            log.error("training goes on; the save is retried at the next checkpoint step")
+            log.error("training goes on; %s", "the save is retried at the next checkpoint "
+                      "step" if kind == "checkpoint" else "the records are written with the "
+                      "next logged step")
+            return False
+
+        # Time-based saves: several processes must agree, and their clocks differ, so there
+        # process 0 decides at logging steps and tells the others (a collective every
+        # log.every steps, not every step).
+        every_seconds = 60 * config.checkpoint.every_minutes
+        last_saved = time.monotonic()
 
         def save(step: int, last_chance: bool) -> None:
+            nonlocal last_saved
             if not bool(finite_fn((state.params, state.opt_state))):
                 raise halt(f"step {step}: parameters or optimizer state are not finite, so no "
                            "checkpoint was written")
+            last_saved = time.monotonic()
             try:
                 checkpoints.save(step, state, batches.state(), saved_config)
             except SaveFailed as e:
-                save_failed(e, last_chance)
+                write_failed("checkpoint", e, last_chance)
+
+        def due_by_time(step: int) -> bool:
+            if not every_seconds or (multi and step % config.log.every):
+                return False
+            due = time.monotonic() - last_saved >= every_seconds
+            if multi:
+                due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
+            return due
 
         # Simulated CPU devices: one step in flight at a time. Overlapping multi-device CPU
         # programs were seen to stall XLA's in-process collective rendezvous on 2-core
@@ -221,14 +292,18 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
             unchecked = (step, metrics["skipped"])
             try:
                 if checkpoints.poll():
-                    failed_saves = 0
+                    failures["checkpoint"] = 0
             except SaveFailed as e:
-                save_failed(e, last_chance=False)
+                write_failed("checkpoint", e, last_chance=False)
             if multi and multihost_utils.reached_preemption_sync_point(step):
                 preempted.set()
-            saving = checkpoints.due(step) or step == total or preempted.is_set()
+            saving = (checkpoints.due(step) or due_by_time(step) or step == total
+                      or preempted.is_set())
+            stopping = None   # why the run stops after saving this step
+            validating = val_loss is not None and (step % config.validation.every == 0
+                                                   or step == last)
             logging_step = (step % config.log.every == 0 or step in (first, last)
-                            or preempted.is_set())
+                            or preempted.is_set() or validating)
             if (saving or logging_step) and unchecked is not None:
                 check_step(*unchecked)   # the host waits for this step now anyway
                 unchecked = None
@@ -241,15 +316,35 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
                               tokens_per_sec=tokens_per_step / seconds, step_time=seconds,
                               mfu=(flops / seconds / (peak * len(devices))) if peak else None,
                               skipped_steps=skipped_steps)
-                t0, since = now, step
                 first_logged = first_logged or now
+                if validating:   # not counted in the next steps' time
+                    record["val_loss"] = val_loss(state.params)
+                    now = time.perf_counter()
+                t0, since = now, step
                 records.append(record)
+                give_up = False
                 if logger:
-                    logger.log(record)
+                    try:
+                        logger.log(record)
+                        failures["metrics"] = 0
+                    except MetricsFailed as e:
+                        give_up = write_failed("metrics", e, last_chance=False)
+                if multi:   # only process 0 writes metrics; every process saves
+                    give_up = any_process(give_up)
+                if give_up:
+                    stopping = f"stopped after step {step}: metrics.jsonl cannot be written"
+                    saving = True
                 if progress:
                     progress.update(record)
             if saving:
-                save(step, last_chance=step == total or preempted.is_set())
+                save(step, last_chance=(step == total or preempted.is_set()
+                                        or stopping is not None))
+            if stopping is not None:
+                try:
+                    checkpoints.wait()
+                except SaveFailed as e:
+                    stopping += f"; {e}"
+                raise halt(stopping)
             if preempted.is_set():
                 log.warning("stopped after step %d on a termination signal (checkpoint saved)",
                             step)
@@ -259,7 +354,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
         try:
             checkpoints.wait()  # the final save is complete before the run reports success
         except SaveFailed as e:
-            save_failed(e, last_chance=True)
+            write_failed("checkpoint", e, last_chance=True)
         if is_main and records:
             assert first_logged is not None  # set with the first record
             summary = _summary(records, started, first_logged, tokens_per_step, checkpoints,
@@ -280,4 +375,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
         except SaveFailed as e:  # already reported, or an error is on its way out
             log.error("%s", e)
         if logger:
-            logger.close()
+            try:
+                logger.close()
+            except MetricsFailed as e:  # the steps are in the checkpoint: keep their records
+                log.error("%s; they are: %s", e, " ".join(line.strip() for line in logger.held()))

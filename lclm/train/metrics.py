@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import sys
 import time
 
 from lclm.config import LlamaConfig
+from lclm.files import replacing
 from lclm.models.llama import param_count
 
 # Dense bf16 peak FLOP/s per device, by `device_kind` prefix (vendor datasheets).
@@ -56,35 +58,56 @@ def truncate_metrics(path: str, last_step: int) -> int:
             else:
                 dropped += 1
     if dropped:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
+        with replacing(path) as f:
             f.writelines(kept)
-        os.replace(tmp, path)
     return dropped
+
+
+class MetricsFailed(RuntimeError):
+    """metrics.jsonl could not be written; the records are held back for the next try."""
 
 
 class MetricsLogger:
     """Writes one JSON object per logged step to `<workdir>/metrics.jsonl`, and to wandb.
 
     `resume_step`: the step the run restarts after; records past it (from a run that crashed
-    after its last checkpoint) are dropped before the re-run steps are logged.
+    after its last checkpoint) are dropped before the re-run steps are logged. A write that
+    fails (a full disk, a storage hiccup) leaves the file as it was and raises `MetricsFailed`;
+    its records are written with the next `log` or `close` (the run's policy decides the rest).
     """
 
     def __init__(self, workdir: str, wandb_run=None, resume_step: int = 0):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "metrics.jsonl")
         truncate_metrics(self.path, resume_step)
-        self._file = open(self.path, "a")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._held: list[str] = []   # lines not yet written
         self._wandb = wandb_run
 
     def log(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in record.items()}
-        self._file.write(json.dumps(clean) + "\n")
-        self._file.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in clean.items() if k != "step"},
                             step=record["step"])
+        self._held.append(json.dumps(clean) + "\n")
+        self._write()
+
+    def _write(self) -> None:
+        if not self._held:
+            return
+        size = os.fstat(self._fd).st_size
+        data = "".join(self._held).encode()
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as e:
+            # a cut line would glue onto the next record: drop what part of it was written
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, size)
+            raise MetricsFailed(f"{self.path}: could not write {len(self._held)} record(s) "
+                                f"({e.strerror or e})") from None
+        self._held.clear()
 
     def outputs(self) -> list[str]:
         """Where the metrics went, for the run's summary."""
@@ -93,10 +116,18 @@ class MetricsLogger:
             lines.append(f"wandb: run {self._wandb.id} ({self._wandb.url or self._wandb.dir})")
         return lines
 
+    def held(self) -> list[str]:
+        """The JSON lines not written yet."""
+        return list(self._held)
+
     def close(self) -> None:
-        self._file.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        """Write what is held back (`MetricsFailed` if that still fails) and close."""
+        try:
+            self._write()
+        finally:
+            os.close(self._fd)
+            if self._wandb is not None:
+                self._wandb.finish()
 
 
 def _duration(seconds: float) -> str:
@@ -139,6 +170,8 @@ class Progress:
         """A logged step's metrics."""
         fields = {"loss": f"{record['loss']:.4f}" if record["loss"] is not None else "nan",
                   "lr": f"{record['lr']:.2e}", "tok/s": f"{record['tokens_per_sec']:,.0f}"}
+        if record.get("val_loss") is not None:
+            fields["val"] = f"{record['val_loss']:.4f}"
         if record.get("mfu") is not None:
             fields["MFU"] = f"{100 * record['mfu']:.1f}%"
         if record.get("skipped_steps"):

@@ -18,15 +18,26 @@ import jax
 import jax.numpy as jnp
 
 from lclm import hf
-from lclm.checkpoint import Checkpoints, read_config, read_params
+from lclm.checkpoint import (
+    Checkpoints,
+    ShapeMismatch,
+    first_line,
+    path_problem,
+    read_config,
+    read_params,
+)
 from lclm.config.model import LlamaConfig
 from lclm.config.schema import check_fields
+from lclm.config.secrets import is_secret, public_config
 from lclm.data.chat import TEMPLATES
 from lclm.data.loader import SOURCE_KINDS
-from lclm.errors import ConfigError
+from lclm.errors import ConfigError, StartupError
+from lclm.files import replacing
 from lclm.ops.kernels import IMPLS, choose_kernel, get_kernel, platform_family
 from lclm.ops.ring_attention import kv_repeats, tile_run
+from lclm.parallel.distributed import any_process
 from lclm.parallel.mesh import resolve_mesh_shape
+from lclm.train.resume import allowed_keys
 from lclm.train.state import TrainState, param_shardings
 
 log = logging.getLogger(__name__)
@@ -42,6 +53,7 @@ def validate(config, device_count: int) -> dict[str, int]:
     m, a, d, t = config.model, config.attention, config.data, config.train
     check_fields(config)
     check_workdir(config.workdir)
+    allowed_keys(config)
     try:
         sizes = resolve_mesh_shape(**{k: config.mesh[k] for k in ("dp", "fsdp", "tp", "sp")},
                                    device_count=device_count)
@@ -103,23 +115,57 @@ def validate(config, device_count: int) -> dict[str, int]:
     return sizes
 
 
+def _probe_dir(directory: str) -> str | None:
+    """Why a new file cannot be made in `directory` (None: it can); leaves nothing behind."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+# what a run writes in its workdir besides new files: found unwritable at start, not after
+# a week of training at the final save
+_OUTPUT_DIRS = ("", "checkpoints")
+_OUTPUT_FILES = ("config.json", "metrics.jsonl", "wandb_id")
+
+
 def check_workdir(workdir: str) -> None:
-    """Fail at start, not at the first save, when the run cannot write its workdir. Leaves
-    nothing behind: the probe is a temporary file in the deepest directory that exists."""
+    """Fail at start, not at the first save, when the run cannot write its workdir, its
+    checkpoint directory or the files it appends to. Leaves nothing behind: the probes are
+    temporary files, and existing files are opened for appending without writing."""
     if not workdir:
         _fail("workdir is empty; set config.workdir to the run's directory")
+    problem = path_problem(os.path.abspath(workdir))
+    if problem:
+        _fail(f"workdir={workdir!r} {problem}")
+    if "://" in workdir:
+        return   # object storage (gs://...): Orbax and tensorstore report their own errors
     existing = os.path.abspath(workdir)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         _fail(f"workdir={workdir!r}: {existing!r} is not a directory; set config.workdir to a "
               "directory path")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        _fail(f"workdir={workdir!r}: cannot write in {existing!r} ({e.strerror}); set "
+    why = _probe_dir(existing)
+    if why:
+        _fail(f"workdir={workdir!r}: cannot write in {existing!r} ({why}); set "
               "config.workdir to a writable directory")
+    for sub in _OUTPUT_DIRS:
+        path = os.path.join(workdir, sub)
+        why = _probe_dir(path) if sub and os.path.isdir(path) else None
+        if why:
+            _fail(f"workdir={workdir!r}: cannot write in {path!r} ({why}); make it writable "
+                  "or use another workdir")
+    for name in _OUTPUT_FILES:
+        path = os.path.join(workdir, name)
+        if os.path.exists(path):
+            try:
+                with open(path, "a"):
+                    pass
+            except OSError as e:
+                _fail(f"workdir={workdir!r}: cannot write {path!r} ({e.strerror}); make it "
+                      "writable or use another workdir")
 
 
 def apply_hf_shapes(config) -> None:
@@ -134,11 +180,30 @@ def apply_hf_shapes(config) -> None:
                  config.model.init_from_hf, source.rope_theta)
 
 
+class SourceDamaged(StartupError):
+    """The latest checkpoint of `model.init_from_checkpoint` cannot be read."""
+
+    def __init__(self, workdir: str, step: int | None, why: str):
+        self.workdir, self.step, self.why = workdir, step, why
+        where = os.path.join(workdir, "checkpoints", "<step>" if step is None else str(step))
+        super().__init__(
+            f"model.init_from_checkpoint={workdir!r}: its latest checkpoint"
+            f"{'' if step is None else f' (step {step})'} cannot be read ({why}); move {where} "
+            "aside to start from that run's previous step, or point "
+            "model.init_from_checkpoint at another run")
+
+
 def apply_checkpoint_fields(config) -> None:
     """Take the fields of `config.model` that `init_from_checkpoint`'s saved config
     determines, as `apply_hf_shapes` does for HF weights: shapes, token ids, max positions
     and, where `model.rope_scaling` is 'auto', the RoPE scaling it trained with."""
-    _, saved = read_config(config.model.init_from_checkpoint)
+    source = config.model.init_from_checkpoint
+    try:
+        _, saved = read_config(source)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001  (a damaged config item)
+        raise SourceDamaged(source, None, first_line(e)) from None
     config.model.update(hf.model_fields(saved.get("model", {}),
                                         rope_scaling=config.model.rope_scaling == "auto"))
 
@@ -156,19 +221,29 @@ def load_checkpoint_params(config, template: TrainState):
     """The latest parameters of the lclm run in `init_from_checkpoint`, placed like
     `template.params` (its optimizer state is not read)."""
     source = config.model.init_from_checkpoint
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            template.params)
     checkpoints = Checkpoints(source, every=0, keep=1)
+    error, params = None, None
     try:
         step = checkpoints.latest_step()
         if step is None:
             raise FileNotFoundError(f"model.init_from_checkpoint={source!r} has no checkpoint; "
                                     "point it at the workdir of a finished lclm run")
-        checkpoints.check_shapes(step, template.params)
+        try:
+            checkpoints.check_shapes(step, template.params)
+            params = read_params(source, step, abstract)
+        except ShapeMismatch:
+            raise
+        except Exception as e:  # noqa: BLE001  (truncated, garbage, missing files)
+            error = e
     finally:
         checkpoints.close()
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            template.params)
+    if any_process(error is not None):  # every process stops, or none
+        raise SourceDamaged(source, step, first_line(error) if error else
+                            "unreadable on another process")
     log.info("initialised from %s step %d", source, step)
-    return read_params(source, step, abstract)
+    return params
 
 
 def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
@@ -190,27 +265,6 @@ def attention_line(config, model: LlamaConfig, sp: int, platform: str) -> str:
     return f"{kernel}{chosen}, {config.attention.layout} layout"
 
 
-# A field is secret when its name contains one of these words (case and separators aside):
-# apikey, wandbApiKey, hf_token, secrets, passwd, credentials, auth_header... lclm's own
-# fields that merely contain one of them are named in _NOT_SECRET (a test keeps it exact).
-_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential", "auth")
-_NOT_SECRET = frozenset({"tokenizer", "tokens_per_batch"})
-
-
-def is_secret(name: str) -> bool:
-    name = name.lower()
-    return name not in _NOT_SECRET and any(w in name for w in _SECRET_WORDS)
-
-
-def public_config(config) -> dict:
-    """The config as a plain dict with every secret-named field removed (what config.json,
-    checkpoints and wandb get)."""
-    def clean(d):
-        return {k: clean(v) if isinstance(v, dict) else v for k, v in d.items()
-                if not is_secret(k)}
-    return clean(config.to_dict())
-
-
 def wandb_run(config, resume_step: int):
     """The wandb run of this workdir: the same run id across resumes (`<workdir>/wandb_id`),
     so a resumed run continues its run instead of starting a second one."""
@@ -224,7 +278,7 @@ def wandb_run(config, resume_step: int):
             run_id = f.read().strip()
     else:
         run_id = uuid.uuid4().hex[:16]  # wandb ids: letters and digits
-        with open(id_path, "w") as f:
+        with replacing(id_path) as f:
             f.write(run_id)
     # wandb records the command line; not when an override on it names a secret
     secret_args = any(is_secret(a.split("=")[0].rsplit(".", 1)[-1].lstrip("-"))

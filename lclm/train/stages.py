@@ -24,7 +24,7 @@ from lclm.checkpoint import Checkpoints
 from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError
 from lclm.train.loop import train
-from lclm.train.setup import apply_hf_shapes, validate
+from lclm.train.setup import SourceDamaged, apply_hf_shapes, validate
 
 log = logging.getLogger(__name__)
 
@@ -48,33 +48,61 @@ def _saved_step(workdir: str) -> int | None:
         checkpoints.close()
 
 
+def _set_aside_final(workdir: str, damaged: SourceDamaged) -> None:
+    """Move a finished stage's unreadable final checkpoint aside, as a resume would, so that
+    the stage resumes from its previous good step and saves its final step again."""
+    checkpoints = Checkpoints(workdir, every=0, keep=1)
+    try:
+        step = damaged.step if damaged.step is not None else checkpoints.latest_step()
+        if step is not None:
+            checkpoints.set_aside(step, damaged.why)
+    finally:
+        checkpoints.close()
+
+
 def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
     """Train every unfinished stage in order; returns each run stage's metric records.
 
     `stop_after` counts steps over all stages (stage 1's first step is stage 0's steps + 1)
     and stops there as a crash would (steps since the stage's last checkpoint are lost); the
-    next call resumes.
+    next call resumes. A stage whose predecessor's final checkpoint turns out damaged when it
+    starts sends the run back to that predecessor, which resumes from its previous good step.
     """
     if config.model.init_from_hf:
         apply_hf_shapes(config)  # every stage validates against the real model shape
-    results, steps_before = [], 0  # steps of all the stages before this one
-    for i, c in enumerate(validate_stages(config, len(jax.devices()))):
+    configs = validate_stages(config, len(jax.devices()))
+    results: list[list[dict]] = []
+    sent_back: set[int] = set()   # stages already resumed for a damaged final checkpoint
+    i = 0
+    while i < len(configs):
+        c = configs[i]
+        steps_before = sum(s.train.steps for s in configs[:i])  # of all the earlier stages
         done = _saved_step(c.workdir)
         if done is not None and done >= c.train.steps:
             log.info("stage %d (seq_len %d) already finished at step %d", i, c.data.seq_len, done)
-            steps_before += c.train.steps
+            i += 1
             continue
         log.info("stage %d: seq_len %d, rope_theta %g, %d steps of %d sequences in %s", i,
                  c.data.seq_len, c.model.rope_theta, c.train.steps, c.data.batch_size,
                  c.workdir)
         if stop_after is not None and stop_after <= steps_before:
             break
-        results.append(train(c, stop_after=None if stop_after is None
-                             else stop_after - steps_before))
+        try:
+            results.append(train(c, stop_after=None if stop_after is None
+                                 else stop_after - steps_before))
+        except SourceDamaged as damaged:
+            if i == 0 or damaged.workdir != configs[i - 1].workdir or i - 1 in sent_back:
+                raise   # the user's init_from_checkpoint, or storage that damages it again
+            sent_back.add(i - 1)
+            _set_aside_final(damaged.workdir, damaged)
+            log.warning("stage %d's final checkpoint is damaged; stage %d resumes from its "
+                        "previous good step (or its start) before stage %d", i - 1, i - 1, i)
+            i -= 1
+            continue
         reached = _saved_step(c.workdir)
         if reached is None or reached < c.train.steps:
             log.warning("stage %d stopped at step %s of %d; run the same command to resume",
                         i, reached, c.train.steps)
             break
-        steps_before += c.train.steps
+        i += 1
     return results

@@ -114,6 +114,16 @@ def jit_train_step(model: LlamaConfig, attention: AttentionConfig, train_config,
                    donate_argnums=0)
 
 
+def jit_eval_loss(model: LlamaConfig, attention: AttentionConfig, mesh, param_sharding,
+                  document_mask: bool = True):
+    """`eval_loss(params, batch) -> (sum of token losses, token count)` of one batch, jitted
+    (no gradients), with replicated float32 scalars."""
+    terms = functools.partial(loss_terms, model, mesh=mesh, attention=attention,
+                              document_mask=document_mask)
+    return jax.jit(terms, in_shardings=(param_sharding, batch_sharding(mesh)),
+                   out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
 def all_finite(tree) -> jax.Array:
     """Whether every floating-point leaf of `tree` is finite (a scalar bool on device)."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)

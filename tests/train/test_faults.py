@@ -15,12 +15,12 @@ import time
 import jax
 import numpy as np
 import pytest
-from support import ROOT, small_train_config
+from support import DAMAGE, ROOT, damage_checkpoint, small_train_config
 
 from lclm import hf
 from lclm.checkpoint import Checkpoints
 from lclm.config import LlamaConfig
-from lclm.errors import TrainingHalted
+from lclm.errors import ConfigError, TrainingHalted
 from lclm.models.llama import init_params
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirBusy, WorkdirLock
@@ -47,41 +47,12 @@ def finished_run(tmp_path_factory):
 
 # -- damaged checkpoints --------------------------------------------------------------------
 
-def _chunks(step_dir):
-    return [f for f in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
-            if os.path.isfile(f)]
-
-
-def _damage(step_dir, kind):
-    if kind == "emptied step dir":
-        shutil.rmtree(step_dir)
-        os.makedirs(step_dir)
-    elif kind == "truncated chunks":
-        for f in _chunks(step_dir):
-            with open(f, "r+b") as fh:
-                fh.truncate(10)
-    elif kind == "random chunks":
-        rng = np.random.default_rng(0)
-        for f in _chunks(step_dir):
-            with open(f, "wb") as fh:
-                fh.write(rng.bytes(os.path.getsize(f)))
-    elif kind == "garbage _METADATA":
-        with open(os.path.join(step_dir, "state", "_METADATA"), "w") as fh:
-            fh.write("garbage{")
-    elif kind == "deleted manifest.ocdbt":
-        os.remove(os.path.join(step_dir, "state", "manifest.ocdbt"))
-
-
-DAMAGE = ["emptied step dir", "truncated chunks", "random chunks", "garbage _METADATA",
-          "deleted manifest.ocdbt"]
-
-
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_used(
         finished_run, tmp_path, kind, caplog):
     workdir = tmp_path / "run"
     shutil.copytree(finished_run, workdir)
-    _damage(str(workdir / "checkpoints" / "4"), kind)
+    damage_checkpoint(str(workdir / "checkpoints" / "4"), kind)
     config = _config(workdir)
     template = init_state(LlamaConfig.from_config(config.model), make_optimizer(config.train),
                           make_mesh(fsdp=2, sp=2), seed=7)
@@ -99,7 +70,7 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_used(
 def test_after_falling_back_the_run_goes_on_and_saves_that_step_again(finished_run, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(finished_run, workdir)
-    _damage(str(workdir / "checkpoints" / "4"), "truncated chunks")
+    damage_checkpoint(str(workdir / "checkpoints" / "4"), "truncated chunks")
     records = train(_config(workdir, steps=6))
     assert [r["step"] for r in records] == [3, 4, 5, 6]
     assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "4", "6"]
@@ -112,7 +83,7 @@ def test_no_readable_checkpoint_is_one_clear_error(finished_run, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(finished_run, workdir)
     for step in ("2", "4"):
-        _damage(str(workdir / "checkpoints" / step), "garbage _METADATA")
+        damage_checkpoint(str(workdir / "checkpoints" / step), "garbage _METADATA")
     with pytest.raises(Exception, match="no readable checkpoint") as e:
         train(_config(workdir, steps=6))
     assert "\n" not in str(e.value)
@@ -121,29 +92,79 @@ def test_no_readable_checkpoint_is_one_clear_error(finished_run, tmp_path):
 
 # -- failed saves ---------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _read_only(directory):
-    """Make `directory` refuse new entries for real: immutable for root, mode 555 otherwise."""
+def _refuse_writes(path):
+    """Make `path` (a directory: new entries; a file: writes, even through open files) refuse
+    writes for real: immutable for root, mode 555 otherwise; returns the undo command."""
     if os.geteuid() == 0:
-        if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode:
-            pytest.skip("chattr +i is not available here")
-        undo = ["chattr", "-i", str(directory)]
-    else:
-        os.chmod(directory, 0o555)
-        undo = ["chmod", "755", str(directory)]
+        subprocess.run(["chattr", "+i", str(path)], check=True)
+        return ["chattr", "-i", str(path)]
+    os.chmod(path, 0o555)
+    return ["chmod", "755" if os.path.isdir(path) else "644", str(path)]
+
+
+@contextlib.contextmanager
+def _when_logged(text, action):
+    """Run `action` once, when the run logs a message containing `text` (a fault that
+    appears after the start-up checks have passed)."""
+    class Trigger(logging.Handler):
+        def emit(self, record):
+            if text in record.getMessage() and not self.done:
+                self.done = True
+                action()
+
+    handler, logger = Trigger(), logging.getLogger("lclm")
+    handler.done, level = False, logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
-        yield lambda: subprocess.run(undo, check=True)
+        yield
     finally:
-        subprocess.run(undo, check=True)
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _read_only(path, when=None):
+    """`path` refuses writes inside the block: from its start, or from when the run logs
+    `when`; yields a function that ends the fault early."""
+    if os.geteuid() == 0 and subprocess.run(["lsattr", "-d", str(path)],
+                                            capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here")
+    undo = []
+
+    def end():
+        while undo:
+            subprocess.run(undo.pop(), check=True)
+
+    def start():
+        undo.append(_refuse_writes(path))
+
+    if when is None:
+        start()
+    try:
+        with _when_logged(when, start) if when else contextlib.nullcontext():
+            yield end
+    finally:
+        end()
+
+
+def test_an_unwritable_checkpoint_directory_fails_at_start(tmp_path):
+    workdir = tmp_path / "run"
+    train(_config(workdir, steps=2))
+    metrics = (workdir / "metrics.jsonl").read_text()
+    with _read_only(workdir / "checkpoints"), pytest.raises(ConfigError) as e:
+        train(_config(workdir, steps=6))
+    assert str(e.value).startswith(f"workdir={str(workdir)!r}: cannot write in ")
+    assert (workdir / "metrics.jsonl").read_text() == metrics
 
 
 def test_a_failed_save_is_reported_at_once_retried_then_stops_with_earlier_ones_intact(
         tmp_path, caplog):
     workdir = tmp_path / "run"
     train(_config(workdir, steps=2))
-    with _read_only(workdir / "checkpoints"), caplog.at_level(logging.ERROR):
-        with pytest.raises(TrainingHalted) as e:
-            train(_config(workdir, steps=6))
+    with _read_only(workdir / "checkpoints", when="restored checkpoint step 2"), \
+            caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
+        train(_config(workdir, steps=6))
     message = str(e.value)
     assert "\n" not in message
     assert "checkpoint step 6 could not be saved" in message
@@ -160,21 +181,49 @@ def test_a_failed_save_is_reported_at_once_retried_then_stops_with_earlier_ones_
 def test_a_save_that_fails_once_is_retried_and_the_run_completes(tmp_path):
     workdir = tmp_path / "run"
     train(_config(workdir, steps=2))
-
-    class FixTheDisk(logging.Handler):  # the fault goes away once it has been reported
-        def emit(self, record):
-            if "retried at the next checkpoint step" in record.getMessage():
-                undo()
-
-    handler = FixTheDisk()
-    logging.getLogger("lclm").addHandler(handler)
-    try:
-        with _read_only(workdir / "checkpoints") as undo:
-            records = train(_config(workdir, steps=6))
-    finally:
-        logging.getLogger("lclm").removeHandler(handler)
+    # the fault goes away once it has been reported
+    with _read_only(workdir / "checkpoints", when="restored checkpoint step 2") as end, \
+            _when_logged("retried at the next checkpoint step", lambda: end()):
+        records = train(_config(workdir, steps=6))
     assert records[-1]["step"] == 6
     assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "6"]
+
+
+def test_metrics_that_cannot_be_written_are_retried_then_the_run_saves_and_stops(
+        tmp_path, caplog):
+    """One policy for every write: a failed metrics.jsonl write is retried at the next
+    logged step; a second failure in a row saves a checkpoint and stops (exit 3)."""
+    workdir = tmp_path / "run"
+    train(_config(workdir, steps=2))
+    with _read_only(workdir / "metrics.jsonl", when="compiling the training step"), \
+            caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
+        train(_config(workdir, steps=6))
+    assert str(e.value) == ("stopped after step 4: metrics.jsonl cannot be written; last good "
+                            f"checkpoint: step 4 in {workdir / 'checkpoints'}")
+    assert "could not write 1 record(s)" in caplog.text   # step 3's, retried at step 4
+    assert "the records are written with the next logged step" in caplog.text
+    assert '"step": 3' in caplog.text and '"step": 4' in caplog.text  # not lost: in the log
+    assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "4"]
+    records = train(_config(workdir, steps=6))   # the disk is back: it resumes after step 4
+    assert [r["step"] for r in records] == [5, 6]
+
+
+def test_metrics_write_that_fails_once_loses_nothing(tmp_path):
+    workdir = tmp_path / "run"
+    train(_config(workdir, steps=2))
+    with _read_only(workdir / "metrics.jsonl", when="compiling the training step") as end, \
+            _when_logged("the records are written with the next logged step", lambda: end()):
+        train(_config(workdir, steps=6))
+    steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_time_based_checkpoints(tmp_path):
+    """checkpoint.every_minutes saves on time alone (checkpoint.every=0)."""
+    config = _config(tmp_path / "run", steps=4)
+    config.checkpoint.update(every=0, every_minutes=1e-9)   # due after every step
+    train(config)
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints"), key=int) == ["2", "3", "4"]
 
 
 def test_a_full_disk_fails_the_asynchronous_save_and_is_reported(tmp_path, caplog):

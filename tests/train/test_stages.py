@@ -1,12 +1,13 @@
 """The staged long-context recipe at CPU scale: HF weights -> stage 0 -> stage 1 -> stage 2,
 each stage from its predecessor's final weights, resumable in the middle of any stage."""
 
+import logging
 import os
 
 import jax
 import numpy as np
 import pytest
-from support import ROOT
+from support import ROOT, damage_checkpoint
 
 from lclm import hf
 from lclm.checkpoint import Checkpoints
@@ -14,6 +15,8 @@ from lclm.config import LlamaConfig, load_config
 from lclm.config.stages import stage_configs
 from lclm.models.llama import init_params
 from lclm.parallel import make_mesh
+from lclm.train.loop import train
+from lclm.train.setup import SourceDamaged
 from lclm.train.stages import run_stages
 from lclm.train.state import init_state
 from lclm.train.step import make_optimizer
@@ -87,3 +90,30 @@ def test_interrupted_staged_run_resumes_to_the_same_weights(tmp_path):
     assert second[0][0]["step"] == 2
     np.testing.assert_allclose(losses[1], [x["loss"] for x in first[1] + second[0]], rtol=1e-4)
     assert _leaves_close(_final_params(straight)[1], _final_params(resumed)[1], 1e-5)
+
+
+def test_a_damaged_final_checkpoint_of_a_finished_stage_is_trained_again(tmp_path, caplog):
+    hf_dir, _ = _tiny_hf(tmp_path)
+    config = _recipe(tmp_path, "run", hf_dir, schedule="64:1e4:3:2, 128:1e5:2:4")
+    assert [len(r) for r in run_stages(config, stop_after=3)] == [3]   # stage 0 finished
+    stage0, stage1 = (c.workdir for c in stage_configs(config))
+    damage_checkpoint(os.path.join(stage0, "checkpoints", "3"), "truncated chunks")
+    with caplog.at_level(logging.WARNING):
+        runs = run_stages(config)
+    # stage 1 found it unreadable: stage 0 re-ran its step 3 from step 2, then stage 1 ran
+    assert [[r["step"] for r in records] for records in runs] == [[3], [1, 2]]
+    assert "stage 0's final checkpoint is damaged" in caplog.text
+    (aside,) = os.listdir(os.path.join(stage0, "checkpoints_damaged"))
+    assert aside.startswith("3-")
+
+    # another run's damaged checkpoint is not this run's to move: one line, nothing moved
+    damage_checkpoint(os.path.join(stage1, "checkpoints", "2"), "truncated chunks")
+    user = _recipe(tmp_path, "user", hf_dir, schedule="")
+    user.model.update(init_from_hf="", init_from_checkpoint=stage1)
+    user.data.update(seq_len=64, batch_size=2)
+    with pytest.raises(SourceDamaged) as e:
+        train(user)
+    assert str(e.value).startswith(f"model.init_from_checkpoint={stage1!r}: its latest "
+                                   "checkpoint (step 2) cannot be read (")
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(os.path.join(stage1, "checkpoints_damaged"))

@@ -1,0 +1,123 @@
+"""A resume under a changed config: layout fields change freely, the schedule changes with a
+warning, model and data-order fields are refused in one line unless allowed (then logged,
+and a data-order change restarts the data order)."""
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import sentencepiece as spm
+from support import DEMO_TOKENIZER, small_train_config
+
+from lclm.config.schema import base_config
+from lclm.data.tokenizer import Tokenizer
+from lclm.errors import ConfigError
+from lclm.train import resume
+from lclm.train.loop import train
+
+
+def _keys(node, prefix=""):
+    for k, v in node.items():
+        if hasattr(v, "items"):
+            yield from _keys(v, prefix + k + ".")
+        else:
+            yield prefix + k
+
+
+def test_every_config_key_has_one_class():
+    assert sorted(resume.CLASSES) == sorted(_keys(base_config()))
+
+
+def _saved(**changes):
+    config = base_config()
+    for key, value in changes.items():
+        section, name = key.split(".")
+        config[section][name] = value
+    return dict(config.to_dict(), identity=dict(tokenizer="aaaa"))
+
+
+def test_changes_are_classed_logged_or_refused(caplog):
+    old = _saved()
+    free = _saved(**{"mesh.sp": 4, "attention.layout": "zigzag"})
+    with caplog.at_level(logging.INFO):
+        assert resume.check_resume(old, free, set(), step=7) is False
+    assert "mesh.sp 4 (the checkpoint's run used 1)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert resume.check_resume(old, _saved(**{"train.steps": 2000}), set(), 7) is False
+    assert "the new value applies from step 8 on" in caplog.text
+
+    changed = _saved(**{"data.batch_size": 16, "model.rope_theta": 5e5})
+    with pytest.raises(ConfigError) as e:
+        resume.check_resume(old, changed, set(), 7)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "data.batch_size 8 -> 16" in message
+    assert "model.rope_theta 10000.0 -> 500000.0" in message
+    assert "--config.checkpoint.allow_changed=data.batch_size,model.rope_theta" in message
+    # allowed: logged; the data-order change restarts the data order, the model one does not
+    assert resume.check_resume(old, changed, {"data.batch_size", "model.rope_theta"}, 7)
+    theta = _saved(**{"model.rope_theta": 5e5})
+    assert resume.check_resume(old, theta, {"model.rope_theta"}, 7) is False
+
+
+def test_the_tokenizer_is_compared_by_what_it_does_not_by_its_path(tmp_path):
+    moved = tmp_path / "moved.model"
+    shutil.copy(DEMO_TOKENIZER, moved)
+    demo = resume.tokenizer_fingerprint(Tokenizer(DEMO_TOKENIZER))
+    assert resume.tokenizer_fingerprint(Tokenizer(str(moved))) == demo
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"line {i} of another corpus, with other words" for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "other"),
+                                   vocab_size=50, minloglevel=2)
+    other = resume.tokenizer_fingerprint(Tokenizer(str(tmp_path / "other.model")))
+    assert other != demo
+
+    def config(path, fp):
+        c = _saved(**{"data.tokenizer": path})
+        c["identity"]["tokenizer"] = fp
+        return c
+
+    assert resume.changes(config(DEMO_TOKENIZER, demo), config(str(moved), demo)) == {}
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        resume.check_resume(config(DEMO_TOKENIZER, demo), config(str(moved), other), set(), 3)
+
+
+def test_a_refused_resume_moves_nothing_and_an_allowed_one_restarts_the_data(tmp_path, caplog):
+    workdir = tmp_path / "run"
+    mesh = dict(dp=1, fsdp=2, tp=1, sp=2)
+    attention = dict(q_chunk=16, kv_chunk=16)
+    train(small_train_config(workdir, mesh=mesh, attention=attention, train=dict(steps=2)))
+    metrics = (workdir / "metrics.jsonl").read_text()
+
+    bigger = small_train_config(workdir, mesh=mesh, attention=attention, train=dict(steps=4))
+    bigger.data.batch_size = 8
+    with pytest.raises(ConfigError, match=r"^the checkpoint \(step 2\) was written with another "
+                                          r"config: data.batch_size 4 -> 8; "):
+        train(bigger)
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]
+    assert not (workdir / "checkpoints_damaged").exists()
+    assert (workdir / "metrics.jsonl").read_text() == metrics
+
+    # allowed, on another mesh (free): steps 3-4 train with a data order that starts afresh
+    bigger.checkpoint.allow_changed = "data.batch_size"
+    bigger.mesh.update(fsdp=4, sp=1)
+    with caplog.at_level(logging.INFO):
+        records = train(bigger)
+    assert [r["step"] for r in records] == [3, 4]
+    assert "resuming with data.batch_size 8 (was 4), allowed by checkpoint.allow_changed; " \
+           "the data order restarts from its beginning" in caplog.text
+    assert "resuming with mesh.fsdp 4 (the checkpoint's run used 2)" in caplog.text
+    saved = json.loads((workdir / "config.json").read_text())
+    assert saved["data"]["batch_size"] == 8 and len(saved["identity"]["tokenizer"]) == 16
+
+
+def test_an_unknown_allowed_key_fails_at_start(tmp_path):
+    config = small_train_config(tmp_path / "run", mesh=dict(dp=1, fsdp=1, tp=1, sp=1),
+                                attention=dict(q_chunk=16, kv_chunk=16))
+    config.checkpoint.allow_changed = "data.batch_sise"
+    with pytest.raises(ConfigError, match="batch_sise"):
+        train(config)
+    assert not (tmp_path / "run").exists()
