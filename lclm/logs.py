@@ -27,6 +27,12 @@ def configure(level: int = logging.INFO, *, main_process: bool = True) -> None:
     console is not repeated once per host.
     """
     logging.basicConfig(format=FORMAT)  # no-op where a handler exists (pytest's, a caller's)
+    for handler in logging.getLogger().handlers:
+        # absl's first log line (Orbax logs one when imported) calls logging.basicConfig()
+        # with Python's default format: that handler takes lclm's
+        if (type(handler) is logging.StreamHandler and handler.formatter is not None
+                and handler.formatter._fmt == logging.BASIC_FORMAT):
+            handler.setFormatter(logging.Formatter(FORMAT))
     logging.getLogger().setLevel(level if main_process else max(level, logging.WARNING))
     logging.captureWarnings(True)
     for name in _QUIET:

@@ -38,3 +38,16 @@ def test_other_processes_log_warnings_only():
         "logging.getLogger('lclm').info('hidden')\n"
         "logging.getLogger('lclm').warning('shown')\n")
     assert len(lines) == 1 and LINE.match(lines[0]) and lines[0].endswith("WARNING shown")
+
+
+def test_the_format_holds_when_a_library_logged_through_absl_before_configure():
+    # importing Orbax logs through absl, whose first call installs Python's default format
+    lines = _stderr(
+        "import logging\n"
+        "from absl import logging as absl_logging\n"
+        "absl_logging.vlog(1, 'what Orbax logs when imported')\n"
+        "from lclm import logs\n"
+        "logs.configure()\n"
+        "logging.getLogger('lclm.train').info('from lclm')\n")
+    assert [line for line in lines if line.strip()] and all(
+        LINE.match(line) for line in lines if line.strip()), lines

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -71,12 +72,28 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     attention = AttentionConfig.from_config(config.attention)
     tokenizer = Tokenizer(config.data.tokenizer)
     tokenizer.check_fits(model.vocab_size)
+    fresh = not os.path.exists(config.workdir)
     lock = WorkdirLock(config.workdir)  # before anything is written to the workdir
     lock.acquire()
     try:
         return _run(config, sizes, mesh, model, attention, tokenizer, stop_after)
+    except BaseException:
+        lock.release()
+        if fresh and jax.process_index() == 0 and not _trained(config.workdir):
+            # a run that fails before its first step (its data, a compile error) leaves no
+            # workdir of its own behind: nothing in it was worth keeping
+            shutil.rmtree(config.workdir, ignore_errors=True)
+        raise
     finally:
         lock.release()
+
+
+def _trained(workdir: str) -> bool:
+    """Whether a run in `workdir` has logged a step or saved a checkpoint."""
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    checkpoints = os.path.join(workdir, "checkpoints")
+    return ((os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
+            or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
 
 
 def _restore_or_init(config, checkpoints: Checkpoints, state: TrainState, model, mesh,
