@@ -73,10 +73,10 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     tokenizer = Tokenizer(config.data.tokenizer)
     tokenizer.check_fits(model.vocab_size)
     fresh = not os.path.exists(config.workdir)
-    lock = WorkdirLock(config.workdir)  # before anything is written to the workdir
+    lock = WorkdirLock(config.workdir, config.workdir_lease_minutes)  # before any write there
     lock.acquire()
     try:
-        return _run(config, sizes, mesh, model, attention, tokenizer, stop_after)
+        return _run(config, sizes, mesh, model, attention, tokenizer, stop_after, lock)
     except BaseException:
         lock.release()
         if fresh and jax.process_index() == 0 and not _trained(config.workdir):
@@ -168,7 +168,8 @@ def _summary(records: list[dict], started: float, first_logged: float, tokens_pe
     return lines
 
 
-def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[dict]:
+def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
+         lock: WorkdirLock) -> list[dict]:
     devices = list(mesh.devices.flat)
     is_main = jax.process_index() == 0
     # config.json and every checkpoint get this; `identity` tells a resume what the tokenizer
@@ -346,8 +347,14 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after) -> list[d
                         failures["metrics"] = 0
                     except MetricsFailed as e:
                         give_up = write_failed("metrics", e, last_chance=False)
-                if multi:   # only process 0 writes metrics; every process saves
+                lost = lock.lost()   # None, or why another run now holds the workdir
+                if multi:   # only process 0 writes metrics and holds the lock
                     give_up = any_process(give_up)
+                    lost = lost or ("process 0 lost the workdir lock"
+                                    if any_process(lost is not None) else None)
+                if lost:   # the workdir is another run's now: write nothing more to it
+                    raise halt(f"stopped after step {step}: {lost}; this run stops so that "
+                               "two runs never write one workdir")
                 if give_up:
                     stopping = f"stopped after step {step}: metrics.jsonl cannot be written"
                     saving = True

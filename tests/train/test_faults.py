@@ -7,10 +7,10 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -269,20 +269,25 @@ def test_a_second_run_on_a_live_workdir_is_refused(tmp_path):
     assert not (workdir / "lock").exists()
 
 
-def test_a_lock_from_another_host_or_a_reused_pid(tmp_path, caplog):
-    lock_file = tmp_path / "lock"
-    lock_file.write_text(json.dumps(dict(host="some-other-host", pid=1, since=time.time())))
-    with pytest.raises(WorkdirBusy, match="some-other-host since .*; if that run is dead, delete"):
-        WorkdirLock(str(tmp_path)).acquire()
-    # pid 1 is alive, but it started long before the run that wrote this lock
-    import socket
-    lock_file.write_text(json.dumps(dict(host=socket.gethostname(), pid=1, start="1",
-                                         since=time.time())))
-    with caplog.at_level(logging.WARNING):
-        lock = WorkdirLock(str(tmp_path))
-        lock.acquire()
-    assert "taking over the lock" in caplog.text
-    lock.release()
+def test_a_run_whose_lock_was_taken_over_stops_and_writes_nothing_more(tmp_path):
+    """A run whose renewals did not reach the filesystem may find its lease taken over by a
+    requeued copy of itself: it stops at its next logged step instead of writing on."""
+    workdir = tmp_path / "run"
+    config = _config(workdir, steps=20)
+    config.workdir_lease_minutes = 0.005   # renewed (and checked) every 0.06 s
+
+    def take_over():
+        (workdir / "lock").unlink()
+        (workdir / "lock").write_text(json.dumps(dict(host="node-7", pid=4242, token="other")))
+
+    with _when_logged("compiling the training step", take_over), \
+            pytest.raises(TrainingHalted) as e:
+        train(config)
+    message = str(e.value)
+    assert re.fullmatch(r"stopped after step \d+: the lock .* was taken over by pid 4242 on "
+                        r"node-7 .*; this run stops so that two runs never write one workdir; "
+                        r"last good checkpoint: .*", message), message
+    assert json.loads((workdir / "lock").read_text())["token"] == "other"   # left alone
 
 
 # -- non-finite steps -----------------------------------------------------------------------
@@ -346,3 +351,13 @@ def test_truncate_metrics(tmp_path):
     assert truncate_metrics(str(path), 2) == 4
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
     assert truncate_metrics(str(tmp_path / "absent.jsonl"), 5) == 0
+
+
+def test_a_run_that_fails_on_its_data_leaves_no_workdir_behind(tmp_path):
+    config = _config(tmp_path / "run")
+    config.data.path = str(tmp_path / "empty.jsonl")
+    (tmp_path / "empty.jsonl").write_text('{"other": "field"}\n')   # no usable record
+    with pytest.raises(Exception, match="empty.jsonl") as e:
+        train(config)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
