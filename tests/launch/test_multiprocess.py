@@ -42,12 +42,16 @@ def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(tmp_pa
     one, two = tmp_path / "one", tmp_path / "two"
     _single(one, 4)
     env = dict(_env(), LCLM_LOG_DIR=str(tmp_path / "logs"))
+    # time-based saves after every logged step: process 0 decides, both processes save
     r = subprocess.run(["bash", "launch/local.sh", "2", *ARGS, "--config.train.steps=4",
-                        f"--config.workdir={two}"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+                        "--config.checkpoint.every_minutes=1e-9", f"--config.workdir={two}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     log1 = (tmp_path / "logs" / "process_1.log").read_text()
     assert "process 1 of 2" not in r.stdout  # process 1 writes to its own log only
+    assert "[Gloo]" not in r.stdout + log1
+    saved = sorted(int(s) for s in os.listdir(two / "checkpoints") if s.isdigit())
+    assert saved == [2, 3, 4], log1   # 3: saved on time alone (checkpoint.every=2)
     assert os.path.isfile(two / "checkpoints" / "4" / "_CHECKPOINT_METADATA"), log1
     assert [s for s, _ in _losses(two)] == [1, 2, 3, 4]   # one metrics file, by process 0
     # the 2-process checkpoint (params, optimizer, both processes' data state) resumes in one
