@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -48,6 +47,7 @@ from lclm.data.line_retrieval import (
 from lclm.errors import StartupError
 from lclm.eval.decode import greedy_generate, pad_front, padded_length
 from lclm.eval.model import Model, add_model_arguments, answer_text, load_model
+from lclm.files import replacing, write_json
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,8 @@ def save_heatmap(path: str, cells, lengths, n_bins: int, title: str) -> None:
     fig.colorbar(im, ax=ax, label="accuracy")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with replacing(path, binary=True) as f:
+        fig.savefig(f, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -177,10 +178,10 @@ def write_report(out_dir: str, result: dict, lengths, n_bins: int, meta: dict) -
     """Write table, JSON and PNG into `out_dir`; returns the markdown table."""
     os.makedirs(out_dir, exist_ok=True)
     table = markdown_table(result["cells"], lengths, n_bins)
-    with open(os.path.join(out_dir, "line_retrieval.md"), "w") as f:
+    with replacing(os.path.join(out_dir, "line_retrieval.md")) as f:
         f.write(table + "\n")
-    with open(os.path.join(out_dir, "line_retrieval.json"), "w") as f:
-        json.dump(dict(meta, lengths=lengths, depth_bins=n_bins, **result), f, indent=1)
+    write_json(os.path.join(out_dir, "line_retrieval.json"),
+               dict(meta, lengths=lengths, depth_bins=n_bins, **result))
     save_heatmap(os.path.join(out_dir, "line_retrieval.png"), result["cells"], lengths, n_bins,
                  f"line retrieval: {meta['model']}")
     return table
