@@ -30,7 +30,7 @@ import sys
 
 import jax
 
-from lclm import aot, logs
+from lclm import aot, logs, strategy_plan
 from lclm.cli import parse_cli, run_cli
 from lclm.config import LlamaConfig, mesh_device_count
 from lclm.config.stages import stage_configs
@@ -243,12 +243,55 @@ def _compile_stages(config, args) -> int:
     return 3 if failed else 0
 
 
+def _links(device: str, per_node: int) -> tuple[float, float, float, int, str]:
+    """(peak FLOP/s, GB/s in a node, GB/s between nodes, devices per node, description)."""
+    flops, fast, _ = DEVICES[device]
+    family = device.split("-")[0]
+    if family == "tpu":   # one interconnect (ICI) for the whole slice: one "node"
+        return flops, fast, fast, 1 << 30, f"{device}, one interconnect (ICI) {fast:g} GB/s"
+    slow = DEVICES.get(f"{family}-ib", DEVICES[device])[1]
+    return (flops, fast, slow, per_node,
+            f"{device}, {per_node} per node: {fast:g} GB/s inside, {slow:g} GB/s between nodes")
+
+
+def _strategies(runs, plans, args) -> int:
+    """`--strategies`: every stage's strategies, least exposed transfer time first."""
+    if args.device is None:
+        raise ConfigError("--strategies compares links: pass --device (e.g. h100-nvlink)")
+    flops, fast, slow, per_node, links = _links(args.device, args.devices_per_node)
+    for i, (c, plan) in enumerate(zip(runs, plans)):
+        print(f"\n== stage {i}: seq_len {c.data.seq_len:,}, mesh {plan.mesh}; {links}")
+        print("| strategy | split | GB sent in a node | GB sent between nodes | exposed s | "
+              "GiB per device | note |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        costs = strategy_plan.compare(c, plan.mesh, flops, fast, slow, per_node)
+        for cost in sorted(costs, key=lambda x: (bool(x.note.endswith("cannot run")),
+                                                 x.exposed_s,
+                                                 x.sent.get("between nodes", 0.0))):
+            inside, between = (cost.sent.get(k, 0.0) / 1e9 for k in ("in a node",
+                                                                      "between nodes"))
+            exposed = "hidden" if cost.exposed_s == 0 else f"{cost.exposed_s:.3f}"
+            memory = (plan.total - plan.ring + cost.memory) / 2**30
+            print(f"| {cost.strategy} | {cost.split} | {inside:,.1f} | {between:,.1f} | "
+                  f"{exposed} | {memory:,.2f} | {cost.note} |")
+    print("\nper device and training step; exposed: seconds the attention waits for its "
+          "transfers at peak FLOP/s (see lclm/strategy_plan.py)")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lclm.plan", description=__doc__.split("\n")[0],
                                  epilog="config fields: --config.<key>=<value>, as for train.py")
     ap.add_argument("--devices", type=int, default=0,
                     help="device count (default: the mesh's product, or the local devices)")
     ap.add_argument("--device", choices=sorted(DEVICES), default=None)
+    ap.add_argument("--strategies", action="store_true",
+                    help="rank the context-parallel strategies (ring, all_gather, ulysses, usp) "
+                         "by the time their transfers leave exposed, with bytes sent per link "
+                         "and memory per device (needs --device)")
+    ap.add_argument("--devices-per-node", type=int, default=8,
+                    help="GPUs per node for --strategies: inside a node --device's link, "
+                         "between nodes its -ib link (default 8; TPU slices: one ICI)")
     ap.add_argument("--measure", action="store_true",
                     help="also compile (and run) one step on the local devices")
     ap.add_argument("--compile", metavar="SLICE", default="",
@@ -265,6 +308,8 @@ def _run(ap: argparse.ArgumentParser, argv) -> int:
     if args.compile:
         return _compile_stages(config, args)
     runs, plans = _plans(config, args)
+    if args.strategies:
+        return _strategies(runs, plans, args)
     for i, (c, plan) in enumerate(zip(runs, plans)):
         if len(runs) > 1:
             print(f"\n== stage {i}: seq_len {c.data.seq_len:,}, rope_theta {c.model.rope_theta:g}, "

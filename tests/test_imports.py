@@ -10,7 +10,8 @@ from support import ROOT
 
 LAYERS = ["lclm.errors", "lclm.files", "lclm.config", "lclm.logs", "lclm.cli", "lclm.ops",
           "lclm.parallel", "lclm.models", "lclm.hf", "lclm.data", "lclm.checkpoint",
-          "lclm.train", "lclm.eval", "lclm.aot", "lclm.plan", "lclm.convert", "lclm.generate"]
+          "lclm.train", "lclm.eval", "lclm.aot", "lclm.strategy_plan", "lclm.plan",
+          "lclm.convert", "lclm.generate"]
 
 
 def _layer(module: str) -> int | None:
