@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from jax.sharding import NamedSharding
 from lclm.data.packing import ROW_KEYS, Packer
 from lclm.data.sources import DataError, SourceStats, open_documents
 from lclm.data.stream import DocumentStream, EpochOrders, Mixture
+from lclm.errors import ConfigError
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel.mesh import logical_spec
 
@@ -43,24 +45,35 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(("batch", "seq")))
 
 
+def _entry(entry: str, default_kind: str) -> tuple[str, str, float]:
+    """One `[kind:]path[@weight]` entry. A path that exists is taken as it is, so '@' in a
+    file name is not read as a weight."""
+    kind, rest = default_kind, entry
+    head, sep, tail = entry.partition(":")
+    if sep and head in SOURCE_KINDS:
+        kind, rest = head, tail
+    if os.path.exists(rest) or "@" not in rest:
+        return kind, rest, 1.0
+    path, w = rest.rsplit("@", 1)
+    try:
+        weight = float(w)
+    except ValueError:
+        return kind, rest, 1.0   # not a weight: part of a path (reported as missing later)
+    if not 0 < weight < float("inf"):
+        raise ConfigError(f"config.data.path entry {entry!r}: the weight after '@' must be a "
+                          "finite number > 0")
+    return kind, path, weight
+
+
 def parse_sources(path: str, default_kind: str) -> list[tuple[str, str, float]]:
-    """`config.data.path` as (kind, path, weight): comma-separated `[kind:]path[@weight]`."""
-    out = []
-    for entry in (e.strip() for e in path.split(",")):
-        if not entry:
-            continue
-        kind, rest = default_kind, entry
-        head, sep, tail = entry.partition(":")
-        if sep and head in SOURCE_KINDS:
-            kind, rest = head, tail
-        weight = 1.0
-        if "@" in rest:
-            rest, w = rest.rsplit("@", 1)
-            weight = float(w)
-        out.append((kind, rest, weight))
-    if not out:
-        raise ValueError("config.data.path is empty; set it to a data file, directory or glob")
-    return out
+    """`config.data.path` as (kind, path, weight): comma-separated `[kind:]path[@weight]`. The
+    whole string is one entry where it names an existing path (a ',' in a file name)."""
+    whole = _entry(path.strip(), default_kind)
+    entries = [whole] if path.strip() and os.path.exists(whole[1]) else [
+        _entry(e, default_kind) for e in (e.strip() for e in path.split(",")) if e]
+    if not entries:
+        raise ConfigError("config.data.path is empty; set it to a data file, directory or glob")
+    return entries
 
 
 def host_block(sharding: NamedSharding, global_shape) -> tuple[slice, slice]:

@@ -55,9 +55,11 @@ class SourceStats:
 
 def resolve_files(path: str) -> list[str]:
     """Files named by a path, a directory or a glob; a clear error when there are none."""
+    if os.path.isfile(path):   # a name with glob characters ('[') is still itself
+        return [path]
     if os.path.isdir(path):
         files = sorted(f for ext in ("jsonl", "json", "txt", "parquet", "arrow")
-                       for f in glob.glob(os.path.join(path, f"*.{ext}")))
+                       for f in glob.glob(os.path.join(glob.escape(path), f"*.{ext}")))
     else:
         files = sorted(glob.glob(path))
     if not files:

@@ -30,7 +30,7 @@ from lclm.config.model import LlamaConfig
 from lclm.config.schema import check_fields
 from lclm.config.secrets import is_secret, public_config
 from lclm.data.chat import TEMPLATES
-from lclm.data.loader import SOURCE_KINDS
+from lclm.data.loader import SOURCE_KINDS, parse_sources
 from lclm.errors import ConfigError, StartupError
 from lclm.files import replacing
 from lclm.ops.kernels import IMPLS, choose_kernel, get_kernel, platform_family
@@ -65,6 +65,9 @@ def validate(config, device_count: int) -> dict[str, int]:
         _fail(f"attention.impl={a.impl!r} is not available; use one of {IMPLS}")
     if d.source not in SOURCE_KINDS:
         _fail(f"data.source={d.source!r}; use one of {SOURCE_KINDS}")
+    parse_sources(d.path, d.source)   # its syntax; the files are opened with the data
+    if config.validation.path:
+        parse_sources(config.validation.path, d.source)
     if d.chat_template not in TEMPLATES:
         _fail(f"data.chat_template={d.chat_template!r}; use one of {sorted(TEMPLATES)}")
     if m.n_heads % tp:

@@ -8,10 +8,11 @@ from support import DEMO_CONFIG, DEMO_CORPUS
 
 from lclm.config import load_config
 from lclm.data.loader import HostBatches, batch_sharding, host_block, parse_sources
-from lclm.data.sources import DataError
+from lclm.data.sources import DataError, resolve_files
 from lclm.data.stream import DocumentStream, EpochOrders
 from lclm.data.synthetic import conversations
 from lclm.data.tokenizer import Tokenizer
+from lclm.errors import ConfigError
 from lclm.ops.layout import from_layout
 from lclm.parallel import make_mesh
 
@@ -45,6 +46,23 @@ def test_parse_sources():
     assert parse_sources("sharegpt:x.json@0.25, tokenized:/d@2", "text") == [
         ("sharegpt", "x.json", 0.25), ("tokenized", "/d", 2.0)]
     assert parse_sources("hub:user/owt", "text") == [("text", "hub:user/owt", 1.0)]
+
+
+
+def test_data_paths_with_commas_at_signs_and_brackets_are_themselves(tmp_path):
+    odd = tmp_path / "corpus, v2 @home [1]"
+    odd.mkdir()
+    (odd / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "b@2.jsonl").write_text('{"text": "y"}\n')
+    assert parse_sources(str(odd), "text") == [("text", str(odd), 1.0)]
+    assert parse_sources(f"{tmp_path}/b@2.jsonl@0.5", "text") == [
+        ("text", f"{tmp_path}/b@2.jsonl", 0.5)]
+    assert parse_sources(f"{tmp_path}/b@2.jsonl", "text") == [
+        ("text", f"{tmp_path}/b@2.jsonl", 1.0)]
+    assert resolve_files(str(odd)) == [str(odd / "a.jsonl")]
+    assert resolve_files(str(odd / "a.jsonl")) == [str(odd / "a.jsonl")]
+    with pytest.raises(ConfigError, match="the weight after '@' must be"):
+        parse_sources("a.jsonl@0", "text")
 
 
 def test_two_hosts_read_disjoint_shares_that_cover_the_data():
