@@ -1,13 +1,16 @@
 """Regenerate the bundled demo corpus and its SentencePiece tokenizer.
 
-    python data/make_demo_data.py
+    python data/make_demo_data.py [--out DIR]
 
-Writes data/demo/corpus.jsonl ({"text": ...} per line), data/demo/sharegpt.jsonl (synthetic
-ShareGPT conversations) and data/demo/tokenizer.model (BPE trained on the corpus, LLaMA
-ids: unk=0, bos=1, eos=2, byte fallback). All are committed; the script documents how they
-were made.
+Writes DIR/corpus.jsonl ({"text": ...} per line), DIR/sharegpt.jsonl (synthetic ShareGPT
+conversations) and DIR/tokenizer.model (BPE trained on the corpus, LLaMA ids: unk=0, bos=1,
+eos=2, byte fallback); DIR is data/demo by default. All are committed, and the script
+documents how they were made: it writes them byte for byte again (tests/data/test_demo_data.py
+checks), so running it leaves `git status` clean.
 """
 
+import argparse
+import io
 import json
 import os
 import sys
@@ -16,31 +19,41 @@ import sentencepiece as spm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lclm.data.synthetic import conversations, corpus  # noqa: E402
+from lclm.files import replacing  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "demo")
 
 
-def write_conversations():
-    with open(os.path.join(OUT, "sharegpt.jsonl"), "w") as f:
-        for record in conversations(1000, seed=0):
+def write_jsonl(path: str, records) -> None:
+    with replacing(path) as f:
+        for record in records:
             f.write(json.dumps(record) + "\n")
 
 
-def main():
-    os.makedirs(OUT, exist_ok=True)
-    write_conversations()
-    docs = corpus(3000, seed=0)
-    path = os.path.join(OUT, "corpus.jsonl")
-    with open(path, "w") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d}) + "\n")
+def train_tokenizer(docs: list[str]) -> bytes:
+    """The serialised model. Trained into memory: a model_prefix would be stored in the model
+    as given (an absolute path differs between clones); one thread, so that nothing can
+    depend on how work is split."""
+    model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(docs), model_prefix=os.path.join(OUT, "tokenizer"),
-        model_type="bpe", vocab_size=512, character_coverage=1.0, byte_fallback=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=2, split_digits=True,
-        minloglevel=2)
-    os.remove(os.path.join(OUT, "tokenizer.vocab"))
-    print(f"{len(docs)} documents, {os.path.getsize(path) / 1e6:.2f} MB -> {OUT}")
+        sentence_iterator=iter(docs), model_writer=model, model_type="bpe", vocab_size=512,
+        character_coverage=1.0, byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        num_threads=1, split_digits=True, minloglevel=2)
+    return model.getvalue()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Regenerate the demo corpus and tokenizer.")
+    ap.add_argument("--out", default=OUT, help="folder to write to (default: data/demo)")
+    out = ap.parse_args(argv).out
+    os.makedirs(out, exist_ok=True)
+    write_jsonl(os.path.join(out, "sharegpt.jsonl"), conversations(1000, seed=0))
+    docs = corpus(3000, seed=0)
+    path = os.path.join(out, "corpus.jsonl")
+    write_jsonl(path, ({"text": d} for d in docs))
+    with replacing(os.path.join(out, "tokenizer.model"), binary=True) as f:
+        f.write(train_tokenizer(docs))
+    print(f"{len(docs)} documents, {os.path.getsize(path) / 1e6:.2f} MB -> {out}")
 
 
 if __name__ == "__main__":

@@ -6,12 +6,16 @@
 Writes DIR/tokens.bin (uint32), DIR/loss.bin (int8: token is a training target),
 DIR/offsets.bin (int64 document boundaries) and DIR/lclm_tokens.json (counts, tokenizer).
 Then train with `--config.data.path=tokenized:DIR`. Malformed records are skipped, counted
-and reported.
+and reported. Preparing again into the DIR a run reads is safe: the files are written under
+temporary names (DIR needs room for both versions meanwhile) and renamed into place at the
+end; the run keeps reading the files it opened.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import os
 import sys
@@ -22,45 +26,88 @@ import numpy as np
 from lclm import logs
 from lclm.cli import run_cli
 from lclm.data.chat import TEMPLATES
-from lclm.data.sources import TOKENIZED_META, SourceStats, open_documents
+from lclm.data.sources import TOKENIZED_META, SourceStats, offsets_digest, open_documents
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
+from lclm.files import replacing
+
+# Renamed into place in this order once all are written: the metadata last, so that it
+# never names data that is not there yet, and offsets.bin first, so that a reader that opens
+# the directory during the renames gets offsets that disagree with the metadata it read (see
+# TokenizedDocuments) rather than old offsets over new tokens.
+OUTPUTS = ("offsets.bin", "tokens.bin", "loss.bin", TOKENIZED_META)
 
 
 def prepare(source: str, input_path: str, tokenizer_path: str, out: str,
             text_field: str = "text", chat_template: str = "vicuna") -> dict:
-    """Tokenise every record of `input_path` into `out`; returns the metadata written."""
+    """Tokenise every record of `input_path` into `out`; returns the metadata written.
+
+    Every file is written under a temporary name and renamed into place at the end: a run
+    reading `out` keeps the files it opened, and a prepare that fails leaves what was there.
+    """
     tokenizer = Tokenizer(tokenizer_path)
     stats = SourceStats()
     docs = open_documents(source, input_path, tokenizer, text_field=text_field,
                           chat_template=chat_template, stats=stats)
     try:
         os.makedirs(out, exist_ok=True)
+        _remove_leftovers(out)
     except OSError as e:
         raise StartupError(f"--out {out!r}: {e.strerror}; pass a writable folder") from None
-    offsets = [0]
     start = time.perf_counter()
-    with open(os.path.join(out, "tokens.bin"), "wb") as ft, \
-            open(os.path.join(out, "loss.bin"), "wb") as fl:
-        for i in range(len(docs)):
-            doc = docs[i]
-            if doc is None:
-                continue
-            tokens, loss = doc
-            ft.write(np.asarray(tokens, np.uint32).tobytes())
-            fl.write(np.asarray(loss, np.int8).tobytes())
-            offsets.append(offsets[-1] + len(tokens))
-    np.asarray(offsets, np.int64).tofile(os.path.join(out, "offsets.bin"))
-    if len(offsets) == 1:
-        raise ValueError(f"{input_path!r} produced no documents ({stats.summary()})")
-    meta = dict(source=source, input=input_path, documents=len(offsets) - 1,
-                tokens=offsets[-1], vocab_size=tokenizer.vocab_size,
-                tokenizer=os.path.abspath(tokenizer_path), skipped=stats.skipped,
-                skipped_examples=stats.examples,
-                seconds=round(time.perf_counter() - start, 3))
-    with open(os.path.join(out, TOKENIZED_META), "w") as f:
-        json.dump(meta, f, indent=1)
+    with _staged(out) as files:
+        offsets = _write_documents(docs, files["tokens.bin"], files["loss.bin"])
+        if len(offsets) == 1:
+            raise ValueError(f"{input_path!r} produced no documents ({stats.summary()})")
+        files["offsets.bin"].write(offsets.tobytes())
+        meta = dict(source=source, input=input_path, documents=len(offsets) - 1,
+                    tokens=int(offsets[-1]), vocab_size=tokenizer.vocab_size,
+                    tokenizer=os.path.abspath(tokenizer_path), skipped=stats.skipped,
+                    skipped_examples=stats.examples, offsets_sha256=offsets_digest(offsets),
+                    seconds=round(time.perf_counter() - start, 3))
+        json.dump(meta, files[TOKENIZED_META], indent=1)
+        for f in files.values():  # all on disk before the first rename: a full disk fails
+            f.flush()             # here, with nothing replaced
+            os.fsync(f.fileno())
     return meta
+
+
+def _write_documents(docs, tokens, loss) -> np.ndarray:
+    """Writes every usable document's tokens and loss flags; returns the document offsets."""
+    offsets = [0]
+    for i in range(len(docs)):
+        doc = docs[i]
+        if doc is None:
+            continue
+        ids, flags = doc
+        tokens.write(np.asarray(ids, np.uint32).tobytes())
+        loss.write(np.asarray(flags, np.int8).tobytes())
+        offsets.append(offsets[-1] + len(ids))
+    return np.asarray(offsets, np.int64)
+
+
+@contextlib.contextmanager
+def _staged(out: str):
+    """{name: temporary file in `out`} for every name of OUTPUTS, renamed onto the names (in
+    that order) when the block ends without an error, removed when it raises."""
+    with contextlib.ExitStack() as stack:
+        try:
+            # entered in reverse: the stack leaves (and renames) the last one entered first
+            files = {name: stack.enter_context(replacing(os.path.join(out, name),
+                                                         binary=name != TOKENIZED_META))
+                     for name in reversed(OUTPUTS)}
+        except OSError as e:
+            raise StartupError(f"--out {out!r}: {e.strerror}; pass a writable folder") from None
+        yield files
+
+
+def _remove_leftovers(out: str) -> None:
+    """Temporary files of a prepare killed before it renamed them (lclm.files.replacing names
+    them .NAME.*.tmp; one that fails cleanly removes its own)."""
+    for name in OUTPUTS:
+        for path in glob.glob(os.path.join(glob.escape(out), f".{name}.*.tmp")):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
 
 def main(argv=None) -> int:

@@ -1,36 +1,44 @@
 """Data sources: raw records from local files or `datasets`, and documents made from them.
 
 Record formats: .jsonl / .json (read tolerantly line by line: one bad line is skipped, not
-the file), .txt (documents separated by blank lines), .parquet / .arrow files and saved
-`datasets` directories (through `datasets`, memory-mapped), `hub:NAME` (a named hub dataset,
-only where a hub is reachable), and pre-tokenised directories written by
-`python -m lclm.data.prepare`. Nothing loaded is unpickled or executed.
+the file), .txt (documents separated by blank lines), .parquet / .arrow files (read in
+place with pyarrow: no copy, no `datasets` cache), saved `datasets` directories (through
+`datasets`, memory-mapped), `hub:NAME` (a named hub dataset, only where a hub is reachable),
+and pre-tokenised directories written by `python -m lclm.data.prepare`. Nothing loaded is
+unpickled or executed.
 
 A document is `(tokens int32 [n], loss int8 [n])`, where `loss[i]` says whether token i is
 a training target (predicting it is learned); document i of a source is always the same.
 Malformed records (bad JSON, missing or non-string fields, empty text, bad UTF-8 - per line
 or record, not per file -, conversations without an assistant reply) are skipped and counted
 once in `SourceStats`: records of files read whole are all checked when the source is
-opened, Arrow-backed ones as they are first read. A source without a single usable record
-(empty, binary, another format, the wrong field) fails when it is opened (`DataError`).
+opened, column-stored ones (parquet, Arrow, `datasets`) as they are first read. A source
+without a single usable record (empty, binary, another format, the wrong field) fails when
+it is opened (`DataError`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
+import hashlib
 import json
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from lclm.data import line_retrieval
 from lclm.data.chat import TEMPLATES, check_template, conversation_turns, render
 from lclm.errors import StartupError
 
 TOKENIZED_META = "lclm_tokens.json"
+log = logging.getLogger(__name__)
 
 
 class DataError(StartupError):
@@ -142,13 +150,11 @@ def _text_entries(file: str, text: str, text_field: str) -> list[_Entry]:
     return entries
 
 
-def _file_entries(file: str, text_field: str) -> list[_Entry]:
+def _file_entries(file: str, text_field: str, columns: Sequence[str]) -> list[_Entry]:
     """Entries of one file of any format that is read whole."""
-    if file.endswith((".parquet", ".arrow")):
-        import datasets
-        kind = "parquet" if file.endswith(".parquet") else "arrow"
-        table = datasets.load_dataset(kind, data_files=file, split="train")
-        return [(f"{file} row {k}", r, None) for k, r in enumerate(table)]
+    if file.endswith(COLUMNAR):
+        records = ColumnarRecords([file], columns, file)
+        return [(f"{file} row {k}", records[k], None) for k in range(len(records))]
     with open(file, "rb") as f:
         text = f.read().decode("utf-8", errors="surrogateescape")
     if file.endswith(".txt"):
@@ -182,9 +188,9 @@ class Records(Protocol):
 
 
 class CheckedAsRead:
-    """Arrow-backed records (memory-mapped, possibly larger than memory, so not all checked
-    at start): a malformed record reads as None and is counted the first time it is read;
-    reading raises `DataError` once every record has been found malformed."""
+    """Column-stored records (possibly larger than memory, so not all checked at start): a
+    malformed record reads as None and is counted the first time it is read; reading raises
+    `DataError` once every record has been found malformed."""
 
     def __init__(self, records, problem, stats: SourceStats, name: str):
         self.records, self.problem, self.stats, self.name = records, problem, stats, name
@@ -207,22 +213,131 @@ class CheckedAsRead:
         return None
 
 
-def _arrow_dataset(path: str):
-    """The Arrow-backed dataset that `path` names (a hub dataset, a saved `datasets`
-    directory, or only .parquet or only .arrow files), else None."""
+COLUMNAR = (".parquet", ".arrow")
+# Decoded parquet row groups kept per source. Documents are read in shuffled order, so once a
+# source's row groups outgrow this, reading a document mostly means decoding its row group.
+PARQUET_CACHE_BYTES = 1 << 30
+
+
+def _check_columns(name: str, have: Sequence[str], columns: Sequence[str]) -> list[str]:
+    """Those of `columns` that `name` has; a `DataError` when it has none of them."""
+    found = [c for c in columns if c in have]
+    if not found:
+        raise DataError(f"{name} has no column {' or '.join(map(repr, columns))} (its columns: "
+                        f"{', '.join(have)}); check data.text_field and data.source")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowGroup:
+    """One row group of a parquet file, decoded (only `columns`) when read."""
+    file: str
+    index: int
+    num_rows: int
+    columns: tuple[str, ...]
+
+    def read(self):
+        with pq.ParquetFile(self.file) as f:
+            return f.read_row_group(self.index, columns=list(self.columns))
+
+
+def _row_groups(file: str, columns: Sequence[str]) -> list[_RowGroup]:
+    try:
+        with pq.ParquetFile(file) as f:
+            meta, names = f.metadata, f.schema_arrow.names
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{file} is not a readable parquet file ({e})") from None
+    found = tuple(_check_columns(file, names, columns))
+    return [_RowGroup(file, k, meta.row_group(k).num_rows, found)
+            for k in range(meta.num_row_groups)]
+
+
+def _record_batches(file: str, columns: Sequence[str]) -> list:
+    """The record batches of an Arrow IPC file (the random-access format, or the stream
+    format that `datasets` saves), memory-mapped: nothing is copied or decoded."""
+    try:
+        with pa.memory_map(file) as source:
+            try:
+                reader = pa.ipc.open_file(source)
+                batches = [reader.get_batch(k) for k in range(reader.num_record_batches)]
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = pa.ipc.open_stream(source)
+                batches = list(reader)
+            names = reader.schema.names
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{file} is not a readable Arrow file ({e})") from None
+    found = _check_columns(file, names, columns)
+    return [b.select(found) for b in batches]
+
+
+class ColumnarRecords:
+    """The records (dicts of the columns a source reads) of .parquet and .arrow files, read
+    where they lie with pyarrow: no copy and no `datasets` cache. Arrow files are
+    memory-mapped; parquet row groups are decoded when first read and the most recently read
+    are kept, up to PARQUET_CACHE_BYTES (a source whose row groups do not fit is read
+    quickly only in file order, as `lclm.data.prepare` reads: one warning says so)."""
+
+    def __init__(self, files: Sequence[str], columns: Sequence[str], name: str):
+        self.blocks: list = []  # pyarrow record batches and _RowGroups, in file order
+        for file in files:
+            self.blocks += (_row_groups(file, columns) if file.endswith(".parquet")
+                            else _record_batches(file, columns))
+        self.starts = np.cumsum([0] + [b.num_rows for b in self.blocks])
+        self.name = name
+        self._decoded: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self._decoded_bytes = 0
+        self._ever_decoded: set[int] = set()
+        self._warned = False
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < len(self):
+            raise IndexError(f"record {i} of {self.name}, which has {len(self)}")
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self._block(k).slice(i - int(self.starts[k]), 1).to_pylist()[0]
+
+    def _block(self, k: int):
+        block = self.blocks[k]
+        if not isinstance(block, _RowGroup):
+            return block
+        table = self._decoded.pop(k, None)
+        if table is None:
+            table = self._decode(k, block)
+        self._decoded[k] = table
+        while self._decoded_bytes > PARQUET_CACHE_BYTES and len(self._decoded) > 1:
+            self._decoded_bytes -= self._decoded.popitem(last=False)[1].nbytes
+        return table
+
+    def _decode(self, k: int, group: _RowGroup):
+        if k in self._ever_decoded and not self._warned:
+            self._warned = True
+            log.warning("%s: its decoded row groups outgrow the %d MiB cache, so shuffled "
+                        "reading decodes a row group for most documents (slow); pre-tokenise "
+                        "it with python -m lclm.data.prepare", self.name,
+                        PARQUET_CACHE_BYTES >> 20)
+        self._ever_decoded.add(k)
+        table = group.read()
+        self._decoded_bytes += table.nbytes
+        return table
+
+
+def _columnar(path: str, columns: Sequence[str]):
+    """The column-stored records that `path` names: a hub dataset or a saved `datasets`
+    directory (through `datasets`, memory-mapped), or .parquet and .arrow files only
+    (`ColumnarRecords`); else None."""
     saved = os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_info.json"))
     if not (saved or path.startswith("hub:")):
         files = resolve_files(path)
-        kinds = [k for k in ("parquet", "arrow") if all(f.endswith(f".{k}") for f in files)]
-        if not kinds:
-            return None
+        return (ColumnarRecords(files, columns, path)
+                if all(f.endswith(COLUMNAR) for f in files) else None)
     import datasets
-    if path.startswith("hub:"):
-        return datasets.load_dataset(path[4:], split="train")
-    if saved:
-        ds = datasets.load_from_disk(path)
-        return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
-    return datasets.load_dataset(kinds[0], data_files=files, split="train")
+    ds = (datasets.load_dataset(path[4:], split="train") if path.startswith("hub:")
+          else datasets.load_from_disk(path))
+    _check_columns(path, ds.column_names, columns)
+    return ds
 
 
 def read_records(path: str, text_field: str, problem, columns: Sequence[str],
@@ -231,22 +346,19 @@ def read_records(path: str, text_field: str, problem, columns: Sequence[str],
 
     Files read whole (.jsonl, .json, .txt, and .parquet/.arrow beside them) are checked now
     with `problem` (record -> why it is unusable, or None): the usable records are returned,
-    the others counted once. Arrow-backed datasets are checked as they are read
+    the others counted once. Column-stored sources (only .parquet/.arrow files, saved
+    `datasets` directories, hub datasets) are checked as they are read
     (`CheckedAsRead`); now only that they hold records and one of `columns`.
     """
-    ds = _arrow_dataset(path)
-    if ds is not None:
-        if len(ds) == 0:
+    records = _columnar(path, columns)
+    if records is not None:
+        if len(records) == 0:
             raise DataError(f"{path} is empty")
-        if not set(columns) & set(ds.column_names):
-            raise DataError(f"{path} has no column {' or '.join(map(repr, columns))} (its "
-                            f"columns: {', '.join(ds.column_names)}); check data.text_field "
-                            "and data.source")
-        return CheckedAsRead(ds, problem, stats, path)
-    records: list = []
+        return CheckedAsRead(records, problem, stats, path)
+    usable: list = []
     for file in resolve_files(path):
-        records.extend(_usable(file, _file_entries(file, text_field), problem, stats))
-    return records
+        usable.extend(_usable(file, _file_entries(file, text_field, columns), problem, stats))
+    return usable
 
 
 class _RecordDocuments:
@@ -295,10 +407,34 @@ class ChatDocuments(_RecordDocuments):
         return tokens, flags.astype(np.int8)
 
 
+def offsets_digest(offsets: np.ndarray) -> str:
+    """The fingerprint of a pre-tokenised directory's document offsets kept in its metadata."""
+    return hashlib.sha256(np.ascontiguousarray(offsets, np.int64).tobytes()).hexdigest()
+
+
+_REWRITE = "write the directory again with python -m lclm.data.prepare"
+
+
+def _open_sized(path: str, size: int, expected: str):
+    """`path` opened for reading, with the `size` bytes that `expected` says it holds."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing; {_REWRITE}") from None
+    have = os.fstat(f.fileno()).st_size
+    if have != size:
+        f.close()
+        raise DataError(f"{path} has {have} bytes where {expected} needs {size}; "
+                        f"{_REWRITE}")
+    return f
+
+
 class TokenizedDocuments:
     """Documents pre-tokenised by `lclm.data.prepare`: memory-mapped, read without copies.
-    Opening checks the files' sizes and document offsets against each other (a truncated or
-    mismatched directory fails here, not in the middle of training)."""
+    Opening checks the files' sizes and document offsets against each other and the metadata
+    (a truncated or mismatched directory fails here, not in the middle of training). What was
+    opened stays readable when the directory is prepared again: prepare renames new files
+    into place, and the maps hold the old ones."""
 
     def __init__(self, directory: str):
         meta_path = os.path.join(directory, TOKENIZED_META)
@@ -311,27 +447,33 @@ class TokenizedDocuments:
                 self.meta = json.load(f)
             n_tokens, n_docs = int(self.meta["tokens"]), int(self.meta["documents"])
         except (ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{meta_path} is not a valid {TOKENIZED_META} ({e!r}); write the "
-                            "directory again with python -m lclm.data.prepare") from None
+            raise DataError(f"{meta_path} is not a valid {TOKENIZED_META} ({e!r}); "
+                            f"{_REWRITE}") from None
         if n_docs == 0:
             raise DataError(f"{directory} holds no documents")
+        expected = f"{TOKENIZED_META} ({n_docs} documents, {n_tokens} tokens)"
         paths = {name: os.path.join(directory, name)
                  for name in ("tokens.bin", "loss.bin", "offsets.bin")}
-        want = {"tokens.bin": 4 * n_tokens, "loss.bin": n_tokens, "offsets.bin": 8 * (n_docs + 1)}
-        for name, size in want.items():
-            have = os.path.getsize(paths[name]) if os.path.isfile(paths[name]) else None
-            if have != size:
-                raise DataError(f"{paths[name]} has {have} bytes where {TOKENIZED_META} "
-                                f"({n_docs} documents, {n_tokens} tokens) needs {size}; write "
-                                "the directory again with python -m lclm.data.prepare")
-        self.offsets = np.fromfile(paths["offsets.bin"], np.int64)
+        # offsets.bin opened last: prepare renames it first, so that a directory prepared
+        # again while this opens it shows in offsets that disagree with the metadata
+        with _open_sized(paths["tokens.bin"], 4 * n_tokens, expected) as tokens, \
+                _open_sized(paths["loss.bin"], n_tokens, expected) as loss, \
+                _open_sized(paths["offsets.bin"], 8 * (n_docs + 1), expected) as offsets:
+            self.offsets = np.fromfile(offsets, np.int64)
+            self.tokens = np.memmap(tokens, np.uint32, "r", shape=(n_tokens,))
+            self.loss = np.memmap(loss, np.int8, "r", shape=(n_tokens,))
+        self._check_offsets(paths["offsets.bin"], n_tokens)
+
+    def _check_offsets(self, path: str, n_tokens: int) -> None:
         if self.offsets[0] != 0 or self.offsets[-1] != n_tokens or (
                 np.diff(self.offsets) <= 0).any():
-            raise DataError(f"{paths['offsets.bin']} is not a list of increasing document "
-                            f"boundaries from 0 to {n_tokens}; write the directory again "
-                            "with python -m lclm.data.prepare")
-        self.tokens = np.memmap(paths["tokens.bin"], np.uint32, "r", shape=(n_tokens,))
-        self.loss = np.memmap(paths["loss.bin"], np.int8, "r", shape=(n_tokens,))
+            raise DataError(f"{path} is not a list of increasing document boundaries from 0 "
+                            f"to {n_tokens}; {_REWRITE}")
+        digest = self.meta.get("offsets_sha256")  # absent from directories of older versions
+        if digest is not None and digest != offsets_digest(self.offsets):
+            raise DataError(f"{path} is not the one its {TOKENIZED_META} describes: the "
+                            "directory was being prepared again (open it again), or such a "
+                            f"prepare was killed ({_REWRITE})")
 
     @property
     def vocab_size(self) -> int:
