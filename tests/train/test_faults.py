@@ -38,6 +38,14 @@ def _config(workdir, **train):
 
 
 @pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A 2-step run with a checkpoint at step 2 (copied by each test that resumes it)."""
+    workdir = tmp_path_factory.mktemp("base") / "run"
+    train(_config(workdir, steps=2))
+    return workdir
+
+
+@pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """A 4-step run with checkpoints at steps 2 and 4 (copied by each test that damages it)."""
     workdir = tmp_path_factory.mktemp("base") / "run"
@@ -148,9 +156,9 @@ def _read_only(path, when=None):
         end()
 
 
-def test_an_unwritable_checkpoint_directory_fails_at_start(tmp_path):
+def test_an_unwritable_checkpoint_directory_fails_at_start(two_steps, tmp_path):
     workdir = tmp_path / "run"
-    train(_config(workdir, steps=2))
+    shutil.copytree(two_steps, workdir)
     metrics = (workdir / "metrics.jsonl").read_text()
     with _read_only(workdir / "checkpoints"), pytest.raises(ConfigError) as e:
         train(_config(workdir, steps=6))
@@ -159,9 +167,9 @@ def test_an_unwritable_checkpoint_directory_fails_at_start(tmp_path):
 
 
 def test_a_failed_save_is_reported_at_once_retried_then_stops_with_earlier_ones_intact(
-        tmp_path, caplog):
+        two_steps, tmp_path, caplog):
     workdir = tmp_path / "run"
-    train(_config(workdir, steps=2))
+    shutil.copytree(two_steps, workdir)
     with _read_only(workdir / "checkpoints", when="restored checkpoint step 2"), \
             caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
         train(_config(workdir, steps=6))
@@ -178,9 +186,9 @@ def test_a_failed_save_is_reported_at_once_retried_then_stops_with_earlier_ones_
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_save_that_fails_once_is_retried_and_the_run_completes(tmp_path):
+def test_a_save_that_fails_once_is_retried_and_the_run_completes(two_steps, tmp_path):
     workdir = tmp_path / "run"
-    train(_config(workdir, steps=2))
+    shutil.copytree(two_steps, workdir)
     # the fault goes away once it has been reported
     with _read_only(workdir / "checkpoints", when="restored checkpoint step 2") as end, \
             _when_logged("retried at the next checkpoint step", lambda: end()):
@@ -190,11 +198,11 @@ def test_a_save_that_fails_once_is_retried_and_the_run_completes(tmp_path):
 
 
 def test_metrics_that_cannot_be_written_are_retried_then_the_run_saves_and_stops(
-        tmp_path, caplog):
+        two_steps, tmp_path, caplog):
     """One policy for every write: a failed metrics.jsonl write is retried at the next
     logged step; a second failure in a row saves a checkpoint and stops (exit 3)."""
     workdir = tmp_path / "run"
-    train(_config(workdir, steps=2))
+    shutil.copytree(two_steps, workdir)
     with _read_only(workdir / "metrics.jsonl", when="compiling the training step"), \
             caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
         train(_config(workdir, steps=6))
@@ -208,9 +216,9 @@ def test_metrics_that_cannot_be_written_are_retried_then_the_run_saves_and_stops
     assert [r["step"] for r in records] == [5, 6]
 
 
-def test_metrics_write_that_fails_once_loses_nothing(tmp_path):
+def test_metrics_write_that_fails_once_loses_nothing(two_steps, tmp_path):
     workdir = tmp_path / "run"
-    train(_config(workdir, steps=2))
+    shutil.copytree(two_steps, workdir)
     with _read_only(workdir / "metrics.jsonl", when="compiling the training step") as end, \
             _when_logged("the records are written with the next logged step", lambda: end()):
         train(_config(workdir, steps=6))

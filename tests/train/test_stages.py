@@ -76,44 +76,40 @@ def test_stages_chain_from_hf_weights(tmp_path):
     assert _leaves_close(params, jax.device_get(hf_params), 1e-6)
 
 
-def test_interrupted_staged_run_resumes_to_the_same_weights(tmp_path):
+def test_interrupted_staged_run_resumes_to_the_same_weights(tmp_path, caplog):
+    """Stopped at a stage boundary with the finished stage's final checkpoint damaged, then
+    in the middle of a stage: the resumed run ends with the uninterrupted run's weights."""
     hf_dir, _ = _tiny_hf(tmp_path)
     schedule = "64:1e4:3:2, 128:1e5:3:4"
     straight = _recipe(tmp_path, "straight", hf_dir, schedule=schedule)
     losses = [[r["loss"] for r in records] for records in run_stages(straight)]
 
     resumed = _recipe(tmp_path, "resumed", hf_dir, schedule=schedule)
-    first = run_stages(resumed, stop_after=4)  # all of stage 0, 1 step into stage 1
-    assert [len(r) for r in first] == [3, 1]
-    second = run_stages(resumed)  # stage 0 is skipped, stage 1 resumes at its step 2
-    assert [len(r) for r in second] == [2]
-    assert second[0][0]["step"] == 2
-    np.testing.assert_allclose(losses[1], [x["loss"] for x in first[1] + second[0]], rtol=1e-4)
-    assert _leaves_close(_final_params(straight)[1], _final_params(resumed)[1], 1e-5)
-
-
-def test_a_damaged_final_checkpoint_of_a_finished_stage_is_trained_again(tmp_path, caplog):
-    hf_dir, _ = _tiny_hf(tmp_path)
-    config = _recipe(tmp_path, "run", hf_dir, schedule="64:1e4:3:2, 128:1e5:2:4")
-    assert [len(r) for r in run_stages(config, stop_after=3)] == [3]   # stage 0 finished
-    stage0, stage1 = (c.workdir for c in stage_configs(config))
+    assert [len(r) for r in run_stages(resumed, stop_after=3)] == [3]   # stage 0 finished
+    stage0, stage1 = (c.workdir for c in stage_configs(resumed))
     damage_checkpoint(os.path.join(stage0, "checkpoints", "3"), "truncated chunks")
     with caplog.at_level(logging.WARNING):
-        runs = run_stages(config)
-    # stage 1 found it unreadable: stage 0 re-ran its step 3 from step 2, then stage 1 ran
-    assert [[r["step"] for r in records] for records in runs] == [[3], [1, 2]]
+        first = run_stages(resumed, stop_after=4)
+    # stage 1 found it unreadable: stage 0 re-ran its step 3 from step 2, then 1 step of stage 1
+    assert [[r["step"] for r in records] for records in first] == [[3], [1]]
     assert "stage 0's final checkpoint is damaged" in caplog.text
     (aside,) = os.listdir(os.path.join(stage0, "checkpoints_damaged"))
     assert aside.startswith("3-")
+    second = run_stages(resumed)  # stage 0 is skipped, stage 1 resumes at its step 2
+    assert [len(r) for r in second] == [2]
+    assert second[0][0]["step"] == 2
+    np.testing.assert_allclose(losses[0][2], first[0][0]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(losses[1], [x["loss"] for x in first[1] + second[0]], rtol=1e-4)
+    assert _leaves_close(_final_params(straight)[1], _final_params(resumed)[1], 1e-5)
 
     # another run's damaged checkpoint is not this run's to move: one line, nothing moved
-    damage_checkpoint(os.path.join(stage1, "checkpoints", "2"), "truncated chunks")
+    damage_checkpoint(os.path.join(stage1, "checkpoints", "3"), "truncated chunks")
     user = _recipe(tmp_path, "user", hf_dir, schedule="")
     user.model.update(init_from_hf="", init_from_checkpoint=stage1)
     user.data.update(seq_len=64, batch_size=2)
     with pytest.raises(SourceDamaged) as e:
         train(user)
     assert str(e.value).startswith(f"model.init_from_checkpoint={stage1!r}: its latest "
-                                   "checkpoint (step 2) cannot be read (")
+                                   "checkpoint (step 3) cannot be read (")
     assert "\n" not in str(e.value)
     assert not os.path.exists(os.path.join(stage1, "checkpoints_damaged"))
