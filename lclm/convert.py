@@ -27,18 +27,21 @@ import jax
 import jax.numpy as jnp
 
 from lclm import hf, logs
-from lclm.checkpoint import Checkpoints, read_config, read_params
+from lclm.checkpoint import Checkpoints, path_problem, read_config, read_params
 from lclm.cli import run_cli
 from lclm.config import LlamaConfig, base_config
+from lclm.config.secrets import public_config
 from lclm.errors import StartupError
 from lclm.models.llama import param_count, param_shapes
 from lclm.train.lock import WorkdirLock
-from lclm.train.setup import public_config
 from lclm.train.state import TrainState
 from lclm.train.step import make_optimizer
 
 
 def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
+    problem = path_problem(os.path.abspath(workdir))
+    if problem:
+        raise StartupError(f"--to-checkpoint {workdir!r} {problem}")
     model, params = hf.load(hf_dir)  # first: a directory it refuses leaves no workdir behind
     config = base_config()
     config.model.update({k: v for k, v in vars(model).items() if k in config.model})
@@ -51,7 +54,7 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
     optimizer = make_optimizer(config.train)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     os.makedirs(workdir, exist_ok=True)
-    lock = WorkdirLock(workdir)  # as training does: never beside a live run
+    lock = WorkdirLock(workdir, config.workdir_lease_minutes)  # as training does
     lock.acquire()
     try:
         checkpoints = Checkpoints(workdir, every=0, keep=3)

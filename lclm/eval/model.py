@@ -24,7 +24,7 @@ from lclm.models.llama import param_shapes
 from lclm.ops.layout import LAYOUTS
 from lclm.parallel.devices import request_cpu_devices
 from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
-from lclm.train.state import param_shardings, shard_params
+from lclm.train.state import param_shardings
 
 MESH_AXES = ("dp", "fsdp", "tp", "sp")
 
@@ -101,11 +101,12 @@ def load_hf(args) -> Model:
     """A HuggingFace LLaMA directory (safetensors) with its tokenizer (tokenizer.json or
     tokenizer.model in the directory, or --tokenizer)."""
 
-    model_config, params = hf.load(args.hf)
+    model_config = hf.read_config(args.hf)
     tokenizer = Tokenizer(args.tokenizer or args.hf)
     tokenizer.check_fits(model_config.vocab_size)
     mesh = make_mesh(**_mesh_sizes({}, args))
-    params = shard_params(model_config, params, mesh)
+    # each device reads its own block of the weights: the model is never whole on one
+    model_config, params = hf.load(args.hf, shardings=param_shardings(model_config, mesh))
     attention = _attention(AttentionConfig(), args)
     return Model(model_config, attention, params, mesh, tokenizer,
                  os.path.basename(os.path.abspath(args.hf)))

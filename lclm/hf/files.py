@@ -1,7 +1,6 @@
 """Files and directories of an export, readable by every user whatever the umask: files
 0o644, directories 0o755."""
 
-import json
 import os
 
 
@@ -19,11 +18,3 @@ def make_dir(path: str) -> None:
     os.makedirs(missing[0] if missing else path, exist_ok=True)
     for d in missing:
         world_readable(d, directory=True)
-
-
-def write_json(path: str, obj) -> None:
-    """`obj` as indented JSON at `path`, 0o644."""
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    world_readable(path)

@@ -9,8 +9,9 @@ from google.protobuf.message import DecodeError
 from sentencepiece import sentencepiece_model_pb2
 
 from lclm.config import LlamaConfig
+from lclm.files import write_json
 from lclm.hf.errors import HFFormatError
-from lclm.hf.files import world_readable, write_json
+from lclm.hf.files import world_readable
 
 # what an export holds of a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

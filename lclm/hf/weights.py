@@ -10,20 +10,28 @@ converted by HuggingFace's script (lclm never loads pickled .pth files).
 Only safetensors files are read: nothing is unpickled or executed.
 """
 
+import glob
 import json
+import math
 import os
 import re
+import shutil
+import tempfile
+from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors import SafetensorError, safe_open
-from safetensors.flax import save_file
+from safetensors.numpy import save_file
 
 from lclm.config import LlamaConfig
+from lclm.files import write_json
 from lclm.hf.config import config_to_hf, read_config
 from lclm.hf.errors import HFFormatError
-from lclm.hf.files import make_dir, world_readable, write_json
+from lclm.hf.files import make_dir, world_readable
+from lclm.models.llama import param_shapes
 
 _LAYER = "model.layers.{i}."
 _INDEX = "model.safetensors.index.json"
@@ -101,10 +109,10 @@ def _header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise _damaged(path, e) from None
 
 
-def _read_tensors(hf_dir: str, shapes: dict) -> dict:
-    """The tensors named in `shapes` from `hf_dir`, read once every file's header is valid and
-    holds them with these shapes, each exactly once, as floats."""
-    where: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # name -> (file, dtype, shape)
+def _locate(hf_dir: str, shapes: dict) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """name -> (file, dtype, shape) of every tensor named in `shapes`, once every file's header
+    is valid and holds them with these shapes, each exactly once, as floats."""
+    where: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     for path in _weight_files(hf_dir):
         for name, (dtype, shape) in _header(path).items():
             if name in where:
@@ -120,92 +128,199 @@ def _read_tensors(hf_dir: str, shapes: dict) -> dict:
         if dtype not in _FLOATS:
             raise HFFormatError(f"{path!r}: tensor {name!r} is {dtype}; weights must be "
                                 f"{'/'.join(_FLOATS)}")
-    tensors = {}
-    for path in sorted({where[name][0] for name in shapes}):
-        names = [name for name in shapes if where[name][0] == path]
-        try:  # as jax arrays: safetensors 0.4.0 gives no numpy bfloat16
-            with safe_open(path, framework="flax") as f:
-                tensors.update({name: f.get_tensor(name) for name in names})
-        except SafetensorError as e:  # the file changed since its header was read
-            raise _damaged(path, e) from None
-    return tensors
+    return {name: where[name] for name in shapes}
 
 
-def load(hf_dir: str, **overrides):
-    """`(LlamaConfig, params)` from a HuggingFace LLaMA directory (sharded or not), params in
-    lclm's canonical layout and the checkpoint's dtype. A malformed directory raises
-    `HFFormatError` (or FileNotFoundError) before any tensor data is read."""
-    c = read_config(hf_dir, **overrides)
-    t = _read_tensors(hf_dir, hf_shapes(c))
-    dtype = jnp.dtype(c.param_dtype)
+_NUMPY = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+          "BF16": np.dtype(jnp.bfloat16)}
+
+
+class _Reader:
+    """Whole tensors of validated safetensors files, read with `pread`: nothing is mapped, so
+    only the tensor asked for passes through this process's memory. The last tensor read is
+    kept, since every device's shard of a parameter is cut from the same one."""
+
+    def __init__(self, where: dict[str, tuple[str, str, tuple[int, ...]]]):
+        self.where = where
+        self._headers: dict[str, tuple[int, dict]] = {}   # file -> (data start, header)
+        self._last: tuple[str, np.ndarray] | None = None
+
+    def _offsets(self, path: str, name: str) -> tuple[int, int]:
+        """(first byte, end) of tensor `name` in `path` (the header safetensors validated)."""
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[path] = (8 + size, json.loads(f.read(size)))
+        start, header = self._headers[path]
+        begin, end = header[name]["data_offsets"]
+        return start + begin, start + end
+
+    def get(self, name: str) -> np.ndarray:
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
+        path, dtype, shape = self.where[name]
+        begin, end = self._offsets(path, name)
+        buffer = bytearray(end - begin)
+        with open(path, "rb") as f:
+            read = f.readinto(memoryview(buffer)) if f.seek(begin) == begin else 0
+        if read != end - begin:   # the file changed since its header was read
+            raise HFFormatError(f"{path!r} is truncated (tensor {name!r})")
+        tensor = np.frombuffer(buffer, _NUMPY[dtype]).reshape(shape)
+        self._last = (name, tensor)
+        return tensor
+
+
+def _canonical(c: LlamaConfig):
+    """lclm parameter -> (HF tensor name, or a function of the layer index giving it; the map
+    from that tensor `[out, in]` to lclm's layout)."""
     H, K, Dh, D = c.n_heads, c.n_kv_heads, c.head_dim, c.dim
 
-    def get(name):
-        return jnp.asarray(t[name]).astype(dtype)
+    def layer(suffix):
+        return lambda i: _LAYER.format(i=i) + suffix
 
-    def stack(suffix, fn):
-        return jnp.stack([fn(get(_LAYER.format(i=i) + suffix)) for i in range(c.n_layers)])
-
-    params = {
-        "embed": get("model.embed_tokens.weight"),
-        "final_norm": get("model.norm.weight"),
+    tree = {
+        "embed": ("model.embed_tokens.weight", lambda w: w),
+        "final_norm": ("model.norm.weight", lambda w: w),
         "layers": {
-            "attn_norm": stack("input_layernorm.weight", lambda w: w),
-            "ffn_norm": stack("post_attention_layernorm.weight", lambda w: w),
-            "wq": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(D, H, Dh)),
-            "wk": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, Dh)),
-            "wv": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, Dh)),
-            "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(H, Dh, D)),
-            "w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
-            "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
-            "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
+            "attn_norm": (layer("input_layernorm.weight"), lambda w: w),
+            "ffn_norm": (layer("post_attention_layernorm.weight"), lambda w: w),
+            "wq": (layer("self_attn.q_proj.weight"), lambda w: w.T.reshape(D, H, Dh)),
+            "wk": (layer("self_attn.k_proj.weight"), lambda w: w.T.reshape(D, K, Dh)),
+            "wv": (layer("self_attn.v_proj.weight"), lambda w: w.T.reshape(D, K, Dh)),
+            "wo": (layer("self_attn.o_proj.weight"), lambda w: w.T.reshape(H, Dh, D)),
+            "w_gate": (layer("mlp.gate_proj.weight"), lambda w: w.T),
+            "w_up": (layer("mlp.up_proj.weight"), lambda w: w.T),
+            "w_down": (layer("mlp.down_proj.weight"), lambda w: w.T),
         },
     }
     if not c.tie_embeddings:
-        params["lm_head"] = get("lm_head.weight").T
+        tree["lm_head"] = ("lm_head.weight", lambda w: w.T)
+    return tree
+
+
+def _is_entry(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and callable(x[1])
+
+
+def _block(reader: _Reader, entry, stacked: bool, n_layers: int, index: tuple, dtype):
+    """The block `index` of one lclm parameter, built from the HF tensors it needs (for a
+    stacked parameter, one layer's tensor at a time), in `dtype`."""
+    name, to_lclm = entry
+    if not stacked:
+        return np.asarray(to_lclm(reader.get(name))[index], dtype)
+    layers = range(n_layers)[index[0]]
+    return np.stack([np.asarray(to_lclm(reader.get(name(i)))[index[1:]], dtype)
+                     for i in layers])
+
+
+def load(hf_dir: str, shardings=None, dtype=None, **overrides):
+    """`(LlamaConfig, params)` from a HuggingFace LLaMA directory (sharded or not), params in
+    lclm's canonical layout and `dtype` (default: the config's `param_dtype`). A malformed
+    directory raises `HFFormatError` (or FileNotFoundError) before any tensor data is read.
+
+    `shardings`: a tree of `jax.sharding.Sharding` like the params (lclm.train.state's
+    `param_shardings`): each device's block is read from the files and placed directly, so no
+    device ever holds more than its block and the host never holds the whole model (on
+    several processes each reads only the blocks of its own devices). Without it, host numpy
+    arrays."""
+    c = read_config(hf_dir, **overrides)
+    reader = _Reader(_locate(hf_dir, hf_shapes(c)))
+    dtype = np.dtype(jnp.dtype(dtype or c.param_dtype))
+    entries = _canonical(c)
+    shapes = param_shapes(c)
+    stacked = {"layers"}
+
+    def build(path, entry, shape, sharding=None):
+        is_stacked = path[0].key in stacked
+        if sharding is None:
+            return _block(reader, entry, is_stacked, c.n_layers, (slice(None),) * len(shape),
+                          dtype)
+        return jax.make_array_from_callback(
+            shape, sharding, lambda index: _block(reader, entry, is_stacked, c.n_layers,
+                                                  index, dtype))
+
+    if shardings is None:
+        params = jax.tree_util.tree_map_with_path(build, entries, shapes, is_leaf=_is_entry)
+    else:
+        params = jax.tree_util.tree_map_with_path(build, entries, shapes, shardings,
+                                                  is_leaf=_is_entry)
     return c, params
+
+
+def _exports(c: LlamaConfig, params) -> dict[str, Callable[[], np.ndarray]]:
+    """HF tensor name -> a function giving it as a host array `[out, in]`: one layer of one
+    parameter at a time, so the model is never whole on the host."""
+    L = params["layers"]
+
+    def read(get: Callable[[], object], to_hf: Callable = lambda w: w):
+        return lambda: to_hf(np.asarray(jax.device_get(get())))
+
+    def to_rows(w):   # [dim, heads, head_dim] -> [heads * head_dim, dim]
+        return w.reshape(c.dim, -1).T
+
+    out = {"model.embed_tokens.weight": read(lambda: params["embed"]),
+           "model.norm.weight": read(lambda: params["final_norm"])}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = read(lambda: params["lm_head"], np.transpose)
+    for i in range(c.n_layers):
+        p = _LAYER.format(i=i)
+
+        def layer(key: str, i: int = i):
+            return lambda: L[key][i]
+
+        out.update({
+            p + "input_layernorm.weight": read(layer("attn_norm")),
+            p + "post_attention_layernorm.weight": read(layer("ffn_norm")),
+            p + "self_attn.q_proj.weight": read(layer("wq"), to_rows),
+            p + "self_attn.k_proj.weight": read(layer("wk"), to_rows),
+            p + "self_attn.v_proj.weight": read(layer("wv"), to_rows),
+            p + "self_attn.o_proj.weight": read(layer("wo"),
+                                                lambda w: w.reshape(-1, c.dim).T),
+            p + "mlp.gate_proj.weight": read(layer("w_gate"), np.transpose),
+            p + "mlp.up_proj.weight": read(layer("w_up"), np.transpose),
+            p + "mlp.down_proj.weight": read(layer("w_down"), np.transpose),
+        })
+    return out
 
 
 def save(hf_dir: str, c: LlamaConfig, params, max_shard_bytes: int = 4 << 30) -> list:
     """Write `params` (canonical layout) as a HuggingFace LLaMA directory that
     `transformers.LlamaForCausalLM.from_pretrained` loads (sharded above `max_shard_bytes`);
-    returns the names of the files written (0o644; directories it creates 0o755). Weight files
-    already in `hf_dir` (an earlier export's) are replaced, never mixed with the new ones."""
+    returns the names of the files written (0o644; directories it creates 0o755).
+
+    Streams: one output file's tensors are on the host at a time. Atomic per export: every
+    file is written into a hidden directory inside `hf_dir` and moved into place only when
+    all are complete, config.json last; an earlier export's weight files that this one does
+    not have are removed after that. A failed or killed export leaves the earlier one whole."""
     make_dir(hf_dir)
-    for name in os.listdir(hf_dir):
-        if _WEIGHT_FILE.fullmatch(name):
-            os.remove(os.path.join(hf_dir, name))
-    dtype = jnp.dtype(c.param_dtype)
-    L = params["layers"]
-    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
-    if not c.tie_embeddings:
-        out["lm_head.weight"] = params["lm_head"].T
-    for i in range(c.n_layers):
-        p = _LAYER.format(i=i)
-        out[p + "input_layernorm.weight"] = L["attn_norm"][i]
-        out[p + "post_attention_layernorm.weight"] = L["ffn_norm"][i]
-        out[p + "self_attn.q_proj.weight"] = L["wq"][i].reshape(c.dim, -1).T
-        out[p + "self_attn.k_proj.weight"] = L["wk"][i].reshape(c.dim, -1).T
-        out[p + "self_attn.v_proj.weight"] = L["wv"][i].reshape(c.dim, -1).T
-        out[p + "self_attn.o_proj.weight"] = L["wo"][i].reshape(-1, c.dim).T
-        out[p + "mlp.gate_proj.weight"] = L["w_gate"][i].T
-        out[p + "mlp.up_proj.weight"] = L["w_up"][i].T
-        out[p + "mlp.down_proj.weight"] = L["w_down"][i].T
-    out = {k: jnp.asarray(np.asarray(v)).astype(dtype) for k, v in out.items()}
-
+    for leftover in glob.glob(os.path.join(glob.escape(hf_dir), ".export-*")):
+        shutil.rmtree(leftover, ignore_errors=True)   # of an export that was killed
+    dtype = np.dtype(jnp.dtype(c.param_dtype))
+    exports = _exports(c, params)
+    shapes = hf_shapes(c)
     split = split_state_dict_into_shards_factory(
-        out, get_storage_size=lambda t: t.nbytes, filename_pattern=_SHARD_PATTERN,
-        max_shard_size=max_shard_bytes)
-    for name, names in split.filename_to_tensors.items():
-        save_file({k: out[k] for k in names}, os.path.join(hf_dir, name),
-                  metadata={"format": "pt"})
-        world_readable(os.path.join(hf_dir, name))
-    written = list(split.filename_to_tensors)
-    if split.is_sharded:
-        write_json(os.path.join(hf_dir, _INDEX),
-                   {"metadata": split.metadata, "weight_map": split.tensor_to_filename})
-        written.append(_INDEX)
-    write_json(os.path.join(hf_dir, "config.json"), config_to_hf(c))
-    written.append("config.json")
+        {name: shapes[name] for name in exports},
+        get_storage_size=lambda shape: math.prod(shape) * dtype.itemsize,
+        filename_pattern=_SHARD_PATTERN, max_shard_size=max_shard_bytes)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=hf_dir)
+    try:
+        for name, names in split.filename_to_tensors.items():
+            path = os.path.join(staging, name)
+            save_file({k: np.ascontiguousarray(exports[k]().astype(dtype)) for k in names},
+                      path, metadata={"format": "pt"})
+            world_readable(path)
+        written = list(split.filename_to_tensors)
+        if split.is_sharded:
+            write_json(os.path.join(staging, _INDEX),
+                       {"metadata": split.metadata, "weight_map": split.tensor_to_filename})
+            written.append(_INDEX)
+        write_json(os.path.join(staging, "config.json"), config_to_hf(c))
+        written.append("config.json")
+        for name in written:   # config.json last: it names the weights' shapes
+            os.replace(os.path.join(staging, name), os.path.join(hf_dir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    for name in os.listdir(hf_dir):
+        if _WEIGHT_FILE.fullmatch(name) and name not in written:
+            os.remove(os.path.join(hf_dir, name))   # the earlier export's, now replaced
     return written
-

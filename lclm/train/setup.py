@@ -15,7 +15,6 @@ import tempfile
 import uuid
 
 import jax
-import jax.numpy as jnp
 
 from lclm import hf
 from lclm.checkpoint import (
@@ -213,11 +212,12 @@ def apply_checkpoint_fields(config) -> None:
 
 def load_hf_params(config, model: LlamaConfig, mesh):
     """`init_from_hf` weights in the run's param dtype and shardings."""
-    _, params = hf.load(config.model.init_from_hf)
-    dtype = jnp.dtype(model.param_dtype)
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    # each device's block is read from the files and placed where it belongs: the model is
+    # never whole on one device nor on the host (13B in float32 is 52 GB)
+    _, params = hf.load(config.model.init_from_hf, shardings=param_shardings(model, mesh),
+                        dtype=model.param_dtype)
     log.info("initialised from %s (rope_theta %g)", config.model.init_from_hf, model.rope_theta)
-    return jax.device_put(params, param_shardings(model, mesh))
+    return params
 
 
 def load_checkpoint_params(config, template: TrainState):
