@@ -64,9 +64,9 @@ def validate(config, device_count: int) -> dict[str, int]:
         _fail(f"attention.impl={a.impl!r} is not available; use one of {IMPLS}")
     if d.source not in SOURCE_KINDS:
         _fail(f"data.source={d.source!r}; use one of {SOURCE_KINDS}")
-    parse_sources(d.path, d.source)   # its syntax; the files are opened with the data
-    if config.validation.path:
-        parse_sources(config.validation.path, d.source)
+    for path in (d.path, config.validation.path):   # the syntax; the planner needs no data
+        if path:
+            parse_sources(path, d.source)
     if d.chat_template not in TEMPLATES:
         _fail(f"data.chat_template={d.chat_template!r}; use one of {sorted(TEMPLATES)}")
     if m.n_heads % tp:
