@@ -138,11 +138,12 @@ def check_workdir(workdir: str) -> None:
     temporary files, and existing files are opened for appending without writing."""
     if not workdir:
         _fail("workdir is empty; set config.workdir to the run's directory")
+    if "://" in workdir:   # the lock, config.json and metrics.jsonl are local files
+        _fail(f"workdir={workdir!r}: object storage is not a workdir (its lock and metrics are "
+              "files); use a local or mounted path (e.g. gcsfuse)")
     problem = path_problem(os.path.abspath(workdir))
     if problem:
         _fail(f"workdir={workdir!r} {problem}")
-    if "://" in workdir:
-        return   # object storage (gs://...): Orbax and tensorstore report their own errors
     existing = os.path.abspath(workdir)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
