@@ -33,17 +33,28 @@ from lclm.config import LlamaConfig, base_config
 from lclm.config.secrets import public_config
 from lclm.errors import StartupError
 from lclm.models.llama import param_count, param_shapes
+from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirLock
-from lclm.train.state import TrainState
+from lclm.train.state import TrainState, param_shardings, state_shardings
 from lclm.train.step import make_optimizer
+
+
+def _local_mesh():
+    """This machine's devices as one fsdp axis: the model spread over all of them, whole on
+    none (a conversion is one process)."""
+    return make_mesh(fsdp=-1, devices=jax.local_devices())
 
 
 def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
     problem = path_problem(os.path.abspath(workdir))
     if problem:
         raise StartupError(f"--to-checkpoint {workdir!r} {problem}")
-    model, params = hf.load(hf_dir)  # first: a directory it refuses leaves no workdir behind
     config = base_config()
+    optimizer = make_optimizer(config.train)
+    model = hf.read_config(hf_dir)
+    where = state_shardings(model, optimizer, _local_mesh())
+    # first: a directory it refuses leaves no workdir behind; each device reads its block
+    model, params = hf.load(hf_dir, shardings=where.params)
     config.model.update({k: v for k, v in vars(model).items() if k in config.model})
     for name in ("tokenizer.model", "tokenizer.json"):  # what an export of it copies back
         if os.path.isfile(os.path.join(hf_dir, name)):
@@ -51,8 +62,8 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
                                    os.path.join(hf_dir, name))
             config.data.tokenizer = path
             break
-    optimizer = make_optimizer(config.train)
-    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    opt_state = jax.jit(optimizer.init, out_shardings=where.opt_state)(params)
+    state = TrainState(jnp.zeros((), jnp.int32), params, opt_state)
     os.makedirs(workdir, exist_ok=True)
     lock = WorkdirLock(workdir, config.workdir_lease_minutes)  # as training does
     lock.acquire()
@@ -110,12 +121,13 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None) ->
     trained = max([saved.get("data", {}).get("seq_len", 0) if step else 0, *seq_lens])
     model = dataclasses.replace(
         model, max_position_embeddings=max(model.max_position_embeddings, trained))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # spread over this machine's devices; the export gathers one layer at a time to the host
     abstract = jax.tree.map(
-        lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(model.param_dtype), sharding=device),
-        param_shapes(model), is_leaf=lambda x: isinstance(x, tuple))
-    params = jax.device_get(read_params(workdir, step, abstract))
-    written = hf.save(hf_dir, model, params)
+        lambda shape, sharding: jax.ShapeDtypeStruct(shape, jnp.dtype(model.param_dtype),
+                                                     sharding=sharding),
+        param_shapes(model), param_shardings(model, _local_mesh()),
+        is_leaf=lambda x: isinstance(x, tuple))
+    written = hf.save(hf_dir, model, read_params(workdir, step, abstract))
     tokenizer = tokenizer or saved.get("data", {}).get("tokenizer", "")
     notes: list[str] = []
     if tokenizer:

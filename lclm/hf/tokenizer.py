@@ -9,9 +9,8 @@ from google.protobuf.message import DecodeError
 from sentencepiece import sentencepiece_model_pb2
 
 from lclm.config import LlamaConfig
-from lclm.files import write_json
+from lclm.files import replacing, write_json
 from lclm.hf.errors import HFFormatError
-from lclm.hf.files import world_readable
 
 # what an export holds of a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -123,8 +122,8 @@ def save_tokenizer(source: str, hf_dir: str, c: LlamaConfig) -> tuple[list[str],
     tokenizer.json or a directory holding one (copied with the tokenizer_config.json and
     special_tokens_map.json beside it)."""
     def copy(src, name):
-        shutil.copyfile(src, os.path.join(hf_dir, name))
-        world_readable(os.path.join(hf_dir, name))
+        with open(src, "rb") as f, replacing(os.path.join(hf_dir, name), binary=True) as out:
+            shutil.copyfileobj(f, out)
         return name
 
     folder = source if os.path.isdir(source) else os.path.dirname(source)

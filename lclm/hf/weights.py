@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from huggingface_hub import split_state_dict_into_shards_factory
+from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from lclm.config import LlamaConfig
 from lclm.files import write_json
@@ -136,81 +136,122 @@ _NUMPY = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
 
 
 class _Reader:
-    """Whole tensors of validated safetensors files, read with `pread`: nothing is mapped, so
-    only the tensor asked for passes through this process's memory. The last tensor read is
-    kept, since every device's shard of a parameter is cut from the same one."""
+    """Runs of rows of tensors in validated safetensors files, read with `pread` into one
+    buffer that is reused: nothing is mapped and nothing allocated per read, so the host holds
+    at most one HF tensor at a time. What `get` returns is a view of that buffer, valid until
+    the next `get`; the same rows asked for again (another device's block of them) are not
+    read again."""
 
     def __init__(self, where: dict[str, tuple[str, str, tuple[int, ...]]]):
         self.where = where
         self._headers: dict[str, tuple[int, dict]] = {}   # file -> (data start, header)
-        self._last: tuple[str, np.ndarray] | None = None
+        self._buffer = bytearray()
+        self._last: tuple[tuple, np.ndarray] | None = None
 
-    def _offsets(self, path: str, name: str) -> tuple[int, int]:
-        """(first byte, end) of tensor `name` in `path` (the header safetensors validated)."""
+    def _offset(self, path: str, name: str) -> int:
+        """Where tensor `name` begins in `path` (per the header safetensors validated)."""
         if path not in self._headers:
             with open(path, "rb") as f:
                 size = int.from_bytes(f.read(8), "little")
                 self._headers[path] = (8 + size, json.loads(f.read(size)))
         start, header = self._headers[path]
-        begin, end = header[name]["data_offsets"]
-        return start + begin, start + end
+        return start + header[name]["data_offsets"][0]
 
-    def get(self, name: str) -> np.ndarray:
-        if self._last is not None and self._last[0] == name:
-            return self._last[1]
+    def get(self, name: str, rows: slice = slice(None)) -> np.ndarray:
+        """Rows `rows` of tensor `name` (`[rows, ...]`: of a row-major tensor, one run of
+        bytes)."""
         path, dtype, shape = self.where[name]
-        begin, end = self._offsets(path, name)
-        buffer = bytearray(end - begin)
+        kept = range(shape[0])[rows]
+        if self._last is not None and self._last[0] == (name, kept):
+            return self._last[1]
+        row = math.prod(shape[1:]) * _NUMPY[dtype].itemsize
+        size = len(kept) * row
+        if len(self._buffer) < size:
+            self._last, self._buffer = None, bytearray(size)
+        view = memoryview(self._buffer)[:size]
+        begin = self._offset(path, name) + kept.start * row
         with open(path, "rb") as f:
-            read = f.readinto(memoryview(buffer)) if f.seek(begin) == begin else 0
-        if read != end - begin:   # the file changed since its header was read
+            read = f.readinto(view) if f.seek(begin) == begin else 0
+        if read != size:   # the file changed since its header was read
             raise HFFormatError(f"{path!r} is truncated (tensor {name!r})")
-        tensor = np.frombuffer(buffer, _NUMPY[dtype]).reshape(shape)
-        self._last = (name, tensor)
+        tensor = np.frombuffer(view, _NUMPY[dtype]).reshape(len(kept), *shape[1:])
+        self._last = ((name, kept), tensor)
         return tensor
 
 
 def _canonical(c: LlamaConfig):
     """lclm parameter -> (HF tensor name, or a function of the layer index giving it; the map
-    from that tensor `[out, in]` to lclm's layout)."""
-    H, K, Dh, D = c.n_heads, c.n_kv_heads, c.head_dim, c.dim
+    from rows of that tensor `[out, in]` to lclm's layout of one layer; the axes of that
+    layout that flatten to HF's rows `out`). The map takes any run of whole rows: the first of
+    the row axes is -1 in its reshape."""
+    Dh, D = c.head_dim, c.dim
 
     def layer(suffix):
         return lambda i: _LAYER.format(i=i) + suffix
 
+    def heads_last(w):   # [heads * head_dim, dim] -> [dim, heads, head_dim] (kv heads)
+        return w.T.reshape(D, -1, Dh)
+
     tree = {
-        "embed": ("model.embed_tokens.weight", lambda w: w),
-        "final_norm": ("model.norm.weight", lambda w: w),
+        "embed": ("model.embed_tokens.weight", lambda w: w, (0,)),
+        "final_norm": ("model.norm.weight", lambda w: w, (0,)),
         "layers": {
-            "attn_norm": (layer("input_layernorm.weight"), lambda w: w),
-            "ffn_norm": (layer("post_attention_layernorm.weight"), lambda w: w),
-            "wq": (layer("self_attn.q_proj.weight"), lambda w: w.T.reshape(D, H, Dh)),
-            "wk": (layer("self_attn.k_proj.weight"), lambda w: w.T.reshape(D, K, Dh)),
-            "wv": (layer("self_attn.v_proj.weight"), lambda w: w.T.reshape(D, K, Dh)),
-            "wo": (layer("self_attn.o_proj.weight"), lambda w: w.T.reshape(H, Dh, D)),
-            "w_gate": (layer("mlp.gate_proj.weight"), lambda w: w.T),
-            "w_up": (layer("mlp.up_proj.weight"), lambda w: w.T),
-            "w_down": (layer("mlp.down_proj.weight"), lambda w: w.T),
+            "attn_norm": (layer("input_layernorm.weight"), lambda w: w, (0,)),
+            "ffn_norm": (layer("post_attention_layernorm.weight"), lambda w: w, (0,)),
+            "wq": (layer("self_attn.q_proj.weight"), heads_last, (1, 2)),
+            "wk": (layer("self_attn.k_proj.weight"), heads_last, (1, 2)),
+            "wv": (layer("self_attn.v_proj.weight"), heads_last, (1, 2)),
+            "wo": (layer("self_attn.o_proj.weight"),
+                   lambda w: w.T.reshape(c.n_heads, Dh, -1), (2,)),
+            "w_gate": (layer("mlp.gate_proj.weight"), np.transpose, (1,)),
+            "w_up": (layer("mlp.up_proj.weight"), np.transpose, (1,)),
+            "w_down": (layer("mlp.down_proj.weight"), np.transpose, (1,)),
         },
     }
     if not c.tie_embeddings:
-        tree["lm_head"] = ("lm_head.weight", lambda w: w.T)
+        tree["lm_head"] = ("lm_head.weight", np.transpose, (1,))
     return tree
 
 
 def _is_entry(x) -> bool:
-    return isinstance(x, tuple) and len(x) == 2 and callable(x[1])
+    return isinstance(x, tuple) and len(x) == 3 and callable(x[1])
 
 
-def _block(reader: _Reader, entry, stacked: bool, n_layers: int, index: tuple, dtype):
-    """The block `index` of one lclm parameter, built from the HF tensors it needs (for a
-    stacked parameter, one layer's tensor at a time), in `dtype`."""
-    name, to_lclm = entry
+def _rows(shape: tuple, index: tuple, axes: tuple) -> tuple[slice, tuple]:
+    """(The HF rows that the block `index` of a one-layer lclm tensor of `shape` needs, where
+    its `axes` flatten to HF's rows; `index` within those rows). All rows unless the block
+    spans whole trailing row axes (e.g. whole heads of `[dim, heads, head_dim]`)."""
+    first, rest = axes[0], axes[1:]
+    if any(range(shape[a])[index[a]] != range(shape[a]) for a in rest):
+        return slice(None), index
+    kept = range(shape[first])[index[first]]
+    inner = math.prod(shape[a] for a in rest)
+    within = (*index[:first], slice(0, len(kept)), *index[first + 1:])
+    return slice(kept.start * inner, kept.stop * inner), within
+
+
+def _fill(out: np.ndarray, src: np.ndarray) -> np.ndarray:
+    """`out[...] = src` (cast to `out`'s dtype), copied in strips of 256 along the last axis:
+    `src` is often a transpose, which numpy copies about 3x faster when the part of it one
+    strip reads stays in cache."""
+    for a in range(0, out.shape[-1], 256):
+        out[..., a:a + 256] = src[..., a:a + 256]
+    return out
+
+
+def _block(reader: _Reader, entry, stacked: bool, shape: tuple, index: tuple, dtype):
+    """The block `index` (a tuple of slices) of the lclm parameter of `shape`, as a new host
+    array in `dtype`, read from the HF rows it needs: for a stacked parameter
+    `[layers, ...]`, one layer at a time, so the host holds the block and one HF tensor."""
+    name, to_lclm, axes = entry
+    block = np.empty([len(range(n)[i]) for n, i in zip(shape, index)], dtype)
     if not stacked:
-        return np.asarray(to_lclm(reader.get(name))[index], dtype)
-    layers = range(n_layers)[index[0]]
-    return np.stack([np.asarray(to_lclm(reader.get(name(i)))[index[1:]], dtype)
-                     for i in layers])
+        rows, within = _rows(shape, index, axes)
+        return _fill(block, to_lclm(reader.get(name, rows))[within])
+    rows, within = _rows(shape[1:], index[1:], axes)
+    for j, i in enumerate(range(shape[0])[index[0]]):
+        _fill(block[j], to_lclm(reader.get(name(i), rows))[within])
+    return block
 
 
 def load(hf_dir: str, shardings=None, dtype=None, **overrides):
@@ -219,41 +260,43 @@ def load(hf_dir: str, shardings=None, dtype=None, **overrides):
     directory raises `HFFormatError` (or FileNotFoundError) before any tensor data is read.
 
     `shardings`: a tree of `jax.sharding.Sharding` like the params (lclm.train.state's
-    `param_shardings`): each device's block is read from the files and placed directly, so no
-    device ever holds more than its block and the host never holds the whole model (on
-    several processes each reads only the blocks of its own devices). Without it, host numpy
-    arrays."""
+    `param_shardings`): each device's block is read from the files and placed directly with
+    `jax.make_array_from_callback`, so no device ever holds more than its block and the host
+    holds one block and one HF tensor at a time; on several processes each reads only the
+    blocks of its own devices. Without it, host numpy arrays (the whole model on the host)."""
     c = read_config(hf_dir, **overrides)
     reader = _Reader(_locate(hf_dir, hf_shapes(c)))
     dtype = np.dtype(jnp.dtype(dtype or c.param_dtype))
-    entries = _canonical(c)
-    shapes = param_shapes(c)
-    stacked = {"layers"}
 
     def build(path, entry, shape, sharding=None):
-        is_stacked = path[0].key in stacked
+        stacked = path[0].key == "layers"
         if sharding is None:
-            return _block(reader, entry, is_stacked, c.n_layers, (slice(None),) * len(shape),
-                          dtype)
+            return _block(reader, entry, stacked, shape, (slice(None),) * len(shape), dtype)
         return jax.make_array_from_callback(
-            shape, sharding, lambda index: _block(reader, entry, is_stacked, c.n_layers,
-                                                  index, dtype))
+            shape, sharding, lambda index: _block(reader, entry, stacked, shape, index, dtype))
 
-    if shardings is None:
-        params = jax.tree_util.tree_map_with_path(build, entries, shapes, is_leaf=_is_entry)
-    else:
-        params = jax.tree_util.tree_map_with_path(build, entries, shapes, shardings,
-                                                  is_leaf=_is_entry)
-    return c, params
+    trees = [_canonical(c), param_shapes(c)] + ([] if shardings is None else [shardings])
+    return c, jax.tree_util.tree_map_with_path(build, *trees, is_leaf=_is_entry)
 
 
-def _exports(c: LlamaConfig, params) -> dict[str, Callable[[], np.ndarray]]:
-    """HF tensor name -> a function giving it as a host array `[out, in]`: one layer of one
-    parameter at a time, so the model is never whole on the host."""
+def _host(x) -> np.ndarray:
+    """`x` on this host; an array spanning several processes' devices is gathered from all of
+    them (every process must ask for it, in the same order)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def _exports(c: LlamaConfig, params, dtype) -> dict[str, Callable[[], np.ndarray]]:
+    """HF tensor name -> a function giving it as a new host array `[out, in]` in `dtype`: one
+    layer of one parameter is read at a time, so the model is never whole on the host."""
     L = params["layers"]
 
     def read(get: Callable[[], object], to_hf: Callable = lambda w: w):
-        return lambda: to_hf(np.asarray(jax.device_get(get())))
+        def tensor():
+            w = to_hf(_host(get()))
+            return _fill(np.empty(w.shape, dtype), w)
+        return tensor
 
     def to_rows(w):   # [dim, heads, head_dim] -> [heads * head_dim, dim]
         return w.reshape(c.dim, -1).T
@@ -283,44 +326,87 @@ def _exports(c: LlamaConfig, params) -> dict[str, Callable[[], np.ndarray]]:
     return out
 
 
-def save(hf_dir: str, c: LlamaConfig, params, max_shard_bytes: int = 4 << 30) -> list:
-    """Write `params` (canonical layout) as a HuggingFace LLaMA directory that
-    `transformers.LlamaForCausalLM.from_pretrained` loads (sharded above `max_shard_bytes`);
-    returns the names of the files written (0o644; directories it creates 0o755).
+_CODES = {dtype: code for code, dtype in _NUMPY.items()}
 
-    Streams: one output file's tensors are on the host at a time. Atomic per export: every
-    file is written into a hidden directory inside `hf_dir` and moved into place only when
-    all are complete, config.json last; an earlier export's weight files that this one does
-    not have are removed after that. A failed or killed export leaves the earlier one whole."""
+
+def _write_file(path: str, names: list, shapes: dict, exports: dict, dtype: np.dtype) -> None:
+    """A safetensors file of the tensors `names`, each made by `exports` and written in turn:
+    the header is known from `shapes` beforehand, so one tensor is on the host at a time
+    (safetensors' own writer takes them all, and copies them once more). Synced to disk and
+    0o644, so that once renamed into place it is whole."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    end = 0
+    for name in names:
+        begin, end = end, end + math.prod(shapes[name]) * dtype.itemsize
+        header[name] = {"dtype": _CODES[dtype], "shape": list(shapes[name]),
+                        "data_offsets": [begin, end]}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)   # the tensors' data 8-byte aligned, as safetensors writes
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for name in names:
+            tensor = exports[name]()
+            if tensor.shape != shapes[name]:
+                raise ValueError(f"the parameter exported as {name!r} has shape "
+                                 f"{list(tensor.shape)}; the config implies "
+                                 f"{list(shapes[name])}")
+            f.write(tensor.reshape(-1).view(np.uint8).data)
+        f.flush()
+        os.fsync(f.fileno())
+    world_readable(path)
+
+
+def _file_names(split) -> list:
+    """The files an export of `split` (huggingface_hub's plan of the weight files) writes."""
+    return [*split.filename_to_tensors, *([_INDEX] if split.is_sharded else []), "config.json"]
+
+
+def _publish(hf_dir: str, c: LlamaConfig, split, write: Callable[[str, list], None]) -> None:
+    """Write the weight files of `split` (`write(path, tensor names)`), the index (when it has
+    several files) and config.json into a hidden directory in `hf_dir`, then move them into
+    place, config.json last (it names the weights' shapes); only then remove the weight files
+    of an earlier export that this one does not have."""
     make_dir(hf_dir)
     for leftover in glob.glob(os.path.join(glob.escape(hf_dir), ".export-*")):
         shutil.rmtree(leftover, ignore_errors=True)   # of an export that was killed
+    staging = tempfile.mkdtemp(prefix=".export-", dir=hf_dir)
+    try:
+        for name, names in split.filename_to_tensors.items():
+            write(os.path.join(staging, name), names)
+        if split.is_sharded:
+            write_json(os.path.join(staging, _INDEX),
+                       {"metadata": split.metadata, "weight_map": split.tensor_to_filename})
+        write_json(os.path.join(staging, "config.json"), config_to_hf(c))
+        for name in _file_names(split):
+            os.replace(os.path.join(staging, name), os.path.join(hf_dir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    for name in os.listdir(hf_dir):
+        if _WEIGHT_FILE.fullmatch(name) and name not in _file_names(split):
+            os.remove(os.path.join(hf_dir, name))   # the earlier export's, now replaced
+
+
+def save(hf_dir: str, c: LlamaConfig, params, max_shard_bytes: int = 4 << 30) -> list:
+    """Write `params` (canonical layout: host arrays or `jax.Array`s in any sharding) as a
+    HuggingFace LLaMA directory that `transformers.LlamaForCausalLM.from_pretrained` loads
+    (sharded above `max_shard_bytes`); returns the names of the files written (0o644;
+    directories it creates 0o755).
+
+    Streams: the host holds one tensor at a time (a stacked parameter is read one layer at a
+    time). Atomic: a failed or killed export leaves an earlier one in `hf_dir` whole (see
+    `_publish`). With params spanning several processes every process calls it: each tensor
+    is gathered onto every host in turn and process 0 alone writes."""
     dtype = np.dtype(jnp.dtype(c.param_dtype))
-    exports = _exports(c, params)
+    exports = _exports(c, params, dtype)
     shapes = hf_shapes(c)
     split = split_state_dict_into_shards_factory(
         {name: shapes[name] for name in exports},
         get_storage_size=lambda shape: math.prod(shape) * dtype.itemsize,
         filename_pattern=_SHARD_PATTERN, max_shard_size=max_shard_bytes)
-    staging = tempfile.mkdtemp(prefix=".export-", dir=hf_dir)
-    try:
-        for name, names in split.filename_to_tensors.items():
-            path = os.path.join(staging, name)
-            save_file({k: np.ascontiguousarray(exports[k]().astype(dtype)) for k in names},
-                      path, metadata={"format": "pt"})
-            world_readable(path)
-        written = list(split.filename_to_tensors)
-        if split.is_sharded:
-            write_json(os.path.join(staging, _INDEX),
-                       {"metadata": split.metadata, "weight_map": split.tensor_to_filename})
-            written.append(_INDEX)
-        write_json(os.path.join(staging, "config.json"), config_to_hf(c))
-        written.append("config.json")
-        for name in written:   # config.json last: it names the weights' shapes
-            os.replace(os.path.join(staging, name), os.path.join(hf_dir, name))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    for name in os.listdir(hf_dir):
-        if _WEIGHT_FILE.fullmatch(name) and name not in written:
-            os.remove(os.path.join(hf_dir, name))   # the earlier export's, now replaced
-    return written
+    if jax.process_index() == 0:
+        _publish(hf_dir, c, split,
+                 lambda path, names: _write_file(path, names, shapes, exports, dtype))
+    else:
+        for name in exports:   # process 0's gathers need this process too
+            exports[name]()
+    return _file_names(split)
