@@ -12,7 +12,8 @@ Variants of the same LLaMA train step (full remat, AdamW, batch 1, one device):
 - `vanilla`: dense attention (`lclm.ops.kernels.reference.dense_attention`: float32 `[heads, t, t]`
   scores and probabilities materialised), feed-forward and loss unchunked. lclm's model has
   no dense-attention setting, so for this variant the probe swaps the model's attention call
-  (`lclm.models.llama.ring_attention`) while the step is traced; everything else is lclm's.
+  (`lclm.models.llama.context_parallel_attention`) while the step is traced; everything else
+  is lclm's.
 
 Each probe (one variant, one length) runs in a child process (an out-of-memory abort cannot
 be caught reliably in-process) that builds the state, compiles and runs one training step
@@ -87,7 +88,7 @@ class MaxContextSpec:
                                    cap=131072, resolution=16384, timeout=240.0, budget_s=400.0)
 
 
-def _dense_ring_attention(q, k, v, *, mesh, segment_ids=None, **_tiles):
+def _dense_ring_attention(q, k, v, *, mesh, segment_ids=None, **_settings):
     """Stand-in for the model's ring call on one device: plain dense causal attention."""
     from lclm.ops.kernels.reference import dense_attention
 
@@ -102,7 +103,7 @@ def dense_attention_patch():
 
     from lclm.models import llama
 
-    return mock.patch.object(llama, "ring_attention", _dense_ring_attention)
+    return mock.patch.object(llama, "context_parallel_attention", _dense_ring_attention)
 
 
 def probe(config_path: str, overrides, variant: str, seq: int, budget_mib: int | None) -> dict:

@@ -10,14 +10,17 @@ compute dtype's bytes, per layer and micro-batch, `kv` = one device's K and V bl
   dK/dV accumulators n hops home: sent = (2 (n - 1) + n 4/b) kv (+ (n - 1) kv where remat
   recomputes the forward). Each hop overlaps one block pair's attention: hidden while a block
   pair's FLOPs outlast one block's transfer.
-- all_gather: K/V gathered once forward and once backward, dK/dV reduce-scattered:
-  sent = 3 (n - 1) kv. The gather waits for the layer's K/V projection and the attention
-  waits for the gather: exposed, but one collective instead of n - 1 small ones, and memory
-  for the whole sequence's K/V (n kv) plus its float32 gradient.
+- all_gather: K/V gathered once forward and once backward (again where remat re-runs the
+  forward), the float32 dK/dV reduce-scattered: sent = (2 + 4/b (+ 1)) (n - 1) kv. The gather
+  waits for the layer's K/V projection and the attention waits for the gather: exposed, but
+  one collective instead of n - 1 small ones, and memory for the whole sequence's K/V (n kv)
+  plus its float32 gradient.
 - ulysses: all-to-alls move q, k, v in and o out (forward), do in and dq, dk, dv out
-  (backward), each sending (n - 1)/n of its tensor: sent = 2 (2 q + kv') (n - 1)/n, where kv'
-  counts KV heads replicated up to n when a device holds fewer KV heads than n. Per-device
-  bytes do not grow with n; exposed (the attention waits for them).
+  (backward), and q, k, v in again under every remat policy but 'none' (the backward re-runs
+  them), each sending (n - 1)/n of its tensor: sent = (2 (2 q + kv') (+ q + kv')) (n - 1)/n,
+  where kv' counts KV heads repeated n / gcd(kv heads, n) times when a device's KV heads do
+  not split over n. Per-device bytes do not grow with n; exposed (the attention waits for
+  them). The query heads per device must divide by n.
 - usp: ulysses over the u devices of a node (fast links) and the ring over the r = n / u
   nodes (slow links): the ring's hops carry the same kv bytes but only r - 1 of them cross
   nodes.
@@ -32,6 +35,7 @@ over it and those of different nodes over the family's `-ib` link (400 Gb/s Infi
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from lclm.config import LlamaConfig
 
@@ -75,12 +79,16 @@ def _ring(s: _Shapes, hops: int, b: int, recompute: bool) -> float:
     return (2 * hops + (hops + 1) * 4 / b + (hops if recompute else 0)) * s.kv
 
 
-def _ulysses(s: _Shapes, u: int) -> tuple[float, float, str]:
-    """(bytes sent per layer, bytes of its buffers, note) of all-to-alls over `u` devices."""
-    repeat = max(1, -(-u // s.kv_heads)) if s.kv_heads % u else 1
+def _ulysses(s: _Shapes, u: int, recompute: bool) -> tuple[float, float, str]:
+    """(bytes sent per layer, bytes of its buffers, note) of all-to-alls over `u` devices:
+    q, k, v in and o out forward, do in and dq, dk, dv out backward, and q, k, v in again
+    where the backward re-runs the forward (`lclm.ops.context_parallel`: every remat policy
+    but 'none')."""
+    repeat = u // math.gcd(s.kv_heads, u)   # as `kv_repeats`: KV head copies per device
     kv = s.kv * repeat
     note = f"KV heads replicated x{repeat}" if repeat > 1 else ""
-    return 2 * (2 * s.q + kv) * (u - 1) / u, 2 * s.q + kv, note
+    moved = 2 * (2 * s.q + kv) + ((s.q + kv) if recompute else 0)
+    return moved * (u - 1) / u, 2 * s.q + kv, note
 
 
 def _sum(*sent: dict[str, float]) -> dict[str, float]:
@@ -105,6 +113,8 @@ def compare(config, sizes: dict[str, int], flops: float, fast_gbs: float,
     b = _BYTES[m.dtype]
     per_step = m.n_layers * micro
     recompute = m.remat in ("full", "dots", "dots_no_batch")
+    # ulysses' backward re-runs its forward all-to-alls under every policy but 'none'
+    a2a_again = m.remat != "none"
     # sp is the mesh's innermost axis: consecutive devices, so a node holds whole rings
     # of up to devices_per_node devices
     crosses = n > devices_per_node
@@ -119,11 +129,13 @@ def compare(config, sizes: dict[str, int], flops: float, fast_gbs: float,
     costs.append(StrategyCost("ring", f"ring {n}", {ring_link: sent * per_step},
                               exposed * per_step, 2 * s.kv + s.kv * 4 / b))
 
-    sent = 3 * (n - 1) * s.kv
+    # gathered forward and again backward (and where remat re-runs the forward), float32
+    # dK/dV reduce-scattered
+    sent = (2 + 4 / b + (1 if recompute else 0)) * (n - 1) * s.kv
     costs.append(StrategyCost("all_gather", f"all-gather {n}", {ring_link: sent * per_step},
                               sent / (ring_gbs * 1e9) * per_step, n * s.kv * (1 + 4 / b)))
 
-    sent, buffers, note = _ulysses(s, n)
+    sent, buffers, note = _ulysses(s, n, a2a_again)
     if crosses:   # of what each device sends, the part for other nodes crosses slow links
         inside = sent * (devices_per_node - 1) / (n - 1)
         split = {"in a node": inside * per_step, "between nodes": (sent - inside) * per_step}
@@ -131,8 +143,8 @@ def compare(config, sizes: dict[str, int], flops: float, fast_gbs: float,
     else:
         split = {"in a node": sent * per_step}
         exposed = sent / (fast_gbs * 1e9)
-    if n > s.heads:
-        note = f"sp={n} > {s.heads} query heads per device: cannot run"
+    if s.heads % n:
+        note = f"{s.heads} query heads per device do not split over sp={n}: cannot run"
     costs.append(StrategyCost("ulysses", f"ulysses {n}", split, exposed * per_step, buffers,
                               note))
 
@@ -145,7 +157,7 @@ def compare(config, sizes: dict[str, int], flops: float, fast_gbs: float,
     link = "between nodes" if n > devices_per_node else "in a node"
     if r > 1 and u > 1:   # both parts, else it is plain ring or plain ulysses
         s_r = _shapes(m, batch, config.data.seq_len, n, tp)   # same bytes per hop
-        a2a, buffers, note = _ulysses(s, u)
+        a2a, buffers, note = _ulysses(s, u, a2a_again)
         ring_sent = _ring(s_r, r - 1, b, recompute)
         ring_gbs = slow_gbs if link == "between nodes" else fast_gbs
         ring_exposed = max(0.0, s_r.kv / (ring_gbs * 1e9) * (2 + 4 / b)

@@ -7,10 +7,11 @@ import sys
 import pytest
 from support import DEMO_CONFIG, DEMO_TOKENIZER, ROOT
 
+from lclm import strategy_plan
 from lclm.config import base_config, load_config
-from lclm.config.schema import LAYOUTS
+from lclm.config.schema import LAYOUTS, STRATEGIES
 from lclm.errors import ConfigError
-from lclm.ops import layout
+from lclm.ops import context_parallel, layout
 from lclm.train.setup import validate
 
 
@@ -20,6 +21,11 @@ def _load(name):
 
 def test_layout_names_agree():
     assert LAYOUTS == layout.LAYOUTS
+
+
+def test_strategy_names_agree():
+    assert STRATEGIES == strategy_plan.STRATEGIES   # the planner compares every named one
+    assert set(context_parallel.STRATEGIES) < set(STRATEGIES)   # built: all but usp
 
 
 @pytest.mark.parametrize("name,devices,sizes", [
@@ -97,6 +103,13 @@ def test_bad_stage_schedules_fail_at_start(schedule, needle):
     (lambda c: c.model.update(dtype="fp16"), 8, "model.dtype='fp16'"),
     (lambda c: c.data.update(source="csv"), 8, "data.source='csv'"),
     (lambda c: c.data.update(chat_template="chatml"), 8, "data.chat_template='chatml'"),
+    (lambda c: c.attention.update(strategy="mesh"), 8, "attention.strategy='mesh'; use one of"),
+    (lambda c: c.attention.update(strategy="usp"), 8, "attention.strategy='usp' (Ulysses x ring) "
+     "is not built yet"),
+    (lambda c: (c.attention.update(strategy="ulysses"), c.mesh.update(sp=8, fsdp=1)), 8,
+     "splits the model.n_heads=4 query heads over mesh.tp x mesh.sp = 8: not divisible"),
+    (lambda c: c.attention.update(strategy="ulysses", q_chunk=48), 8,
+     "data.seq_len=512 is not divisible by attention.q_chunk=48"),
 ])
 def test_bad_configs_fail_with_one_line(change, devices, needle):
     c = _load("demo.py")

@@ -37,6 +37,25 @@ def test_ring_bytes_by_hand():
     assert ring.sent == {"in a node": (2 * 1 + 2 * 4 / 2) * kv * 32}
 
 
+@pytest.mark.parametrize("remat, again", [("none", 0), ("attention", 1), ("full", 1)])
+def test_all_gather_and_ulysses_bytes_by_hand(remat, again):
+    c = _seven_b(seq_len=4096, remat=remat, n_kv_heads=2)
+    costs = _by_name(compare(c, _mesh(4), H100, 450, 50, 8))
+    t = 4096 // 4
+    kv = 1 * t * 2 * 128 * 2 * 2   # one device's K and V of a layer: 2 KV heads, bfloat16
+    q = 1 * t * 32 * 128 * 2
+    # gathered forward, again backward (and again under a forward-recomputing remat),
+    # float32 dK/dV reduce-scattered: each a (n - 1)/n share of n blocks
+    full = 1 if remat == "full" else 0
+    assert costs["all_gather"].sent == {"in a node": (2 + full + 4 / 2) * 3 * kv * 32}
+    # 2 KV heads over 4 devices: each repeated twice (kv_repeats); q, k, v in and o out,
+    # do in and dq, dk, dv out, and q, k, v in again where the backward re-runs the forward
+    kv2 = 2 * kv
+    moved = 2 * (2 * q + kv2) + again * (q + kv2)
+    assert costs["ulysses"].sent == {"in a node": pytest.approx(moved * 3 / 4 * 32)}
+    assert costs["ulysses"].note == "KV heads replicated x2"
+
+
 def test_ulysses_bytes_fall_with_the_degree_while_the_ring_sends_the_sequence():
     c = _seven_b()
     at8, at32 = (_by_name(compare(c, _mesh(n), H100, 450, 450, 64)) for n in (8, 32))
@@ -54,7 +73,7 @@ def test_on_four_nodes_of_eight_usp_keeps_the_all_to_all_inside_the_nodes():
     # plain ulysses sends least between nodes, but its all-to-alls wait on InfiniBand; usp's
     # ring hops there hide behind the block pairs' compute
     assert between["ulysses"] < between["usp"] < between["all_gather"] < between["ring"]
-    exposed = [costs[name].exposed_s for name in ("usp", "ulysses", "all_gather", "ring")]
+    exposed = [costs[name].exposed_s for name in ("usp", "ulysses", "ring", "all_gather")]
     assert exposed == sorted(exposed) and exposed[0] < exposed[1] / 5
 
 
@@ -63,6 +82,8 @@ def test_ulysses_limits_gqa_replication_and_heads():
     assert costs["ulysses"].note == "KV heads replicated x2"
     costs = _by_name(compare(_seven_b(), _mesh(64), H100, 450, 450, 64))
     assert costs["ulysses"].note.endswith("cannot run")
+    costs = _by_name(compare(_seven_b(), _mesh(24), H100, 450, 450, 64))   # 32 heads
+    assert costs["ulysses"].note.endswith("cannot run")
 
 
 def test_the_cli_ranks_the_strategies(capsys):
@@ -70,6 +91,6 @@ def test_the_cli_ranks_the_strategies(capsys):
                  "--device", "h100-nvlink", "--strategies",
                  "--config.stages.schedule=256k:1e7:150:32"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert [r.split(" | ")[0][2:] for r in rows[2:]] == ["usp", "ulysses", "all_gather", "ring"]
+    assert [r.split(" | ")[0][2:] for r in rows[2:]] == ["usp", "ulysses", "ring", "all_gather"]
     assert main(["--config", os.path.join(ROOT, "configs", "demo.py"), "--strategies"]) == 2
     assert "pass --device" in capsys.readouterr().err

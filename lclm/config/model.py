@@ -67,11 +67,15 @@ class LlamaConfig:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """How attention is computed (`config.attention`): the kernel (`impl`, 'auto' picks one
-    per platform), the token layout over the sp ring, and the blockwise/ring tile sizes."""
+    per platform), the token layout over the sp ring, the blockwise/ring tile sizes, and the
+    context-parallel strategy over sp (`lclm.ops.context_parallel`): 'ring' passes K/V
+    blocks round the ring, 'all_gather' gathers them, 'ulysses' trades the sequence split
+    for a head split with all-to-alls ('usp', Ulysses x ring on two axes, is not built)."""
     impl: str = "auto"
     layout: str = "striped"
     q_chunk: int = 512
     kv_chunk: int = 512
+    strategy: str = "ring"
 
     @classmethod
     def from_config(cls, attention_config) -> AttentionConfig:

@@ -23,6 +23,8 @@ DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch")
 ROPE_SCALINGS = ("auto", "none", "linear", "llama3")  # llama.ROPE_SCALINGS and "auto"
 LAYOUTS = ("striped", "contiguous", "zigzag")  # tests hold lclm.ops.layout.LAYOUTS to these
+# lclm.strategy_plan.STRATEGIES; lclm.ops.context_parallel.STRATEGIES are those built
+STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
 
 # LLaMA shapes (and the tokenizer's bos/eos ids). 1b/3b are LLaMA-3.2 (1.24B / 3.2B params),
 # 7b/13b are LLaMA-2 (bos 1, eos 2: the defaults).
@@ -198,6 +200,8 @@ def check_fields(config) -> None:
     _check_rope_and_ids(m)
     if config.attention.layout not in LAYOUTS:
         _fail(f"attention.layout={config.attention.layout!r}; use one of {LAYOUTS}")
+    if config.attention.strategy not in STRATEGIES:
+        _fail(f"attention.strategy={config.attention.strategy!r}; use one of {STRATEGIES}")
     if m.n_heads % m.n_kv_heads:
         _fail(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
     if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:

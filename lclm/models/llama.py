@@ -24,9 +24,10 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from lclm.config.model import AttentionConfig, LlamaConfig
+from lclm.ops.context_parallel import context_parallel_attention
 from lclm.ops.ffn import blockwise_ffn
 from lclm.ops.loss import blockwise_cross_entropy
-from lclm.ops.ring_attention import SAVED_NAMES, local_attention, ring_attention
+from lclm.ops.ring_attention import SAVED_NAMES, local_attention
 from lclm.parallel.mesh import logical_sharding
 
 
@@ -179,7 +180,8 @@ def layer_with_kv(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_
     if mesh is None:
         o = local_attention(q, k, v, **chunks)
     else:
-        o = ring_attention(q, k, v, mesh=mesh, layout=a.layout, **chunks)
+        o = context_parallel_attention(q, k, v, mesh=mesh, strategy=a.strategy, layout=a.layout,
+                                       **chunks)
     x = x + constrain(jnp.einsum("bthk,hkd->btd", o, p["wo"]), ("batch", "seq", "act_embed"))
     h = rms_norm(x, p["ffn_norm"], c.norm_eps)
     n_shards = 1 if mesh is None else mesh.shape["sp"]

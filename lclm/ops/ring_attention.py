@@ -13,6 +13,9 @@ zigzag, every round is half of the block pair as full tiles (the diagonal round:
 A kernel that specializes on such a class (`classify`: `lclm.ops.kernels.range_kernel`) is
 told at each call site (the scanned rounds, the last round) the classes it can meet there,
 found on the host from the layout, so it compiles only those (one at sp=1: no conditional).
+
+The other context-parallel strategies over `sp` (all-gather, Ulysses) are in
+`lclm.ops.context_parallel`; they share this module's rounds, kernels and `on_mesh`.
 """
 
 from __future__ import annotations
@@ -208,14 +211,36 @@ def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_c
     return _ring(settings, q, k, v, segment_ids, segment_ids)
 
 
-def kv_repeats(q_heads: int, kv_heads: int, tp: int) -> int:
-    """How often to repeat K/V heads so that they split evenly over `tp` (MQA/GQA with tp)."""
+def kv_repeats(q_heads: int, kv_heads: int, tp: int, axis: str = "tp") -> int:
+    """How often to repeat K/V heads so that they split evenly over `tp` devices (MQA/GQA
+    with tp; Ulysses splits heads over `sp` the same way: `axis` names it in the message)."""
     if q_heads % tp:
-        raise ValueError(f"{q_heads} query heads are not divisible by tp={tp}")
+        raise ValueError(f"{q_heads} query heads are not divisible by {axis}={tp}")
     rep = tp // math.gcd(kv_heads, tp)
     if (q_heads // kv_heads) % rep:
-        raise ValueError(f"{kv_heads} kv heads cannot be split over tp={tp} with {q_heads} heads")
+        raise ValueError(f"{kv_heads} kv heads cannot be split over {axis}={tp} with {q_heads} "
+                         "heads")
     return rep
+
+
+def on_mesh(body, mesh, q, k, v, segment_ids):
+    """`body(q, k, v, seg)` on every device's shards of global arrays (shapes as
+    `ring_attention`'s): batch over (`dp`, `fsdp`), sequence over `sp`, heads over `tp`, K/V
+    heads repeated first where there are fewer than tp (each tp shard then holds its own
+    copy); seg is None without segment ids. Returns the global `[batch, seq, heads, dim]`."""
+    rep = kv_repeats(q.shape[2], k.shape[2], mesh.shape[HEAD_AXIS])
+    if rep > 1:
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    x_spec = P(BATCH_AXES, SP, HEAD_AXIS, None)
+    if segment_ids is None:
+        fn = lambda q, k, v: body(q, k, v, None)
+        in_specs, args = (x_spec,) * 3, (q, k, v)
+    else:
+        fn = body
+        in_specs = (x_spec,) * 3 + (P(BATCH_AXES, SP),)
+        args = (q, k, v, segment_ids.astype(jnp.int32))
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=x_spec,
+                         check_vma=False)(*args)
 
 
 def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
@@ -229,21 +254,10 @@ def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=
     Returns the output `[batch, seq, heads, dim]` in the same order and dtype as q.
     Differentiable.
     """
-    n, tp = mesh.shape[SP], mesh.shape[HEAD_AXIS]
-    rep = kv_repeats(q.shape[2], k.shape[2], tp)
-    if rep > 1:  # only when kv_heads < tp: each tp shard then holds its own copy
-        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    settings = _settings(n, layout, causal, q_chunk, kv_chunk, impl, q, mesh.devices.flat[0])
-    x_spec = P(BATCH_AXES, SP, HEAD_AXIS, None)
-    seg_spec = P(BATCH_AXES, SP)
-    if segment_ids is None:
-        fn = lambda q, k, v: _ring(settings, q, k, v, None, None)
-        in_specs, args = (x_spec,) * 3, (q, k, v)
-    else:
-        fn = lambda q, k, v, s: _ring(settings, q, k, v, s, s)
-        in_specs, args = (x_spec,) * 3 + (seg_spec,), (q, k, v, segment_ids.astype(jnp.int32))
-    ring = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=x_spec, check_vma=False)
-    return ring(*args)
+    settings = _settings(mesh.shape[SP], layout, causal, q_chunk, kv_chunk, impl, q,
+                         mesh.devices.flat[0])
+    return on_mesh(lambda q, k, v, s: _ring(settings, q, k, v, s, s), mesh, q, k, v,
+                   segment_ids)
 
 
 def tile_schedule(layout: str, n: int, seq_len: int, q_chunk: int, kv_chunk: int,

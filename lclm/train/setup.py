@@ -32,8 +32,10 @@ from lclm.data.chat import TEMPLATES
 from lclm.data.loader import SOURCE_KINDS, parse_sources
 from lclm.errors import ConfigError, StartupError
 from lclm.files import replacing
+from lclm.ops.context_parallel import STRATEGIES as BUILT_STRATEGIES
+from lclm.ops.context_parallel import kernel_block
 from lclm.ops.kernels import IMPLS, choose_kernel, get_kernel, platform_family
-from lclm.ops.ring_attention import kv_repeats, tile_run
+from lclm.ops.ring_attention import kv_repeats
 from lclm.parallel.distributed import any_process
 from lclm.parallel.mesh import resolve_mesh_shape
 from lclm.train.resume import allowed_keys
@@ -77,6 +79,13 @@ def validate(config, device_count: int) -> dict[str, int]:
     except ValueError:
         _fail(f"model.n_kv_heads={m.n_kv_heads} cannot be split over mesh.tp={tp}; "
               "pick a tp that divides or is a multiple of n_kv_heads")
+    if a.strategy not in BUILT_STRATEGIES:
+        _fail(f"attention.strategy={a.strategy!r} (Ulysses x ring) is not built yet; use one "
+              f"of {BUILT_STRATEGIES}")
+    if a.strategy == "ulysses" and m.n_heads % (tp * sp):
+        _fail(f"attention.strategy='ulysses' splits the model.n_heads={m.n_heads} query heads "
+              f"over mesh.tp x mesh.sp = {tp * sp}: not divisible; use 'ring' or 'all_gather', "
+              "or a smaller sp")
     if m.ffn_dim % tp:
         _fail(f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tp={tp}")
 
@@ -91,7 +100,12 @@ def validate(config, device_count: int) -> dict[str, int]:
               f"attention.layout='zigzag' needs; use a multiple of {2 * sp}")
     for key in ("q_chunk", "kv_chunk"):
         chunk = min(a[key], local // runs)
-        if local % (chunk * runs):
+        if a.strategy == "ulysses":  # one device attends the whole sequence in original order
+            chunk = min(a[key], d.seq_len)
+            if d.seq_len % chunk:
+                _fail(f"data.seq_len={d.seq_len} is not divisible by attention.{key}={chunk}; "
+                      f"use a multiple of {chunk}")
+        elif local % (chunk * runs):
             what = "2 x mesh.sp" if runs == 2 else "mesh.sp"
             _fail(f"data.seq_len={d.seq_len} is not divisible by {what} x attention.{key} = "
                   f"{runs * sp} x {chunk}; use a multiple of {runs * sp * chunk}")
@@ -103,7 +117,7 @@ def validate(config, device_count: int) -> dict[str, int]:
     # 'auto' is resolved per platform (`attention_kernel`), always to a kernel that can serve
     why = None if a.impl == "auto" else get_kernel(a.impl).limits(
         head_dim=m.dim // m.n_heads, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
-        block=local // runs, dtype=m.dtype)
+        block=kernel_block(a.strategy, a.layout, sp, d.seq_len), dtype=m.dtype)
     if why is not None:
         _fail(f"attention.impl={a.impl!r} cannot serve this model: {why}; "
               "attention.impl='auto' picks a kernel that can")
@@ -258,7 +272,8 @@ def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
     try:
         return choose_kernel(a.impl, head_dim=model.dim // model.n_heads, q_chunk=a.q_chunk,
                              kv_chunk=a.kv_chunk, platform=platform, dtype=model.dtype,
-                             block=tile_run(a.layout, sp, config.data.seq_len))
+                             block=kernel_block(a.strategy, a.layout, sp,
+                                                config.data.seq_len))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -266,7 +281,9 @@ def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
 def attention_line(config, model: LlamaConfig, sp: int, platform: str) -> str:
     kernel = attention_kernel(config, model, sp, platform)
     chosen = f" (auto on {platform_family(platform)})" if config.attention.impl == "auto" else ""
-    return f"{kernel}{chosen}, {config.attention.layout} layout"
+    a = config.attention
+    strategy = "" if a.strategy == "ring" else f", {a.strategy} strategy"
+    return f"{kernel}{chosen}, {a.layout} layout{strategy}"
 
 
 def wandb_run(config, resume_step: int):

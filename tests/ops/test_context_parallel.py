@@ -1,0 +1,158 @@
+"""Context-parallel strategies (all_gather, ulysses) against a dense float32 reference, over
+layouts, segments, GQA (Ulysses' K/V head replication included) and meshes; the model's
+loss under every strategy; and the collectives each compiled strategy really holds."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ops.kernels.test_range_kernel import ref_attend, ref_attend_vjp
+from test_ring_attention import _close, _inputs, _reference
+
+from lclm.config import AttentionConfig, LlamaConfig
+from lclm.models.llama import init_params, loss_terms
+from lclm.ops import kernels
+from lclm.ops.context_parallel import STRATEGIES, context_parallel_attention
+from lclm.ops.kernels.range_kernel import range_kernel
+from lclm.ops.layout import batch_to_layout, from_layout, to_layout
+from lclm.parallel import make_mesh
+from lclm.train.state import shard_params
+
+
+def _check(strategy, layout, mesh_kw, h, hkv, segments, impl="blockwise", chunk=8):
+    q, k, v, do, seg = _inputs(hash((strategy, layout, h, hkv)) % 2**31, h=h, hkv=hkv,
+                               segments=segments)
+    want = _reference(q, k, v, do, seg)
+    mesh = make_mesh(**mesh_kw)
+    n = mesh.shape["sp"]
+    lay = lambda x: None if x is None else to_layout(jnp.asarray(x), layout, n)
+
+    def f(q, k, v):
+        return context_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, layout=layout,
+                                          segment_ids=lay(seg), q_chunk=chunk, kv_chunk=chunk,
+                                          impl=impl)
+
+    out, vjp = jax.vjp(jax.jit(f), lay(q), lay(k), lay(v))
+    for got, w in zip((out, *vjp(lay(do))), want):  # o, dq, dk, dv
+        _close(from_layout(got, layout, n), w)
+
+
+# every layout, segments on/off, GQA and MQA, sp 1-8, with tp and fsdp; for ulysses, K/V
+# heads per device below sp (replicated: x2, x2 after tp, x8) and enough of them (none)
+@pytest.mark.parametrize("strategy,layout,mesh_kw,h,hkv,segments", [
+    ("all_gather", "striped", dict(sp=4), 4, 2, True),
+    ("all_gather", "contiguous", dict(tp=2, sp=2), 8, 2, False),
+    ("all_gather", "zigzag", dict(fsdp=2, sp=2), 4, 1, True),
+    ("all_gather", "zigzag", dict(sp=8), 8, 2, True),
+    ("all_gather", "contiguous", dict(fsdp=2), 4, 2, True),
+    ("ulysses", "striped", dict(sp=4), 4, 2, True),
+    ("ulysses", "zigzag", dict(sp=4), 8, 2, False),
+    ("ulysses", "contiguous", dict(fsdp=2, sp=2), 4, 1, True),
+    ("ulysses", "striped", dict(tp=2, sp=2), 8, 2, True),
+    ("ulysses", "zigzag", dict(sp=2), 4, 4, False),
+    ("ulysses", "contiguous", dict(sp=8), 8, 1, True),
+])
+def test_strategy_matches_dense(strategy, layout, mesh_kw, h, hkv, segments):
+    _check(strategy, layout, mesh_kw, h, hkv, segments)
+
+
+@pytest.fixture
+def range_reference(monkeypatch):
+    """The range-mask adapter (what tokamax runs behind) on a dense op: its calls specialise
+    on the block pair's class, which all_gather's rounds take from the ring's call sites."""
+    monkeypatch.setitem(kernels.KERNELS, "range_reference",
+                        range_kernel(ref_attend, ref_attend_vjp))
+    return "range_reference"
+
+
+@pytest.mark.parametrize("strategy,layout", [
+    ("all_gather", "striped"), ("all_gather", "contiguous"), ("all_gather", "zigzag"),
+    ("ulysses", "zigzag")])
+def test_strategy_through_the_range_kernel(range_reference, strategy, layout):
+    _check(strategy, layout, dict(sp=4), 4, 2, True, impl=range_reference)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
+def test_strategy_through_the_pallas_gpu_kernel(strategy):
+    """The fused GPU kernel in Pallas interpret mode: same kernel code, CPU semantics."""
+    _check(strategy, "striped", dict(sp=2), 4, 2, True, impl="pallas_gpu", chunk=16)
+
+
+def test_ulysses_needs_query_heads_divisible_by_sp():
+    q = jnp.zeros((2, 64, 4, 16))
+    with pytest.raises(ValueError, match="4 query heads per tp shard over sp=8"):
+        context_parallel_attention(q, q, q, mesh=make_mesh(sp=8), strategy="ulysses")
+    with pytest.raises(ValueError, match="unknown attention strategy 'usp'"):
+        context_parallel_attention(q, q, q, mesh=make_mesh(sp=2), strategy="usp")
+
+
+CFG = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                  dtype="float32", ffn_chunk=8, loss_chunk=4)
+
+
+def test_model_loss_and_grads_do_not_depend_on_the_strategy():
+    """remat='attention' (the default) included: the strategies save the same names."""
+    rng = np.random.default_rng(0)
+    b, t, layout = 4, 32, "zigzag"
+    tokens = rng.integers(0, CFG.vocab_size, (b, t + 1)).astype(np.int32)
+    seg = np.cumsum(rng.random((b, t)) < 0.1, axis=1).astype(np.int32)
+    batch = dict(tokens=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=seg,
+                 loss_mask=(rng.random((b, t)) < 0.7).astype(np.float32),
+                 positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)))
+    mesh = make_mesh(fsdp=2, sp=4)
+    batch = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, layout, 4)
+    params = shard_params(CFG, init_params(CFG, jax.random.key(0)), mesh)
+    runs = {}
+    for strategy in STRATEGIES:
+        attn = AttentionConfig(layout=layout, q_chunk=4, kv_chunk=4, strategy=strategy)
+        mean = lambda p, attn=attn: jnp.divide(*loss_terms(CFG, p, batch, mesh=mesh,
+                                                           attention=attn))
+        runs[strategy] = jax.jit(jax.value_and_grad(mean))(params)
+    want_loss, want_grads = runs["ring"]
+    for strategy, (loss, grads) in runs.items():
+        assert abs(float(loss) - float(want_loss)) < 1e-5, strategy
+        for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+            _close(g, w)
+
+
+def _programs(strategy):
+    """(counts of each collective in the compiled gradient program of one strategy at sp=4,
+    bf16 inputs; the StableHLO it was compiled from, which states the types it sends)."""
+    mesh = make_mesh(sp=4)
+    q, k = jnp.ones((2, 64, 4, 16), jnp.bfloat16), jnp.ones((2, 64, 2, 16), jnp.bfloat16)
+    seg = jnp.ones((2, 64), jnp.int32)
+
+    def loss(q, k, v, seg):
+        o = context_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, segment_ids=seg,
+                                       q_chunk=8, kv_chunk=8)
+        return o.astype(jnp.float32).sum()
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg)
+    hlo = lowered.compile().as_text()
+    ops = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+    return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in ops}, lowered.as_text()
+
+
+def _sent_types(program, op):
+    """Element types of what each `op` of a StableHLO program sends."""
+    return {t.split("x")[-1] for t in
+            re.findall(rf"stablehlo\.{op}\".*?[)>] : \(tensor<([^>]*)>", program, re.S)}
+
+
+def test_compiled_strategies_hold_their_own_collectives():
+    ag, program = _programs("all_gather")
+    # K, V and segment ids gathered (a repeated gather of the same array may be merged),
+    # dK and dV reduce-scattered; nothing travels a ring
+    assert ag["all-gather"] >= 3 and ag["reduce-scatter"] == 2, ag
+    assert ag["collective-permute"] == 0 and ag["all-to-all"] == 0, ag
+    # K/V gathered in the compute dtype, their gradients summed in float32
+    assert _sent_types(program, "all_gather") == {"bf16", "i32"}
+    assert _sent_types(program, "reduce_scatter") == {"f32"}
+    uly, program = _programs("ulysses")
+    # q, k, v in; do in and dq, dk, dv out (o's own all-to-all is dead in a gradient of
+    # a sum); segment ids gathered
+    assert uly["all-to-all"] == 7 and uly["all-gather"] == 1, uly
+    assert uly["collective-permute"] == 0 and uly["reduce-scatter"] == 0, uly
+    assert _sent_types(program, "all_to_all") == {"bf16"}
