@@ -54,8 +54,8 @@ def continuation(model: Model, ids: list[int], max_new: int, pick: Pick = greedy
     """The `max_new` ids `[max_new]` int32 that follow prompt `ids`, each chosen by `pick`."""
     # the mesh's batch axes shard rows: the prompt fills each of them, the first is read
     rows = model.mesh.shape["dp"] * model.mesh.shape["fsdp"]
-    chunks = (model.attention.q_chunk, model.attention.kv_chunk, model.config.ffn_chunk)
-    length = padded_length(len(ids), model.mesh.shape["sp"], chunks)
+    length = padded_length(len(ids), model.mesh.shape["sp"], model.config.ffn_chunk,
+                           model.attention)
     # any pad id: the pad segment is never attended to
     batch = pad_front([np.asarray(ids, np.int32)] * rows, length, pad_id=0)
     return generate(model.config, model.attention, model.params, *batch, max_new,

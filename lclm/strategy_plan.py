@@ -166,5 +166,6 @@ def compare(config, sizes: dict[str, int], flops: float, fast_gbs: float,
             "usp", f"ulysses {u} x ring {r}",
             _sum({"in a node": a2a * per_step}, {link: ring_sent * per_step}),
             (a2a / (fast_gbs * 1e9) + ring_exposed) * per_step,
-            buffers + 2 * s.kv + s.kv * 4 / b, ", ".join(filter(None, [note, "not built yet"]))))
+            buffers + 2 * s.kv + s.kv * 4 / b,
+            ", ".join(filter(None, [f"attention.ulysses={u}", note]))))
     return costs

@@ -25,7 +25,7 @@ def test_layout_names_agree():
 
 def test_strategy_names_agree():
     assert STRATEGIES == strategy_plan.STRATEGIES   # the planner compares every named one
-    assert set(context_parallel.STRATEGIES) < set(STRATEGIES)   # built: all but usp
+    assert context_parallel.STRATEGIES == STRATEGIES   # every one is built
 
 
 @pytest.mark.parametrize("name,devices,sizes", [
@@ -104,8 +104,14 @@ def test_bad_stage_schedules_fail_at_start(schedule, needle):
     (lambda c: c.data.update(source="csv"), 8, "data.source='csv'"),
     (lambda c: c.data.update(chat_template="chatml"), 8, "data.chat_template='chatml'"),
     (lambda c: c.attention.update(strategy="mesh"), 8, "attention.strategy='mesh'; use one of"),
-    (lambda c: c.attention.update(strategy="usp"), 8, "attention.strategy='usp' (Ulysses x ring) "
-     "is not built yet"),
+    (lambda c: c.attention.update(strategy="usp", ulysses=3), 8,
+     "attention.ulysses=3 does not divide mesh.sp=4"),
+    (lambda c: (c.attention.update(strategy="usp", ulysses=8), c.mesh.update(sp=8, fsdp=1)), 8,
+     "over mesh.tp x attention.ulysses = 8: not divisible; use a smaller attention.ulysses"),
+    (lambda c: c.attention.update(ulysses=2), 8, "attention.ulysses=2 is usp's Ulysses degree"),
+    (lambda c: (c.attention.update(strategy="usp", ulysses=2, layout="zigzag", q_chunk=32),
+                c.data.update(seq_len=4 * 48)), 8,
+     "divisible by 2 x mesh.sp / attention.ulysses x attention.q_chunk = 4 x 32"),
     (lambda c: (c.attention.update(strategy="ulysses"), c.mesh.update(sp=8, fsdp=1)), 8,
      "splits the model.n_heads=4 query heads over mesh.tp x mesh.sp = 8: not divisible"),
     (lambda c: c.attention.update(strategy="ulysses", q_chunk=48), 8,

@@ -54,9 +54,13 @@ def reference_greedy(params, ids, steps):
     return seq[len(ids):]
 
 
-def test_greedy_continuation_on_a_mesh_is_the_full_forwards_argmax(run):
+@pytest.mark.parametrize("mesh", [
+    ("--fsdp", "2", "--sp", "2"),   # a ring of 2, 2 rows of the prompt
+    ("--fsdp", "2", "--sp", "4", "--layout", "zigzag", "--strategy", "usp", "--ulysses", "2"),
+])
+def test_greedy_continuation_on_a_mesh_is_the_full_forwards_argmax(run, mesh):
     workdir, params = run
-    model = load(workdir, "--fsdp", "2", "--sp", "2")  # a ring of 2, 2 rows of the prompt
+    model = load(workdir, *mesh)
     ids = generate.prompt_ids(model.tokenizer, PROMPT)
     assert ids[0] == model.tokenizer.bos_id and len(ids) > 2
     out = generate.continuation(model, ids, NEW).tolist()

@@ -68,7 +68,7 @@ def test_ulysses_bytes_fall_with_the_degree_while_the_ring_sends_the_sequence():
 def test_on_four_nodes_of_eight_usp_keeps_the_all_to_all_inside_the_nodes():
     costs = _by_name(compare(_seven_b(), _mesh(32), H100, 450, 50, 8))
     usp = costs["usp"]
-    assert usp.split == "ulysses 8 x ring 4" and "not built yet" in usp.note
+    assert usp.split == "ulysses 8 x ring 4" and usp.note == "attention.ulysses=8"
     between = {name: c.sent.get("between nodes", 0.0) for name, c in costs.items()}
     # plain ulysses sends least between nodes, but its all-to-alls wait on InfiniBand; usp's
     # ring hops there hide behind the block pairs' compute

@@ -70,12 +70,19 @@ class AttentionConfig:
     per platform), the token layout over the sp ring, the blockwise/ring tile sizes, and the
     context-parallel strategy over sp (`lclm.ops.context_parallel`): 'ring' passes K/V
     blocks round the ring, 'all_gather' gathers them, 'ulysses' trades the sequence split
-    for a head split with all-to-alls ('usp', Ulysses x ring on two axes, is not built)."""
+    for a head split with all-to-alls, 'usp' runs Ulysses over groups of `ulysses`
+    consecutive sp devices and the ring across the groups."""
     impl: str = "auto"
     layout: str = "striped"
     q_chunk: int = 512
     kv_chunk: int = 512
-    strategy: str = "ring"
+    strategy: str = "ring"  # ring | all_gather | ulysses | usp
+    ulysses: int = 1  # usp's Ulysses degree: mesh.sp = ring members x ulysses
+
+    def ring_size(self, sp: int) -> int:
+        """Members of the ring over `sp` devices, the shards the token layout splits a
+        sequence into: sp, or sp / ulysses under usp (each shard cut over its group)."""
+        return sp // self.ulysses if self.strategy == "usp" else sp
 
     @classmethod
     def from_config(cls, attention_config) -> AttentionConfig:

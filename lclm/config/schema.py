@@ -23,7 +23,7 @@ DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch")
 ROPE_SCALINGS = ("auto", "none", "linear", "llama3")  # llama.ROPE_SCALINGS and "auto"
 LAYOUTS = ("striped", "contiguous", "zigzag")  # tests hold lclm.ops.layout.LAYOUTS to these
-# lclm.strategy_plan.STRATEGIES; lclm.ops.context_parallel.STRATEGIES are those built
+# lclm.strategy_plan.STRATEGIES and lclm.ops.context_parallel.STRATEGIES (tests hold them)
 STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
 
 # LLaMA shapes (and the tokenizer's bos/eos ids). 1b/3b are LLaMA-3.2 (1.24B / 3.2B params),
@@ -128,8 +128,8 @@ def mesh_device_count(config) -> int | None:
 _POSITIVE = (
     "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
     "model.ffn_dim", "model.ffn_chunk", "model.loss_chunk", "model.rope_original_max_positions",
-    "model.max_position_embeddings", "attention.q_chunk",
-    "attention.kv_chunk", "data.seq_len", "data.batch_size", "train.steps", "train.grad_accum",
+    "model.max_position_embeddings", "attention.q_chunk", "attention.kv_chunk",
+    "attention.ulysses", "data.seq_len", "data.batch_size", "train.steps", "train.grad_accum",
     "train.max_bad_steps", "checkpoint.keep", "log.every", "validation.every",
     "validation.batches")
 

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from lclm.config.model import AttentionConfig
 from lclm.data.packing import ROW_KEYS, Packer
 from lclm.data.sources import DataError, SourceStats, open_documents
 from lclm.data.stream import DocumentStream, EpochOrders, Mixture
@@ -138,7 +139,9 @@ class HostBatches:
         the run that saved them). `prefetch`: host batches prepared ahead by a background
         thread (0: none, batches are built when asked for)."""
         d = config.data
-        self.layout, self.sp = config.attention.layout, mesh.shape["sp"]
+        # the layout's shards: the ring's members (usp: sp / ulysses)
+        self.layout = config.attention.layout
+        self.shards = AttentionConfig.from_config(config.attention).ring_size(mesh.shape["sp"])
         self.sharding = batch_sharding(mesh)
         self.global_shape = (d.batch_size, d.seq_len)
         self.rows, self.seq = host_block(self.sharding, self.global_shape)
@@ -193,7 +196,7 @@ class HostBatches:
         """The next block of this process, in layout order (synchronous; no device arrays)."""
         rows = [self.slots[r].next_row() for r in range(self.rows.start, self.rows.stop)]
         batch = {k: np.stack([r[k] for r in rows]) for k in ROW_KEYS}
-        batch = batch_to_layout(batch, self.layout, self.sp)
+        batch = batch_to_layout(batch, self.layout, self.shards)
         self.batches += 1
         return {k: np.ascontiguousarray(v[:, self.seq]) for k, v in batch.items()}
 

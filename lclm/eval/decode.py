@@ -34,6 +34,7 @@ from jax import lax
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.loader import batch_sharding
 from lclm.models import llama
+from lclm.ops.context_parallel import kernel_block
 from lclm.ops.ffn import swiglu
 from lclm.ops.layout import batch_to_layout, to_layout
 
@@ -139,11 +140,24 @@ def _compiled(c: LlamaConfig, a: AttentionConfig, mesh, last: int, max_new: int)
     return run_prefill, run_step
 
 
-def padded_length(n: int, sp: int, chunks: tuple[int, ...]) -> int:
-    """The smallest P >= n that `sp` divides and whose per-device block P/sp every chunk
-    (capped at the block, as the ring and blockwise ops do) divides."""
+def padded_length(n: int, sp: int, ffn_chunk: int, attention: AttentionConfig) -> int:
+    """The smallest P >= n that `sp` divides, whose per-device block P/sp the FFN chunk
+    divides and whose attention runs (`kernel_block`: a ring shard, half of one with zigzag,
+    the whole sequence under ulysses) the attention chunks divide, each chunk capped at what
+    it tiles as the ring and blockwise ops cap it."""
+    a = attention
+
+    def fits(p: int) -> bool:
+        ring = a.ring_size(sp)
+        if a.layout == "zigzag" and ring > 1 and (p // ring) % 2:
+            return False
+        run = kernel_block(a.strategy, a.layout, sp, p, a.ulysses)
+        local = p // sp
+        return (local % min(ffn_chunk, local) == 0
+                and all(run % min(c, run) == 0 for c in (a.q_chunk, a.kv_chunk)))
+
     p = -(-n // sp) * sp
-    while any((p // sp) % min(c, p // sp) for c in chunks):
+    while not fits(p):
         p += sp
     return p
 
@@ -214,7 +228,7 @@ def generate(c: LlamaConfig, a: AttentionConfig, params, tokens, positions, segm
     see `padded_length`) and B the mesh's batch axes. Decoded token s sits at position
     positions[:, -1] + 1 + s.
     """
-    sp = 1 if mesh is None else mesh.shape["sp"]
+    sp = 1 if mesh is None else a.ring_size(mesh.shape["sp"])   # the layout's shards
     layout = a.layout if mesh is not None else "contiguous"
     batch = dict(tokens=tokens, positions=positions, segment_ids=segment_ids)
     batch = {k: np.asarray(v, np.int32) for k, v in batch_to_layout(batch, layout, sp).items()}

@@ -79,8 +79,8 @@ def generate_answers(model: Model, prompts: list[np.ndarray], max_new: int,
     up with copies of its last prompt so that the mesh's batch axes divide it.
     """
 
-    chunks = (model.attention.q_chunk, model.attention.kv_chunk, model.config.ffn_chunk)
-    length = padded_length(max(map(len, prompts)), model.mesh.shape["sp"], chunks)
+    length = padded_length(max(map(len, prompts)), model.mesh.shape["sp"],
+                           model.config.ffn_chunk, model.attention)
     pad = filler_id(model.tokenizer)  # any id: the pad segment is never attended to
     answers: list[str] = []
     for start in range(0, len(prompts), batch_size):

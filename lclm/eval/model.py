@@ -21,6 +21,7 @@ from lclm.checkpoint import read_config, read_params
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.llama import param_shapes
+from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.layout import LAYOUTS
 from lclm.parallel.devices import request_cpu_devices
 from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
@@ -55,6 +56,10 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--layout", choices=LAYOUTS, default=None)
     ap.add_argument("--q-chunk", type=int, default=None)
     ap.add_argument("--kv-chunk", type=int, default=None)
+    ap.add_argument("--strategy", choices=STRATEGIES, default=None,
+                    help="attention.strategy of the prefill (default: the checkpoint's)")
+    ap.add_argument("--ulysses", type=int, default=None,
+                    help="attention.ulysses, usp's Ulysses degree (default: the checkpoint's)")
 
 
 def load_model(args) -> tuple[Model, dict | None]:
@@ -128,8 +133,8 @@ def _mesh_sizes(saved_mesh: dict, args) -> dict:
 
 
 def _attention(attention, args):
-    changes = {k: getattr(args, k) for k in ("layout", "q_chunk", "kv_chunk")
-               if getattr(args, k) is not None}
+    changes = {k: getattr(args, k) for k in ("layout", "q_chunk", "kv_chunk", "strategy",
+                                             "ulysses") if getattr(args, k) is not None}
     return dataclasses.replace(attention, **changes)
 
 

@@ -181,7 +181,7 @@ def layer_with_kv(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_
         o = local_attention(q, k, v, **chunks)
     else:
         o = context_parallel_attention(q, k, v, mesh=mesh, strategy=a.strategy, layout=a.layout,
-                                       **chunks)
+                                       ulysses=a.ulysses, **chunks)
     x = x + constrain(jnp.einsum("bthk,hkd->btd", o, p["wo"]), ("batch", "seq", "act_embed"))
     h = rms_norm(x, p["ffn_norm"], c.norm_eps)
     n_shards = 1 if mesh is None else mesh.shape["sp"]

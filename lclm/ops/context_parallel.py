@@ -19,16 +19,16 @@ device holds, and masks still come from original positions.
   head c becomes c*r ... c*r + r - 1 with r = n / gcd(kv_heads, n), so query head i still
   meets its K/V head i // (heads / kv_heads) (the dK/dV of the copies add up in autodiff).
 
-Remat: both keep the ring's named residuals (`SAVED_NAMES`), so remat='attention' never
-re-runs all_gather's forward; ulysses' backward re-runs its forward all-to-alls (the
-all-to-all'd q/k/v are not saved) under any policy but 'none'.
+- `usp` (Ulysses x ring): `mesh.sp` = r ring members x u (`ulysses`) consecutive devices.
+  The attention's shard_map sees sp split into two named axes of the same devices ('sp': r,
+  'ulysses': u inner, so a Ulysses group is a node's neighbours); the sequence is laid out for
+  a ring of r (`AttentionConfig.ring_size`) and each ring shard cut contiguously over its
+  group, so the all-to-all over 'ulysses' rebuilds exactly one ring shard (layout order) with
+  heads/u heads, and the ring's own shard_map body runs on it over 'sp' unchanged.
 
-Composition (USP, not built): `_ulysses(axis, n, inner, ...)` runs any `inner(q, k, v, seg)`
-on the sequence its all-to-all gathers. With the sequence split over (`sp`, a Ulysses axis)
--- `sp` major, so each ring shard of the layout is cut contiguously over the Ulysses
-devices -- the all-to-all over the Ulysses axis rebuilds exactly one ring shard (layout
-order, increasing positions), and `inner` is the ring's shard_map body over `sp` unchanged:
-usp = `_ulysses("ulysses", u, lambda q, k, v, s: _ring(ring_settings, q, k, v, s, s), ...)`.
+Remat: all keep the ring's named residuals (`SAVED_NAMES`), so remat='attention' never
+re-runs all_gather's forward; the backward of ulysses and usp re-runs their forward
+all-to-alls (the all-to-all'd q/k/v are not saved) under any policy but 'none'.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
 
 from lclm.ops.kernels.contract import F32
 from lclm.ops.layout import from_layout, to_layout
@@ -57,13 +58,17 @@ from lclm.ops.ring_attention import (
     tile_run,
 )
 
-STRATEGIES = ("ring", "all_gather", "ulysses")  # built; config also names 'usp' (refused)
+STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
+ULYSSES = "ulysses"   # usp's Ulysses axis: the inner factor of sp
 
 
-def kernel_block(strategy: str, layout: str, n: int, seq_len: int) -> int:
+def kernel_block(strategy: str, layout: str, n: int, seq_len: int, ulysses: int = 1) -> int:
     """The run of consecutive positions a kernel's tiles stay inside (`Kernel.limits`'
-    `block`): a shard's (ring, all_gather) or the whole sequence's (ulysses: original order)."""
-    return seq_len if strategy == "ulysses" else tile_run(layout, n, seq_len)
+    `block`): a ring shard's (ring, all_gather, usp's ring of n / ulysses) or the whole
+    sequence's (ulysses: original order)."""
+    if strategy == "ulysses":
+        return seq_len
+    return tile_run(layout, n // ulysses if strategy == "usp" else n, seq_len)
 
 
 # ---------------------------------------------------------------------------- all_gather
@@ -198,13 +203,48 @@ def ulysses_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_i
     return on_mesh(functools.partial(_ulysses, SP, n, inner), mesh, q, k, v, segment_ids)
 
 
+# ----------------------------------------------------------------------------------- usp
+
+def usp_mesh(mesh: Mesh, ulysses: int) -> Mesh:
+    """`mesh`'s devices with its last axis, `sp`, split into ('sp': sp / ulysses ring
+    members, 'ulysses': that many consecutive devices): the same devices in the same order,
+    so arrays sharded over the sequence on `mesh` need no transfer."""
+    if mesh.axis_names[-1] != SP:
+        raise ValueError(f"usp splits the mesh's last axis, which must be {SP!r}")
+    shape = mesh.devices.shape
+    return Mesh(mesh.devices.reshape(*shape[:-1], shape[-1] // ulysses, ulysses),
+                (*mesh.axis_names, ULYSSES))
+
+
+def usp_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
+                  q_chunk=512, kv_chunk=512, impl="auto", ulysses=1):
+    """`ring_attention`'s arguments and result (q, k, v and segment ids in `layout`'s order
+    for a ring of sp / ulysses), by Ulysses all-to-alls over groups of `ulysses` consecutive
+    sp devices and the ring across the groups: needs the query heads per tp shard divisible
+    by `ulysses` (K/V heads are repeated as needed)."""
+    n, tp = mesh.shape[SP], mesh.shape[HEAD_AXIS]
+    if ulysses < 1 or n % ulysses:
+        raise ValueError(f"usp's ulysses={ulysses} does not divide sp={n}")
+    if q.shape[2] % (tp * ulysses):
+        raise ValueError(f"usp splits the {q.shape[2] // tp} query heads per tp shard over "
+                         f"ulysses={ulysses}: they are not divisible")
+    settings = _settings(n // ulysses, layout, causal, q_chunk, kv_chunk, impl, q,
+                         mesh.devices.flat[0])
+    inner = lambda q, k, v, s: _ring(settings, q, k, v, s, s)
+    return on_mesh(functools.partial(_ulysses, ULYSSES, ulysses, inner),
+                   usp_mesh(mesh, ulysses), q, k, v, segment_ids, seq_axes=(SP, ULYSSES))
+
+
 _STRATEGY_FNS = {"ring": ring_attention, "all_gather": all_gather_attention,
-                 "ulysses": ulysses_attention}
+                 "ulysses": ulysses_attention, "usp": usp_attention}
 
 
-def context_parallel_attention(q, k, v, *, mesh, strategy="ring", **kwargs):
+def context_parallel_attention(q, k, v, *, mesh, strategy="ring", ulysses=1, **kwargs):
     """Attention of global arrays whose sequence axis is sharded over `sp`, by `strategy`
-    (one of `STRATEGIES`); `kwargs` and the result as `ring_attention`'s."""
+    (one of `STRATEGIES`; `ulysses`: usp's Ulysses degree); `kwargs` and the result as
+    `ring_attention`'s."""
     if strategy not in _STRATEGY_FNS:
         raise ValueError(f"unknown attention strategy {strategy!r}; use one of {STRATEGIES}")
+    if strategy == "usp":
+        kwargs["ulysses"] = ulysses
     return _STRATEGY_FNS[strategy](q, k, v, mesh=mesh, **kwargs)

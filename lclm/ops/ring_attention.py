@@ -223,21 +223,22 @@ def kv_repeats(q_heads: int, kv_heads: int, tp: int, axis: str = "tp") -> int:
     return rep
 
 
-def on_mesh(body, mesh, q, k, v, segment_ids):
+def on_mesh(body, mesh, q, k, v, segment_ids, seq_axes=SP):
     """`body(q, k, v, seg)` on every device's shards of global arrays (shapes as
-    `ring_attention`'s): batch over (`dp`, `fsdp`), sequence over `sp`, heads over `tp`, K/V
-    heads repeated first where there are fewer than tp (each tp shard then holds its own
-    copy); seg is None without segment ids. Returns the global `[batch, seq, heads, dim]`."""
+    `ring_attention`'s): batch over (`dp`, `fsdp`), sequence over `seq_axes` (`sp`), heads
+    over `tp`, K/V heads repeated first where there are fewer than tp (each tp shard then
+    holds its own copy); seg is None without segment ids. Returns the global
+    `[batch, seq, heads, dim]`."""
     rep = kv_repeats(q.shape[2], k.shape[2], mesh.shape[HEAD_AXIS])
     if rep > 1:
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    x_spec = P(BATCH_AXES, SP, HEAD_AXIS, None)
+    x_spec = P(BATCH_AXES, seq_axes, HEAD_AXIS, None)
     if segment_ids is None:
         fn = lambda q, k, v: body(q, k, v, None)
         in_specs, args = (x_spec,) * 3, (q, k, v)
     else:
         fn = body
-        in_specs = (x_spec,) * 3 + (P(BATCH_AXES, SP),)
+        in_specs = (x_spec,) * 3 + (P(BATCH_AXES, seq_axes),)
         args = (q, k, v, segment_ids.astype(jnp.int32))
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=x_spec,
                          check_vma=False)(*args)

@@ -28,8 +28,8 @@ FREE, SCHEDULE, DATA_ORDER, MODEL = "free", "schedule", "data order", "model"
 
 _FREE = (
     "workdir", "workdir_lease_minutes", "attention.impl", "attention.layout", "attention.q_chunk",
-    "attention.kv_chunk", "attention.strategy", "mesh.dp", "mesh.fsdp", "mesh.tp", "mesh.sp",
-    "checkpoint.every",
+    "attention.kv_chunk", "attention.strategy", "attention.ulysses", "mesh.dp", "mesh.fsdp",
+    "mesh.tp", "mesh.sp", "checkpoint.every",
     "checkpoint.every_minutes", "checkpoint.keep", "checkpoint.allow_changed", "log.every",
     "log.progress", "log.wandb", "log.wandb_mode", "log.wandb_project", "model.remat",
     "model.scan_layers", "model.ffn_chunk", "model.loss_chunk", "model.dtype",

@@ -25,14 +25,13 @@ from lclm.checkpoint import (
     read_config,
     read_params,
 )
-from lclm.config.model import LlamaConfig
+from lclm.config.model import AttentionConfig, LlamaConfig
 from lclm.config.schema import check_fields
 from lclm.config.secrets import is_secret, public_config
 from lclm.data.chat import TEMPLATES
 from lclm.data.loader import SOURCE_KINDS, parse_sources
 from lclm.errors import ConfigError, StartupError
 from lclm.files import replacing
-from lclm.ops.context_parallel import STRATEGIES as BUILT_STRATEGIES
 from lclm.ops.context_parallel import kernel_block
 from lclm.ops.kernels import IMPLS, choose_kernel, get_kernel, platform_family
 from lclm.ops.ring_attention import kv_repeats
@@ -79,13 +78,21 @@ def validate(config, device_count: int) -> dict[str, int]:
     except ValueError:
         _fail(f"model.n_kv_heads={m.n_kv_heads} cannot be split over mesh.tp={tp}; "
               "pick a tp that divides or is a multiple of n_kv_heads")
-    if a.strategy not in BUILT_STRATEGIES:
-        _fail(f"attention.strategy={a.strategy!r} (Ulysses x ring) is not built yet; use one "
-              f"of {BUILT_STRATEGIES}")
     if a.strategy == "ulysses" and m.n_heads % (tp * sp):
         _fail(f"attention.strategy='ulysses' splits the model.n_heads={m.n_heads} query heads "
-              f"over mesh.tp x mesh.sp = {tp * sp}: not divisible; use 'ring' or 'all_gather', "
-              "or a smaller sp")
+              f"over mesh.tp x mesh.sp = {tp * sp}: not divisible; use 'usp' with "
+              "attention.ulysses dividing them, 'ring' or 'all_gather'")
+    if a.strategy == "usp":
+        if sp % a.ulysses:
+            _fail(f"attention.ulysses={a.ulysses} does not divide mesh.sp={sp}; usp runs "
+                  "Ulysses over groups of that many sp devices and the ring across the groups")
+        if m.n_heads % (tp * a.ulysses):
+            _fail(f"attention.strategy='usp' splits the model.n_heads={m.n_heads} query heads "
+                  f"over mesh.tp x attention.ulysses = {tp * a.ulysses}: not divisible; use a "
+                  "smaller attention.ulysses")
+    elif a.ulysses != 1:
+        _fail(f"attention.ulysses={a.ulysses} is usp's Ulysses degree; set "
+              "attention.strategy='usp' or leave attention.ulysses=1")
     if m.ffn_dim % tp:
         _fail(f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tp={tp}")
 
@@ -93,22 +100,25 @@ def validate(config, device_count: int) -> dict[str, int]:
         _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp={sp}; "
               f"use a multiple of {sp}")
     local = d.seq_len // sp
+    # the layout's shards: the ring's members (usp: sp / ulysses, a shard cut over its group)
+    ring = AttentionConfig.from_config(a).ring_size(sp)
+    shard, what = d.seq_len // ring, "mesh.sp" if ring == sp else "mesh.sp / attention.ulysses"
     # zigzag: each shard holds two runs of consecutive positions; tiles stay inside one
-    runs = 2 if a.layout == "zigzag" and sp > 1 else 1
-    if local % runs:
-        _fail(f"data.seq_len={d.seq_len} is not divisible by 2 x mesh.sp = {2 * sp}, as "
-              f"attention.layout='zigzag' needs; use a multiple of {2 * sp}")
+    runs = 2 if a.layout == "zigzag" and ring > 1 else 1
+    if shard % runs:
+        _fail(f"data.seq_len={d.seq_len} is not divisible by 2 x {what} = {2 * ring}, as "
+              f"attention.layout='zigzag' needs; use a multiple of {2 * ring}")
     for key in ("q_chunk", "kv_chunk"):
-        chunk = min(a[key], local // runs)
+        chunk = min(a[key], shard // runs)
         if a.strategy == "ulysses":  # one device attends the whole sequence in original order
             chunk = min(a[key], d.seq_len)
             if d.seq_len % chunk:
                 _fail(f"data.seq_len={d.seq_len} is not divisible by attention.{key}={chunk}; "
                       f"use a multiple of {chunk}")
-        elif local % (chunk * runs):
-            what = "2 x mesh.sp" if runs == 2 else "mesh.sp"
-            _fail(f"data.seq_len={d.seq_len} is not divisible by {what} x attention.{key} = "
-                  f"{runs * sp} x {chunk}; use a multiple of {runs * sp * chunk}")
+        elif shard % (chunk * runs):
+            twice = f"2 x {what}" if runs == 2 else what
+            _fail(f"data.seq_len={d.seq_len} is not divisible by {twice} x attention.{key} = "
+                  f"{runs * ring} x {chunk}; use a multiple of {runs * ring * chunk}")
     for key in ("ffn_chunk", "loss_chunk"):
         chunk = min(m[key], local)
         if local % chunk:
@@ -117,7 +127,7 @@ def validate(config, device_count: int) -> dict[str, int]:
     # 'auto' is resolved per platform (`attention_kernel`), always to a kernel that can serve
     why = None if a.impl == "auto" else get_kernel(a.impl).limits(
         head_dim=m.dim // m.n_heads, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
-        block=kernel_block(a.strategy, a.layout, sp, d.seq_len), dtype=m.dtype)
+        block=kernel_block(a.strategy, a.layout, sp, d.seq_len, a.ulysses), dtype=m.dtype)
     if why is not None:
         _fail(f"attention.impl={a.impl!r} cannot serve this model: {why}; "
               "attention.impl='auto' picks a kernel that can")
@@ -273,7 +283,7 @@ def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
         return choose_kernel(a.impl, head_dim=model.dim // model.n_heads, q_chunk=a.q_chunk,
                              kv_chunk=a.kv_chunk, platform=platform, dtype=model.dtype,
                              block=kernel_block(a.strategy, a.layout, sp,
-                                                config.data.seq_len))
+                                                config.data.seq_len, a.ulysses))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -282,7 +292,9 @@ def attention_line(config, model: LlamaConfig, sp: int, platform: str) -> str:
     kernel = attention_kernel(config, model, sp, platform)
     chosen = f" (auto on {platform_family(platform)})" if config.attention.impl == "auto" else ""
     a = config.attention
-    strategy = "" if a.strategy == "ring" else f", {a.strategy} strategy"
+    strategy = {"ring": "", "usp": f", usp strategy (ulysses {a.ulysses} x ring "
+                                    f"{sp // a.ulysses})"}.get(a.strategy,
+                                                                f", {a.strategy} strategy")
     return f"{kernel}{chosen}, {a.layout} layout{strategy}"
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from support import DEMO_TOKENIZER
 
+from lclm.config import AttentionConfig
 from lclm.config.syntax import parse_lengths, parse_tokens
 from lclm.data.line_retrieval import (
     Spec,
@@ -100,11 +101,20 @@ def test_lengths_and_padding():
     assert parse_lengths("2k, 512,1m") == [2048, 512, 1024 ** 2]
     with pytest.raises(ValueError):
         parse_tokens("2x")
-    assert padded_length(8187, 4, (512, 512, 2048)) == 8192
-    assert padded_length(2043, 4, (512, 512, 2048)) == 2044  # one chunk of 511 per device
-    assert padded_length(251, 4, (64, 64, 64)) == 252  # block 63: chunks cap at the block
-    p = padded_length(1000, 4, (64, 32, 64))
+    chunks = lambda q, kv, **a: AttentionConfig(q_chunk=q, kv_chunk=kv, **a)
+    assert padded_length(8187, 4, 2048, chunks(512, 512)) == 8192
+    assert padded_length(2043, 4, 2048, chunks(512, 512)) == 2044  # one chunk of 511 a device
+    assert padded_length(251, 4, 64, chunks(64, 64)) == 252  # block 63: chunks cap at the block
+    p = padded_length(1000, 4, 64, chunks(64, 32))
     assert p >= 1000 and p % 4 == 0 and (p // 4) % 64 == 0
+    # zigzag: each shard is two runs; a run of 255.5 (as 2044 gave) would not be one
+    p = padded_length(2043, 4, 2048, chunks(512, 512, layout="zigzag"))
+    assert p == 2048 and (p // 8) % min(512, p // 8) == 0
+    # ulysses attends the whole sequence: its chunks tile P, not P / sp
+    assert padded_length(500, 4, 16, chunks(64, 64, strategy="ulysses")) == 512
+    # usp, ulysses 2 on sp 4: zigzag runs of a 2-member ring's shard, P / 4
+    p = padded_length(1000, 4, 16, chunks(96, 96, layout="zigzag", strategy="usp", ulysses=2))
+    assert (p // 4) % 96 == 0 and p % 16 == 0
     tokens, positions, segments = pad_front([np.array([5, 6, 7]), np.array([8])], 5, 0)
     assert tokens.tolist() == [[0, 0, 5, 6, 7], [0, 0, 0, 0, 8]]
     assert segments.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 1]]

@@ -21,18 +21,19 @@ from lclm.parallel import make_mesh
 from lclm.train.state import shard_params
 
 
-def _check(strategy, layout, mesh_kw, h, hkv, segments, impl="blockwise", chunk=8):
+def _check(strategy, layout, mesh_kw, h, hkv, segments, impl="blockwise", chunk=8, ulysses=1):
     q, k, v, do, seg = _inputs(hash((strategy, layout, h, hkv)) % 2**31, h=h, hkv=hkv,
                                segments=segments)
     want = _reference(q, k, v, do, seg)
     mesh = make_mesh(**mesh_kw)
-    n = mesh.shape["sp"]
+    # the layout's shards: the ring's members (usp: sp / ulysses, each cut over its group)
+    n = AttentionConfig(strategy=strategy, ulysses=ulysses).ring_size(mesh.shape["sp"])
     lay = lambda x: None if x is None else to_layout(jnp.asarray(x), layout, n)
 
     def f(q, k, v):
         return context_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, layout=layout,
                                           segment_ids=lay(seg), q_chunk=chunk, kv_chunk=chunk,
-                                          impl=impl)
+                                          impl=impl, ulysses=ulysses)
 
     out, vjp = jax.vjp(jax.jit(f), lay(q), lay(k), lay(v))
     for got, w in zip((out, *vjp(lay(do))), want):  # o, dq, dk, dv
@@ -58,6 +59,21 @@ def test_strategy_matches_dense(strategy, layout, mesh_kw, h, hkv, segments):
     _check(strategy, layout, mesh_kw, h, hkv, segments)
 
 
+# usp: Ulysses over groups of `ulysses` consecutive sp devices, the ring across them; every
+# layout, GQA with K/V heads replicated inside a group (x2 after tp, x4), sp 4-8, tp, fsdp,
+# and the two ends (a ring of one: ulysses = sp; one member per group: ulysses = 1)
+@pytest.mark.parametrize("layout,mesh_kw,h,hkv,segments,ulysses", [
+    ("striped", dict(sp=4), 4, 2, True, 2),
+    ("zigzag", dict(sp=8), 8, 2, True, 2),
+    ("contiguous", dict(sp=8), 8, 1, False, 4),
+    ("zigzag", dict(tp=2, sp=4), 8, 2, True, 2),
+    ("striped", dict(fsdp=2, sp=4), 4, 4, True, 4),
+    ("zigzag", dict(fsdp=2, sp=4), 4, 2, True, 1),
+])
+def test_usp_matches_dense(layout, mesh_kw, h, hkv, segments, ulysses):
+    _check("usp", layout, mesh_kw, h, hkv, segments, ulysses=ulysses)
+
+
 @pytest.fixture
 def range_reference(monkeypatch):
     """The range-mask adapter (what tokamax runs behind) on a dense op: its calls specialise
@@ -69,23 +85,29 @@ def range_reference(monkeypatch):
 
 @pytest.mark.parametrize("strategy,layout", [
     ("all_gather", "striped"), ("all_gather", "contiguous"), ("all_gather", "zigzag"),
-    ("ulysses", "zigzag")])
+    ("ulysses", "zigzag"), ("usp", "zigzag")])
 def test_strategy_through_the_range_kernel(range_reference, strategy, layout):
-    _check(strategy, layout, dict(sp=4), 4, 2, True, impl=range_reference)
+    _check(strategy, layout, dict(sp=4), 4, 2, True, impl=range_reference,
+           ulysses=2 if strategy == "usp" else 1)
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "usp"])
 def test_strategy_through_the_pallas_gpu_kernel(strategy):
     """The fused GPU kernel in Pallas interpret mode: same kernel code, CPU semantics."""
-    _check(strategy, "striped", dict(sp=2), 4, 2, True, impl="pallas_gpu", chunk=16)
+    _check(strategy, "striped", dict(sp=4 if strategy == "usp" else 2), 4, 2, True,
+           impl="pallas_gpu", chunk=16, ulysses=2 if strategy == "usp" else 1)
 
 
 def test_ulysses_needs_query_heads_divisible_by_sp():
     q = jnp.zeros((2, 64, 4, 16))
     with pytest.raises(ValueError, match="4 query heads per tp shard over sp=8"):
         context_parallel_attention(q, q, q, mesh=make_mesh(sp=8), strategy="ulysses")
-    with pytest.raises(ValueError, match="unknown attention strategy 'usp'"):
-        context_parallel_attention(q, q, q, mesh=make_mesh(sp=2), strategy="usp")
+    with pytest.raises(ValueError, match="unknown attention strategy 'mesh'"):
+        context_parallel_attention(q, q, q, mesh=make_mesh(sp=2), strategy="mesh")
+    with pytest.raises(ValueError, match="4 query heads per tp shard over ulysses=8"):
+        context_parallel_attention(q, q, q, mesh=make_mesh(sp=8), strategy="usp", ulysses=8)
+    with pytest.raises(ValueError, match="ulysses=3 does not divide sp=8"):
+        context_parallel_attention(q, q, q, mesh=make_mesh(sp=8), strategy="usp", ulysses=3)
 
 
 CFG = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
@@ -102,13 +124,15 @@ def test_model_loss_and_grads_do_not_depend_on_the_strategy():
                  loss_mask=(rng.random((b, t)) < 0.7).astype(np.float32),
                  positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)))
     mesh = make_mesh(fsdp=2, sp=4)
-    batch = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, layout, 4)
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
     params = shard_params(CFG, init_params(CFG, jax.random.key(0)), mesh)
     runs = {}
     for strategy in STRATEGIES:
-        attn = AttentionConfig(layout=layout, q_chunk=4, kv_chunk=4, strategy=strategy)
-        mean = lambda p, attn=attn: jnp.divide(*loss_terms(CFG, p, batch, mesh=mesh,
-                                                           attention=attn))
+        attn = AttentionConfig(layout=layout, q_chunk=4, kv_chunk=4, strategy=strategy,
+                               ulysses=2 if strategy == "usp" else 1)
+        laid = batch_to_layout(batch, layout, attn.ring_size(4))   # as the loader lays it
+        mean = lambda p, attn=attn, laid=laid: jnp.divide(*loss_terms(CFG, p, laid, mesh=mesh,
+                                                                      attention=attn))
         runs[strategy] = jax.jit(jax.value_and_grad(mean))(params)
     want_loss, want_grads = runs["ring"]
     for strategy, (loss, grads) in runs.items():
@@ -117,7 +141,7 @@ def test_model_loss_and_grads_do_not_depend_on_the_strategy():
             _close(g, w)
 
 
-def _programs(strategy):
+def _programs(strategy, ulysses=1):
     """(counts of each collective in the compiled gradient program of one strategy at sp=4,
     bf16 inputs; the StableHLO it was compiled from, which states the types it sends)."""
     mesh = make_mesh(sp=4)
@@ -126,7 +150,7 @@ def _programs(strategy):
 
     def loss(q, k, v, seg):
         o = context_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, segment_ids=seg,
-                                       q_chunk=8, kv_chunk=8)
+                                       q_chunk=8, kv_chunk=8, ulysses=ulysses)
         return o.astype(jnp.float32).sum()
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg)
@@ -155,4 +179,11 @@ def test_compiled_strategies_hold_their_own_collectives():
     # a sum); segment ids gathered
     assert uly["all-to-all"] == 7 and uly["all-gather"] == 1, uly
     assert uly["collective-permute"] == 0 and uly["reduce-scatter"] == 0, uly
+    assert _sent_types(program, "all_to_all") == {"bf16"}
+    usp, program = _programs("usp", ulysses=2)
+    # ulysses' all-to-alls inside each pair of devices, the ring's hops between the pairs
+    # (K/V and segment ids forward; K/V and float32 dK/dV backward), nothing gathered but
+    # the segment ids
+    assert usp["all-to-all"] == 7 and usp["all-gather"] == 1, usp
+    assert usp["collective-permute"] >= 3 and usp["reduce-scatter"] == 0, usp
     assert _sent_types(program, "all_to_all") == {"bf16"}

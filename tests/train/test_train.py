@@ -129,14 +129,16 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, layout):
 
 
 @pytest.mark.slow
-def test_resume_from_checkpoint_continues_with_the_same_losses(tmp_path, caplog):
+def test_resume_continues_with_the_same_losses_under_another_strategy(tmp_path, caplog):
     full = train(demo_config(tmp_path / "a", train__steps=8, log__every=1,
                              checkpoint__every=4))
     first = train(demo_config(tmp_path / "b", train__steps=8, log__every=1,
                               checkpoint__every=4), stop_after=5)  # step 5 is lost
-    # same workdir, longer run: restores step 4 (params, optimizer, data position)
+    # same workdir, longer run: restores step 4 (params, optimizer, data position), under
+    # another context-parallel strategy (free: Ulysses x ring, so the batches' layout too)
     resumed = train(demo_config(tmp_path / "b", train__steps=8, log__every=1,
-                                checkpoint__every=4))
+                                checkpoint__every=4, attention__strategy="usp",
+                                attention__ulysses=2))
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     assert [r["step"] for r in first] == [1, 2, 3, 4, 5]
     np.testing.assert_allclose([r["loss"] for r in first[:4] + resumed],
