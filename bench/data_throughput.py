@@ -32,9 +32,6 @@ def main(argv=None) -> int:
     request_cpu_devices(8)
     import jax
 
-    from lclm.config import load_config
-    from lclm.data.loader import HostBatches
-    from lclm.data.prepare import prepare
     from lclm.data.tokenizer import Tokenizer
     from lclm.parallel.mesh import make_mesh
 
@@ -42,13 +39,35 @@ def main(argv=None) -> int:
     tokenizer_path = os.path.join(demo, "tokenizer.model")
     tok = Tokenizer(tokenizer_path)
     mesh = make_mesh(fsdp=2, sp=4)
-    tmp = tempfile.mkdtemp()
+    # the prepared copies live only as long as the measurement (nothing left in /tmp)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, prepare_s = _measure(args, demo, tokenizer_path, tok, mesh, tmp)
+    emit_table(
+        "Data pipeline throughput (producer thread = 1 core)",
+        [f"device: host CPU ({os.cpu_count()} cores); jax {jax.__version__}; "
+         f"{datetime.date.today().isoformat()}; rows of {args.seq} tokens, batch {args.batch}, "
+         f"striped for sp=4; pre-tokenising both demo sources took {prepare_s:.2f} s; "
+         f"1-minute load average at the end {os.getloadavg()[0]:.1f} (CPU seconds close to the "
+         "wall seconds: the loop had a core to itself)"],
+        ["path", "tokens", "seconds", "CPU seconds", "tokens/s per core"], rows, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def _measure(args, demo, tokenizer_path, tok, mesh, tmp):
+    """(table rows, seconds to pre-tokenise) of both cases, prepared copies under `tmp`."""
+    from lclm.config import load_config
+    from lclm.data.loader import HostBatches
+    from lclm.data.prepare import prepare
+
     t0 = time.perf_counter()
     prepare("text", os.path.join(demo, "corpus.jsonl"), tokenizer_path, os.path.join(tmp, "text"))
     prepare("sharegpt", os.path.join(demo, "sharegpt.jsonl"), tokenizer_path,
             os.path.join(tmp, "chat"))
     prepare_s = time.perf_counter() - t0
-
     cases = {
         "tokenize+pack+stripe (text 0.8 + sharegpt 0.2)":
             f"{demo}/corpus.jsonl@0.8,sharegpt:{demo}/sharegpt.jsonl@0.2",
@@ -62,21 +81,10 @@ def main(argv=None) -> int:
         # no prefetch thread: time the producer's own work synchronously (= one core)
         loader = HostBatches(config, mesh, tok, prefetch=0)
         loader.next_host_batch()  # warm-up: file reading / opening happened in the constructor
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.batches):
             loader.next_host_batch()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         tokens = args.batches * args.batch * args.seq
-        rows.append((name, f"{tokens:,}", f"{dt:.2f}", f"{tokens / dt:,.0f}"))
-
-    emit_table(
-        "Data pipeline throughput (producer thread = 1 core)",
-        [f"device: host CPU ({os.cpu_count()} cores); jax {jax.__version__}; "
-         f"{datetime.date.today().isoformat()}; rows of {args.seq} tokens, batch {args.batch}, "
-         f"striped for sp=4; pre-tokenising both demo sources took {prepare_s:.2f} s"],
-        ["path", "tokens", "seconds", "tokens/s per core"], rows, args.out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        rows.append((name, f"{tokens:,}", f"{dt:.2f}", f"{cpu:.2f}", f"{tokens / dt:,.0f}"))
+    return rows, prepare_s

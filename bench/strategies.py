@@ -2,6 +2,9 @@
 
     python -m bench.strategies [--out DIR] [--quick]
 
+The committed table, bench/results/strategies_cpu.md, is the `strategies.md` of a full run
+(414 s wall, 631 CPU-seconds on 2 cores).
+
 For every strategy (ring, all_gather, ulysses, usp) x layout x packed documents on/off x
 GQA (2 query heads per K/V head) / MQA (one K/V head, which Ulysses replicates) x mesh
 (sp 2, 4, 8; tp and fsdp beside sp; usp with Ulysses groups of 2 and 4): the largest relative

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -35,12 +36,17 @@ def test_train_step_bench_reports_a_table(tmp_path):
     assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_data_throughput_bench_reports_both_paths(tmp_path):
+def test_data_throughput_bench_reports_both_paths(tmp_path, monkeypatch):
     out = tmp_path / "d.md"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     assert data_throughput.main(["--seq", "256", "--batch", "2", "--batches", "2",
                                  "--out", str(out)]) == 0
     table = out.read_text()
     assert "tokenize+pack+stripe" in table and "pre-tokenised memmap" in table
+    assert "CPU seconds" in table
+    assert list(scratch.iterdir()) == []   # the prepared copies are gone
 
 
 def _tree(path):
