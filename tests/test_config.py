@@ -1,6 +1,7 @@
 """Config validation: each mistake is one clear line; shipped configs are valid."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -329,3 +330,23 @@ def test_parse_cli_splits_the_clis_own_arguments_from_the_config():
         assert str(e.value).startswith(message) and "\n" not in str(e.value)
     ap = argparse.ArgumentParser(prog="prog")
     assert parse_cli(ap, [], default=demo)[0].config == demo
+
+
+def test_every_config_key_is_in_the_docs_key_list():
+    """docs/training.md's "Config keys" names every field of the config (a newcomer's list)."""
+    with open(os.path.join(ROOT, "docs", "training.md")) as f:
+        text = f.read().split("## Config keys", 1)[1].split("\n## ", 1)[0]
+    model = text.split("- `model.*`", 1)[1].split("\n- ", 1)[0]
+    missing = []
+    for section, fields in base_config().items():
+        if not hasattr(fields, "items"):
+            if f"`{section}`" not in text:
+                missing.append(section)
+            continue
+        for name in fields:
+            key = f"{section}.{name}"
+            grouped = re.search(rf"`{section}\.\{{[^}}]*\b{name}\b", text)
+            if (f"`{key}`" not in text and not grouped
+                    and not (section == "model" and re.search(rf"\b{name}\b", model))):
+                missing.append(key)
+    assert missing == []
