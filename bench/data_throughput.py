@@ -53,9 +53,6 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def _measure(args, demo, tokenizer_path, tok, mesh, tmp):
     """(table rows, seconds to pre-tokenise) of both cases, prepared copies under `tmp`."""
@@ -88,3 +85,7 @@ def _measure(args, demo, tokenizer_path, tok, mesh, tmp):
         tokens = args.batches * args.batch * args.seq
         rows.append((name, f"{tokens:,}", f"{dt:.2f}", f"{cpu:.2f}", f"{tokens / dt:,.0f}"))
     return rows, prepare_s
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,7 +3,7 @@
     python -m bench.strategies [--out DIR] [--quick]
 
 The committed table, bench/results/strategies_cpu.md, is the `strategies.md` of a full run
-(414 s wall, 631 CPU-seconds on 2 cores).
+(447 s wall, 685 CPU-seconds on 2 cores).
 
 For every strategy (ring, all_gather, ulysses, usp) x layout x packed documents on/off x
 GQA (2 query heads per K/V head) / MQA (one K/V head, which Ulysses replicates) x mesh
@@ -12,8 +12,9 @@ error max |strategy - reference| / max |reference| of o, dq, dk and dv against d
 attention (lclm.ops.kernels.reference) on the same float32 inputs, through the blockwise
 kernel. Then, per strategy at sp=4 (usp: 2 x ring 2), the collectives XLA keeps in the
 compiled gradient program of bfloat16 attention and the bytes of their results on each
-device (as the compiled program states its shapes). Simulated devices run on the host: exactness and
-program structure, not speed.
+device (as the compiled program states its shapes), and each strategy's compute balance
+(`balance`). Simulated devices run on the host: exactness and program structure, not
+speed.
 """
 
 from __future__ import annotations
@@ -106,6 +107,27 @@ def _collectives(strategy, ulysses):
     return counts, sent
 
 
+def balance(strategy: str, layout: str, n: int, ulysses: int, seq_len: int, tile: int,
+            heads: int) -> float:
+    """Causal attention's work on the busiest device, summed over the strategy's rounds (a
+    round lasts as long as its slowest device), in tile-heads (`tile_schedule`: the kernels'
+    own skip predicate, tiles of `tile` x `tile`), as a share of the ideal: the whole causal
+    triangle's tiles x heads / n. ring and all_gather run the same rounds; ulysses runs the
+    whole sequence on heads / n heads per device (one round); usp runs a ring of n / ulysses on
+    heads / ulysses heads."""
+    from lclm.ops.ring_attention import tile_schedule
+
+    ideal = tile_schedule("contiguous", 1, seq_len, tile, tile)[0, 0] * heads / n
+    if strategy == "ulysses":
+        ring, per_device = 1, heads / n
+    elif strategy == "usp":
+        ring, per_device = n // ulysses, heads / ulysses
+    else:
+        ring, per_device = n, heads
+    counts = tile_schedule(layout if ring > 1 else "contiguous", ring, seq_len, tile, tile)
+    return float(ideal / (counts.max(axis=1).sum() * per_device))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="output folder (default: a new one under "
@@ -149,6 +171,16 @@ def main(argv=None) -> int:
         counts, sent = _collectives(strategy, 2 if strategy == "usp" else 1)
         table.add([strategy, ", ".join(f"{op} {c}" for op, c in sorted(counts.items())),
                    ", ".join(f"{op} {b:,}" for op, b in sorted(sent.items()))])
+    seq_len, tile, heads = 65536, 512, 32
+    table.section("Compute balance: the busiest device's attention work vs the ideal",
+                  ["strategy", *(f"{layout}, n={n}" for n in (4, 8) for layout in LAYOUTS)],
+                  [f"Causal attention over {seq_len:,} tokens, {heads} heads, tiles of {tile} "
+                   f"x {tile}, n devices (usp: groups of 2 and the ring of n/2): 1.00 = "
+                   "perfectly balanced with no partly-masked tile; tile counts only, no "
+                   "communication."])
+    for strategy in STRATEGIES:
+        table.add([strategy, *(f"{balance(strategy, layout, n, 2, seq_len, tile, heads):.2f}"
+                               for n in (4, 8) for layout in LAYOUTS)])
     table.note(f"largest error of all: {worst:.1e}")
     return 0 if worst < 1e-5 else 1
 

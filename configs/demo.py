@@ -1,6 +1,6 @@
 """The embedded demo: a tiny LLaMA on the bundled synthetic corpus and conversations, striped
-ring attention over sp=4 x fsdp=2 (simulated CPU devices without an accelerator). About two
-minutes on 2 cores."""
+ring attention over sp=4 x fsdp=2 (simulated CPU devices without an accelerator). About 190
+CPU-seconds: two to three minutes on 2 cores."""
 
 import os
 
