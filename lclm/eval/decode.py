@@ -145,14 +145,12 @@ def padded_length(n: int, sp: int, ffn_chunk: int, attention: AttentionConfig) -
     divides and whose attention runs (`kernel_block`: a ring shard, half of one with zigzag,
     the whole sequence under ulysses) the attention chunks divide, each chunk capped at what
     it tiles as the ring and blockwise ops cap it."""
-    a = attention
+    a, ring = attention, attention.ring_size(sp)
 
     def fits(p: int) -> bool:
-        ring = a.ring_size(sp)
         if a.layout == "zigzag" and ring > 1 and (p // ring) % 2:
             return False
-        run = kernel_block(a.strategy, a.layout, sp, p, a.ulysses)
-        local = p // sp
+        run, local = kernel_block(a, sp, p), p // sp
         return (local % min(ffn_chunk, local) == 0
                 and all(run % min(c, run) == 0 for c in (a.q_chunk, a.kv_chunk)))
 

@@ -41,6 +41,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
+from lclm.config.model import AttentionConfig
 from lclm.ops.kernels.contract import F32
 from lclm.ops.layout import from_layout, to_layout
 from lclm.ops.ring_attention import (
@@ -62,13 +63,13 @@ STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
 ULYSSES = "ulysses"   # usp's Ulysses axis: the inner factor of sp
 
 
-def kernel_block(strategy: str, layout: str, n: int, seq_len: int, ulysses: int = 1) -> int:
+def kernel_block(attention: AttentionConfig, sp: int, seq_len: int) -> int:
     """The run of consecutive positions a kernel's tiles stay inside (`Kernel.limits`'
-    `block`): a ring shard's (ring, all_gather, usp's ring of n / ulysses) or the whole
-    sequence's (ulysses: original order)."""
-    if strategy == "ulysses":
+    `block`) when `attention` runs over `sp` devices: a ring shard's (ring, all_gather, usp's
+    ring of `ring_size`) or the whole sequence's (ulysses: original order)."""
+    if attention.strategy == "ulysses":
         return seq_len
-    return tile_run(layout, n // ulysses if strategy == "usp" else n, seq_len)
+    return tile_run(attention.layout, attention.ring_size(sp), seq_len)
 
 
 # ---------------------------------------------------------------------------- all_gather

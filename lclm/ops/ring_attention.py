@@ -14,7 +14,7 @@ A kernel that specializes on such a class (`classify`: `lclm.ops.kernels.range_k
 told at each call site (the scanned rounds, the last round) the classes it can meet there,
 found on the host from the layout, so it compiles only those (one at sp=1: no conditional).
 
-The other context-parallel strategies over `sp` (all-gather, Ulysses) are in
+The other context-parallel strategies over `sp` (all-gather, Ulysses, USP) are in
 `lclm.ops.context_parallel`; they share this module's rounds, kernels and `on_mesh`.
 """
 

@@ -52,6 +52,7 @@ def validate(config, device_count: int) -> dict[str, int]:
     the resolved mesh sizes. Raises a one-line ConfigError naming the fix."""
     m, a, d, t = config.model, config.attention, config.data, config.train
     check_fields(config)
+    attention = AttentionConfig.from_config(a)
     check_workdir(config.workdir)
     allowed_keys(config)
     try:
@@ -101,7 +102,7 @@ def validate(config, device_count: int) -> dict[str, int]:
               f"use a multiple of {sp}")
     local = d.seq_len // sp
     # the layout's shards: the ring's members (usp: sp / ulysses, a shard cut over its group)
-    ring = AttentionConfig.from_config(a).ring_size(sp)
+    ring = attention.ring_size(sp)
     shard, what = d.seq_len // ring, "mesh.sp" if ring == sp else "mesh.sp / attention.ulysses"
     # zigzag: each shard holds two runs of consecutive positions; tiles stay inside one
     runs = 2 if a.layout == "zigzag" and ring > 1 else 1
@@ -127,7 +128,7 @@ def validate(config, device_count: int) -> dict[str, int]:
     # 'auto' is resolved per platform (`attention_kernel`), always to a kernel that can serve
     why = None if a.impl == "auto" else get_kernel(a.impl).limits(
         head_dim=m.dim // m.n_heads, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
-        block=kernel_block(a.strategy, a.layout, sp, d.seq_len, a.ulysses), dtype=m.dtype)
+        block=kernel_block(attention, sp, d.seq_len), dtype=m.dtype)
     if why is not None:
         _fail(f"attention.impl={a.impl!r} cannot serve this model: {why}; "
               "attention.impl='auto' picks a kernel that can")
@@ -282,8 +283,8 @@ def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
     try:
         return choose_kernel(a.impl, head_dim=model.dim // model.n_heads, q_chunk=a.q_chunk,
                              kv_chunk=a.kv_chunk, platform=platform, dtype=model.dtype,
-                             block=kernel_block(a.strategy, a.layout, sp,
-                                                config.data.seq_len, a.ulysses))
+                             block=kernel_block(AttentionConfig.from_config(a), sp,
+                                                config.data.seq_len))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -291,10 +292,10 @@ def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
 def attention_line(config, model: LlamaConfig, sp: int, platform: str) -> str:
     kernel = attention_kernel(config, model, sp, platform)
     chosen = f" (auto on {platform_family(platform)})" if config.attention.impl == "auto" else ""
-    a = config.attention
-    strategy = {"ring": "", "usp": f", usp strategy (ulysses {a.ulysses} x ring "
-                                    f"{sp // a.ulysses})"}.get(a.strategy,
-                                                                f", {a.strategy} strategy")
+    a = AttentionConfig.from_config(config.attention)
+    strategy = "" if a.strategy == "ring" else f", {a.strategy} strategy"
+    if a.strategy == "usp":
+        strategy += f" (ulysses {a.ulysses} x ring {a.ring_size(sp)})"
     return f"{kernel}{chosen}, {a.layout} layout{strategy}"
 
 
