@@ -109,14 +109,16 @@ def validate(config, device_count: int) -> dict[str, int]:
     if shard % runs:
         _fail(f"data.seq_len={d.seq_len} is not divisible by 2 x {what} = {2 * ring}, as "
               f"attention.layout='zigzag' needs; use a multiple of {2 * ring}")
+    # the run of positions the kernel's tiles stay inside (ulysses: the whole sequence)
+    run = kernel_block(attention, sp, d.seq_len)
     for key in ("q_chunk", "kv_chunk"):
-        chunk = min(a[key], shard // runs)
-        if a.strategy == "ulysses":  # one device attends the whole sequence in original order
-            chunk = min(a[key], d.seq_len)
-            if d.seq_len % chunk:
-                _fail(f"data.seq_len={d.seq_len} is not divisible by attention.{key}={chunk}; "
-                      f"use a multiple of {chunk}")
-        elif shard % (chunk * runs):
+        chunk = min(a[key], run)
+        if run % chunk == 0:
+            continue
+        if a.strategy == "ulysses":
+            _fail(f"data.seq_len={d.seq_len} is not divisible by attention.{key}={chunk}; "
+                  f"use a multiple of {chunk}")
+        else:
             twice = f"2 x {what}" if runs == 2 else what
             _fail(f"data.seq_len={d.seq_len} is not divisible by {twice} x attention.{key} = "
                   f"{runs * ring} x {chunk}; use a multiple of {runs * ring * chunk}")
@@ -128,7 +130,7 @@ def validate(config, device_count: int) -> dict[str, int]:
     # 'auto' is resolved per platform (`attention_kernel`), always to a kernel that can serve
     why = None if a.impl == "auto" else get_kernel(a.impl).limits(
         head_dim=m.dim // m.n_heads, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
-        block=kernel_block(attention, sp, d.seq_len), dtype=m.dtype)
+        block=run, dtype=m.dtype)
     if why is not None:
         _fail(f"attention.impl={a.impl!r} cannot serve this model: {why}; "
               "attention.impl='auto' picks a kernel that can")
