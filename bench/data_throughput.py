@@ -53,7 +53,6 @@ def main(argv=None) -> int:
     return 0
 
 
-
 def _measure(args, demo, tokenizer_path, tok, mesh, tmp):
     """(table rows, seconds to pre-tokenise) of both cases, prepared copies under `tmp`."""
     from lclm.config import load_config

@@ -25,8 +25,8 @@ import re
 import sys
 
 from bench.report import Table, default_out_dir, stamp
+from lclm.config.schema import STRATEGIES
 
-STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
 LAYOUTS = ("striped", "zigzag", "contiguous")
 # (label, mesh sizes, usp's Ulysses degree)
 MESHES = (("sp=2", dict(sp=2), 2), ("sp=4", dict(sp=4), 2), ("sp=8", dict(sp=8), 4),
