@@ -67,9 +67,12 @@ def _errors(strategy, layout, mesh_kw, ulysses, heads, kv_heads, segments, seed)
             for g, w in zip(got, want)]
 
 
-def _collectives(strategy, ulysses):
-    """({collective: count}, {collective: bytes of its results per device}) of the gradient of
-    one bfloat16 attention call at sp=4: q [2, 64, 4, 16], k/v [2, 64, 2, 16], segment ids."""
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def gradient_program(strategy: str, ulysses: int = 1):
+    """The lowered (`jax.stages.Lowered`) gradient program of one bfloat16 attention call at
+    sp=4, blockwise kernel: q [2, 64, 4, 16], k/v [2, 64, 2, 16], segment ids."""
     import jax
     import jax.numpy as jnp
 
@@ -85,25 +88,27 @@ def _collectives(strategy, ulysses):
                                        q_chunk=8, kv_chunk=8, impl="blockwise", ulysses=ulysses)
         return o.astype(jnp.float32).sum()
 
-    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg).compile().as_text()
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg)
+
+
+def collectives(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
+    """({collective: count}, {collective: bytes of its results per device}) of compiled HLO
+    text, for each of `COLLECTIVES` (0 where absent); an async pair counts once."""
     sizes = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1}
-    counts: dict[str, int] = {}
-    sent: dict[str, int] = {}
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    sent = dict.fromkeys(COLLECTIVES, 0)
     # one instruction per line: `%name = type[dims]{layout} op(...)`; tuples list each part
     for line in hlo.splitlines():
-        m = re.search(r"=\s*(.*?)\s(all-gather|all-to-all|collective-permute|reduce-scatter)"
-                      r"(?:-start)?\(", line)
+        m = re.search(rf"=\s*(.*?)\s({'|'.join(COLLECTIVES)})(?:-start)?\(", line)
         if not m:
             continue
         op = m.group(2)
-        counts[op] = counts.get(op, 0) + 1
-        nbytes = 0
+        counts[op] += 1
         for dtype, dims in re.findall(r"(bf16|f32|s32|u32|pred)\[([\d,]*)\]", m.group(1)):
             size = sizes[dtype]
             for dim in filter(None, dims.split(",")):
                 size *= int(dim)
-            nbytes += size
-        sent[op] = sent.get(op, 0) + nbytes
+            sent[op] += size
     return counts, sent
 
 
@@ -168,9 +173,10 @@ def main(argv=None) -> int:
     table.section("Collectives in the compiled gradient (sp=4; usp: ulysses 2 x ring 2)",
                   ["strategy", "collectives (count)", "bytes of their results per device"])
     for strategy in STRATEGIES:
-        counts, sent = _collectives(strategy, 2 if strategy == "usp" else 1)
-        table.add([strategy, ", ".join(f"{op} {c}" for op, c in sorted(counts.items())),
-                   ", ".join(f"{op} {b:,}" for op, b in sorted(sent.items()))])
+        program = gradient_program(strategy, 2 if strategy == "usp" else 1)
+        counts, sent = collectives(program.compile().as_text())
+        table.add([strategy, ", ".join(f"{op} {c}" for op, c in sorted(counts.items()) if c),
+                   ", ".join(f"{op} {b:,}" for op, b in sorted(sent.items()) if counts[op])])
     seq_len, tile, heads = 65536, 512, 32
     table.section("Compute balance: the busiest device's attention work vs the ideal",
                   ["strategy", *(f"{layout}, n={n}" for n in (4, 8) for layout in LAYOUTS)],

@@ -11,6 +11,7 @@ import pytest
 from ops.kernels.test_range_kernel import ref_attend, ref_attend_vjp
 from test_ring_attention import _close, _inputs, _reference
 
+from bench.strategies import collectives, gradient_program
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.models.llama import init_params, loss_terms
 from lclm.ops import kernels
@@ -144,19 +145,9 @@ def test_model_loss_and_grads_do_not_depend_on_the_strategy():
 def _programs(strategy, ulysses=1):
     """(counts of each collective in the compiled gradient program of one strategy at sp=4,
     bf16 inputs; the StableHLO it was compiled from, which states the types it sends)."""
-    mesh = make_mesh(sp=4)
-    q, k = jnp.ones((2, 64, 4, 16), jnp.bfloat16), jnp.ones((2, 64, 2, 16), jnp.bfloat16)
-    seg = jnp.ones((2, 64), jnp.int32)
-
-    def loss(q, k, v, seg):
-        o = context_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, segment_ids=seg,
-                                       q_chunk=8, kv_chunk=8, ulysses=ulysses)
-        return o.astype(jnp.float32).sum()
-
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg)
-    hlo = lowered.compile().as_text()
-    ops = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
-    return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in ops}, lowered.as_text()
+    lowered = gradient_program(strategy, ulysses)
+    counts, _ = collectives(lowered.compile().as_text())
+    return counts, lowered.as_text()
 
 
 def _sent_types(program, op):
