@@ -39,7 +39,6 @@ import math
 
 from lclm.config import LlamaConfig
 
-STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
 _BYTES = {"float32": 4, "bfloat16": 2}
 
 

@@ -9,9 +9,10 @@ from support import ROOT
 
 from lclm import aot
 from lclm.config import load_config
+from lclm.config.schema import STRATEGIES
 from lclm.config.stages import stage_configs
 from lclm.plan import _gib, _links, estimate
-from lclm.strategy_plan import STRATEGIES, compare
+from lclm.strategy_plan import compare
 
 
 def _planned(config, devices: int, device: str) -> list[str]:

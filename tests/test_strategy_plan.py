@@ -7,6 +7,7 @@ import pytest
 from support import ROOT
 
 from lclm.config import load_config
+from lclm.config.schema import STRATEGIES
 from lclm.plan import DEVICES, main
 from lclm.strategy_plan import compare
 
@@ -67,6 +68,7 @@ def test_ulysses_bytes_fall_with_the_degree_while_the_ring_sends_the_sequence():
 
 def test_on_four_nodes_of_eight_usp_keeps_the_all_to_all_inside_the_nodes():
     costs = _by_name(compare(_seven_b(), _mesh(32), H100, 450, 50, 8))
+    assert sorted(costs) == sorted(STRATEGIES)   # the planner compares every named one
     usp = costs["usp"]
     assert usp.split == "ulysses 8 x ring 4" and usp.note == "attention.ulysses=8"
     between = {name: c.sent.get("between nodes", 0.0) for name, c in costs.items()}

@@ -22,8 +22,8 @@ from lclm.errors import ConfigError
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch")
 ROPE_SCALINGS = ("auto", "none", "linear", "llama3")  # llama.ROPE_SCALINGS and "auto"
-LAYOUTS = ("striped", "contiguous", "zigzag")  # tests hold lclm.ops.layout.LAYOUTS to these
-# lclm.strategy_plan.STRATEGIES and lclm.ops.context_parallel.STRATEGIES (tests hold them)
+# the one list of each: lclm.ops.layout and lclm.ops.context_parallel import them
+LAYOUTS = ("striped", "contiguous", "zigzag")
 STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
 
 # LLaMA shapes (and the tokenizer's bos/eos ids). 1b/3b are LLaMA-3.2 (1.24B / 3.2B params),

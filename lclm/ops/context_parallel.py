@@ -42,6 +42,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from lclm.config.model import AttentionConfig
+from lclm.config.schema import STRATEGIES
 from lclm.ops.kernels.contract import F32
 from lclm.ops.layout import from_layout, to_layout
 from lclm.ops.ring_attention import (
@@ -59,7 +60,6 @@ from lclm.ops.ring_attention import (
     tile_run,
 )
 
-STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
 ULYSSES = "ulysses"   # usp's Ulysses axis: the inner factor of sp
 
 

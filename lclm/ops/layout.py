@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-LAYOUTS = ("striped", "contiguous", "zigzag")
+from lclm.config.schema import LAYOUTS
 
 
 def _check(length: int, n: int) -> None:
