@@ -15,15 +15,13 @@ python=${PYTHON:-python3}
 logs=${LCLM_LOG_DIR:-logs}
 mkdir -p "$logs"
 port=${LCLM_PORT:-$("$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
-# Gloo (JAX's CPU collectives) prints a line per connection of every collective group
-quiet_gloo() { grep --line-buffered -v '^\[Gloo\] Rank [0-9]* is connected to' || true; }
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup INT TERM
 for ((i = 0; i < n; i++)); do
   env LCLM_COORDINATOR="127.0.0.1:$port" LCLM_NUM_PROCESSES="$n" LCLM_PROCESS_ID="$i" \
       JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} \
-      "$python" "$root/train.py" "$@" > >(quiet_gloo | if ((i == 0)); then cat; else cat > "$logs/process_$i.log"; fi) 2>&1 &
+      "$python" "$root/train.py" "$@" > >(bash "$root/launch/quiet_gloo.sh" | if ((i == 0)); then cat; else cat > "$logs/process_$i.log"; fi) 2>&1 &
   pids+=($!)
 done
 status=0

@@ -68,6 +68,29 @@ def test_submit_wrapper_and_tpu_dry_runs():
     assert _bash(["launch/local.sh"]).returncode == 2
 
 
+def test_local_launcher_drops_gloo_connection_reports_even_interleaved():
+    """The lines a CI run printed when two of Gloo's collective groups connected at once, among
+    lines that must survive: a log record, an empty line and a real connection failure."""
+    gloo = ["[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks"
+            " is : 3",
+            "[Gloo] Rank [Gloo] Rank 2 is connected to 7 peer ranks. Expected number of connected"
+            " peer ranks is : 7",
+            "1 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7",
+            "[Gloo] Rank [Gloo] Rank 3 is connected to 1 is connected to 3 peer ranks. Expected"
+            " number of connected peer ranks is : 3",
+            "3 peer ranks. Expected number of connected peer ranks is : 3", "7"]
+    kept = ["2026-11-25 16:54:30,262 INFO trained steps 1-4 in 17 s; loss 6.2530 -> 5.8605", "",
+            "[Gloo] Rank 1 is NOT connected to: [3]", "step 7 of 10"]
+    lines = [gloo[0], kept[0], *gloo[1:3], kept[1], *gloo[3:], *kept[2:]]
+    r = subprocess.run(["bash", "launch/quiet_gloo.sh"], cwd=ROOT, input="\n".join(lines) + "\n",
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == kept
+    r = subprocess.run(["bash", "launch/quiet_gloo.sh"], cwd=ROOT, input="\n".join(gloo),
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (0, "")   # nothing left is not an error
+
+
 @pytest.mark.parametrize("tpu_type,image", [
     ("v6e-16", "v2-alpha-tpuv6e"), ("v5p-32", "v2-alpha-tpuv5"),
     ("v5litepod-16", "v2-alpha-tpuv5-lite"), ("v3-32", "tpu-ubuntu2204-base"),
