@@ -27,7 +27,7 @@ import sys
 from bench.report import Table, default_out_dir, stamp
 from lclm.config.schema import STRATEGIES
 
-LAYOUTS = ("striped", "zigzag", "contiguous")
+LAYOUTS = ("striped", "zigzag", "contiguous")  # lclm.config.schema.LAYOUTS in the columns' order
 # (label, mesh sizes, usp's Ulysses degree)
 MESHES = (("sp=2", dict(sp=2), 2), ("sp=4", dict(sp=4), 2), ("sp=8", dict(sp=8), 4),
           ("tp=2 x sp=4", dict(tp=2, sp=4), 2), ("fsdp=2 x sp=4", dict(fsdp=2, sp=4), 4))
