@@ -39,3 +39,39 @@ def write_json(path: str, obj, mode: int = 0o644) -> None:
     with replacing(path, mode) as f:
         json.dump(obj, f, indent=1)
         f.write("\n")
+
+
+def _scheme(path: str) -> str | None:
+    """'gs' for 'gs://bucket/x' (any 'scheme://' prefix), else None."""
+    head, sep, _ = path.partition("://")
+    return head if sep and head and "/" not in head else None
+
+
+def output_problem(path: str, folder: bool = True) -> str | None:
+    """Why a CLI could not write `path` (a folder it would create or fill, or with
+    `folder=False` a file it would replace), found before any work rather than after it; None
+    when it can. Creates nothing: the probe is a temporary file in the nearest existing
+    directory, removed at once."""
+    scheme = _scheme(path)
+    if scheme:   # until object stores are supported: a local './gs:/...' folder is not one
+        return (f"is on object storage ({scheme}://), which this command cannot write yet; "
+                "write to a local or mounted path (e.g. gcsfuse) and copy it")
+    target = os.path.abspath(path)
+    if os.path.exists(target):
+        if folder and not os.path.isdir(target):
+            return "is a file; pass a folder"
+        if not folder and os.path.isdir(target):
+            return "is a folder; pass a file name"
+    existing = target if folder else os.path.dirname(target)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"cannot be made: {existing!r} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return f"cannot be written: {existing!r}: {e.strerror or e}; pass a writable path"
+    if os.path.exists(target) and not folder and not os.access(target, os.W_OK):
+        return "cannot be written (no write permission); pass a writable path"
+    return None
