@@ -2,11 +2,12 @@
 
     python data/make_demo_data.py [--out DIR]
 
-Writes DIR/corpus.jsonl ({"text": ...} per line), DIR/sharegpt.jsonl (synthetic ShareGPT
-conversations) and DIR/tokenizer.model (BPE trained on the corpus, LLaMA ids: unk=0, bos=1,
-eos=2, byte fallback); DIR is data/demo by default. All are committed, and the script
-documents how they were made: it writes them byte for byte again (tests/data/test_demo_data.py
-checks), so running it leaves `git status` clean.
+Writes DIR/corpus.jsonl ({"text": ...} per line), DIR/heldout.jsonl (documents of the same
+grammar that the corpus does not hold: the demo's validation set), DIR/sharegpt.jsonl
+(synthetic ShareGPT conversations) and DIR/tokenizer.model (BPE trained on the corpus, LLaMA
+ids: unk=0, bos=1, eos=2, byte fallback); DIR is data/demo by default. All are committed,
+and the script documents how they were made: it writes them byte for byte again
+(tests/data/test_demo_data.py checks), so running it leaves `git status` clean.
 """
 
 import argparse
@@ -51,6 +52,10 @@ def main(argv=None) -> None:
     docs = corpus(3000, seed=0)
     path = os.path.join(out, "corpus.jsonl")
     write_jsonl(path, ({"text": d} for d in docs))
+    # another seed: other documents of the same grammar, so val_loss measures generalisation
+    seen = set(docs)
+    held_out = [d for d in corpus(200, seed=1) if d not in seen]
+    write_jsonl(os.path.join(out, "heldout.jsonl"), ({"text": d} for d in held_out))
     with replacing(os.path.join(out, "tokenizer.model"), binary=True) as f:
         f.write(train_tokenizer(docs))
     print(f"{len(docs)} documents, {os.path.getsize(path) / 1e6:.2f} MB -> {out}")

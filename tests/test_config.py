@@ -10,9 +10,10 @@ from support import DEMO_CONFIG, DEMO_TOKENIZER, ROOT
 
 from lclm.config import base_config, load_config
 from lclm.config.schema import LAYOUTS, STRATEGIES
+from lclm.data.loader import parse_sources
 from lclm.errors import ConfigError
 from lclm.ops import context_parallel, layout
-from lclm.train.setup import validate
+from lclm.train.setup import check_data, validate
 
 
 def _load(name):
@@ -348,3 +349,35 @@ def test_every_config_key_is_in_the_docs_key_list():
                     and not (section == "model" and re.search(rf"\b{name}\b", model))):
                 missing.append(key)
     assert missing == []
+
+
+def test_missing_data_is_found_at_start_under_the_key_that_names_it(tmp_path):
+    c = _load("demo.py")
+    check_data(c)   # the shipped demo names its corpus, chats and held-out file
+    c.validation.path = str(tmp_path / "held_out.jsonl")
+    with pytest.raises(ConfigError, match=r"^config\.validation\.path: no data at .*held_out"):
+        check_data(c)
+    c.validation.path = ""
+    c.data.path = f"{tmp_path}/a.jsonl@0.5,{tmp_path}/b.jsonl"
+    with pytest.raises(ConfigError, match=r"config\.data\.path: no data at .*a\.jsonl'.*'\\,'"):
+        check_data(c)
+
+
+def test_a_comma_in_a_file_name_can_be_part_of_a_mixture(tmp_path):
+    (tmp_path / "a,b.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "c.jsonl").write_text('{"text": "y"}\n')
+    c = _load("demo.py")
+    c.data.path = f"{tmp_path}/a\\,b.jsonl@0.25,{tmp_path}/c.jsonl"
+    assert parse_sources(c.data.path, "text") == [("text", f"{tmp_path}/a,b.jsonl", 0.25),
+                                                  ("text", f"{tmp_path}/c.jsonl", 1.0)]
+    check_data(c)
+
+
+def test_train_cli_reports_missing_validation_data_before_the_model(tmp_path):
+    r = _train_cli("--config", "configs/demo.py", f"--config.workdir={tmp_path / 'run'}",
+                   f"--config.validation.path={tmp_path / 'nothing.jsonl'}")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: config.validation.path: no data at {str(tmp_path / 'nothing.jsonl')!r}; point "
+        "it at a .jsonl/.json/.txt/.parquet/.arrow file, a directory or a glob"]
+    assert not (tmp_path / "run").exists()

@@ -21,6 +21,7 @@ import collections
 import logging
 import os
 import queue
+import re
 import threading
 from collections.abc import Mapping
 
@@ -46,7 +47,7 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(("batch", "seq")))
 
 
-def _entry(entry: str, default_kind: str) -> tuple[str, str, float]:
+def _entry(entry: str, default_kind: str, key: str) -> tuple[str, str, float]:
     """One `[kind:]path[@weight]` entry. A path that exists is taken as it is, so '@' in a
     file name is not read as a weight."""
     kind, rest = default_kind, entry
@@ -61,19 +62,27 @@ def _entry(entry: str, default_kind: str) -> tuple[str, str, float]:
     except ValueError:
         return kind, rest, 1.0   # not a weight: part of a path (reported as missing later)
     if not 0 < weight < float("inf"):
-        raise ConfigError(f"config.data.path entry {entry!r}: the weight after '@' must be a "
+        raise ConfigError(f"config.{key} entry {entry!r}: the weight after '@' must be a "
                           "finite number > 0")
     return kind, path, weight
 
 
-def parse_sources(path: str, default_kind: str) -> list[tuple[str, str, float]]:
-    """`config.data.path` as (kind, path, weight): comma-separated `[kind:]path[@weight]`. The
-    whole string is one entry where it names an existing path (a ',' in a file name)."""
-    whole = _entry(path.strip(), default_kind)
-    entries = [whole] if path.strip() and os.path.exists(whole[1]) else [
-        _entry(e, default_kind) for e in (e.strip() for e in path.split(",")) if e]
+# entries are split at commas that no backslash escapes: '\,' is a comma of a file name
+_ENTRY_SEPARATOR = re.compile(r"(?<!\\),")
+
+
+def parse_sources(path: str, default_kind: str,
+                  key: str = "data.path") -> list[tuple[str, str, float]]:
+    """`config.<key>` (data.path, validation.path) as (kind, path, weight): comma-separated
+    `[kind:]path[@weight]`. The whole string is one entry where it names an existing path;
+    in a mixture, a ',' of a file name is written '\\,'."""
+    whole = _entry(path.strip(), default_kind, key)
+    if path.strip() and os.path.exists(whole[1]):
+        return [whole]
+    entries = [_entry(e.replace("\\,", ","), default_kind, key)
+               for e in (e.strip() for e in _ENTRY_SEPARATOR.split(path)) if e]
     if not entries:
-        raise ConfigError("config.data.path is empty; set it to a data file, directory or glob")
+        raise ConfigError(f"config.{key} is empty; set it to a data file, directory or glob")
     return entries
 
 

@@ -8,6 +8,7 @@ the config may leave the process (`public_config`: secrets removed) and wandb.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import os
 import sys
@@ -66,9 +67,9 @@ def validate(config, device_count: int) -> dict[str, int]:
         _fail(f"attention.impl={a.impl!r} is not available; use one of {IMPLS}")
     if d.source not in SOURCE_KINDS:
         _fail(f"data.source={d.source!r}; use one of {SOURCE_KINDS}")
-    for path in (d.path, config.validation.path):   # the syntax; the planner needs no data
-        if path:
-            parse_sources(path, d.source)
+    for key, path in (("data.path", d.path), ("validation.path", config.validation.path)):
+        if path:   # the syntax; the planner needs no data (`check_data`: the files)
+            parse_sources(path, d.source, key)
     if d.chat_template not in TEMPLATES:
         _fail(f"data.chat_template={d.chat_template!r}; use one of {sorted(TEMPLATES)}")
     if m.n_heads % tp:
@@ -142,6 +143,24 @@ def validate(config, device_count: int) -> dict[str, int]:
         _fail(f"micro-batch data.batch_size/train.grad_accum={micro} is not divisible by "
               f"mesh.dp x mesh.fsdp = {dp * fsdp}; change the batch size or the mesh")
     return sizes
+
+
+def check_data(config) -> None:
+    """Fail at start, naming the key, when a source of `data.path` or `validation.path` names
+    nothing: found before the model is initialised, not when the loader first opens it."""
+    for key, path in (("data.path", config.data.path),
+                      ("validation.path", config.validation.path)):
+        if not path:
+            continue
+        for kind, source, _ in parse_sources(path, config.data.source, key):
+            # synthetic sources hold options, not paths; hub datasets are found by `datasets`
+            if kind == "line_retrieval" or source.startswith("hub:"):
+                continue
+            if os.path.exists(source) or glob.glob(source):
+                continue
+            comma = " (in a mixture, write a ',' of a file name as '\\,')" if "," in path else ""
+            _fail(f"config.{key}: no data at {source!r}; point it at a "
+                  f".jsonl/.json/.txt/.parquet/.arrow file, a directory or a glob{comma}")
 
 
 def _probe_dir(directory: str) -> str | None:

@@ -24,7 +24,7 @@ from lclm.checkpoint import Checkpoints
 from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError
 from lclm.train.loop import train
-from lclm.train.setup import SourceDamaged, apply_hf_shapes, validate
+from lclm.train.setup import SourceDamaged, apply_hf_shapes, check_data, validate
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ def validate_stages(config, device_count: int) -> list:
     for i, c in enumerate(configs):
         try:
             validate(c, device_count)
+            check_data(c)
         except ConfigError as e:
             raise ConfigError(f"stage {i} (seq_len {c.data.seq_len}): {e}") from None
     return configs

@@ -12,7 +12,8 @@ def test_make_demo_data_reproduces_the_committed_files(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main(["--out", str(tmp_path)])
-    for name in ("corpus.jsonl", "sharegpt.jsonl", "tokenizer.model"):
+    names = ["corpus.jsonl", "heldout.jsonl", "sharegpt.jsonl", "tokenizer.model"]
+    for name in names:
         with open(os.path.join(ROOT, "data", "demo", name), "rb") as f:
             assert (tmp_path / name).read_bytes() == f.read(), name
-    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl", "sharegpt.jsonl", "tokenizer.model"]
+    assert sorted(os.listdir(tmp_path)) == names

@@ -3,6 +3,7 @@ layouts, segments, GQA (Ulysses' K/V head replication included) and meshes; the 
 loss under every strategy; and the collectives each compiled strategy really holds."""
 
 import re
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from lclm.train.state import shard_params
 
 
 def _check(strategy, layout, mesh_kw, h, hkv, segments, impl="blockwise", chunk=8, ulysses=1):
-    q, k, v, do, seg = _inputs(hash((strategy, layout, h, hkv)) % 2**31, h=h, hkv=hkv,
+    q, k, v, do, seg = _inputs(zlib.crc32(repr((strategy, layout, h, hkv)).encode()), h=h, hkv=hkv,
                                segments=segments)
     want = _reference(q, k, v, do, seg)
     mesh = make_mesh(**mesh_kw)

@@ -1,5 +1,7 @@
 """Ring attention (all three layouts, sp 1-8, GQA, segments) against a dense float32 reference."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,7 +49,7 @@ IMPLS = ["blockwise", "pallas_gpu"]
     (1, 16, 2, False), (2, 8, 4, True), (4, 4, 1, False), (4, 16, 2, True), (8, 8, 2, True),
 ])
 def test_ring_matches_dense(impl, layout, sp, chunk, hkv, segments):
-    seed = hash((impl, layout, sp, chunk, hkv, segments)) % 2**31
+    seed = zlib.crc32(repr((impl, layout, sp, chunk, hkv, segments)).encode())
     q, k, v, do, seg = _inputs(seed, hkv=hkv, segments=segments)
     want = _reference(q, k, v, do, seg)
     mesh = make_mesh(sp=sp, fsdp=2 if sp <= 4 else 1)
