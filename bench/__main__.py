@@ -8,7 +8,8 @@ Parts (each writes `<part>.md`, most a `<part>.png` too, into the output folder,
 device, JAX version and date; `index.md` lists them with their wall time). The output folder
 is `--out`, by default a new `bench_results/<suite>-<YYYYmmdd-HHMMSS>` in the current directory
 (untracked); the committed reference results in bench/results/<suite> change only when `--out`
-names them.
+names them. The folder is checked before anything runs (every part's own `--out` too): one that
+could not be written, or a `gs://` path, is one line and exit status 2.
 
 - `correctness`: every usable kernel's forward and backward against a float32 dense reference
   on this device (bench/correctness.py); a wrong kernel fails the part;
@@ -69,6 +70,7 @@ from bench.train_step import ModelRun, TrainSpec
 from lclm import logs
 from lclm.cli import run_cli
 from lclm.errors import StartupError
+from lclm.files import check_output
 
 # part (also the Suite's field name) -> its module in bench/, which writes <module>.md/.png
 PARTS = {"correctness": "correctness", "attention": "attention", "striped": "striped_sim",
@@ -271,7 +273,7 @@ def _parts(text: str, suite: Suite) -> list[str]:
 
 
 def _out_dir(path: str) -> str:
-    """The output folder, created now: an unusable one fails before an hour of measuring."""
+    """The output folder (checked by `_run` already), created now, before the first part."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
@@ -298,12 +300,14 @@ def main(argv=None) -> int:
 
 def _run(args) -> int:
     parts = _parts(args.parts, SUITES[args.suite])
+    args.out = args.out or default_out_dir(args.suite)
+    check_output("--out", args.out)  # before the GPU probe (up to 300 s) and an hour of parts
     if SUITES[args.suite].needs_gpu and not os.environ.get(GPU_CHECKED):
         why = gpu_missing()
         if why:
             raise StartupError(f"--suite {args.suite} needs a GPU, and {why}; on this "
                                "machine run --suite cpu")
-    args.out = _out_dir(args.out or default_out_dir(args.suite))
+    args.out = _out_dir(args.out)
     suite = SUITES[args.suite].smallest() if args.smallest else SUITES[args.suite]
     if args.suite == "cpu":  # toy sizes are meant for the CPU even where an accelerator exists
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

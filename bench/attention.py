@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 from bench import int_list
 from bench.report import Table, default_out_dir, error_status, fmt, stamp, try_plot
+from lclm.cli import run_cli
+from lclm.files import check_output
 
 FWD_BWD_FACTOR = 3.5
 
@@ -344,8 +346,12 @@ def main(argv=None) -> int:
     spec = dataclasses.replace(default, blocks=int_list(args.blocks), heads=int_list(args.heads),
                                head_dims=int_list(args.head_dims), q_chunk=args.chunk,
                                kv_chunk=args.chunk, iters=args.iters)
-    run(default.quick() if args.quick else spec, args.out)
-    return 0
+
+    def body():
+        check_output("--out", args.out)  # before the measuring, not at its first row
+        run(default.quick() if args.quick else spec, args.out)
+
+    return run_cli(body)
 
 
 if __name__ == "__main__":

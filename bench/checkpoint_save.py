@@ -23,6 +23,8 @@ import time
 
 from bench import ROOT
 from bench.report import emit_table
+from lclm.cli import run_cli
+from lclm.files import check_output
 
 
 def main(argv=None) -> int:
@@ -32,7 +34,15 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints written")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    return run_cli(lambda: _run(args))
 
+
+def _run(args) -> int:
+    # before the saves, not after them (the table is written last)
+    if args.dir:
+        check_output("--dir", args.dir)
+    if args.out:
+        check_output("--out", args.out, folder=False)
     from lclm.parallel.devices import request_cpu_devices
     request_cpu_devices(8)
     import jax

@@ -28,6 +28,8 @@ import os
 import sys
 
 from bench.report import Table, default_out_dir, error_status, fmt, stamp
+from lclm.cli import run_cli
+from lclm.files import check_output
 
 # name -> (layout, ring size n, this device, the devices whose K/V blocks it sees, segments,
 # GQA)
@@ -256,13 +258,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=default_out_dir("correctness"))
     ap.add_argument("--quick", action="store_true", help="the quick size (a 400 s budget)")
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    try:
-        run(CorrectnessSpec().quick() if args.quick else CorrectnessSpec(), args.out)
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+
+    def body():
+        check_output("--out", args.out)  # before the measuring, not at its first row
+        os.makedirs(args.out, exist_ok=True)
+        try:
+            run(CorrectnessSpec().quick() if args.quick else CorrectnessSpec(), args.out)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
+
+    return run_cli(body)
 
 
 if __name__ == "__main__":

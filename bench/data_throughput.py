@@ -18,6 +18,8 @@ import time
 
 from bench import ROOT
 from bench.report import emit_table
+from lclm.cli import run_cli
+from lclm.files import check_output
 
 
 def main(argv=None) -> int:
@@ -27,7 +29,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    return run_cli(lambda: _run(args))
 
+
+def _run(args) -> int:
+    if args.out:  # before the measuring, not after it (the table is written last)
+        check_output("--out", args.out, folder=False)
     from lclm.parallel.devices import request_cpu_devices
     request_cpu_devices(8)
     import jax

@@ -277,6 +277,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default="lclm")
     ap.add_argument("--seq", type=int, default=0)
     from lclm.cli import parse_cli, run_cli
+    from lclm.files import check_output
 
     def body():
         # a bad config fails here, not in every probe (which measure the file's fields, not
@@ -286,6 +287,7 @@ def main(argv=None) -> int:
             emit_record(probe(args.config, args.overrides, args.variant, args.seq,
                               args.budget_mib))
             return 0
+        check_output("--out", args.out)  # before the search, not at its first row
         spec = MaxContextSpec(args.config, tuple(args.overrides), tuple(args.variants.split(",")),
                               args.impl, args.start, args.cap, args.resolution, args.budget_mib)
         if args.quick:

@@ -25,7 +25,9 @@ import re
 import sys
 
 from bench.report import Table, default_out_dir, stamp
+from lclm.cli import run_cli
 from lclm.config.schema import STRATEGIES
+from lclm.files import check_output
 
 LAYOUTS = ("striped", "zigzag", "contiguous")  # lclm.config.schema.LAYOUTS in the columns' order
 # (label, mesh sizes, usp's Ulysses degree)
@@ -139,9 +141,14 @@ def main(argv=None) -> int:
                                                  "bench_results/)")
     ap.add_argument("--quick", action="store_true", help="one mesh (sp=4) only")
     args = ap.parse_args(argv)
+    return run_cli(lambda: _run(args))
+
+
+def _run(args) -> int:
+    out = args.out or default_out_dir("strategies")
+    check_output("--out", out)  # before the measuring, not at its first row
     from lclm.parallel.devices import request_cpu_devices
     request_cpu_devices(8)
-    out = args.out or default_out_dir("strategies")
 
     table = Table("Context-parallel strategies against dense float32 attention",
                   [*stamp(toy=True), "", "Largest relative error over the layouts "

@@ -38,6 +38,8 @@ import sys
 
 from bench import int_list
 from bench.report import Table, default_out_dir, fmt, stamp, try_plot
+from lclm.cli import run_cli
+from lclm.files import check_output
 
 LAYOUTS = ("contiguous", "striped", "zigzag")
 
@@ -355,8 +357,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     spec = dataclasses.replace(default, ns=int_list(args.ns), blocks=int_list(args.blocks),
                                heads=args.heads, q_chunk=args.chunk, kv_chunk=args.chunk)
-    run(default.quick() if args.quick else spec, args.out)
-    return 0
+
+    def body():
+        check_output("--out", args.out)  # before the measuring, not at its first row
+        run(default.quick() if args.quick else spec, args.out)
+
+    return run_cli(body)
 
 
 if __name__ == "__main__":

@@ -468,11 +468,14 @@ def main(argv=None):
     from bench.isolate import launcher_process
     from lclm.cli import parse_cli, run_cli
     from lclm.config import mesh_device_count
+    from lclm.files import check_output
     from lclm.parallel.devices import request_cpu_devices
 
 
     def body():
         args, base = parse_cli(ap, argv, runs_stages=False)  # a schedule's stages do not run
+        if args.out and not args.record:  # before the measuring, not at its first row
+            check_output("--out", args.out, folder=False)
         request_cpu_devices(mesh_device_count(base) or 1)
         seqs = int_list(args.seq) or (base.data.seq_len,)
         layouts = tuple(args.layouts.split(",")) if args.layouts else (None,)

@@ -109,6 +109,105 @@ def test_line_retrieval_eval_cli_checks_flags_before_loading(tmp_path, capsys):
         _assert_one_error_line(capsys.readouterr().err, needle)
 
 
+PREPARE = ["--source", "text", "--input", "{tmp}/no_corpus.jsonl", "--tokenizer",
+           "{tmp}/no_tokenizer.model"]
+OBJECT_STORE_OUT = "is on object storage (gs://), which this command cannot write yet"
+OBJECT_STORE_IN = "is on object storage (gs://), which this command cannot read yet"
+
+
+# Each input names nothing (a checkpoint, corpus or tokenizer that is not there): the path's
+# own error comes first, so it was found before any loading or reading.
+@pytest.mark.parametrize("module,args,needle", [
+    ("lclm.eval.line_retrieval", ["--checkpoint", "{tmp}/no_run", "--out", "gs://bucket/eval"],
+     f"--out 'gs://bucket/eval' {OBJECT_STORE_OUT}"),
+    ("lclm.data.prepare", [*PREPARE, "--out", "gs://bucket/tok"],
+     f"--out 'gs://bucket/tok' {OBJECT_STORE_OUT}"),
+    ("bench", ["--suite", "gpu", "--out", "gs://bucket/bench"],  # before the GPU probe too
+     f"--out 'gs://bucket/bench' {OBJECT_STORE_OUT}"),
+    ("lclm.eval.line_retrieval", ["--checkpoint", "{tmp}/no_run", "--out", "{tmp}/afile/eval"],
+     "--out '{tmp}/afile/eval' cannot be made: '{tmp}/afile' is a file"),
+    ("lclm.data.prepare", [*PREPARE, "--out", "{tmp}/afile/tok"],
+     "--out '{tmp}/afile/tok' cannot be made: '{tmp}/afile' is a file"),
+    ("bench", ["--suite", "gpu", "--out", "{tmp}/afile/bench"],
+     "--out '{tmp}/afile/bench' cannot be made: '{tmp}/afile' is a file"),
+    # the default output, beside the checkpoint, is checked too (and named as the default)
+    ("lclm.eval.line_retrieval", ["--checkpoint", "{tmp}/run"],
+     "the default --out '{tmp}/run/line_retrieval_eval' is a file; pass a folder"),
+    # an object-store input is not looked up as a local './gs:/...' path
+    ("lclm.eval.line_retrieval", ["--checkpoint", "gs://bucket/run"],
+     f"--checkpoint 'gs://bucket/run' {OBJECT_STORE_IN}"),
+    ("lclm.eval.line_retrieval", ["--hf", "gs://bucket/hf", "--out", "{tmp}/eval"],
+     f"--hf 'gs://bucket/hf' {OBJECT_STORE_IN}"),
+    ("lclm.eval.line_retrieval", ["--hf", "{tmp}/no_hf", "--tokenizer", "gs://bucket/t.model",
+                                  "--out", "{tmp}/eval"],
+     f"--tokenizer 'gs://bucket/t.model' {OBJECT_STORE_IN}"),
+    ("lclm.data.prepare", ["--source", "text", "--input", "gs://bucket/c.jsonl", "--tokenizer",
+                           DEMO_TOKENIZER, "--out", "{tmp}/tok"],
+     f"--input 'gs://bucket/c.jsonl' {OBJECT_STORE_IN}"),
+    ("lclm.data.prepare", ["--source", "text", "--input", "{tmp}/no_corpus.jsonl",
+                           "--tokenizer", "gs://bucket/t.model", "--out", "{tmp}/tok"],
+     f"--tokenizer 'gs://bucket/t.model' {OBJECT_STORE_IN}"),
+])
+def test_clis_check_their_paths_before_any_work(module, args, needle, tmp_path):
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "line_retrieval_eval").write_text("")  # where the report would go
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)  # bench from any directory
+    r = subprocess.run([sys.executable, "-m", module, *(a.format(tmp=tmp_path) for a in args)],
+                       cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr
+    _assert_one_error_line(r.stderr, needle.format(tmp=tmp_path))
+    assert os.listdir(cwd) == []   # no './gs:/...' folder
+    assert sorted(os.listdir(tmp_path)) == ["afile", "cwd", "run"]
+
+
+def _fail_if_reached(monkeypatch, work: str) -> None:
+    """`work` (a dotted name): what a CLI does first once its paths are checked (the
+    measuring itself, or setting up the devices to measure on), made to fail if reached."""
+    def work_started(*args, **kwargs):
+        raise AssertionError(f"{work} was reached before the output was checked")
+    monkeypatch.setattr(work, work_started)
+
+
+@pytest.mark.parametrize("module,args,work", [
+    ("bench.attention", ["--out", "gs://bucket/b"], "bench.attention.run"),
+    ("bench.striped_sim", ["--out", "gs://bucket/b"], "bench.striped_sim.run"),
+    ("bench.correctness", ["--out", "gs://bucket/b"], "bench.correctness.run"),
+    ("bench.max_context", ["--config", DEMO_CONFIG, "--out", "gs://bucket/b"],
+     "bench.max_context.run"),
+    ("bench.strategies", ["--out", "gs://bucket/b"],
+     "lclm.parallel.devices.request_cpu_devices"),
+    ("bench.checkpoint_save", ["--out", "gs://bucket/b.md"],
+     "lclm.parallel.devices.request_cpu_devices"),
+    ("bench.checkpoint_save", ["--dir", "gs://bucket/checkpoints"],
+     "lclm.parallel.devices.request_cpu_devices"),
+    ("bench.data_throughput", ["--out", "gs://bucket/b.md"],
+     "lclm.parallel.devices.request_cpu_devices"),
+    ("bench.train_step", ["--config", DEMO_CONFIG, "--out", "gs://bucket/b.md"],
+     "lclm.parallel.devices.request_cpu_devices"),
+])
+def test_bench_part_clis_check_their_output_before_measuring(module, args, work, tmp_path,
+                                                             monkeypatch, capsys):
+    import importlib
+    main = importlib.import_module(module).main
+    _fail_if_reached(monkeypatch, work)
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    flag = "--dir" if "--dir" in args else "--out"
+    _assert_one_error_line(capsys.readouterr().err, f"{flag} 'gs://bucket/")
+    assert os.listdir(tmp_path) == []   # no './gs:/...' folder
+
+
+def test_a_bench_table_file_is_not_a_folder(tmp_path, monkeypatch, capsys):
+    from bench.train_step import main
+    _fail_if_reached(monkeypatch, "lclm.parallel.devices.request_cpu_devices")
+    assert main(["--config", DEMO_CONFIG, "--out", str(tmp_path)]) == 2
+    _assert_one_error_line(capsys.readouterr().err,
+                           f"--out {str(tmp_path)!r} is a folder; pass a file name")
+
+
 @pytest.mark.parametrize("module", ["bench.train_step", "bench.max_context"])
 def test_bench_part_clis_reject_bad_overrides(module, capsys):
     import importlib

@@ -8,7 +8,8 @@ DIR/offsets.bin (int64 document boundaries) and DIR/lclm_tokens.json (counts, to
 Then train with `--config.data.path=tokenized:DIR`. Malformed records are skipped, counted
 and reported. Preparing again into the DIR a run reads is safe: the files are written under
 temporary names (DIR needs room for both versions meanwhile) and renamed into place at the
-end; the run keeps reading the files it opened.
+end; the run keeps reading the files it opened. DIR is checked before the corpus is read: one
+that could not be written (or a gs:// path, until object stores are supported) is one line.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from lclm.data.chat import TEMPLATES
 from lclm.data.sources import TOKENIZED_META, SourceStats, offsets_digest, open_documents
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
-from lclm.files import replacing
+from lclm.files import check_input, check_output, replacing
 
 # Renamed into place in this order once all are written: the metadata last, so that it
 # never names data that is not there yet, and offsets.bin first, so that a reader that opens
@@ -44,7 +45,11 @@ def prepare(source: str, input_path: str, tokenizer_path: str, out: str,
 
     Every file is written under a temporary name and renamed into place at the end: a run
     reading `out` keeps the files it opened, and a prepare that fails leaves what was there.
+    An `out` that could not be written, or an object-store path, fails before anything is read.
     """
+    check_input("--input", input_path)
+    check_input("--tokenizer", tokenizer_path)
+    check_output("--out", out)
     tokenizer = Tokenizer(tokenizer_path)
     stats = SourceStats()
     docs = open_documents(source, input_path, tokenizer, text_field=text_field,

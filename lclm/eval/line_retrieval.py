@@ -19,8 +19,11 @@ document's first token (as in training's packed rows), and the prompt's last tok
 row's last, where decoding continues.
 
 Writes a markdown table to stdout and `OUT/line_retrieval.md`, `OUT/line_retrieval.json`
-(cells and per-sample answers) and `OUT/line_retrieval.png` (accuracy heatmap). Loading reads
-Orbax tensors, JSON, safetensors and a SentencePiece model only: nothing is unpickled.
+(cells and per-sample answers) and `OUT/line_retrieval.png` (accuracy heatmap). OUT is checked
+before the model is loaded; the table is printed before the files are written, and a write
+that still fails (a disk filled meanwhile) puts the report in a temporary folder and says
+where (exit status 1). Loading reads Orbax tensors, JSON, safetensors and a SentencePiece
+model only: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ import argparse
 import dataclasses
 import logging
 import os
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 
@@ -47,7 +52,7 @@ from lclm.data.line_retrieval import (
 from lclm.errors import StartupError
 from lclm.eval.decode import greedy_generate, pad_front, padded_length
 from lclm.eval.model import Model, add_model_arguments, answer_text, load_model
-from lclm.files import replacing, write_json
+from lclm.files import check_input, output_problem, replacing, write_json
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +212,7 @@ def parse_args(argv=None):
                                    "checkpoint's workdir; runs/line_retrieval_eval/<name> "
                                    "with --hf)")
     args = ap.parse_args(argv)
+    args.default_out = args.out is None
     if args.out is None:  # beside what was evaluated, never in the current directory
         args.out = (os.path.join(args.checkpoint, "line_retrieval_eval") if args.checkpoint else
                     os.path.join("runs", "line_retrieval_eval",
@@ -221,13 +227,20 @@ def _line_format(args, saved: dict | None):
 
 
 def _check_args(args) -> None:
-    """Flags that would fail only after the model is loaded (or at the very end, for --out)."""
+    """Flags that would fail only after the model is loaded, or at the very end (--out), or
+    as a misleading 'not found' (an object-store input looked up as a local path)."""
+    for flag in ("checkpoint", "hf", "tokenizer"):
+        check_input(f"--{flag}", getattr(args, flag))
     for name in ("samples", "depths", "batch_size", "max_new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise StartupError(f"--{name.replace('_', '-')}={value} must be >= 1")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise StartupError(f"--out {args.out!r} is a file; pass a folder")
+    if args.default_out and args.checkpoint and not os.path.isdir(args.checkpoint):
+        return  # the default lies inside it: 'no checkpoints in ...' is the line that helps
+    problem = output_problem(args.out)
+    if problem:
+        flag = "the default --out" if args.default_out else "--out"
+        raise StartupError(f"{flag} {args.out!r} {problem}")
 
 
 def main(argv=None) -> int:
@@ -236,7 +249,7 @@ def main(argv=None) -> int:
     return run_cli(lambda: _run(args), input_errors=(ValueError,))  # e.g. a prompt too long
 
 
-def _run(args) -> None:
+def _run(args) -> int:
     _check_args(args)
     lengths = parse_lengths(args.lengths)
     model, saved = load_model(args)
@@ -245,9 +258,33 @@ def _run(args) -> None:
                       seed=args.seed, batch_size=args.batch_size, max_new=args.max_new_tokens)
     meta = dict(model=model.name, mesh=dict(model.mesh.shape), layout=model.attention.layout,
                 format=dataclasses.asdict(fmt), samples_per_cell=args.samples, seed=args.seed)
-    table = write_report(args.out, result, lengths, args.depths, meta)
-    print(table)
-    print(f"wrote {args.out}/line_retrieval.{{md,json,png}}")
+    print(markdown_table(result["cells"], lengths, args.depths), flush=True)
+    return save_report(args.out, result, lengths, args.depths, meta)
+
+
+def save_report(out_dir: str, result: dict, lengths, n_bins: int, meta: dict) -> int:
+    """`write_report` into `out_dir` (0), or, where that fails although it was checked at
+    start (a disk filled during the evaluation), into a new temporary folder: one line on
+    stderr says why and where the report went (1). The table is on stdout already."""
+    try:
+        write_report(out_dir, result, lengths, n_bins, meta)
+    except OSError as e:
+        why = f"could not write the report into --out {out_dir!r} ({e.strerror or e})"
+    else:
+        print(f"wrote {out_dir}/line_retrieval.{{md,json,png}}")
+        return 0
+    fallback = None
+    try:
+        fallback = tempfile.mkdtemp(prefix="line_retrieval_eval_")
+        write_report(fallback, result, lengths, n_bins, meta)
+        kept = f"the table is printed above and the report was written to {fallback}"
+    except OSError:
+        if fallback:
+            shutil.rmtree(fallback, ignore_errors=True)
+        kept = "the table is printed above; the per-sample answers and the heatmap are lost"
+    print(f"error: {why}; {kept}", file=sys.stderr)
+    return 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

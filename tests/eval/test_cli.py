@@ -88,3 +88,62 @@ def test_results_go_beside_what_was_evaluated_not_into_the_current_directory():
     assert parse_args(["--hf", "/models/Llama-2-7b-hf/"]).out == \
         os.path.join("runs", "line_retrieval_eval", "Llama-2-7b-hf")
     assert parse_args(["--hf", "x", "--out", "elsewhere"]).out == "elsewhere"
+
+
+def _evaluated(monkeypatch, tmp_path, out, fallback_dir):
+    """Runs the eval CLI with the model and its evaluation replaced by a fixed result (no
+    model is needed to test what happens to one), and with `out` made a file while it
+    evaluates: a fault that appears after the start-up checks passed, like a disk that fills.
+    The fallback folder goes under `fallback_dir`. Returns (exit status, the result)."""
+    import tempfile
+    from types import SimpleNamespace
+
+    records = [dict(length=128, depth_bin=b, correct=b == 0, prompt_tokens=120, padded_to=128)
+               for b in (0, 1)]
+    result = dict(cells=[line_retrieval._cell(records, 128, b, 2) for b in (0, 1)],
+                  samples=records)
+    model = SimpleNamespace(name="fake", mesh=SimpleNamespace(shape={"sp": 1}),
+                            attention=SimpleNamespace(layout="striped"))
+
+    def evaluate(*args, **kwargs):
+        out.write_text("")
+        return result
+
+    monkeypatch.setattr(line_retrieval, "load_model", lambda args: (model, None))
+    monkeypatch.setattr(line_retrieval, "evaluate", evaluate)
+    monkeypatch.setattr(tempfile, "tempdir", str(fallback_dir))
+    rc = line_retrieval.main(["--hf", str(tmp_path / "hf"), "--lengths", "128", "--depths", "2",
+                              "--out", str(out)])
+    return rc, result
+
+
+def test_results_are_kept_when_the_output_fails_after_the_evaluation(tmp_path, monkeypatch,
+                                                                     capsys):
+    out, fallback_dir = tmp_path / "eval", tmp_path / "tmp"
+    fallback_dir.mkdir()
+    rc, result = _evaluated(monkeypatch, tmp_path, out, fallback_dir)
+    assert rc == 1
+    captured = capsys.readouterr()
+    table = line_retrieval.markdown_table(result["cells"], [128], 2)
+    assert table in captured.out   # printed before the files were tried
+    [fallback] = os.listdir(fallback_dir)
+    fallback = fallback_dir / fallback
+    assert captured.err == (f"error: could not write the report into --out {str(out)!r} (File "
+                            "exists); the table is printed above and the report was written "
+                            f"to {fallback}\n")
+    assert (fallback / "line_retrieval.md").read_text() == table + "\n"
+    assert json.loads((fallback / "line_retrieval.json").read_text())["samples"] == \
+        result["samples"]
+    assert (fallback / "line_retrieval.png").is_file()
+
+
+def test_the_table_survives_when_no_report_can_be_written(tmp_path, monkeypatch, capsys):
+    out, afile = tmp_path / "eval", tmp_path / "afile"
+    afile.write_text("")
+    rc, result = _evaluated(monkeypatch, tmp_path, out, afile / "tmp")  # no temporary folder
+    assert rc == 1
+    captured = capsys.readouterr()
+    assert line_retrieval.markdown_table(result["cells"], [128], 2) in captured.out
+    assert captured.err.startswith(f"error: could not write the report into --out {str(out)!r}")
+    assert captured.err.endswith("; the table is printed above; the per-sample answers and the "
+                                 "heatmap are lost\n") and captured.err.count("\n") == 1
