@@ -2,6 +2,93 @@
 
 Importing `lclm` does not import JAX: `train.py` must be able to read the config and set
 `XLA_FLAGS` (simulated CPU devices) before JAX starts.
+
+It does choose JAX's platforms where JAX would otherwise start libtpu for nothing: with libtpu
+installed (lclm's [test] extra brings it for ahead-of-time TPU compiles) and no TPU attached,
+JAX's default platform search initialises the TPU runtime anyway, which prints libtpu's
+complaints about the missing TPU before every command and takes libtpu's machine-wide lock,
+so that a second such process (`plan --compile` among them) fails. There, when nothing but the
+CPU is left for JAX to use, `JAX_PLATFORMS=cpu` is set. An explicit `JAX_PLATFORMS` (even
+empty) is kept, and machines with a TPU, a GPU or another PJRT plugin are left to JAX.
 """
 
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import sys
+
 __version__ = "0.1.0"
+
+# What jax._src.hardware_utils takes for a TPU chip on the PCI bus (Google's vendor id; the
+# device ids of v3 to TPU7x). Not imported from there: that would import JAX.
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICES = frozenset({"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f",
+                              "0x0076"})
+# The device nodes through which JAX finds an NVIDIA GPU (hardware_utils) or an AMD one (KFD)
+_GPU_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
+def tpu_attached() -> bool:
+    """Whether this machine has a TPU: the device nodes libtpu opens (/dev/accel0... on v2-v4
+    and v5e, VFIO groups on v5p and later) or a TPU chip on the PCI bus."""
+    # a TPU of a generation newer than the PCI ids above still shows its device nodes; a
+    # false "yes" only leaves JAX's own platform search in place
+    if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() != _GOOGLE_PCI_VENDOR:
+                    continue
+            with open(os.path.join(os.path.dirname(vendor), "device")) as f:
+                if f.read().strip() in _TPU_PCI_DEVICES:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _other_accelerator() -> bool:
+    """Whether JAX might start a platform other than the CPU and the TPU here: a GPU's device
+    nodes, or a PJRT plugin it would load (CUDA's aside: JAX skips it without an NVIDIA
+    device, so naming only the CPU changes nothing for it)."""
+    if any(os.path.exists(p) for p in _GPU_DEVICE_NODES):
+        return True
+    if os.environ.get("PJRT_NAMES_AND_LIBRARY_PATHS"):
+        return True
+    import pkgutil
+    import re
+
+    # Plugins live in the jax_plugins namespace package (CUDA's and ROCm's among them).
+    # JAX also loads plugins named only by a jax_plugins entry point; not looked for: reading
+    # every package's entry points would add 70 ms to each command, jax-free ones included.
+    try:
+        spec = importlib.util.find_spec("jax_plugins")
+    except (ImportError, ValueError):
+        return True  # unreadable: leave the choice to JAX
+    found = [m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations or []))
+             ] if spec else []
+    return any(not re.fullmatch(r"xla_cuda\d*", name) for name in found)
+
+
+def _keep_jax_off_an_absent_tpu() -> None:
+    """Set `JAX_PLATFORMS=cpu` (or JAX's config, if JAX is already imported) where libtpu is
+    installed, no TPU is attached and JAX has nothing but the CPU to use; otherwise nothing."""
+    if "JAX_PLATFORMS" in os.environ or "JAX_FORCE_TPU_INIT" in os.environ:
+        return
+    if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")):
+        return  # without libtpu JAX's TPU attempt is silent and takes no lock
+    if tpu_attached() or _other_accelerator():
+        return
+    jax = sys.modules.get("jax")
+    if jax is None or not hasattr(jax, "config"):
+        # read by JAX when it is imported; child processes (launchers) inherit the choice,
+        # which holds for them too: the same machine
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    elif jax.config.jax_platforms is None:
+        jax.config.update("jax_platforms", "cpu")  # no effect once its backends have started
+
+
+_keep_jax_off_an_absent_tpu()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import time
 
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
+from lclm import tpu_attached
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.loader import batch_sharding
 from lclm.errors import ConfigError
@@ -81,12 +83,33 @@ def target_devices(target: Target):
     except ImportError:
         raise ConfigError("--compile needs libtpu (it runs the TPU compiler on this machine): "
                           "pip install 'lclm[tpu]'") from None
+    _compiler_only_libtpu()
     kwargs: dict = {"chip_config_name": target.chip_config} if target.chip_config else {}
     if target.host_bounds:
         kwargs["chips_per_host_bounds"] = list(target.host_bounds)
     topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
                                             **kwargs)
     return list(topology.devices)
+
+
+# Read by libtpu when JAX initialises it, so set before the first topology is described.
+# The lock guards a TPU's chips against two processes; a compile-only libtpu opens none, and
+# without this a concurrent JAX process that started libtpu (any JAX program on a machine with
+# libtpu but no TPU, unless JAX_PLATFORMS leaves the TPU out) fails the compile with
+# "ABORTED: ... libtpu multi-process lockfile". The other two describe a one-host TPU system
+# in place of the missing local one: without them libtpu's start prints five lines about
+# TPU_ACCELERATOR_TYPE, host bounds and TPU_WORKER_HOSTNAMES (the slice compiled for is given
+# by the topology, which they do not change: same devices, same memory figures).
+_COMPILER_ONLY_ENV = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_HOST_BOUNDS": "1,1,1",
+                      "TPU_WORKER_HOSTNAMES": "localhost"}
+
+
+def _compiler_only_libtpu() -> None:
+    """Start libtpu as a compiler only where no TPU is attached; on a TPU VM its lock and
+    its view of the host stay as they are (this process may run on the chips)."""
+    if not tpu_attached():
+        for name, value in _COMPILER_ONLY_ENV.items():
+            os.environ.setdefault(name, value)
 
 
 @dataclasses.dataclass

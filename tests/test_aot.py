@@ -4,6 +4,7 @@ libtpu comes with the [test] extra on Linux x86-64 (it compiles for TPUs without
 CI runs the compile tests; elsewhere they skip. The no-libtpu message is tested everywhere,
 with libtpu hidden from the process."""
 
+import fcntl
 import importlib.util
 import os
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import pytest
 from support import DEMO_CONFIG, ROOT
 
+from lclm import tpu_attached
 from lclm.aot import compile_step, target_devices, tpu_target
 from lclm.config import load_config
 from lclm.errors import ConfigError
@@ -126,3 +128,53 @@ def test_the_planner_is_within_15_percent_of_xla():
     xla = compile_step(config, target_devices(target)).total
     planned = estimate(config, target.devices, "tpu-v5e").total
     assert abs(planned - xla) / xla < 0.15, (planned / 2**30, xla / 2**30)
+
+
+LIBTPU_LOCK = "/tmp/libtpu_lockfile"
+
+
+def _lock_is_held() -> bool:
+    """Whether a process holds libtpu's lock (a POSIX lock on its file; a lock this test
+    process took is dropped again with the file's closing)."""
+    try:
+        fd = os.open(LIBTPU_LOCK, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.skipif(tpu_attached(), reason="on a TPU VM libtpu's lock guards the chips")
+def test_compile_while_another_process_holds_libtpus_lock():
+    """A plain JAX process on a machine with libtpu and no TPU starts libtpu, which takes
+    its machine-wide lock; a compile beside it needs no lock and prints nothing of libtpu's.
+    Neither process gets the test session's ALLOW_MULTIPLE_LIBTPU_LOAD or JAX_PLATFORMS."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD", "XLA_FLAGS", "NPROC")
+           and not k.startswith("TPU_")}
+    hold = ("import time, jax; jax.devices(); print('holding', flush=True); time.sleep(300)")
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+        if not _lock_is_held():
+            pytest.skip(f"this libtpu took no lock ({LIBTPU_LOCK})")
+        done = subprocess.run(
+            [sys.executable, "-m", "lclm.plan", "--config", DEMO_CONFIG, "--compile", "v5e-1",
+             "--config.mesh.sp=1", "--config.mesh.fsdp=1", "--config.model.n_layers=1",
+             "--config.data.seq_len=128", "--config.data.batch_size=1"],
+            capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done.returncode == 0, done.stderr[-2000:]
+    noise = ("host bounds", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "libtpu")
+    assert [line for line in done.stderr.splitlines() if any(n in line for n in noise)] == []
+    assert [line for line in done.stdout.splitlines() if line.startswith("| 0 | 128 |")]
