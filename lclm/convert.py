@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import sys
 
 import jax
@@ -31,12 +30,22 @@ from lclm.checkpoint import Checkpoints, path_problem, read_config, read_params
 from lclm.cli import run_cli
 from lclm.config import LlamaConfig, base_config
 from lclm.config.secrets import public_config
+from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
+from lclm.files import output_problem
 from lclm.models.llama import param_count, param_shapes
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirLock
+from lclm.train.resume import CONVERTED_FROM, tokenizer_fingerprint
 from lclm.train.state import TrainState, param_shardings, state_shardings
 from lclm.train.step import make_optimizer
+from lclm.train.workdirs import (
+    checkpointed_stages,
+    object_store_problem,
+    saved_steps,
+    stage_dirs,
+    workdir_to_read,
+)
 
 
 def _local_mesh():
@@ -45,56 +54,88 @@ def _local_mesh():
     return make_mesh(fsdp=-1, devices=jax.local_devices())
 
 
-def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
-    problem = path_problem(os.path.abspath(workdir))
-    if problem:
-        raise StartupError(f"--to-checkpoint {workdir!r} {problem}")
-    config = base_config()
-    optimizer = make_optimizer(config.train)
-    model = hf.read_config(hf_dir)
-    where = state_shardings(model, optimizer, _local_mesh())
-    # first: a directory it refuses leaves no workdir behind; each device reads its block
-    model, params = hf.load(hf_dir, shardings=where.params)
-    config.model.update({k: v for k, v in vars(model).items() if k in config.model})
-    for name in ("tokenizer.model", "tokenizer.json"):  # what an export of it copies back
+def _converted_tokenizer(hf_dir: str) -> tuple[str, str | None]:
+    """(the tokenizer of `hf_dir` that an export of the checkpoint copies back, or "" where
+    it holds none; its fingerprint, which a run from the checkpoint compares its own with)."""
+    for name in ("tokenizer.model", "tokenizer.json"):
         if os.path.isfile(os.path.join(hf_dir, name)):
             path = os.path.abspath(hf_dir if name == "tokenizer.json" else
                                    os.path.join(hf_dir, name))
-            config.data.tokenizer = path
-            break
-    opt_state = jax.jit(optimizer.init, out_shardings=where.opt_state)(params)
-    state = TrainState(jnp.zeros((), jnp.int32), params, opt_state)
-    os.makedirs(workdir, exist_ok=True)
-    lock = WorkdirLock(workdir, config.workdir_lease_minutes)  # as training does
-    lock.acquire()
+            try:
+                return path, tokenizer_fingerprint(Tokenizer(path))
+            except (OSError, ValueError) as e:   # the weights still convert; say what is lost
+                print(f"warning: {e}; a run from this checkpoint cannot be checked to use the "
+                      "same tokenizer", file=sys.stderr)
+                return path, None
+    return "", None
+
+
+def _check_checkpoint_target(workdir: str) -> None:
+    """Refuse, before anything is read or written, a `--to-checkpoint` directory that cannot
+    take a converted step 0 as a run's only checkpoint."""
+    problem = output_problem(workdir) or path_problem(os.path.abspath(workdir))
+    if problem:
+        raise StartupError(f"--to-checkpoint {workdir!r} {problem}")
+    stages = stage_dirs(workdir)
+    if stages:   # the stages train and export from their own directories, not from step 0
+        raise StartupError(
+            f"--to-checkpoint {workdir!r} is a staged run's directory (it holds "
+            f"{', '.join(os.path.basename(s) for s in stages)}), whose stages are runs of "
+            "their own that never read a step 0 beside them; convert into a new directory")
+    steps = saved_steps(workdir)
+    if steps:
+        _refuse_held(workdir, steps[-1])
+
+
+def _refuse_held(workdir: str, step: int) -> None:
+    # step 0 beside a run's: retention would delete older steps, training would resume them
+    raise StartupError(f"--to-checkpoint {workdir!r} already holds a run's checkpoints (latest "
+                       f"step {step}); convert into a new directory")
+
+
+def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
+    """Write the weights of HuggingFace directory `hf_dir` as step 0 of a run in `workdir`,
+    with a fresh optimizer state. The saved config records the conversion (`identity`: the
+    source and the fingerprint of its tokenizer), so that a run with its own config trains
+    from it (lclm.train.resume compares only what the weights fix)."""
+    _check_checkpoint_target(workdir)
+    config = base_config()
+    lock = None
+    if os.path.isdir(workdir):   # a live run there refuses the conversion before any reading
+        lock = WorkdirLock(workdir, config.workdir_lease_minutes)
+        lock.acquire()
     try:
+        optimizer = make_optimizer(config.train)
+        model = hf.read_config(hf_dir)
+        where = state_shardings(model, optimizer, _local_mesh())
+        # before the workdir is made: a directory it refuses leaves no workdir behind; each
+        # device reads its block
+        model, params = hf.load(hf_dir, shardings=where.params)
+        config.model.update({k: v for k, v in vars(model).items() if k in config.model})
+        config.data.tokenizer, fingerprint = _converted_tokenizer(hf_dir)
+        identity = {CONVERTED_FROM: os.path.abspath(hf_dir)}
+        if fingerprint:
+            identity["tokenizer"] = fingerprint
+        opt_state = jax.jit(optimizer.init, out_shardings=where.opt_state)(params)
+        state = TrainState(jnp.zeros((), jnp.int32), params, opt_state)
+        if lock is None:
+            os.makedirs(workdir, exist_ok=True)
+            lock = WorkdirLock(workdir, config.workdir_lease_minutes)  # as training does
+            lock.acquire()
         checkpoints = Checkpoints(workdir, every=0, keep=3)
         try:
             held = checkpoints.latest_step()
-            if held is not None:  # step 0 beside a run's: retention would delete older steps
-                raise StartupError(f"{workdir!r} already holds a run's checkpoints (latest "
-                                   f"step {held}); convert into a new directory")
-            checkpoints.save(0, state, None, public_config(config))
+            if held is not None:   # saved while the weights were read
+                _refuse_held(workdir, held)
+            checkpoints.save(0, state, None, dict(public_config(config), identity=identity))
         finally:
             checkpoints.close()
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
     print(f"converted {hf_dir} to {checkpoints.directory} step 0 "
           f"({param_count(model):,} parameters)")
     return 0
-
-
-_STAGE_DIR = re.compile(r"stage(\d+)_(\d+)")
-
-
-def _stage_workdirs(workdir: str) -> list:
-    """The stage workdirs of a staged run's `workdir` that hold a checkpoint, in stage order."""
-    if os.path.isdir(os.path.join(workdir, "checkpoints")) or not os.path.isdir(workdir):
-        return []
-    stages = sorted((int(m.group(1)), name) for name in os.listdir(workdir)
-                    if (m := _STAGE_DIR.fullmatch(name))
-                    and os.path.isdir(os.path.join(workdir, name, "checkpoints")))
-    return [os.path.join(workdir, name) for _, name in stages]
 
 
 def _dataclass_fields(cls, values: dict) -> dict:
@@ -107,14 +148,18 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None) ->
     stage with a checkpoint) to `hf_dir`: weights, a config.json that states what was trained
     (the source's token ids, the RoPE theta and scaling trained with, max positions covering
     the longest sequence trained) and the tokenizer. Only the parameters are read."""
-    stages = _stage_workdirs(workdir)
+    problem = output_problem(hf_dir)
+    if problem:
+        raise StartupError(f"--to-hf {hf_dir!r} {problem}")
+    read = workdir_to_read(workdir, "--from-checkpoint")
+    stages = checkpointed_stages(workdir) if read != workdir else []
     seq_lens = []
     for stage in stages:  # every stage up to the exported one trained its sequence length
         seq_lens.append(read_config(stage)[1].get("data", {}).get("seq_len", 0))
     if stages:
         print(f"{workdir}: staged run; exporting its last stage with a checkpoint, "
-              f"{os.path.basename(stages[-1])}")
-        workdir = stages[-1]
+              f"{os.path.basename(read)}")
+        workdir = read
     step, saved = read_config(workdir)
     model = LlamaConfig(**_dataclass_fields(LlamaConfig, saved["model"]))
     # step 0 (`--to-checkpoint`'s) has trained nothing: only the source's positions count
@@ -186,6 +231,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def body():
+        for flag, path in (("--from-hf", args.from_hf), ("--tokenizer", args.tokenizer)):
+            problem = path and object_store_problem(path)
+            if problem:
+                raise StartupError(f"{flag} {path!r} {problem}")
         if args.from_hf and args.to_checkpoint:
             return hf_to_checkpoint(args.from_hf, args.to_checkpoint)
         if args.from_checkpoint and args.to_hf:

@@ -6,9 +6,11 @@
     python -m lclm.generate --hf HF_DIR --prompt "..." --sp 4
 
 The model is loaded as the line-retrieval eval loads it (`lclm.eval.model`): the latest (or
-`--step`) parameters of a training workdir with its saved config, tokenizer (`data.tokenizer`
-unless `--tokenizer`) and mesh (`--dp/--fsdp/--tp/--sp` override a size), or a HuggingFace
-LLaMA directory. The prompt is tokenised as training tokenises a document (BOS first where
+`--step`) parameters of a training workdir (a staged run's directory: its last stage with a
+checkpoint, as `lclm.convert --to-hf` exports) with its saved config, tokenizer
+(`data.tokenizer` unless `--tokenizer`) and mesh (`--dp/--fsdp/--tp/--sp` override a size;
+a machine with fewer devices than the training mesh needs them), or a HuggingFace LLaMA
+directory. The prompt is tokenised as training tokenises a document (BOS first where
 the tokenizer adds one), prefilled with the run's ring attention on that mesh and decoded
 with a KV cache (`lclm.eval.decode`): greedily with `--temperature 0` (the default), else
 drawn from the softmax at that temperature, cut to `--top-k` tokens and the `--top-p`
@@ -33,6 +35,7 @@ from lclm.cli import run_cli
 from lclm.errors import StartupError
 from lclm.eval.decode import Pick, generate, greedy, pad_front, padded_length, sampler
 from lclm.eval.model import Model, add_model_arguments, answer_text, load_model
+from lclm.train.resume import CONVERTED_FROM
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +48,9 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
 
 def max_positions(model: Model, saved: dict | None) -> int:
     """Positions the model was made for: its max_position_embeddings, or the data.seq_len of
-    a checkpoint's run where that is longer."""
-    trained = saved["data"]["seq_len"] if saved else 0
+    a checkpoint's run where that is longer (a converted checkpoint has trained nothing)."""
+    converted = saved is not None and CONVERTED_FROM in saved.get("identity", {})
+    trained = saved["data"]["seq_len"] if saved and not converted else 0
     return max(model.config.max_position_embeddings, trained)
 
 

@@ -1,6 +1,8 @@
 """lclm.generate: a prompt's continuation from a checkpoint, greedy (the argmax of the full
 forward, recomputed here without a cache) or sampled (the same tokens for the same seed)."""
 
+import dataclasses
+import os
 import shutil
 
 import jax
@@ -106,3 +108,28 @@ def test_a_step_or_prompt_the_checkpoint_lacks_is_one_line(run, capsys, flags, n
     assert generate.main(["--checkpoint", run[0], "--prompt", PROMPT, *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+
+
+def test_a_converted_checkpoint_is_made_for_its_models_positions(tmp_path, capsys):
+    """A converted step 0 has trained nothing: its saved data.seq_len (the defaults' 2048) does
+    not stretch the 16 positions its model was made for."""
+    short = dataclasses.replace(MODEL, max_position_embeddings=16)
+    hf.save(str(tmp_path / "hf"), short, init_params(short, jax.random.key(0)))
+    shutil.copy(DEMO_TOKENIZER, tmp_path / "hf" / "tokenizer.model")
+    hf_to_checkpoint(str(tmp_path / "hf"), str(tmp_path / "run"))
+    capsys.readouterr()
+    assert generate.main(["--checkpoint", str(tmp_path / "run"), "--prompt", PROMPT,
+                          "--max-new-tokens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: the prompt's 11 tokens and --max-new-tokens=8 pass the model's 16 "
+                   "positions; shorten the prompt or decode fewer tokens\n"), err
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint", "--hf"])
+def test_an_object_store_model_is_one_line(tmp_path, monkeypatch, capsys, flag):
+    monkeypatch.chdir(tmp_path)
+    assert generate.main([flag, "gs://bucket/model", "--prompt", PROMPT]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {flag} 'gs://bucket/model' is on object storage (gs://), which "
+                   "lclm cannot read yet; copy it to a local or mounted path (e.g. gcsfuse)\n")
+    assert os.listdir(tmp_path) == []

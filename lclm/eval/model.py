@@ -20,12 +20,14 @@ from lclm import hf
 from lclm.checkpoint import read_config, read_params
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.tokenizer import Tokenizer
+from lclm.errors import StartupError
 from lclm.models.llama import param_shapes
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.layout import LAYOUTS
 from lclm.parallel.devices import request_cpu_devices
 from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
 from lclm.train.state import param_shardings
+from lclm.train.workdirs import object_store_problem, workdir_to_read
 
 MESH_AXES = ("dp", "fsdp", "tp", "sp")
 
@@ -45,7 +47,8 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     """--checkpoint WORKDIR | --hf HF_DIR (one required), --step, --tokenizer, the mesh sizes
     and the attention layout and chunks (default: the checkpoint's)."""
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="an lclm training workdir")
+    src.add_argument("--checkpoint", help="an lclm training workdir (a staged run's: its last "
+                                          "stage with a checkpoint)")
     src.add_argument("--hf", help="a HuggingFace LLaMA directory (safetensors)")
     ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     ap.add_argument("--tokenizer", help="SentencePiece .model, tokenizer.json or a directory "
@@ -65,9 +68,12 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
 def load_model(args) -> tuple[Model, dict | None]:
     """(the Model the flags of `add_model_arguments` name, the checkpoint's saved config or
     None for --hf). Call before JAX starts: the mesh's devices are simulated on a CPU."""
-    request_cpu_devices(_requested_devices(args))  # no effect once JAX has started
-    if args.checkpoint:
-        return load_checkpoint(args)
+    if args.hf and object_store_problem(args.hf):
+        raise StartupError(f"--hf {args.hf!r} {object_store_problem(args.hf)}")
+    workdir = workdir_to_read(args.checkpoint) if args.checkpoint else None
+    request_cpu_devices(_requested_devices(args, workdir))  # no effect once JAX has started
+    if workdir:
+        return load_checkpoint(args, workdir)
     return load_hf(args), None
 
 
@@ -87,18 +93,18 @@ def _dataclass_fields(cls, values: dict) -> dict:
     return {k: v for k, v in values.items() if k in names}
 
 
-def load_checkpoint(args) -> tuple[Model, dict]:
-    """The model of an lclm workdir; returns (Model, the saved config)."""
-
-    step, saved = read_config(args.checkpoint, args.step)
+def load_checkpoint(args, workdir: str) -> tuple[Model, dict]:
+    """The model of the lclm run in `workdir` (what `lclm.train.workdirs.workdir_to_read`
+    finds for `--checkpoint`); returns (Model, the saved config)."""
+    step, saved = read_config(workdir, args.step)
     model_config = LlamaConfig(**_dataclass_fields(LlamaConfig, saved["model"]))
     attention = _attention(AttentionConfig(**_dataclass_fields(AttentionConfig,
                                                                saved["attention"])), args)
-    mesh = make_mesh(**_mesh_sizes(saved.get("mesh", {}), args))
+    name = f"{os.path.basename(os.path.abspath(workdir))} step {step}"
+    mesh = make_mesh(**_mesh_sizes(saved.get("mesh", {}), args, name))
     tokenizer = Tokenizer(args.tokenizer or saved["data"]["tokenizer"])
     tokenizer.check_fits(model_config.vocab_size)
-    params = restore_params(args.checkpoint, step, model_config, mesh)
-    name = f"{os.path.basename(os.path.abspath(args.checkpoint))} step {step}"
+    params = restore_params(workdir, step, model_config, mesh)
     return Model(model_config, attention, params, mesh, tokenizer, name), saved
 
 
@@ -109,7 +115,7 @@ def load_hf(args) -> Model:
     model_config = hf.read_config(args.hf)
     tokenizer = Tokenizer(args.tokenizer or args.hf)
     tokenizer.check_fits(model_config.vocab_size)
-    mesh = make_mesh(**_mesh_sizes({}, args))
+    mesh = make_mesh(**_mesh_sizes({}, args, None))
     # each device reads its own block of the weights: the model is never whole on one
     model_config, params = hf.load(args.hf, shardings=param_shardings(model_config, mesh))
     attention = _attention(AttentionConfig(), args)
@@ -125,11 +131,28 @@ def answer_text(tokenizer, ids) -> str:
     return tokenizer.decode(ids)
 
 
-def _mesh_sizes(saved_mesh: dict, args) -> dict:
-    """Saved mesh sizes with the flags' overrides, -1 resolved against the devices."""
+def _mesh_sizes(saved_mesh: dict, args, name: str | None) -> dict:
+    """Saved mesh sizes (of checkpoint `name`; None: 1 each) with the flags' overrides, -1
+    resolved against the devices; a mesh that cannot be made is one line naming the flags
+    that change it (the saved mesh is only a default: parameters load onto any mesh)."""
     sizes = {a: int(saved_mesh.get(a, 1)) for a in MESH_AXES}
-    sizes.update({a: getattr(args, a) for a in MESH_AXES if getattr(args, a) is not None})
-    return resolve_mesh_shape(**sizes, device_count=len(jax.devices()))
+    flags = {a: getattr(args, a) for a in MESH_AXES if getattr(args, a) is not None}
+    sizes.update(flags)
+    count = len(jax.devices())
+    origin = " with ".join(part for part in (
+        f"{name}'s training mesh" if name else "",
+        " ".join(f"--{a} {v}" for a, v in flags.items())) if part)
+    one = " ".join(f"--{a} 1" for a in MESH_AXES if sizes[a] != 1)
+    fix = (f"pass --dp/--fsdp/--tp/--sp sizes whose product is at most {count} (e.g. {one}); "
+           "the parameters load onto any mesh")
+    need = math.prod(sizes.values())
+    if -1 not in sizes.values() and need > count:
+        raise StartupError(f"the mesh {sizes} ({origin}) needs {need} devices but this machine "
+                           f"has {count}; {fix}")
+    try:
+        return resolve_mesh_shape(**sizes, device_count=count)
+    except ValueError as e:
+        raise StartupError(f"{e} ({origin}); {fix}") from None
 
 
 def _attention(attention, args):
@@ -138,12 +161,13 @@ def _attention(attention, args):
     return dataclasses.replace(attention, **changes)
 
 
-def _requested_devices(args) -> int:
+def _requested_devices(args, workdir: str | None) -> int:
     """Devices the mesh will need, read before JAX starts (simulated on a CPU): the flags,
-    else the run's `config.json` next to its checkpoints; -1 counts as 1."""
+    else the `config.json` of the run in `workdir` (the one whose checkpoint is read, not a
+    staged run's directory); -1 counts as 1."""
     saved = {}
-    if args.checkpoint and os.path.isfile(os.path.join(args.checkpoint, "config.json")):
-        with open(os.path.join(args.checkpoint, "config.json")) as f:
+    if workdir and os.path.isfile(os.path.join(workdir, "config.json")):
+        with open(os.path.join(workdir, "config.json")) as f:
             saved = json.load(f).get("mesh", {})
     sizes = [getattr(args, a) if getattr(args, a) is not None else saved.get(a, 1)
              for a in MESH_AXES]

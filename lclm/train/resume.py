@@ -9,6 +9,15 @@ with one line naming them, unless `checkpoint.allow_changed` lists them (comma-s
 keys), in which case the change is logged, and a changed data-order field restarts the data
 pipeline from the start of the new order (the saved position means nothing in another order).
 
+A checkpoint that `lclm.convert --to-checkpoint` wrote (step 0, its config's `identity` names
+the HuggingFace directory it came from) holds weights, not a training config: a run with its
+own config trains from it when the config describes the same model (`WEIGHT_KEYS`, the fields
+a source model fixes, as `model.init_from_hf` takes them) and the same tokenizer (compared by
+what it does); RoPE theta and scaling and the parameter dtype are the run's (logged), as with
+`init_from_hf`, but `rope_scaling='auto'`, which follows `init_from_hf` only, may not drop the
+weights' scaling; everything else, the data order among it, is the run's and the data
+pipeline starts at its beginning.
+
 Every config key has exactly one class here (a test holds `CLASSES` to `base_config()`); keys
 a checkpoint's config lacks (written by an older lclm) are not compared.
 """
@@ -21,6 +30,7 @@ import logging
 
 from lclm.config.files import field
 from lclm.errors import ConfigError
+from lclm.hf.config import SCALING_FIELDS, SOURCE_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +58,14 @@ _MODEL = (
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor",
     "model.rope_high_freq_factor", "model.rope_original_max_positions",
     "data.document_mask", "data.reset_positions")
+
+# `identity` of a converted checkpoint: the HuggingFace directory its weights came from
+CONVERTED_FROM = "converted_from"
+# what converted weights fix (shapes, and what an export states again); the RoPE fields and
+# param_dtype are the run's, as `model.init_from_hf` makes them
+WEIGHT_KEYS = tuple(f"model.{name}" for name in SOURCE_FIELDS)
+_RUNS_OWN = ("model.rope_theta", "model.param_dtype",
+             *(f"model.{name}" for name in SCALING_FIELDS))
 
 CLASSES = {key: cls for keys, cls in ((_FREE, FREE), (_SCHEDULE, SCHEDULE),
                                       (_DATA_ORDER, DATA_ORDER), (_MODEL, MODEL))
@@ -106,7 +124,9 @@ def allowed_keys(config) -> set[str]:
 def check_resume(saved: dict, current: dict, allowed: set[str], step: int) -> bool:
     """Refuse (ConfigError, one line) a resume whose config changes a model or data-order key
     that `allowed` does not list; log every change. Returns whether the data pipeline must
-    start afresh (an allowed data-order change)."""
+    start afresh (an allowed data-order change, or a converted checkpoint)."""
+    if _value(saved, f"identity.{CONVERTED_FROM}") is not _MISSING:
+        return _check_converted(saved, current, allowed, step)
     differing = changes(saved, current)
     refused = [k for k, _ in differing.items() if CLASSES[k] in (MODEL, DATA_ORDER)
                and k not in allowed]
@@ -131,3 +151,42 @@ def check_resume(saved: dict, current: dict, allowed: set[str], step: int) -> bo
                         key, new, old, "; the data order restarts from its beginning"
                         if cls == DATA_ORDER else "")
     return restart_data
+
+
+def _check_converted(saved: dict, current: dict, allowed: set[str], step: int) -> bool:
+    """`check_resume` of a checkpoint that `lclm.convert --to-checkpoint` wrote: refuse a
+    config that describes another model or tokenizer; the rest is the run's. Returns True:
+    the data order starts at its beginning."""
+    source = _value(saved, f"identity.{CONVERTED_FROM}")
+    differing = {k: v for k, v in changes(saved, current).items()
+                 if k in WEIGHT_KEYS or k in _RUNS_OWN}
+    refused = [k for k in differing if k in WEIGHT_KEYS]
+    old_fp = _value(saved, "identity.tokenizer")
+    new_fp = _value(current, "identity.tokenizer")
+    if old_fp is not _MISSING and new_fp is not _MISSING and old_fp != new_fp:
+        differing["data.tokenizer"] = (f"{_value(saved, 'data.tokenizer')} ({old_fp})",
+                                       f"{_value(current, 'data.tokenizer')} ({new_fp})")
+        refused.append("data.tokenizer")
+    scaling, new_scaling = _value(saved, "model.rope_scaling"), _value(current,
+                                                                       "model.rope_scaling")
+    if new_scaling == "auto" and scaling not in ("none", _MISSING):
+        # 'auto' takes a scaling from model.init_from_hf alone: here it would drop this one
+        differing["model.rope_scaling"] = (scaling, "auto (none without init_from_hf)")
+        refused.append("model.rope_scaling")
+    elif new_scaling in ("auto", "none") and scaling in ("none", _MISSING):
+        for key in ("model.rope_scaling", *(f"model.{name}" for name in SCALING_FIELDS)):
+            differing.pop(key, None)   # no scaling either way: its factors apply to nothing
+    refused = [k for k in refused if k not in allowed]
+    if refused:
+        listed = "; ".join(f"{k} {differing[k][0]!r} -> {differing[k][1]!r}" for k in refused)
+        raise ConfigError(
+            f"the checkpoint (step {step}) holds the weights converted from {source}, which "
+            f"the config does not describe: {listed}; set these to the converted model's "
+            "values (shapes must match; --config.checkpoint.allow_changed="
+            f"{','.join(refused)} applies the config's value of any other)")
+    for key, (old, new) in differing.items():
+        log.info("training the weights converted from %s with %s %r (theirs: %r)", source,
+                 key, new, old)
+    log.info("starting from the weights converted from %s (step %d): the run's data, schedule "
+             "and layout apply, the data order from its beginning", source, step)
+    return True

@@ -33,8 +33,11 @@ def test_every_config_key_has_one_class():
 def _saved(**changes):
     config = base_config()
     for key, value in changes.items():
-        section, name = key.split(".")
-        config[section][name] = value
+        *sections, name = key.split(".")
+        node = config
+        for section in sections:
+            node = node[section]
+        node[name] = value
     return dict(config.to_dict(), identity=dict(tokenizer="aaaa"))
 
 
@@ -121,3 +124,56 @@ def test_an_unknown_allowed_key_fails_at_start(tmp_path):
     with pytest.raises(ConfigError, match="batch_sise"):
         train(config)
     assert not (tmp_path / "run").exists()
+
+
+def _converted(**changes):
+    """The config `lclm.convert --to-checkpoint` saves with step 0: the defaults, the source's
+    model fields and a record of the conversion."""
+    saved = _saved(**changes)
+    saved["identity"].update(converted_from="/models/llama-hf")
+    return saved
+
+
+def test_a_converted_checkpoint_compares_only_what_its_weights_fix(caplog):
+    saved = _converted(**{"model.dim": 128, "model.rope_scaling": "none"})
+    # the run's own data, sequence length, schedule, mesh, RoPE theta and param dtype
+    run = _saved(**{"model.dim": 128, "data.path": "corpus.jsonl", "data.seq_len": 512,
+                    "data.tokenizer": "elsewhere/tokenizer.model", "seed": 3,
+                    "train.steps": 50, "mesh.sp": 4, "model.rope_theta": 5e5,
+                    "model.param_dtype": "bfloat16", "model.rope_scaling": "auto"})
+    with caplog.at_level(logging.INFO):
+        assert resume.check_resume(saved, run, set(), 0) is True   # the data order starts anew
+    assert "with model.rope_theta 500000.0 (theirs: 10000.0)" in caplog.text
+    assert "rope_scaling" not in caplog.text   # 'auto' is no scaling here, as in the source
+    assert "data.seq_len" not in caplog.text and "mesh.sp" not in caplog.text
+
+    # another shape, or another tokenizer (by content): one line naming each
+    other = _saved(**{"model.dim": 64, "model.n_kv_heads": 4})
+    other["identity"]["tokenizer"] = "bbbb"
+    with pytest.raises(ConfigError) as e:
+        resume.check_resume(saved, other, set(), 0)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("the checkpoint (step 0) holds the weights converted from "
+                              "/models/llama-hf, which the config does not describe: model.dim "
+                              "128 -> 64; model.n_kv_heads 2 -> 4; data.tokenizer ")
+    assert "(aaaa)' -> " in message and "(bbbb)'" in message
+    # a tokenizer of the same content at another path is the same tokenizer
+    same = _saved(**{"model.dim": 128, "data.tokenizer": "moved/tokenizer.model"})
+    assert resume.check_resume(saved, same, set(), 0) is True
+    # with the tokenizer's change allowed, only the shapes are refused
+    with pytest.raises(ConfigError, match=r"describe: model.dim 128 -> 64; model.n_kv_heads "
+                                          r"2 -> 4; set these"):
+        resume.check_resume(saved, other, {"data.tokenizer"}, 0)
+
+
+def test_auto_rope_scaling_does_not_drop_the_converted_weights_scaling():
+    saved = _converted(**{"model.rope_scaling": "llama3", "model.rope_factor": 32.0})
+    with pytest.raises(ConfigError, match="model.rope_scaling 'llama3' -> 'auto "
+                                          r"\(none without init_from_hf\)'"):
+        resume.check_resume(saved, _saved(**{"model.rope_scaling": "auto"}), set(), 0)
+    # a scaling named by the run applies over the weights, as with model.init_from_hf
+    named = _saved(**{"model.rope_scaling": "llama3", "model.rope_factor": 8.0})
+    assert resume.check_resume(saved, named, set(), 0) is True
+    dropped = _saved(**{"model.rope_scaling": "none"})
+    assert resume.check_resume(saved, dropped, set(), 0) is True
