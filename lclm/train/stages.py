@@ -72,6 +72,13 @@ def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
     if config.model.init_from_hf:
         apply_hf_shapes(config)  # every stage validates against the real model shape
     configs = validate_stages(config, len(jax.devices()))
+    single = _saved_step(config.workdir)
+    if single is not None:   # the stages would be written beside it and never read it
+        raise ConfigError(
+            f"workdir={config.workdir!r} holds the checkpoints of a single run or a conversion "
+            f"(step {single}), which a staged run would not read (its stages live in "
+            f"stage<i>_<seq_len> subdirectories); use a new workdir with "
+            f"model.init_from_checkpoint={config.workdir!r}")
     results: list[list[dict]] = []
     sent_back: set[int] = set()   # stages already resumed for a damaged final checkpoint
     i = 0

@@ -13,6 +13,7 @@ from lclm import hf
 from lclm.checkpoint import Checkpoints
 from lclm.config import LlamaConfig, load_config
 from lclm.config.stages import stage_configs
+from lclm.errors import ConfigError
 from lclm.models.llama import init_params
 from lclm.parallel import make_mesh
 from lclm.train.loop import train
@@ -113,3 +114,17 @@ def test_interrupted_staged_run_resumes_to_the_same_weights(tmp_path, caplog):
                                    "checkpoint (step 3) cannot be read (")
     assert "\n" not in str(e.value)
     assert not os.path.exists(os.path.join(stage1, "checkpoints_damaged"))
+
+
+def test_a_staged_run_refuses_a_workdir_that_holds_a_single_runs_checkpoints(tmp_path):
+    hf_dir, _ = _tiny_hf(tmp_path)
+    c = _recipe(tmp_path, "run", hf_dir)
+    single = Checkpoints(c.workdir, every=0, keep=1)   # a plain run's (or a conversion's) step
+    model = LlamaConfig.from_config(stage_configs(c)[0].model)
+    state = init_state(model, make_optimizer(c.train), make_mesh(), seed=0)
+    single.save(0, state, None, {})
+    single.close()
+    with pytest.raises(ConfigError, match=r"holds the checkpoints of a single run or a "
+                       r"conversion \(step 0\).*model\.init_from_checkpoint="):
+        run_stages(c)
+    assert sorted(os.listdir(c.workdir)) == ["checkpoints"]   # no stage written beside it
