@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of the train step for a TPU slice, on a machine without a TPU.
+"""Ahead-of-time compilation of the train step for a TPU slice or GPUs, on a machine without them.
 
 With libtpu installed (`pip install 'lclm[tpu]'`), `jax.experimental.topologies` describes a
 TPU slice's devices with no TPU present; lowering the step that train.py runs with abstract
@@ -10,11 +10,23 @@ rented pod.
 Slice names follow Cloud TPU's: `<generation>-<TensorCores>` for v4 and v5p (two
 TensorCores per chip, used as one megacore device: v4-64 is 32 chips), `<generation>-<chips>`
 for v5e and v6e (one TensorCore per chip).
+
+GPUs the same way (`pip install 'lclm[gpu-aot]'`: the CUDA plugin and ptxas, no GPU): XLA:GPU
+compiles for GPUs that are described rather than attached. `h100:8` is one node of 8 H100s,
+`h100:4x8` four nodes of 8 (also `h200:...`, `a100:...`, the 80 GB parts); each model is
+described by a GpuTargetConfigProto shipped in `lclm/targets/` (SM count, shared memory, HBM,
+compute capability, CUDA and cuDNN versions; the sources of the numbers are named in each
+file). XLA:GPU does not fail a program that is over HBM, so the fit is decided here, against
+`gpu_budget` (see there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.resources
+import importlib.util
+import logging
 import math
 import os
 import re
@@ -28,6 +40,7 @@ from lclm import tpu_attached
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.loader import batch_sharding
 from lclm.errors import ConfigError
+from lclm.ops.kernels import compiling_for
 from lclm.parallel.mesh import make_mesh
 from lclm.train.setup import validate
 from lclm.train.state import init_state, state_shardings
@@ -42,17 +55,54 @@ GENERATIONS = {
 }
 
 
+# GPU model -> (the file in lclm/targets/ describing it, the planner's device name)
+GPUS = {"h100": ("h100.txtpb", "h100-nvlink"), "h200": ("h200.txtpb", "h200-nvlink"),
+        "a100": ("a100.txtpb", "a100-nvlink")}
+KNOWN = ("v4-N, v5p-N (TensorCores), v5e-N, v6e-N (chips); h100:N (N GPUs on one node), "
+         "h100:MxN (M nodes of N), h200:..., a100:... (80 GB)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
-    name: str           # e.g. "v4-64"
-    generation: str     # e.g. "v4"
-    topology: str       # e.g. "v4:2x4x4", what jax.experimental.topologies takes
+    name: str           # e.g. "v4-64", "h100:4x8"
+    generation: str     # e.g. "v4", "h100"
+    topology: str       # e.g. "v4:2x4x4", "1x4x8": what jax.experimental.topologies takes
     chip_config: str | None
-    devices: int        # JAX devices of the slice (chips)
+    devices: int        # JAX devices of the slice (chips) or GPUs in all
     hbm_bytes: int      # per device
     # chips per host where a slice is smaller than the default host of 2x2x1 chips (libtpu
     # refuses such a topology otherwise): the whole slice on one host
     host_bounds: tuple[int, ...] | None = None
+    platform: str = "tpu"   # "tpu" or "gpu"
+    nodes: int = 1          # GPU nodes (hosts)
+    config_text: str = ""   # GPUs: the GpuTargetConfigProto, text format
+
+    @property
+    def planner_device(self) -> str | None:
+        """The device of `lclm.plan.DEVICES` this target is (None: the planner has none)."""
+        if self.platform == "gpu":
+            return GPUS[self.generation][1]
+        return f"tpu-{self.generation}"
+
+
+def target(name: str) -> Target:
+    """A TPU slice (`v4-64`) or GPU topology (`h100:4x8`); anything else is a one-line
+    ConfigError listing the known names."""
+    key = name.strip().lower()
+    if key.split("-")[0] in GENERATIONS:
+        return tpu_target(key)
+    m = re.fullmatch(r"(\w+):(?:(\d+)x)?(\d+)", key)
+    if not m or m.group(1) not in GPUS:
+        raise ConfigError(f"--compile {name!r} is not a known target; name one of: {KNOWN}")
+    model, nodes, per_node = m.group(1), int(m.group(2) or 1), int(m.group(3))
+    if nodes < 1 or per_node < 1:
+        raise ConfigError(f"--compile {name!r}: at least one node of one GPU; name one of: "
+                          f"{KNOWN}")
+    text = (importlib.resources.files("lclm") / "targets" / GPUS[model][0]).read_text()
+    found = re.search(r"device_memory_size:\s*(\d+)", text)
+    assert found, GPUS[model][0]  # every shipped description has it (tests/test_gpu_aot.py)
+    return Target(name.strip(), model, f"1x{nodes}x{per_node}", None, nodes * per_node,
+                  int(found.group(1)), platform="gpu", nodes=nodes, config_text=text)
 
 
 def tpu_target(name: str) -> Target:
@@ -77,7 +127,10 @@ def tpu_target(name: str) -> Target:
 
 
 def target_devices(target: Target):
-    """The slice's devices as JAX describes them (no TPU needed; libtpu is)."""
+    """The target's devices as JAX describes them (no TPU or GPU needed; libtpu, or the CUDA
+    plugin, is)."""
+    if target.platform == "gpu":
+        return _gpu_devices(target)
     try:
         import libtpu  # noqa: F401  (only to say what is missing)
     except ImportError:
@@ -112,6 +165,78 @@ def _compiler_only_libtpu() -> None:
             os.environ.setdefault(name, value)
 
 
+def _cuda_plugin() -> str | None:
+    """The installed CUDA plugin's module (jax_plugins.xla_cuda12 or _cuda13), or None."""
+    for name in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except (ImportError, ValueError):
+            continue
+    return None
+
+
+def _gpu_devices(target: Target):
+    """Described GPUs: XLA:GPU's compiler runs on this machine; nothing touches a GPU."""
+    if _cuda_plugin() is None:
+        raise ConfigError(f"--compile {target.name} needs JAX's CUDA plugin and ptxas (it runs "
+                          "the GPU compiler on this machine): pip install 'lclm[gpu-aot]'")
+    # The plugin registers its compiler only when its CUDA check passes or is skipped; with no
+    # GPU the check fails (cuInit error) and the topology is "not implemented for cuda". JAX
+    # skips the check when only the CPU is asked for, which is all a compile needs here.
+    from jax._src import config as jax_config
+    from jax._src import xla_bridge
+
+    platforms = jax_config.jax_platforms.value
+    if not xla_bridge.backends_are_initialized() and platforms is None:
+        jax.config.update("jax_platforms", "cpu")
+    elif (platforms or "").split(",") != ["cpu"] and not _gpu_attached():
+        raise ConfigError(f"--compile {target.name} compiles for described GPUs, which needs "
+                          "JAX_PLATFORMS=cpu on a machine without one (JAX is set to "
+                          f"{platforms or 'its default platforms'} here)")
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=target.config_text,
+                                                topology=target.topology)
+    except Exception as e:  # noqa: BLE001  (one line, not the plugin's traceback)
+        raise ConfigError(f"--compile {target.name}: JAX's CUDA plugin could not describe the "
+                          f"GPUs ({str(e).splitlines()[0]})") from None
+    return list(topology.devices)
+
+
+def _gpu_attached() -> bool:
+    return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl"))
+
+
+# XLA:GPU compiles a program that is over HBM (its scheduler only logs it), so the fit is
+# decided against this budget: what JAX's allocator may take (XLA_PYTHON_CLIENT_MEM_FRACTION
+# of the memory, 0.75 by JAX's default, read here as the run would read it; at most HBM less
+# GPU_OUTSIDE_POOL, what lives outside the pool: the CUDA context (~0.5 GiB) and NCCL's
+# buffers (channels x peers x 4 MiB, 1-2 GiB on a 32-GPU mesh)), less GPU_ALLOWANCE inside it
+# for what memory_analysis does not count: cuBLAS/cuDNN workspaces (deviceless compiles size no
+# cuDNN plan and autotune no GEMM) and the allocator's fragmentation.
+GPU_OUTSIDE_POOL = 3 * 2**30
+GPU_ALLOWANCE = 2**30
+_JAX_DEFAULT_FRACTION = 0.75
+
+
+def gpu_budget(target: Target) -> tuple[int, str]:
+    """(bytes per GPU the step's program may take, how that was derived, one line)."""
+    raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    try:
+        fraction = float(raw) if raw else _JAX_DEFAULT_FRACTION
+    except ValueError:
+        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r} is not a number") from None
+    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
+        fraction = 1.0  # no pool: only what lives outside it is set aside
+    pool = min(fraction * target.hbm_bytes, target.hbm_bytes - GPU_OUTSIDE_POOL)
+    budget = int(pool - GPU_ALLOWANCE)
+    how = (f"{budget / 2**30:.2f} GiB: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction:g} of "
+           f"{target.hbm_bytes / 2**30:.2f} GiB (at most HBM - {GPU_OUTSIDE_POOL / 2**30:g} GiB "
+           f"for the CUDA context and NCCL), less {GPU_ALLOWANCE / 2**30:g} GiB for "
+           "workspaces and fragmentation")
+    return budget, how
+
+
 @dataclasses.dataclass
 class Compiled:
     seconds: float
@@ -119,8 +244,11 @@ class Compiled:
     temporaries: int
     outputs: int
     aliased: int     # donated arguments reused as outputs (counted once)
-    kernels: int     # fused-kernel custom calls (Mosaic) in the compiled program
+    kernels: int     # fused-kernel custom calls (Mosaic TPU or GPU, Triton) in the program
     callbacks: int   # host callbacks in it (a kernel left in interpret mode would be one)
+    conditionals: int = 0  # conditional ops (a host sync each on XLA:GPU), in the program text
+    collectives: int = 0   # collective ops in the program text (one in a loop body counts once)
+    host: int = 0          # host-memory bytes (remat='offload'), where XLA reports them
 
     @property
     def total(self) -> int:
@@ -148,15 +276,65 @@ def compile_step(config, devices) -> Compiled:
     step = jit_train_step(model, AttentionConfig.from_config(config.attention), config.train,
                           mesh, optimizer, where, document_mask=d.document_mask)
     started = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    gpu = devices[0].platform in ("gpu", "cuda", "rocm")
+    # The kernels are chosen and lowered for the target's devices, not the host's CPU:
+    # `compiling_for` tells impl='auto' and the kernels' limits what the GPU is (compute
+    # capability), and tokamax's ops look at the default device while they lower. Scoped to the
+    # lowering: a compile under another default device fails ("no attribute 'local_devices'").
+    where_ = jax.default_device(devices[0]) if gpu else contextlib.nullcontext()
+    absl = logging.getLogger("absl")
+    absl.addFilter(_no_autotuning_notes)
+    try:
+        with compiling_for(devices[0]), where_:
+            lowered = step.lower(state, batch)
+    finally:
+        absl.removeFilter(_no_autotuning_notes)
+    compiled = lowered.compile()
     seconds = time.perf_counter() - started
     memory, text = compiled.memory_analysis(), compiled.as_text()
     # None only from a backend that cannot say (jax's annotation); XLA's backends answer both
     assert memory is not None and text is not None
+    host = sum(getattr(memory, f"host_{k}_size_in_bytes", 0) or 0
+               for k in ("argument", "temp", "output"))
     return Compiled(seconds, memory.argument_size_in_bytes, memory.temp_size_in_bytes,
                     memory.output_size_in_bytes, memory.alias_size_in_bytes,
-                    text.count("tpu_custom_call"),
-                    len(re.findall(r'custom_call_target="[^"]*callback', text)))
+                    kernel_calls(text),
+                    len(re.findall(r'custom_call_target="[^"]*callback', text)),
+                    conditionals(text), sum(collectives(text).values()), host)
+
+
+def _no_autotuning_notes(record: logging.LogRecord) -> bool:
+    """tokamax warns once per kernel shape that it has no tuned config for the device: always
+    so with no GPU to tune on (its default config is compiled), so not worth a line each."""
+    return not str(record.msg).startswith("Autotuning cache miss")
+
+
+# custom-call targets of fused kernels: Mosaic TPU, Pallas-Triton, Mosaic GPU (tokamax)
+_KERNEL_TARGETS = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|'
+                             r'mosaic_gpu[^"]*)"')
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+                "all-to-all")
+
+
+def kernel_calls(text: str) -> int:
+    """Fused-kernel custom calls in a compiled program's text."""
+    return len(_KERNEL_TARGETS.findall(text))
+
+
+def conditionals(text: str) -> int:
+    """`conditional` ops in a compiled program's text (on XLA:GPU each copies its predicate to
+    the host and waits)."""
+    return len(re.findall(r"= \S+ conditional\(", text))
+
+
+def collectives(text: str) -> dict[str, int]:
+    """Collective ops per kind in a compiled program's text (async pairs count once)."""
+    counts = {}
+    for kind in _COLLECTIVES:
+        n = len(re.findall(rf"\s{kind}(?:-start)?\(", text))
+        if n:
+            counts[kind] = n
+    return counts
 
 
 def overflow(error: Exception) -> str | None:

@@ -14,11 +14,12 @@ analysis (and the measured peak after one step where the device reports it).
 
     python -m lclm.plan --config configs/llama7b_256k.py --compile v4-64
 
-`--compile SLICE` compiles every stage's train step for a TPU slice ahead of time, on this
-machine, with libtpu and no TPU (lclm.aot): compile time, XLA's per-device memory against the
-chip's HBM and the Mosaic kernels in the program, beside the planner's estimate. Exit 0 when
-every stage compiles and fits, 3 when one does not (one line per stage: what overflowed and
-what to change), 2 for a bad config or no libtpu.
+`--compile TARGET` compiles every stage's train step ahead of time, on this machine, for a TPU
+slice (libtpu, no TPU) or for GPUs (`h100:4x8`: JAX's CUDA plugin, no GPU; lclm.aot): compile
+time, XLA's per-device memory against the chip's HBM (GPUs: against `aot.gpu_budget`, HBM
+less what XLA does not count) and the fused kernels in the program, beside the planner's
+estimate. Exit 0 when every stage compiles and fits, 3 when one does not (one line per stage:
+what overflowed and what to change), 2 for a bad config or a missing compiler.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ DEVICES = {
 }
 _BYTES = {"float32": 4, "bfloat16": 2}
 _BACKWARD_F32 = 3  # float32 arrays the size of q (and of k) live in the attention backward
+# What XLA:GPU holds differently from XLA:TPU for the same step, fitted to lclm.aot's compiles
+# of the recipes for H100s (docs/scaling.md): the loss chunk's float32 logits once, not twice,
+# and no bulk cast of the weights to the compute dtype (XLA:GPU fuses the casts into the GEMMs)
+_GPU = {"backward_f32": _BACKWARD_F32, "loss_copies": 1, "weight_cast": False}
 
 
 @dataclasses.dataclass
@@ -122,9 +127,11 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
              + (0 if fused else
                 batch_local * heads_local * min(a.q_chunk, t) * min(a.kv_chunk, t) * 4 * 3)
              + batch_local * min(m.ffn_chunk, t) * (m.ffn_dim // tp) * cbytes * 3
-             + batch_local * t * 4 * _BACKWARD_F32 * (heads_local * m.head_dim + kv_local)
+             + batch_local * t * 4 * (_GPU["backward_f32"] if platform == "gpu" else _BACKWARD_F32)
+             * (heads_local * m.head_dim + kv_local)
              + (2 * batch_local * heads_local * t * 128 * 4 if platform == "tpu" else 0))
-    loss = batch_local * min(m.loss_chunk, t) * (m.vocab_size // tp) * 4 * 2
+    loss = (batch_local * min(m.loss_chunk, t) * (m.vocab_size // tp) * 4
+            * (_GPU["loss_copies"] if platform == "gpu" else 2))
     # measured, not derived: with every layer's residuals on the device XLA's peak holds both
     # working sets, with them offloaded it holds the larger (XLA:TPU, 7B stages on a v4-64)
     inside = max(layer, loss) if m.remat == "offload" else layer + loss
@@ -132,7 +139,8 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
         per_layer_saved = carry * 4 + inside
     elif m.remat not in ("full", "attention", "offload"):
         per_layer_saved = carry * 4
-    if m.dtype != m.param_dtype:  # XLA casts every local weight to the compute dtype at once
+    if m.dtype != m.param_dtype and (platform != "gpu" or _GPU["weight_cast"]):
+        # XLA casts every local weight to the compute dtype at once
         inside += local_params * cbytes
     if shard(table["embed"]) < m.vocab_size * m.dim:
         # sharded embeddings are gathered whole for the lookup and the head's matmul (compute
@@ -203,21 +211,34 @@ _FIXES = {"HBM": "shard more (mesh.fsdp/sp), lower data.batch_size, or model.rem
 
 
 def _compile_stages(config, args) -> int:
-    """`--compile SLICE`: every stage compiled for the slice; exit 0 if all fit, else 3."""
-    target = aot.tpu_target(args.compile)
+    """`--compile TARGET`: every stage compiled for a TPU slice or GPUs; exit 0 if all fit,
+    else 3."""
+    target = aot.target(args.compile)
     devices = aot.target_devices(target)
-    device = f"tpu-{target.generation}" if f"tpu-{target.generation}" in DEVICES else None
+    device = target.planner_device if target.planner_device in DEVICES else None
+    gpu = target.platform == "gpu"
+    budget, how = aot.gpu_budget(target) if gpu else (target.hbm_bytes, "")
 
     runs = stage_configs(config) if config.stages.schedule else [config]
-    print(f"{target.name}: {target.devices} devices ({target.topology}"
-          f"{', ' + target.chip_config if target.chip_config else ''}), "
-          f"{_gib(target.hbm_bytes)} GiB HBM each")
-    print("| stage | seq_len | compile s | arguments GiB | temporaries GiB | outputs GiB | "
-          "total GiB | HBM used | Mosaic kernels | planner GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    if gpu:
+        print(f"{target.name}: {target.devices} x {devices[0].device_kind} ({target.nodes} "
+              f"node(s) of {target.devices // target.nodes}), "
+              f"{_gib(target.hbm_bytes)} GiB HBM each; budget {how}")
+    else:
+        print(f"{target.name}: {target.devices} devices ({target.topology}"
+              f"{', ' + target.chip_config if target.chip_config else ''}), "
+              f"{_gib(target.hbm_bytes)} GiB HBM each")
+    kernels = "kernels" if gpu else "Mosaic kernels"
+    of = "budget" if gpu else "HBM"
+    print(f"| stage | seq_len | compile s | arguments GiB | temporaries GiB | outputs GiB | "
+          f"total GiB | {of} used | {kernels} | planner GiB | host GiB (planner) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     failed = []
     for i, c in enumerate(runs):
-        planned = estimate(c, target.devices, device).total
+        # the planner's kernel is the one the compile picks: both for the target's device
+        with aot.compiling_for(devices[0]):
+            plan = estimate(c, target.devices, device)
+        planned, host = plan.total, plan.host_activations
         try:
             r = aot.compile_step(c, devices)
         except StartupError:
@@ -229,15 +250,17 @@ def _compile_stages(config, args) -> int:
             failed.append(f"stage {i} (seq_len {c.data.seq_len:,}): {kind} overflow on "
                           f"{target.name}; {_FIXES[kind]}")
             print(f"| {i} | {c.data.seq_len:,} | - | - | - | - | {kind} overflow | - | - | "
-                  f"{_gib(planned)} |", flush=True)
+                  f"{_gib(planned)} | - |", flush=True)
             continue
-        used = r.total / target.hbm_bytes
+        used = r.total / budget
         if used > 1:
             failed.append(f"stage {i} (seq_len {c.data.seq_len:,}): {_gib(r.total)} GiB of "
-                          f"{_gib(target.hbm_bytes)} GiB HBM; {_FIXES['HBM']}")
+                          f"{_gib(budget)} GiB {'budget' if gpu else 'HBM'} on {target.name}; "
+                          f"{_FIXES['HBM']}")
+        host_cell = f"{_gib(r.host)} ({_gib(host)})" if r.host else f"- ({_gib(host)})"
         print(f"| {i} | {c.data.seq_len:,} | {r.seconds:,.0f} | {_gib(r.arguments)} | "
               f"{_gib(r.temporaries)} | {_gib(r.outputs)} | {_gib(r.total)} | {100 * used:.0f}% | "
-              f"{r.kernels} | {_gib(planned)} |", flush=True)
+              f"{r.kernels} | {_gib(planned)} | {host_cell} |", flush=True)
     for line in failed:
         print(f"error: {line}", file=sys.stderr)
     return 3 if failed else 0
@@ -294,11 +317,12 @@ def main(argv=None) -> int:
                          "between nodes its -ib link (default 8; TPU slices: one ICI)")
     ap.add_argument("--measure", action="store_true",
                     help="also compile (and run) one step on the local devices")
-    ap.add_argument("--compile", metavar="SLICE", default="",
-                    help="compile every stage for a TPU slice ahead of time (needs libtpu, no "
-                         "TPU): v4-N and v5p-N count TensorCores (2 per chip, one megacore "
-                         "device: v4-64 = 32 chips, topology v4:2x4x4), v5e-N and v6e-N count "
-                         "chips")
+    ap.add_argument("--compile", metavar="TARGET", default="",
+                    help="compile every stage ahead of time for a TPU slice (needs libtpu, no "
+                         "TPU: v4-N and v5p-N count TensorCores, 2 per chip, one megacore "
+                         "device: v4-64 = 32 chips, topology v4:2x4x4; v5e-N and v6e-N count "
+                         "chips) or GPUs (needs lclm[gpu-aot], no GPU: h100:N, N GPUs on one "
+                         "node; h100:MxN, M nodes of N; h200:..., a100:...)")
     logs.configure()
     return run_cli(lambda: _run(ap, argv))
 

@@ -14,6 +14,8 @@ package) unimported unless 'tokamax_gpu' is named or picked on a GPU.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 
 from lclm.ops.kernels import blockwise
@@ -35,6 +37,32 @@ AUTO = {"gpu": ("tokamax_gpu", "pallas_gpu", "blockwise"), "tpu": ("pallas_tpu",
 IMPLS = ("auto", *KERNELS)
 
 
+# The device programs are being built for, where that is not the host's own (`compiling_for`)
+_TARGET: contextvars.ContextVar = contextvars.ContextVar("lclm_kernel_target", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(device):
+    """Within: kernels are chosen and lowered for `device` (a JAX device of the mesh, possibly a
+    described one of `jax.experimental.topologies`), not for the host's first device.
+    `lclm.aot` sets it around the lowering of an ahead-of-time compile."""
+    token = _TARGET.set(device)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def target_device():
+    """The device kernels are built for: `compiling_for`'s, else this process's first."""
+    device = _TARGET.get()
+    if device is None:
+        import jax
+
+        device = jax.devices()[0]
+    return device
+
+
 def platform_family(platform: str) -> str:
     """jax's platform name -> the key of `AUTO` ('cuda'/'rocm' are GPUs)."""
     return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
@@ -51,10 +79,15 @@ def get_kernel(impl: str) -> Kernel:
 
 
 def choose_kernel(impl: str, *, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
-                  platform: str, dtype: str | None = None) -> str:
+                  platform: str, dtype: str | None = None, device=None) -> str:
     """The kernel name `attention.impl` means here: 'auto' -> the first of `AUTO[platform]`
     that can serve the shapes (`Kernel.limits`); an explicit name that cannot -> ValueError
-    (one line). `block`: the run of consecutive local positions tiles stay inside."""
+    (one line). `block`: the run of consecutive local positions tiles stay inside. `device`:
+    one of the mesh's devices, whose generation the limits check (default: `target_device()`)."""
+    if device is not None:
+        with compiling_for(device):
+            return choose_kernel(impl, head_dim=head_dim, q_chunk=q_chunk, kv_chunk=kv_chunk,
+                                 block=block, platform=platform, dtype=dtype)
     platform = platform_family(platform)
     shapes = dict(head_dim=head_dim, q_chunk=q_chunk, kv_chunk=kv_chunk, block=block,
                   platform=platform, dtype=dtype)

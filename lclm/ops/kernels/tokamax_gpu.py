@@ -19,9 +19,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 
-import jax
 import jax.numpy as jnp
 
+from lclm.ops.kernels import target_device
 from lclm.ops.kernels.range_kernel import range_kernel
 
 INSTALL = "pip install 'lclm[cuda]' on Python >= 3.12 (tokamax)"
@@ -33,8 +33,10 @@ def available() -> bool:
 
 
 def hopper_or_newer() -> bool:
-    """Whether the first local device is an NVIDIA GPU of compute capability >= 9.0."""
-    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    """Whether the device kernels are built for (`kernels.target_device`: the mesh's in an
+    ahead-of-time compile, else the first local one) is an NVIDIA GPU of compute capability
+    >= 9.0 (described GPUs of `jax.experimental.topologies` carry it too)."""
+    capability = getattr(target_device(), "compute_capability", "0")
     try:
         return float(capability) >= 9.0
     except ValueError:  # a ROCm 'gfx...' name
