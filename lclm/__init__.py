@@ -8,7 +8,9 @@ installed (lclm's [test] extra brings it for ahead-of-time TPU compiles) and no 
 JAX's default platform search initialises the TPU runtime anyway, which prints libtpu's
 complaints about the missing TPU before every command and takes libtpu's machine-wide lock,
 so that a second such process (`plan --compile` among them) fails. There, when nothing but the
-CPU is left for JAX to use, `JAX_PLATFORMS=cpu` is set. An explicit `JAX_PLATFORMS` (even
+CPU is left for JAX to use, `JAX_PLATFORMS=cpu` is set; the same where JAX's CUDA plugin is
+installed ([gpu-aot], for compiling for described GPUs) and no GPU is attached, where the
+plugin would print its failed CUDA check before every command. An explicit `JAX_PLATFORMS` (even
 empty) is kept, and machines with a TPU, a GPU or another PJRT plugin are left to JAX.
 """
 
@@ -52,13 +54,12 @@ def tpu_attached() -> bool:
 
 def _other_accelerator() -> bool:
     """Whether JAX might start a platform other than the CPU and the TPU here: a GPU's device
-    nodes, or a PJRT plugin it would load (CUDA's aside: JAX skips it without an NVIDIA
-    device, so naming only the CPU changes nothing for it)."""
+    nodes, or a PJRT plugin it would load (CUDA's aside: without an NVIDIA device it fails
+    its CUDA check and JAX goes on without it, so naming only the CPU loses nothing)."""
     if any(os.path.exists(p) for p in _GPU_DEVICE_NODES):
         return True
     if os.environ.get("PJRT_NAMES_AND_LIBRARY_PATHS"):
         return True
-    import pkgutil
     import re
 
     # Plugins live in the jax_plugins namespace package (CUDA's and ROCm's among them).
@@ -68,18 +69,39 @@ def _other_accelerator() -> bool:
         spec = importlib.util.find_spec("jax_plugins")
     except (ImportError, ValueError):
         return True  # unreadable: leave the choice to JAX
-    found = [m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations or []))
-             ] if spec else []
-    return any(not re.fullmatch(r"xla_cuda\d*", name) for name in found)
+    return any(not re.fullmatch(r"xla_cuda\d*", name) for name in _jax_plugins(spec))
+
+
+def _jax_plugins(spec) -> list[str]:
+    """The module names of the jax_plugins namespace package (`spec`: its spec, or None)."""
+    import pkgutil
+
+    return [m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations or []))
+            ] if spec else []
+
+
+def _cuda_plugin() -> bool:
+    """Whether JAX's CUDA plugin is installed (the [cuda] or [gpu-aot] extra): without a GPU,
+    JAX's platform search makes it print a cuInit failure before every command; compiling for
+    described GPUs (`plan --compile h100:8`) needs the CPU platform only."""
+    import re
+
+    try:
+        spec = importlib.util.find_spec("jax_plugins")
+    except (ImportError, ValueError):
+        return False
+    return any(re.fullmatch(r"xla_cuda\d*", name) for name in _jax_plugins(spec))
 
 
 def _keep_jax_off_an_absent_tpu() -> None:
-    """Set `JAX_PLATFORMS=cpu` (or JAX's config, if JAX is already imported) where libtpu is
-    installed, no TPU is attached and JAX has nothing but the CPU to use; otherwise nothing."""
+    """Set `JAX_PLATFORMS=cpu` (or JAX's config, if JAX is already imported) where libtpu or
+    JAX's CUDA plugin is installed, no TPU is attached and JAX has nothing but the CPU to
+    use; otherwise nothing."""
     if "JAX_PLATFORMS" in os.environ or "JAX_FORCE_TPU_INIT" in os.environ:
         return
-    if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")):
-        return  # without libtpu JAX's TPU attempt is silent and takes no lock
+    if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")
+            or _cuda_plugin()):
+        return  # without libtpu or the CUDA plugin JAX's own search is silent and lock-free
     if tpu_attached() or _other_accelerator():
         return
     jax = sys.modules.get("jax")

@@ -116,6 +116,14 @@ def test_the_choice_is_left_to_jax(choose, monkeypatch, why):
     assert choose() is None
 
 
+def test_a_cuda_plugin_without_a_gpu_gets_the_cpu_too(choose, monkeypatch):
+    # the [gpu-aot] extra on a machine without a GPU: no cuInit failure before each command
+    monkeypatch.delenv("TPU_LIBRARY_PATH")
+    monkeypatch.setitem(sys.modules, "libtpu", None)
+    monkeypatch.setattr(lclm, "_cuda_plugin", lambda: True)
+    assert choose() == "cpu"
+
+
 def test_another_pjrt_plugin_is_left_to_jax(monkeypatch):
     monkeypatch.setenv("PJRT_NAMES_AND_LIBRARY_PATHS", "mydevice:/opt/mydevice/pjrt.so")
     assert lclm._other_accelerator()
