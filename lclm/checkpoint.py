@@ -14,9 +14,13 @@ between meshes. Loading reads tensorstore arrays and JSON only (no pickles).
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
+import re
+import shutil
+import sys
 import time
 
 import jax
@@ -111,6 +115,79 @@ def first_line(e: BaseException, limit: int = 300) -> str:
     return text[:limit]
 
 
+# tensorstore reports a failed read or write (a full disk, a file gone) as a ValueError whose
+# text starts with the status code
+_STORAGE_STATUS = re.compile(r"(RESOURCE_EXHAUSTED|NOT_FOUND|PERMISSION_DENIED|UNAVAILABLE|"
+                             r"DATA_LOSS|ABORTED|DEADLINE_EXCEEDED|FAILED_PRECONDITION|"
+                             r"CANCELLED|UNKNOWN|INTERNAL): ")
+
+
+def is_io_error(e: BaseException | None) -> bool:
+    """Whether `e`, or an exception it was raised from or while handling, is a storage
+    error: an OSError, or tensorstore's wrapping of one."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) or _STORAGE_STATUS.match(str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class _OneLineStorageErrors(logging.Filter):
+    """Orbax's save threads each log a failed write with its traceback (one full disk: half a
+    dozen tracebacks, some after the run has stopped) while lclm reports the failure itself as
+    a one-line `SaveFailed`: such records keep their first line and the error's, no
+    traceback. asyncio reports the same failures again when Orbax's unawaited tasks are
+    collected, often at exit after the run's last line: those are dropped. Errors that are
+    not storage errors keep their tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or not is_io_error(error):
+            return True
+        if record.name == "asyncio":
+            return False
+        message = (record.getMessage().strip().splitlines() or [""])[0]
+        cause = first_line(error)
+        record.msg = message if cause in message else f"{message} ({cause})"
+        record.args = None
+        record.exc_info = record.exc_text = record.stack_info = None
+        return True
+
+
+class _LateCallbacksIgnored:
+    """`sys.unraisablehook` that drops one harmless race: when a write fails, Orbax closes the
+    event loop of the save while tensorstore's other writes are in flight, and each that
+    completes later finds the loop closed ('Event loop is closed' raised in asyncio's
+    call_soon_threadsafe, printed with its traceback). Everything else goes to `previous`."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        error, tb = unraisable.exc_value, unraisable.exc_traceback
+        frames = []
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        if (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+                and "call_soon_threadsafe" in frames):
+            log.debug("a storage write completed after its save was abandoned")
+            return
+        self.previous(unraisable)
+
+
+def _quiet_storage_tracebacks() -> None:
+    # Orbax logs through absl, whose records (like asyncio's) reach lclm's handlers
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OneLineStorageErrors) for f in logger.filters):
+            logger.addFilter(_OneLineStorageErrors())
+    if not isinstance(sys.unraisablehook, _LateCallbacksIgnored):
+        sys.unraisablehook = _LateCallbacksIgnored(sys.unraisablehook)
+
+
 class Checkpoints:
     """The run's checkpoint directory (`every=0`: only final and preemption saves).
 
@@ -131,12 +208,25 @@ class Checkpoints:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         handlers = {"state": ocp.StandardCheckpointHandler(),
                     "data": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+        _quiet_storage_tracebacks()
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=handlers)
         self._pending: int | None = None   # step of the asynchronous save in flight
+        self._abandoned: set[int] = set()   # failed saves whose partial files may remain
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def latest_config(self) -> tuple[int, dict] | None:
+        """(step, saved config) of the latest step whose config can be read, or None when
+        there is no such step: what a resume is checked against before anything is
+        initialised (a step whose config is damaged is skipped here, as `restore` will skip
+        it)."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            config = self.saved_config(step)
+            if config is not None:
+                return step, config
+        return None
 
     def saved_config(self, step: int) -> dict | None:
         """The config saved with `step`, or None where it cannot be read (damage is
@@ -230,6 +320,7 @@ class Checkpoints:
         `data_state` is None where no data has been read (a converted checkpoint).
         Raises `SaveFailed` if the previous save or this one cannot be written."""
         self.wait()
+        self._remove_partial()   # again: writes still in flight at a failure may have left some
         data = {"processes": gather_json(data_state)}
         try:
             self.manager.save(step, force=True, args=ocp.args.Composite(
@@ -255,7 +346,18 @@ class Checkpoints:
         except Exception as e:  # noqa: BLE001
             raise self._failed(step, e) from None
 
+    def _remove_partial(self) -> None:
+        """Delete what failed saves wrote: it would keep a full disk full for the retry."""
+        if jax.process_index() == 0:
+            for step in self._abandoned:
+                for partial in glob.glob(os.path.join(glob.escape(self.directory),
+                                                      f"{step}.orbax-checkpoint-tmp*")):
+                    shutil.rmtree(partial, ignore_errors=True)
+
     def _failed(self, step, error: BaseException) -> SaveFailed:
+        if step is not None:
+            self._abandoned.add(step)
+            self._remove_partial()
         intact = [s for s in self.manager.all_steps() if s != step]
         return SaveFailed(f"checkpoint step {step} could not be saved to {self.directory} "
                           f"({first_line(error)}); intact checkpoints: {intact or 'none'}")
@@ -270,6 +372,7 @@ class Checkpoints:
             self.wait()
         except SaveFailed as e:
             failed = e
+        self._remove_partial()
         try:
             self.manager.close()
         except Exception as e:  # noqa: BLE001

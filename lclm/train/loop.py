@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -18,9 +20,10 @@ from jax.experimental import multihost_utils
 from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.config.model import AttentionConfig, LlamaConfig
 from lclm.config.secrets import public_config
-from lclm.data.loader import HostBatches
+from lclm.data.loader import HostBatches, parse_sources
+from lclm.data.sources import DataError, open_documents
 from lclm.data.tokenizer import Tokenizer
-from lclm.errors import ConfigError, TrainingHalted
+from lclm.errors import ConfigError, StartupError, TrainingHalted
 from lclm.files import write_json
 from lclm.models.llama import param_count
 from lclm.parallel.distributed import any_process, check_same_config
@@ -48,11 +51,30 @@ from lclm.train.step import all_finite, jit_eval_loss, jit_train_step, make_opti
 
 log = logging.getLogger(__name__)
 
-def train(config, stop_after: int | None = None) -> list[dict]:
+
+@dataclasses.dataclass(frozen=True)
+class WritePatience:
+    """How long a run rides out a storage fault (a disk full until a clean-up job runs, a
+    network filesystem failing over) before it stops (exit 3) rather than lose work.
+
+    `metrics_seconds`: how long writes of metrics.jsonl may fail, every one since the first,
+    before the run saves a checkpoint and stops; meanwhile the records are held in memory and
+    retried at each logged step. A time, not a count of failures: at a fast log rate a
+    two-second hiccup is many failed writes. `save_retries`: the pauses (seconds) before each
+    retry of a checkpoint save that failed; the save counts as failed once every retry has.
+    """
+
+    metrics_seconds: float = 300.0
+    save_retries: tuple[float, ...] = (1.0, 4.0, 15.0)
+
+
+def train(config, stop_after: int | None = None,
+          patience: WritePatience = WritePatience()) -> list[dict]:
     """Run (or resume) up to `config.train.steps` steps; returns the logged metric records.
 
     `stop_after` ends the run after that step as a crash would (steps since the last
     checkpoint are lost), leaving the schedule and the final step unchanged for the resume.
+    `patience`: how long storage faults are ridden out (`WritePatience`).
     """
     devices = jax.devices()
     if config.model.init_from_hf:
@@ -76,7 +98,8 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     lock = WorkdirLock(config.workdir, config.workdir_lease_minutes)  # before any write there
     lock.acquire()
     try:
-        return _run(config, sizes, mesh, model, attention, tokenizer, stop_after, lock)
+        return _run(config, sizes, mesh, model, attention, tokenizer, stop_after, lock,
+                    patience)
     except BaseException:
         lock.release()
         if fresh and jax.process_index() == 0 and not _trained(config.workdir):
@@ -96,24 +119,36 @@ def _trained(workdir: str) -> bool:
             or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
 
 
+def _check_resume(config, checkpoints: Checkpoints,
+                  saved_config: dict) -> tuple[int, bool] | None:
+    """(step, whether the data pipeline restarts) of the latest checkpoint whose saved config
+    this run's (`saved_config`) may resume (`lclm.train.resume`); None where the workdir has
+    no checkpoint with a readable config. A refusal is a ConfigError raised before the model
+    is initialised (a large one takes minutes and most of the memory) and before config.json,
+    which describes the workdir's checkpoints, is rewritten."""
+    latest = checkpoints.latest_config()
+    if latest is None:
+        return None
+    step, saved = latest
+    return step, check_resume(saved, saved_config, allowed_keys(config), step)
+
+
 def _restore_or_init(config, checkpoints: Checkpoints, state: TrainState, model, mesh,
-                     saved_config: dict):
-    """(state, data state) to start from: the workdir's latest readable checkpoint (if the
-    config may resume it, `lclm.train.resume`), else the configured initial weights (another
-    run's checkpoint, HF weights, or the fresh init)."""
-    latest = checkpoints.latest_step()
-    if latest is not None:
-        saved = checkpoints.saved_config(latest)
-        restart_data = saved is not None and check_resume(saved, saved_config,
-                                                          allowed_keys(config), latest)
+                     saved_config: dict, resume: tuple[int, bool] | None):
+    """(state, data state) to start from: the workdir's latest readable checkpoint (`resume`:
+    what `_check_resume` found), else the configured initial weights (another run's
+    checkpoint, HF weights, or the fresh init)."""
+    if checkpoints.latest_step() is not None:
         state, data_state = checkpoints.restore(state)
-        if restart_data:
-            data_state = None
-        if int(state.step) >= config.train.steps:
-            log.info("the checkpoint in %s is already at step %d of %d: nothing to train "
-                     "(raise train.steps or use a new workdir)", config.workdir,
-                     int(state.step), config.train.steps)
-        return state, data_state
+        checked, restart_data = resume if resume is not None else (None, False)
+        restored = checkpoints.latest_step()   # the steps found damaged are set aside by now
+        if restored is not None and restored != checked:
+            # damage sent the restore to another step than the one checked: its own config
+            # decides (an allowed change of the data order may lie between the two)
+            saved = checkpoints.saved_config(restored)
+            restart_data = saved is not None and check_resume(
+                saved, saved_config, allowed_keys(config), restored)
+        return state, None if restart_data else data_state
     if config.model.init_from_checkpoint:
         state = state._replace(params=load_checkpoint_params(config, state))
     elif config.model.init_from_hf:
@@ -130,7 +165,11 @@ def _validation(config, mesh, tokenizer, model, attention, param_sharding):
         return None
     held_out = config.copy_and_resolve_references()
     held_out.data.path = v.path
-    reader = HostBatches(held_out, mesh, tokenizer, prefetch=0)
+    try:
+        reader = HostBatches(held_out, mesh, tokenizer, prefetch=0)
+    except DataError:
+        _check_validation_size(config, tokenizer)   # the loader's advice is for training data
+        raise
     try:
         batches = [next(reader) for _ in range(v.batches)]
     finally:
@@ -143,6 +182,25 @@ def _validation(config, mesh, tokenizer, model, attention, param_sharding):
         return float(sum(t for t, _ in sums)) / max(float(sum(c for _, c in sums)), 1.0)
 
     return val_loss
+
+
+def _check_validation_size(config, tokenizer) -> None:
+    """A ConfigError naming the validation keys when a source of `validation.path` holds
+    fewer records than a batch has rows (each row reads its own records, as in training):
+    the fix is more held-out data, not another `data.batch_size`, which would change the
+    training run."""
+    v, d = config.validation, config.data
+    for kind, path, _ in parse_sources(v.path, d.source):
+        found = len(open_documents(kind, path, tokenizer, text_field=d.text_field,
+                                   chat_template=d.chat_template))
+        if found < d.batch_size:
+            raise ConfigError(
+                f"validation.path={v.path!r}: {path} has {found} usable record(s), fewer than "
+                f"the data.batch_size={d.batch_size} rows of a validation batch (each row reads "
+                f"its own records; validation.batches={v.batches} batches read "
+                f"{v.batches * d.batch_size} rows of {d.seq_len} tokens); give "
+                f"validation.path at least {d.batch_size} held-out records, or set "
+                "validation.path='' to train without validation")
 
 
 def _summary(records: list[dict], started: float, first_logged: float, tokens_per_step: int,
@@ -168,28 +226,46 @@ def _summary(records: list[dict], started: float, first_logged: float, tokens_pe
     return lines
 
 
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:,.0f} s"
+
+
+@contextlib.contextmanager
+def _written_at_start(path: str):
+    """A file the run cannot write before it trains (a full disk) stops it with one line:
+    nothing is lost yet."""
+    try:
+        yield
+    except OSError as e:
+        raise StartupError(f"cannot write {path} ({e.strerror or e}); free space there or use "
+                           "another workdir") from None
+
+
 def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
-         lock: WorkdirLock) -> list[dict]:
+         lock: WorkdirLock, patience: WritePatience) -> list[dict]:
     devices = list(mesh.devices.flat)
     is_main = jax.process_index() == 0
     # config.json and every checkpoint get this; `identity` tells a resume what the tokenizer
     # was even when its file has moved
     saved_config = dict(public_config(config),
                         identity=dict(tokenizer=tokenizer_fingerprint(tokenizer)))
-    if is_main:
-        write_json(os.path.join(config.workdir, "config.json"), saved_config)
     log.info("mesh %s on %d %s devices; model %.2fM params; attention %s", sizes, len(devices),
              devices[0].platform, param_count(model) / 1e6,
              attention_line(config, model, sizes["sp"], devices[0].platform))
 
-    optimizer = make_optimizer(config.train)
-    state = init_state(model, optimizer, mesh, config.seed)
     checkpoints = Checkpoints(config.workdir, config.checkpoint.every, config.checkpoint.keep)
     batches = logger = None
     previous_handlers = {}
     try:
+        resume = _check_resume(config, checkpoints, saved_config)
+        optimizer = make_optimizer(config.train)
+        state = init_state(model, optimizer, mesh, config.seed)
         state, data_state = _restore_or_init(config, checkpoints, state, model, mesh,
-                                             saved_config)
+                                             saved_config, resume)
+        if is_main:   # only once the run is accepted: config.json describes the checkpoints
+            config_path = os.path.join(config.workdir, "config.json")
+            with _written_at_start(config_path):
+                write_json(config_path, saved_config)
         state_sharding = jax.tree.map(lambda x: x.sharding, state)
         step_fn = jit_train_step(model, attention, config.train, mesh, optimizer, state_sharding,
                                  document_mask=config.data.document_mask)
@@ -204,8 +280,9 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
         flops = flops_per_token(model, config.data.seq_len) * tokens_per_step
         peak = peak_flops(devices[0].device_kind)
         if is_main:
-            logger = MetricsLogger(config.workdir, wandb_run(config, first - 1),
-                                   resume_step=first - 1)
+            with _written_at_start(os.path.join(config.workdir, "metrics.jsonl")):
+                logger = MetricsLogger(config.workdir, wandb_run(config, first - 1),
+                                       resume_step=first - 1)
         if first > total and is_main:
             log.info("%s is already trained to step %d (train.steps); nothing to do: raise "
                      "train.steps to train on", config.workdir, total)
@@ -226,7 +303,6 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                                  for sig in (signal.SIGTERM, signal.SIGINT)}
         max_bad = config.train.max_bad_steps
         bad_in_a_row = skipped_steps = 0
-        failures = {"checkpoint": 0, "metrics": 0}   # failed writes in a row, per kind
 
         def halt(why: str):
             latest = checkpoints.latest_step()
@@ -249,22 +325,37 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                            "with a non-finite loss or gradient norm (their updates were "
                            "skipped); lower train.lr or check the data")
 
-        def write_failed(kind: str, error: Exception, last_chance: bool) -> bool:
-            """The one policy for every write of the run: report at once; retry at the next
-            chance (a transient storage fault costs nothing); give up on a second failure in
-            a row or when no later chance will come. A run that cannot save a checkpoint stops
-            (exit 3) with its earlier ones intact; one that cannot write its metrics returns
-            True: it saves a checkpoint, then stops, so no trained step is lost."""
-            failures[kind] += 1
-            log.error("%s", error)
-            if last_chance or failures[kind] >= 2:
-                if kind == "metrics":
-                    return True
-                raise halt(f"stopped: {error}") from None
-            log.error("training goes on; %s", "the save is retried at the next checkpoint "
-                      "step" if kind == "checkpoint" else "the records are written with the "
-                      "next logged step")
-            return False
+        # Storage faults (a full disk, a network filesystem failing over) are ridden out for a
+        # while (`patience`) and reported at once, one line each; a run that still cannot write
+        # saves what it can and stops (exit 3) rather than train on into work it would lose.
+        failing_since: float | None = None   # when metrics writes started failing
+        failing_from = 0                     # the first logged step whose write failed
+        reported = 0.0
+
+        def metrics_failed(step: int, error: MetricsFailed) -> bool:
+            """Report a failed metrics.jsonl write (at once, then once a minute while it
+            lasts); True once writes have failed for `patience.metrics_seconds`: the run then
+            saves a checkpoint and stops, the held records in the log."""
+            nonlocal failing_since, failing_from, reported
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since, failing_from, reported = now, step, now
+                log.error("%s; they are held in memory and written with the next logged step "
+                          "that can (the run saves a checkpoint and stops if writes fail for "
+                          "%s)", error, _seconds(patience.metrics_seconds))
+            elif now - reported >= 60:
+                reported = now
+                log.error("%s; failing since step %d, %s ago", error, failing_from,
+                          _seconds(now - failing_since))
+            return now - failing_since >= patience.metrics_seconds
+
+        def metrics_written(step: int) -> None:
+            nonlocal failing_since
+            if failing_since is not None:
+                log.warning("metrics.jsonl written again at step %d after %s of failed writes; "
+                            "the records held since step %d are in it", step,
+                            _seconds(time.monotonic() - failing_since), failing_from)
+                failing_since = None
 
         # Time-based saves: several processes must agree, and their clocks differ, so there
         # process 0 decides at logging steps and tells the others (a collective every
@@ -272,16 +363,43 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
         every_seconds = 60 * config.checkpoint.every_minutes
         last_saved = time.monotonic()
 
-        def save(step: int, last_chance: bool) -> None:
-            nonlocal last_saved
+        failed_saves = 0   # checkpoint saves in a row that failed, each after its retries
+
+        def save(step: int, wait: bool) -> SaveFailed | None:
+            """Save `step`, retried after each pause of `patience.save_retries` while it fails;
+            with `wait` a save counts only once written to the end. Returns the last try's
+            failure, or None."""
+            nonlocal last_saved, failed_saves
             if not bool(finite_fn((state.params, state.opt_state))):
                 raise halt(f"step {step}: parameters or optimizer state are not finite, so no "
                            "checkpoint was written")
             last_saved = time.monotonic()
-            try:
-                checkpoints.save(step, state, batches.state(), saved_config)
-            except SaveFailed as e:
-                write_failed("checkpoint", e, last_chance)
+            error = None
+            for pause in (0.0, *patience.save_retries):
+                if error is not None:
+                    log.error("%s; retrying in %g s", error, pause)
+                    time.sleep(pause)
+                try:
+                    checkpoints.save(step, state, batches.state(), saved_config)
+                    if wait:
+                        checkpoints.wait()
+                        failed_saves = 0
+                    return None
+                except SaveFailed as e:
+                    error = e
+            return error
+
+        def save_failed(error: SaveFailed, last_chance: bool) -> None:
+            """A save that failed every retry: training goes on to the next checkpoint step,
+            unless it is the second such save in a row or no later chance will come (a run
+            that cannot save would lose its work): then the run stops with its earlier
+            checkpoints intact."""
+            nonlocal failed_saves
+            failed_saves += 1
+            if last_chance or failed_saves >= 2:
+                raise halt(f"stopped: {error}")
+            log.error("%s; training goes on and the save is retried at the next checkpoint "
+                      "step", error)
 
         def due_by_time(step: int) -> bool:
             if not every_seconds or (multi and step % config.log.every):
@@ -299,6 +417,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
         t0, since = time.perf_counter(), first - 1
         last = total if stop_after is None else min(total, stop_after)
         unchecked = None   # (step, skipped flag) read one step late: the host never waits
+        resave = False     # an asynchronous save failed: save the current step instead
         for step in range(first, last + 1):
             state, metrics = step_fn(state, next(batches))
             if sync_each_step:
@@ -310,18 +429,23 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
             unchecked = (step, metrics["skipped"])
             try:
                 if checkpoints.poll():
-                    failures["checkpoint"] = 0
+                    failed_saves = 0
             except SaveFailed as e:
-                write_failed("checkpoint", e, last_chance=False)
+                # that step's state is gone: the current one is saved in its place
+                log.error("%s; saving a later step instead", e)
+                resave = True
             if multi and multihost_utils.reached_preemption_sync_point(step):
                 preempted.set()
-            saving = (checkpoints.due(step) or due_by_time(step) or step == total
-                      or preempted.is_set())
-            stopping = None   # why the run stops after saving this step
             validating = val_loss is not None and (step % config.validation.every == 0
                                                    or step == last)
             logging_step = (step % config.log.every == 0 or step in (first, last)
                             or preempted.is_set() or validating)
+            if multi and logging_step:   # every process saves, or none
+                resave = any_process(resave)
+            retry = resave and (logging_step or not multi)
+            saving = (checkpoints.due(step) or due_by_time(step) or step == total
+                      or preempted.is_set() or retry)
+            stopping = None   # why the run stops after saving this step
             if (saving or logging_step) and unchecked is not None:
                 check_step(*unchecked)   # the host waits for this step now anyway
                 unchecked = None
@@ -344,9 +468,9 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                 if logger:
                     try:
                         logger.log(record)
-                        failures["metrics"] = 0
+                        metrics_written(step)
                     except MetricsFailed as e:
-                        give_up = write_failed("metrics", e, last_chance=False)
+                        give_up = metrics_failed(step, e)
                 lost = lock.lost()   # None, or why another run now holds the workdir
                 if multi:   # only process 0 writes metrics and holds the lock
                     give_up = any_process(give_up)
@@ -356,18 +480,25 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                     raise halt(f"stopped after step {step}: {lost}; this run stops so that "
                                "two runs never write one workdir")
                 if give_up:
-                    stopping = f"stopped after step {step}: metrics.jsonl cannot be written"
+                    stopping = f"stopped after step {step}: metrics.jsonl could not be written " + (
+                        f"since step {failing_from} "
+                        f"({_seconds(time.monotonic() - failing_since)}); the records since are "
+                        "in the log" if failing_since is not None
+                        else "by process 0; its log holds the records")
                     saving = True
                 if progress:
                     progress.update(record)
             if saving:
-                save(step, last_chance=(step == total or preempted.is_set()
-                                        or stopping is not None))
+                # the final, preemption and stopping saves are the last chance: written to the
+                # end (and retried) before the run reports; so is the retry of a failed save
+                last_chance = step == total or preempted.is_set() or stopping is not None
+                error = save(step, wait=last_chance or retry)
+                resave = False   # this save, whatever its outcome, replaces the failed one
+                if error is not None and stopping is not None:
+                    stopping += f"; {error}"
+                elif error is not None:
+                    save_failed(error, last_chance)
             if stopping is not None:
-                try:
-                    checkpoints.wait()
-                except SaveFailed as e:
-                    stopping += f"; {e}"
                 raise halt(stopping)
             if preempted.is_set():
                 log.warning("stopped after step %d on a termination signal (checkpoint saved)",
@@ -376,9 +507,19 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
         if unchecked is not None:
             check_step(*unchecked)
         try:
-            checkpoints.wait()  # the final save is complete before the run reports success
+            checkpoints.wait()   # a save in flight where `stop_after` ended the loop
         except SaveFailed as e:
-            write_failed("checkpoint", e, last_chance=True)
+            save_failed(e, last_chance=True)
+        if logger is not None and failing_since is not None:
+            # the last logged steps' records: retried as a save is, then they go to the log
+            for pause in (*patience.save_retries, None):
+                try:
+                    logger.flush()
+                    metrics_written(records[-1]["step"])
+                    break
+                except MetricsFailed:
+                    if pause is not None:
+                        time.sleep(pause)
         if is_main and records:
             assert first_logged is not None  # set with the first record
             summary = _summary(records, started, first_logged, tokens_per_step, checkpoints,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -13,6 +14,8 @@ import time
 from lclm.config import LlamaConfig
 from lclm.files import replacing
 from lclm.models.llama import param_count
+
+log = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s per device, by `device_kind` prefix (vendor datasheets).
 PEAK_FLOPS = {
@@ -41,26 +44,32 @@ def flops_per_token(c: LlamaConfig, seq_len: int) -> float:
 
 def truncate_metrics(path: str, last_step: int) -> int:
     """Keep only the records of `path` up to `last_step` (the step a resumed run restarts
-    after), so every step appears once; unreadable lines (a crash mid-write) go too. The file
-    is replaced atomically. Returns how many records were dropped."""
+    after), so every step appears once. Unreadable lines go too, whatever their bytes (a line
+    cut short by a crash, a torn block of a network filesystem: not UTF-8, not JSON), counted
+    in one warning. The file is replaced atomically. Returns how many lines were dropped."""
     if not os.path.isfile(path):
         return 0
-    kept, dropped = [], 0
-    with open(path) as f:
+    kept: list[bytes] = []
+    later = unreadable = 0
+    with open(path, "rb") as f:   # bytes: a damaged line must not stop the reading
         for line in f:
             try:
-                record = json.loads(line)
-                keep = isinstance(record, dict) and int(record["step"]) <= last_step
-            except (ValueError, KeyError, TypeError):
-                keep = False
-            if keep:
-                kept.append(line if line.endswith("\n") else line + "\n")
+                record = json.loads(line.decode("utf-8"))
+                step = int(record["step"])
+            # UnicodeDecodeError is a ValueError; an infinite step an OverflowError
+            except (ValueError, KeyError, IndexError, TypeError, OverflowError, RecursionError):
+                unreadable += 1
+                continue
+            if step > last_step:
+                later += 1
             else:
-                dropped += 1
-    if dropped:
-        with replacing(path) as f:
-            f.writelines(kept)
-    return dropped
+                kept.append(line if line.endswith(b"\n") else line + b"\n")
+    if unreadable:
+        log.warning("%s: dropped %d unreadable line(s) (cut short or damaged)", path, unreadable)
+    if later or unreadable:
+        with replacing(path, binary=True) as out:
+            out.writelines(kept)
+    return later + unreadable
 
 
 class MetricsFailed(RuntimeError):
@@ -73,7 +82,8 @@ class MetricsLogger:
     `resume_step`: the step the run restarts after; records past it (from a run that crashed
     after its last checkpoint) are dropped before the re-run steps are logged. A write that
     fails (a full disk, a storage hiccup) leaves the file as it was and raises `MetricsFailed`;
-    its records are written with the next `log` or `close` (the run's policy decides the rest).
+    its records are held in memory and written with the next `log`, `flush` or `close` (the
+    run's policy, `lclm.train.loop.WritePatience`, decides how long to keep trying).
     """
 
     def __init__(self, workdir: str, wandb_run=None, resume_step: int = 0):
@@ -91,9 +101,10 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in clean.items() if k != "step"},
                             step=record["step"])
         self._held.append(json.dumps(clean) + "\n")
-        self._write()
+        self.flush()
 
-    def _write(self) -> None:
+    def flush(self) -> None:
+        """Write the records held back; `MetricsFailed` (the file as it was) if that fails."""
         if not self._held:
             return
         size = os.fstat(self._fd).st_size
@@ -123,7 +134,7 @@ class MetricsLogger:
     def close(self) -> None:
         """Write what is held back (`MetricsFailed` if that still fails) and close."""
         try:
-            self._write()
+            self.flush()
         finally:
             os.close(self._fd)
             if self._wandb is not None:

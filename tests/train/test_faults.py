@@ -11,20 +11,22 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
 import pytest
-from support import DAMAGE, ROOT, damage_checkpoint, small_train_config
+from support import DAMAGE, DEMO_CONFIG, ROOT, damage_checkpoint, small_train_config
 
 from lclm import hf
 from lclm.checkpoint import Checkpoints
-from lclm.config import LlamaConfig
+from lclm.config import LlamaConfig, load_config
 from lclm.errors import ConfigError, TrainingHalted
 from lclm.models.llama import init_params
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirBusy, WorkdirLock
-from lclm.train.loop import train
+from lclm.train.loop import WritePatience, train
 from lclm.train.metrics import truncate_metrics
 from lclm.train.state import init_state
 from lclm.train.step import make_optimizer
@@ -35,6 +37,10 @@ pytestmark = pytest.mark.slow  # trains models or starts processes: left out by 
 def _config(workdir, **train):
     return small_train_config(workdir, mesh=dict(dp=1, fsdp=2, tp=1, sp=2),
                               attention=dict(q_chunk=16, kv_chunk=16), train=train)
+
+
+# saves retried once, at once: a fault that lasts fails the retry too, without the real pauses
+QUICK = WritePatience(save_retries=(0.0,))
 
 
 @pytest.fixture(scope="module")
@@ -172,55 +178,84 @@ def test_a_failed_save_is_reported_at_once_retried_then_stops_with_earlier_ones_
     shutil.copytree(two_steps, workdir)
     with _read_only(workdir / "checkpoints", when="restored checkpoint step 2"), \
             caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
-        train(_config(workdir, steps=6))
+        train(_config(workdir, steps=6), patience=QUICK)
     message = str(e.value)
     assert "\n" not in message
     assert "checkpoint step 6 could not be saved" in message
     assert "intact checkpoints: [2]" in message
     assert "last good checkpoint: step 2" in message
-    # step 4's failure was reported when it happened, and training went on to step 6
+    # step 4's failure was reported when it happened, retried, and training went on to step 6
     assert "checkpoint step 4 could not be saved" in caplog.text
+    assert caplog.text.count("retrying in 0 s") == 2   # steps 4 and 6, once each
     assert "retried at the next checkpoint step" in caplog.text
+    assert "Traceback" not in caplog.text
     assert os.listdir(workdir / "checkpoints") == ["2"]
     steps = [json.loads(l)["step"] for l in open(workdir / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_save_that_fails_once_is_retried_and_the_run_completes(two_steps, tmp_path):
+def test_a_save_that_fails_once_is_retried_at_once_and_the_run_completes(two_steps, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(two_steps, workdir)
-    # the fault goes away once it has been reported
+    # the fault goes away once it has been reported: the retry saves that same step
     with _read_only(workdir / "checkpoints", when="restored checkpoint step 2") as end, \
-            _when_logged("retried at the next checkpoint step", lambda: end()):
-        records = train(_config(workdir, steps=6))
+            _when_logged("retrying in", lambda: end()):
+        records = train(_config(workdir, steps=6), patience=QUICK)
     assert records[-1]["step"] == 6
-    assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "6"]
+    assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "4", "6"]
 
 
-def test_metrics_that_cannot_be_written_are_retried_then_the_run_saves_and_stops(
-        two_steps, tmp_path, caplog):
-    """One policy for every write: a failed metrics.jsonl write is retried at the next
-    logged step; a second failure in a row saves a checkpoint and stops (exit 3)."""
+def test_a_failed_final_save_is_retried_before_the_run_stops(two_steps, tmp_path, caplog):
     workdir = tmp_path / "run"
     shutil.copytree(two_steps, workdir)
+    config = _config(workdir, steps=3)   # step 3: the final save, no periodic one before it
+    with _read_only(workdir / "checkpoints", when="restored checkpoint step 2") as end, \
+            _when_logged("retrying in", lambda: end()), caplog.at_level(logging.ERROR):
+        records = train(config, patience=WritePatience(save_retries=(0.5,)))
+    assert [r["step"] for r in records] == [3]
+    assert "checkpoint step 3 could not be saved" in caplog.text
+    assert "retrying in 0.5 s" in caplog.text
+    assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "3"]
+
+
+def test_metrics_that_cannot_be_written_for_a_while_are_held_then_the_run_saves_and_stops(
+        two_steps, tmp_path, caplog):
+    """A failed metrics.jsonl write is held and retried at each logged step; once writes have
+    failed for `WritePatience.metrics_seconds` the run saves a checkpoint and stops (exit 3)
+    with the held records in the log."""
+    workdir = tmp_path / "run"
+    shutil.copytree(two_steps, workdir)
+    config = _config(workdir, steps=10_000)   # it stops long before
+    config.checkpoint.every = 0   # only the save before it stops
+    patience = WritePatience(metrics_seconds=1.0, save_retries=(0.0,))
     with _read_only(workdir / "metrics.jsonl", when="compiling the training step"), \
             caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
-        train(_config(workdir, steps=6))
-    assert str(e.value) == ("stopped after step 4: metrics.jsonl cannot be written; last good "
-                            f"checkpoint: step 4 in {workdir / 'checkpoints'}")
-    assert "could not write 1 record(s)" in caplog.text   # step 3's, retried at step 4
-    assert "the records are written with the next logged step" in caplog.text
-    assert '"step": 3' in caplog.text and '"step": 4' in caplog.text  # not lost: in the log
-    assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "4"]
-    records = train(_config(workdir, steps=6))   # the disk is back: it resumes after step 4
-    assert [r["step"] for r in records] == [5, 6]
+        train(config, patience=patience)
+    message = str(e.value)
+    match = re.fullmatch(r"stopped after step (\d+): metrics.jsonl could not be written since "
+                         r"step 3 \(([\d.]+) s\); the records since are in the log; last good "
+                         r"checkpoint: step (\d+) in (.*)", message)
+    assert match, message
+    stopped, seconds = int(match[1]), float(match[2])
+    assert stopped > 3 and seconds >= 1.0   # not the second failure in a row: a time
+    assert int(match[3]) == stopped and match[4] == str(workdir / "checkpoints")
+    assert "\n" not in message and "Traceback" not in caplog.text
+    # reported at once, not once a logged step; the held records are in the log
+    assert caplog.text.count("could not write 1 record(s)") == 1
+    assert f"could not write {stopped - 2} record(s)" in caplog.text
+    for step in range(3, stopped + 1):
+        assert f'"step": {step},' in caplog.text
+    assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", str(stopped)]
+    # the disk is back: it resumes after the saved step
+    records = train(_config(workdir, steps=stopped + 2))
+    assert [r["step"] for r in records] == [stopped + 1, stopped + 2]
 
 
 def test_metrics_write_that_fails_once_loses_nothing(two_steps, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(two_steps, workdir)
     with _read_only(workdir / "metrics.jsonl", when="compiling the training step") as end, \
-            _when_logged("the records are written with the next logged step", lambda: end()):
+            _when_logged("held in memory and written with the next logged step", lambda: end()):
         train(_config(workdir, steps=6))
     steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5, 6]
@@ -234,23 +269,105 @@ def test_time_based_checkpoints(tmp_path):
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints"), key=int) == ["2", "3", "4"]
 
 
-def test_a_full_disk_fails_the_asynchronous_save_and_is_reported(tmp_path, caplog):
+# -- a full disk ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _small_disk(tmp_path, size: str):
+    """A real filesystem of `size` (a tmpfs: root only, else the test skips)."""
     mount = tmp_path / "small_disk"
     mount.mkdir()
-    # a real filesystem with room for one checkpoint of this model but not two (root only)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1700k", "tmpfs", str(mount)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
                       capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
+        yield mount
+    finally:
+        # lazily: Orbax's background threads may still hold a file of a failed save
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def _fill(mount, after_lines: int, until):
+    """A thread that fills the filesystem at `mount` once `<mount>/run/metrics.jsonl` holds
+    `after_lines` lines, and empties it again once `until(time it became full)` is true."""
+    def run():
+        metrics = mount / "run" / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_bytes().count(b"\n") >= after_lines):
+            time.sleep(0.005)
+        with open(mount / "filler", "wb") as f:
+            with contextlib.suppress(OSError):   # until no space is left
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        full_since = time.monotonic()
+        while not until(full_since):
+            time.sleep(0.005)
+        os.remove(mount / "filler")
+
+    return threading.Thread(target=run, daemon=True)
+
+
+# tensorstore's writes still in flight when a save fails must not print tracebacks either
+no_unraisable_tracebacks = pytest.mark.filterwarnings(
+    "error::pytest.PytestUnraisableExceptionWarning")
+
+
+@no_unraisable_tracebacks
+def test_a_full_disk_fails_the_asynchronous_save_and_is_reported(tmp_path, caplog):
+    # a real filesystem with room for one checkpoint of this model but not two
+    with _small_disk(tmp_path, "1700k") as mount:
         workdir = mount / "run"
         with caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
-            train(_config(workdir, steps=6))
+            train(_config(workdir, steps=6), patience=QUICK)
         assert "No space left on device" in caplog.text or "RESOURCE_EXHAUSTED" in caplog.text
         assert "intact checkpoints: [2]" in str(e.value)
         assert sorted(s for s in os.listdir(workdir / "checkpoints") if s.isdigit()) == ["2"]
-    finally:
-        # lazily: Orbax's background threads may still hold a file of the failed save
-        subprocess.run(["umount", "-l", str(mount)], check=True)
+        # Orbax's save threads report the failure too: in one line each, like lclm
+        assert "Traceback" not in caplog.text
+        assert "retrying in 0 s" in caplog.text
+
+
+@no_unraisable_tracebacks
+def test_a_two_second_full_disk_loses_nothing_and_prints_no_traceback(tmp_path, caplog, capfd):
+    """The workdir's filesystem is full for 2 s while no save is due, at a fast log rate:
+    the run rides it out, finishes, and metrics.jsonl holds every step (issue 40)."""
+    with _small_disk(tmp_path, "4m") as mount:
+        config = _config(mount / "run", steps=150)
+        config.checkpoint.every = 0   # only the final save
+        filler = _fill(mount, 3, until=lambda full_since: time.monotonic() - full_since >= 2)
+        with _when_logged("compiling the training step", filler.start), \
+                caplog.at_level(logging.INFO):
+            records = train(config)
+        filler.join(timeout=60)
+        assert records[-1]["step"] == 150
+        assert "No space left on device" in caplog.text   # the fault did hit the run
+        assert "metrics.jsonl written again at step" in caplog.text
+        steps = [json.loads(line)["step"] for line in open(mount / "run" / "metrics.jsonl")]
+        assert steps == list(range(1, 151))
+        assert os.listdir(mount / "run" / "checkpoints") == ["150"]
+        assert "Traceback" not in caplog.text + capfd.readouterr().err
+
+
+@no_unraisable_tracebacks
+def test_an_asynchronous_save_that_fails_is_retried_at_once_at_a_later_step(tmp_path, caplog):
+    """A save whose background writes fail (the disk filled up) is saved again at the step the
+    failure is found, not a whole checkpoint interval later."""
+    with _small_disk(tmp_path, "16m") as mount:   # room for 3 checkpoints
+        config = _config(mount / "run", steps=60)
+        config.checkpoint.every = 20
+        failed = threading.Event()
+        filler = _fill(mount, 5, until=lambda _: failed.is_set())   # full from step 6 on
+        with _when_logged("compiling the training step", filler.start), \
+                _when_logged("saving a later step instead", failed.set), \
+                caplog.at_level(logging.INFO):
+            records = train(config, patience=QUICK)
+        filler.join(timeout=60)
+        assert records[-1]["step"] == 60
+        assert "checkpoint step 20 could not be saved" in caplog.text
+        saved = sorted(int(s) for s in os.listdir(mount / "run" / "checkpoints") if s.isdigit())
+        assert len(saved) == 3 and 20 < saved[0] < 40 and saved[1:] == [40, 60], saved
+        assert "Traceback" not in caplog.text
+        steps = [json.loads(line)["step"] for line in open(mount / "run" / "metrics.jsonl")]
+        assert steps == list(range(1, 61))
 
 
 # -- one live run per workdir ---------------------------------------------------------------
@@ -296,6 +413,51 @@ def test_a_run_whose_lock_was_taken_over_stops_and_writes_nothing_more(tmp_path)
                         r"node-7 .*; this run stops so that two runs never write one workdir; "
                         r"last good checkpoint: .*", message), message
     assert json.loads((workdir / "lock").read_text())["token"] == "other"   # left alone
+
+
+# -- refused resumes -------------------------------------------------------------------------
+
+def _command_line(config) -> list[str]:
+    """train.py's arguments for `config`: configs/demo.py and an override per field that
+    differs from it."""
+    def leaves(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    demo = dict(leaves(load_config(DEMO_CONFIG).to_dict()))
+    return ["--config", DEMO_CONFIG] + [f"--config.{key}={value}"
+                                        for key, value in leaves(config.to_dict())
+                                        if demo[key] != value]
+
+
+def test_a_refused_resume_initialises_nothing_and_leaves_config_json_alone(two_steps, tmp_path):
+    """A resume that changes the model is refused (exit 2, one line) before the model is
+    initialised, and config.json still describes the workdir's checkpoints (issue 40)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(two_steps, workdir)
+    before = (workdir / "config.json").read_bytes()
+    config = _config(workdir, steps=4)
+    # 2**21 x 64 embeddings and output projection: 268M parameters, 3.2 GB with Adam's
+    # moments, that the refused run must never allocate
+    config.model.vocab_size = 2**21
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        run = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"),
+                                *_command_line(config)], cwd=ROOT, stdout=out, stderr=err,
+                               env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        _, status, usage = os.wait4(run.pid, 0)   # its own peak memory, not its siblings'
+        run.returncode = os.waitstatus_to_exitcode(status)
+    stderr = (tmp_path / "err").read_text()
+    assert run.returncode == 2, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [stderr.splitlines()[-1]] and "Traceback" not in stderr, stderr
+    assert errors[0].startswith("error: the checkpoint (step 2) was written with another "
+                                "config: model.vocab_size 512 -> 2097152; ")
+    assert (workdir / "config.json").read_bytes() == before
+    peak_gb = usage.ru_maxrss / 2**20   # KiB on Linux
+    assert peak_gb < 1.5, f"the refused run peaked at {peak_gb:.1f} GB"
 
 
 # -- non-finite steps -----------------------------------------------------------------------
@@ -353,12 +515,32 @@ def test_metrics_hold_each_step_once_after_a_resume(tmp_path):
     assert steps == [1, 2, 3, 4]
 
 
+def test_damaged_bytes_in_metrics_do_not_block_the_resume(two_steps, tmp_path, caplog):
+    """A torn block of a network filesystem: bytes that are not UTF-8 after the last record."""
+    workdir = tmp_path / "run"
+    shutil.copytree(two_steps, workdir)
+    with open(workdir / "metrics.jsonl", "ab") as f:
+        f.write(b"\xff\xfe\x80\x00\x00garbage\xc3\x28\n\x9f" + bytes(range(256)) + b"\xf0\x28")
+    with caplog.at_level(logging.WARNING):
+        records = train(_config(workdir, steps=4))
+    assert [r["step"] for r in records] == [3, 4]
+    text = (workdir / "metrics.jsonl").read_bytes().decode("utf-8")   # all of it UTF-8
+    assert [json.loads(line)["step"] for line in text.splitlines()] == [1, 2, 3, 4]
+    # bytes(range(256)) holds a newline: two damaged lines before it, one after
+    assert "metrics.jsonl: dropped 3 unreadable line(s)" in caplog.text
+
+
 def test_truncate_metrics(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\nnot json\n{"step": 3}\n{"no": 1}\n{"step": 2')
     assert truncate_metrics(str(path), 2) == 4
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
     assert truncate_metrics(str(tmp_path / "absent.jsonl"), 5) == 0
+    # whatever the bytes of a line: not UTF-8, UTF-16, other JSON, a step that is no number
+    path.write_bytes(b'{"step": 1}\n\xff{"step": 2}\n' + '{"step": 2}'.encode("utf-16")
+                     + b'\n[1]\n"step"\n{"step": 1e999}\n{"step": null}\n\n{"step": 2}\n')
+    assert truncate_metrics(str(path), 2) == 7
+    assert path.read_bytes() == b'{"step": 1}\n{"step": 2}\n'
 
 
 def test_a_run_that_fails_on_its_data_leaves_no_workdir_behind(tmp_path):

@@ -145,9 +145,10 @@ def test_resume_continues_with_the_same_losses_under_another_strategy(tmp_path, 
                                [r["loss"] for r in full], rtol=1e-5)
     steps = sorted(os.listdir(tmp_path / "b" / "run" / "checkpoints"))
     assert steps == ["4", "8"]
-    with caplog.at_level(logging.INFO):  # a finished run says so and trains nothing
+    with caplog.at_level(logging.INFO):  # a finished run says so, once, and trains nothing
         assert train(demo_config(tmp_path / "b", train__steps=8, checkpoint__every=4)) == []
     assert "is already trained to step 8 (train.steps); nothing to do" in caplog.text
+    assert caplog.text.count("already") == 1, caplog.text
 
 
 class _Terminal(io.StringIO):

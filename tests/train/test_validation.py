@@ -12,6 +12,7 @@ from lclm.checkpoint import read_params
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
+from lclm.errors import ConfigError
 from lclm.models.llama import loss_terms
 from lclm.parallel import make_mesh
 from lclm.train.loop import train
@@ -56,3 +57,22 @@ def test_val_loss_is_the_loss_of_the_saved_parameters_on_the_held_out_batches(tm
     reader.close()
     assert records[-1]["val_loss"] == pytest.approx(total / count, rel=1e-5)
     assert os.path.isdir(tmp_path / "run" / "checkpoints" / "5")
+
+
+def test_a_validation_file_smaller_than_a_batch_is_refused_naming_the_validation_keys(tmp_path):
+    held_out = tmp_path / "held_out.jsonl"
+    with open(DEMO_CORPUS) as f:   # 3 documents for the 4 rows of a batch
+        held_out.write_text("".join(list(f)[-3:]))
+    config = small_train_config(tmp_path / "run", mesh=dict(dp=1, fsdp=2, tp=1, sp=2),
+                                attention=dict(q_chunk=16, kv_chunk=16), train=dict(steps=2))
+    config.validation.update(path=str(held_out), every=2, batches=2)
+    with pytest.raises(ConfigError) as e:
+        train(config)
+    message = str(e.value)
+    assert message.startswith(f"validation.path={str(held_out)!r}: {held_out} has 3 usable "
+                              "record(s), fewer than the data.batch_size=4 rows of a validation "
+                              "batch"), message
+    assert "validation.batches=2" in message and "\n" not in message
+    # the fix is more held-out data, not a smaller data.batch_size (another training run)
+    assert message.endswith("give validation.path at least 4 held-out records, or set "
+                            "validation.path='' to train without validation"), message
