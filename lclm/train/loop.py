@@ -41,6 +41,7 @@ from lclm.train.setup import (
     apply_checkpoint_fields,
     apply_hf_shapes,
     attention_line,
+    check_data,
     load_checkpoint_params,
     load_hf_params,
     validate,
@@ -82,6 +83,7 @@ def train(config, stop_after: int | None = None,
     elif config.model.init_from_checkpoint:
         apply_checkpoint_fields(config)
     sizes = validate(config, len(devices))
+    check_data(config)   # before the model: a missing file is found in seconds
     if jax.process_count() > 1:
         used = math.prod(sizes.values())
         if used != len(devices):
@@ -190,7 +192,7 @@ def _check_validation_size(config, tokenizer) -> None:
     the fix is more held-out data, not another `data.batch_size`, which would change the
     training run."""
     v, d = config.validation, config.data
-    for kind, path, _ in parse_sources(v.path, d.source):
+    for kind, path, _ in parse_sources(v.path, d.source, "validation.path"):
         found = len(open_documents(kind, path, tokenizer, text_field=d.text_field,
                                    chat_template=d.chat_template))
         if found < d.batch_size:
