@@ -17,6 +17,7 @@ data order), the next one starts from its predecessor's final checkpoint.
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 
@@ -24,7 +25,7 @@ from lclm.checkpoint import Checkpoints
 from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError
 from lclm.train.loop import train
-from lclm.train.setup import SourceDamaged, apply_hf_shapes, check_data, validate
+from lclm.train.setup import SourceDamaged, apply_hf_shapes, validate
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,6 @@ def validate_stages(config, device_count: int) -> list:
     for i, c in enumerate(configs):
         try:
             validate(c, device_count)
-            check_data(c)
         except ConfigError as e:
             raise ConfigError(f"stage {i} (seq_len {c.data.seq_len}): {e}") from None
     return configs
@@ -72,7 +72,9 @@ def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
     if config.model.init_from_hf:
         apply_hf_shapes(config)  # every stage validates against the real model shape
     configs = validate_stages(config, len(jax.devices()))
-    single = _saved_step(config.workdir)
+    # looked at only where it exists: opening Checkpoints would create the directory
+    single = (_saved_step(config.workdir)
+              if os.path.isdir(os.path.join(config.workdir, "checkpoints")) else None)
     if single is not None:   # the stages would be written beside it and never read it
         raise ConfigError(
             f"workdir={config.workdir!r} holds the checkpoints of a single run or a conversion "
