@@ -402,8 +402,11 @@ def test_a_run_whose_lock_was_taken_over_stops_and_writes_nothing_more(tmp_path)
     config.workdir_lease_minutes = 0.005   # renewed (and checked) every 0.06 s
 
     def take_over():
-        (workdir / "lock").unlink()
-        (workdir / "lock").write_text(json.dumps(dict(host="node-7", pid=4242, token="other")))
+        # as a run taking a lock over writes it: whole, by a rename, so that the lock is never
+        # seen missing (a missing lock is another stop, "was deleted")
+        (workdir / "lock.other").write_text(json.dumps(dict(host="node-7", pid=4242,
+                                                            token="other")))
+        os.replace(workdir / "lock.other", workdir / "lock")
 
     with _when_logged("compiling the training step", take_over), \
             pytest.raises(TrainingHalted) as e:
@@ -443,20 +446,28 @@ def test_a_refused_resume_initialises_nothing_and_leaves_config_json_alone(two_s
     # 2**21 x 64 embeddings and output projection: 268M parameters, 3.2 GB with Adam's
     # moments, that the refused run must never allocate
     config.model.vocab_size = 2**21
-    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        run = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"),
-                                *_command_line(config)], cwd=ROOT, stdout=out, stderr=err,
-                               env=dict(os.environ, JAX_PLATFORMS="cpu"))
-        _, status, usage = os.wait4(run.pid, 0)   # its own peak memory, not its siblings'
-        run.returncode = os.waitstatus_to_exitcode(status)
-    stderr = (tmp_path / "err").read_text()
+    # The run's own peak resident memory, VmHWM of its process image, written as it exits.
+    # Not wait4's ru_maxrss: Linux carries a forked child's maxrss over its exec, so that
+    # reports this pytest worker's size (4.6 GB in CI) rather than the run's.
+    peak = tmp_path / "peak_kib"
+    measured = ("import atexit, runpy, sys\n"
+                "def peak():\n"
+                "    status = open('/proc/self/status').read().split('VmHWM:')[1]\n"
+                f"    open({str(peak)!r}, 'w').write(status.split()[0])\n"
+                "atexit.register(peak)\n"
+                "sys.argv = sys.argv[1:]\n"
+                "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    run = subprocess.run([sys.executable, "-c", measured, os.path.join(ROOT, "train.py"),
+                          *_command_line(config)], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    stderr = run.stderr
     assert run.returncode == 2, stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert errors == [stderr.splitlines()[-1]] and "Traceback" not in stderr, stderr
     assert errors[0].startswith("error: the checkpoint (step 2) was written with another "
                                 "config: model.vocab_size 512 -> 2097152; ")
     assert (workdir / "config.json").read_bytes() == before
-    peak_gb = usage.ru_maxrss / 2**20   # KiB on Linux
+    peak_gb = int(peak.read_text()) / 2**20
     assert peak_gb < 1.5, f"the refused run peaked at {peak_gb:.1f} GB"
 
 
