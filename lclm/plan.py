@@ -147,15 +147,30 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
         # dtype, one copy each way round), and the head's float32 gradient is whole until it
         # is reduce-scattered (the buffer assignments show all three)
         inside += m.vocab_size * m.dim * (2 * cbytes + 4)
-    host = 0.0
-    if m.remat == "offload":  # on the device only the layer being recomputed (and its copy)
-        host, per_layer_saved = per_layer_saved * m.n_layers, per_layer_saved
-        activations = 2 * per_layer_saved + inside + batch_local * t * m.dim * 4 * 2
-    else:
-        activations = per_layer_saved * m.n_layers + inside + batch_local * t * m.dim * 4 * 2
+    # the residual stream and its gradient, float32
+    residual = batch_local * t * m.dim * 4 * 2
     # the ring: K/V held + in flight (compute dtype) and dK/dV accumulators travelling (f32)
     ring = (batch_local * t * 2 * (kv_dim // max(1, min(tp, m.n_kv_heads))) * (2 * cbytes + 4)
             if sp > 1 else 0)
+    host = 0.0
+    if m.remat == "offload" and platform == "gpu":
+        host, per_layer_saved = per_layer_saved * m.n_layers, per_layer_saved
+        # Fitted, not derived (11 XLA:GPU compiles of the offload recipes on H100s, within
+        # -10% .. +4%, docs/scaling.md): with the layers' residuals in host memory XLA:GPU's
+        # peak is the larger of two phases. The loss and feed-forward chunks: their float32
+        # logits and compute-dtype activations, each with its gradient. Or the attention
+        # backward: the ring's buffers, q/k/v/o, one float32 set of q and k's size, the residual
+        # stream; the layer's saved residuals streamed in from the host are not held beside them.
+        chunks = 2 * (loss + batch_local * min(m.ffn_chunk, t) * (m.ffn_dim // tp) * cbytes * 3)
+        attention_backward = (ring + batch_local * t * (2 * heads_local * m.head_dim + 2 * kv_local)
+                              * cbytes + batch_local * t * 4 * (heads_local * m.head_dim + kv_local)
+                              + residual)
+        activations = max(chunks, attention_backward) - ring   # the ring is counted on its own
+    elif m.remat == "offload":  # on the device only the layer being recomputed (and its copy)
+        host, per_layer_saved = per_layer_saved * m.n_layers, per_layer_saved
+        activations = 2 * per_layer_saved + inside + residual
+    else:
+        activations = per_layer_saved * m.n_layers + inside + residual
     min_block: float | None = None
     device_memory: float | None = None
     if device in DEVICES:  # an unknown or no device: neither is known
