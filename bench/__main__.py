@@ -291,6 +291,10 @@ def main(argv=None) -> int:
                          "untracked; the committed reference results are bench/results/<suite>: "
                          "name that folder to update them)")
     ap.add_argument("--smallest", action="store_true", help="first size of every part only")
+    ap.add_argument("--compile-only", nargs="?", const="h100:1", default=None, metavar="TARGET",
+                    help="compile every program of the parts for described GPUs (default "
+                         "h100:1; needs the [gpu-aot] extra, no GPU) and run none "
+                         "(bench/compile_only.py)")
     ap.add_argument("--in-process", action="store_true",
                     help="run the parts in this process (what a part's own process does)")
     logs.configure()
@@ -298,10 +302,28 @@ def main(argv=None) -> int:
     return run_cli(lambda: _run(args))
 
 
+def _compile_only(args, parts: list[str]) -> int:
+    """`--compile-only`: the parts' programs compiled for described GPUs, none run."""
+    from bench import compile_only
+
+    if not SUITES[args.suite].needs_gpu:
+        raise StartupError("--compile-only compiles a GPU suite's programs: use it with "
+                           "--suite gpu-quick or --suite gpu")
+    unsupported = [p for p in parts if p not in compile_only.PARTS]
+    if unsupported:
+        raise StartupError(f"--compile-only lists the programs of {', '.join(compile_only.PARTS)}"
+                           f", not {', '.join(unsupported)}; choose --parts among those")
+    suite = SUITES[args.suite].smallest() if args.smallest else SUITES[args.suite]
+    args.out = _out_dir(args.out)
+    return 1 if compile_only.run(suite, parts, args.compile_only, args.out) else 0
+
+
 def _run(args) -> int:
     parts = _parts(args.parts, SUITES[args.suite])
     args.out = args.out or default_out_dir(args.suite)
     check_output("--out", args.out)  # before the GPU probe (up to 300 s) and an hour of parts
+    if args.compile_only:
+        return _compile_only(args, parts)
     if SUITES[args.suite].needs_gpu and not os.environ.get(GPU_CHECKED):
         why = gpu_missing()
         if why:

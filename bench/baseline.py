@@ -44,8 +44,11 @@ def fastest_that_fits(records: list[dict]) -> dict | None:
 
 def attention_implementation() -> str | None:
     """cuDNN on GPUs (failing loudly if it cannot run, rather than timing XLA's fallback);
-    XLA's default elsewhere."""
-    return "cudnn" if jax.default_backend() == "gpu" else None
+    XLA's default elsewhere. The GPU is the one the program is built for (`compiling_for`'s
+    described GPU in `--compile-only`), not necessarily this host's."""
+    from lclm.ops.kernels import platform_family, target_device
+
+    return "cudnn" if platform_family(target_device().platform) == "gpu" else None
 
 
 def _layer(c: LlamaConfig, x, p, rope):

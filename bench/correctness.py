@@ -99,9 +99,9 @@ def case_inputs(case: str, t: int, heads: int, head_dim: int, dtype: str):
     return q, k, v, do, q_pos, k_pos, seg(q_pos), seg(k_pos)
 
 
-def dense_reference(q, k, v, do, q_pos, k_pos, q_seg, k_seg):
-    """(o, dq, dk, dv) in float32 of `lclm.ops.kernels.reference.dense_attention` with the case's
-    positions and segment ids on both sides (jitted once, the ids as constants)."""
+def dense_reference(q_pos, k_pos, q_seg, k_seg):
+    """`(q, k, v, do) -> (o, dq, dk, dv)` in float32, jitted: `lclm.ops.kernels.reference.
+    dense_attention` with the case's positions and segment ids on both sides (constants)."""
     import jax
     import jax.numpy as jnp
 
@@ -115,7 +115,7 @@ def dense_reference(q, k, v, do, q_pos, k_pos, q_seg, k_seg):
 
         o, vjp = jax.vjp(attend, *(x.astype(jnp.float32) for x in (q, k, v)))
         return (o, *vjp(do.astype(jnp.float32)))
-    return reference(q, k, v, do)
+    return reference
 
 
 def ring_of_blocks(kernel, blocks: int, tiles: dict, q_pos, k_pos, q_seg=None, k_seg=None):
@@ -168,15 +168,14 @@ def check(impl: str, case: str, head_dim: int, spec: CorrectnessSpec, cache=None
     key = (case, head_dim)
     if cache is None or key not in cache:
         args = case_inputs(case, spec.block, spec.heads, head_dim, spec.dtype)
-        entry = (args, dense_reference(*args))
+        entry = (args, dense_reference(*args[4:])(*args[:4]))
         if cache is not None:
             cache[key] = entry
     else:
         entry = cache[key]
     args, want = entry
     q, k, v, do, *ids = args
-    tiles = dict(causal=True, q_chunk=spec.q_chunk, kv_chunk=spec.kv_chunk)
-    got = ring_of_blocks(get_kernel(impl), len(CASES[case][3]), tiles, *ids)(q, k, v, do)
+    got = ring_of_blocks(get_kernel(impl), len(CASES[case][3]), tiles(spec), *ids)(q, k, v, do)
     errors = {}
     for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
@@ -186,11 +185,26 @@ def check(impl: str, case: str, head_dim: int, spec: CorrectnessSpec, cache=None
     return dict(errors, worst=worst, status="ok" if ok else "WRONG")
 
 
+def tiles(spec: CorrectnessSpec) -> dict:
+    """The kernels' arguments besides the arrays: causal, the spec's tiles."""
+    return dict(causal=True, q_chunk=spec.q_chunk, kv_chunk=spec.kv_chunk)
+
+
 def kernel_order(kernels: list[str], preferred: str | None) -> list[str]:
     """The kernel `auto` picks first, the other fused kernels next, blockwise (pure JAX, the
     one checked everywhere else) last: what a budget cuts short is the least informative."""
     rank = lambda k: (k != preferred, k == "blockwise")
     return sorted(kernels, key=rank)
+
+
+def checked_kernels(platform: str, spec: CorrectnessSpec) -> tuple[list[str], list[str]]:
+    """(the kernels the part checks on `platform`, in `kernel_order`; 'name: why' of those it
+    cannot)."""
+    from bench.attention import preferred_kernel, usable_kernels
+
+    kernels, skipped = usable_kernels(platform)
+    kernels = [k for k in kernels if spec.impls is None or k in spec.impls]
+    return kernel_order(kernels, preferred_kernel(platform)), skipped
 
 
 HEADER = ["kernel", "case", "head dim", "o", "dq", "dk", "dv", "seconds", "status"]
@@ -205,13 +219,9 @@ def run(spec: CorrectnessSpec, out_dir: str, toy: bool = False, on_row=None) -> 
 
     import jax
 
-    from bench.attention import preferred_kernel, usable_kernels
     from bench.timing import Budget
 
-    platform = jax.devices()[0].platform
-    kernels, skipped = usable_kernels(platform)
-    kernels = [k for k in kernels if spec.impls is None or k in spec.impls]
-    kernels = kernel_order(kernels, preferred_kernel(platform))
+    kernels, skipped = checked_kernels(jax.devices()[0].platform, spec)
     budget = Budget(spec.budget_s)
     notes = stamp(toy) + [
         f"One device's queries ({spec.block} tokens, {spec.heads} query heads, {spec.dtype} "

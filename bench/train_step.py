@@ -136,30 +136,13 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
     that layer remat on the same model instead; where the device reports its memory, a
     baseline step whose XLA estimate exceeds it is not run (status 'does not fit').
     """
-    import contextlib
-
     import jax
 
-    from lclm.models.llama import param_count
     from lclm.train.metrics import flops_per_token, peak_flops
-    from lclm.train.setup import attention_kernel
 
-    if baseline:
-        model, sizes, state, batch, step = _build_baseline(config, baseline)
-        kernel = BASELINE
-    else:
-        model, sizes, state, batch, step = _build(config)
-        kernel = attention_kernel(config, model, sizes["sp"], jax.devices()[0].platform)
-    record = dict(params=param_count(model), seq=config.data.seq_len,
-                  impl=kernel, layout="-" if baseline else config.attention.layout,
-                  remat=baseline or config.model.remat,
-                  mesh="x".join(str(sizes[a]) for a in MESH_AXES))
-    t0 = time.perf_counter()
-    with model_patch or contextlib.nullcontext():
-        compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
-    record["compile_s"] = time.perf_counter() - t0
+    record, compiled, (model, sizes, state, batch) = compile_row(
+        config, model_patch=model_patch, baseline=baseline)
     estimate = _xla_bytes(compiled)
-    record["xla_gib"] = None if estimate is None else estimate / 2 ** 30
     if budget_bytes is not None and estimate is not None and estimate > budget_bytes:
         return dict(record, status="over budget")
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit") if baseline else None
@@ -178,51 +161,105 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
                 loss=float(metrics["loss"]))
 
 
-def _build(config):
-    """(model config, mesh sizes, fresh train state, synthetic batch, un-jitted step)."""
+def compile_row(config, *, devices=None, model_patch=None, baseline: str | None = None):
+    """(the row's record: params, seq, impl, layout, remat, mesh, compile_s, xla_gib; the
+    compiled step; (model config, mesh sizes, state, batch)) for `measure` (see there). On
+    described `devices` (`lclm.aot.target_devices`: `--compile-only`) the step is lowered for
+    them with an abstract state and batch, and only compiled."""
+    import contextlib
+
     import jax
 
+    from lclm import aot
+    from lclm.models.llama import param_count
+    from lclm.train.setup import attention_kernel
+
+    target = (devices or jax.devices())[0]
+    if baseline:
+        model, sizes, state, batch, step = _build_baseline(config, baseline, devices)
+        kernel = BASELINE
+    else:
+        model, sizes, state, batch, step = _build(config, devices)
+        kernel = attention_kernel(config, model, sizes["sp"], target.platform)
+    record = dict(params=param_count(model), seq=config.data.seq_len,
+                  impl=kernel, layout="-" if baseline else config.attention.layout,
+                  remat=baseline or config.model.remat,
+                  mesh="x".join(str(sizes[a]) for a in MESH_AXES))
+    t0 = time.perf_counter()
+    with model_patch or contextlib.nullcontext(), \
+            aot.lowering_for(target) if devices else contextlib.nullcontext():
+        lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
+    compiled = lowered.compile()
+    record["compile_s"] = time.perf_counter() - t0
+    estimate = _xla_bytes(compiled)
+    record["xla_gib"] = None if estimate is None else estimate / 2 ** 30
+    return record, compiled, (model, sizes, state, batch)
+
+
+def _build(config, devices=None):
+    """(model config, mesh sizes, fresh train state, synthetic batch, un-jitted step). On
+    `devices` (described ones, `lclm.aot.target_devices`) the state and batch are abstract:
+    shapes and shardings to compile against, nothing allocated."""
+    import jax
+
+    from lclm import aot
     from lclm.config import AttentionConfig, LlamaConfig
+    from lclm.data.loader import batch_sharding
     from lclm.parallel.mesh import make_mesh
     from lclm.train.setup import validate
     from lclm.train.state import init_state
     from lclm.train.step import make_optimizer, make_train_step
 
-    devices = jax.devices()
+    described = devices is not None
+    devices = devices or jax.devices()
     sizes = validate(config, len(devices))
-    mesh = make_mesh(**sizes, devices=devices)
+    mesh = make_mesh(**sizes, devices=devices[:math.prod(sizes.values())])
     model = LlamaConfig.from_config(config.model)
     attention = AttentionConfig.from_config(config.attention)
     optimizer = make_optimizer(config.train)
-    state = init_state(model, optimizer, mesh, config.seed)
-    batch = synthetic_batch(model.vocab_size, config.data.batch_size, config.data.seq_len,
-                            attention.layout, sizes["sp"], mesh)
+    d = config.data
+    if described:
+        state = aot.abstract_state(model, optimizer, mesh)
+        batch = aot.abstract_batch(d.batch_size, d.seq_len, batch_sharding(mesh))
+    else:
+        state = init_state(model, optimizer, mesh, config.seed)
+        batch = synthetic_batch(model.vocab_size, d.batch_size, d.seq_len, attention.layout,
+                                sizes["sp"], mesh)
     return model, sizes, state, batch, make_train_step(model, attention, config.train, mesh,
                                                        optimizer)
 
 
-def _build_baseline(config, remat: str):
+def _build_baseline(config, remat: str, devices=None):
     """`_build` for the plain single-device step (`bench.baseline`) with layer remat `remat`,
     original token order."""
-    import math
-
     import jax
 
     from bench import baseline
+    from lclm import aot
     from lclm.config import LlamaConfig
     from lclm.errors import ConfigError
     from lclm.train.setup import validate
     from lclm.train.step import make_optimizer
 
-    sizes = validate(config, len(jax.devices()))
+    described = devices is not None
+    devices = devices or jax.devices()
+    sizes = validate(config, len(devices))
     if math.prod(sizes.values()) != 1:
         raise ConfigError(f"the baseline runs on one device, not the mesh {sizes}; "
                           "set --config.mesh.dp/fsdp/tp/sp=1")
     model = LlamaConfig.from_config(config.model)
     optimizer = make_optimizer(config.train)
-    state = baseline.init_state(model, optimizer, config.seed)
-    batch = synthetic_batch(model.vocab_size, config.data.batch_size, config.data.seq_len,
-                            "contiguous", 1, None)
+    d = config.data
+    if described:
+        where = jax.sharding.SingleDeviceSharding(devices[0])
+        shapes = jax.eval_shape(lambda: baseline.init_state(model, optimizer, config.seed))
+        state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+                             shapes)
+        batch = aot.abstract_batch(d.batch_size, d.seq_len, where)
+    else:
+        state = baseline.init_state(model, optimizer, config.seed)
+        batch = synthetic_batch(model.vocab_size, d.batch_size, d.seq_len, "contiguous", 1,
+                                None)
     return model, sizes, state, batch, baseline.make_step(model, optimizer, remat)
 
 

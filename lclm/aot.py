@@ -255,42 +255,40 @@ class Compiled:
         return self.arguments + self.temporaries + self.outputs - self.aliased
 
 
-def compile_step(config, devices) -> Compiled:
-    """Lower and compile the train step train.py builds for `config` on `devices` (abstract
-    state and batch in their real shardings; nothing is allocated). A compile error (HBM or
-    VMEM overflow among them) propagates."""
-
-    sizes = validate(config, len(devices))
-    mesh = make_mesh(**sizes, devices=devices[:math.prod(sizes.values())])
-    model = LlamaConfig.from_config(config.model)
-    optimizer = make_optimizer(config.train)
-    where = state_shardings(model, optimizer, mesh)
+def abstract_state(model: LlamaConfig, optimizer, mesh):
+    """The train state's shapes, dtypes and shardings on `mesh` (nothing allocated)."""
     shapes = jax.eval_shape(lambda: init_state(model, optimizer, mesh, 0))
-    state = jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
-                         shapes, where)
-    d = config.data
-    batch = {k: jax.ShapeDtypeStruct((d.batch_size, d.seq_len),
-                                     jnp.float32 if k == "loss_mask" else jnp.int32,
-                                     sharding=batch_sharding(mesh))
-             for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
-    step = jit_train_step(model, AttentionConfig.from_config(config.attention), config.train,
-                          mesh, optimizer, where, document_mask=d.document_mask)
-    started = time.perf_counter()
-    gpu = devices[0].platform in ("gpu", "cuda", "rocm")
-    # The kernels are chosen and lowered for the target's devices, not the host's CPU:
-    # `compiling_for` tells impl='auto' and the kernels' limits what the GPU is (compute
-    # capability), and tokamax's ops look at the default device while they lower. Scoped to the
-    # lowering: a compile under another default device fails ("no attribute 'local_devices'").
-    where_ = jax.default_device(devices[0]) if gpu else contextlib.nullcontext()
+    return jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
+                        shapes, state_shardings(model, optimizer, mesh))
+
+
+def abstract_batch(batch_size: int, seq_len: int, sharding) -> dict:
+    """A batch's arrays `[batch, seq]` as train.py's step takes them, placed by `sharding`."""
+    return {k: jax.ShapeDtypeStruct((batch_size, seq_len),
+                                    jnp.float32 if k == "loss_mask" else jnp.int32,
+                                    sharding=sharding)
+            for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
+
+
+@contextlib.contextmanager
+def lowering_for(device):
+    """Within: programs are traced and lowered for `device` (a described TPU or GPU), not the
+    host's CPU. `compiling_for` tells impl='auto' and the kernels' limits what the device is
+    (compute capability); on GPUs tokamax's ops also look at the default device while they
+    lower. Only around the lowering: a compile under another default device fails ("no
+    attribute 'local_devices'")."""
+    gpu = device.platform in ("gpu", "cuda", "rocm")
     absl = logging.getLogger("absl")
     absl.addFilter(_no_autotuning_notes)
     try:
-        with compiling_for(devices[0]), where_:
-            lowered = step.lower(state, batch)
+        with compiling_for(device), jax.default_device(device) if gpu else contextlib.nullcontext():
+            yield
     finally:
         absl.removeFilter(_no_autotuning_notes)
-    compiled = lowered.compile()
-    seconds = time.perf_counter() - started
+
+
+def analyse(compiled, seconds: float) -> Compiled:
+    """What lclm reads of a compiled program: XLA's memory analysis and counts in its text."""
     memory, text = compiled.memory_analysis(), compiled.as_text()
     # None only from a backend that cannot say (jax's annotation); XLA's backends answer both
     assert memory is not None and text is not None
@@ -303,15 +301,37 @@ def compile_step(config, devices) -> Compiled:
                     conditionals(text), sum(collectives(text).values()), host)
 
 
+def compile_step(config, devices) -> Compiled:
+    """Lower and compile the train step train.py builds for `config` on `devices` (abstract
+    state and batch in their real shardings; nothing is allocated). A compile error (HBM or
+    VMEM overflow among them) propagates."""
+
+    sizes = validate(config, len(devices))
+    mesh = make_mesh(**sizes, devices=devices[:math.prod(sizes.values())])
+    model = LlamaConfig.from_config(config.model)
+    optimizer = make_optimizer(config.train)
+    state = abstract_state(model, optimizer, mesh)
+    batch = abstract_batch(config.data.batch_size, config.data.seq_len, batch_sharding(mesh))
+    step = jit_train_step(model, AttentionConfig.from_config(config.attention), config.train,
+                          mesh, optimizer, state_shardings(model, optimizer, mesh),
+                          document_mask=config.data.document_mask)
+    started = time.perf_counter()
+    with lowering_for(devices[0]):
+        lowered = step.lower(state, batch)
+    compiled = lowered.compile()
+    return analyse(compiled, time.perf_counter() - started)
+
+
 def _no_autotuning_notes(record: logging.LogRecord) -> bool:
     """tokamax warns once per kernel shape that it has no tuned config for the device: always
     so with no GPU to tune on (its default config is compiled), so not worth a line each."""
     return not str(record.msg).startswith("Autotuning cache miss")
 
 
-# custom-call targets of fused kernels: Mosaic TPU, Pallas-Triton, Mosaic GPU (tokamax)
+# custom-call targets of fused kernels: Mosaic TPU, Pallas-Triton, Mosaic GPU (tokamax), cuDNN's
+# fused attention (bench's baseline)
 _KERNEL_TARGETS = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|'
-                             r'mosaic_gpu[^"]*)"')
+                             r'mosaic_gpu[^"]*|__cudnn\$fmha[^"]*)"')
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                 "all-to-all")
 

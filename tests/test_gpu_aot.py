@@ -189,3 +189,44 @@ def test_the_planner_is_within_15_percent_of_xla_gpu(remat, layers, seq_len):
     with compiling_for(devices[0]):
         planned = estimate(config, target.devices, target.planner_device).total
     assert abs(planned - xla) / xla < 0.15, (planned / 2**30, xla / 2**30)
+
+
+@needs_cuda_plugin
+@pytest.mark.slow
+def test_bench_compile_only_compiles_every_program_with_its_kernels(tmp_path):
+    """`python -m bench --suite gpu-quick --compile-only`'s rows on a cut-down suite (every
+    correctness case, one attention shape, a 2-layer model's baseline and lclm steps): each
+    program compiles for an H100, pallas_gpu as Triton kernels (not interpret mode, which a
+    CPU host's default backend gave the parts' local kernels) and the baseline's attention
+    as cuDNN's fused call."""
+    import dataclasses
+
+    from bench import compile_only
+    from bench.__main__ import TINY_MODEL, Suite
+    from bench.attention import AttentionSpec
+    from bench.correctness import CASES, CorrectnessSpec
+    from bench.max_context import ONE_DEVICE
+    from bench.train_step import ModelRun, TrainSpec
+
+    suite = Suite(
+        toy=False, separate_parts=True, needs_gpu=True,
+        correctness=dataclasses.replace(CorrectnessSpec().smallest(), impls=("pallas_gpu",)),
+        attention=dataclasses.replace(AttentionSpec().smallest(), blocks=(1024,),
+                                      impls=("pallas_gpu",)),
+        # bfloat16: cuDNN's attention takes no float32 (the demo's dtype)
+        train=TrainSpec(models=(ModelRun("configs/demo.py", (256,),
+                                         (*ONE_DEVICE, *TINY_MODEL,
+                                          "--config.model.dtype=bfloat16")),),
+                        impls=("auto",)))
+    failed = compile_only.run(suite, ["correctness", "attention", "train"], "h100:1",
+                              str(tmp_path))
+    lines = (tmp_path / "compile_only.md").read_text().splitlines()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines
+            if line.startswith("| ") and not line.startswith(("| part", "| ---"))]
+    assert failed == 0 and all(r[-1] == "ok" for r in rows), rows
+    programs = {r[1]: int(r[4]) for r in rows}   # name -> fused-kernel calls
+    assert len(programs) == 2 * len(CASES) + 2 * 2 + 4, sorted(programs)
+    for name, kernels in programs.items():
+        if "pallas_gpu" in name or "cuDNN" in name or name.startswith("lclm"):
+            assert kernels > 0, (name, kernels)
+    assert sum(name.startswith("baseline") for name in programs) == 3

@@ -31,7 +31,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from lclm.ops.kernels import choose_kernel, get_kernel
+from lclm.ops.kernels import choose_kernel, get_kernel, target_device
 from lclm.ops.kernels.contract import F32, visible_tiles
 from lclm.ops.layout import LAYOUTS, original_positions
 
@@ -207,7 +207,7 @@ def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_c
     segment_ids `[batch, seq]` or None. Differentiable.
     """
     settings = _settings(1, "contiguous", causal, q_chunk, kv_chunk, impl, q,
-                         jax.devices()[0], axis=None)
+                         target_device(), axis=None)
     return _ring(settings, q, k, v, segment_ids, segment_ids)
 
 

@@ -44,8 +44,11 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 def _interpret(platform: str | None) -> bool:
     """Interpret mode on CPU, Triton on GPU; `platform`: that of the devices the program is
-    for (default: JAX's default backend)."""
-    backend = platform or jax.default_backend()
+    for (default: the device kernels are built for, `target_device`: a described GPU in an
+    ahead-of-time compile, not this host's CPU)."""
+    from lclm.ops.kernels import platform_family, target_device
+
+    backend = platform or platform_family(target_device().platform)
     if backend == "tpu":
         raise ValueError("attention.impl='pallas_gpu' runs on GPUs; use 'pallas_tpu' on TPU")
     return backend == "cpu"

@@ -141,7 +141,9 @@ def _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform, device_kind=None) 
     tk, hkv = k.shape[1], k.shape[2]
     if h % hkv:
         raise ValueError(f"pallas_tpu: {h} query heads are not a multiple of {hkv} kv heads")
-    compiled = (platform or jax.default_backend()) == "tpu"
+    from lclm.ops.kernels import target_device
+
+    compiled = (platform or target_device().platform) == "tpu"
     if compiled:
         largest_q, largest_k = tpu_tiles(device_kind)
         qc, kc = _tile(tq, largest_q), _tile(tk, largest_k)
