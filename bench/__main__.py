@@ -1,6 +1,7 @@
 """The benchmark suite in one command.
 
     python -m bench --suite gpu-quick [--out DIR] [--parts correctness,attention,train]
+    python -m bench --suite gpu-quick --compile-only [h100:1]   # no GPU: compile, run nothing
     python -m bench --suite gpu [--out DIR] [--parts attention,striped,...]
     python -m bench --suite cpu [--smallest]
 
@@ -25,6 +26,10 @@ Nothing measured is lost to a kill: every part writes each row to its `.md` file
 flushed) the moment it is measured, the table before any plot, and a plot that fails is logged
 and skipped. `--suite gpu` and `--suite gpu-quick` need a GPU: elsewhere they say so in one
 line and exit 2.
+
+`--compile-only [TARGET]` compiles every program of the correctness, attention and train
+parts for described GPUs (default h100:1; the [gpu-aot] extra, no GPU) and runs none
+(bench/compile_only.py): the check to run before GPU time is spent.
 
 `--suite gpu-quick` is the first command on a lent GPU: each part at its quick size
 (`<Spec>.quick()`, also `python -m bench.<part> --quick`), designed to finish in under 8
