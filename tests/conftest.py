@@ -13,6 +13,9 @@ _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lclm-tests-jax-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# a size limit turns on JAX's file lock around every read and write of the cache: processes
+# compiling the same program at once never read an entry another is still writing
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 from lclm.parallel.devices import request_cpu_devices  # noqa: E402  (sets XLA_FLAGS only)
 
