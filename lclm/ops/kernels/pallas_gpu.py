@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from lclm.ops.kernels import platform_family, target_device
 from lclm.ops.kernels.contract import F32, Kernel, tile_visible
 
 MAX_BLOCK_Q = 128
@@ -46,8 +47,6 @@ def _interpret(platform: str | None) -> bool:
     """Interpret mode on CPU, Triton on GPU; `platform`: that of the devices the program is
     for (default: the device kernels are built for, `target_device`: a described GPU in an
     ahead-of-time compile, not this host's CPU)."""
-    from lclm.ops.kernels import platform_family, target_device
-
     backend = platform or platform_family(target_device().platform)
     if backend == "tpu":
         raise ValueError("attention.impl='pallas_gpu' runs on GPUs; use 'pallas_tpu' on TPU")

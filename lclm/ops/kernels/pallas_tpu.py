@@ -56,6 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from lclm.ops.kernels import target_device
 from lclm.ops.kernels.contract import F32, Kernel
 
 I32 = jnp.int32
@@ -141,8 +142,6 @@ def _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform, device_kind=None) 
     tk, hkv = k.shape[1], k.shape[2]
     if h % hkv:
         raise ValueError(f"pallas_tpu: {h} query heads are not a multiple of {hkv} kv heads")
-    from lclm.ops.kernels import target_device
-
     compiled = (platform or target_device().platform) == "tpu"
     if compiled:
         largest_q, largest_k = tpu_tiles(device_kind)
