@@ -124,19 +124,20 @@ def programs(suite, parts, devices) -> Iterator[Program]:
 def run(suite, parts, target_name: str, out_dir: str) -> int:
     """Compile every program of `parts`; write `compile_only.md` row by row. Returns the
     number of programs that failed."""
+    import jax
+
     from lclm import aot
 
     target = aot.target(target_name)
     devices = aot.target_devices(target)
-    import jax
-
     notes = [
         f"compiled on: this host's {jax.devices()[0].device_kind}; jax {jax.__version__}; "
         f"{datetime.date.today().isoformat()}",
         f"Compiled for {target_name} ({target.devices} x {devices[0].device_kind}, described: "
         "no GPU attached) by XLA:GPU on this machine: nothing here ran or was timed. XLA GiB: "
         "XLA's per-device arguments + outputs + temporaries less donated buffers; kernels: "
-        "fused-kernel calls (Triton, Mosaic GPU); conditionals: host syncs on XLA:GPU.",
+        "fused-kernel calls (Triton, Mosaic GPU, cuDNN attention); conditionals: host syncs "
+        "on XLA:GPU.",
         f"Parts: {', '.join(parts)} at the suite's sizes."]
     table = Table(f"Compile-only: {', '.join(parts)} for {target_name}", notes, HEADER,
                   os.path.join(out_dir, "compile_only.md"))
