@@ -94,8 +94,11 @@ def base_config() -> ml_collections.ConfigDict:
         allow_changed=""))
 
     # held-out data (the data.path syntax; empty: none): the mean loss over its first `batches`
-    # batches (the same ones every time) is logged as val_loss every `every` steps and at the end
-    c.validation = ml_collections.ConfigDict(dict(path="", every=200, batches=4))
+    # batches (the same ones every time) is logged as val_loss every `every` steps and at the end.
+    # lengths: more sequence lengths to measure it at, each logged as val_loss@LEN, e.g.
+    # "2k,8k", or "stages": this stage's and every earlier stage's (a staged run then shows what
+    # it gained at its new length and whether it forgot the old ones); empty: data.seq_len only
+    c.validation = ml_collections.ConfigDict(dict(path="", every=200, batches=4, lengths=""))
 
     # staged context extension (lclm.train.stages): "seq_len:rope_theta:steps, ..." runs one
     # stage after another, each from the previous one's final weights; empty = a single run.

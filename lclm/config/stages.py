@@ -1,6 +1,6 @@
 """Staged context extension as configs: the complete training config of every stage of
-`config.stages.schedule`, and the keys the stages set (a command-line override of one would
-be lost). Running the stages is lclm.train.stages'.
+`config.stages.schedule`, the keys the stages set (a command-line override of one would be
+lost), and the lengths each stage validates at. Running the stages is lclm.train.stages'.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import os
 
-from lclm.config.syntax import Stage, parse_schedule
+from lclm.config.syntax import Stage, parse_schedule, parse_tokens
 from lclm.errors import ConfigError
 
 
@@ -56,9 +56,32 @@ def stage_configs(config) -> list:
                 raise ConfigError(f"stages.tokens_per_batch={tokens} is not a multiple of stage "
                                   f"{i}'s seq_len={stage.seq_len}")
             c.data.batch_size = tokens // stage.seq_len
+        # 'stages' names lengths only the schedule knows: this stage's and the earlier ones'
+        c.validation.lengths = ",".join(
+            ",".join(str(s.seq_len) for s in stages[:i + 1]) if item.strip() == STAGES else item
+            for item in config.validation.lengths.split(","))
         if previous is not None:  # weights come from the previous stage, not from HF
             c.model.init_from_checkpoint = previous
             c.train.lr = config.stages.extend_lr or c.train.lr
         configs.append(c)
         previous = c.workdir
     return configs
+
+
+STAGES = "stages"
+
+
+def validation_lengths(config) -> list[int]:
+    """The sequence lengths the held-out loss is measured at: `data.seq_len` and those of
+    `validation.lengths` ('stages' outside a schedule is the run's own length), ascending.
+    A bad entry is a ConfigError naming the key."""
+    lengths = {config.data.seq_len}
+    for item in filter(None, (i.strip() for i in config.validation.lengths.split(","))):
+        if item == STAGES:
+            continue
+        try:
+            lengths.add(parse_tokens(item))
+        except ValueError as e:
+            raise ConfigError(f"validation.lengths={config.validation.lengths!r}: {e}, or "
+                              f"'{STAGES}' (this stage's and every earlier stage's)") from None
+    return sorted(lengths)

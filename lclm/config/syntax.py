@@ -20,6 +20,14 @@ def parse_tokens(text: str) -> int:
     return n
 
 
+def format_tokens(n: int) -> str:
+    """The short form `parse_tokens` reads: 2048 -> '2k', 1048576 -> '1m', 1000 -> '1000'."""
+    for suffix, unit in (("m", 1024 ** 2), ("k", 1024)):
+        if n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
 def parse_lengths(text: str) -> list[int]:
     """'2k,4k' -> [2048, 4096]."""
     return [parse_tokens(t) for t in text.split(",") if t.strip()]

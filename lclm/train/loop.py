@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -20,6 +21,7 @@ from jax.experimental import multihost_utils
 from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.config.model import AttentionConfig, LlamaConfig
 from lclm.config.secrets import public_config
+from lclm.config.stages import validation_lengths
 from lclm.data.loader import HostBatches, parse_sources
 from lclm.data.sources import DataError, open_documents
 from lclm.data.tokenizer import Tokenizer
@@ -159,31 +161,39 @@ def _restore_or_init(config, checkpoints: Checkpoints, state: TrainState, model,
 
 
 def _validation(config, mesh, tokenizer, model, attention, param_sharding):
-    """`val_loss(params) -> float`: the mean token loss over the first `validation.batches`
-    batches of `validation.path` (read once, so every evaluation sees the same tokens), or
-    None when the run has no validation data."""
+    """`val_losses(params) -> {length: mean token loss}` over the first `validation.batches`
+    batches of `validation.path` at each of `validation_lengths(config)` (read once, so every
+    evaluation sees the same tokens; `data.batch_size` rows of each length), or None when the
+    run has no validation data."""
     v = config.validation
     if not v.path:
         return None
-    held_out = config.copy_and_resolve_references()
-    held_out.data.path = v.path
-    try:
-        reader = HostBatches(held_out, mesh, tokenizer, prefetch=0)
-    except DataError:
-        _check_validation_size(config, tokenizer)   # the loader's advice is for training data
-        raise
-    try:
-        batches = [next(reader) for _ in range(v.batches)]
-    finally:
-        reader.close()
-    loss_fn = jit_eval_loss(model, attention, mesh, param_sharding,
-                            document_mask=config.data.document_mask)
+    losses = {}
+    for length in validation_lengths(config):
+        held_out = copy.deepcopy(config)   # references kept: a path may follow seq_len
+        held_out.data.seq_len = length
+        held_out.data.path = held_out.validation.path
+        try:
+            reader = HostBatches(held_out, mesh, tokenizer, prefetch=0)
+        except DataError:
+            _check_validation_size(config, tokenizer)   # the loader's advice is for training
+            raise
+        try:
+            batches = [next(reader) for _ in range(v.batches)]
+        finally:
+            reader.close()
+        losses[length] = (batches, jit_eval_loss(model, attention, mesh, param_sharding,
+                                                 document_mask=config.data.document_mask))
 
-    def val_loss(params) -> float:
-        sums = [jax.device_get(loss_fn(params, batch)) for batch in batches]
-        return float(sum(t for t, _ in sums)) / max(float(sum(c for _, c in sums)), 1.0)
+    def val_losses(params) -> dict[int, float]:
+        means = {}
+        for length, (batches, loss_fn) in losses.items():
+            sums = [jax.device_get(loss_fn(params, batch)) for batch in batches]
+            means[length] = (float(sum(t for t, _ in sums))
+                             / max(float(sum(c for _, c in sums)), 1.0))
+        return means
 
-    return val_loss
+    return val_losses
 
 
 def _check_validation_size(config, tokenizer) -> None:
@@ -273,8 +283,8 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                                  document_mask=config.data.document_mask)
         finite_fn = jax.jit(all_finite)
         batches = HostBatches(config, mesh, tokenizer, state=data_state)
-        val_loss = _validation(config, mesh, tokenizer, model, attention,
-                               state_sharding.params)
+        val_losses = _validation(config, mesh, tokenizer, model, attention,
+                                 state_sharding.params)
 
         total = config.train.steps
         first = int(state.step) + 1
@@ -438,7 +448,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                 resave = True
             if multi and multihost_utils.reached_preemption_sync_point(step):
                 preempted.set()
-            validating = val_loss is not None and (step % config.validation.every == 0
+            validating = val_losses is not None and (step % config.validation.every == 0
                                                    or step == last)
             logging_step = (step % config.log.every == 0 or step in (first, last)
                             or preempted.is_set() or validating)
@@ -462,7 +472,10 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                               skipped_steps=skipped_steps)
                 first_logged = first_logged or now
                 if validating:   # not counted in the next steps' time
-                    record["val_loss"] = val_loss(state.params)
+                    losses = val_losses(state.params)
+                    record["val_loss"] = losses[config.data.seq_len]
+                    if len(losses) > 1:   # val_loss@LEN for every length, its own included
+                        record.update({f"val_loss@{n}": x for n, x in losses.items()})
                     now = time.perf_counter()
                 t0, since = now, step
                 records.append(record)

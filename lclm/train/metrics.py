@@ -12,6 +12,7 @@ import sys
 import time
 
 from lclm.config import LlamaConfig
+from lclm.config.syntax import format_tokens
 from lclm.files import replacing
 from lclm.models.llama import param_count
 
@@ -183,6 +184,9 @@ class Progress:
                   "lr": f"{record['lr']:.2e}", "tok/s": f"{record['tokens_per_sec']:,.0f}"}
         if record.get("val_loss") is not None:
             fields["val"] = f"{record['val_loss']:.4f}"
+        for key, value in record.items():   # val_loss@LEN of validation.lengths
+            if key.startswith("val_loss@"):
+                fields[f"val@{format_tokens(int(key[9:]))}"] = f"{value:.4f}"
         if record.get("mfu") is not None:
             fields["MFU"] = f"{100 * record['mfu']:.1f}%"
         if record.get("skipped_steps"):

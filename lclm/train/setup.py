@@ -7,6 +7,7 @@ the config may leave the process (`public_config`: secrets removed) and wandb.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import glob
 import logging
@@ -29,6 +30,7 @@ from lclm.checkpoint import (
 from lclm.config.model import AttentionConfig, LlamaConfig
 from lclm.config.schema import check_fields
 from lclm.config.secrets import is_secret, public_config
+from lclm.config.stages import validation_lengths
 from lclm.data.chat import TEMPLATES
 from lclm.data.loader import SOURCE_KINDS, parse_sources
 from lclm.errors import ConfigError, StartupError
@@ -142,6 +144,15 @@ def validate(config, device_count: int) -> dict[str, int]:
     if micro % (dp * fsdp):
         _fail(f"micro-batch data.batch_size/train.grad_accum={micro} is not divisible by "
               f"mesh.dp x mesh.fsdp = {dp * fsdp}; change the batch size or the mesh")
+    for length in validation_lengths(config):
+        if length != d.seq_len and config.validation.path:
+            # a held-out batch at another length must split over the mesh as training's does
+            held_out = copy.deepcopy(config)
+            held_out.data.seq_len, held_out.validation.lengths = length, ""
+            try:
+                validate(held_out, device_count)
+            except ConfigError as e:
+                _fail(f"validation.lengths={config.validation.lengths!r}, length {length}: {e}")
     return sizes
 
 

@@ -1,5 +1,6 @@
 """Validation loss on held-out data: logged every `validation.every` steps and at the end,
-over the same batches each time, equal to the loss of the saved parameters on them."""
+over the same batches each time, equal to the loss of the saved parameters on them, at the
+run's length and at each of `validation.lengths` (val_loss@LEN)."""
 
 import json
 import os
@@ -9,13 +10,15 @@ import pytest
 from support import DEMO_CORPUS, small_train_config
 
 from lclm.checkpoint import read_params
-from lclm.config import AttentionConfig, LlamaConfig
+from lclm.config import AttentionConfig, LlamaConfig, base_config
+from lclm.config.stages import stage_configs, validation_lengths
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 from lclm.models.llama import loss_terms
 from lclm.parallel import make_mesh
 from lclm.train.loop import train
+from lclm.train.setup import validate
 from lclm.train.state import init_state
 from lclm.train.step import make_optimizer
 
@@ -29,7 +32,8 @@ def test_val_loss_is_the_loss_of_the_saved_parameters_on_the_held_out_batches(tm
     mesh_sizes = dict(dp=1, fsdp=2, tp=1, sp=2)
     config = small_train_config(tmp_path / "run", mesh=mesh_sizes,
                                 attention=dict(q_chunk=16, kv_chunk=16), train=dict(steps=5))
-    config.validation.update(path=str(held_out), every=2, batches=2)
+    # 32 and 128 tokens besides the run's 64: shorter and longer than trained
+    config.validation.update(path=str(held_out), every=2, batches=2, lengths="32,128")
     config.log.every = 5
     records = train(config)
     # steps 2 and 4 are logged for validation, 5 is the last (also validated)
@@ -48,15 +52,53 @@ def test_val_loss_is_the_loss_of_the_saved_parameters_on_the_held_out_batches(tm
                             template.params)
     params = read_params(str(tmp_path / "run"), 5, abstract)
     config.data.path = str(held_out)
-    reader = HostBatches(config, mesh, Tokenizer(config.data.tokenizer), prefetch=0)
-    total = count = 0.0
-    for _ in range(2):
-        t, c = loss_terms(model, params, next(reader), mesh=mesh,
-                          attention=AttentionConfig.from_config(config.attention))
-        total, count = total + float(t), count + float(c)
-    reader.close()
-    assert records[-1]["val_loss"] == pytest.approx(total / count, rel=1e-5)
+    expected = {}
+    for length in (32, 64, 128):
+        config.data.seq_len = length
+        reader = HostBatches(config, mesh, Tokenizer(config.data.tokenizer), prefetch=0)
+        total = count = 0.0
+        for _ in range(2):
+            batch = next(reader)
+            assert batch["tokens"].shape == (4, length)
+            t, c = loss_terms(model, params, batch, mesh=mesh,
+                              attention=AttentionConfig.from_config(config.attention))
+            total, count = total + float(t), count + float(c)
+        reader.close()
+        expected[length] = total / count
+    assert records[-1]["val_loss"] == pytest.approx(expected[64], rel=1e-5)
+    for length, loss in expected.items():
+        assert records[-1][f"val_loss@{length}"] == pytest.approx(loss, rel=1e-5), length
+    assert len(set(expected.values())) == 3   # three lengths, three different losses
     assert os.path.isdir(tmp_path / "run" / "checkpoints" / "5")
+
+
+def test_validation_lengths_resolve_per_stage_and_a_length_the_mesh_cannot_split_is_refused(
+        tmp_path):
+    config = base_config()
+    config.workdir = str(tmp_path / "run")
+    config.stages.schedule = "128:1e4:5, 256:1e5:5, 512:1e6:5"
+    config.validation.lengths = "stages, 1k"
+    # each stage validates at its own length and every earlier one's (forgetting shows)
+    assert [validation_lengths(c) for c in stage_configs(config)] == [
+        [128, 1024], [128, 256, 1024], [128, 256, 512, 1024]]
+    config.stages.schedule = ""
+    config.data.seq_len = 64
+    assert validation_lengths(config) == [64, 1024]   # 'stages' outside a schedule: its own
+    config.validation.lengths = "2x"
+    with pytest.raises(ConfigError, match=r"^validation.lengths='2x': bad length '2x'"):
+        validation_lengths(config)
+
+    config = small_train_config(tmp_path / "run2", mesh=dict(dp=1, fsdp=2, tp=1, sp=2),
+                                attention=dict(q_chunk=16, kv_chunk=16))
+    config.validation.update(path=DEMO_CORPUS, lengths="192")
+    validate(config, 4)   # 192 splits over sp=2 into feed-forward chunks of 32
+    config.validation.lengths = "33"
+    with pytest.raises(ConfigError) as e:
+        validate(config, 4)
+    message = str(e.value)
+    assert message.startswith("validation.lengths='33', length 33: data.seq_len=33 is not "
+                              "divisible by mesh.sp=2"), message
+    assert "\n" not in message
 
 
 def test_a_validation_file_smaller_than_a_batch_is_refused_naming_the_validation_keys(tmp_path):
