@@ -37,6 +37,7 @@ from lclm.config import LlamaConfig, mesh_device_count
 from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError, StartupError
 from lclm.models.llama import is_param_entry, param_table
+from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
 from lclm.train.setup import attention_kernel, validate
 
@@ -116,8 +117,9 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
                        "none": None}.get(m.remat)
     kv_local = max(kv_dim // tp, m.head_dim)
     platform = "tpu" if (device or "").startswith("tpu") else "gpu" if device else None
+    kernel = attention_kernel(config, m, sp, platform) if platform else None
     # a fused kernel keeps its score tiles in VMEM / shared memory, the blockwise kernel in HBM
-    fused = platform is not None and attention_kernel(config, m, sp, platform) != "blockwise"
+    fused = kernel not in (None, "blockwise")
     # the working set on top of what is saved: the larger of one layer's (its q, o, k, v, the
     # score tiles of the blockwise kernel, the feed-forward chunk, and the attention backward
     # in float32: per-block dq, dk, dv, their running sums, o and do upcast for delta, as the
@@ -165,6 +167,13 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
         attention_backward = (ring + batch_local * t * (2 * heads_local * m.head_dim + 2 * kv_local)
                               * cbytes + batch_local * t * 4 * (heads_local * m.head_dim + kv_local)
                               + residual)
+        if sp > 1 and kernel and get_kernel(kernel).compute_dtype_rounds:
+            # the kernel's compute-dtype o, do, dq (q's size) and dk, dv (k's) beside the
+            # ring's float32 accumulators: tokamax_gpu's 7B stages on h100:4x8 need 1.24 GiB
+            # more than pallas_gpu's where this is 1.25. With one round nothing accumulates
+            # (llama1b offloaded at 512K on one H100: 1.7 GiB more, not this term's 7)
+            attention_backward += batch_local * t * (3 * heads_local * m.head_dim
+                                                     + 2 * kv_local) * cbytes
         activations = max(chunks, attention_backward) - ring   # the ring is counted on its own
     elif m.remat == "offload":  # on the device only the layer being recomputed (and its copy)
         host, per_layer_saved = per_layer_saved * m.n_layers, per_layer_saved

@@ -52,11 +52,16 @@ class Kernel(NamedTuple):
     `takes_platform`: its passes take `platform=` and `device_kind=`, those of the devices
     the program is compiled for (a mesh's, which need not be JAX's default backend: ahead-of-
     time compilation for a TPU on a CPU machine); they compile for their own platform (sized
-    for the device kind where that matters) and run interpreted on others."""
+    for the device kind where that matters) and run interpreted on others.
+
+    `compute_dtype_rounds`: its backward is handed o and do, and returns a round's dq, dk, dv,
+    in the compute dtype, upcast to float32 per round; those copies live beside the ring's
+    float32 ones (the memory planner, `lclm.plan`, counts them)."""
     forward: Callable
     backward: Callable
     limits: Callable[..., str | None] = serves_any
     takes_platform: bool = False
+    compute_dtype_rounds: bool = False
 
 
 def tile_visible(q_pos, k_pos, q_seg, k_seg, causal: bool):

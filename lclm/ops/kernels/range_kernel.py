@@ -269,4 +269,4 @@ def range_kernel(attend, attend_vjp, limits=serves_any) -> RangeKernel:
                                causal, [functools.partial(run, c) for c in calls])
         return jnp.where(blind[..., None, None], 0.0, dq), dk, dv
 
-    return RangeKernel(forward, backward, limits)
+    return RangeKernel(forward, backward, limits, compute_dtype_rounds=True)
