@@ -4,11 +4,19 @@
         --config.model.init_from_hf=/path/to/Llama-2-13b-hf \
         --config.data.path=/path/to/sharegpt.json
     python -m lclm.plan --config configs/llama13b_512k.py --devices 32 --device a100-nvlink
-    python -m lclm.eval.line_retrieval --checkpoint runs/llama13b_512k/stage3_524288 \
+    python -m lclm.eval line-retrieval --checkpoint runs/llama13b_512k/stage3_524288 \
+        --lengths 32k,128k,256k,512k
+    python -m lclm.eval perplexity --checkpoint runs/llama13b_512k/stage3_524288 \
+        --data /path/to/heldout_books --lengths 32k,128k,256k,512k
+    python -m lclm.eval passkey --checkpoint runs/llama13b_512k/stage3_524288 \
         --lengths 32k,128k,256k,512k
 
 The Ring Attention paper fine-tuned LLaMA-13B to 512K on ShareGPT with 32 A100 80GB and
-evaluated it by line retrieval; this is that run as an lclm recipe. Stages 32K -> 128K ->
+evaluated it by line retrieval; this is that run as an lclm recipe, judged by line retrieval
+(as the paper), perplexity by position on held-out books and passkey to the full length
+(the commands above; after each stage, its own workdir and lengths so far), with held-out
+conversations validated at every stage's length so far while training
+(--config.validation.path=/path/to/heldout.json, val_loss@LEN). Stages 32K -> 128K ->
 256K -> 512K, each starting from the previous stage's final weights (stage 0 from the
 HuggingFace weights), RoPE theta raised per stage as in LWM (Liu et al. 2024: 1e6 at 32K,
 1e7 at 128K-256K, 2.5e7 at 512K), 2M tokens per step in every stage (64 x 32K ... 4 x 512K
@@ -42,5 +50,7 @@ def get_config():
     c.train.update(steps=60, lr=2e-5, warmup=10, min_lr_ratio=0.1, weight_decay=0.0,
                    clip=1.0, grad_accum=1)
     c.log.every = 1
+    # held-out conversations (empty: none until given) at this and every earlier stage's length
+    c.validation.update(path="", every=20, batches=1, lengths="stages")
     c.checkpoint.update(every=20, keep=2)
     return c

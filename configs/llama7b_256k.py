@@ -13,6 +13,15 @@ stage (32 x 32K, 8 x 128K, 4 x 256K sequences). The ring grows with the sequence
 32K and sp=8 from 128K, i.e. 8K-32K tokens per device, above the ~1-4K block that hides the
 ring's transfers on NVLink / TPU ICI (Ring Attention, Table 2); FSDP takes the other devices
 (32 devices: 4 nodes x 8 H100, or a v4-64 slice). Re-running the command resumes.
+
+How it is judged (docs/evaluation.md): held-out books give val_loss@LEN at every stage's
+length so far (--config.validation.path=/path/to/heldout_books: forgetting of the shorter
+lengths shows while training), and after each stage
+    python -m lclm.eval perplexity --checkpoint runs/llama7b_256k/stage2_262144 \
+        --data /path/to/heldout_books --lengths 32k,128k,256k
+    python -m lclm.eval passkey --checkpoint runs/llama7b_256k/stage2_262144 \
+        --lengths 32k,64k,128k,256k
+the loss by position flat or falling to the stage's length, the passkey found at every depth.
 """
 
 from lclm.config import apply_preset, base_config
@@ -39,5 +48,7 @@ def get_config():
     c.train.update(steps=150, lr=2e-5, warmup=20, min_lr_ratio=0.1, weight_decay=0.0,
                    clip=1.0, grad_accum=1)
     c.log.every = 1
+    # held-out books (empty: none until given) at this stage's and every earlier stage's length
+    c.validation.update(path="", every=50, batches=1, lengths="stages")
     c.checkpoint.update(every=50, keep=2)
     return c

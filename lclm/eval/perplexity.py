@@ -41,7 +41,7 @@ import numpy as np
 
 from lclm import logs
 from lclm.cli import run_cli
-from lclm.config.syntax import parse_lengths
+from lclm.config.syntax import format_tokens, parse_lengths
 from lclm.data.sources import SourceStats, is_tokenized_dir, open_documents, resolve_files
 from lclm.errors import StartupError
 from lclm.eval import report
@@ -187,7 +187,7 @@ def markdown_table(result: dict, n_buckets: int) -> str:
         else:
             cells = (" | ".join(f"{b['loss']:.4f}" for b in r["buckets"])
                      + f" | {r['loss']:.4f} | {r['perplexity']:.2f}")
-        lines.append(f"| {report.format_length(r['length'])} | {r['documents']} | "
+        lines.append(f"| {format_tokens(r['length'])} | {r['documents']} | "
                      f"{r['skipped']} | {cells} |")
     return "\n".join(lines)
 
@@ -201,7 +201,7 @@ def draw(path: str, result: dict, title: str, trained: int | None) -> None:
         if r["buckets"]:
             ax.plot([(b["lo"] + b["hi"]) / 2 for b in r["buckets"]],
                     [b["loss"] for b in r["buckets"]], marker="o",
-                    label=f"{report.format_length(r['length'])} ({r['documents']} docs)")
+                    label=f"{format_tokens(r['length'])} ({r['documents']} docs)")
     if trained:
         ax.axvline(trained, color="grey", linestyle="--", label=f"trained length {trained}")
     ax.set_xlabel("token position")

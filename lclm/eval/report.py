@@ -17,13 +17,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lclm.config.syntax import format_tokens
 from lclm.errors import StartupError
 from lclm.files import check_input, output_problem, replacing, write_json
-
-
-def format_length(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
 
 # -- --out -------------------------------------------------------------------------------
 
@@ -141,7 +137,7 @@ def accuracy_table(cells, lengths, n_bins: int) -> str:
         tokens = int(np.mean([c["prompt_tokens"] for c in mine]))
         mean = sum(c["correct"] for c in mine) / sum(c["n"] for c in mine)
         accs = " | ".join(f"{grid[b, j]:.2f}" for b in range(n_bins))
-        lines.append(f"| {format_length(length)} | {tokens} | {accs} | {mean:.2f} |")
+        lines.append(f"| {format_tokens(length)} | {tokens} | {accs} | {mean:.2f} |")
     return "\n".join(lines)
 
 
@@ -152,7 +148,7 @@ def accuracy_heatmap(path: str, cells, lengths, n_bins: int, title: str,
     grid = accuracy_grid(cells, lengths, n_bins)
     fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.5 * n_bins + 1.8))
     im = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
-    ax.set_xticks(range(len(lengths)), [format_length(n) for n in lengths])
+    ax.set_xticks(range(len(lengths)), [format_tokens(n) for n in lengths])
     ax.set_yticks(range(n_bins), depth_labels(n_bins))
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel(f"depth of {depth_of}")
