@@ -34,13 +34,11 @@ import sys
 
 import numpy as np
 
-from lclm import logs
-from lclm.cli import run_cli
 from lclm.config.syntax import parse_lengths
 from lclm.data.line_retrieval import Spec, build_example, line_format, spec_of_config
 from lclm.eval import report, retrieval
 from lclm.eval.decode import pad_front  # noqa: F401  (tests and callers take it from here)
-from lclm.eval.model import Model, add_model_arguments, load_model
+from lclm.eval.model import Model, load_model
 
 TASK = "line_retrieval"
 
@@ -117,12 +115,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv=None, prog: str | None = None):
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    add_model_arguments(ap)
-    add_arguments(ap)
-    args = ap.parse_args(argv)
-    report.set_out(args, TASK)
-    return args
+    return report.parse_task_args(__doc__, TASK, add_arguments, argv, prog)
 
 
 def _line_format(args, saved: dict | None):
@@ -132,9 +125,7 @@ def _line_format(args, saved: dict | None):
 
 
 def main(argv=None, prog: str | None = None) -> int:
-    args = parse_args(argv, prog)
-    logs.configure()
-    return run_cli(lambda: _run(args), input_errors=(ValueError,))  # e.g. a prompt too long
+    return report.run_task(parse_args(argv, prog), _run)
 
 
 def _run(args) -> int:

@@ -26,13 +26,11 @@ import sys
 
 import numpy as np
 
-from lclm import logs
-from lclm.cli import run_cli
 from lclm.config.syntax import parse_lengths
 from lclm.data.sources import open_documents
 from lclm.errors import StartupError
 from lclm.eval import report, retrieval
-from lclm.eval.model import add_model_arguments, load_model
+from lclm.eval.model import load_model
 from lclm.eval.perplexity import check_data
 
 TASK = "needle"
@@ -94,9 +92,8 @@ def items(docs, tokenizer, length: int, n_bins: int, samples: int, digits: int, 
     return out
 
 
-def parse_args(argv=None, prog: str | None = None):
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    add_model_arguments(ap)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The task's flags (beside `add_model_arguments`')."""
     ap.add_argument("--data", required=True,
                     help="the haystack's documents: a .jsonl/.json/.txt/.parquet/.arrow file, "
                          "a directory or glob of them, or a lclm.data.prepare directory")
@@ -105,9 +102,10 @@ def parse_args(argv=None, prog: str | None = None):
                                                      "replaced by the random number")
     ap.add_argument("--question", default=QUESTION, help="the end of the prompt")
     retrieval.add_grid_arguments(ap, TASK, digits=4)
-    args = ap.parse_args(argv)
-    report.set_out(args, TASK)
-    return args
+
+
+def parse_args(argv=None, prog: str | None = None):
+    return report.parse_task_args(__doc__, TASK, add_arguments, argv, prog)
 
 
 def _run(args) -> int:
@@ -125,9 +123,7 @@ def _run(args) -> int:
 
 
 def main(argv=None, prog: str | None = None) -> int:
-    args = parse_args(argv, prog)
-    logs.configure()
-    return run_cli(lambda: _run(args), input_errors=(ValueError,))
+    return report.run_task(parse_args(argv, prog), _run)
 
 
 if __name__ == "__main__":

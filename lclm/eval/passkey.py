@@ -22,11 +22,9 @@ import sys
 
 import numpy as np
 
-from lclm import logs
-from lclm.cli import run_cli
 from lclm.config.syntax import parse_lengths
 from lclm.eval import report, retrieval
-from lclm.eval.model import add_model_arguments, load_model
+from lclm.eval.model import load_model
 
 TASK = "passkey"
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
@@ -68,19 +66,16 @@ def items(tokenizer, length: int, n_bins: int, samples: int, digits: int,
     return out
 
 
-def parse_args(argv=None, prog: str | None = None):
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    add_model_arguments(ap)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     retrieval.add_grid_arguments(ap, TASK, digits=5)
-    args = ap.parse_args(argv)
-    report.set_out(args, TASK)
-    return args
+
+
+def parse_args(argv=None, prog: str | None = None):
+    return report.parse_task_args(__doc__, TASK, add_arguments, argv, prog)
 
 
 def main(argv=None, prog: str | None = None) -> int:
-    args = parse_args(argv, prog)
-    logs.configure()
-    return run_cli(lambda: _run(args), input_errors=(ValueError,))
+    return report.run_task(parse_args(argv, prog), _run)
 
 
 def _run(args) -> int:

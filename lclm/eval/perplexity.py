@@ -39,14 +39,12 @@ import sys
 
 import numpy as np
 
-from lclm import logs
-from lclm.cli import run_cli
 from lclm.config.syntax import format_tokens, parse_lengths
 from lclm.data.sources import SourceStats, is_tokenized_dir, open_documents, resolve_files
 from lclm.errors import StartupError
 from lclm.eval import report
 from lclm.eval.decode import padded_length
-from lclm.eval.model import Model, add_model_arguments, load_model
+from lclm.eval.model import Model, load_model
 from lclm.eval.retrieval import batch_rows
 from lclm.eval.token_loss import losses_in_order
 from lclm.files import check_input
@@ -237,12 +235,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv=None, prog: str | None = None):
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    add_model_arguments(ap)
-    add_arguments(ap)
-    args = ap.parse_args(argv)
-    report.set_out(args, TASK)
-    return args
+    return report.parse_task_args(__doc__, TASK, add_arguments, argv, prog)
 
 
 def check_data(flag: str, path: str) -> None:
@@ -252,13 +245,13 @@ def check_data(flag: str, path: str) -> None:
         try:
             resolve_files(path)
         except FileNotFoundError as e:
-            raise StartupError(f"{flag} {path!r}: {e}") from None
+            # the sources word it for training (config.data.path); here the flag is meant
+            raise StartupError(f"{flag} {path!r}: "
+                               + str(e).replace("config.data.path", flag)) from None
 
 
 def main(argv=None, prog: str | None = None) -> int:
-    args = parse_args(argv, prog)
-    logs.configure()
-    return run_cli(lambda: _run(args), input_errors=(ValueError,))
+    return report.run_task(parse_args(argv, prog), _run)
 
 
 def _run(args) -> int:

@@ -9,6 +9,7 @@ Cells of the retrieval tasks are dicts with `length`, `depth_bin`, `n`, `correct
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -17,9 +18,31 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lclm import logs
+from lclm.cli import run_cli
 from lclm.config.syntax import format_tokens
 from lclm.errors import StartupError
+from lclm.eval.model import add_model_arguments
 from lclm.files import check_input, output_problem, replacing, write_json
+
+# -- the command line of a task --------------------------------------------------------------
+
+def parse_task_args(doc: str, task: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+                    argv=None, prog: str | None = None) -> argparse.Namespace:
+    """A task's flags: the model's (`add_model_arguments`) and its own; `--out` defaulted."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    add_model_arguments(ap)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    set_out(args, task)
+    return args
+
+
+def run_task(args, run: Callable[[argparse.Namespace], int]) -> int:
+    """`run(args)` as a command: bad input (a prompt too long, ...) is one line, exit 2."""
+    logs.configure()
+    return run_cli(lambda: run(args), input_errors=(ValueError,))
+
 
 # -- --out -------------------------------------------------------------------------------
 
