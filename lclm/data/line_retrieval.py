@@ -173,13 +173,17 @@ class Spec:
 
     tokens: document length (make `data.seq_len` a multiple of it so rows hold whole
     documents); digits, format: see `line_format`; seed: the documents' seed; docs: the
-    number of distinct documents (an epoch).
+    number of distinct documents (an epoch); pad_to: a longer length the document is
+    filled up to at its end, with no loss (0: none), so that a shorter task fills a row
+    of a longer stage alone, at the positions it was first trained at (a packed shorter
+    document would push the next one across a row boundary, away from its lines).
     """
     tokens: int = 256
     digits: int = 3
     format: str = "compact"
     seed: int = 0
     docs: int = 1_000_000
+    pad_to: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Spec:
@@ -193,6 +197,9 @@ class Spec:
             values[key] = raw if key == "format" else int(raw)
         spec = cls(**values)
         line_format(spec.format, spec.digits)  # validates both
+        if spec.pad_to and spec.pad_to < spec.tokens:
+            raise ValueError(f"line_retrieval option pad_to={spec.pad_to} is shorter than "
+                             f"tokens={spec.tokens}; use 0 (no padding) or at least tokens")
         return spec
 
     @property
@@ -217,7 +224,9 @@ class LineRetrievalDocuments:
             raise IndexError(i)
         rng = np.random.default_rng([self.spec.seed, int(i)])
         ex = build_example(self.tokenizer, rng, self.spec.tokens, self.fmt, filler=self.filler)
-        return ex.tokens, ex.loss
+        pad = max(self.spec.pad_to - self.spec.tokens, 0)   # after the answer: it sees none
+        return (np.concatenate([ex.tokens, np.full(pad, self.filler, np.int32)]),
+                np.concatenate([ex.loss, np.zeros(pad, np.int8)]))
 
 
 def open_source(options: str, tokenizer) -> LineRetrievalDocuments:

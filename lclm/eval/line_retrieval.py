@@ -37,7 +37,6 @@ import numpy as np
 from lclm.config.syntax import parse_lengths
 from lclm.data.line_retrieval import Spec, build_example, line_format, spec_of_config
 from lclm.eval import report, retrieval
-from lclm.eval.decode import pad_front  # noqa: F401  (tests and callers take it from here)
 from lclm.eval.model import Model, load_model
 
 TASK = "line_retrieval"

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from lclm.config import AttentionConfig, LlamaConfig
-from lclm.eval.decode import greedy_generate, last_layout_index, prefill
-from lclm.eval.line_retrieval import pad_front
+from lclm.eval.decode import greedy_generate, last_layout_index, pad_front, prefill
 from lclm.models.llama import forward, init_params
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh

@@ -20,7 +20,7 @@ from lclm.data.line_retrieval import (
 from lclm.data.packing import pack_documents
 from lclm.data.sources import open_documents
 from lclm.data.tokenizer import Tokenizer
-from lclm.eval.line_retrieval import pad_front, padded_length
+from lclm.eval.decode import pad_front, padded_length
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +95,24 @@ def test_source_feeds_one_document_per_row(tokenizer):
         == Spec(tokens=64, digits=2)
     with pytest.raises(ValueError, match="bad line_retrieval option"):
         Spec.parse("tokens=64;colour=red")
+
+
+def test_a_shorter_document_padded_to_the_row_keeps_its_positions_and_the_rows_aligned(
+        tokenizer):
+    """pad_to: a 64-token example filled to 128 after its answer, mixed with 128-token ones,
+    leaves every row one whole document (packed unpadded, the next one would cross rows)."""
+    short = open_documents("line_retrieval", "tokens=64;digits=1;seed=1;pad_to=128", tokenizer)
+    plain = open_documents("line_retrieval", "tokens=64;digits=1;seed=1", tokenizer)
+    long = open_documents("line_retrieval", "tokens=128;digits=1;seed=0", tokenizer)
+    tokens, loss = short[3]
+    assert len(tokens) == 128 and np.array_equal(tokens[:64], plain[3][0])
+    assert np.array_equal(loss[:64], plain[3][1]) and not loss[64:].any()
+    docs = [short[0], long[0], long[1], short[1], long[2]]
+    rows = list(pack_documents(iter(docs + [long[3]]), 128))  # a row's last target: the next BOS
+    for row, doc in zip(rows, docs, strict=True):
+        assert (row["segment_ids"] == 1).all() and np.array_equal(row["tokens"], doc[0])
+    with pytest.raises(ValueError, match="pad_to=32 is shorter than tokens=64"):
+        Spec.parse("tokens=64;pad_to=32")
 
 
 def test_lengths_and_padding():
