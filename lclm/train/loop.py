@@ -168,7 +168,7 @@ def _validation(config, mesh, tokenizer, model, attention, param_sharding):
     v = config.validation
     if not v.path:
         return None
-    losses = {}
+    batches_of = {}
     for length in validation_lengths(config):
         held_out = copy.deepcopy(config)   # references kept: a path may follow seq_len
         held_out.data.seq_len = length
@@ -179,15 +179,15 @@ def _validation(config, mesh, tokenizer, model, attention, param_sharding):
             _check_validation_size(config, tokenizer)   # the loader's advice is for training
             raise
         try:
-            batches = [next(reader) for _ in range(v.batches)]
+            batches_of[length] = [next(reader) for _ in range(v.batches)]
         finally:
             reader.close()
-        losses[length] = (batches, jit_eval_loss(model, attention, mesh, param_sharding,
-                                                 document_mask=config.data.document_mask))
+    loss_fn = jit_eval_loss(model, attention, mesh, param_sharding,   # one program per length
+                            document_mask=config.data.document_mask)
 
     def val_losses(params) -> dict[int, float]:
         means = {}
-        for length, (batches, loss_fn) in losses.items():
+        for length, batches in batches_of.items():
             sums = [jax.device_get(loss_fn(params, batch)) for batch in batches]
             means[length] = (float(sum(t for t, _ in sums))
                              / max(float(sum(c for _, c in sums)), 1.0))
