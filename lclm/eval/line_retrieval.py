@@ -108,9 +108,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="prompts per prefill (rounded up to the mesh's dp x fsdp)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="tokens decoded per prompt (default: digits + 3)")
-    ap.add_argument("--out", help="output directory (default: line_retrieval_eval/ in the "
-                                   "checkpoint's workdir; runs/line_retrieval_eval/<name> "
-                                   "with --hf)")
 
 
 def parse_args(argv=None, prog: str | None = None):

@@ -101,7 +101,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--needle", default=NEEDLE, help="the inserted sentence; {number} is "
                                                      "replaced by the random number")
     ap.add_argument("--question", default=QUESTION, help="the end of the prompt")
-    retrieval.add_grid_arguments(ap, TASK, digits=4)
+    retrieval.add_grid_arguments(ap, digits=4)
 
 
 def parse_args(argv=None, prog: str | None = None):

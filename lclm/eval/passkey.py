@@ -67,7 +67,7 @@ def items(tokenizer, length: int, n_bins: int, samples: int, digits: int,
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    retrieval.add_grid_arguments(ap, TASK, digits=5)
+    retrieval.add_grid_arguments(ap, digits=5)
 
 
 def parse_args(argv=None, prog: str | None = None):

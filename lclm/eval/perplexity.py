@@ -229,9 +229,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="documents per length (the first long enough ones)")
     ap.add_argument("--batch-size", type=int, default=None,
                     help="rows per forward (rounded up to the mesh's dp x fsdp)")
-    ap.add_argument("--out", help="output directory (default: perplexity_eval/ in the "
-                                   "checkpoint's workdir; runs/perplexity_eval/<name> "
-                                   "with --hf)")
 
 
 def parse_args(argv=None, prog: str | None = None):

@@ -29,10 +29,13 @@ from lclm.files import check_input, output_problem, replacing, write_json
 
 def parse_task_args(doc: str, task: str, add_arguments: Callable[[argparse.ArgumentParser], None],
                     argv=None, prog: str | None = None) -> argparse.Namespace:
-    """A task's flags: the model's (`add_model_arguments`) and its own; `--out` defaulted."""
+    """A task's flags: the model's (`add_model_arguments`), its own, and `--out` (defaulted
+    after parsing: `set_out`)."""
     ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
     add_model_arguments(ap)
     add_arguments(ap)
+    ap.add_argument("--out", help=f"output directory (default: {task}_eval/ in the "
+                                   f"checkpoint's workdir; runs/{task}_eval/<name> with --hf)")
     args = ap.parse_args(argv)
     set_out(args, task)
     return args

@@ -95,7 +95,7 @@ def evaluate(model: Model, lengths: list[int], items_of: Callable[[int], list[It
 
 # -- the passkey and needle command lines --------------------------------------------------
 
-def add_grid_arguments(ap: argparse.ArgumentParser, task: str, digits: int) -> None:
+def add_grid_arguments(ap: argparse.ArgumentParser, digits: int) -> None:
     """Flags of a retrieval task (beside `add_model_arguments`')."""
     ap.add_argument("--lengths", default="2k,4k,8k", help="comma-separated, e.g. 512,2k,4k")
     ap.add_argument("--depths", type=int, default=5, help="number of needle-depth bins")
@@ -106,8 +106,6 @@ def add_grid_arguments(ap: argparse.ArgumentParser, task: str, digits: int) -> N
                     help="prompts per prefill (rounded up to the mesh's dp x fsdp)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="tokens decoded per prompt (default: digits + 4)")
-    ap.add_argument("--out", help=f"output directory (default: {task}_eval/ in the "
-                                   f"checkpoint's workdir; runs/{task}_eval/<name> with --hf)")
 
 
 GRID_FLAGS = ("depths", "samples", "digits", "batch_size", "max_new_tokens")  # all >= 1
