@@ -36,3 +36,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 def pytest_unconfigure(config):
     if _OWN_CACHE and not hasattr(config, "workerinput"):  # the controller, or no xdist
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+# the `gcs` and `s3` fixtures: local object-storage servers (tests/storage_servers.py)
+pytest_plugins = ["storage_servers"]

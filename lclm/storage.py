@@ -1,0 +1,331 @@
+"""Paths that may be local or on object storage: every path a user gives lclm (a workdir, a
+data file, an HF directory, an output folder) may be `gs://bucket/...` or `s3://bucket/...`.
+
+A Cloud TPU pod slice has no shared filesystem, so its runs keep their workdirs in a bucket.
+Local paths keep their own code (atomic renames, `O_APPEND`, hard links: lclm.files,
+lclm.train.lock); object-store paths go through fsspec's clients (gcsfs, s3fs), which read
+the variables the cloud SDKs read (`STORAGE_EMULATOR_HOST`, `AWS_ENDPOINT_URL`, credentials).
+Orbax writes checkpoint arrays through tensorstore (`TENSORSTORE_GCS_HTTP_URL`).
+
+Object stores have no rename and no append; a single object write is atomic (readers see
+the old object or the new one), which is what `write_bytes` relies on. Conditional writes
+(`create`, `replace_if`: GCS generation preconditions, S3 `If-None-Match`/`If-Match`) are
+what the workdir lease (lclm.train.object_lock) is built on.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+
+from lclm.errors import StartupError
+
+# scheme -> (the fsspec client's module, the pip package that brings it)
+CLIENTS = {"gs": ("gcsfs", "gcsfs"), "s3": ("s3fs", "s3fs")}
+INSTALL = "pip install 'lclm[cloud]'"
+
+
+def scheme(path: str) -> str | None:
+    """'gs' for 'gs://bucket/x' (any 'scheme://' prefix), else None."""
+    head, sep, _ = str(path).partition("://")
+    return head if sep and head and "/" not in head else None
+
+
+def is_remote(path: str) -> bool:
+    return scheme(path) is not None
+
+
+def client_problem(path: str) -> str | None:
+    """Why `path`'s scheme cannot be used here (unknown, or its client is not installed);
+    None for a local path or a usable scheme."""
+    s = scheme(path)
+    if s is None:
+        return None
+    if s not in CLIENTS:
+        return (f"uses {s}://, which lclm does not read or write; use gs://, s3:// or a local "
+                "or mounted path")
+    module, package = CLIENTS[s]
+    try:
+        __import__(module)
+    except ImportError:
+        return f"is on {s}://, which needs the {package} package: {INSTALL}"
+    return None
+
+
+def _quiet_emulator_probe() -> None:
+    """gcsfs asks each bucket over gRPC whether it is a zonal bucket; a local GCS server
+    serves no gRPC and every probe waits 60 s before falling back. Only with an emulator."""
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+def filesystem(path: str):
+    """(fsspec filesystem, the path in its terms) for a local or object-store path; a
+    StartupError naming the package when the scheme's client is missing."""
+    problem = client_problem(path)
+    if problem:
+        raise StartupError(f"{path!r} {problem}")
+    import fsspec
+
+    _quiet_emulator_probe()
+    s = scheme(path)
+    if s is None:
+        return fsspec.filesystem("file"), os.path.abspath(path)
+    fs = fsspec.filesystem(s)
+    return fs, fs._strip_protocol(path)
+
+
+def join(path: str, *parts: str) -> str:
+    """`os.path.join` for local paths, '/'-joined for object stores."""
+    return posixpath.join(path, *parts) if is_remote(path) else os.path.join(path, *parts)
+
+
+def basename(path: str) -> str:
+    return posixpath.basename(path.rstrip("/")) if is_remote(path) else os.path.basename(path)
+
+
+def dirname(path: str) -> str:
+    return posixpath.dirname(path.rstrip("/")) if is_remote(path) else os.path.dirname(path)
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute; an object-store path as it is (without a trailing '/')."""
+    return path.rstrip("/") if is_remote(path) else os.path.abspath(path)
+
+
+def exists(path: str) -> bool:
+    if not is_remote(path):
+        return os.path.exists(path)
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    return fs.exists(p)
+
+
+def isdir(path: str) -> bool:
+    """A local directory, or an object-store prefix holding at least one object."""
+    if not is_remote(path):
+        return os.path.isdir(path)
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    return fs.isdir(p)
+
+
+def isfile(path: str) -> bool:
+    if not is_remote(path):
+        return os.path.isfile(path)
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    return fs.isfile(p)
+
+
+def listdir(path: str) -> list[str]:
+    """The names directly in `path` (files and folders); [] when there is none."""
+    if not is_remote(path):
+        return os.listdir(path) if os.path.isdir(path) else []
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    try:
+        return sorted({posixpath.basename(e.rstrip("/")) for e in fs.ls(p, detail=False)})
+    except FileNotFoundError:
+        return []
+
+
+def read_bytes(path: str) -> bytes:
+    if not is_remote(path):
+        with open(path, "rb") as f:
+            return f.read()
+    fs, p = filesystem(path)
+    return fs.cat_file(p)
+
+
+def read_text(path: str) -> str:
+    return read_bytes(path).decode("utf-8")
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """`path` replaced by `data` whole: readers see the old contents or the new ones."""
+    if not is_remote(path):
+        from lclm.files import replacing
+
+        with replacing(path, binary=True) as f:
+            f.write(data)
+        return
+    fs, p = filesystem(path)
+    fs.pipe_file(p, data)
+
+
+def write_text(path: str, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
+
+
+def remove(path: str) -> None:
+    """Remove a file or object; nothing if it is not there."""
+    if not is_remote(path):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        return
+    fs, p = filesystem(path)
+    try:
+        fs.rm_file(p)
+    except FileNotFoundError:
+        pass
+
+
+def remove_tree(path: str) -> None:
+    """Remove a folder (or every object under a prefix) and all it holds."""
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    if fs.exists(p):
+        fs.rm(p, recursive=True)
+
+
+def makedirs(path: str) -> None:
+    """Create a local folder; object stores have no folders (a prefix exists once an object
+    is written under it)."""
+    if not is_remote(path):
+        os.makedirs(path, exist_ok=True)
+
+
+def open_file(path: str, mode: str = "rb"):
+    """A file object: local, or an object read by ranged requests as it is read (seek and
+    read fetch only what is asked for, in blocks)."""
+    if not is_remote(path):
+        return open(path, mode)
+    fs, p = filesystem(path)
+    return fs.open(p, mode)
+
+
+def download(path: str, local: str) -> None:
+    """Copy a file or a folder (recursively) from object storage to the local path `local`."""
+    fs, p = filesystem(path)
+    if fs.isdir(p):
+        fs.get(p.rstrip("/") + "/", local.rstrip("/") + "/", recursive=True)
+    else:
+        fs.get_file(p, local)
+
+
+def upload(local: str, path: str) -> None:
+    """Copy a local file or folder (recursively) to object storage at `path`."""
+    fs, p = filesystem(path)
+    if os.path.isdir(local):
+        fs.put(local.rstrip("/") + "/", p.rstrip("/") + "/", recursive=True)
+    else:
+        fs.put_file(local, p)
+
+
+# -- conditional writes (the workdir lease) ---------------------------------------------------
+
+
+class Version:
+    """What a conditional write compares: a GCS object's generation, an S3 object's ETag;
+    and the store's own time of the object's last write (seconds since the epoch)."""
+
+    def __init__(self, tag: str, updated: float):
+        self.tag, self.updated = tag, updated
+
+    def __eq__(self, other):
+        return isinstance(other, Version) and other.tag == self.tag
+
+    def __hash__(self):
+        return hash(self.tag)
+
+    def __repr__(self):
+        return f"Version({self.tag!r})"
+
+
+def stat(path: str) -> tuple[bytes, Version] | None:
+    """An object's contents and version, or None if there is no such object."""
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    try:
+        info = fs.info(p)
+        data = fs.cat_file(p, **({"generation": info["generation"]}
+                                 if scheme(path) == "gs" else {}))
+    except FileNotFoundError:
+        return None
+    return data, _version(scheme(path), info)
+
+
+def _version(s: str | None, info: dict) -> Version:
+    if s == "gs":
+        return Version(str(info["generation"]), info["mtime"].timestamp())
+    return Version(str(info["ETag"]), info["LastModified"].timestamp())
+
+
+def _precondition_failed(error: BaseException) -> bool:
+    """A conditional write refused: gcsfs maps HTTP 412 to FileExistsError; s3fs turns
+    botocore's PreconditionFailed (or a concurrent write's ConditionalRequestConflict) into
+    an OSError that keeps only the message."""
+    if isinstance(error, FileExistsError):
+        return True
+    text = f"{error} {error.__cause__ or ''}"
+    return any(word in text for word in ("pre-condition", "PreconditionFailed",
+                                         "ConditionalRequestConflict"))
+
+
+def create(path: str, data: bytes) -> Version | None:
+    """Write the object `path` only if there is none; its version, or None if one exists."""
+    return _conditional_put(path, data, None)
+
+
+def replace_if(path: str, data: bytes, version: Version) -> Version | None:
+    """Replace the object `path` only if it is still at `version`; the new version, or None
+    if it changed (or is gone)."""
+    return _conditional_put(path, data, version)
+
+
+def _conditional_put(path: str, data: bytes, version: Version | None) -> Version | None:
+    fs, p = filesystem(path)
+    s = scheme(path)
+    try:
+        if s == "gs":
+            from fsspec.asyn import sync
+
+            info = sync(fs.loop, _gcs_put, fs, p, data, "0" if version is None else version.tag)
+            return _version(s, fs._process_object(p.split("/", 1)[0], info))
+        if s == "s3":
+            from fsspec.asyn import sync
+
+            bucket, key = p.split("/", 1)
+            condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version.tag}
+            reply = sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key,
+                         Body=data, **condition)
+            fs.invalidate_cache(p)
+            return Version(str(reply["ETag"]), _s3_time(fs, p, str(reply["ETag"])))
+    except Exception as e:   # noqa: BLE001 (each client has its own error types)
+        if _precondition_failed(e) or isinstance(e, FileNotFoundError):
+            return None
+        raise
+    raise StartupError(f"{path!r}: conditional writes need gs:// or s3://")
+
+
+def _s3_time(fs, path: str, etag: str) -> float:
+    """The store's time of the write that gave `etag` (S3's reply to a put carries none)."""
+    import time
+
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        return time.time()
+    return info["LastModified"].timestamp() if str(info["ETag"]) == etag else time.time()
+
+
+async def _gcs_put(fs, path: str, data: bytes, generation: str) -> dict:
+    """One multipart upload with `ifGenerationMatch` (0: only if absent); the object's
+    metadata. gcsfs's own uploads take only the 'absent' condition."""
+    import json
+    from urllib.parse import quote
+
+    bucket, key = path.split("/", 1)
+    meta = json.dumps({"name": key})
+    body = (b"--==0==\nContent-Type: application/json; charset=UTF-8\n\n" + meta.encode()
+            + b"\n--==0==\nContent-Type: application/octet-stream\n\n" + data
+            + b"\n--==0==--")
+    out = await fs._call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
+                         uploadType="multipart", ifGenerationMatch=generation,
+                         headers={"Content-Type": 'multipart/related; boundary="==0=="'},
+                         data=body, json_out=True)
+    fs.invalidate_cache(path)
+    return out
