@@ -16,7 +16,9 @@ import contextlib
 import json
 import os
 import tempfile
+import uuid
 
+from lclm import storage
 from lclm.errors import StartupError
 
 
@@ -47,23 +49,19 @@ def write_json(path: str, obj, mode: int = 0o644) -> None:
         f.write("\n")
 
 
-def _scheme(path: str) -> str | None:
-    """'gs' for 'gs://bucket/x' (any 'scheme://' prefix), else None."""
-    head, sep, _ = path.partition("://")
-    return head if sep and head and "/" not in head else None
-
-
-def output_problem(path: str, folder: bool = True) -> str | None:
+def output_problem(path: str, folder: bool = True, remote: bool = False) -> str | None:
     """Why a CLI could not write `path` (a folder it would create or fill, or with
     `folder=False` a file it would replace), found before any work rather than after it; None
-    when it can. Creates nothing: the probe is a temporary file in the nearest existing
-    directory, removed at once."""
+    when it can. `remote`: the CLI writes gs:// and s3:// paths (through lclm.storage);
+    others refuse them (a local './gs:/...' folder would not be what was meant). Creates nothing: the probe is a temporary file in the nearest existing
+    directory (on object storage: a temporary object beside `path`), removed at once."""
     if not path:   # os.path.abspath('') is the current directory: never what was meant
         return "is empty; pass a path"
-    scheme = _scheme(path)
-    if scheme:   # until object stores are supported: a local './gs:/...' folder is not one
-        return (f"is on object storage ({scheme}://), which this command cannot write yet; "
-                "write to a local or mounted path (e.g. gcsfuse) and copy it")
+    if storage.is_remote(path):
+        if not remote:
+            return (f"is on object storage ({storage.scheme(path)}://), which this command "
+                    "does not write; write to a local or mounted path and copy it")
+        return storage.client_problem(path) or _object_store_problem(path, folder)
     target = os.path.abspath(path)
     if os.path.exists(target):
         if folder and not os.path.isdir(target):
@@ -87,21 +85,30 @@ def output_problem(path: str, folder: bool = True) -> str | None:
     return None
 
 
-def input_problem(path: str) -> str | None:
-    """Why a CLI could not read the input `path` names, found before it looks: a 'scheme://'
-    path until object stores are supported (looked up locally, it would be reported missing
-    as './gs:/...'); None otherwise (a missing file is for its reader to report, in its own
-    words)."""
-    scheme = _scheme(path)
-    if scheme:
-        return (f"is on object storage ({scheme}://), which this command cannot read yet; "
-                "copy it to a local or mounted path (e.g. gcsfuse) and pass that")
+def _object_store_problem(path: str, folder: bool) -> str | None:
+    """Why `path` on object storage cannot be written: the bucket is missing, or refuses
+    this process's writes (credentials, scopes, a read-only bucket)."""
+    probe = storage.join(path if folder else storage.dirname(path),
+                         f".lclm-write-probe-{uuid.uuid4().hex}")
+    try:
+        storage.write_bytes(probe, b"")
+        storage.remove(probe)
+    except Exception as e:   # noqa: BLE001 (each client has its own error types)
+        text = " ".join(str(e).split())[:200] or type(e).__name__
+        return f"cannot be written ({text}); check the bucket's name and this machine's access"
     return None
 
 
-def check_output(flag: str, path: str, folder: bool = True) -> None:
+def input_problem(path: str) -> str | None:
+    """Why a CLI could not read the input `path` names, found before it looks: a scheme lclm
+    cannot read, or whose client is not installed; None otherwise (a missing file is for its
+    reader to report, in its own words)."""
+    return storage.client_problem(path)
+
+
+def check_output(flag: str, path: str, folder: bool = True, remote: bool = False) -> None:
     """A StartupError `FLAG 'PATH' <why>` where `output_problem` finds one."""
-    problem = output_problem(path, folder)
+    problem = output_problem(path, folder, remote)
     if problem:
         raise StartupError(f"{flag} {path!r} {problem}")
 
