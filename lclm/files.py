@@ -53,8 +53,9 @@ def output_problem(path: str, folder: bool = True, remote: bool = False) -> str 
     """Why a CLI could not write `path` (a folder it would create or fill, or with
     `folder=False` a file it would replace), found before any work rather than after it; None
     when it can. `remote`: the CLI writes gs:// and s3:// paths (through lclm.storage);
-    others refuse them (a local './gs:/...' folder would not be what was meant). Creates nothing: the probe is a temporary file in the nearest existing
-    directory (on object storage: a temporary object beside `path`), removed at once."""
+    others refuse them (a local './gs:/...' folder would not be what was meant). Creates
+    nothing: the probe is a temporary file in the nearest existing directory (on object
+    storage: a temporary object beside `path`), removed at once."""
     if not path:   # os.path.abspath('') is the current directory: never what was meant
         return "is empty; pass a path"
     if storage.is_remote(path):
