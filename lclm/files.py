@@ -13,6 +13,7 @@ to an output that could not have been written.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import tempfile
@@ -26,7 +27,15 @@ from lclm.errors import StartupError
 def replacing(path: str, mode: int = 0o644, binary: bool = False):
     """`with replacing(path) as f: f.write(...)`: `path` is replaced when the block ends
     without an error; on an error the temporary file is removed and `path` is untouched.
-    `mode`: the new file's permissions (0o644: readable by every user, whatever the umask)."""
+    `mode`: the new file's permissions (0o644: readable by every user, whatever the umask).
+    On object storage (gs://, s3://) the contents are written as one object at the end (a
+    single write is atomic there)."""
+    if storage.is_remote(path):
+        buffer = io.BytesIO() if binary else io.StringIO()
+        yield buffer
+        data = buffer.getvalue()
+        storage.write_bytes(path, data if isinstance(data, bytes) else data.encode("utf-8"))
+        return
     directory, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
