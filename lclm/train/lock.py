@@ -246,7 +246,7 @@ class WorkdirLock:
         if jax.process_index() == 0:
             try:
                 why = self._try()
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001  (OSError here; any client's error in a bucket)
                 why = f"cannot write the lock in {self.workdir} ({e})"
         self.held = why is None and jax.process_index() == 0
         if jax.process_count() > 1:  # every process of the run stops, or none
@@ -306,8 +306,23 @@ class WorkdirLock:
             self._renewer = None
         if self.held:
             try:
-                if self._ours(_inspect(self.path)):
-                    os.remove(self.path)
-            except OSError as e:
+                self._remove_if_ours()
+            except Exception as e:  # noqa: BLE001  (OSError here; any client's error in a bucket)
                 log.warning("could not remove the lock %s (%s)", self.path, e)
         self.held = False
+
+    def _remove_if_ours(self) -> None:
+        if self._ours(_inspect(self.path)):
+            os.remove(self.path)
+
+
+def workdir_lock(workdir: str, lease_minutes: float = 10.0) -> WorkdirLock:
+    """The lease lock of `workdir`: a file, or for a gs:// or s3:// workdir an object
+    (lclm.train.object_lock)."""
+    from lclm import storage
+
+    if storage.is_remote(workdir):
+        from lclm.train.object_lock import ObjectLock
+
+        return ObjectLock(workdir, lease_minutes)
+    return WorkdirLock(workdir, lease_minutes)

@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 
+from lclm import storage
 from lclm.config import LlamaConfig
 from lclm.config.syntax import format_tokens
 from lclm.files import replacing
@@ -73,12 +74,79 @@ def truncate_metrics(path: str, last_step: int) -> int:
     return later + unreadable
 
 
+# On object storage (no append): `<workdir>/metrics/<first step>-<flush>.jsonl`, one object
+# per flush, in step order by name; `read_metrics` puts them together
+PARTS = "metrics"
+
+
+def _part_name(first_step: int, flush: int) -> str:
+    return f"{first_step:012d}-{flush:06d}.jsonl"
+
+
+def _part_step(name: str) -> int | None:
+    head = name.split("-", 1)[0]
+    return int(head) if name.endswith(".jsonl") and head.isdigit() else None
+
+
+def truncate_metric_parts(directory: str, last_step: int) -> int:
+    """`truncate_metrics` for the objects of `directory` (gs://, s3://): parts that begin
+    after `last_step` go, and the last part that begins before it loses its later records.
+    Earlier parts are left unread (an object is written whole, and each ends before the next
+    begins), so a resume reads one part however long the run. Returns the records dropped."""
+    parts = sorted((step, name) for name in storage.listdir(directory)
+                   if (step := _part_step(name)) is not None)
+    dropped = 0
+    for step, name in parts:
+        if step > last_step:
+            path = storage.join(directory, name)
+            dropped += len(storage.read_bytes(path).splitlines())
+            storage.remove(path)
+    before = [name for step, name in parts if step <= last_step]
+    if before:
+        path = storage.join(directory, before[-1])
+        lines = storage.read_bytes(path).splitlines(keepends=True)
+        kept = [line for line in lines if _step_of(line) is not None
+                and _step_of(line) <= last_step]   # type: ignore[operator]
+        if len(kept) < len(lines):
+            dropped += len(lines) - len(kept)
+            storage.write_bytes(path, b"".join(kept))
+    return dropped
+
+
+def _step_of(line: bytes) -> int | None:
+    try:
+        return int(json.loads(line.decode("utf-8"))["step"])
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, RecursionError):
+        return None
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The records a run logged in `workdir` (metrics.jsonl, or on object storage its
+    parts), in order; unreadable lines are skipped."""
+    if storage.is_remote(workdir):
+        directory = storage.join(workdir, PARTS)
+        names = sorted(n for n in storage.listdir(directory) if _part_step(n) is not None)
+        lines = [line for n in names
+                 for line in storage.read_bytes(storage.join(directory, n)).splitlines()]
+    else:
+        path = os.path.join(workdir, "metrics.jsonl")
+        lines = open(path, "rb").read().splitlines() if os.path.isfile(path) else []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line.decode("utf-8")))
+        except ValueError:
+            continue
+    return records
+
+
 class MetricsFailed(RuntimeError):
     """metrics.jsonl could not be written; the records are held back for the next try."""
 
 
 class MetricsLogger:
-    """Writes one JSON object per logged step to `<workdir>/metrics.jsonl`, and to wandb.
+    """Writes one JSON object per logged step to `<workdir>/metrics.jsonl` (on object
+    storage: one object per flush in `<workdir>/metrics/`), and to wandb.
 
     `resume_step`: the step the run restarts after; records past it (from a run that crashed
     after its last checkpoint) are dropped before the re-run steps are logged. A write that
@@ -88,10 +156,17 @@ class MetricsLogger:
     """
 
     def __init__(self, workdir: str, wandb_run=None, resume_step: int = 0):
-        os.makedirs(workdir, exist_ok=True)
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        truncate_metrics(self.path, resume_step)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._remote = storage.is_remote(workdir)
+        self._flushes = 0
+        self._fd: int | None = None
+        if self._remote:
+            self.path = storage.join(workdir, PARTS)
+            truncate_metric_parts(self.path, resume_step)
+        else:
+            os.makedirs(workdir, exist_ok=True)
+            self.path = os.path.join(workdir, "metrics.jsonl")
+            truncate_metrics(self.path, resume_step)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._held: list[str] = []   # lines not yet written
         self._wandb = wandb_run
 
@@ -108,18 +183,35 @@ class MetricsLogger:
         """Write the records held back; `MetricsFailed` (the file as it was) if that fails."""
         if not self._held:
             return
-        size = os.fstat(self._fd).st_size
         data = "".join(self._held).encode()
+        if self._fd is None:
+            self._flush_object(data)
+        else:
+            self._append(self._fd, data)
+        self._held.clear()
+
+    def _flush_object(self, data: bytes) -> None:
+        """One object for the held records, named by their first step and this flush: a
+        retried write replaces its own object, never another's."""
+        name = _part_name(json.loads(self._held[0])["step"], self._flushes)
+        try:
+            storage.write_bytes(storage.join(self.path, name), data)
+        except Exception as e:  # noqa: BLE001  (each client has its own error types)
+            raise MetricsFailed(f"{self.path}: could not write {len(self._held)} record(s) "
+                                f"({' '.join(str(e).split())[:200]})") from None
+        self._flushes += 1
+
+    def _append(self, fd: int, data: bytes) -> None:
+        size = os.fstat(fd).st_size
         try:
             while data:
-                data = data[os.write(self._fd, data):]
+                data = data[os.write(fd, data):]
         except OSError as e:
             # a cut line would glue onto the next record: drop what part of it was written
             with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, size)
+                os.ftruncate(fd, size)
             raise MetricsFailed(f"{self.path}: could not write {len(self._held)} record(s) "
                                 f"({e.strerror or e})") from None
-        self._held.clear()
 
     def outputs(self) -> list[str]:
         """Where the metrics went, for the run's summary."""
@@ -137,7 +229,8 @@ class MetricsLogger:
         try:
             self.flush()
         finally:
-            os.close(self._fd)
+            if self._fd is not None:
+                os.close(self._fd)
             if self._wandb is not None:
                 self._wandb.finish()
 
