@@ -18,7 +18,7 @@ import uuid
 
 import jax
 
-from lclm import hf
+from lclm import hf, storage
 from lclm.checkpoint import (
     Checkpoints,
     ShapeMismatch,
@@ -34,7 +34,7 @@ from lclm.config.stages import validation_lengths
 from lclm.data.chat import TEMPLATES
 from lclm.data.loader import SOURCE_KINDS, parse_sources
 from lclm.errors import ConfigError, StartupError
-from lclm.files import replacing
+from lclm.files import output_problem, replacing
 from lclm.ops.context_parallel import kernel_block
 from lclm.ops.kernels import IMPLS, choose_kernel, get_kernel, platform_family
 from lclm.ops.ring_attention import kv_repeats
@@ -195,9 +195,11 @@ def check_workdir(workdir: str) -> None:
     temporary files, and existing files are opened for appending without writing."""
     if not workdir:
         _fail("workdir is empty; set config.workdir to the run's directory")
-    if "://" in workdir:   # the lock, config.json and metrics.jsonl are local files
-        _fail(f"workdir={workdir!r}: object storage is not a workdir (its lock and metrics are "
-              "files); use a local or mounted path (e.g. gcsfuse)")
+    if storage.is_remote(workdir):   # a bucket: that it exists and takes this host's writes
+        problem = output_problem(workdir, remote=True)
+        if problem:
+            _fail(f"workdir={workdir!r} {problem}")
+        return
     problem = path_problem(os.path.abspath(workdir))
     if problem:
         _fail(f"workdir={workdir!r} {problem}")
@@ -338,10 +340,9 @@ def wandb_run(config, resume_step: int):
         return None
     import wandb  # 0.4 s to import: only runs that log to wandb pay it
     mode = os.environ.get("WANDB_MODE", config.log.wandb_mode)  # the environment wins
-    id_path = os.path.join(config.workdir, "wandb_id")
-    if os.path.isfile(id_path):
-        with open(id_path) as f:
-            run_id = f.read().strip()
+    id_path = storage.join(config.workdir, "wandb_id")
+    if storage.isfile(id_path):
+        run_id = storage.read_text(id_path).strip()
     else:
         run_id = uuid.uuid4().hex[:16]  # wandb ids: letters and digits
         with replacing(id_path) as f:
@@ -354,6 +355,8 @@ def wandb_run(config, resume_step: int):
         log.info("wandb: resuming run %s after step %d (wandb keeps the values it already "
                  "has for re-run steps; metrics.jsonl holds the re-run ones)", run_id,
                  resume_step)
-    return wandb.init(project=config.log.wandb_project, mode=mode, dir=config.workdir,
+    # wandb keeps its own files in a local folder: its default (./wandb) for a bucket workdir
+    local = None if storage.is_remote(config.workdir) else config.workdir
+    return wandb.init(project=config.log.wandb_project, mode=mode, dir=local,
                       config=public_config(config), id=run_id, resume="allow",
                       settings=settings)
