@@ -14,12 +14,9 @@ between meshes. Loading reads tensorstore arrays and JSON only (no pickles).
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
-import os
 import re
-import shutil
 import sys
 import time
 
@@ -29,6 +26,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from lclm import storage
 from lclm.errors import StartupError
 from lclm.parallel.distributed import any_process
 
@@ -55,8 +53,8 @@ def _as_dict(state) -> dict:
 def _reader(workdir: str):
     """A read-only manager of `<workdir>/checkpoints`; `state` is read as a plain PyTree so
     that parameters can be restored without the optimizer state."""
-    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    if not os.path.isdir(directory):
+    directory = storage.absolute(storage.join(workdir, "checkpoints"))
+    if not storage.isdir(directory):
         raise FileNotFoundError(f"no checkpoints in {workdir!r} (expected {directory})")
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler()}
@@ -198,9 +196,8 @@ class Checkpoints:
 
     def __init__(self, workdir: str, every: int, keep: int):
         self.every = every
-        path = os.path.join(workdir, "checkpoints")
-        self.directory = path if "://" in path else os.path.abspath(path)
-        self.damaged = os.path.join(os.path.dirname(self.directory), "checkpoints_damaged")
+        self.directory = storage.absolute(storage.join(workdir, "checkpoints"))
+        self.damaged = storage.join(storage.dirname(self.directory), "checkpoints_damaged")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=True,
             # the step directory is created before `save` returns, so an unwritable or full
@@ -350,9 +347,9 @@ class Checkpoints:
         """Delete what failed saves wrote: it would keep a full disk full for the retry."""
         if jax.process_index() == 0:
             for step in self._abandoned:
-                for partial in glob.glob(os.path.join(glob.escape(self.directory),
-                                                      f"{step}.orbax-checkpoint-tmp*")):
-                    shutil.rmtree(partial, ignore_errors=True)
+                for name in storage.listdir(self.directory):
+                    if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                        storage.remove_tree(storage.join(self.directory, name))
 
     def _failed(self, step, error: BaseException) -> SaveFailed:
         if step is not None:

@@ -6,8 +6,8 @@ lost), and the lengths each stage validates at. Running the stages is lclm.train
 from __future__ import annotations
 
 import copy
-import os
 
+from lclm import storage
 from lclm.config.syntax import Stage, parse_schedule, parse_tokens
 from lclm.errors import ConfigError
 
@@ -33,7 +33,7 @@ def keys_set_by_stages(config) -> dict[str, str]:
 
 
 def stage_workdir(config, index: int, stage: Stage) -> str:
-    return os.path.join(config.workdir, f"stage{index}_{stage.seq_len}")
+    return storage.join(config.workdir, f"stage{index}_{stage.seq_len}")
 
 
 def stage_configs(config) -> list:

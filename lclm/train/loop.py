@@ -8,7 +8,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shutil
 import signal
 import threading
@@ -18,6 +17,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from lclm import storage
 from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.config.model import AttentionConfig, LlamaConfig
 from lclm.config.secrets import public_config
@@ -30,13 +30,14 @@ from lclm.files import write_json
 from lclm.models.llama import param_count
 from lclm.parallel.distributed import any_process, check_same_config
 from lclm.parallel.mesh import make_mesh
-from lclm.train.lock import WorkdirLock
+from lclm.train.lock import WorkdirLock, workdir_lock
 from lclm.train.metrics import (
     MetricsFailed,
     MetricsLogger,
     Progress,
     flops_per_token,
     peak_flops,
+    read_metrics,
 )
 from lclm.train.resume import allowed_keys, check_resume, tokenizer_fingerprint
 from lclm.train.setup import (
@@ -98,8 +99,8 @@ def train(config, stop_after: int | None = None,
     attention = AttentionConfig.from_config(config.attention)
     tokenizer = Tokenizer(config.data.tokenizer)
     tokenizer.check_fits(model.vocab_size)
-    fresh = not os.path.exists(config.workdir)
-    lock = WorkdirLock(config.workdir, config.workdir_lease_minutes)  # before any write there
+    fresh = not storage.exists(config.workdir)
+    lock = workdir_lock(config.workdir, config.workdir_lease_minutes)  # before any write there
     lock.acquire()
     try:
         return _run(config, sizes, mesh, model, attention, tokenizer, stop_after, lock,
@@ -109,7 +110,7 @@ def train(config, stop_after: int | None = None,
         if fresh and jax.process_index() == 0 and not _trained(config.workdir):
             # a run that fails before its first step (its data, a compile error) leaves no
             # workdir of its own behind: nothing in it was worth keeping
-            shutil.rmtree(config.workdir, ignore_errors=True)
+            _remove_workdir(config.workdir)
         raise
     finally:
         lock.release()
@@ -117,10 +118,18 @@ def train(config, stop_after: int | None = None,
 
 def _trained(workdir: str) -> bool:
     """Whether a run in `workdir` has logged a step or saved a checkpoint."""
-    metrics = os.path.join(workdir, "metrics.jsonl")
-    checkpoints = os.path.join(workdir, "checkpoints")
-    return ((os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
-            or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
+    return bool(read_metrics(workdir)) or bool(storage.listdir(storage.join(workdir,
+                                                                             "checkpoints")))
+
+
+def _remove_workdir(workdir: str) -> None:
+    try:
+        if storage.is_remote(workdir):
+            storage.remove_tree(workdir)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    except Exception as e:  # noqa: BLE001  (the run's own error is the one to report)
+        log.warning("could not remove the new workdir %s (%s)", workdir, e)
 
 
 def _check_resume(config, checkpoints: Checkpoints,
@@ -231,7 +240,7 @@ def _summary(records: list[dict], started: float, first_logged: float, tokens_pe
         steady = (last["step"] - first["step"]) * tokens_per_step / (now - first_logged)
         line += f"; {steady:,.0f} tokens/s after compilation"
     latest = checkpoints.latest_step()
-    lines = [line, "final checkpoint: " + (os.path.join(checkpoints.directory, str(latest))
+    lines = [line, "final checkpoint: " + (storage.join(checkpoints.directory, str(latest))
                                            if latest is not None else "none")]
     if logger is not None:
         lines += logger.outputs()
@@ -275,7 +284,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
         state, data_state = _restore_or_init(config, checkpoints, state, model, mesh,
                                              saved_config, resume)
         if is_main:   # only once the run is accepted: config.json describes the checkpoints
-            config_path = os.path.join(config.workdir, "config.json")
+            config_path = storage.join(config.workdir, "config.json")
             with _written_at_start(config_path):
                 write_json(config_path, saved_config)
         state_sharding = jax.tree.map(lambda x: x.sharding, state)
@@ -292,7 +301,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
         flops = flops_per_token(model, config.data.seq_len) * tokens_per_step
         peak = peak_flops(devices[0].device_kind)
         if is_main:
-            with _written_at_start(os.path.join(config.workdir, "metrics.jsonl")):
+            with _written_at_start(storage.join(config.workdir, "metrics.jsonl")):
                 logger = MetricsLogger(config.workdir, wandb_run(config, first - 1),
                                        resume_step=first - 1)
         if first > total and is_main:

@@ -17,10 +17,10 @@ data order), the next one starts from its predecessor's final checkpoint.
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 
+from lclm import storage
 from lclm.checkpoint import Checkpoints
 from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError
@@ -74,7 +74,7 @@ def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
     configs = validate_stages(config, len(jax.devices()))
     # looked at only where it exists: opening Checkpoints would create the directory
     single = (_saved_step(config.workdir)
-              if os.path.isdir(os.path.join(config.workdir, "checkpoints")) else None)
+              if storage.isdir(storage.join(config.workdir, "checkpoints")) else None)
     if single is not None:   # the stages would be written beside it and never read it
         raise ConfigError(
             f"workdir={config.workdir!r} holds the checkpoints of a single run or a conversion "

@@ -9,9 +9,9 @@ staged run's directory the same way; `convert --to-checkpoint` refuses one (`sta
 
 from __future__ import annotations
 
-import os
 import re
 
+from lclm import storage
 from lclm.errors import StartupError
 
 STAGE_DIR = re.compile(r"stage(\d+)_(\d+)")
@@ -21,23 +21,19 @@ def stage_dirs(workdir: str) -> list[str]:
     """The stage workdirs in `workdir` (a staged run's directory) in stage order, with a
     checkpoint or not (a stage that has just started has none yet); [] for any other
     directory."""
-    if not os.path.isdir(workdir):
-        return []
-    stages = sorted((int(m.group(1)), name) for name in os.listdir(workdir)
+    stages = sorted((int(m.group(1)), name) for name in storage.listdir(workdir)
                     if (m := STAGE_DIR.fullmatch(name))
-                    and os.path.isdir(os.path.join(workdir, name)))
-    return [os.path.join(workdir, name) for _, name in stages]
+                    and storage.isdir(storage.join(workdir, name)))
+    return [storage.join(workdir, name) for _, name in stages]
 
 
 def saved_steps(workdir: str) -> list[int]:
     """The steps saved in `workdir/checkpoints`, in order, read from the directory's names: a
     run creates the directory when it starts, and Orbax writes a step under a temporary name
     until it is complete."""
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(name) for name in os.listdir(directory)
-                  if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+    directory = storage.join(workdir, "checkpoints")
+    return sorted(int(name) for name in storage.listdir(directory)
+                  if name.isdigit() and storage.isdir(storage.join(directory, name)))
 
 
 def has_checkpoint(workdir: str) -> bool:
@@ -51,13 +47,8 @@ def checkpointed_stages(workdir: str) -> list[str]:
 
 
 def object_store_problem(path: str) -> str | None:
-    """Why `path`, an input, cannot be read: a 'scheme://' path (gs://, s3://) would be read
-    as a local folder named 'gs:'; None for a local or mounted path."""
-    scheme, sep, _ = path.partition("://")
-    if sep and scheme and "/" not in scheme:
-        return (f"is on object storage ({scheme}://), which lclm cannot read yet; copy it to "
-                "a local or mounted path (e.g. gcsfuse)")
-    return None
+    """Why `path`'s scheme cannot be read here (lclm.storage.client_problem)."""
+    return storage.client_problem(path)
 
 
 def workdir_to_read(workdir: str, flag: str = "--checkpoint") -> str:
@@ -73,7 +64,7 @@ def workdir_to_read(workdir: str, flag: str = "--checkpoint") -> str:
     if not stages:
         return workdir   # a run's workdir, or nothing: the reader says what is missing
     with_checkpoint = [stage for stage in stages if has_checkpoint(stage)]
-    names = ", ".join(os.path.basename(stage) for stage in stages)
+    names = ", ".join(storage.basename(stage) for stage in stages)
     if has_checkpoint(workdir):
         last = (f"pass {with_checkpoint[-1]!r} for the staged run's last stage, or "
                 if with_checkpoint else "")
