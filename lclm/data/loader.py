@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from lclm import storage
 from lclm.config.model import AttentionConfig
 from lclm.data.packing import ROW_KEYS, Packer
 from lclm.data.sources import DataError, SourceStats, open_documents
@@ -47,14 +48,21 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(("batch", "seq")))
 
 
+def _local_path(path: str) -> bool:
+    """Whether `path` is an existing local path. Object-store paths are not looked up: parsing
+    is also the planner's syntax check, which must not need a bucket's credentials (so there
+    an '@number' ending is always a weight, and a ',' of an object's name is written '\\,')."""
+    return not storage.is_remote(path) and os.path.exists(path)
+
+
 def _entry(entry: str, default_kind: str, key: str) -> tuple[str, str, float]:
-    """One `[kind:]path[@weight]` entry. A path that exists is taken as it is, so '@' in a
-    file name is not read as a weight."""
+    """One `[kind:]path[@weight]` entry. A local path that exists is taken as it is, so '@'
+    in a file name is not read as a weight."""
     kind, rest = default_kind, entry
     head, sep, tail = entry.partition(":")
     if sep and head in SOURCE_KINDS:
         kind, rest = head, tail
-    if os.path.exists(rest) or "@" not in rest:
+    if _local_path(rest) or "@" not in rest:
         return kind, rest, 1.0
     path, w = rest.rsplit("@", 1)
     try:
@@ -74,10 +82,11 @@ _ENTRY_SEPARATOR = re.compile(r"(?<!\\),")
 def parse_sources(path: str, default_kind: str,
                   key: str = "data.path") -> list[tuple[str, str, float]]:
     """`config.<key>` (data.path, validation.path) as (kind, path, weight): comma-separated
-    `[kind:]path[@weight]`. The whole string is one entry where it names an existing path;
-    in a mixture, a ',' of a file name is written '\\,'."""
+    `[kind:]path[@weight]`, each path local, gs:// or s3://. The whole string is one entry
+    where it names an existing local path; in a mixture, a ',' of a file name is written
+    '\\,'."""
     whole = _entry(path.strip(), default_kind, key)
-    if path.strip() and os.path.exists(whole[1]):
+    if path.strip() and _local_path(whole[1]):
         return [whole]
     entries = [_entry(e.replace("\\,", ","), default_kind, key)
                for e in (e.strip() for e in _ENTRY_SEPARATOR.split(path)) if e]

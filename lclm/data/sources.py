@@ -20,6 +20,7 @@ it is opened (`DataError`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -33,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lclm import storage
 from lclm.data import line_retrieval
 from lclm.data.chat import TEMPLATES, check_template, conversation_turns, render
 from lclm.errors import StartupError
@@ -61,19 +63,50 @@ class SourceStats:
         return f"{self.skipped} records skipped (first: {'; '.join(self.examples)})"
 
 
+DATA_EXTENSIONS = ("jsonl", "json", "txt", "parquet", "arrow")
+
+
 def resolve_files(path: str) -> list[str]:
-    """Files named by a path, a directory or a glob; a clear error when there are none."""
-    if os.path.isfile(path):   # a name with glob characters ('[') is still itself
-        return [path]
-    if os.path.isdir(path):
-        files = sorted(f for ext in ("jsonl", "json", "txt", "parquet", "arrow")
-                       for f in glob.glob(os.path.join(glob.escape(path), f"*.{ext}")))
-    else:
-        files = sorted(glob.glob(path))
+    """Files named by a path, a directory (an object-store prefix) or a glob; a clear error
+    when there are none."""
+    files = _remote_files(path) if storage.is_remote(path) else _local_files(path)
     if not files:
         raise FileNotFoundError(f"no data files at {path!r}; point config.data.path at a "
                                 ".jsonl/.json/.txt/.parquet/.arrow file, a directory or a glob")
     return files
+
+
+def _local_files(path: str) -> list[str]:
+    if os.path.isfile(path):   # a name with glob characters ('[') is still itself
+        return [path]
+    if os.path.isdir(path):
+        return sorted(f for ext in DATA_EXTENSIONS
+                      for f in glob.glob(os.path.join(glob.escape(path), f"*.{ext}")))
+    return sorted(glob.glob(path))
+
+
+def _remote_files(path: str) -> list[str]:
+    """As `_local_files`, for gs:// and s3:// paths; full URLs (the client's listings drop
+    the scheme)."""
+    fs, p = storage.filesystem(path)
+    fs.invalidate_cache()   # objects written since this process last listed them
+    if fs.isfile(p):
+        return [path]
+    if fs.isdir(p):
+        found = [f for f in fs.ls(p, detail=False) if f.rsplit(".", 1)[-1] in DATA_EXTENSIONS]
+    else:
+        found = fs.glob(p)
+    return sorted(f"{storage.scheme(path)}://{f}" for f in found)
+
+
+def names_data(path: str) -> bool:
+    """Whether `path` names anything to read: a file, a directory (prefix) or a glob that
+    matches; object-store paths are looked up in their bucket."""
+    if not storage.is_remote(path):
+        return os.path.exists(path) or bool(glob.glob(path))
+    fs, p = storage.filesystem(path)
+    fs.invalidate_cache()
+    return fs.exists(p) or bool(fs.glob(p))
 
 
 def is_unicode(text: str) -> bool:
@@ -155,8 +188,7 @@ def _file_entries(file: str, text_field: str, columns: Sequence[str]) -> list[_E
     if file.endswith(COLUMNAR):
         records = ColumnarRecords([file], columns, file)
         return [(f"{file} row {k}", records[k], None) for k in range(len(records))]
-    with open(file, "rb") as f:
-        text = f.read().decode("utf-8", errors="surrogateescape")
+    text = storage.read_bytes(file).decode("utf-8", errors="surrogateescape")
     if file.endswith(".txt"):
         return _text_entries(file, text, text_field)
     return _json_entries(file, text)
@@ -237,13 +269,25 @@ class _RowGroup:
     columns: tuple[str, ...]
 
     def read(self):
-        with pq.ParquetFile(self.file) as f:
+        with _parquet_file(self.file) as f:
             return f.read_row_group(self.index, columns=list(self.columns))
+
+
+@contextlib.contextmanager
+def _parquet_file(file: str):
+    """A `pq.ParquetFile`; one on object storage reads only its footer and the column chunks
+    asked for (ranged reads), not the whole object."""
+    if not storage.is_remote(file):
+        with pq.ParquetFile(file) as f:
+            yield f
+        return
+    with storage.open_file(file) as source, pq.ParquetFile(source) as f:
+        yield f
 
 
 def _row_groups(file: str, columns: Sequence[str]) -> list[_RowGroup]:
     try:
-        with pq.ParquetFile(file) as f:
+        with _parquet_file(file) as f:
             meta, names = f.metadata, f.schema_arrow.names
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{file} is not a readable parquet file ({e})") from None
@@ -254,9 +298,10 @@ def _row_groups(file: str, columns: Sequence[str]) -> list[_RowGroup]:
 
 def _record_batches(file: str, columns: Sequence[str]) -> list:
     """The record batches of an Arrow IPC file (the random-access format, or the stream
-    format that `datasets` saves), memory-mapped: nothing is copied or decoded."""
+    format that `datasets` saves), memory-mapped: nothing is copied or decoded. One on
+    object storage cannot be mapped: it is read into memory whole."""
     try:
-        with pa.memory_map(file) as source:
+        with _arrow_source(file) as source:
             try:
                 reader = pa.ipc.open_file(source)
                 batches = [reader.get_batch(k) for k in range(reader.num_record_batches)]
@@ -269,6 +314,12 @@ def _record_batches(file: str, columns: Sequence[str]) -> list:
         raise DataError(f"{file} is not a readable Arrow file ({e})") from None
     found = _check_columns(file, names, columns)
     return [b.select(found) for b in batches]
+
+
+def _arrow_source(file: str):
+    if not storage.is_remote(file):
+        return pa.memory_map(file)
+    return pa.BufferReader(storage.read_bytes(file))
 
 
 class ColumnarRecords:
@@ -328,7 +379,7 @@ def _columnar(path: str, columns: Sequence[str]):
     """The column-stored records that `path` names: a hub dataset or a saved `datasets`
     directory (through `datasets`, memory-mapped), or .parquet and .arrow files only
     (`ColumnarRecords`); else None."""
-    saved = os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_info.json"))
+    saved = storage.isfile(storage.join(path, "dataset_info.json"))
     if not (saved or path.startswith("hub:")):
         files = resolve_files(path)
         return (ColumnarRecords(files, columns, path)
@@ -415,18 +466,52 @@ def offsets_digest(offsets: np.ndarray) -> str:
 _REWRITE = "write the directory again with python -m lclm.data.prepare"
 
 
+def _check_size(path: str, have: int, size: int, expected: str) -> None:
+    if have != size:
+        raise DataError(f"{path} has {have} bytes where {expected} needs {size}; "
+                        f"{_REWRITE}")
+
+
 def _open_sized(path: str, size: int, expected: str):
     """`path` opened for reading, with the `size` bytes that `expected` says it holds."""
     try:
         f = open(path, "rb")
     except FileNotFoundError:
         raise DataError(f"{path} is missing; {_REWRITE}") from None
-    have = os.fstat(f.fileno()).st_size
-    if have != size:
+    try:
+        _check_size(path, os.fstat(f.fileno()).st_size, size, expected)
+    except DataError:
         f.close()
-        raise DataError(f"{path} has {have} bytes where {expected} needs {size}; "
-                        f"{_REWRITE}")
+        raise
     return f
+
+
+class RangedArray:
+    """A read-only 1-D array `[n]` of `dtype` stored in an object: `a[i:j]` fetches only
+    those bytes with one ranged request, so each host reads only the documents its rows
+    draw, never whole token files. Opening checks that the object holds `n` items."""
+
+    def __init__(self, path: str, dtype, n: int, expected: str):
+        self.fs, self.key = storage.filesystem(path)
+        self.dtype, self.n = np.dtype(dtype), n
+        self.fs.invalidate_cache(self.key)   # a listing made before it was written again
+        try:
+            have = self.fs.size(self.key)
+        except FileNotFoundError:
+            raise DataError(f"{path} is missing; {_REWRITE}") from None
+        _check_size(path, have, n * self.dtype.itemsize, expected)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, step = index.indices(self.n)
+        if step != 1:
+            raise IndexError("a RangedArray reads contiguous slices only")
+        if stop <= start:
+            return np.empty(0, self.dtype)
+        size = self.dtype.itemsize
+        return np.frombuffer(self.fs.cat_file(self.key, start * size, stop * size), self.dtype)
 
 
 class TokenizedDocuments:
@@ -434,17 +519,24 @@ class TokenizedDocuments:
     Opening checks the files' sizes and document offsets against each other and the metadata
     (a truncated or mismatched directory fails here, not in the middle of training). What was
     opened stays readable when the directory is prepared again: prepare renames new files
-    into place, and the maps hold the old ones."""
+    into place, and the maps hold the old ones.
+
+    On object storage (gs://, s3://) the offsets are read whole (8 bytes a document) and
+    tokens and loss flags document by document with ranged reads (`RangedArray`). Objects
+    are replaced in place there, so prepare into a new prefix rather than the one a run
+    reads."""
+
+    tokens: np.ndarray | RangedArray
+    loss: np.ndarray | RangedArray
 
     def __init__(self, directory: str):
-        meta_path = os.path.join(directory, TOKENIZED_META)
-        if not os.path.isfile(meta_path):
+        meta_path = storage.join(directory, TOKENIZED_META)
+        if not storage.isfile(meta_path):
             raise FileNotFoundError(f"{directory!r} is not a pre-tokenised directory (no "
                                     f"{TOKENIZED_META}); write one with python -m "
                                     "lclm.data.prepare")
         try:
-            with open(meta_path) as f:
-                self.meta = json.load(f)
+            self.meta = json.loads(storage.read_bytes(meta_path))
             n_tokens, n_docs = int(self.meta["tokens"]), int(self.meta["documents"])
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{meta_path} is not a valid {TOKENIZED_META} ({e!r}); "
@@ -452,8 +544,15 @@ class TokenizedDocuments:
         if n_docs == 0:
             raise DataError(f"{directory} holds no documents")
         expected = f"{TOKENIZED_META} ({n_docs} documents, {n_tokens} tokens)"
-        paths = {name: os.path.join(directory, name)
+        paths = {name: storage.join(directory, name)
                  for name in ("tokens.bin", "loss.bin", "offsets.bin")}
+        if storage.is_remote(directory):
+            self._open_objects(paths, n_tokens, n_docs, expected)
+        else:
+            self._map_files(paths, n_tokens, n_docs, expected)
+        self._check_offsets(paths["offsets.bin"], n_tokens)
+
+    def _map_files(self, paths: dict, n_tokens: int, n_docs: int, expected: str) -> None:
         # offsets.bin opened last: prepare renames it first, so that a directory prepared
         # again while this opens it shows in offsets that disagree with the metadata
         with _open_sized(paths["tokens.bin"], 4 * n_tokens, expected) as tokens, \
@@ -462,7 +561,14 @@ class TokenizedDocuments:
             self.offsets = np.fromfile(offsets, np.int64)
             self.tokens = np.memmap(tokens, np.uint32, "r", shape=(n_tokens,))
             self.loss = np.memmap(loss, np.int8, "r", shape=(n_tokens,))
-        self._check_offsets(paths["offsets.bin"], n_tokens)
+
+    def _open_objects(self, paths: dict, n_tokens: int, n_docs: int, expected: str) -> None:
+        # offsets.bin read last, for the reason given in `_map_files`: prepare uploads it
+        # first and the metadata last
+        self.tokens = RangedArray(paths["tokens.bin"], np.uint32, n_tokens, expected)
+        self.loss = RangedArray(paths["loss.bin"], np.int8, n_tokens, expected)
+        offsets = RangedArray(paths["offsets.bin"], np.int64, n_docs + 1, expected)
+        self.offsets = offsets[0:n_docs + 1]
 
     def _check_offsets(self, path: str, n_tokens: int) -> None:
         if self.offsets[0] != 0 or self.offsets[-1] != n_tokens or (
@@ -488,7 +594,7 @@ class TokenizedDocuments:
 
 
 def is_tokenized_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, TOKENIZED_META))
+    return storage.isfile(storage.join(path, TOKENIZED_META))
 
 
 def open_documents(kind: str, path: str, tokenizer, *, text_field: str = "text",
@@ -503,7 +609,7 @@ def open_documents(kind: str, path: str, tokenizer, *, text_field: str = "text",
     stats = SourceStats() if stats is None else stats
     if kind == "line_retrieval":  # synthetic documents made on the fly; `path` holds options
         return line_retrieval.open_source(path, tokenizer)
-    if kind == "tokenized" or (os.path.isdir(path) and is_tokenized_dir(path)):
+    if kind == "tokenized" or is_tokenized_dir(path):
         docs = TokenizedDocuments(path)
         if docs.vocab_size > tokenizer.vocab_size:
             raise DataError(f"{path!r} was tokenised with {docs.vocab_size} pieces but the "

@@ -2,7 +2,8 @@
 `tokenizer.json` files (LLaMA-3 and most current models), behind one interface.
 
 `Tokenizer(path)` picks the kind from the file's content; `path` may also be a directory
-holding `tokenizer.json` (preferred) or `tokenizer.model`. Both kinds give:
+holding `tokenizer.json` (preferred) or `tokenizer.model`, and either may be on gs:// or
+s3:// (read whole through lclm.storage). Both kinds give:
 
 - `encode(text)` ids without BOS/EOS; `encode_with_offsets(text)` the same ids and each
   token's (start, end) character span in `text` (a token made by the tokenizer itself, like
@@ -22,10 +23,10 @@ in the text (say '<|eot_id|>') are encoded as those tokens, as `transformers` do
 from __future__ import annotations
 
 import json
-import os
 
 import sentencepiece as spm
 
+from lclm import storage
 from lclm.errors import ConfigError
 
 HF_FILE, SP_FILE = "tokenizer.json", "tokenizer.model"
@@ -40,21 +41,21 @@ def _line(error: Exception) -> str:
 
 
 def _resolve(path: str) -> str:
-    """The tokenizer file that `path` names: itself, or in a directory tokenizer.json, else
-    tokenizer.model."""
-    if os.path.isdir(path):
+    """The tokenizer file that `path` (local, gs:// or s3://) names: itself, or in a
+    directory tokenizer.json, else tokenizer.model."""
+    if storage.isdir(path):
         for name in (HF_FILE, SP_FILE):
-            if os.path.isfile(os.path.join(path, name)):
-                return os.path.join(path, name)
+            if storage.isfile(storage.join(path, name)):
+                return storage.join(path, name)
         raise FileNotFoundError(f"tokenizer directory {path!r} holds neither {HF_FILE} nor "
                                 f"{SP_FILE}; set config.data.tokenizer to one of those")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         raise FileNotFoundError(f"tokenizer {path!r} not found; {_SET}")
     return path
 
 
 def _is_json(file: str) -> bool:
-    with open(file, "rb") as f:
+    with storage.open_file(file) as f:
         return f.read(64).lstrip()[:1] == b"{"  # a SentencePiece model starts with 0x0a
 
 
@@ -104,7 +105,8 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path: str):
         self.path = path
         try:
-            self._sp = spm.SentencePieceProcessor(model_file=_resolve(path))
+            # from its bytes: the file may be an object (tokenizers are a few MB at most)
+            self._sp = spm.SentencePieceProcessor(model_proto=storage.read_bytes(_resolve(path)))
         except RuntimeError as e:  # SentencePiece's only error for a file it cannot parse
             raise ConfigError(f"tokenizer {path!r} {_NEITHER} (SentencePiece: {_line(e)}); "
                               f"{_SET}") from None
@@ -166,17 +168,16 @@ class HFTokenizer(Tokenizer):
         self.path = path
         file = _resolve(path)
         try:
-            self._tok = tokenizers.Tokenizer.from_file(file)
+            self._tok = tokenizers.Tokenizer.from_str(storage.read_text(file))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
             raise ConfigError(f"tokenizer {path!r} {_NEITHER} (tokenizers: {_line(e)}); "
                               f"{_SET}") from None
         settings = {}
         for name in HF_CONFIG_FILES:
-            cfg = os.path.join(os.path.dirname(file), name)
-            if os.path.isfile(cfg):
+            cfg = storage.join(storage.dirname(file), name)
+            if storage.isfile(cfg):
                 try:
-                    with open(cfg, encoding="utf-8") as f:
-                        loaded = json.load(f)
+                    loaded = json.loads(storage.read_text(cfg))
                 except (OSError, ValueError) as e:
                     raise ConfigError(f"{cfg} is not valid JSON ({_line(e)}); fix or remove "
                                       "it") from None

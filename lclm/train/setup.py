@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import glob
 import logging
 import os
 import sys
@@ -33,6 +32,7 @@ from lclm.config.secrets import is_secret, public_config
 from lclm.config.stages import validation_lengths
 from lclm.data.chat import TEMPLATES
 from lclm.data.loader import SOURCE_KINDS, parse_sources
+from lclm.data.sources import names_data
 from lclm.errors import ConfigError, StartupError
 from lclm.files import output_problem, replacing
 from lclm.ops.context_parallel import kernel_block
@@ -167,7 +167,10 @@ def check_data(config) -> None:
             # synthetic sources hold options, not paths; hub datasets are found by `datasets`
             if kind == "line_retrieval" or source.startswith("hub:"):
                 continue
-            if os.path.exists(source) or glob.glob(source):
+            problem = storage.client_problem(source)
+            if problem:
+                _fail(f"config.{key}: {source!r} {problem}")
+            if names_data(source):   # on gs:// and s3:// looked up in the bucket
                 continue
             comma = " (in a mixture, write a ',' of a file name as '\\,')" if "," in path else ""
             _fail(f"config.{key}: no data at {source!r}; point it at a "
