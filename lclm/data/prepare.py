@@ -9,7 +9,13 @@ Then train with `--config.data.path=tokenized:DIR`. Malformed records are skippe
 and reported. Preparing again into the DIR a run reads is safe: the files are written under
 temporary names (DIR needs room for both versions meanwhile) and renamed into place at the
 end; the run keeps reading the files it opened. DIR is checked before the corpus is read: one
-that could not be written (or a gs:// path, until object stores are supported) is one line.
+that could not be written is one line.
+
+DIR, --input and --tokenizer may be on gs:// or s3://. An object-store DIR is prepared in a
+local temporary folder (the machine needs room for it) and uploaded when complete, one whole
+object at a time and the metadata last, so that a reader never takes a half-uploaded prefix
+for prepared data; a run reading that prefix meanwhile is not safe there (objects are
+replaced in place), so prepare into a new prefix.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ import glob
 import json
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
 
-from lclm import logs
+from lclm import logs, storage
 from lclm.cli import run_cli
 from lclm.data.chat import TEMPLATES
 from lclm.data.sources import TOKENIZED_META, SourceStats, offsets_digest, open_documents
@@ -45,15 +52,27 @@ def prepare(source: str, input_path: str, tokenizer_path: str, out: str,
 
     Every file is written under a temporary name and renamed into place at the end: a run
     reading `out` keeps the files it opened, and a prepare that fails leaves what was there.
-    An `out` that could not be written, or an object-store path, fails before anything is read.
+    An `out` that could not be written fails before anything is read. An object-store `out`
+    is written locally first, then uploaded (see the module's docstring).
     """
     check_input("--input", input_path)
     check_input("--tokenizer", tokenizer_path)
-    check_output("--out", out)
+    check_output("--out", out, remote=True)
     tokenizer = Tokenizer(tokenizer_path)
     stats = SourceStats()
     docs = open_documents(source, input_path, tokenizer, text_field=text_field,
                           chat_template=chat_template, stats=stats)
+    if not storage.is_remote(out):
+        return _write(docs, out, source, input_path, tokenizer, stats)
+    with tempfile.TemporaryDirectory(prefix="lclm-prepare-") as local:
+        meta = _write(docs, local, source, input_path, tokenizer, stats)
+        for name in OUTPUTS:   # in the order of the renames, and for the same reasons
+            storage.upload(os.path.join(local, name), storage.join(out, name))
+    return meta
+
+
+def _write(docs, out: str, source: str, input_path: str, tokenizer, stats: SourceStats) -> dict:
+    """`docs` written into the local folder `out`; returns the metadata written."""
     try:
         os.makedirs(out, exist_ok=True)
         _remove_leftovers(out)
@@ -67,7 +86,7 @@ def prepare(source: str, input_path: str, tokenizer_path: str, out: str,
         files["offsets.bin"].write(offsets.tobytes())
         meta = dict(source=source, input=input_path, documents=len(offsets) - 1,
                     tokens=int(offsets[-1]), vocab_size=tokenizer.vocab_size,
-                    tokenizer=os.path.abspath(tokenizer_path), skipped=stats.skipped,
+                    tokenizer=storage.absolute(tokenizer.path), skipped=stats.skipped,
                     skipped_examples=stats.examples, offsets_sha256=offsets_digest(offsets),
                     seconds=round(time.perf_counter() - start, 3))
         json.dump(meta, files[TOKENIZED_META], indent=1)

@@ -511,7 +511,9 @@ class RangedArray:
         if stop <= start:
             return np.empty(0, self.dtype)
         size = self.dtype.itemsize
-        return np.frombuffer(self.fs.cat_file(self.key, start * size, stop * size), self.dtype)
+        # by keyword: s3fs's second parameter is an object version
+        data = self.fs.cat_file(self.key, start=start * size, end=stop * size)
+        return np.frombuffer(data, self.dtype)
 
 
 class TokenizedDocuments:

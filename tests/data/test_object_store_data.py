@@ -1,0 +1,127 @@
+"""Data on object storage, against the local GCS and S3 servers: sources, tokenizers and
+prepared directories read from gs:// and s3:// give the documents the same files give
+locally; prepare writes to a bucket; a missing object is one clear error; prepared data is
+read with ranged requests, not whole objects."""
+
+import json
+import types
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from support import DEMO_TOKENIZER
+
+from lclm import storage
+from lclm.data.prepare import OUTPUTS, main
+from lclm.data.sources import TOKENIZED_META, TokenizedDocuments, open_documents
+from lclm.data.tokenizer import Tokenizer
+from lclm.errors import ConfigError
+from lclm.train.setup import check_data
+
+TEXTS = [f"Ada counted {i} plus {i % 7} and wrote it down." for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(DEMO_TOKENIZER)
+
+
+def documents(docs) -> list:
+    return [(t.tolist(), l.tolist()) for t, l in (docs[i] for i in range(len(docs)))]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A local folder of two .jsonl files and a .parquet file of several row groups."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for k, part in enumerate((TEXTS[:15], TEXTS[15:25])):
+        (folder / f"part{k}.jsonl").write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in part))
+    pq.write_table(pa.table({"text": TEXTS[25:]}), folder / "rest.parquet", row_group_size=4)
+    return folder
+
+
+def uploaded(server, local) -> str:
+    """`local` (a folder) copied into a new bucket of `server`; its URL."""
+    remote = storage.join(server.bucket(), "corpus")
+    storage.upload(str(local), remote)
+    return remote
+
+
+@pytest.mark.parametrize("name", ["part0.jsonl", "rest.parquet", "*.jsonl", ""])
+def test_sources_read_from_gcs_equal_the_local_files(gcs, corpus, tok, name):
+    remote = uploaded(gcs, corpus)
+    local = str(corpus / name) if name else str(corpus)
+    from_bucket = open_documents("text", storage.join(remote, name) if name else remote, tok)
+    assert documents(from_bucket) == documents(open_documents("text", local, tok))
+    assert len(from_bucket) == {"part0.jsonl": 15, "rest.parquet": 15, "*.jsonl": 25}.get(
+        name, len(TEXTS))
+
+
+def prepare_cli(*args: str) -> None:
+    assert main(["--source", "text", *args]) == 0
+
+
+def test_prepare_to_gcs_reads_back_as_prepared_locally(gcs, corpus, tok, tmp_path):
+    remote = uploaded(gcs, corpus)
+    tokenizer = storage.join(storage.dirname(remote), "tokenizer.model")
+    storage.upload(DEMO_TOKENIZER, tokenizer)
+    out = storage.join(storage.dirname(remote), "prepared")
+    prepare_cli("--input", remote, "--tokenizer", tokenizer, "--out", out)
+    prepare_cli("--input", str(corpus), "--tokenizer", DEMO_TOKENIZER,
+                "--out", str(tmp_path / "prepared"))
+    assert storage.listdir(out) == sorted(OUTPUTS)   # nothing left over (the write probe)
+    from_bucket = open_documents("text", out, Tokenizer(tokenizer))   # found to be prepared
+    assert isinstance(from_bucket, TokenizedDocuments)
+    local = TokenizedDocuments(str(tmp_path / "prepared"))
+    assert documents(from_bucket) == documents(local)
+    meta = json.loads(storage.read_text(storage.join(out, TOKENIZED_META)))
+    assert meta["tokenizer"] == tokenizer
+
+
+def test_s3_source_and_prepared_data(s3, corpus, tok, tmp_path):
+    remote = uploaded(s3, corpus)
+    out = storage.join(storage.dirname(remote), "prepared")
+    prepare_cli("--input", storage.join(remote, "*.jsonl"), "--tokenizer", DEMO_TOKENIZER,
+                "--out", out)
+    expected = documents(open_documents("text", str(corpus / "*.jsonl"), tok))
+    assert documents(open_documents("text", storage.join(remote, "*.jsonl"), tok)) == expected
+    assert documents(open_documents("tokenized", out, tok)) == expected
+
+
+def test_missing_objects_are_one_clear_error(gcs, tok):
+    bucket = gcs.bucket()
+    with pytest.raises(FileNotFoundError, match=f"^no data files at '{bucket}/none.jsonl'"):
+        open_documents("text", f"{bucket}/none.jsonl", tok)
+    with pytest.raises(FileNotFoundError, match="is not a pre-tokenised directory"):
+        open_documents("tokenized", f"{bucket}/none", tok)
+    with pytest.raises(FileNotFoundError, match=f"^tokenizer '{bucket}/t.model' not found"):
+        Tokenizer(f"{bucket}/t.model")
+    config = types.SimpleNamespace(data=types.SimpleNamespace(path=f"{bucket}/none.jsonl@2",
+                                                              source="text"),
+                                   validation=types.SimpleNamespace(path=""))
+    with pytest.raises(ConfigError, match=f"^config.data.path: no data at '{bucket}/none.jsonl'"):
+        check_data(config)
+
+
+def test_prepared_data_is_read_with_ranged_requests(gcs, tok, tmp_path, monkeypatch):
+    out = storage.join(gcs.bucket(), "prepared")
+    corpus = tmp_path / "a.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    prepare_cli("--input", str(corpus), "--tokenizer", DEMO_TOKENIZER, "--out", out)
+    docs = TokenizedDocuments(out)
+    fs, fetched = docs.tokens.fs, []
+    cat_file = fs.cat_file
+
+    def counted(path, start=None, end=None, **kwargs):
+        data = cat_file(path, start=start, end=end, **kwargs)
+        fetched.append((path.rsplit("/", 1)[-1], len(data)))
+        return data
+
+    monkeypatch.setattr(fs, "cat_file", counted)
+    tokens, loss = docs[7]
+    assert (tokens.tolist(), loss.tolist()) == documents(open_documents("text", str(corpus),
+                                                                        tok))[7]
+    # only document 7's bytes: a fortieth of the token file
+    assert fetched == [("tokens.bin", 4 * len(tokens)), ("loss.bin", len(tokens))]
