@@ -120,8 +120,6 @@ OBJECT_STORE_IN = "is on object storage (gs://), which this command cannot read 
 @pytest.mark.parametrize("module,args,needle", [
     ("lclm.eval.line_retrieval", ["--checkpoint", "{tmp}/no_run", "--out", "gs://bucket/eval"],
      f"--out 'gs://bucket/eval' {OBJECT_STORE_OUT}"),
-    ("lclm.data.prepare", [*PREPARE, "--out", "gs://bucket/tok"],
-     f"--out 'gs://bucket/tok' {OBJECT_STORE_OUT}"),
     ("bench", ["--suite", "gpu", "--out", "gs://bucket/bench"],  # before the GPU probe too
      f"--out 'gs://bucket/bench' {OBJECT_STORE_OUT}"),
     ("lclm.eval.line_retrieval", ["--checkpoint", "{tmp}/no_run", "--out", "{tmp}/afile/eval"],
@@ -141,12 +139,6 @@ OBJECT_STORE_IN = "is on object storage (gs://), which this command cannot read 
     ("lclm.eval.line_retrieval", ["--hf", "{tmp}/no_hf", "--tokenizer", "gs://bucket/t.model",
                                   "--out", "{tmp}/eval"],
      f"--tokenizer 'gs://bucket/t.model' {OBJECT_STORE_IN}"),
-    ("lclm.data.prepare", ["--source", "text", "--input", "gs://bucket/c.jsonl", "--tokenizer",
-                           DEMO_TOKENIZER, "--out", "{tmp}/tok"],
-     f"--input 'gs://bucket/c.jsonl' {OBJECT_STORE_IN}"),
-    ("lclm.data.prepare", ["--source", "text", "--input", "{tmp}/no_corpus.jsonl",
-                           "--tokenizer", "gs://bucket/t.model", "--out", "{tmp}/tok"],
-     f"--tokenizer 'gs://bucket/t.model' {OBJECT_STORE_IN}"),
 ])
 def test_clis_check_their_paths_before_any_work(module, args, needle, tmp_path):
     (tmp_path / "afile").write_text("")
@@ -161,6 +153,26 @@ def test_clis_check_their_paths_before_any_work(module, args, needle, tmp_path):
     _assert_one_error_line(r.stderr, needle.format(tmp=tmp_path))
     assert os.listdir(cwd) == []   # no './gs:/...' folder
     assert sorted(os.listdir(tmp_path)) == ["afile", "cwd", "run"]
+
+
+# data.prepare reads and writes object stores (the local GCS server's): a bucket that is not
+# there fails the output check, a missing object is its reader's one line
+@pytest.mark.parametrize("args,needle", [
+    ([*PREPARE, "--out", "gs://lclm-no-such-bucket/tok"],
+     "--out 'gs://lclm-no-such-bucket/tok' cannot be written ("),
+    (["--source", "text", "--input", "{bucket}/c.jsonl", "--tokenizer", DEMO_TOKENIZER,
+      "--out", "{tmp}/tok"], "no data files at '{bucket}/c.jsonl'"),
+    (["--source", "text", "--input", "{tmp}/no_corpus.jsonl", "--tokenizer",
+      "{bucket}/t.model", "--out", "{tmp}/tok"], "tokenizer '{bucket}/t.model' not found"),
+])
+def test_prepare_checks_object_store_paths(args, needle, gcs, tmp_path):
+    paths = dict(tmp=tmp_path, bucket=gcs.bucket())
+    r = subprocess.run([sys.executable, "-m", "lclm.data.prepare",
+                        *(a.format(**paths) for a in args)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 2, r.stderr
+    _assert_one_error_line(r.stderr, needle.format(**paths))
+    assert os.listdir(tmp_path) == []   # nothing written before the error
 
 
 def _fail_if_reached(monkeypatch, work: str) -> None:
