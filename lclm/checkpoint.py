@@ -23,7 +23,6 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 from jax.experimental import multihost_utils
 
 from lclm import storage
@@ -276,11 +275,10 @@ class Checkpoints:
         """Move a damaged step out of the way (to `checkpoints_damaged/<step>-<time>`), so
         that the run can write that step again, and keep it for inspection."""
         if jax.process_index() == 0:
-            source = epath.Path(self.directory) / str(step)
-            target = epath.Path(self.damaged) / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if source.exists():
-                source.rename(target)
+            source = storage.join(self.directory, str(step))
+            target = storage.join(self.damaged, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+            if storage.exists(source):
+                storage.move(source, target)
             log.error("checkpoint step %d in %s is damaged (%s); moved it to %s and falling "
                       "back to the previous one", step, self.directory, why, target)
         if jax.process_count() > 1:

@@ -181,6 +181,20 @@ def remove_tree(path: str) -> None:
         fs.rm(p, recursive=True)
 
 
+def move(path: str, target: str) -> None:
+    """Move a file or folder to `target` (whose parent folders are made). On object storage
+    this copies every object then deletes the originals: not atomic, so only for what no
+    reader looks at meanwhile (a damaged checkpoint set aside)."""
+    if not is_remote(path):
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+        os.rename(path, target)
+        return
+    fs, p = filesystem(path)
+    _, t = filesystem(target)
+    fs.invalidate_cache(p)
+    fs.mv(p, t, recursive=True)
+
+
 def makedirs(path: str) -> None:
     """Create a local folder; object stores have no folders (a prefix exists once an object
     is written under it)."""
