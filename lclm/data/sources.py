@@ -5,7 +5,9 @@ the file), .txt (documents separated by blank lines), .parquet / .arrow files (r
 place with pyarrow: no copy, no `datasets` cache), saved `datasets` directories (through
 `datasets`, memory-mapped), `hub:NAME` (a named hub dataset, only where a hub is reachable),
 and pre-tokenised directories written by `python -m lclm.data.prepare`. Nothing loaded is
-unpickled or executed.
+unpickled or executed. Every path may be local or on gs:// or s3:// (through lclm.storage):
+there files read whole are downloaded, parquet files and pre-tokenised directories are read
+in ranges as documents are drawn, and Arrow files (which cannot be mapped) are held in memory.
 
 A document is `(tokens int32 [n], loss int8 [n])`, where `loss[i]` says whether token i is
 a training target (predicting it is learned); document i of a source is always the same.

@@ -9,13 +9,16 @@ import types
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from support import DEMO_TOKENIZER
+from support import DEMO_CONFIG, DEMO_TOKENIZER
 
 from lclm import storage
+from lclm.config import load_config
+from lclm.data.loader import HostBatches
 from lclm.data.prepare import OUTPUTS, main
 from lclm.data.sources import TOKENIZED_META, TokenizedDocuments, open_documents
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
+from lclm.parallel import make_mesh
 from lclm.train.setup import check_data
 
 TEXTS = [f"Ada counted {i} plus {i % 7} and wrote it down." for i in range(40)]
@@ -32,13 +35,18 @@ def documents(docs) -> list:
 
 @pytest.fixture
 def corpus(tmp_path):
-    """A local folder of two .jsonl files and a .parquet file of several row groups."""
+    """A local folder of two .jsonl files, a .parquet file of several row groups and an
+    .arrow file."""
     folder = tmp_path / "corpus"
     folder.mkdir()
     for k, part in enumerate((TEXTS[:15], TEXTS[15:25])):
         (folder / f"part{k}.jsonl").write_text(
             "".join(json.dumps({"text": t}) + "\n" for t in part))
-    pq.write_table(pa.table({"text": TEXTS[25:]}), folder / "rest.parquet", row_group_size=4)
+    pq.write_table(pa.table({"text": TEXTS[25:33]}), folder / "more.parquet", row_group_size=3)
+    with pa.OSFile(str(folder / "rest.arrow"), "wb") as sink:
+        table = pa.table({"text": TEXTS[33:]})
+        with pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
     return folder
 
 
@@ -49,14 +57,14 @@ def uploaded(server, local) -> str:
     return remote
 
 
-@pytest.mark.parametrize("name", ["part0.jsonl", "rest.parquet", "*.jsonl", ""])
+@pytest.mark.parametrize("name", ["part0.jsonl", "more.parquet", "rest.arrow", "*.jsonl", ""])
 def test_sources_read_from_gcs_equal_the_local_files(gcs, corpus, tok, name):
     remote = uploaded(gcs, corpus)
     local = str(corpus / name) if name else str(corpus)
     from_bucket = open_documents("text", storage.join(remote, name) if name else remote, tok)
     assert documents(from_bucket) == documents(open_documents("text", local, tok))
-    assert len(from_bucket) == {"part0.jsonl": 15, "rest.parquet": 15, "*.jsonl": 25}.get(
-        name, len(TEXTS))
+    assert len(from_bucket) == {"part0.jsonl": 15, "more.parquet": 8, "rest.arrow": 7,
+                                "*.jsonl": 25}.get(name, len(TEXTS))
 
 
 def prepare_cli(*args: str) -> None:
@@ -125,3 +133,23 @@ def test_prepared_data_is_read_with_ranged_requests(gcs, tok, tmp_path, monkeypa
                                                                         tok))[7]
     # only document 7's bytes: a fortieth of the token file
     assert fetched == [("tokens.bin", 4 * len(tokens)), ("loss.bin", len(tokens))]
+
+
+def _batches(data_path: str, n: int) -> list:
+    config = load_config(DEMO_CONFIG)
+    config.data.update(path=data_path, seq_len=32, batch_size=4)
+    check_data(config)   # every source found (a prefix, a glob: looked up in the bucket)
+    loader = HostBatches(config, make_mesh(fsdp=2, sp=2), Tokenizer(DEMO_TOKENIZER), prefetch=0)
+    return [loader.next_host_batch() for _ in range(n)]
+
+
+def test_a_mixture_on_gcs_gives_the_batches_of_the_local_files(gcs, corpus, tmp_path):
+    remote = uploaded(gcs, corpus)
+    prepared = storage.join(storage.dirname(remote), "prepared")
+    prepare_cli("--input", str(corpus), "--tokenizer", DEMO_TOKENIZER, "--out", prepared)
+    storage.download(prepared, str(tmp_path / "prepared"))
+    mixture = "tokenized:{}@0.4,{}@0.6"
+    local = _batches(mixture.format(tmp_path / "prepared", corpus / "*.jsonl"), 3)
+    from_bucket = _batches(mixture.format(prepared, storage.join(remote, "*.jsonl")), 3)
+    for a, b in zip(local, from_bucket):
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
