@@ -153,3 +153,13 @@ def test_a_mixture_on_gcs_gives_the_batches_of_the_local_files(gcs, corpus, tmp_
     from_bucket = _batches(mixture.format(prepared, storage.join(remote, "*.jsonl")), 3)
     for a, b in zip(local, from_bucket):
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_hf_tokenizer_directory_on_s3_is_the_local_one(s3, hf_dir):
+    remote = storage.join(s3.bucket(), "tok")
+    storage.upload(str(hf_dir), remote)
+    local, from_bucket = Tokenizer(str(hf_dir)), Tokenizer(remote)
+    assert type(from_bucket) is type(local)
+    assert (from_bucket.bos_id, from_bucket.eos_id, from_bucket.pad_id, from_bucket.add_bos) == (
+        local.bos_id, local.eos_id, local.pad_id, local.add_bos)
+    assert from_bucket.encode(TEXTS[3]) == local.encode(TEXTS[3])
