@@ -105,3 +105,41 @@ def test_sigterm_to_one_process_saves_every_process_at_the_agreed_step(tmp_path)
     assert len(saved) == 1 and int(saved[0]) < 400, saved
     assert "stopped after step" in outs[0]
     assert _losses(workdir)[-1][0] == int(saved[0])
+
+
+def test_two_processes_share_a_gs_workdir_and_both_save_at_a_preemption(gcs, tmp_path):
+    """A pod slice has no shared disk: both processes write their shards of one checkpoint
+    into the bucket (a local GCS server), process 0 the lease, config and metrics; a SIGTERM
+    to one process saves every process at the agreed step, and one process resumes it."""
+    from lclm import storage
+    from lclm.train.metrics import read_metrics
+
+    env = dict(_env(), LCLM_LOG_DIR=str(tmp_path / "logs"), **gcs.env)
+    port = 25678 + os.getpid() % 1000
+    workdir = gcs.bucket() + "/runs/pod"
+    procs = []
+    for i in range(2):
+        e = dict(env, LCLM_COORDINATOR=f"127.0.0.1:{port}", LCLM_NUM_PROCESSES="2",
+                 LCLM_PROCESS_ID=str(i))
+        procs.append(subprocess.Popen(
+            [sys.executable, "train.py", *ARGS, "--config.train.steps=400",
+             "--config.checkpoint.every=2", f"--config.workdir={workdir}"],
+            cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.time() + 240
+    while len(read_metrics(workdir)) < 3:
+        assert time.time() < deadline and all(p.poll() is None for p in procs), \
+            [p.communicate()[0] for p in procs]
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGTERM)          # the notice reaches process 1 only
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    saved = max(int(s) for s in storage.listdir(workdir + "/checkpoints") if s.isdigit())
+    steps = [r["step"] for r in read_metrics(workdir)]
+    assert saved < 400 and steps[-1] == saved and steps == list(range(1, saved + 1)), outs[0]
+    assert not storage.exists(workdir + "/lock")
+    r = subprocess.run([sys.executable, "train.py", *ARGS, f"--config.train.steps={saved + 2}",
+                        f"--config.workdir={workdir}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert [r["step"] for r in read_metrics(workdir)] == list(range(1, saved + 3))
+
