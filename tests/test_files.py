@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from lclm import storage
 from lclm.errors import StartupError
 from lclm.files import check_input, check_output, input_problem, output_problem
 
@@ -30,17 +31,34 @@ def _unwritable(path):
         subprocess.run(undo, check=True)
 
 
-@pytest.mark.parametrize("path", ["gs://bucket/run/eval", "s3://bucket/x", "file:///tmp/x"])
+@pytest.mark.parametrize("path", ["gs://bucket/run/eval", "s3://bucket/x"])
 @pytest.mark.parametrize("folder", [True, False])
-def test_an_object_store_path_is_refused_and_nothing_is_made(path, folder, tmp_path,
-                                                             monkeypatch):
+def test_an_object_store_output_is_refused_where_a_command_writes_local_only(path, folder,
+                                                                            tmp_path,
+                                                                            monkeypatch):
     monkeypatch.chdir(tmp_path)
     scheme = path.partition("://")[0]
     assert output_problem(path, folder).startswith(f"is on object storage ({scheme}://), "
-                                                   "which this command cannot write yet")
-    assert input_problem(path).startswith(f"is on object storage ({scheme}://), which this "
-                                          "command cannot read yet")
+                                                   "which this command does not write")
+    assert input_problem(path) is None   # read through lclm.storage
     assert os.listdir(tmp_path) == []   # no local './gs:/...' folder
+
+
+def test_an_unknown_scheme_is_refused_and_nothing_is_made(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for problem in (input_problem("hdfs://x/y"), output_problem("hdfs://x/y", remote=True)):
+        assert problem.startswith("uses hdfs://, which lclm does not read or write")
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_object_store_output_is_probed_with_an_object_that_is_removed(gcs):
+    bucket = gcs.bucket()
+    assert output_problem(bucket + "/eval", remote=True) is None
+    assert output_problem(bucket + "/eval/report.md", folder=False, remote=True) is None
+    assert storage.listdir(bucket) == []
+    problem = output_problem("gs://no-such-bucket-lclm/eval", remote=True)
+    assert problem.startswith("cannot be written (") and problem.endswith(
+        "; check the bucket's name and this machine's access")
 
 
 def test_a_colon_inside_a_local_path_is_not_a_scheme(tmp_path):
@@ -101,8 +119,8 @@ def test_the_checks_raise_one_line_naming_the_flag_and_path(tmp_path):
     assert str(e.value).startswith("--out 'gs://bucket/tok' is on object storage (gs://)")
     assert "\n" not in str(e.value)
     with pytest.raises(StartupError) as e:
-        check_input("--input", "gs://bucket/corpus.jsonl")
-    assert str(e.value).startswith("--input 'gs://bucket/corpus.jsonl' is on object storage")
+        check_input("--input", "hdfs://bucket/corpus.jsonl")
+    assert str(e.value).startswith("--input 'hdfs://bucket/corpus.jsonl' uses hdfs://")
     check_output("--out", str(tmp_path / "fine"))
     check_input("--input", None)   # not given
     check_input("--input", str(tmp_path / "missing.jsonl"))   # its reader says it is missing
