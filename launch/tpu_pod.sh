@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # lclm on a Cloud TPU VM pod slice: optionally create it, copy this checkout's working tree (or
-# clone --repo) to every worker, give every worker a Python >= 3.11 and install lclm[tpu] there,
+# clone --repo) to every worker, give every worker a Python >= 3.11 and install lclm[tpu,cloud]
+# there (cloud: gcsfs, for a gs:// workdir: a pod slice has no shared disk),
 # run the same train.py on all workers (jax.distributed.initialize() reads the TPU metadata),
 # and collect each worker's log into ./logs/<name>/.
 #
@@ -19,7 +20,7 @@
 # (https://docs.astral.sh/uv): uv is taken from the PATH or ~/.local/bin, else installed to
 # ~/.local/bin by its official installer (https://astral.sh/uv/install.sh), else by
 # `pip install --user uv`; then `uv python install`, a virtual environment lclm/.venv with that
-# Python, and `uv pip install -e '.[tpu]'` into it. train.py runs with lclm/.venv/bin/python.
+# Python, and `uv pip install -e '.[tpu,cloud]'` into it. train.py runs with lclm/.venv/bin/python.
 #
 # What is shipped: without --repo, the working tree of this checkout as it is now: tracked files
 # (with their uncommitted edits) and untracked files that git does not ignore
@@ -108,7 +109,7 @@ EOF
 )
   ssh_all "$unpack"
 fi
-# a Python >= 3.11 and lclm[tpu] on every worker (see the header)
+# a Python >= 3.11 and lclm[tpu,cloud] on every worker (see the header)
 setup=$(cat <<'EOF'
 set -e; cd lclm; export PATH="$HOME/.local/bin:$PATH"
 if ! command -v uv >/dev/null; then
@@ -121,7 +122,7 @@ fi
 uv python install @PY@
 have=$(.venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true)
 [ "$have" = @MINOR@ ] || { rm -rf .venv; uv venv -q --python @PY@ .venv; }
-uv pip install -q --python .venv/bin/python -e '.[tpu]'
+uv pip install -q --python .venv/bin/python -e '.[tpu,cloud]'
 echo "$(hostname): lclm installed for $(.venv/bin/python --version)"
 EOF
 )

@@ -47,8 +47,10 @@ def test_submit_wrapper_and_tpu_dry_runs():
                                "--export=ALL,LCLM_PROCS_PER_NODE=1")
     assert r.stdout.strip().endswith("slurm_gpu.sbatch --config configs/llama7b_256k.py")
 
+    # the usage line of the script's header, as written: the workdir in a bucket
     r = _bash(["launch/tpu_pod.sh", "--name", "pod", "--zone", "us-central2-b", "--type",
-               "v4-64", "--create", "--dry-run", "--", "--config", "configs/llama7b_256k.py"])
+               "v4-64", "--create", "--dry-run", "--", "--config", "configs/llama7b_256k.py",
+               "--config.workdir=gs://bucket/runs/7b"])
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert ("tpu-vm create pod --zone=us-central2-b --accelerator-type=v4-64 "
@@ -57,7 +59,9 @@ def test_submit_wrapper_and_tpu_dry_runs():
     # the image's python3 (3.10 on Ubuntu 22.04) is too old: uv brings CPython 3.12
     assert "# python: CPython 3.12 from uv on every worker" in out
     assert "uv python install 3.12" in out and "uv venv -q --python 3.12 .venv" in out
-    assert ".venv/bin/python\\ train.py\\ --config\\ configs/llama7b_256k.py" in out
+    assert (".venv/bin/python\\ train.py\\ --config\\ configs/llama7b_256k.py\\ "
+            "--config.workdir=gs://bucket/runs/7b") in out
+    assert "-e \\'.[tpu,cloud]\\'" in out   # gcsfs on every worker, for the gs:// workdir
     assert "python3 train.py" not in out
     # what is shipped: the working tree, as a tar of tracked + untracked-not-ignored files
     assert f"# shipping: the working tree of {ROOT}: " in out
