@@ -13,6 +13,8 @@ trained with (as transformers 4 and 5 read them) and max_position_embeddings = m
 source's, the longest data.seq_len trained); the tokenizer (`data.tokenizer`, or
 `--tokenizer PATH`) is exported beside it so that `AutoTokenizer.from_pretrained` loads it.
 Files are written 0o644 (directories 0o755) whatever the umask; each is listed as written.
+HF_DIR and the tokenizer may be on gs:// or s3:// (copied locally to be read; an export is
+written locally, then uploaded with config.json last).
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from lclm import hf, logs
+from lclm import hf, logs, storage
 from lclm.checkpoint import Checkpoints, path_problem, read_config, read_params
 from lclm.cli import run_cli
 from lclm.config import LlamaConfig, base_config
 from lclm.config.secrets import public_config
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
-from lclm.files import output_problem
+from lclm.files import check_input, check_output, output_problem
 from lclm.models.llama import param_count, param_shapes
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirLock
@@ -41,7 +43,6 @@ from lclm.train.state import TrainState, param_shardings, state_shardings
 from lclm.train.step import make_optimizer
 from lclm.train.workdirs import (
     checkpointed_stages,
-    object_store_problem,
     saved_steps,
     stage_dirs,
     workdir_to_read,
@@ -54,33 +55,36 @@ def _local_mesh():
     return make_mesh(fsdp=-1, devices=jax.local_devices())
 
 
-def _converted_tokenizer(hf_dir: str) -> tuple[str, str | None]:
+def _converted_tokenizer(hf_dir: str, local: str) -> tuple[str, str | None]:
     """(the tokenizer of `hf_dir` that an export of the checkpoint copies back, or "" where
-    it holds none; its fingerprint, which a run from the checkpoint compares its own with)."""
+    it holds none; its fingerprint, which a run from the checkpoint compares its own with).
+    `local`: where `hf_dir`'s files are read (its local copy when it is on object storage)."""
     for name in ("tokenizer.model", "tokenizer.json"):
-        if os.path.isfile(os.path.join(hf_dir, name)):
-            path = os.path.abspath(hf_dir if name == "tokenizer.json" else
-                                   os.path.join(hf_dir, name))
+        if os.path.isfile(os.path.join(local, name)):
+            # a directory for tokenizer.json: the tokenizer's configs beside it count too
+            kept = "" if name == "tokenizer.json" else name
             try:
-                return path, tokenizer_fingerprint(Tokenizer(path))
+                fingerprint = tokenizer_fingerprint(Tokenizer(os.path.join(local, kept)))
+                return storage.absolute(storage.join(hf_dir, kept)), fingerprint
             except (OSError, ValueError) as e:   # the weights still convert; say what is lost
                 print(f"warning: {e}; a run from this checkpoint cannot be checked to use the "
                       "same tokenizer", file=sys.stderr)
-                return path, None
+                return storage.absolute(storage.join(hf_dir, kept)), None
     return "", None
 
 
 def _check_checkpoint_target(workdir: str) -> None:
     """Refuse, before anything is read or written, a `--to-checkpoint` directory that cannot
     take a converted step 0 as a run's only checkpoint."""
-    problem = output_problem(workdir) or path_problem(os.path.abspath(workdir))
+    problem = (output_problem(workdir, remote=True)
+               or path_problem(storage.absolute(workdir)))
     if problem:
         raise StartupError(f"--to-checkpoint {workdir!r} {problem}")
     stages = stage_dirs(workdir)
     if stages:   # the stages train and export from their own directories, not from step 0
         raise StartupError(
             f"--to-checkpoint {workdir!r} is a staged run's directory (it holds "
-            f"{', '.join(os.path.basename(s) for s in stages)}), whose stages are runs of "
+            f"{', '.join(storage.basename(s) for s in stages)}), whose stages are runs of "
             "their own that never read a step 0 beside them; convert into a new directory")
     steps = saved_steps(workdir)
     if steps:
@@ -101,25 +105,26 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
     _check_checkpoint_target(workdir)
     config = base_config()
     lock = None
-    if os.path.isdir(workdir):   # a live run there refuses the conversion before any reading
+    if storage.isdir(workdir):   # a live run there refuses the conversion before any reading
         lock = WorkdirLock(workdir, config.workdir_lease_minutes)
         lock.acquire()
     try:
         optimizer = make_optimizer(config.train)
-        model = hf.read_config(hf_dir)
-        where = state_shardings(model, optimizer, _local_mesh())
-        # before the workdir is made: a directory it refuses leaves no workdir behind; each
-        # device reads its block
-        model, params = hf.load(hf_dir, shardings=where.params)
+        with hf.local_copy(hf_dir) as local:
+            model = hf.read_config(local)
+            where = state_shardings(model, optimizer, _local_mesh())
+            # before the workdir is made: a directory it refuses leaves no workdir behind;
+            # each device reads its block
+            model, params = hf.load(local, shardings=where.params)
+            config.data.tokenizer, fingerprint = _converted_tokenizer(hf_dir, local)
         config.model.update({k: v for k, v in vars(model).items() if k in config.model})
-        config.data.tokenizer, fingerprint = _converted_tokenizer(hf_dir)
-        identity = {CONVERTED_FROM: os.path.abspath(hf_dir)}
+        identity = {CONVERTED_FROM: storage.absolute(hf_dir)}
         if fingerprint:
             identity["tokenizer"] = fingerprint
         opt_state = jax.jit(optimizer.init, out_shardings=where.opt_state)(params)
         state = TrainState(jnp.zeros((), jnp.int32), params, opt_state)
         if lock is None:
-            os.makedirs(workdir, exist_ok=True)
+            storage.makedirs(workdir)
             lock = WorkdirLock(workdir, config.workdir_lease_minutes)  # as training does
             lock.acquire()
         checkpoints = Checkpoints(workdir, every=0, keep=3)
@@ -147,10 +152,9 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None) ->
     """Export the latest parameters of `workdir` (or, for a staged run's workdir, of its last
     stage with a checkpoint) to `hf_dir`: weights, a config.json that states what was trained
     (the source's token ids, the RoPE theta and scaling trained with, max positions covering
-    the longest sequence trained) and the tokenizer. Only the parameters are read."""
-    problem = output_problem(hf_dir)
-    if problem:
-        raise StartupError(f"--to-hf {hf_dir!r} {problem}")
+    the longest sequence trained) and the tokenizer. Only the parameters are read. A gs://
+    or s3:// `hf_dir` is exported locally, then uploaded (`hf.exporting`)."""
+    check_output("--to-hf", hf_dir, remote=True)
     read = workdir_to_read(workdir, "--from-checkpoint")
     stages = checkpointed_stages(workdir) if read != workdir else []
     seq_lens = []
@@ -158,7 +162,7 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None) ->
         seq_lens.append(read_config(stage)[1].get("data", {}).get("seq_len", 0))
     if stages:
         print(f"{workdir}: staged run; exporting its last stage with a checkpoint, "
-              f"{os.path.basename(read)}")
+              f"{storage.basename(read)}")
         workdir = read
     step, saved = read_config(workdir)
     model = LlamaConfig(**_dataclass_fields(LlamaConfig, saved["model"]))
@@ -172,28 +176,39 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None) ->
                                                      sharding=sharding),
         param_shapes(model), param_shardings(model, _local_mesh()),
         is_leaf=lambda x: isinstance(x, tuple))
-    written = hf.save(hf_dir, model, read_params(workdir, step, abstract))
+    params = read_params(workdir, step, abstract)
     tokenizer = tokenizer or saved.get("data", {}).get("tokenizer", "")
-    notes: list[str] = []
-    if tokenizer:
-        try:
-            files, notes = hf.save_tokenizer(tokenizer, hf_dir, model)
-            written += files
-        except (OSError, ValueError) as e:  # the weights are out; say what is missing
-            notes.append(f"{e}; no tokenizer exported (pass --tokenizer PATH)")
-    else:
-        notes.append("the checkpoint's config names no tokenizer; none exported (pass "
-                     "--tokenizer PATH)")
+    with hf.exporting(hf_dir) as out:
+        written = hf.save(out, model, params)
+        notes = _export_tokenizer(tokenizer, out, model, written)
+        sizes = {name: os.path.getsize(os.path.join(out, name)) for name in written}
     stale = [name for name in hf.TOKENIZER_FILES
-             if name not in written and os.path.exists(os.path.join(hf_dir, name))]
+             if name not in written and storage.exists(storage.join(hf_dir, name))]
     if stale:
         notes.append(f"{hf_dir} also holds {', '.join(stale)}, not written by this export")
-    _report(workdir, step, hf_dir, model, trained, tokenizer, written, notes)
+    _report(workdir, step, hf_dir, model, trained, tokenizer, sizes, notes)
     return 0
 
 
-def _report(workdir, step, hf_dir, model, trained, tokenizer, written, notes) -> None:
-    """What the export wrote: one line per file, the config's highlights, the warnings."""
+def _export_tokenizer(tokenizer: str, out: str, model: LlamaConfig, written: list) -> list:
+    """Put `tokenizer` (local, gs:// or s3://) into the export folder `out`, adding its files
+    to `written`; the warnings (a tokenizer that cannot be exported is one: the weights are
+    out already)."""
+    if not tokenizer:
+        return ["the checkpoint's config names no tokenizer; none exported (pass "
+                "--tokenizer PATH)"]
+    try:
+        with hf.local_copy(tokenizer) as source:
+            files, notes = hf.save_tokenizer(source, out, model)
+    except (OSError, ValueError) as e:
+        return [f"{e}; no tokenizer exported (pass --tokenizer PATH)"]
+    written += files
+    return notes
+
+
+def _report(workdir, step, hf_dir, model, trained, tokenizer, sizes, notes) -> None:
+    """What the export wrote (`sizes`: name -> bytes, in the order written): one line per
+    file, the config's highlights, the warnings."""
     rope = f"rope_theta {model.rope_theta:g}"
     if model.rope_scaling != "none":
         rope += f", {model.rope_scaling} scaling x{model.rope_factor:g}"
@@ -202,8 +217,7 @@ def _report(workdir, step, hf_dir, model, trained, tokenizer, written, notes) ->
                      f"{model.rope_high_freq_factor:g}, original max positions "
                      f"{model.rope_original_max_positions})")
     print(f"exported {workdir} step {step} to {hf_dir}:")
-    for name in written:
-        path = os.path.join(hf_dir, name)
+    for name, size in sizes.items():
         what = ""
         if name == "config.json":
             what = (f"{model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}, "
@@ -212,7 +226,7 @@ def _report(workdir, step, hf_dir, model, trained, tokenizer, written, notes) ->
                     f"bos {model.bos_id}, eos {list(model.eos_ids)}")
         elif name.startswith("tokenizer") or name == "special_tokens_map.json":
             what = f"from {tokenizer}"
-        print(f"  {name:<32} {os.path.getsize(path):>14,} bytes  {what}".rstrip())
+        print(f"  {name:<32} {size:>14,} bytes  {what}".rstrip())
     for note in notes:
         print(f"warning: {note}")
 
@@ -231,10 +245,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def body():
-        for flag, path in (("--from-hf", args.from_hf), ("--tokenizer", args.tokenizer)):
-            problem = path and object_store_problem(path)
-            if problem:
-                raise StartupError(f"{flag} {path!r} {problem}")
+        for flag in ("from_hf", "from_checkpoint", "tokenizer"):
+            check_input(f"--{flag.replace('_', '-')}", getattr(args, flag))
         if args.from_hf and args.to_checkpoint:
             return hf_to_checkpoint(args.from_hf, args.to_checkpoint)
         if args.from_checkpoint and args.to_hf:

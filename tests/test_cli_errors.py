@@ -111,15 +111,18 @@ def test_line_retrieval_eval_cli_checks_flags_before_loading(tmp_path, capsys):
 
 PREPARE = ["--source", "text", "--input", "{tmp}/no_corpus.jsonl", "--tokenizer",
            "{tmp}/no_tokenizer.model"]
-OBJECT_STORE_OUT = "is on object storage (gs://), which this command cannot write yet"
-OBJECT_STORE_IN = "is on object storage (gs://), which this command cannot read yet"
+# bench writes local paths only; eval reads and writes gs:// and s3:// but no other scheme
+OBJECT_STORE_OUT = ("is on object storage (gs://), which this command does not write; write to "
+                    "a local or mounted path and copy it")
+UNKNOWN_SCHEME = ("uses hdfs://, which lclm does not read or write; use gs://, s3:// or a local "
+                  "or mounted path")
 
 
 # Each input names nothing (a checkpoint, corpus or tokenizer that is not there): the path's
 # own error comes first, so it was found before any loading or reading.
 @pytest.mark.parametrize("module,args,needle", [
-    ("lclm.eval.line_retrieval", ["--checkpoint", "{tmp}/no_run", "--out", "gs://bucket/eval"],
-     f"--out 'gs://bucket/eval' {OBJECT_STORE_OUT}"),
+    ("lclm.eval.line_retrieval", ["--checkpoint", "{tmp}/no_run", "--out", "hdfs://b/eval"],
+     f"--out 'hdfs://b/eval' {UNKNOWN_SCHEME}"),
     ("bench", ["--suite", "gpu", "--out", "gs://bucket/bench"],  # before the GPU probe too
      f"--out 'gs://bucket/bench' {OBJECT_STORE_OUT}"),
     ("lclm.eval.line_retrieval", ["--checkpoint", "{tmp}/no_run", "--out", "{tmp}/afile/eval"],
@@ -131,14 +134,14 @@ OBJECT_STORE_IN = "is on object storage (gs://), which this command cannot read 
     # the default output, beside the checkpoint, is checked too (and named as the default)
     ("lclm.eval.line_retrieval", ["--checkpoint", "{tmp}/run"],
      "the default --out '{tmp}/run/line_retrieval_eval' is a file; pass a folder"),
-    # an object-store input is not looked up as a local './gs:/...' path
-    ("lclm.eval.line_retrieval", ["--checkpoint", "gs://bucket/run"],
-     f"--checkpoint 'gs://bucket/run' {OBJECT_STORE_IN}"),
-    ("lclm.eval.line_retrieval", ["--hf", "gs://bucket/hf", "--out", "{tmp}/eval"],
-     f"--hf 'gs://bucket/hf' {OBJECT_STORE_IN}"),
-    ("lclm.eval.line_retrieval", ["--hf", "{tmp}/no_hf", "--tokenizer", "gs://bucket/t.model",
+    # an input on a scheme lclm does not read is not looked up as a local './hdfs:/...' path
+    ("lclm.eval.line_retrieval", ["--checkpoint", "hdfs://b/run"],
+     f"--checkpoint 'hdfs://b/run' {UNKNOWN_SCHEME}"),
+    ("lclm.eval.line_retrieval", ["--hf", "hdfs://b/hf", "--out", "{tmp}/eval"],
+     f"--hf 'hdfs://b/hf' {UNKNOWN_SCHEME}"),
+    ("lclm.eval.line_retrieval", ["--hf", "{tmp}/no_hf", "--tokenizer", "hdfs://b/t.model",
                                   "--out", "{tmp}/eval"],
-     f"--tokenizer 'gs://bucket/t.model' {OBJECT_STORE_IN}"),
+     f"--tokenizer 'hdfs://b/t.model' {UNKNOWN_SCHEME}"),
 ])
 def test_clis_check_their_paths_before_any_work(module, args, needle, tmp_path):
     (tmp_path / "afile").write_text("")
@@ -151,7 +154,7 @@ def test_clis_check_their_paths_before_any_work(module, args, needle, tmp_path):
                        cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2, r.stderr
     _assert_one_error_line(r.stderr, needle.format(tmp=tmp_path))
-    assert os.listdir(cwd) == []   # no './gs:/...' folder
+    assert os.listdir(cwd) == []   # no './gs:/...' or './hdfs:/...' folder
     assert sorted(os.listdir(tmp_path)) == ["afile", "cwd", "run"]
 
 

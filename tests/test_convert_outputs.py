@@ -1,7 +1,9 @@
 """lclm.convert finds an output it cannot write, or a workdir it must not write into, before it
 reads any weights, and says so in one line (exit 2) leaving nothing behind: a file where a
-folder goes, an object-store path (gs://, s3://: written as a local './gs:/...' folder, or a
-traceback, before), a workdir a live run holds. Object-store inputs are one line too."""
+folder goes, a path on a scheme lclm does not write (once written as a local './gs:/...'
+folder, or a traceback), a bucket that is not there, a workdir a live run holds. Inputs on a
+scheme lclm does not read are one line too (gs:// and s3:// are read and written:
+tests/test_object_store_hf.py)."""
 
 import os
 import subprocess
@@ -57,30 +59,29 @@ def test_an_output_that_is_a_file_is_found_before_the_input_is_read(tmp_path, ca
 
 
 @pytest.mark.parametrize("direction", ["--to-checkpoint", "--to-hf"])
-def test_an_object_store_output_is_one_line_and_writes_no_local_folder(
+def test_an_output_on_an_unknown_scheme_is_one_line_and_writes_no_local_folder(
         tmp_path, monkeypatch, capsys, sources, direction):
     hf_dir, run = sources
-    monkeypatch.chdir(tmp_path)   # where a 'gs:' folder was written
+    monkeypatch.chdir(tmp_path)   # where a 'hdfs:' folder would be written
     source = ["--from-hf", hf_dir] if direction == "--to-checkpoint" else \
         ["--from-checkpoint", run]
-    assert main([*source, direction, "gs://bucket/out"]) == 2
-    _one_line(capsys, f"{direction} 'gs://bucket/out' is on object storage (gs://), which this "
-                      "command cannot write yet")
+    assert main([*source, direction, "hdfs://bucket/out"]) == 2
+    _one_line(capsys, f"{direction} 'hdfs://bucket/out' uses hdfs://, which lclm does not read "
+                      "or write")
     assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("flags", [
-    ["--from-checkpoint", "gs://bucket/run", "--to-hf", "out"],
-    ["--from-hf", "s3://bucket/llama", "--to-checkpoint", "out"],
-    ["--from-checkpoint", "RUN", "--to-hf", "out", "--tokenizer", "gs://bucket/tok.model"],
+    ["--from-checkpoint", "hdfs://bucket/run", "--to-hf", "out"],
+    ["--from-hf", "hdfs://bucket/llama", "--to-checkpoint", "out"],
+    ["--from-checkpoint", "RUN", "--to-hf", "out", "--tokenizer", "hdfs://bucket/tok.model"],
 ])
 def test_an_object_store_input_is_one_line(tmp_path, monkeypatch, capsys, sources, flags):
     monkeypatch.chdir(tmp_path)
     flags = [sources[1] if f == "RUN" else f for f in flags]
     assert main(flags) == 2
     flag, path = next((f, p) for f, p in zip(flags, flags[1:]) if "://" in p)
-    _one_line(capsys, f"{flag} {path!r} is on object storage ({path.split(':')[0]}://), "
-                      "which lclm cannot read yet")
+    _one_line(capsys, f"{flag} {path!r} uses hdfs://, which lclm does not read or write")
     assert os.listdir(tmp_path) == []
 
 
@@ -99,14 +100,15 @@ def test_a_workdir_held_by_a_live_run_is_refused_before_the_weights_are_read(tmp
         lock.release()
 
 
-def test_the_cli_refuses_an_object_store_output_in_one_line(tmp_path, sources):
-    """As a user runs it: a subprocess, where the old code printed a traceback (exit 1)."""
+def test_the_cli_refuses_a_missing_bucket_in_one_line(tmp_path, sources, gcs):
+    """As a user runs it: a subprocess, where the old code printed a traceback (exit 1). The
+    bucket is looked up on the local GCS server."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
     r = subprocess.run([sys.executable, "-m", "lclm.convert", "--from-hf", sources[0],
-                        "--to-checkpoint", "gs://bucket/run"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=120)
+                        "--to-checkpoint", "gs://lclm-no-such-bucket/run"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines()[-1].startswith("error: --to-checkpoint "
-                                                         "'gs://bucket/run' is on object storage")
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "error: --to-checkpoint 'gs://lclm-no-such-bucket/run' cannot be written (")
     assert "Traceback" not in r.stderr and os.listdir(tmp_path) == []

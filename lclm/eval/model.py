@@ -12,22 +12,22 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 
 import jax
 
-from lclm import hf
+from lclm import hf, storage
 from lclm.checkpoint import read_config, read_params
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
+from lclm.files import check_input
 from lclm.models.llama import param_shapes
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.layout import LAYOUTS
 from lclm.parallel.devices import request_cpu_devices
 from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
 from lclm.train.state import param_shardings
-from lclm.train.workdirs import object_store_problem, workdir_to_read
+from lclm.train.workdirs import workdir_to_read
 
 MESH_AXES = ("dp", "fsdp", "tp", "sp")
 
@@ -68,8 +68,7 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
 def load_model(args) -> tuple[Model, dict | None]:
     """(the Model the flags of `add_model_arguments` name, the checkpoint's saved config or
     None for --hf). Call before JAX starts: the mesh's devices are simulated on a CPU."""
-    if args.hf and object_store_problem(args.hf):
-        raise StartupError(f"--hf {args.hf!r} {object_store_problem(args.hf)}")
+    check_input("--hf", args.hf)
     workdir = workdir_to_read(args.checkpoint) if args.checkpoint else None
     request_cpu_devices(_requested_devices(args, workdir))  # no effect once JAX has started
     if workdir:
@@ -100,7 +99,7 @@ def load_checkpoint(args, workdir: str) -> tuple[Model, dict]:
     model_config = LlamaConfig(**_dataclass_fields(LlamaConfig, saved["model"]))
     attention = _attention(AttentionConfig(**_dataclass_fields(AttentionConfig,
                                                                saved["attention"])), args)
-    name = f"{os.path.basename(os.path.abspath(workdir))} step {step}"
+    name = f"{storage.basename(storage.absolute(workdir))} step {step}"
     mesh = make_mesh(**_mesh_sizes(saved.get("mesh", {}), args, name))
     tokenizer = Tokenizer(args.tokenizer or saved["data"]["tokenizer"])
     tokenizer.check_fits(model_config.vocab_size)
@@ -109,18 +108,19 @@ def load_checkpoint(args, workdir: str) -> tuple[Model, dict]:
 
 
 def load_hf(args) -> Model:
-    """A HuggingFace LLaMA directory (safetensors) with its tokenizer (tokenizer.json or
-    tokenizer.model in the directory, or --tokenizer)."""
-
-    model_config = hf.read_config(args.hf)
-    tokenizer = Tokenizer(args.tokenizer or args.hf)
-    tokenizer.check_fits(model_config.vocab_size)
-    mesh = make_mesh(**_mesh_sizes({}, args, None))
-    # each device reads its own block of the weights: the model is never whole on one
-    model_config, params = hf.load(args.hf, shardings=param_shardings(model_config, mesh))
+    """A HuggingFace LLaMA directory (safetensors; local, gs:// or s3://, read from a local
+    copy) with its tokenizer (tokenizer.json or tokenizer.model in the directory, or
+    --tokenizer)."""
+    with hf.local_copy(args.hf) as local:
+        model_config = hf.read_config(local)
+        tokenizer = Tokenizer(args.tokenizer or local)
+        tokenizer.check_fits(model_config.vocab_size)
+        mesh = make_mesh(**_mesh_sizes({}, args, None))
+        # each device reads its own block of the weights: the model is never whole on one
+        model_config, params = hf.load(local, shardings=param_shardings(model_config, mesh))
     attention = _attention(AttentionConfig(), args)
     return Model(model_config, attention, params, mesh, tokenizer,
-                 os.path.basename(os.path.abspath(args.hf)))
+                 storage.basename(storage.absolute(args.hf)))
 
 
 def answer_text(tokenizer, ids) -> str:
@@ -166,9 +166,9 @@ def _requested_devices(args, workdir: str | None) -> int:
     else the `config.json` of the run in `workdir` (the one whose checkpoint is read, not a
     staged run's directory); -1 counts as 1."""
     saved = {}
-    if workdir and os.path.isfile(os.path.join(workdir, "config.json")):
-        with open(os.path.join(workdir, "config.json")) as f:
-            saved = json.load(f).get("mesh", {})
+    config = storage.join(workdir, "config.json") if workdir else ""
+    if config and storage.isfile(config):
+        saved = json.loads(storage.read_text(config)).get("mesh", {})
     sizes = [getattr(args, a) if getattr(args, a) is not None else saved.get(a, 1)
              for a in MESH_AXES]
     return math.prod(max(1, int(s)) for s in sizes)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import sys
 
 import numpy as np
@@ -238,7 +237,7 @@ def parse_args(argv=None, prog: str | None = None):
 def check_data(flag: str, path: str) -> None:
     """A --data that names nothing is one line before the model loads."""
     check_input(flag, path)
-    if not (os.path.isdir(path) and is_tokenized_dir(path)):
+    if not is_tokenized_dir(path):
         try:
             resolve_files(path)
         except FileNotFoundError as e:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from lclm import logs
+from lclm import logs, storage
 from lclm.cli import run_cli
 from lclm.config.syntax import format_tokens
 from lclm.errors import StartupError
@@ -54,7 +54,7 @@ def default_out(args, task: str) -> str:
     beside what was evaluated, never in the current directory."""
     folder = f"{task}_eval"
     if args.checkpoint:
-        return os.path.join(args.checkpoint, folder)
+        return storage.join(args.checkpoint, folder)
     return os.path.join("runs", folder, os.path.basename(os.path.normpath(args.hf)))
 
 
@@ -75,9 +75,9 @@ def check_model_args(args, positive: tuple[str, ...] = ()) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise StartupError(f"--{name.replace('_', '-')}={value} must be >= 1")
-    if args.default_out and args.checkpoint and not os.path.isdir(args.checkpoint):
+    if args.default_out and args.checkpoint and not storage.isdir(args.checkpoint):
         return  # the default lies inside it: 'no checkpoints in ...' is the line that helps
-    problem = output_problem(args.out)
+    problem = output_problem(args.out, remote=True)
     if problem:
         flag = "the default --out" if args.default_out else "--out"
         raise StartupError(f"{flag} {args.out!r} {problem}")
@@ -87,12 +87,13 @@ def check_model_args(args, positive: tuple[str, ...] = ()) -> None:
 
 def write_files(out_dir: str, task: str, table: str, payload: dict,
                 draw: Callable[[str], None]) -> None:
-    """`OUT/<task>.md` (the table), `.json` (payload) and `.png` (`draw(path)` writes it)."""
-    os.makedirs(out_dir, exist_ok=True)
-    with replacing(os.path.join(out_dir, f"{task}.md")) as f:
+    """`OUT/<task>.md` (the table), `.json` (payload) and `.png` (`draw(path)` writes it); a
+    gs:// or s3:// OUT gets one object each (`replacing`)."""
+    storage.makedirs(out_dir)
+    with replacing(storage.join(out_dir, f"{task}.md")) as f:
         f.write(table + "\n")
-    write_json(os.path.join(out_dir, f"{task}.json"), payload)
-    draw(os.path.join(out_dir, f"{task}.png"))
+    write_json(storage.join(out_dir, f"{task}.json"), payload)
+    draw(storage.join(out_dir, f"{task}.png"))
 
 
 def save_report(out_dir: str, task: str, write: Callable[[str], object],

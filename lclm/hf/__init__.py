@@ -1,8 +1,10 @@
 """HuggingFace LLaMA directories (config.json, safetensors weights, tokenizer) in and out.
 
 `config` translates config.json to and from LlamaConfig, `weights` reads and writes the
-safetensors (`load`, `save`), `tokenizer` puts the training tokenizer into an export. Only
-JSON, safetensors and SentencePiece model protos are read: nothing is unpickled or executed.
+safetensors (`load`, `save`), `tokenizer` puts the training tokenizer into an export. A
+directory may be on gs:// or s3://: it is read from a local copy (`local_copy`) and exported
+to a local folder that is then uploaded (`exporting`). Only JSON, safetensors and
+SentencePiece model protos are read: nothing is unpickled or executed.
 """
 
 from lclm.hf.config import (
@@ -15,9 +17,11 @@ from lclm.hf.config import (
                             rope_to_hf,
 )
 from lclm.hf.errors import HFFormatError
+from lclm.hf.files import local_copy
 from lclm.hf.tokenizer import TOKENIZER_FILES, save_tokenizer, sentencepiece_to_hf
-from lclm.hf.weights import hf_shapes, load, save
+from lclm.hf.weights import exporting, hf_shapes, load, save
 
 __all__ = ["HFFormatError", "SCALING_FIELDS", "SOURCE_FIELDS", "TOKENIZER_FILES",
-           "config_from_hf", "config_to_hf", "hf_shapes", "load", "model_fields",
-           "read_config", "rope_to_hf", "save", "save_tokenizer", "sentencepiece_to_hf"]
+           "config_from_hf", "config_to_hf", "exporting", "hf_shapes", "load", "local_copy",
+           "model_fields", "read_config", "rope_to_hf", "save", "save_tokenizer",
+           "sentencepiece_to_hf"]

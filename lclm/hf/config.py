@@ -7,8 +7,8 @@ is refused with an HFFormatError naming the field, never silently dropped.
 
 import json
 import math
-import os
 
+from lclm import storage
 from lclm.config import LlamaConfig
 from lclm.hf.errors import HFFormatError
 
@@ -165,13 +165,13 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
 
 
 def read_config(hf_dir: str, **overrides) -> LlamaConfig:
-    """`config_from_hf` of `hf_dir/config.json`, every failure one line naming the directory."""
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
+    """`config_from_hf` of `hf_dir/config.json` (local, gs:// or s3://), every failure one line
+    naming the directory."""
+    path = storage.join(hf_dir, "config.json")
+    if not storage.isfile(path):
         raise FileNotFoundError(f"{hf_dir!r} has no config.json; expected a HuggingFace LLaMA "
                                 "directory")
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = storage.read_bytes(path)
     try:
         hf = json.loads(raw)
     except (ValueError, RecursionError) as e:  # undecodable bytes, bad or absurdly nested JSON

@@ -10,6 +10,7 @@ converted by HuggingFace's script (lclm never loads pickled .pth files).
 Only safetensors files are read: nothing is unpickled or executed.
 """
 
+import contextlib
 import glob
 import json
 import math
@@ -26,11 +27,12 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 
+from lclm import storage
 from lclm.config import LlamaConfig
 from lclm.files import write_json
 from lclm.hf.config import config_to_hf, read_config
 from lclm.hf.errors import HFFormatError
-from lclm.hf.files import make_dir, world_readable
+from lclm.hf.files import local_copy, make_dir, world_readable
 from lclm.models.llama import param_shapes
 
 _LAYER = "model.layers.{i}."
@@ -263,7 +265,13 @@ def load(hf_dir: str, shardings=None, dtype=None, **overrides):
     `param_shardings`): each device's block is read from the files and placed directly with
     `jax.make_array_from_callback`, so no device ever holds more than its block and the host
     holds one block and one HF tensor at a time; on several processes each reads only the
-    blocks of its own devices. Without it, host numpy arrays (the whole model on the host)."""
+    blocks of its own devices. Without it, host numpy arrays (the whole model on the host).
+    A gs:// or s3:// `hf_dir` is read from a temporary local copy (`local_copy`)."""
+    with local_copy(hf_dir) as local:
+        return _load(local, shardings, dtype, overrides)
+
+
+def _load(hf_dir: str, shardings, dtype, overrides: dict):
     c = read_config(hf_dir, **overrides)
     reader = _Reader(_locate(hf_dir, hf_shapes(c)))
     dtype = np.dtype(jnp.dtype(dtype or c.param_dtype))
@@ -410,3 +418,32 @@ def save(hf_dir: str, c: LlamaConfig, params, max_shard_bytes: int = 4 << 30) ->
         for name in exports:   # process 0's gathers need this process too
             exports[name]()
     return _file_names(split)
+
+
+@contextlib.contextmanager
+def exporting(hf_dir: str):
+    """The local folder an export to `hf_dir` is written in: `hf_dir` itself, or for a gs://
+    or s3:// `hf_dir` a temporary folder that is uploaded (`_upload`) when the block ends
+    without an error, then removed."""
+    if not storage.is_remote(hf_dir):
+        yield hf_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="lclm-export-") as local:
+        yield local
+        _upload(local, hf_dir)
+
+
+def _upload(local: str, hf_dir: str) -> None:
+    """The files of the export in `local` to the object-store `hf_dir`, in `_publish`'s order
+    (object stores have no rename to publish them at once): every file but config.json, then
+    the removal of an earlier export's weight files that this one does not have (a stale
+    index would name them), then config.json, which names the weights' shapes."""
+    names = sorted(os.listdir(local))
+    for name in names:
+        if name != "config.json":
+            storage.upload(os.path.join(local, name), storage.join(hf_dir, name))
+    for name in storage.listdir(hf_dir):
+        if _WEIGHT_FILE.fullmatch(name) and name not in names:
+            storage.remove(storage.join(hf_dir, name))
+    if "config.json" in names:
+        storage.upload(os.path.join(local, "config.json"), storage.join(hf_dir, "config.json"))
