@@ -150,3 +150,39 @@ def test_a_damaged_checkpoint_on_gs_is_set_aside_and_the_previous_one_resumes(gc
     aside = storage.listdir(bucket + "/run/checkpoints_damaged")
     assert len(aside) == 1 and aside[0].startswith("4-")
     assert [s for s, _ in _losses(bucket + "/run")] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_prepare_to_gs_then_a_staged_run_there_and_generate_from_it(gcs, capsys):
+    """The pod workflow with nothing on local disk: data prepared into a bucket, a staged
+    run (two stages) with its workdir in the bucket reading it, then generation from the
+    staged run's directory (its last stage)."""
+    from lclm import generate
+    from lclm.config import load_config
+    from lclm.data.prepare import main as prepare
+    from lclm.train.stages import run_stages
+    from lclm.train.workdirs import workdir_to_read
+
+    bucket = gcs.bucket()
+    demo = os.path.join(ROOT, "data", "demo")
+    assert prepare(["--source", "sharegpt", "--input", os.path.join(demo, "sharegpt.jsonl"),
+                    "--tokenizer", os.path.join(demo, "tokenizer.model"),
+                    "--out", bucket + "/data/sharegpt"]) == 0
+    c = load_config(os.path.join(ROOT, "configs", "demo_stages.py"))
+    c.workdir = bucket + "/runs/staged"
+    c.data.update(path=bucket + "/data/sharegpt", source="tokenized")
+    c.model.update(dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64, ffn_chunk=32, loss_chunk=32)
+    c.attention.update(q_chunk=16, kv_chunk=16)
+    c.stages.update(schedule="64:1e4:2:2, 128:1e5:2:2", tokens_per_batch=512)
+    c.train.update(warmup=1)
+    c.log.update(every=1, progress=False)
+    c.checkpoint.every = 1
+    runs = run_stages(c)
+    assert [len(r) for r in runs] == [2, 2]
+    last = workdir_to_read(c.workdir)
+    assert last == c.workdir + "/stage1_128"
+    assert [s for s, _ in _losses(last)] == [1, 2]
+    capsys.readouterr()
+    assert generate.main(["--checkpoint", c.workdir, "--prompt", "Hello",
+                          "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()
