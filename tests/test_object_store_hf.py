@@ -1,8 +1,8 @@
 """HuggingFace directories and evaluation reports on object storage, against the local GCS
 and S3 servers: `convert --to-hf gs://` uploads what a local export writes, `--from-hf` reads
 a bucket's directory as it reads a local one, a checkpoint in a bucket converts both ways,
-eval writes its report into a bucket, and a bucket that does not exist is one line before
-any work."""
+eval reads its data and tokenizer from a bucket and writes its report into one, and a bucket
+that does not exist is one line before any work."""
 
 import json
 import os
@@ -17,7 +17,7 @@ from lclm import hf, storage
 from lclm.checkpoint import read_config
 from lclm.config import LlamaConfig
 from lclm.convert import main as convert
-from lclm.eval import line_retrieval
+from lclm.eval import line_retrieval, perplexity
 from lclm.models.llama import init_params
 
 MODEL = LlamaConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64,
@@ -112,6 +112,21 @@ def test_eval_reads_hf_from_and_writes_its_report_to_gcs(gcs, sources, capsys):
     assert json.loads(storage.read_text(storage.join(out, "line_retrieval.json")))["model"] \
         == "llama"
     assert storage.read_bytes(storage.join(out, "line_retrieval.png"))[:4] == b"\x89PNG"
+
+
+def test_perplexity_reads_data_and_tokenizer_from_s3(s3, sources, capsys):
+    source, _, _ = sources
+    bucket = s3.bucket()
+    data, tokenizer = storage.join(bucket, "heldout.jsonl"), storage.join(bucket, "t.model")
+    storage.write_text(data, "".join(json.dumps({"text": f"document {i}: " + "words " * 60})
+                                     + "\n" for i in range(3)))
+    storage.upload(DEMO_TOKENIZER, tokenizer)
+    out = storage.join(bucket, "ppl")
+    assert perplexity.main(["--hf", source, "--tokenizer", tokenizer, "--data", data,
+                            "--lengths", "32", "--buckets", "2", "--documents", "2",
+                            "--q-chunk", "32", "--kv-chunk", "32", "--out", out]) == 0
+    report = json.loads(storage.read_text(storage.join(out, "perplexity.json")))
+    assert report["data"] == data, report
 
 
 @pytest.mark.parametrize("flags", [
