@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import shutil
@@ -39,9 +40,10 @@ import tempfile
 import time
 import urllib.request
 import uuid
+import zlib
 
 from bench import ROOT
-from bench.report import emit_table
+from bench.report import Table
 from lclm import storage
 from lclm.cli import run_cli
 from lclm.errors import StartupError
@@ -68,6 +70,18 @@ def main(argv=None) -> int:
 
 
 # -- the local GCS server -----------------------------------------------------------------------
+
+
+def _ends_with_parent() -> None:
+    """In the server's process: be sent SIGTERM when this benchmark dies, even killed (Linux's
+    PR_SET_PDEATHSIG; elsewhere `stop` alone ends it)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 class GcsServer:
@@ -97,7 +111,8 @@ class GcsServer:
             [binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
              "-backend", "filesystem", "-filesystem-root", self.root,
              "-external-url", self.url, "-public-host", f"127.0.0.1:{port}",
-             "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=_ends_with_parent)
         self.env = {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
                     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
         try:
@@ -144,48 +159,73 @@ def _free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
-def _measure(workdir: str, state, config, keep: bool) -> dict:
-    """Two saves to `workdir` (the second timed), then a restore through a fresh
-    `Checkpoints` like a resumed run's; seconds, and whether the restored arrays match."""
+def _save(workdir: str, state, config) -> dict:
+    """Two saves to `workdir` (the second timed: the first also pays one-time set-up)."""
+    from lclm.checkpoint import Checkpoints
+
+    _remove(workdir)
+    ckpt = Checkpoints(workdir, every=1, keep=2)
+    try:
+        for step in (1, 2):
+            t0 = time.perf_counter()
+            ckpt.save(step, state, {"batches": step}, config)
+            blocking = time.perf_counter() - t0
+            ckpt.wait()
+            total = time.perf_counter() - t0
+    finally:
+        ckpt.close()
+    return {"blocking_s": blocking, "save_s": total}
+
+
+def _restore(workdir: str, template, sums: list[int]) -> dict:
+    """A restore through a fresh `Checkpoints`, as a resumed run does it (`template`: the
+    state's shapes, dtypes and shardings); the restored arrays are checked against `sums`."""
     import jax
-    import numpy as np
 
     from lclm.checkpoint import Checkpoints
 
-    if storage.exists(workdir):
-        storage.remove_tree(workdir)
+    reader = Checkpoints(workdir, every=1, keep=2)
     try:
-        ckpt = Checkpoints(workdir, every=1, keep=2)
-        try:
-            for step in (1, 2):  # the first save also pays one-time set-up; report the second
-                t0 = time.perf_counter()
-                ckpt.save(step, state, {"batches": step}, config)
-                blocking = time.perf_counter() - t0
-                ckpt.wait()
-                total = time.perf_counter() - t0
-        finally:
-            ckpt.close()
-        reader = Checkpoints(workdir, every=1, keep=2)
-        try:
-            t0 = time.perf_counter()
-            restored, _ = reader.restore(state)
-            jax.block_until_ready(restored)
-            restore = time.perf_counter() - t0
-            step = reader.latest_step()
-        finally:
-            reader.close()
-        same = step == 2 and all(
-            np.array_equal(np.asarray(a), np.asarray(b))
-            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True))
-        del restored
-        if not same:
-            raise RuntimeError(f"the state restored from {workdir} differs from the one saved")
-        return {"blocking_s": blocking, "save_s": total, "restore_s": restore}
+        t0 = time.perf_counter()
+        restored, _ = reader.restore(template)
+        jax.block_until_ready(restored)
+        seconds = time.perf_counter() - t0
+        step = reader.latest_step()
     finally:
-        if not keep and storage.is_remote(workdir):
-            storage.remove_tree(workdir)
-        elif not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        reader.close()
+    same = step == 2 and _checksums(restored) == sums
+    del restored
+    if not same:
+        raise RuntimeError(f"the state restored from {workdir} differs from the one saved")
+    return {"restore_s": seconds}
+
+
+def _checksums(state) -> list[int]:
+    """A CRC of each array (gathered to the host one at a time)."""
+    import jax
+    import numpy as np
+
+    return [zlib.crc32(np.ascontiguousarray(np.asarray(x)).view(np.uint8).reshape(-1))
+            for x in jax.tree.leaves(state)]
+
+
+def _remove(workdir: str) -> None:
+    if storage.is_remote(workdir):
+        storage.remove_tree(workdir)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _trim() -> None:
+    """Hand freed heap memory back to the system (glibc keeps it otherwise), so that the
+    restored copy of a large state does not stack on the freed one's pages."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _run(args) -> int:
@@ -224,7 +264,18 @@ def _measure_all(args, server: GcsServer | None) -> int:
                 None if storage.is_remote(directory) else directory)]
     if server:
         targets.append(("gcs (local server)", server.bucket(), server.root))
-    rows, records = [], []
+    where = ", ".join(f"{t}: {d}" for t, d, _ in targets)
+    notes = [f"{where}; jax {jax.__version__}; {os.cpu_count()} cores; "
+             f"{datetime.date.today().isoformat()}; second save of each target shown; "
+             "restore: a fresh manager's `Checkpoints.restore`, arrays placed as trained"]
+    if server:
+        notes.append("The gcs target is a local emulator (fake-gcs-server) on this machine, "
+                     "writing to the same disk: its figures measure the client path (HTTP, "
+                     "tensorstore's GCS driver), not a real bucket's bandwidth.")
+    # each row written the moment it is measured: a run stopped midway keeps what it measured
+    table = Table("Checkpoint save and restore time (Orbax async, fsdp=8 simulated CPU devices)",
+                  notes, HEADER, args.out)
+    records = []
     for name in args.models.split(","):
         config = load_config(os.path.join(ROOT, "configs", "demo.py"))
         params_only = name != "demo"
@@ -238,36 +289,47 @@ def _measure_all(args, server: GcsServer | None) -> int:
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
         params = f"{param_count(model) / 1e6:,.1f}M"
         saved = "params" if params_only else "params + AdamW"
+        gb = nbytes / 1e9
+        # every target's saves first, then the state is dropped and each target restored into
+        # a template of it: a second copy beside the first would not fit the 1B state in 24 GB
+        measured = []
         for target, where, disk in targets:
             record = {"target": target, "model": name, "params": param_count(model),
                       "saved": saved, "state_bytes": nbytes}
+            records.append(record)
             free = _free_bytes(disk) if disk else None
             if free is not None and free < 2.2 * nbytes:   # two steps kept, and some slack
-                record["skipped"] = (f"needs ~{2.2 * nbytes / 1e9:.1f} GB free, "
-                                     f"{free / 1e9:.1f} GB there")
-                rows.append((target, name, params, saved, f"{nbytes / 1e9:.2f}",
-                             f"skipped: {record['skipped']}", "-", "-", "-", "-"))
-                records.append(record)
+                record["skipped"] = f"needs ~{2.2 * gb:.1f} GB free, {free / 1e9:.1f} GB there"
+                table.add((target, name, params, saved, f"{gb:.2f}",
+                           f"skipped: {record['skipped']}", "-", "-", "-", "-"))
                 continue
-            record.update(_measure(storage.join(where, name), state, public_config(config),
-                                   args.keep))
-            records.append(record)
-            gb = nbytes / 1e9
-            rows.append((target, name, params, saved, f"{gb:.2f}",
-                         f"{record['blocking_s']:.2f}", f"{record['save_s']:.2f}",
-                         f"{gb / record['save_s']:.2f}", f"{record['restore_s']:.2f}",
-                         f"{gb / record['restore_s']:.2f}"))
+            workdir = storage.join(where, name)
+            measured.append((record, workdir))
+            try:
+                record.update(_save(workdir, state, public_config(config)))
+            except BaseException:
+                for _, w in measured:
+                    _remove(w)
+                raise
+        sums = _checksums(state) if measured else []
+        template = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         del state
-    where = ", ".join(f"{t}: {d}" for t, d, _ in targets)
-    notes = [f"{where}; jax {jax.__version__}; {os.cpu_count()} cores; "
-             f"{datetime.date.today().isoformat()}; second save of each target shown; "
-             "restore: a fresh manager's `Checkpoints.restore`, arrays placed as trained"]
-    if server:
-        notes.append("The gcs target is a local emulator (fake-gcs-server) on this machine, "
-                     "writing to the same disk: its figures measure the client path (HTTP, "
-                     "tensorstore's GCS driver), not a real bucket's bandwidth.")
-    emit_table("Checkpoint save and restore time (Orbax async, fsdp=8 simulated CPU devices)",
-               notes, HEADER, rows, args.out)
+        _trim()
+        try:
+            for record, workdir in measured:
+                record.update(_restore(workdir, template, sums))
+                _trim()
+                if not args.keep:
+                    _remove(workdir)
+                table.add((record["target"], name, params, saved, f"{gb:.2f}",
+                           f"{record['blocking_s']:.2f}", f"{record['save_s']:.2f}",
+                           f"{gb / record['save_s']:.2f}", f"{record['restore_s']:.2f}",
+                           f"{gb / record['restore_s']:.2f}"))
+        finally:
+            if not args.keep:
+                for _, workdir in measured:
+                    _remove(workdir)
     if args.out:
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump({"jax": jax.__version__, "cores": os.cpu_count(),
