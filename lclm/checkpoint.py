@@ -89,9 +89,14 @@ def read_params(workdir: str, step: int, abstract_params):
 
 
 def path_problem(workdir: str) -> str | None:
-    """Why checkpoints cannot be kept under `workdir` (None: they can). Orbax finds the files
-    each process wrote with glob patterns that contain the path, so a '[' or ']' in it (a
-    character class to glob) would make every checkpoint written there unreadable."""
+    """Why checkpoints cannot be kept under `workdir` (None: they can): an object store other
+    than GCS, or a '[' or ']' in the path (Orbax finds the files each process wrote with glob
+    patterns that contain the path, so a character class would make every checkpoint written
+    there unreadable)."""
+    if storage.scheme(workdir) not in (None, "gs"):
+        return (f"is on {storage.scheme(workdir)}://, where Orbax (0.12, lclm's checkpoint "
+                "writer) cannot keep checkpoints: it writes arrays to gs:// or a file path; use "
+                "a gs:// workdir, or mount the bucket (e.g. mountpoint-s3) and give its path")
     if "[" in workdir or "]" in workdir:
         return ("contains '[' or ']', which Orbax's file matching reads as a pattern: "
                 "checkpoints written there could not be read back; rename it")

@@ -15,8 +15,10 @@ what the workdir lease (lclm.train.object_lock) is built on.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
+import tempfile
 
 from lclm.errors import StartupError
 
@@ -145,13 +147,27 @@ def read_text(path: str) -> str:
 def write_bytes(path: str, data: bytes) -> None:
     """`path` replaced by `data` whole: readers see the old contents or the new ones."""
     if not is_remote(path):
-        from lclm.files import replacing
-
-        with replacing(path, binary=True) as f:
-            f.write(data)
+        _replace_local(path, data)
         return
     fs, p = filesystem(path)
     fs.pipe_file(p, data)
+
+
+def _replace_local(path: str, data: bytes) -> None:
+    """Write a temporary file beside `path`, flush it to disk, rename it onto `path`."""
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
 
 
 def write_text(path: str, text: str) -> None:

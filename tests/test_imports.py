@@ -1,15 +1,15 @@
-"""lclm's import graph runs one way: errors -> files -> config -> logs/cli -> ops -> parallel
--> models -> hf -> data -> checkpoint -> train -> eval -> the planner and converter CLIs. No module
-imports a higher layer, none imports lclm inside a function (the old way to dodge a cycle),
-and so there are no cycles. Read from the source (AST), nothing is imported."""
+"""lclm's import graph runs one way: errors -> storage -> files -> config -> logs/cli -> ops
+-> parallel -> models -> hf -> data -> checkpoint -> train -> eval -> the planner and converter
+CLIs. No module imports a higher layer, none imports lclm inside a function (the old way to
+dodge a cycle), and so there are no cycles. Read from the source (AST), nothing is imported."""
 
 import ast
 import pathlib
 
 from support import ROOT
 
-LAYERS = ["lclm.errors", "lclm.files", "lclm.config", "lclm.logs", "lclm.cli", "lclm.ops",
-          "lclm.parallel", "lclm.models", "lclm.hf", "lclm.data", "lclm.checkpoint",
+LAYERS = ["lclm.errors", "lclm.storage", "lclm.files", "lclm.config", "lclm.logs", "lclm.cli",
+          "lclm.ops", "lclm.parallel", "lclm.models", "lclm.hf", "lclm.data", "lclm.checkpoint",
           "lclm.train", "lclm.eval", "lclm.aot", "lclm.strategy_plan", "lclm.plan",
           "lclm.convert", "lclm.generate"]
 

@@ -315,14 +315,3 @@ class WorkdirLock:
         if self._ours(_inspect(self.path)):
             os.remove(self.path)
 
-
-def workdir_lock(workdir: str, lease_minutes: float = 10.0) -> WorkdirLock:
-    """The lease lock of `workdir`: a file, or for a gs:// or s3:// workdir an object
-    (lclm.train.object_lock)."""
-    from lclm import storage
-
-    if storage.is_remote(workdir):
-        from lclm.train.object_lock import ObjectLock
-
-        return ObjectLock(workdir, lease_minutes)
-    return WorkdirLock(workdir, lease_minutes)

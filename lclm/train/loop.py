@@ -30,7 +30,7 @@ from lclm.files import write_json
 from lclm.models.llama import param_count
 from lclm.parallel.distributed import any_process, check_same_config
 from lclm.parallel.mesh import make_mesh
-from lclm.train.lock import WorkdirLock, workdir_lock
+from lclm.train.lock import WorkdirLock
 from lclm.train.metrics import (
     MetricsFailed,
     MetricsLogger,
@@ -39,6 +39,7 @@ from lclm.train.metrics import (
     peak_flops,
     read_metrics,
 )
+from lclm.train.object_lock import workdir_lock
 from lclm.train.resume import allowed_keys, check_resume, tokenizer_fingerprint
 from lclm.train.setup import (
     apply_checkpoint_fields,

@@ -100,3 +100,11 @@ class ObjectLock(WorkdirLock):
         if found is not None and found[0].get("token") == self.mine["token"]:
             storage.remove(self.path)
 
+
+
+def workdir_lock(workdir: str, lease_minutes: float = 10.0) -> WorkdirLock:
+    """The lease lock of `workdir`: a file (lclm.train.lock), or for a gs:// or s3:// workdir
+    an object."""
+    if storage.is_remote(workdir):
+        return ObjectLock(workdir, lease_minutes)
+    return WorkdirLock(workdir, lease_minutes)

@@ -199,7 +199,8 @@ def check_workdir(workdir: str) -> None:
     if not workdir:
         _fail("workdir is empty; set config.workdir to the run's directory")
     if storage.is_remote(workdir):   # a bucket: that it exists and takes this host's writes
-        problem = output_problem(workdir, remote=True)
+        problem = (storage.client_problem(workdir) or path_problem(workdir)
+                   or output_problem(workdir, remote=True))
         if problem:
             _fail(f"workdir={workdir!r} {problem}")
         return

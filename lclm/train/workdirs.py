@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from lclm import storage
+from lclm.checkpoint import path_problem
 from lclm.errors import StartupError
 
 STAGE_DIR = re.compile(r"stage(\d+)_(\d+)")
@@ -46,18 +47,13 @@ def checkpointed_stages(workdir: str) -> list[str]:
     return [stage for stage in stage_dirs(workdir) if has_checkpoint(stage)]
 
 
-def object_store_problem(path: str) -> str | None:
-    """Why `path`'s scheme cannot be read here (lclm.storage.client_problem)."""
-    return storage.client_problem(path)
-
-
 def workdir_to_read(workdir: str, flag: str = "--checkpoint") -> str:
     """The directory whose checkpoints stand for `workdir` (named by the command-line flag
     `flag`): itself, or for a staged run's directory its last stage with a checkpoint. One
     line (StartupError) for an object-store path, a staged run with no checkpoint yet, and a
     directory holding both a run's checkpoints and a staged run's stages (which of the two is
     meant cannot be told)."""
-    problem = object_store_problem(workdir)
+    problem = storage.client_problem(workdir) or path_problem(workdir)
     if problem:
         raise StartupError(f"{flag} {workdir!r} {problem}")
     stages = stage_dirs(workdir)

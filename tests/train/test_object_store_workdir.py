@@ -6,6 +6,7 @@ stages there, two processes of one run share it, and a missing bucket is found a
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,3 +187,17 @@ def test_prepare_to_gs_then_a_staged_run_there_and_generate_from_it(gcs, capsys)
     assert generate.main(["--checkpoint", c.workdir, "--prompt", "Hello",
                           "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_an_s3_workdir_is_refused_at_start_in_one_line(s3):
+    from lclm.errors import ConfigError, StartupError
+    from lclm.train.setup import check_workdir
+    from lclm.train.workdirs import workdir_to_read
+
+    workdir = s3.bucket() + "/run"
+    why = ("is on s3://, where Orbax (0.12, lclm's checkpoint writer) cannot keep checkpoints: "
+           "it writes arrays to gs:// or a file path; use a gs:// workdir, or mount the bucket")
+    with pytest.raises(ConfigError, match=re.escape(f"workdir='{workdir}' {why}")):
+        check_workdir(workdir)
+    with pytest.raises(StartupError, match=re.escape(f"--checkpoint '{workdir}' {why}")):
+        workdir_to_read(workdir)

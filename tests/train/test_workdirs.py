@@ -141,6 +141,6 @@ def test_a_directory_that_cannot_be_read_as_one_run_is_one_line(staged, tmp_path
     with pytest.raises(StartupError, match=r"is a staged run's directory whose stages "
                                            r"\(stage0_64\) hold no checkpoint yet"):
         workdir_to_read(str(tmp_path / "new"))
-    with pytest.raises(StartupError, match=r"^--checkpoint 'gs://b/run' is on object storage "
-                                           r"\(gs://\), which lclm cannot read yet"):
-        workdir_to_read("gs://b/run")
+    with pytest.raises(StartupError, match=r"^--checkpoint 'hdfs://b/run' uses hdfs://, which "
+                                           r"lclm does not read or write"):
+        workdir_to_read("hdfs://b/run")
