@@ -26,8 +26,9 @@ def _assert_one_error_line(err: str, needle: str):
     # Orbax matches checkpoint files with glob patterns: '[0]' would make them unreadable
     (["--config", DEMO_CONFIG, "--config.workdir=/tmp/lclm runs/exp[0]"],
      "error: workdir='/tmp/lclm runs/exp[0]' contains '[' or ']'"),
-    (["--config", DEMO_CONFIG, "--config.workdir=gs://bucket/runs/demo"],
-     "error: workdir='gs://bucket/runs/demo': object storage is not a workdir"),
+    (["--config", DEMO_CONFIG, "--config.workdir=hdfs://bucket/runs/demo"],
+     "error: workdir='hdfs://bucket/runs/demo' uses hdfs://, which lclm does not read or "
+     "write"),
     (["--config", DEMO_CONFIG, "--config.checkpoint.allow_changed=data.batch_sise"],
      "error: unknown config key data.batch_sise (did you mean data.batch_size?)"),
 ])
