@@ -31,10 +31,16 @@ def stage_dirs(workdir: str) -> list[str]:
 def saved_steps(workdir: str) -> list[int]:
     """The steps saved in `workdir/checkpoints`, in order, read from the directory's names: a
     run creates the directory when it starts, and Orbax writes a step under a temporary name
-    until it is complete."""
+    until it is complete (on GCS, which has no rename, under its own name, marked complete by
+    a `commit_success.txt` object)."""
     directory = storage.join(workdir, "checkpoints")
+    complete = (_committed if storage.is_remote(directory) else storage.isdir)
     return sorted(int(name) for name in storage.listdir(directory)
-                  if name.isdigit() and storage.isdir(storage.join(directory, name)))
+                  if name.isdigit() and complete(storage.join(directory, name)))
+
+
+def _committed(step_dir: str) -> bool:
+    return storage.exists(storage.join(step_dir, "commit_success.txt"))
 
 
 def has_checkpoint(workdir: str) -> bool:
