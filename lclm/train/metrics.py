@@ -130,7 +130,7 @@ def read_metrics(workdir: str) -> list[dict]:
                  for line in storage.read_bytes(storage.join(directory, n)).splitlines()]
     else:
         path = os.path.join(workdir, "metrics.jsonl")
-        lines = open(path, "rb").read().splitlines() if os.path.isfile(path) else []
+        lines = storage.read_bytes(path).splitlines() if os.path.isfile(path) else []
     records = []
     for line in lines:
         try:
