@@ -3,6 +3,7 @@ the pieces they compute with are right."""
 
 import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -47,6 +48,23 @@ def test_data_throughput_bench_reports_both_paths(tmp_path, monkeypatch):
     assert "tokenize+pack+stripe" in table and "pre-tokenised memmap" in table
     assert "CPU seconds" in table
     assert list(scratch.iterdir()) == []   # the prepared copies are gone
+
+
+def test_checkpoint_bench_saves_and_restores_on_disk_and_a_local_gcs_server(tmp_path):
+    out = tmp_path / "c.md"
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))   # its checkpoints and the server's
+    (tmp_path / "tmp").mkdir()
+    r = subprocess.run([sys.executable, "-m", "bench.checkpoint_save", "--models", "demo",
+                        "--gcs", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    table = out.read_text()
+    assert "| local | demo |" in table and "| gcs (local server) | demo |" in table
+    assert "local emulator" in table
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [row["target"] for row in rows] == ["local", "gcs (local server)"]
+    assert all(row["restore_s"] > 0 and row["save_s"] >= row["blocking_s"] for row in rows)
+    assert list((tmp_path / "tmp").iterdir()) == []   # checkpoints and the server's folder gone
 
 
 def _tree(path):
