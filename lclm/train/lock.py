@@ -266,10 +266,8 @@ class WorkdirLock:
         """Renew the lease; why the lock is no longer ours, or None. I/O errors are retried
         at the next renewal: the lease outlasts several of them."""
         try:
-            found = _inspect(self.path)
-            if self._ours(found):
-                os.utime(self.path, None)
-        except OSError as e:
+            holder = self._touch()
+        except Exception as e:  # noqa: BLE001  (OSError here; any client's error in a bucket)
             if not self._failing:
                 log.warning("cannot renew the lease of %s (%s); retrying every %.0f s", self.path,
                             e, self.renew_every)
@@ -278,11 +276,19 @@ class WorkdirLock:
         if self._failing:
             log.warning("the lease of %s is renewed again", self.path)
             self._failing = False
-        if found is None:
+        if holder is None:
             return f"the lock {self.path} was deleted"
-        if not self._ours(found):
-            return f"the lock {self.path} was taken over by {_describe(found[0])}"
+        if holder.get("token") != self.mine["token"]:
+            return f"the lock {self.path} was taken over by {_describe(holder)}"
         return None
+
+    def _touch(self) -> dict | None:
+        """Renew the lock if it is ours (its mtime: the lease's clock); the holder found, or
+        None where there is no lock."""
+        found = _inspect(self.path)
+        if self._ours(found):
+            os.utime(self.path, None)
+        return None if found is None else found[0]
 
     def _renew_until_stopped(self) -> None:
         while not self._stop.wait(self.renew_every):

@@ -21,7 +21,7 @@ import logging
 import uuid
 
 from lclm import storage
-from lclm.train.lock import WorkdirLock, _describe
+from lclm.train.lock import WorkdirLock
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,6 @@ class ObjectLock(WorkdirLock):
         super().__init__(workdir.rstrip("/"), lease_minutes)
         self.path = storage.join(self.workdir, "lock")
         self._data = json.dumps(self.mine).encode()
-        self._version: storage.Version | None = None   # of our lock's last write
 
     def _found(self) -> tuple[dict, storage.Version] | None:
         found = storage.stat(self.path)
@@ -54,52 +53,30 @@ class ObjectLock(WorkdirLock):
         return version.updated
 
     def _try(self) -> str | None:
-        self._version = storage.create(self.path, self._data)
-        if self._version is not None:
+        if storage.create(self.path, self._data) is not None:
             return None
         found = self._found()
         if found is None:   # released between our write and our look: try once more
-            self._version = storage.create(self.path, self._data)
-            return None if self._version is not None else self._taken()
+            return None if storage.create(self.path, self._data) else self._taken()
         holder, version = found
         if holder.get("token") == self.mine["token"]:   # our create worked, its reply was lost
-            self._version = version
             return None
         why = self._refusal(holder, self._now() - version.updated)
         if why is not None:
             return why
-        self._version = storage.replace_if(self.path, self._data, version)
-        return None if self._version is not None else self._taken()
+        return None if storage.replace_if(self.path, self._data, version) else self._taken()
 
-    def _renew(self) -> str | None:
-        try:
-            found = self._found()
-            if found is not None and found[0].get("token") == self.mine["token"]:
-                renewed = storage.replace_if(self.path, self._data, found[1])
-                if renewed is not None:
-                    self._version = renewed
-                else:   # replaced since we looked: who holds it now is the next renewal's
-                    found = self._found()
-        except Exception as e:  # noqa: BLE001  (each client has its own error types)
-            if not self._failing:
-                log.warning("cannot renew the lease of %s (%s); retrying every %.0f s",
-                            self.path, e, self.renew_every)
-            self._failing = True
-            return None
-        if self._failing:
-            log.warning("the lease of %s is renewed again", self.path)
-            self._failing = False
-        if found is None:
-            return f"the lock {self.path} was deleted"
-        if found[0].get("token") != self.mine["token"]:
-            return f"the lock {self.path} was taken over by {_describe(found[0])}"
-        return None
+    def _touch(self) -> dict | None:
+        found = self._found()
+        if found is not None and found[0].get("token") == self.mine["token"]:
+            if storage.replace_if(self.path, self._data, found[1]) is None:
+                found = self._found()   # replaced since we looked: say by whom
+        return None if found is None else found[0]
 
     def _remove_if_ours(self) -> None:
         found = self._found()
         if found is not None and found[0].get("token") == self.mine["token"]:
             storage.remove(self.path)
-
 
 
 def workdir_lock(workdir: str, lease_minutes: float = 10.0) -> WorkdirLock:

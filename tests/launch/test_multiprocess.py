@@ -38,6 +38,17 @@ def _losses(workdir):
         return [(r["step"], r["loss"]) for r in map(json.loads, f)]
 
 
+def _two_processes(env, port, args):
+    """Processes 0 and 1 of one run, joined at 127.0.0.1:`port` (+ this pid's share, so
+    that parallel test sessions do not meet), each running train.py with ARGS + `args`."""
+    port += os.getpid() % 1000
+    return [subprocess.Popen(
+        [sys.executable, "train.py", *ARGS, *args], cwd=ROOT,
+        env=dict(env, LCLM_COORDINATOR=f"127.0.0.1:{port}", LCLM_NUM_PROCESSES="2",
+                 LCLM_PROCESS_ID=str(i)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+
+
 def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     _single(one, 4)
@@ -82,16 +93,9 @@ def test_processes_with_different_configs_are_refused(tmp_path):
 def test_sigterm_to_one_process_saves_every_process_at_the_agreed_step(tmp_path):
     """JAX's preemption sync point: the notice reaches one process, all save the same step."""
     env = dict(_env(), LCLM_LOG_DIR=str(tmp_path / "logs"))
-    port = 24567 + os.getpid() % 1000
     workdir = tmp_path / "run"
-    procs = []
-    for i in range(2):
-        e = dict(env, LCLM_COORDINATOR=f"127.0.0.1:{port}", LCLM_NUM_PROCESSES="2",
-                 LCLM_PROCESS_ID=str(i))
-        procs.append(subprocess.Popen(
-            [sys.executable, "train.py", *ARGS, "--config.train.steps=400",
-             "--config.checkpoint.every=0", f"--config.workdir={workdir}"],
-            cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = _two_processes(env, 24567, ["--config.train.steps=400", "--config.checkpoint.every=0",
+                                        f"--config.workdir={workdir}"])
     metrics = workdir / "metrics.jsonl"
     deadline = time.time() + 240
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -115,16 +119,9 @@ def test_two_processes_share_a_gs_workdir_and_both_save_at_a_preemption(gcs, tmp
     from lclm.train.metrics import read_metrics
 
     env = dict(_env(), LCLM_LOG_DIR=str(tmp_path / "logs"), **gcs.env)
-    port = 25678 + os.getpid() % 1000
     workdir = gcs.bucket() + "/runs/pod"
-    procs = []
-    for i in range(2):
-        e = dict(env, LCLM_COORDINATOR=f"127.0.0.1:{port}", LCLM_NUM_PROCESSES="2",
-                 LCLM_PROCESS_ID=str(i))
-        procs.append(subprocess.Popen(
-            [sys.executable, "train.py", *ARGS, "--config.train.steps=400",
-             "--config.checkpoint.every=2", f"--config.workdir={workdir}"],
-            cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = _two_processes(env, 25678, ["--config.train.steps=400", "--config.checkpoint.every=2",
+                                        f"--config.workdir={workdir}"])
     deadline = time.time() + 240
     while len(read_metrics(workdir)) < 3:
         assert time.time() < deadline and all(p.poll() is None for p in procs), \
