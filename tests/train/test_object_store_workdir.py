@@ -19,6 +19,7 @@ from lclm import storage
 from lclm.train.lock import WorkdirBusy
 from lclm.train.metrics import read_metrics
 from lclm.train.object_lock import ObjectLock
+from lclm.train.workdirs import saved_steps
 
 ARGS = ["--config", "configs/demo.py", "--config.model.dim=64", "--config.model.n_layers=2",
         "--config.model.ffn_dim=128", "--config.model.ffn_chunk=32",
@@ -27,6 +28,7 @@ ARGS = ["--config", "configs/demo.py", "--config.model.dim=64", "--config.model.
         "--config.model.dtype=float32", "--config.validation.path=",
         "--config.train.warmup=1", "--config.log.every=1", "--config.log.progress=False",
         "--config.mesh.fsdp=2", "--config.mesh.sp=1", "--config.checkpoint.every=2",
+        "--config.checkpoint.keep=2",
         "--config.train.steps=6"]
 LEASE = 0.002   # minutes: 0.12 s
 
@@ -67,6 +69,7 @@ def test_a_gs_run_killed_and_resumed_ends_with_the_local_runs_losses(gcs, tmp_pa
     for (s, a), (_, b) in zip(_losses(local), _losses(remote)):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6), s
     assert not storage.exists(remote + "/lock")
+    assert saved_steps(remote) == [4, 6]   # checkpoint.keep=2: step 2 deleted from the bucket
     saved = json.loads(storage.read_text(remote + "/config.json"))
     assert saved["workdir"] == remote
 
