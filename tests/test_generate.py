@@ -126,10 +126,11 @@ def test_a_converted_checkpoint_is_made_for_its_models_positions(tmp_path, capsy
 
 
 @pytest.mark.parametrize("flag", ["--checkpoint", "--hf"])
-def test_an_object_store_model_is_one_line(tmp_path, monkeypatch, capsys, flag):
+def test_a_model_on_an_unknown_scheme_is_one_line(tmp_path, monkeypatch, capsys, flag):
+    # gs:// and s3:// are read (tests/train/test_object_store_workdir.py generates from a bucket)
     monkeypatch.chdir(tmp_path)
-    assert generate.main([flag, "gs://bucket/model", "--prompt", PROMPT]) == 2
+    assert generate.main([flag, "hdfs://bucket/model", "--prompt", PROMPT]) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: {flag} 'gs://bucket/model' is on object storage (gs://), which "
-                   "lclm cannot read yet; copy it to a local or mounted path (e.g. gcsfuse)\n")
+    assert err == (f"error: {flag} 'hdfs://bucket/model' uses hdfs://, which lclm does not "
+                   "read or write; use gs://, s3:// or a local or mounted path\n")
     assert os.listdir(tmp_path) == []
