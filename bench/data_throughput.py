@@ -1,7 +1,11 @@
 """Data pipeline throughput on this machine: tokens/s of the loader's producer (one thread,
 i.e. one core) for on-the-fly tokenize+pack+stripe and for streaming a pre-tokenised corpus.
 
-    python -m bench.data_throughput [--seq 8192] [--batches 40]
+    python -m bench.data_throughput [--seq 8192] [--batches 40] [--gcs]
+
+`--gcs` also streams the pre-tokenised corpus from a bucket on a local GCS server
+(bench.gcs_server: an emulator on this machine, so the row measures the ranged requests'
+client path and round trips, not a real bucket's latency).
 
 Uses the bundled demo corpus (text) and conversations (ShareGPT), the real `HostBatches`
 (sources, mixture, packer, host striping for sp=4, global arrays on 8 simulated devices).
@@ -17,7 +21,9 @@ import tempfile
 import time
 
 from bench import ROOT
+from bench.gcs_server import GcsServer
 from bench.report import emit_table
+from lclm import storage
 from lclm.cli import run_cli
 from lclm.files import check_output
 
@@ -27,6 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--batches", type=int, default=40)
+    ap.add_argument("--gcs", action="store_true",
+                    help="also read the pre-tokenised corpus from a bucket on a local GCS server")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     return run_cli(lambda: _run(args))
@@ -35,6 +43,16 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     if args.out:  # before the measuring, not after it (the table is written last)
         check_output("--out", args.out, folder=False)
+    # started before JAX's threads exist (the server process is forked)
+    server = GcsServer() if args.gcs else None
+    try:
+        return _measure_and_report(args, server)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _measure_and_report(args, server: GcsServer | None) -> int:
     from lclm.parallel.devices import request_cpu_devices
     request_cpu_devices(8)
     import jax
@@ -47,8 +65,11 @@ def _run(args) -> int:
     tok = Tokenizer(tokenizer_path)
     mesh = make_mesh(fsdp=2, sp=4)
     # the prepared copies live only as long as the measurement (nothing left in /tmp)
+    if server is not None:
+        os.environ.update(server.env)
     with tempfile.TemporaryDirectory() as tmp:
-        rows, prepare_s = _measure(args, demo, tokenizer_path, tok, mesh, tmp)
+        bucket = server.bucket() if server is not None else None
+        rows, prepare_s = _measure(args, demo, tokenizer_path, tok, mesh, tmp, bucket)
     emit_table(
         "Data pipeline throughput (producer thread = 1 core)",
         [f"device: host CPU ({os.cpu_count()} cores); jax {jax.__version__}; "
@@ -60,8 +81,9 @@ def _run(args) -> int:
     return 0
 
 
-def _measure(args, demo, tokenizer_path, tok, mesh, tmp):
-    """(table rows, seconds to pre-tokenise) of both cases, prepared copies under `tmp`."""
+def _measure(args, demo, tokenizer_path, tok, mesh, tmp, bucket):
+    """(table rows, seconds to pre-tokenise locally) of each case, prepared copies under
+    `tmp` (and uploaded to `bucket`, a gs:// URL, where one is given)."""
     from lclm.config import load_config
     from lclm.data.loader import HostBatches
     from lclm.data.prepare import prepare
@@ -77,6 +99,11 @@ def _measure(args, demo, tokenizer_path, tok, mesh, tmp):
         "pre-tokenised memmap (same mixture)":
             f"tokenized:{tmp}/text@0.8,tokenized:{tmp}/chat@0.2",
     }
+    if bucket is not None:
+        for name in ("text", "chat"):
+            storage.upload(os.path.join(tmp, name), f"{bucket}/{name}")
+        cases["pre-tokenised, ranged reads from a local GCS server (same mixture)"] = (
+            f"tokenized:{bucket}/text@0.8,tokenized:{bucket}/chat@0.2")
     rows = []
     for name, path in cases.items():
         config = load_config(os.path.join(ROOT, "configs", "demo.py"))

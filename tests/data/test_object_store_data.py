@@ -120,19 +120,19 @@ def test_prepared_data_is_read_with_ranged_requests(gcs, tok, tmp_path, monkeypa
     prepare_cli("--input", str(corpus), "--tokenizer", DEMO_TOKENIZER, "--out", out)
     docs = TokenizedDocuments(out)
     fs, fetched = docs.tokens.fs, []
-    cat_file = fs.cat_file
+    cat_ranges = fs.cat_ranges
 
-    def counted(path, start=None, end=None, **kwargs):
-        data = cat_file(path, start=start, end=end, **kwargs)
-        fetched.append((path.rsplit("/", 1)[-1], len(data)))
+    def counted(paths, starts, ends, **kwargs):
+        data = cat_ranges(paths, starts, ends, **kwargs)
+        fetched.append([(p.rsplit("/", 1)[-1], len(d)) for p, d in zip(paths, data)])
         return data
 
-    monkeypatch.setattr(fs, "cat_file", counted)
+    monkeypatch.setattr(fs, "cat_ranges", counted)
     tokens, loss = docs[7]
     assert (tokens.tolist(), loss.tolist()) == documents(open_documents("text", str(corpus),
                                                                         tok))[7]
-    # only document 7's bytes: a fortieth of the token file
-    assert fetched == [("tokens.bin", 4 * len(tokens)), ("loss.bin", len(tokens))]
+    # only document 7's bytes (a fortieth of the token file), both arrays in one round trip
+    assert fetched == [[("tokens.bin", 4 * len(tokens)), ("loss.bin", len(tokens))]]
 
 
 def _batches(data_path: str, n: int) -> list:
