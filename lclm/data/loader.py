@@ -24,7 +24,6 @@ import queue
 import re
 import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -33,7 +32,7 @@ from jax.sharding import NamedSharding
 from lclm import storage
 from lclm.config.model import AttentionConfig
 from lclm.data.packing import ROW_KEYS, Packer
-from lclm.data.sources import DataError, SourceStats, TokenizedDocuments, open_documents
+from lclm.data.sources import DataError, SourceStats, open_documents
 from lclm.data.stream import DocumentStream, EpochOrders, Mixture
 from lclm.errors import ConfigError
 from lclm.ops.layout import batch_to_layout
@@ -179,12 +178,6 @@ class HostBatches:
         self.slots = {r: _Slot(sources, weights, config.seed, r, d.batch_size, d.seq_len,
                                d.reset_positions)
                       for r in range(self.rows.start, self.rows.stop)}
-        # every source prepared data in a bucket: a slot's ranged requests wait on the network,
-        # not on this core, so the slots of a host batch read at once (each slot reads its own
-        # documents in its own order: the batch is the same whatever the threads' timing)
-        remote = all(isinstance(docs, TokenizedDocuments) and docs.remote for docs, _ in sources)
-        self._readers = (ThreadPoolExecutor(len(self.slots), thread_name_prefix="lclm-data")
-                         if remote and len(self.slots) > 1 else None)
         self.batches = 0
         if state is not None:
             self.restore(state)
@@ -219,9 +212,7 @@ class HostBatches:
 
     def next_host_batch(self) -> dict[str, np.ndarray]:
         """The next block of this process, in layout order (synchronous; no device arrays)."""
-        order = range(self.rows.start, self.rows.stop)
-        rows = ([self.slots[r].next_row() for r in order] if self._readers is None
-                else list(self._readers.map(lambda r: self.slots[r].next_row(), order)))
+        rows = [self.slots[r].next_row() for r in range(self.rows.start, self.rows.stop)]
         batch = {k: np.stack([r[k] for r in rows]) for k in ROW_KEYS}
         batch = batch_to_layout(batch, self.layout, self.shards)
         self.batches += 1
@@ -267,5 +258,3 @@ class HostBatches:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._readers is not None:
-            self._readers.shutdown(wait=False)

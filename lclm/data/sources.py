@@ -598,11 +598,6 @@ class TokenizedDocuments:
     def vocab_size(self) -> int:
         return self.meta["vocab_size"]
 
-    @property
-    def remote(self) -> bool:
-        """Read from object storage (ranged requests), not memory-mapped."""
-        return isinstance(self.tokens, RangedArray)
-
     def __len__(self) -> int:
         return len(self.offsets) - 1
 

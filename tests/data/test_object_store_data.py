@@ -135,16 +135,12 @@ def test_prepared_data_is_read_with_ranged_requests(gcs, tok, tmp_path, monkeypa
     assert fetched == [[("tokens.bin", 4 * len(tokens)), ("loss.bin", len(tokens))]]
 
 
-def _batches(data_path: str, n: int, concurrent: bool = False) -> list:
-    """`n` host batches of `data_path`; `concurrent`: whether the slots read at once."""
+def _batches(data_path: str, n: int) -> list:
     config = load_config(DEMO_CONFIG)
     config.data.update(path=data_path, seq_len=32, batch_size=4)
     check_data(config)   # every source found (a prefix, a glob: looked up in the bucket)
     loader = HostBatches(config, make_mesh(fsdp=2, sp=2), Tokenizer(DEMO_TOKENIZER), prefetch=0)
-    assert (loader._readers is not None) == concurrent
-    batches = [loader.next_host_batch() for _ in range(n)]
-    loader.close()
-    return batches
+    return [loader.next_host_batch() for _ in range(n)]
 
 
 def test_a_mixture_on_gcs_gives_the_batches_of_the_local_files(gcs, corpus, tmp_path):
@@ -155,12 +151,6 @@ def test_a_mixture_on_gcs_gives_the_batches_of_the_local_files(gcs, corpus, tmp_
     mixture = "tokenized:{}@0.4,{}@0.6"
     local = _batches(mixture.format(tmp_path / "prepared", corpus / "*.jsonl"), 3)
     from_bucket = _batches(mixture.format(prepared, storage.join(remote, "*.jsonl")), 3)
-    for a, b in zip(local, from_bucket):
-        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-    # prepared data alone: the slots of a host batch read concurrently, the batches the same
-    twice = "tokenized:{0}@0.5,tokenized:{0}@0.5"
-    local = _batches(twice.format(tmp_path / "prepared"), 4)
-    from_bucket = _batches(twice.format(prepared), 4, concurrent=True)
     for a, b in zip(local, from_bucket):
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
