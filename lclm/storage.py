@@ -266,16 +266,23 @@ class Version:
 
 
 def stat(path: str) -> tuple[bytes, Version] | None:
-    """An object's contents and version, or None if there is no such object."""
+    """An object's contents and version, or None if there is no such object. The contents
+    are read at the version looked up: an object replaced in between is looked up again
+    (not reported missing)."""
     fs, p = filesystem(path)
-    fs.invalidate_cache(p)
-    try:
-        info = fs.info(p)
-        data = fs.cat_file(p, **({"generation": info["generation"]}
-                                 if scheme(path) == "gs" else {}))
-    except FileNotFoundError:
-        return None
-    return data, _version(scheme(path), info)
+    for _ in range(5):
+        fs.invalidate_cache(p)
+        try:
+            info = fs.info(p)
+        except FileNotFoundError:
+            return None
+        try:
+            data = fs.cat_file(p, **({"generation": info["generation"]}
+                                     if scheme(path) == "gs" else {}))
+        except FileNotFoundError:   # replaced (or removed) since `info`: look again
+            continue
+        return data, _version(scheme(path), info)
+    return None
 
 
 def _version(s: str | None, info: dict) -> Version:
