@@ -8,7 +8,6 @@ import dataclasses
 import json
 import logging
 import math
-import shutil
 import signal
 import threading
 import time
@@ -125,10 +124,7 @@ def _trained(workdir: str) -> bool:
 
 def _remove_workdir(workdir: str) -> None:
     try:
-        if storage.is_remote(workdir):
-            storage.remove_tree(workdir)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+        storage.remove_tree(workdir)
     except Exception as e:  # noqa: BLE001  (the run's own error is the one to report)
         log.warning("could not remove the new workdir %s (%s)", workdir, e)
 

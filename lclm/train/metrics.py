@@ -55,14 +55,10 @@ def truncate_metrics(path: str, last_step: int) -> int:
     later = unreadable = 0
     with open(path, "rb") as f:   # bytes: a damaged line must not stop the reading
         for line in f:
-            try:
-                record = json.loads(line.decode("utf-8"))
-                step = int(record["step"])
-            # UnicodeDecodeError is a ValueError; an infinite step an OverflowError
-            except (ValueError, KeyError, IndexError, TypeError, OverflowError, RecursionError):
+            step = _step_of(line)
+            if step is None:
                 unreadable += 1
-                continue
-            if step > last_step:
+            elif step > last_step:
                 later += 1
             else:
                 kept.append(line if line.endswith(b"\n") else line + b"\n")
@@ -105,8 +101,8 @@ def truncate_metric_parts(directory: str, last_step: int) -> int:
     if before:
         path = storage.join(directory, before[-1])
         lines = storage.read_bytes(path).splitlines(keepends=True)
-        kept = [line for line in lines if _step_of(line) is not None
-                and _step_of(line) <= last_step]   # type: ignore[operator]
+        kept = [line for line in lines
+                if (step := _step_of(line)) is not None and step <= last_step]
         if len(kept) < len(lines):
             dropped += len(lines) - len(kept)
             storage.write_bytes(path, b"".join(kept))
@@ -114,8 +110,10 @@ def truncate_metric_parts(directory: str, last_step: int) -> int:
 
 
 def _step_of(line: bytes) -> int | None:
+    """A metrics line's step; None for a line that cannot be read (any bytes)."""
     try:
         return int(json.loads(line.decode("utf-8"))["step"])
+    # UnicodeDecodeError is a ValueError; an infinite step an OverflowError
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, RecursionError):
         return None
 
