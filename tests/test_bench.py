@@ -282,6 +282,9 @@ def test_every_suite_names_existing_configs_and_kernels():
     assert [(os.path.basename(run.config), run.seqs) for run in quick.train.models] == [
         ("llama1b.py", (8192, 32768))]
     assert quick.attention.masks == ("causal",) and quick.attention.blocks == (8192, 32768)
+    lease = suite.SUITES["gpu-lease"]  # one 10-minute command: the parts' kills sum under it
+    assert sum(lease.timeout(part) for part in lease.defaults()) <= 540
+    assert all(getattr(lease, p).budget_s < lease.timeout(p) for p in lease.defaults())
 
 
 # -- results survive a kill, plots are best-effort, GPU suites need a GPU, a fair baseline --
