@@ -14,13 +14,12 @@ import subprocess
 import sys
 
 from bench import ROOT
+from bench.report import oom_status
 
 PREFIX = "BENCH_RECORD "
 _PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 # the user's own setting, before `launcher_process` changes it for this process
 _USER_PREALLOCATE = os.environ.get(_PREALLOCATE)
-# Out-of-memory messages of XLA (CPU/GPU/TPU) and of the operating system.
-_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError")
 
 
 def emit_record(record: dict) -> None:
@@ -55,8 +54,9 @@ def run_child(module: str, argv: list[str], timeout: float,
 
     Records are read as the child prints them: `on_record(record)` is called for each one the
     moment it arrives (so the parent can write it down before the child ends, or is killed).
-    status is 'ok' (exit 0), 'OOM' (an out-of-memory message, or SIGKILL: how the kernel's OOM
-    killer ends a process), 'timeout' (killed after `timeout` seconds), or
+    status is 'ok' (exit 0), 'OOM: <the message's line>' (an out-of-memory message, or
+    SIGKILL: how the kernel's OOM killer ends a process), 'timeout' (killed after `timeout`
+    seconds), or
     'failed: <last error line>'.
     """
     import tempfile
@@ -98,7 +98,10 @@ def run_child(module: str, argv: list[str], timeout: float,
     if returncode == 0:
         return records, "ok"
     text = "".join(output) + stderr
-    if returncode == -9 or any(m in text for m in _OOM_MARKERS):
-        return records, "OOM"
+    if returncode == -9:  # how the kernel's OOM killer ends a process
+        return records, "OOM: killed by SIGKILL (host memory?)"
+    oom = oom_status(text)
+    if oom:
+        return records, oom
     last = [line for line in stderr.strip().splitlines() if line.strip()][-1:] or ["?"]
     return records, f"failed: {last[0][:120]}"

@@ -141,10 +141,27 @@ def fmt(x, spec: str = ",.1f", scale: float = 1.0, missing: str = "-") -> str:
     return missing if x is None else format(x * scale, spec)
 
 
+# Out-of-memory messages of XLA (CPU/GPU/TPU) and of the operating system.
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError")
+
+
+def oom_status(text: str) -> str | None:
+    """'OOM: <the first line that says so>' (which memory, how many bytes: XLA's message
+    names them) when `text` reports running out of memory, else None."""
+    for line in text.splitlines():
+        if any(m in line for m in OOM_MARKERS):
+            return f"OOM: {line.strip()[:160]}".replace("|", "/")
+    return None
+
+
 def error_status(e: Exception) -> str:
-    """A table cell for a failed measurement: 'OOM', or the error's type and first line."""
+    """A table cell for a failed measurement: 'OOM: <its line>', or the error's type and
+    first line."""
     text = str(e)
-    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
-        return "OOM"
+    oom = oom_status(text)
+    if oom:
+        return oom
     first = text.strip().splitlines()[:1] or [""]
     return f"failed: {type(e).__name__}: {first[0][:100]}".replace("|", "/")
+
+

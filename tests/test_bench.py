@@ -362,6 +362,22 @@ def test_a_child_process_hands_over_each_record_as_it_prints_it(tmp_path, monkey
     assert (status, records) == ("timeout", [{"n": 1}])
 
 
+def test_an_out_of_memory_child_says_which_memory(tmp_path, monkeypatch):
+    """A row that ran out of memory keeps the line that says which memory and how much (a
+    512K step on the H200 came back as a bare 'OOM' and could not be told apart)."""
+    from bench.isolate import run_child
+
+    message = ("jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
+               "trying to allocate 68719476736 bytes.")
+    (tmp_path / "bench_oom_probe.py").write_text(
+        f"import os, sys\nprint('BufferAssignment ...')\nprint({message!r}, file=sys.stderr)\n"
+        "if sys.argv[1] == 'kill':\n    os.kill(os.getpid(), 9)\nsys.exit(1)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert run_child("bench_oom_probe", ["exit"], 60) == ([], f"OOM: {message}")
+    assert run_child("bench_oom_probe", ["kill"], 60) == (
+        [], "OOM: killed by SIGKILL (host memory?)")
+
+
 def test_a_failed_plot_keeps_the_table(tmp_path, monkeypatch, caplog):
     from bench import plots
 
