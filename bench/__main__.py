@@ -2,6 +2,7 @@
 
     python -m bench --suite gpu-quick [--out DIR] [--parts correctness,attention,train]
     python -m bench --suite gpu-quick --compile-only [h100:1]   # no GPU: compile, run nothing
+    python -m bench --suite gpu-lease --out DIR    # gpu-quick cut to one 10-minute command
     python -m bench --suite gpu [--out DIR] [--parts attention,striped,...]
     python -m bench --suite cpu [--smallest]
 

@@ -92,7 +92,7 @@ def attention_programs(spec, device) -> Iterator[Program]:
 
 def train_programs(spec, devices) -> Iterator[Program]:
     """The train part's programs: per model and length the baseline's remat variants, then
-    lclm's step with each kernel of the spec."""
+    lclm's step with each kernel and remat policy of the spec."""
     from bench import repo_path
     from bench.baseline import REMATS
     from bench.train_step import compile_row, row_config
@@ -100,11 +100,13 @@ def train_programs(spec, devices) -> Iterator[Program]:
     for run, impl in itertools.product(spec.models, (None, *spec.impls)):
         if impl is None and not spec.baseline:
             continue
-        for seq in run.seqs:
-            config = row_config(repo_path(run.config), run.overrides, seq, None, impl)
+        for seq, variant in itertools.product(run.seqs, (None,) if impl is None else spec.remats):
+            overrides = (*run.overrides, *([f"--config.model.remat={variant}"] if variant else []))
+            config = row_config(repo_path(run.config), overrides, seq, None, impl)
             name = f"{os.path.basename(run.config)}, {seq:,} tokens"
             for remat in REMATS if impl is None else (None,):
-                label = f"baseline ({remat} remat)" if impl is None else f"lclm ({impl})"
+                label = (f"baseline ({remat} remat)" if impl is None else
+                         f"lclm ({impl}{f', {variant} remat' if variant else ''})")
                 yield ("train", f"{label}: {name}",
                        lambda config=config, remat=remat:
                        compile_row(config, devices=devices, baseline=remat)[1])

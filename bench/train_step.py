@@ -58,16 +58,20 @@ class TrainSpec:
     isolate: bool = True
     timeout: float = 1800.0  # per child process (one row; the baseline's three remat variants)
     budget_s: float | None = None  # stop starting rows after this many seconds
+    # lclm's rows per remat policy (None: the config's), as the baseline is timed per policy
+    remats: tuple[str | None, ...] = (None,)
 
     def quick(self) -> TrainSpec:
         """The first model at 8K and 32K tokens, the kernel `auto` picks against the
         baseline: per length one child for the baseline's three remat variants (3 compiles)
-        and one for lclm (1 compile), 3 timed steps after 1 warm-up, within a 400 s budget
-        (a child started near its end gets a minute past it)."""
+        and one for lclm with the config's remat and one with none (1 compile each), 3 timed
+        steps after 1 warm-up, within a 400 s budget (a child started near its end gets a
+        minute past it)."""
         first = self.models[0]
         return dataclasses.replace(self, models=(dataclasses.replace(first, seqs=(8192, 32768)),),
                                    impls=("auto",), baseline=True, steps=3, warmup=1,
-                                   isolate=True, timeout=300.0, budget_s=400.0)
+                                   isolate=True, timeout=300.0, budget_s=400.0,
+                                   remats=(None, "none"))
 
     def smallest(self) -> TrainSpec:
         first = self.models[0]
@@ -362,8 +366,10 @@ def collect(spec: TrainSpec, impls, layouts=(None,), on_record=None) -> list[dic
 
     on_record = on_record or (lambda r: None)
     budget = Budget(spec.budget_s)
-    kernels = [(BASELINE, None)] if spec.baseline else []  # the baseline has no layout
-    kernels += [(impl, layout) for impl in impls for layout in layouts]
+    # (kernel, layout, remat); the baseline has no layout and times its own remat variants
+    kernels = [(BASELINE, None, None)] if spec.baseline else []
+    kernels += [(impl, layout, remat) for impl in impls for layout in layouts
+                for remat in spec.remats]
     rows = []
 
     def add(record):
@@ -373,15 +379,17 @@ def collect(spec: TrainSpec, impls, layouts=(None,), on_record=None) -> list[dic
     for run in spec.models:
         model = os.path.basename(run.config)
         for seq in run.seqs:
-            for impl, layout in kernels:
+            for impl, layout, remat in kernels:
                 if budget.spent():
-                    for remat in row_remats(impl):
+                    for variant in row_remats(impl):
                         add(dict(model=model, seq=seq, impl=impl or "", layout=layout or "",
-                                 remat=remat or "", status=budget.skipped()))
+                                 remat=variant or remat or "", status=budget.skipped()))
                     continue
                 # a row started near the end of the budget gets at most a minute past it
                 timeout = min(spec.timeout, budget.left() + BUDGET_GRACE_S)
-                records = run_row(run, seq, layout, impl, steps=spec.steps, warmup=spec.warmup,
+                row = run if remat is None else dataclasses.replace(
+                    run, overrides=(*run.overrides, f"--config.model.remat={remat}"))
+                records = run_row(row, seq, layout, impl, steps=spec.steps, warmup=spec.warmup,
                                   isolate=spec.isolate, timeout=timeout, on_record=add)
                 if impl == BASELINE:
                     add(baseline_choice(records, model, seq))

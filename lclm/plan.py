@@ -137,8 +137,9 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     # measured, not derived: with every layer's residuals on the device XLA's peak holds both
     # working sets, with them offloaded it holds the larger (XLA:TPU, 7B stages on a v4-64)
     inside = max(layer, loss) if m.remat == "offload" else layer + loss
-    if per_layer_saved is None:  # no remat: everything of every layer is kept
-        per_layer_saved = carry * 4 + inside
+    if per_layer_saved is None:  # no remat: everything of every layer is kept, and the
+        # feed-forward keeps its chunks' gate and up projections (lclm.ops.ffn save_hidden)
+        per_layer_saved = carry * 4 + inside + 2 * batch_local * t * (m.ffn_dim // tp) * cbytes
     elif m.remat not in ("full", "attention", "offload"):
         per_layer_saved = carry * 4
     if m.dtype != m.param_dtype and (platform != "gpu" or _GPU["weight_cast"]):

@@ -186,10 +186,11 @@ def layer_with_kv(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_
     h = rms_norm(x, p["ffn_norm"], c.norm_eps)
     n_shards = 1 if mesh is None else mesh.shape["sp"]
     # the stored (float32) weights, cast inside the op: their gradients are summed over the
-    # chunks in float32
+    # chunks in float32. remat='none' asks for no recomputation: the chunks' projections are
+    # kept for the backward
     x = x + blockwise_ffn(h, params["w_gate"], params["w_up"], params["w_down"],
                           chunk=c.ffn_chunk, n_shards=n_shards, constrain=constrain,
-                          dtype=jnp.dtype(c.dtype))
+                          dtype=jnp.dtype(c.dtype), save_hidden=c.remat == "none")
     return constrain(x, ("batch", "seq", "act_embed")), k, v
 
 
