@@ -32,8 +32,7 @@ import time
 from bench import int_list, repo_path
 from bench.isolate import emit_record, run_child
 from bench.report import MFU_NOTE, Table, error_status, fmt, stamp, try_plot
-
-MESH_AXES = ("dp", "fsdp", "tp", "sp")
+from lclm.config import MESH_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +141,8 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
     """
     import jax
 
-    from lclm.train.metrics import flops_per_token, peak_flops
+    from lclm.hardware import peak_flops
+    from lclm.train.metrics import flops_per_token
 
     record, compiled, (model, sizes, state, batch) = compile_row(
         config, model_patch=model_patch, baseline=baseline)

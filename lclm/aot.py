@@ -40,6 +40,7 @@ from lclm import tpu_attached
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.loader import batch_sharding
 from lclm.errors import ConfigError
+from lclm.hardware import BY_NAME, GPUS, TPUS, planner_device
 from lclm.ops.kernels import compiling_for
 from lclm.parallel.mesh import make_mesh
 from lclm.train.setup import validate
@@ -47,17 +48,6 @@ from lclm.train.state import init_state, state_shardings
 from lclm.train.step import jit_train_step, make_optimizer
 
 # generation -> (TensorCores per chip, chip config, torus dimensions, HBM GiB per device)
-GENERATIONS = {
-    "v4": (2, "megacore", 3, 32),
-    "v5p": (2, "megacore", 3, 95),
-    "v5e": (1, None, 2, 16),
-    "v6e": (1, None, 2, 32),
-}
-
-
-# GPU model -> (the file in lclm/targets/ describing it, the planner's device name)
-GPUS = {"h100": ("h100.txtpb", "h100-nvlink"), "h200": ("h200.txtpb", "h200-nvlink"),
-        "a100": ("a100.txtpb", "a100-nvlink")}
 KNOWN = ("v4-N, v5p-N (TensorCores), v5e-N, v6e-N (chips); h100:N (N GPUs on one node), "
          "h100:MxN (M nodes of N), h200:..., a100:... (80 GB)")
 
@@ -79,17 +69,16 @@ class Target:
 
     @property
     def planner_device(self) -> str | None:
-        """The device of `lclm.plan.DEVICES` this target is (None: the planner has none)."""
-        if self.platform == "gpu":
-            return GPUS[self.generation][1]
-        return f"tpu-{self.generation}"
+        """The planner's name of this target's device (`lclm.hardware.planner_device`; it
+        may have no link figures, and then the planner has no entry for it)."""
+        return planner_device(BY_NAME[self.generation])
 
 
 def target(name: str) -> Target:
     """A TPU slice (`v4-64`) or GPU topology (`h100:4x8`); anything else is a one-line
     ConfigError listing the known names."""
     key = name.strip().lower()
-    if key.split("-")[0] in GENERATIONS:
+    if key.split("-")[0] in TPUS:
         return tpu_target(key)
     m = re.fullmatch(r"(\w+):(?:(\d+)x)?(\d+)", key)
     if not m or m.group(1) not in GPUS:
@@ -98,21 +87,24 @@ def target(name: str) -> Target:
     if nodes < 1 or per_node < 1:
         raise ConfigError(f"--compile {name!r}: at least one node of one GPU; name one of: "
                           f"{KNOWN}")
-    text = (importlib.resources.files("lclm") / "targets" / GPUS[model][0]).read_text()
+    description = GPUS[model].gpu_target
+    assert description, model  # every GPU of the table names its file (tests/test_gpu_aot.py)
+    text = (importlib.resources.files("lclm") / "targets" / description).read_text()
     found = re.search(r"device_memory_size:\s*(\d+)", text)
-    assert found, GPUS[model][0]  # every shipped description has it (tests/test_gpu_aot.py)
+    assert found, description  # every shipped description has it
     return Target(name.strip(), model, f"1x{nodes}x{per_node}", None, nodes * per_node,
                   int(found.group(1)), platform="gpu", nodes=nodes, config_text=text)
 
 
 def tpu_target(name: str) -> Target:
     """`v4-64` -> Target('v4-64', 'v4:2x4x4', 'megacore', 32 devices, 32 GiB each)."""
-    m = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name.strip().lower())
+    m = re.fullmatch(rf"({'|'.join(TPUS)})-(\d+)", name.strip().lower())
     if not m:
         raise ConfigError(f"--compile {name!r}: name a TPU slice as <generation>-<size>, e.g. "
-                          f"v4-64, v5e-16, v5p-128, v6e-32 (generations {sorted(GENERATIONS)})")
+                          f"v4-64, v5e-16, v5p-128, v6e-32 (generations {sorted(TPUS)})")
     generation, size = m.group(1), int(m.group(2))
-    cores, chip_config, ndim, hbm_gib = GENERATIONS[generation]
+    chip = TPUS[generation]
+    cores, chip_config, ndim = chip.tpu_cores, chip.tpu_chip_config, chip.tpu_torus_dims
     chips = size // cores
     if size % cores or chips < 1 or chips & (chips - 1):
         raise ConfigError(f"--compile {name!r}: {generation} slices have a power-of-two number "
@@ -123,7 +115,7 @@ def tpu_target(name: str) -> Target:
     dims = sorted(d for d in dims if d > 1) + [1] * dims.count(1)
     host = tuple(dims + [1] * (3 - ndim)) if chips < 4 else None
     return Target(name, generation, f"{generation}:{'x'.join(map(str, dims))}", chip_config, chips,
-                  hbm_gib * 2**30, host)
+                  int(chip.hbm_gib * 2**30), host)
 
 
 def target_devices(target: Target):

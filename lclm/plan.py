@@ -36,18 +36,15 @@ from lclm.cli import parse_cli, run_cli
 from lclm.config import LlamaConfig, mesh_device_count
 from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError, StartupError
+from lclm.hardware import planner_devices
 from lclm.models.llama import is_param_entry, param_table
 from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
 from lclm.train.setup import attention_kernel, validate
 
 # name -> (bf16 FLOP/s, one-way link GB/s, memory GiB)
-DEVICES = {
-    "a100-nvlink": (312e12, 300, 80), "a100-ib": (312e12, 12.5, 80),
-    "h100-nvlink": (989e12, 450, 80), "h100-ib": (989e12, 50, 80),
-    "h200-nvlink": (989e12, 450, 141),
-    "tpu-v4": (275e12, 268, 32), "tpu-v5e": (197e12, 186, 16), "tpu-v5p": (459e12, 600, 95),
-}
+# planner device name -> (peak FLOP/s, one-way link GB/s, HBM GiB): lclm.hardware's table
+DEVICES = planner_devices()
 _BYTES = {"float32": 4, "bfloat16": 2}
 _BACKWARD_F32 = 3  # float32 arrays the size of q (and of k) live in the attention backward
 # What XLA:GPU holds differently from XLA:TPU for the same step, fitted to lclm.aot's compiles

@@ -15,7 +15,7 @@ import pytest
 from jax._src import xla_bridge
 from support import DEMO_CONFIG, ROOT
 
-from lclm import aot
+from lclm import aot, hardware
 from lclm.config import load_config
 from lclm.errors import ConfigError
 from lclm.ops.kernels import choose_kernel, compiling_for, target_device, tokamax_gpu
@@ -62,7 +62,7 @@ def test_unknown_targets_are_one_line_listing_the_known(name):
     assert "\n" not in text and "h100:MxN" in text and "v4-N" in text
 
 
-@pytest.mark.parametrize("model", sorted(aot.GPUS))
+@pytest.mark.parametrize("model", sorted(hardware.GPUS))
 def test_shipped_gpu_descriptions_name_their_sources(model):
     text = aot.target(f"{model}:1").config_text
     for field in ("core_count", "shared_memory_per_block_optin", "device_memory_size",

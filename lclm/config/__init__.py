@@ -6,7 +6,13 @@ defaults, names, single-field checks), `model` (LlamaConfig, AttentionConfig), `
 
 from lclm.config.files import load_config
 from lclm.config.model import AttentionConfig, LlamaConfig
-from lclm.config.schema import MODEL_PRESETS, apply_preset, base_config, mesh_device_count
+from lclm.config.schema import (
+    MESH_AXES,
+    MODEL_PRESETS,
+    apply_preset,
+    base_config,
+    mesh_device_count,
+)
 
-__all__ = ["AttentionConfig", "LlamaConfig", "MODEL_PRESETS", "apply_preset", "base_config",
-           "load_config", "mesh_device_count"]
+__all__ = ["AttentionConfig", "LlamaConfig", "MESH_AXES", "MODEL_PRESETS", "apply_preset",
+           "base_config", "load_config", "mesh_device_count"]

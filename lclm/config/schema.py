@@ -20,6 +20,8 @@ from lclm.config.model import AttentionConfig, LlamaConfig
 from lclm.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16")
+# the device mesh's axes, outermost first (lclm.parallel.mesh builds the mesh in this order)
+MESH_AXES = ("dp", "fsdp", "tp", "sp")
 REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch")
 ROPE_SCALINGS = ("auto", "none", "linear", "llama3")  # llama.ROPE_SCALINGS and "auto"
 # the one list of each: lclm.ops.layout and lclm.ops.context_parallel import them
@@ -55,7 +57,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.workdir_lease_minutes = 10.0
     c.seed = 0
 
-    c.mesh = ml_collections.ConfigDict(dict(dp=1, fsdp=1, tp=1, sp=1))
+    c.mesh = ml_collections.ConfigDict({axis: 1 for axis in MESH_AXES})
 
     c.model = ml_collections.ConfigDict({
         **dataclasses.asdict(LlamaConfig()),
@@ -122,7 +124,7 @@ def _fail(msg: str):
 
 def mesh_device_count(config) -> int | None:
     """Devices the mesh needs, or None when one axis is -1 (= all devices)."""
-    sizes = [config.mesh[a] for a in ("dp", "fsdp", "tp", "sp")]
+    sizes = [config.mesh[a] for a in MESH_AXES]
     return None if -1 in sizes else math.prod(sizes)
 
 

@@ -17,7 +17,7 @@ import jax
 
 from lclm import hf, storage
 from lclm.checkpoint import read_config, read_params
-from lclm.config import AttentionConfig, LlamaConfig
+from lclm.config import MESH_AXES, AttentionConfig, LlamaConfig
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
 from lclm.files import check_input
@@ -28,8 +28,6 @@ from lclm.parallel.devices import request_cpu_devices
 from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
 from lclm.train.state import param_shardings
 from lclm.train.workdirs import workdir_to_read
-
-MESH_AXES = ("dp", "fsdp", "tp", "sp")
 
 
 @dataclasses.dataclass

@@ -39,10 +39,12 @@ def blockwise_ffn(x, w_gate, w_up, w_down, *, chunk: int, n_shards: int = 1,
     (recomputed) in the backward. With `save_hidden` the forward keeps every chunk's gate and
     up projections instead (compute dtype, `2 x batch x seq x ffn` values) and the backward
     skips the two matmuls that would recompute them (forward and backward: 9 matmuls per
-    chunk instead of 11): for runs with the memory to spare (`remat='none'`). `n_shards` is the number of `sp` shards of the sequence;
-    `constrain(array, logical_axes)` pins the chunked activations' sharding. With `dtype`
-    the weights are cast to it for the matmuls (pass float32 parameters: their gradients
-    stay float32 end to end); without it they are used as given.
+    chunk instead of 11): for runs with the memory to spare (`remat='none'`).
+
+    `n_shards` is the number of `sp` shards of the sequence; `constrain(array,
+    logical_axes)` pins the chunked activations' sharding. With `dtype` the weights are cast
+    to it for the matmuls (pass float32 parameters: their gradients stay float32 end to end);
+    without it they are used as given.
 
     The weight gradients are summed over the chunks in float32 (each chunk's contribution is a
     matmul with float32 output), whatever the compute dtype, and returned in the weights' own

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-AXES = ("dp", "fsdp", "tp", "sp")
+from lclm.config import MESH_AXES
 
 # Logical axis name -> mesh axes. The only place that decides what is sharded where.
 # Parameters: embedding/hidden over fsdp *and* sp (the ring's devices hold different tokens
@@ -68,14 +68,14 @@ def make_mesh(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_mesh_shape(dp, fsdp, tp, sp, len(devices))
-    shape = tuple(sizes[a] for a in AXES)
+    shape = tuple(sizes[a] for a in MESH_AXES)
     devices = devices[:math.prod(shape)]
     try:
         from jax.experimental import mesh_utils
         grid = mesh_utils.create_device_mesh(shape, devices=devices)
     except Exception:  # noqa: BLE001  (CPU / odd topologies: a plain row-major grid is right)
         grid = np.asarray(devices, dtype=object).reshape(shape)
-    return Mesh(grid, AXES)
+    return Mesh(grid, MESH_AXES)
 
 
 class AxisSizes(Protocol):

@@ -26,6 +26,7 @@ from lclm.data.sources import DataError, open_documents
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError, StartupError, TrainingHalted
 from lclm.files import write_json
+from lclm.hardware import peak_flops
 from lclm.models.llama import param_count
 from lclm.parallel.distributed import any_process, check_same_config
 from lclm.parallel.mesh import make_mesh
@@ -35,7 +36,6 @@ from lclm.train.metrics import (
     MetricsLogger,
     Progress,
     flops_per_token,
-    peak_flops,
     read_metrics,
 )
 from lclm.train.object_lock import workdir_lock

@@ -19,22 +19,6 @@ from lclm.models.llama import param_count
 
 log = logging.getLogger(__name__)
 
-# Dense bf16 peak FLOP/s per device, by `device_kind` prefix (vendor datasheets).
-PEAK_FLOPS = {
-    "NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA A100": 312e12,
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
-    "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,
-}
-
-
-def peak_flops(device_kind: str) -> float | None:
-    """Peak FLOP/s of one device, or None when unknown (CPU): MFU is then not reported."""
-    for prefix, flops in PEAK_FLOPS.items():
-        if device_kind.startswith(prefix):
-            return flops
-    return None
-
-
 def flops_per_token(c: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (non-embedding params + output projection) plus
     attention 6 x layers x seq x dim, i.e. causal attention counted as half the square."""

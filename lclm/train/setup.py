@@ -27,7 +27,7 @@ from lclm.checkpoint import (
     read_params,
 )
 from lclm.config.model import AttentionConfig, LlamaConfig
-from lclm.config.schema import check_fields
+from lclm.config.schema import MESH_AXES, check_fields
 from lclm.config.secrets import is_secret, public_config
 from lclm.config.stages import validation_lengths
 from lclm.data.chat import TEMPLATES
@@ -59,7 +59,7 @@ def validate(config, device_count: int) -> dict[str, int]:
     check_workdir(config.workdir)
     allowed_keys(config)
     try:
-        sizes = resolve_mesh_shape(**{k: config.mesh[k] for k in ("dp", "fsdp", "tp", "sp")},
+        sizes = resolve_mesh_shape(**{k: config.mesh[k] for k in MESH_AXES},
                                    device_count=device_count)
     except ValueError as e:
         _fail(f"config.mesh: {e}")

@@ -11,7 +11,7 @@ import pytest
 from support import small_train_config
 
 from lclm.checkpoint import Checkpoints
-from lclm.config import AttentionConfig, LlamaConfig
+from lclm.config import MESH_AXES, AttentionConfig, LlamaConfig
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.llama import loss_terms
@@ -30,7 +30,7 @@ def _config(workdir, **mesh):
 
 
 def _restore(config):
-    sizes = {k: config.mesh[k] for k in ("dp", "fsdp", "tp", "sp")}
+    sizes = {k: config.mesh[k] for k in MESH_AXES}
     mesh = make_mesh(**sizes)
     model = LlamaConfig.from_config(config.model)
     template = init_state(model, make_optimizer(config.train), mesh, seed=99)

@@ -15,7 +15,7 @@ import pytest
 from support import DEMO_CONFIG, DEMO_TOKENIZER, ROOT
 
 from lclm import convert, hf
-from lclm.config import AttentionConfig, LlamaConfig, load_config
+from lclm.config import MESH_AXES, AttentionConfig, LlamaConfig, load_config
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.llama import init_params, loss_terms
@@ -47,7 +47,7 @@ def _train(workdir, *overrides):
 def _first_batch_loss(params) -> float:
     """configs/demo.py's loss on its first batch with `params`, on the demo's mesh."""
     config = load_config(DEMO_CONFIG)
-    mesh = make_mesh(**{a: config.mesh[a] for a in ("dp", "fsdp", "tp", "sp")})
+    mesh = make_mesh(**{a: config.mesh[a] for a in MESH_AXES})
     loader = HostBatches(config, mesh, Tokenizer(config.data.tokenizer))
     batch = next(loader)
     loader.close()
