@@ -4,6 +4,7 @@
     python -m lclm.generate --checkpoint WORKDIR --step 2000 --prompt "..." \
         --max-new-tokens 128 --temperature 0.8 --top-p 0.95 --seed 1
     python -m lclm.generate --hf HF_DIR --prompt "..." --sp 4
+    python -m lclm.generate --checkpoint WORKDIR --chat vicuna --prompt "What is ring attention?"
 
 The model is loaded as the line-retrieval eval loads it (`lclm.eval.model`): the latest (or
 `--step`) parameters of a training workdir (a staged run's directory: its last stage with a
@@ -11,7 +12,10 @@ checkpoint, as `lclm.convert --to-hf` exports) with its saved config, tokenizer
 (`data.tokenizer` unless `--tokenizer`) and mesh (`--dp/--fsdp/--tp/--sp` override a size;
 a machine with fewer devices than the training mesh needs them), or a HuggingFace LLaMA
 directory. The prompt is tokenised as training tokenises a document (BOS first where
-the tokenizer adds one), prefilled with the run's ring attention on that mesh and decoded
+the tokenizer adds one), or with `--chat TEMPLATE` as a user turn of that chat template
+(`lclm.data.chat`, the templates ShareGPT data trains with: the template's default system
+text, then the prompt, then the assistant's prefix; the reply ends at the template's
+closing token), prefilled with the run's ring attention on that mesh and decoded
 with a KV cache (`lclm.eval.decode`): greedily with `--temperature 0` (the default), else
 drawn from the softmax at that temperature, cut to `--top-k` tokens and the `--top-p`
 nucleus, the same text for the same `--seed`.
@@ -32,7 +36,8 @@ import numpy as np
 
 from lclm import logs
 from lclm.cli import run_cli
-from lclm.errors import StartupError
+from lclm.data.chat import TEMPLATES, check_template, render_prompt, reply_end_id
+from lclm.errors import ConfigError, StartupError
 from lclm.eval.decode import Pick, generate, greedy, pad_front, padded_length, sampler
 from lclm.eval.model import Model, add_model_arguments, answer_text, load_model
 from lclm.train.resume import CONVERTED_FROM
@@ -40,10 +45,13 @@ from lclm.train.resume import CONVERTED_FROM
 log = logging.getLogger(__name__)
 
 
-def prompt_ids(tokenizer, text: str) -> list[int]:
-    """The ids of `text` as a document starts in training: BOS first where the tokenizer
-    adds one, no EOS."""
-    return [tokenizer.bos_id] * tokenizer.add_bos + tokenizer.encode(text)
+def prompt_ids(tokenizer, text: str, chat: str | None = None) -> list[int]:
+    """The ids of `text` as a document starts in training (BOS first where the tokenizer
+    adds one, no EOS), or with `chat` (a template's name) as a conversation's user turn that
+    the assistant answers next, as chat data is rendered in training."""
+    if chat is None:
+        return [tokenizer.bos_id] * tokenizer.add_bos + tokenizer.encode(text)
+    return render_prompt([("user", text)], tokenizer, TEMPLATES[chat]).tolist()
 
 
 def max_positions(model: Model, saved: dict | None) -> int:
@@ -71,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  description=__doc__.split("\n")[0])
     add_model_arguments(ap)
     ap.add_argument("--prompt", required=True, help="the text to continue")
+    ap.add_argument("--chat", choices=sorted(TEMPLATES), default=None,
+                    help="the prompt is a user turn of this chat template; the reply is printed")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded (default 64)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy (default); > 0: sample at this temperature")
@@ -111,13 +121,21 @@ def _check_fits(n_prompt: int, max_new: int, limit: int) -> None:
 def _run(args) -> None:
     _check_args(args)
     model, saved = load_model(args)
-    ids = prompt_ids(model.tokenizer, args.prompt)
+    stop = None
+    if args.chat:
+        try:
+            check_template(TEMPLATES[args.chat], model.tokenizer)
+        except (ConfigError, ValueError) as e:
+            raise StartupError(f"--chat {args.chat}: {e}") from None
+        stop = reply_end_id(TEMPLATES[args.chat], model.tokenizer)
+    ids = prompt_ids(model.tokenizer, args.prompt, args.chat)
     _check_fits(len(ids), args.max_new_tokens, max_positions(model, saved))
     pick = (greedy if args.temperature == 0 else
             sampler(args.temperature, args.top_k, args.top_p, args.seed))
     log.info("%s on mesh %s: %d prompt tokens, %d new", model.name, dict(model.mesh.shape),
              len(ids), args.max_new_tokens)
-    print(answer_text(model.tokenizer, continuation(model, ids, args.max_new_tokens, pick)))
+    print(answer_text(model.tokenizer, continuation(model, ids, args.max_new_tokens, pick),
+                      stop))
 
 
 def main(argv=None) -> int:

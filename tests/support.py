@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 
 from lclm.config import load_config
+from lclm.data.packing import Packer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, "configs", "demo.py")
@@ -62,3 +63,13 @@ def damage_checkpoint(step_dir, kind):
 
 DAMAGE = ["emptied step dir", "truncated chunks", "random chunks", "garbage _METADATA",
           "deleted manifest.ocdbt"]
+
+
+def pack_documents(docs, seq_len: int, reset_positions: bool = True):
+    """Rows from an iterable of `(tokens, loss)` documents, packed as the loader packs them
+    (`lclm.data.packing.Packer`)."""
+    packer = Packer(seq_len, reset_positions)
+    for tokens, loss in docs:
+        packer.add(tokens, loss)
+        while (row := packer.pop_row()) is not None:
+            yield row

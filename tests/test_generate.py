@@ -134,3 +134,24 @@ def test_a_model_on_an_unknown_scheme_is_one_line(tmp_path, monkeypatch, capsys,
     assert err == (f"error: {flag} 'hdfs://bucket/model' uses hdfs://, which lclm does not "
                    "read or write; use gs://, s3:// or a local or mounted path\n")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_chat_prompt_is_a_user_turn_of_the_template(run, capsys):
+    """--chat renders the prompt as training renders a chat (lclm.data.chat): the template's
+    system text, the user turn, the assistant prefix; the printed reply is the greedy
+    continuation of exactly those ids. A template whose special tokens the tokenizer lacks is
+    one line."""
+    from lclm.data.chat import TEMPLATES, render_prompt
+
+    workdir, params = run
+    argv = ["--checkpoint", workdir, "--prompt", PROMPT, "--max-new-tokens", str(NEW)]
+    assert generate.main([*argv, "--chat", "vicuna"]) == 0
+    model = load(workdir)
+    ids = generate.prompt_ids(model.tokenizer, PROMPT, "vicuna")
+    assert ids == render_prompt([("user", PROMPT)], model.tokenizer, TEMPLATES["vicuna"]).tolist()
+    assert len(ids) > len(generate.prompt_ids(model.tokenizer, PROMPT)) + 10  # system + roles
+    assert capsys.readouterr().out == answer_text(
+        model.tokenizer, reference_greedy(params, ids, NEW)) + "\n"
+    assert generate.main([*argv, "--chat", "llama3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --chat llama3: ") and err.count("\n") == 1, err

@@ -212,12 +212,7 @@ def _tokenize(parts, tokenizer) -> tuple[np.ndarray, np.ndarray]:
     for piece, flag in parts:
         if isinstance(piece, Special):
             flush()
-            if piece.token == "bos":
-                i = tokenizer.bos_id if tokenizer.add_bos else None
-            elif piece.token == "eos":
-                i = tokenizer.eos_id
-            else:
-                i = tokenizer.special_id(piece.token)
+            i = _special_id(piece, tokenizer)
             if i is not None:
                 ids.append(i)
                 flags.append(flag)
@@ -230,6 +225,22 @@ def _tokenize(parts, tokenizer) -> tuple[np.ndarray, np.ndarray]:
             n += len(piece)
     flush()
     return np.asarray(ids, np.int32), np.asarray(flags, np.uint8)
+
+
+def _special_id(piece: Special, tokenizer) -> int | None:
+    """The id a template's special token stands for (None: a BOS the tokenizer omits)."""
+    if piece.token == "bos":
+        return tokenizer.bos_id if tokenizer.add_bos else None
+    if piece.token == "eos":
+        return tokenizer.eos_id
+    return tokenizer.special_id(piece.token)
+
+
+def reply_end_id(template: ChatTemplate, tokenizer) -> int | None:
+    """The id that closes a reply (EOS, or LLaMA-3's <|eot_id|>): where a generated reply
+    ends. None where the template closes replies with no special token."""
+    ends = [p for p in _parse(template.assistant_format) if isinstance(p, Special)]
+    return _special_id(ends[-1], tokenizer) if ends else None
 
 
 def render(turns, tokenizer, template: ChatTemplate) -> tuple[np.ndarray, np.ndarray]:

@@ -107,12 +107,3 @@ class Packer:
                                 f"document that now has {self._lengths[0]}; did the data "
                                 "(data.path, its files or the tokenizer) change?")
             self._drop(consumed)
-
-
-def pack_documents(docs, seq_len: int, reset_positions: bool = True):
-    """Rows from an iterable of `(tokens, loss)` documents (see `Packer`)."""
-    packer = Packer(seq_len, reset_positions)
-    for tokens, loss in docs:
-        packer.add(tokens, loss)
-        while (row := packer.pop_row()) is not None:
-            yield row

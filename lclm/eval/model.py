@@ -121,11 +121,12 @@ def load_hf(args) -> Model:
                  storage.basename(storage.absolute(args.hf)))
 
 
-def answer_text(tokenizer, ids) -> str:
-    """Decoded generation up to (not including) the first EOS."""
+def answer_text(tokenizer, ids, stop_id: int | None = None) -> str:
+    """Decoded generation up to (not including) the first EOS, or the first `stop_id`."""
     ids = [int(i) for i in ids]
-    if tokenizer.eos_id in ids:
-        ids = ids[:ids.index(tokenizer.eos_id)]
+    for end in (tokenizer.eos_id, stop_id):
+        if end is not None and end in ids:
+            ids = ids[:ids.index(end)]
     return tokenizer.decode(ids)
 
 

@@ -21,7 +21,7 @@ from lclm.data.loader import batch_sharding
 from lclm.models import llama
 from lclm.ops.chunking import merge_chunks, split_chunks
 from lclm.ops.layout import batch_to_layout, from_layout
-from lclm.ops.loss import logits_of, losses_of_logits
+from lclm.ops.loss import losses_of_hidden
 from lclm.parallel.mesh import logical_sharding
 
 _CHUNKED = (None, "batch", "seq", None)  # [chunks, B, sp shards, chunk]: as the loss splits
@@ -45,7 +45,7 @@ def token_losses(c: LlamaConfig, a: AttentionConfig, mesh, params, batch: dict):
     hs = constrain(split_chunks(h, n_shards, c.loss_chunk), _CHUNKED + ("act_embed",))
     ts = constrain(split_chunks(batch["targets"], n_shards, c.loss_chunk), _CHUNKED)
     # one chunk's logits [B, sp, chunk, V] alive at a time
-    losses = lax.map(lambda x: losses_of_logits(logits_of(x[0], w), x[1]), (hs, ts))
+    losses = lax.map(lambda x: losses_of_hidden(x[0], w, x[1]), (hs, ts))
     return merge_chunks(constrain(losses, _CHUNKED))
 
 

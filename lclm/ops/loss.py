@@ -28,7 +28,7 @@ def losses_of_logits(logits, targets):
     return lse - picked
 
 
-def token_losses(h, w_out, targets):
+def losses_of_hidden(h, w_out, targets):
     """h `[..., dim]`, w_out `[dim, vocab]`, targets `[...]` -> float32 losses `[...]`."""
     return losses_of_logits(logits_of(h, w_out), targets)
 

@@ -4,8 +4,9 @@ import json
 
 import numpy as np
 import pytest
+from support import pack_documents
 
-from lclm.data.packing import Packer, pack_documents
+from lclm.data.packing import Packer
 from lclm.data.sources import DataError
 
 

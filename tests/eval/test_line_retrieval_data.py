@@ -5,7 +5,7 @@ import re
 
 import numpy as np
 import pytest
-from support import DEMO_TOKENIZER
+from support import DEMO_TOKENIZER, pack_documents
 
 from lclm.config import AttentionConfig
 from lclm.config.syntax import parse_lengths, parse_tokens
@@ -17,7 +17,6 @@ from lclm.data.line_retrieval import (
     parse_answer,
     spec_of_config,
 )
-from lclm.data.packing import pack_documents
 from lclm.data.sources import open_documents
 from lclm.data.tokenizer import Tokenizer
 from lclm.eval.decode import pad_front, padded_length

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lclm.ops.ffn import blockwise_ffn, swiglu
-from lclm.ops.loss import blockwise_cross_entropy, token_losses
+from lclm.ops.loss import blockwise_cross_entropy, losses_of_hidden
 from lclm.parallel import make_mesh
 from lclm.parallel.mesh import logical_sharding
 
@@ -82,9 +82,9 @@ def test_blockwise_cross_entropy_is_a_global_token_mean(n_shards, chunk):
     assert _rel(got[0], want[0]) < 1e-5
     for a, c in zip(got[1], want[1]):
         assert _rel(a, c) < 1e-5
-    # token_losses itself is the per-token negative log-likelihood
+    # losses_of_hidden itself is the per-token negative log-likelihood
     np.testing.assert_allclose(
-        token_losses(h, w, targets),
+        losses_of_hidden(h, w, targets),
         -np.take_along_axis(np.asarray(jax.nn.log_softmax(h @ w)), targets[..., None], -1)[..., 0],
         rtol=1e-5, atol=1e-5)
 
