@@ -167,4 +167,10 @@ def compare(config, sizes: dict[str, int], flops: float, fast_gbs: float,
             (a2a / (fast_gbs * 1e9) + ring_exposed) * per_step,
             buffers + 2 * s.kv + s.kv * 4 / b,
             ", ".join(filter(None, [f"attention.ulysses={u}", note]))))
+    else:   # listed all the same, as the strategy it equals here (never dropped silently)
+        same = {c.strategy: c for c in costs}["ulysses" if u > 1 else "ring"]
+        costs.append(dataclasses.replace(
+            same, strategy="usp", split=f"ulysses {u} x ring {r}",
+            note=", ".join(filter(None, [f"= {same.strategy} here (attention.ulysses={u})",
+                                         same.note]))))
     return costs

@@ -79,6 +79,19 @@ def test_on_four_nodes_of_eight_usp_keeps_the_all_to_all_inside_the_nodes():
     assert exposed == sorted(exposed) and exposed[0] < exposed[1] / 5
 
 
+def test_usp_is_listed_where_it_equals_ulysses_or_the_ring():
+    """Every strategy is ranked: usp with its ulysses group the whole ring is Ulysses, with
+    no heads to split over it is the ring; its row says which, with that one's figures."""
+    whole = _by_name(compare(_seven_b(), _mesh(8), H100, 450, 50, 8))
+    assert sorted(whole) == sorted(STRATEGIES)
+    assert whole["usp"].split == "ulysses 8 x ring 1"
+    assert whole["usp"].note.startswith("= ulysses here (attention.ulysses=8)")
+    assert (whole["usp"].sent, whole["usp"].exposed_s) == (whole["ulysses"].sent,
+                                                           whole["ulysses"].exposed_s)
+    one = _by_name(compare(_seven_b(), _mesh(1), H100, 450, 50, 8))
+    assert one["usp"].note.startswith("= ring here") and one["usp"].sent == one["ring"].sent
+
+
 def test_ulysses_limits_gqa_replication_and_heads():
     costs = _by_name(compare(_seven_b(n_kv_heads=8), _mesh(16), H100, 450, 50, 64))
     assert costs["ulysses"].note == "KV heads replicated x2"
