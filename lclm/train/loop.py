@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
+import functools
 import json
 import logging
 import math
@@ -13,7 +13,6 @@ import threading
 import time
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
 
 from lclm import storage
@@ -24,12 +23,13 @@ from lclm.config.stages import validation_lengths
 from lclm.data.loader import HostBatches, parse_sources
 from lclm.data.sources import DataError, open_documents
 from lclm.data.tokenizer import Tokenizer
-from lclm.errors import ConfigError, StartupError, TrainingHalted
+from lclm.errors import ConfigError, StartupError
 from lclm.files import write_json
 from lclm.hardware import peak_flops
 from lclm.models.llama import param_count
 from lclm.parallel.distributed import any_process, check_same_config
 from lclm.parallel.mesh import make_mesh
+from lclm.train.faults import FaultPolicy, WritePatience
 from lclm.train.lock import WorkdirLock
 from lclm.train.metrics import (
     MetricsFailed,
@@ -54,22 +54,6 @@ from lclm.train.state import TrainState, init_state
 from lclm.train.step import all_finite, jit_eval_loss, jit_train_step, make_optimizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class WritePatience:
-    """How long a run rides out a storage fault (a disk full until a clean-up job runs, a
-    network filesystem failing over) before it stops (exit 3) rather than lose work.
-
-    `metrics_seconds`: how long writes of metrics.jsonl may fail, every one since the first,
-    before the run saves a checkpoint and stops; meanwhile the records are held in memory and
-    retried at each logged step. A time, not a count of failures: at a fast log rate a
-    two-second hiccup is many failed writes. `save_retries`: the pauses (seconds) before each
-    retry of a checkpoint save that failed; the save counts as failed once every retry has.
-    """
-
-    metrics_seconds: float = 300.0
-    save_retries: tuple[float, ...] = (1.0, 4.0, 15.0)
 
 
 def train(config, stop_after: int | None = None,
@@ -244,10 +228,6 @@ def _summary(records: list[dict], started: float, first_logged: float, tokens_pe
     return lines
 
 
-def _seconds(seconds: float) -> str:
-    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:,.0f} s"
-
-
 @contextlib.contextmanager
 def _written_at_start(path: str):
     """A file the run cannot write before it trains (a full disk) stops it with one line:
@@ -319,113 +299,8 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
         if threading.current_thread() is threading.main_thread() and not multi:
             previous_handlers = {sig: signal.signal(sig, lambda *_: preempted.set())
                                  for sig in (signal.SIGTERM, signal.SIGINT)}
-        max_bad = config.train.max_bad_steps
-        bad_in_a_row = skipped_steps = 0
-
-        def halt(why: str):
-            latest = checkpoints.latest_step()
-            where = (f"step {latest} in {checkpoints.directory}" if latest is not None
-                     else "none (this run has not saved one)")
-            return TrainingHalted(f"{why}; last good checkpoint: {where}")
-
-        def check_step(step: int, skipped) -> None:
-            """Count a non-finite step (its update was skipped inside the step)."""
-            nonlocal bad_in_a_row, skipped_steps
-            if not int(skipped):
-                bad_in_a_row = 0
-                return
-            bad_in_a_row += 1
-            skipped_steps += 1
-            log.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a "
-                        "row, train.max_bad_steps=%d)", step, bad_in_a_row, max_bad)
-            if bad_in_a_row >= max_bad:
-                raise halt(f"stopped at step {step} after {bad_in_a_row} consecutive steps "
-                           "with a non-finite loss or gradient norm (their updates were "
-                           "skipped); lower train.lr or check the data")
-
-        # Storage faults (a full disk, a network filesystem failing over) are ridden out for a
-        # while (`patience`) and reported at once, one line each; a run that still cannot write
-        # saves what it can and stops (exit 3) rather than train on into work it would lose.
-        failing_since: float | None = None   # when metrics writes started failing
-        failing_from = 0                     # the first logged step whose write failed
-        reported = 0.0
-
-        def metrics_failed(step: int, error: MetricsFailed) -> bool:
-            """Report a failed metrics.jsonl write (at once, then once a minute while it
-            lasts); True once writes have failed for `patience.metrics_seconds`: the run then
-            saves a checkpoint and stops, the held records in the log."""
-            nonlocal failing_since, failing_from, reported
-            now = time.monotonic()
-            if failing_since is None:
-                failing_since, failing_from, reported = now, step, now
-                log.error("%s; they are held in memory and written with the next logged step "
-                          "that can (the run saves a checkpoint and stops if writes fail for "
-                          "%s)", error, _seconds(patience.metrics_seconds))
-            elif now - reported >= 60:
-                reported = now
-                log.error("%s; failing since step %d, %s ago", error, failing_from,
-                          _seconds(now - failing_since))
-            return now - failing_since >= patience.metrics_seconds
-
-        def metrics_written(step: int) -> None:
-            nonlocal failing_since
-            if failing_since is not None:
-                log.warning("metrics.jsonl written again at step %d after %s of failed writes; "
-                            "the records held since step %d are in it", step,
-                            _seconds(time.monotonic() - failing_since), failing_from)
-                failing_since = None
-
-        # Time-based saves: several processes must agree, and their clocks differ, so there
-        # process 0 decides at logging steps and tells the others (a collective every
-        # log.every steps, not every step).
-        every_seconds = 60 * config.checkpoint.every_minutes
-        last_saved = time.monotonic()
-
-        failed_saves = 0   # checkpoint saves in a row that failed, each after its retries
-
-        def save(step: int, wait: bool) -> SaveFailed | None:
-            """Save `step`, retried after each pause of `patience.save_retries` while it fails;
-            with `wait` a save counts only once written to the end. Returns the last try's
-            failure, or None."""
-            nonlocal last_saved, failed_saves
-            if not bool(finite_fn((state.params, state.opt_state))):
-                raise halt(f"step {step}: parameters or optimizer state are not finite, so no "
-                           "checkpoint was written")
-            last_saved = time.monotonic()
-            error = None
-            for pause in (0.0, *patience.save_retries):
-                if error is not None:
-                    log.error("%s; retrying in %g s", error, pause)
-                    time.sleep(pause)
-                try:
-                    checkpoints.save(step, state, batches.state(), saved_config)
-                    if wait:
-                        checkpoints.wait()
-                        failed_saves = 0
-                    return None
-                except SaveFailed as e:
-                    error = e
-            return error
-
-        def save_failed(error: SaveFailed, last_chance: bool) -> None:
-            """A save that failed every retry: training goes on to the next checkpoint step,
-            unless it is the second such save in a row or no later chance will come (a run
-            that cannot save would lose its work): then the run stops with its earlier
-            checkpoints intact."""
-            nonlocal failed_saves
-            failed_saves += 1
-            if last_chance or failed_saves >= 2:
-                raise halt(f"stopped: {error}")
-            log.error("%s; training goes on and the save is retried at the next checkpoint "
-                      "step", error)
-
-        def due_by_time(step: int) -> bool:
-            if not every_seconds or (multi and step % config.log.every):
-                return False
-            due = time.monotonic() - last_saved >= every_seconds
-            if multi:
-                due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
-            return due
+        faults = FaultPolicy(checkpoints, patience, config.train.max_bad_steps,
+                             60 * config.checkpoint.every_minutes, config.log.every, multi)
 
         # Simulated CPU devices: one step in flight at a time. Overlapping multi-device CPU
         # programs were seen to stall XLA's in-process collective rendezvous on 2-core
@@ -443,11 +318,11 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
             if progress:
                 progress.step_done(step)
             if unchecked is not None:
-                check_step(*unchecked)
+                faults.check_step(*unchecked)
             unchecked = (step, metrics["skipped"])
             try:
                 if checkpoints.poll():
-                    failed_saves = 0
+                    faults.save_written()
             except SaveFailed as e:
                 # that step's state is gone: the current one is saved in its place
                 log.error("%s; saving a later step instead", e)
@@ -461,11 +336,11 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
             if multi and logging_step:   # every process saves, or none
                 resave = any_process(resave)
             retry = resave and (logging_step or not multi)
-            saving = (checkpoints.due(step) or due_by_time(step) or step == total
+            saving = (checkpoints.due(step) or faults.due_by_time(step) or step == total
                       or preempted.is_set() or retry)
             stopping = None   # why the run stops after saving this step
             if (saving or logging_step) and unchecked is not None:
-                check_step(*unchecked)   # the host waits for this step now anyway
+                faults.check_step(*unchecked)   # the host waits for this step now anyway
                 unchecked = None
             if logging_step:
                 metrics = jax.device_get(metrics)
@@ -475,7 +350,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                               grad_norm=float(metrics["grad_norm"]),
                               tokens_per_sec=tokens_per_step / seconds, step_time=seconds,
                               mfu=(flops / seconds / (peak * len(devices))) if peak else None,
-                              skipped_steps=skipped_steps)
+                              skipped_steps=faults.skipped_steps)
                 first_logged = first_logged or now
                 if validating:   # not counted in the next steps' time
                     losses = val_losses(state.params)
@@ -489,54 +364,53 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                 if logger:
                     try:
                         logger.log(record)
-                        metrics_written(step)
+                        faults.metrics_written(step)
                     except MetricsFailed as e:
-                        give_up = metrics_failed(step, e)
+                        give_up = faults.metrics_failed(step, e)
                 lost = lock.lost()   # None, or why another run now holds the workdir
                 if multi:   # only process 0 writes metrics and holds the lock
                     give_up = any_process(give_up)
                     lost = lost or ("process 0 lost the workdir lock"
                                     if any_process(lost is not None) else None)
                 if lost:   # the workdir is another run's now: write nothing more to it
-                    raise halt(f"stopped after step {step}: {lost}; this run stops so that "
+                    raise faults.halt(f"stopped after step {step}: {lost}; this run stops so that "
                                "two runs never write one workdir")
                 if give_up:
-                    stopping = f"stopped after step {step}: metrics.jsonl could not be written " + (
-                        f"since step {failing_from} "
-                        f"({_seconds(time.monotonic() - failing_since)}); the records since are "
-                        "in the log" if failing_since is not None
-                        else "by process 0; its log holds the records")
-                    saving = True
+                    stopping, saving = faults.metrics_stop_reason(step), True
                 if progress:
                     progress.update(record)
             if saving:
                 # the final, preemption and stopping saves are the last chance: written to the
                 # end (and retried) before the run reports; so is the retry of a failed save
                 last_chance = step == total or preempted.is_set() or stopping is not None
-                error = save(step, wait=last_chance or retry)
+                error = faults.save(
+                    step, functools.partial(checkpoints.save, step, state, batches.state(),
+                                            saved_config),
+                    finite=bool(finite_fn((state.params, state.opt_state))),
+                    wait=last_chance or retry)
                 resave = False   # this save, whatever its outcome, replaces the failed one
                 if error is not None and stopping is not None:
                     stopping += f"; {error}"
                 elif error is not None:
-                    save_failed(error, last_chance)
+                    faults.save_failed(error, last_chance)
             if stopping is not None:
-                raise halt(stopping)
+                raise faults.halt(stopping)
             if preempted.is_set():
                 log.warning("stopped after step %d on a termination signal (checkpoint saved)",
                             step)
                 break
         if unchecked is not None:
-            check_step(*unchecked)
+            faults.check_step(*unchecked)
         try:
             checkpoints.wait()   # a save in flight where `stop_after` ended the loop
         except SaveFailed as e:
-            save_failed(e, last_chance=True)
-        if logger is not None and failing_since is not None:
+            faults.save_failed(e, last_chance=True)
+        if logger is not None and faults.failing_since is not None:
             # the last logged steps' records: retried as a save is, then they go to the log
             for pause in (*patience.save_retries, None):
                 try:
                     logger.flush()
-                    metrics_written(records[-1]["step"])
+                    faults.metrics_written(records[-1]["step"])
                     break
                 except MetricsFailed:
                     if pause is not None:
