@@ -23,7 +23,11 @@ DTYPES = ("float32", "bfloat16")
 # the device mesh's axes, outermost first (lclm.parallel.mesh builds the mesh in this order)
 MESH_AXES = ("dp", "fsdp", "tp", "sp")
 REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch")
-ROPE_SCALINGS = ("auto", "none", "linear", "llama3")  # llama.ROPE_SCALINGS and "auto"
+# the RoPE scalings lclm.models.llama computes; model.rope_scaling also takes "auto"
+ROPE_SCALINGS = ("none", "linear", "llama3")
+# kinds of data.path entries (lclm.data.loader reads each; line_retrieval is synthetic,
+# generated: lclm/data/line_retrieval.py)
+SOURCE_KINDS = ("text", "sharegpt", "tokenized", "line_retrieval")
 # the one list of each: lclm.ops.layout and lclm.ops.context_parallel import them
 LAYOUTS = ("striped", "contiguous", "zigzag")
 STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
@@ -73,7 +77,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.attention = ml_collections.ConfigDict(dataclasses.asdict(AttentionConfig()))
 
     c.data = ml_collections.ConfigDict(dict(
-        source="text",          # default kind of each data.path entry: text|sharegpt|tokenized
+        source="text",          # data.path entries' default kind: text|sharegpt|tokenized
         path="",                # comma-separated [kind:]path[@weight] entries (a mixture)
         text_field="text", chat_template="vicuna", tokenizer="",
         seq_len=2048, batch_size=8, document_mask=True, reset_positions=True))
@@ -178,8 +182,8 @@ def _check_values(config) -> None:
 
 
 def _check_rope_and_ids(m) -> None:
-    if m.rope_scaling not in ROPE_SCALINGS:
-        _fail(f"model.rope_scaling={m.rope_scaling!r}; use one of {ROPE_SCALINGS}")
+    if m.rope_scaling not in ("auto", *ROPE_SCALINGS):
+        _fail(f"model.rope_scaling={m.rope_scaling!r}; use one of {('auto', *ROPE_SCALINGS)}")
     if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
         _fail(f"model.rope_high_freq_factor={m.rope_high_freq_factor!r} must be greater than "
               f"model.rope_low_freq_factor={m.rope_low_freq_factor!r} for llama3 RoPE scaling")

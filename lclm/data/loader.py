@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 
 from lclm import storage
 from lclm.config.model import AttentionConfig
+from lclm.config.schema import SOURCE_KINDS
 from lclm.data.packing import ROW_KEYS, Packer
 from lclm.data.sources import DataError, SourceStats, open_documents
 from lclm.data.stream import DocumentStream, EpochOrders, Mixture
@@ -39,8 +40,6 @@ from lclm.ops.layout import batch_to_layout
 from lclm.parallel.mesh import logical_spec
 
 log = logging.getLogger(__name__)
-SOURCE_KINDS = ("text", "sharegpt", "tokenized",
-                "line_retrieval")  # synthetic, generated: see lclm/data/line_retrieval.py
 
 
 def batch_sharding(mesh) -> NamedSharding:

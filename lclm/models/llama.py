@@ -24,6 +24,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from lclm.config.model import AttentionConfig, LlamaConfig
+from lclm.config.schema import ROPE_SCALINGS
 from lclm.ops.context_parallel import context_parallel_attention
 from lclm.ops.ffn import blockwise_ffn
 from lclm.ops.loss import blockwise_cross_entropy
@@ -90,9 +91,6 @@ def rms_norm(x, weight, eps):
     xf = x.astype(jnp.float32)
     y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
-
-
-ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
 def rope_frequencies(c: LlamaConfig) -> np.ndarray:

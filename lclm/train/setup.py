@@ -27,11 +27,11 @@ from lclm.checkpoint import (
     read_params,
 )
 from lclm.config.model import AttentionConfig, LlamaConfig
-from lclm.config.schema import MESH_AXES, check_fields
+from lclm.config.schema import MESH_AXES, SOURCE_KINDS, check_fields
 from lclm.config.secrets import is_secret, public_config
 from lclm.config.stages import validation_lengths
 from lclm.data.chat import TEMPLATES
-from lclm.data.loader import SOURCE_KINDS, parse_sources
+from lclm.data.loader import parse_sources
 from lclm.data.sources import names_data
 from lclm.errors import ConfigError, StartupError
 from lclm.files import output_problem, replacing
