@@ -176,7 +176,7 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
 
     from lclm import aot
     from lclm.models.llama import param_count
-    from lclm.train.setup import attention_kernel
+    from lclm.train.checks import attention_kernel
 
     target = (devices or jax.devices())[0]
     if baseline:
@@ -210,7 +210,7 @@ def _build(config, devices=None):
     from lclm.config import AttentionConfig, LlamaConfig
     from lclm.data.loader import batch_sharding
     from lclm.parallel.mesh import make_mesh
-    from lclm.train.setup import validate
+    from lclm.train.checks import validate
     from lclm.train.state import init_state
     from lclm.train.step import make_optimizer, make_train_step
 
@@ -242,7 +242,7 @@ def _build_baseline(config, remat: str, devices=None):
     from lclm import aot
     from lclm.config import LlamaConfig
     from lclm.errors import ConfigError
-    from lclm.train.setup import validate
+    from lclm.train.checks import validate
     from lclm.train.step import make_optimizer
 
     described = devices is not None

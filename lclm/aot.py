@@ -43,7 +43,7 @@ from lclm.errors import ConfigError
 from lclm.hardware import BY_NAME, GPUS, TPUS, planner_device
 from lclm.ops.kernels import compiling_for
 from lclm.parallel.mesh import make_mesh
-from lclm.train.setup import validate
+from lclm.train.checks import validate
 from lclm.train.state import init_state, state_shardings
 from lclm.train.step import jit_train_step, make_optimizer
 

@@ -40,7 +40,7 @@ from lclm.hardware import planner_devices
 from lclm.models.llama import is_param_entry, param_table
 from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
-from lclm.train.setup import attention_kernel, validate
+from lclm.train.checks import attention_kernel, validate
 
 # name -> (bf16 FLOP/s, one-way link GB/s, memory GiB)
 # planner device name -> (peak FLOP/s, one-way link GB/s, HBM GiB): lclm.hardware's table

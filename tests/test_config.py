@@ -13,7 +13,7 @@ from lclm.config.schema import LAYOUTS, STRATEGIES
 from lclm.data.loader import parse_sources
 from lclm.errors import ConfigError
 from lclm.ops import context_parallel, layout
-from lclm.train.setup import check_data, validate
+from lclm.train.checks import check_data, validate
 
 
 def _load(name):

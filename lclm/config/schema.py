@@ -5,7 +5,7 @@ Config files (`configs/*.py`) define `get_config()` returning `base_config()` wi
 changed (`apply_preset` fills a real model shape). The `config.model` and `config.attention`
 sections are built from the `LlamaConfig`/`AttentionConfig` dataclasses (lclm.config.model),
 the one model schema. The checks that need other components (the mesh, kernels, data) are
-`lclm.train.setup.validate`'s. No JAX here: train.py reads the config before JAX starts.
+`lclm.train.checks.validate`'s. No JAX here: train.py reads the config before JAX starts.
 """
 
 from __future__ import annotations

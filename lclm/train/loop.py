@@ -29,7 +29,14 @@ from lclm.hardware import peak_flops
 from lclm.models.llama import param_count
 from lclm.parallel.distributed import any_process, check_same_config
 from lclm.parallel.mesh import make_mesh
+from lclm.train.checks import attention_line, check_data, validate
 from lclm.train.faults import FaultPolicy, WritePatience
+from lclm.train.init_weights import (
+    apply_checkpoint_fields,
+    apply_hf_shapes,
+    load_checkpoint_params,
+    load_hf_params,
+)
 from lclm.train.lock import WorkdirLock
 from lclm.train.metrics import (
     MetricsFailed,
@@ -37,19 +44,10 @@ from lclm.train.metrics import (
     Progress,
     flops_per_token,
     read_metrics,
+    wandb_run,
 )
 from lclm.train.object_lock import workdir_lock
 from lclm.train.resume import allowed_keys, check_resume, tokenizer_fingerprint
-from lclm.train.setup import (
-    apply_checkpoint_fields,
-    apply_hf_shapes,
-    attention_line,
-    check_data,
-    load_checkpoint_params,
-    load_hf_params,
-    validate,
-    wandb_run,
-)
 from lclm.train.state import TrainState, init_state
 from lclm.train.step import all_finite, jit_eval_loss, jit_train_step, make_optimizer
 

@@ -10,9 +10,13 @@ import os
 import shutil
 import sys
 import time
+import uuid
+
+import jax
 
 from lclm import storage
 from lclm.config import LlamaConfig
+from lclm.config.secrets import is_secret, public_config
 from lclm.config.syntax import format_tokens
 from lclm.files import replacing
 from lclm.models.llama import param_count
@@ -282,3 +286,32 @@ class Progress:
             self.bar.close()
         for line in summary:
             print(line, file=self.stream, flush=True)
+
+
+def wandb_run(config, resume_step: int):
+    """The wandb run of this workdir: the same run id across resumes (`<workdir>/wandb_id`),
+    so a resumed run continues its run instead of starting a second one."""
+    if not config.log.wandb or jax.process_index() != 0:
+        return None
+    import wandb  # 0.4 s to import: only runs that log to wandb pay it
+    mode = os.environ.get("WANDB_MODE", config.log.wandb_mode)  # the environment wins
+    id_path = storage.join(config.workdir, "wandb_id")
+    if storage.isfile(id_path):
+        run_id = storage.read_text(id_path).strip()
+    else:
+        run_id = uuid.uuid4().hex[:16]  # wandb ids: letters and digits
+        with replacing(id_path) as f:
+            f.write(run_id)
+    # wandb records the command line; not when an override on it names a secret
+    secret_args = any(is_secret(a.split("=")[0].rsplit(".", 1)[-1].lstrip("-"))
+                      for a in sys.argv[1:])
+    settings = wandb.Settings(x_disable_meta=True) if secret_args else None
+    if resume_step:
+        log.info("wandb: resuming run %s after step %d (wandb keeps the values it already "
+                 "has for re-run steps; metrics.jsonl holds the re-run ones)", run_id,
+                 resume_step)
+    # wandb keeps its own files in a local folder: its default (./wandb) for a bucket workdir
+    local = None if storage.is_remote(config.workdir) else config.workdir
+    return wandb.init(project=config.log.wandb_project, mode=mode, dir=local,
+                      config=public_config(config), id=run_id, resume="allow",
+                      settings=settings)

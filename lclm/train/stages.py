@@ -24,8 +24,9 @@ from lclm import storage
 from lclm.checkpoint import Checkpoints
 from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError
+from lclm.train.checks import validate
+from lclm.train.init_weights import SourceDamaged, apply_hf_shapes
 from lclm.train.loop import train
-from lclm.train.setup import SourceDamaged, apply_hf_shapes, validate
 
 log = logging.getLogger(__name__)
 

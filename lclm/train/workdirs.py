@@ -1,4 +1,5 @@
-"""Which directory holds the checkpoints a tool reads when it is given a run's workdir.
+"""A run's workdir: the start-up check that the run can write it (`check_workdir`), and which
+directory holds the checkpoints a tool reads when it is given a run's workdir.
 
 A run keeps its checkpoints in `WORKDIR/checkpoints`; a staged run keeps none of its own:
 each stage is a run in `WORKDIR/stage{i}_{seq_len}` (lclm.config.stages), and what the staged
@@ -9,11 +10,14 @@ staged run's directory the same way; `convert --to-checkpoint` refuses one (`sta
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 
 from lclm import storage
 from lclm.checkpoint import path_problem
-from lclm.errors import StartupError
+from lclm.errors import ConfigError, StartupError
+from lclm.files import output_problem
 
 STAGE_DIR = re.compile(r"stage(\d+)_(\d+)")
 
@@ -78,3 +82,64 @@ def workdir_to_read(workdir: str, flag: str = "--checkpoint") -> str:
                            f"({names}) hold no checkpoint yet; wait for stage 0's first "
                            "checkpoint")
     return with_checkpoint[-1]
+
+
+def _refuse(msg: str):
+    raise ConfigError(msg)
+
+
+def _probe_dir(directory: str) -> str | None:
+    """Why a new file cannot be made in `directory` (None: it can); leaves nothing behind."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+# what a run writes in its workdir besides new files: found unwritable at start, not after
+# a week of training at the final save
+_OUTPUT_DIRS = ("", "checkpoints")
+_OUTPUT_FILES = ("config.json", "metrics.jsonl", "wandb_id")
+
+
+def check_workdir(workdir: str) -> None:
+    """Fail at start, not at the first save, when the run cannot write its workdir, its
+    checkpoint directory or the files it appends to. Leaves nothing behind: the probes are
+    temporary files, and existing files are opened for appending without writing."""
+    if not workdir:
+        _refuse("workdir is empty; set config.workdir to the run's directory")
+    if storage.is_remote(workdir):   # a bucket: that it exists and takes this host's writes
+        problem = (storage.client_problem(workdir) or path_problem(workdir)
+                   or output_problem(workdir, remote=True))
+        if problem:
+            _refuse(f"workdir={workdir!r} {problem}")
+        return
+    problem = path_problem(os.path.abspath(workdir))
+    if problem:
+        _refuse(f"workdir={workdir!r} {problem}")
+    existing = os.path.abspath(workdir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        _refuse(f"workdir={workdir!r}: {existing!r} is not a directory; set config.workdir to a "
+              "directory path")
+    why = _probe_dir(existing)
+    if why:
+        _refuse(f"workdir={workdir!r}: cannot write in {existing!r} ({why}); set "
+              "config.workdir to a writable directory")
+    for sub in _OUTPUT_DIRS:
+        path = os.path.join(workdir, sub)
+        why = _probe_dir(path) if sub and os.path.isdir(path) else None
+        if why:
+            _refuse(f"workdir={workdir!r}: cannot write in {path!r} ({why}); make it writable "
+                  "or use another workdir")
+    for name in _OUTPUT_FILES:
+        path = os.path.join(workdir, name)
+        if os.path.exists(path):
+            try:
+                with open(path, "a"):
+                    pass
+            except OSError as e:
+                _refuse(f"workdir={workdir!r}: cannot write {path!r} ({e.strerror}); make it "
+                      "writable or use another workdir")

@@ -119,7 +119,7 @@ def test_scaled_rope_logits_match_transformers_past_the_original_length(tmp_path
 
 def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one(tmp_path):
     from lclm.config import base_config
-    from lclm.train.setup import apply_hf_shapes
+    from lclm.train.init_weights import apply_hf_shapes
 
     _tiny_hf(tmp_path / "src", SCALINGS["llama3"], theta=500000.0, bos_token_id=7,
              eos_token_id=[8, 9])
@@ -160,7 +160,7 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
 def test_bad_rope_and_token_fields_stop_the_run_in_one_line(tmp_path, field, value, message):
     from lclm.config import base_config
     from lclm.errors import ConfigError
-    from lclm.train.setup import validate
+    from lclm.train.checks import validate
 
     config = base_config()
     config.workdir = str(tmp_path / "run")

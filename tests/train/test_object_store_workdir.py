@@ -128,7 +128,7 @@ def test_two_lock_takeovers_of_one_stale_lease_let_one_run_win(gcs):
 
 def test_a_missing_bucket_is_found_at_start(gcs):
     from lclm.errors import ConfigError
-    from lclm.train.setup import check_workdir
+    from lclm.train.workdirs import check_workdir
 
     with pytest.raises(ConfigError, match=r"workdir='gs://no-such-bucket-lclm/run' cannot be "
                        r"written \(.*\); check the bucket's name and this machine's access"):
@@ -194,8 +194,7 @@ def test_prepare_to_gs_then_a_staged_run_there_and_generate_from_it(gcs, capsys)
 
 def test_an_s3_workdir_is_refused_at_start_in_one_line(s3):
     from lclm.errors import ConfigError, StartupError
-    from lclm.train.setup import check_workdir
-    from lclm.train.workdirs import workdir_to_read
+    from lclm.train.workdirs import check_workdir, workdir_to_read
 
     workdir = s3.bucket() + "/run"
     why = ("is on s3://, where Orbax (0.12, lclm's checkpoint writer) cannot keep checkpoints: "

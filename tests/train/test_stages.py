@@ -16,8 +16,8 @@ from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError
 from lclm.models.llama import init_params
 from lclm.parallel import make_mesh
+from lclm.train.init_weights import SourceDamaged
 from lclm.train.loop import train
-from lclm.train.setup import SourceDamaged
 from lclm.train.stages import run_stages
 from lclm.train.state import init_state
 from lclm.train.step import make_optimizer

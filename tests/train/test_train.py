@@ -72,7 +72,7 @@ def test_secrets_never_reach_saved_config():
 
 
 def test_wandb_resumes_its_run_and_keeps_secret_command_lines_out(tmp_path, monkeypatch):
-    from lclm.train.setup import wandb_run
+    from lclm.train.metrics import wandb_run
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setattr(sys, "argv", ["train.py", "--config.log.wandb_api_key=SECRETVALUE"])
     config = demo_config(tmp_path, log__wandb=True)

@@ -17,8 +17,8 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 from lclm.models.llama import loss_terms
 from lclm.parallel import make_mesh
+from lclm.train.checks import validate
 from lclm.train.loop import train
-from lclm.train.setup import validate
 from lclm.train.state import init_state
 from lclm.train.step import make_optimizer
 

@@ -1,0 +1,180 @@
+"""The checks a run makes at start, before any work, of everything its config names together:
+the mesh against the devices, the attention kernel and strategy against the model, data
+sources, divisibility of lengths, batches and chunks (`validate`), the data paths
+(`check_data`), and the kernel `attention.impl='auto'` resolves to. Each failure is one
+line naming the fix (ConfigError). The single-field checks are lclm.config.schema's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from lclm import storage
+from lclm.config.model import AttentionConfig, LlamaConfig
+from lclm.config.schema import MESH_AXES, SOURCE_KINDS, check_fields
+from lclm.config.stages import validation_lengths
+from lclm.data.chat import TEMPLATES
+from lclm.data.loader import parse_sources
+from lclm.data.sources import names_data
+from lclm.errors import ConfigError
+from lclm.ops.context_parallel import kernel_block
+from lclm.ops.kernels import IMPLS, choose_kernel, get_kernel, platform_family
+from lclm.ops.ring_attention import kv_repeats
+from lclm.parallel.mesh import resolve_mesh_shape
+from lclm.train.resume import allowed_keys
+from lclm.train.workdirs import check_workdir
+
+
+def _fail(msg: str):
+    raise ConfigError(msg)
+
+
+def validate(config, device_count: int) -> dict[str, int]:
+    """Check `config` against itself, the components it names and `device_count`; returns
+    the resolved mesh sizes. Raises a one-line ConfigError naming the fix."""
+    m, a, d, t = config.model, config.attention, config.data, config.train
+    check_fields(config)
+    attention = AttentionConfig.from_config(a)
+    check_workdir(config.workdir)
+    allowed_keys(config)
+    try:
+        sizes = resolve_mesh_shape(**{k: config.mesh[k] for k in MESH_AXES},
+                                   device_count=device_count)
+    except ValueError as e:
+        _fail(f"config.mesh: {e}")
+    dp, fsdp, tp, sp = sizes["dp"], sizes["fsdp"], sizes["tp"], sizes["sp"]
+
+    if a.impl not in IMPLS:
+        _fail(f"attention.impl={a.impl!r} is not available; use one of {IMPLS}")
+    if d.source not in SOURCE_KINDS:
+        _fail(f"data.source={d.source!r}; use one of {SOURCE_KINDS}")
+    for key, path in (("data.path", d.path), ("validation.path", config.validation.path)):
+        if path:   # the syntax; the planner needs no data (`check_data`: the files)
+            parse_sources(path, d.source, key)
+    if d.chat_template not in TEMPLATES:
+        _fail(f"data.chat_template={d.chat_template!r}; use one of {sorted(TEMPLATES)}")
+    if m.n_heads % tp:
+        _fail(f"model.n_heads={m.n_heads} is not divisible by mesh.tp={tp}; "
+              "pick a tp that divides the head count")
+    try:
+        kv_repeats(m.n_heads, m.n_kv_heads, tp)
+    except ValueError:
+        _fail(f"model.n_kv_heads={m.n_kv_heads} cannot be split over mesh.tp={tp}; "
+              "pick a tp that divides or is a multiple of n_kv_heads")
+    if a.strategy == "ulysses" and m.n_heads % (tp * sp):
+        _fail(f"attention.strategy='ulysses' splits the model.n_heads={m.n_heads} query heads "
+              f"over mesh.tp x mesh.sp = {tp * sp}: not divisible; use 'usp' with "
+              "attention.ulysses dividing them, 'ring' or 'all_gather'")
+    if a.strategy == "usp":
+        if sp % a.ulysses:
+            _fail(f"attention.ulysses={a.ulysses} does not divide mesh.sp={sp}; usp runs "
+                  "Ulysses over groups of that many sp devices and the ring across the groups")
+        if m.n_heads % (tp * a.ulysses):
+            _fail(f"attention.strategy='usp' splits the model.n_heads={m.n_heads} query heads "
+                  f"over mesh.tp x attention.ulysses = {tp * a.ulysses}: not divisible; use a "
+                  "smaller attention.ulysses")
+    elif a.ulysses != 1:
+        _fail(f"attention.ulysses={a.ulysses} is usp's Ulysses degree; set "
+              "attention.strategy='usp' or leave attention.ulysses=1")
+    if m.ffn_dim % tp:
+        _fail(f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tp={tp}")
+
+    if d.seq_len % sp:
+        _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp={sp}; "
+              f"use a multiple of {sp}")
+    local = d.seq_len // sp
+    # the layout's shards: the ring's members (usp: sp / ulysses, a shard cut over its group)
+    ring = attention.ring_size(sp)
+    shard, what = d.seq_len // ring, "mesh.sp" if ring == sp else "mesh.sp / attention.ulysses"
+    # zigzag: each shard holds two runs of consecutive positions; tiles stay inside one
+    runs = 2 if a.layout == "zigzag" and ring > 1 else 1
+    if shard % runs:
+        _fail(f"data.seq_len={d.seq_len} is not divisible by 2 x {what} = {2 * ring}, as "
+              f"attention.layout='zigzag' needs; use a multiple of {2 * ring}")
+    # the run of positions the kernel's tiles stay inside (ulysses: the whole sequence)
+    run = kernel_block(attention, sp, d.seq_len)
+    for key in ("q_chunk", "kv_chunk"):
+        chunk = min(a[key], run)
+        if run % chunk == 0:
+            continue
+        if a.strategy == "ulysses":
+            _fail(f"data.seq_len={d.seq_len} is not divisible by attention.{key}={chunk}; "
+                  f"use a multiple of {chunk}")
+        else:
+            twice = f"2 x {what}" if runs == 2 else what
+            _fail(f"data.seq_len={d.seq_len} is not divisible by {twice} x attention.{key} = "
+                  f"{runs * ring} x {chunk}; use a multiple of {runs * ring * chunk}")
+    for key in ("ffn_chunk", "loss_chunk"):
+        chunk = min(m[key], local)
+        if local % chunk:
+            _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp x model.{key} = "
+                  f"{sp} x {chunk}; use a multiple of {sp * chunk}")
+    # 'auto' is resolved per platform (`attention_kernel`), always to a kernel that can serve
+    why = None if a.impl == "auto" else get_kernel(a.impl).limits(
+        head_dim=m.dim // m.n_heads, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
+        block=run, dtype=m.dtype)
+    if why is not None:
+        _fail(f"attention.impl={a.impl!r} cannot serve this model: {why}; "
+              "attention.impl='auto' picks a kernel that can")
+    if d.batch_size % t.grad_accum:
+        _fail(f"data.batch_size={d.batch_size} is not divisible by train.grad_accum="
+              f"{t.grad_accum}")
+    micro = d.batch_size // t.grad_accum
+    if micro % (dp * fsdp):
+        _fail(f"micro-batch data.batch_size/train.grad_accum={micro} is not divisible by "
+              f"mesh.dp x mesh.fsdp = {dp * fsdp}; change the batch size or the mesh")
+    for length in validation_lengths(config):
+        if length != d.seq_len and config.validation.path:
+            # a held-out batch at another length must split over the mesh as training's does
+            held_out = copy.deepcopy(config)
+            held_out.data.seq_len, held_out.validation.lengths = length, ""
+            try:
+                validate(held_out, device_count)
+            except ConfigError as e:
+                _fail(f"validation.lengths={config.validation.lengths!r}, length {length}: {e}")
+    return sizes
+
+
+def check_data(config) -> None:
+    """Fail at start, naming the key, when a source of `data.path` or `validation.path` names
+    nothing: found before the model is initialised, not when the loader first opens it."""
+    for key, path in (("data.path", config.data.path),
+                      ("validation.path", config.validation.path)):
+        if not path:
+            continue
+        for kind, source, _ in parse_sources(path, config.data.source, key):
+            # synthetic sources hold options, not paths; hub datasets are found by `datasets`
+            if kind == "line_retrieval" or source.startswith("hub:"):
+                continue
+            problem = storage.client_problem(source)
+            if problem:
+                _fail(f"config.{key}: {source!r} {problem}")
+            if names_data(source):   # on gs:// and s3:// looked up in the bucket
+                continue
+            comma = " (in a mixture, write a ',' of a file name as '\\,')" if "," in path else ""
+            _fail(f"config.{key}: no data at {source!r}; point it at a "
+                  f".jsonl/.json/.txt/.parquet/.arrow file, a directory or a glob{comma}")
+
+
+def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
+    """The kernel the ring will run (`attention.impl`, 'auto' resolved); an explicit kernel
+    that cannot run on this platform is a config error here, at start, not a traceback
+    inside the step."""
+    a = config.attention
+    try:
+        return choose_kernel(a.impl, head_dim=model.dim // model.n_heads, q_chunk=a.q_chunk,
+                             kv_chunk=a.kv_chunk, platform=platform, dtype=model.dtype,
+                             block=kernel_block(AttentionConfig.from_config(a), sp,
+                                                config.data.seq_len))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def attention_line(config, model: LlamaConfig, sp: int, platform: str) -> str:
+    kernel = attention_kernel(config, model, sp, platform)
+    chosen = f" (auto on {platform_family(platform)})" if config.attention.impl == "auto" else ""
+    a = AttentionConfig.from_config(config.attention)
+    strategy = "" if a.strategy == "ring" else f", {a.strategy} strategy"
+    if a.strategy == "usp":
+        strategy += f" (ulysses {a.ulysses} x ring {a.ring_size(sp)})"
+    return f"{kernel}{chosen}, {a.layout} layout{strategy}"
