@@ -123,6 +123,40 @@ def test_attention_remat_keeps_the_ring_output_and_never_reruns_the_ring(scan):
     assert forward_ring > 0 and permutes["attention"] == permutes["none"], permutes
 
 
+def _collectives(cfg, attn, params, batch, mesh, op: str) -> list[str]:
+    """The result types of every `op` (e.g. all-to-all) in the compiled gradient program."""
+    batch = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, attn.layout,
+                            attn.ring_size(mesh.shape["sp"]))
+
+    def mean_loss(p):
+        total, count = loss_terms(cfg, p, batch, mesh=mesh, attention=attn)
+        return total / count
+
+    hlo = jax.jit(jax.grad(mean_loss)).lower(params).compile().as_text()
+    return re.findall(rf"= (.+?) {op}(?:-start)?\(", hlo)
+
+
+def test_attention_remat_of_all_gather_and_ulysses_is_what_the_planner_assumes():
+    """remat='attention' under the other strategies, on the compiled program: all_gather's
+    backward gathers no K/V again (only the int32 segment ids, a few bytes per token), and
+    Ulysses' backward re-runs its forward all-to-alls as with full remat, which
+    lclm.strategy_plan counts for every policy but 'none'."""
+    params = init_params(CFG, jax.random.key(7))
+    batch, mesh = _batch(7), make_mesh(sp=4)
+    params = shard_params(CFG, params, mesh)
+    ops = {}
+    for strategy, op in (("all_gather", "all-gather"), ("ulysses", "all-to-all")):
+        attn = AttentionConfig(q_chunk=4, kv_chunk=4, strategy=strategy)
+        ops[strategy] = {remat: _collectives(dataclasses.replace(CFG, remat=remat), attn,
+                                             params, batch, mesh, op)
+                         for remat in ("none", "attention", "full")}
+    floats = {remat: sorted(t for t in types if not t.startswith("s32"))
+              for remat, types in ops["all_gather"].items()}
+    assert floats["attention"] == floats["none"], floats
+    a2a = {remat: len(types) for remat, types in ops["ulysses"].items()}
+    assert a2a["none"] < a2a["attention"] == a2a["full"], a2a
+
+
 def test_offload_remat_moves_saved_activations_to_host_with_equal_gradients():
     """remat='offload' keeps what 'attention' keeps plus each layer's input, in host memory:
     the backward's residuals are host arrays in the program, and gradients are unchanged."""
