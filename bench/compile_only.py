@@ -101,8 +101,8 @@ def train_programs(spec, devices) -> Iterator[Program]:
         if impl is None and not spec.baseline:
             continue
         for seq, variant in itertools.product(run.seqs, (None,) if impl is None else spec.remats):
-            overrides = (*run.overrides, *([f"--config.model.remat={variant}"] if variant else []))
-            config = row_config(repo_path(run.config), overrides, seq, None, impl)
+            config = row_config(repo_path(run.config), run.with_remat(variant).overrides, seq,
+                                None, impl)
             name = f"{os.path.basename(run.config)}, {seq:,} tokens"
             for remat in REMATS if impl is None else (None,):
                 label = (f"baseline ({remat} remat)" if impl is None else

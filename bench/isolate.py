@@ -56,8 +56,7 @@ def run_child(module: str, argv: list[str], timeout: float,
     moment it arrives (so the parent can write it down before the child ends, or is killed).
     status is 'ok' (exit 0), 'OOM: <the message's line>' (an out-of-memory message, or
     SIGKILL: how the kernel's OOM killer ends a process), 'timeout' (killed after `timeout`
-    seconds), or
-    'failed: <last error line>'.
+    seconds), or 'failed: <last error line>'.
     """
     import tempfile
     import threading

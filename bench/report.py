@@ -141,15 +141,16 @@ def fmt(x, spec: str = ",.1f", scale: float = 1.0, missing: str = "-") -> str:
     return missing if x is None else format(x * scale, spec)
 
 
-# Out-of-memory messages of XLA (CPU/GPU/TPU) and of the operating system.
-OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError")
+# Out-of-memory messages of XLA (CPU/GPU/TPU) and of the operating system, in lower case:
+# matched whatever the case
+OOM_MARKERS = ("resource_exhausted", "out of memory", "memoryerror")
 
 
 def oom_status(text: str) -> str | None:
     """'OOM: <the first line that says so>' (which memory, how many bytes: XLA's message
     names them) when `text` reports running out of memory, else None."""
     for line in text.splitlines():
-        if any(m in line for m in OOM_MARKERS):
+        if any(m in line.lower() for m in OOM_MARKERS):
             return f"OOM: {line.strip()[:160]}".replace("|", "/")
     return None
 
@@ -163,5 +164,3 @@ def error_status(e: Exception) -> str:
         return oom
     first = text.strip().splitlines()[:1] or [""]
     return f"failed: {type(e).__name__}: {first[0][:100]}".replace("|", "/")
-
-

@@ -44,6 +44,13 @@ class ModelRun:
     overrides: tuple[str, ...] = ()
     note: str = ""  # why the overrides (shown under the table)
 
+    def with_remat(self, remat: str | None) -> ModelRun:
+        """This run with `model.remat` overridden (None: the config's own)."""
+        if remat is None:
+            return self
+        return dataclasses.replace(self, overrides=(*self.overrides,
+                                                    f"--config.model.remat={remat}"))
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainSpec:
@@ -387,10 +394,9 @@ def collect(spec: TrainSpec, impls, layouts=(None,), on_record=None) -> list[dic
                     continue
                 # a row started near the end of the budget gets at most a minute past it
                 timeout = min(spec.timeout, budget.left() + BUDGET_GRACE_S)
-                row = run if remat is None else dataclasses.replace(
-                    run, overrides=(*run.overrides, f"--config.model.remat={remat}"))
-                records = run_row(row, seq, layout, impl, steps=spec.steps, warmup=spec.warmup,
-                                  isolate=spec.isolate, timeout=timeout, on_record=add)
+                records = run_row(run.with_remat(remat), seq, layout, impl, steps=spec.steps,
+                                  warmup=spec.warmup, isolate=spec.isolate, timeout=timeout,
+                                  on_record=add)
                 if impl == BASELINE:
                     add(baseline_choice(records, model, seq))
     return rows

@@ -47,7 +47,6 @@ from lclm.train.checks import validate
 from lclm.train.state import init_state, state_shardings
 from lclm.train.step import jit_train_step, make_optimizer
 
-# generation -> (TensorCores per chip, chip config, torus dimensions, HBM GiB per device)
 KNOWN = ("v4-N, v5p-N (TensorCores), v5e-N, v6e-N (chips); h100:N (N GPUs on one node), "
          "h100:MxN (M nodes of N), h200:..., a100:... (80 GB)")
 

@@ -42,7 +42,6 @@ from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
 from lclm.train.checks import attention_kernel, validate
 
-# name -> (bf16 FLOP/s, one-way link GB/s, memory GiB)
 # planner device name -> (peak FLOP/s, one-way link GB/s, HBM GiB): lclm.hardware's table
 DEVICES = planner_devices()
 _BYTES = {"float32": 4, "bfloat16": 2}

@@ -139,7 +139,7 @@ class FaultPolicy:
                 write()
                 if wait:
                     self.checkpoints.wait()
-                    self.failed_saves = 0
+                    self.save_written()
                 return None
             except SaveFailed as e:
                 error = e

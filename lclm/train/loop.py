@@ -371,8 +371,8 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                     lost = lost or ("process 0 lost the workdir lock"
                                     if any_process(lost is not None) else None)
                 if lost:   # the workdir is another run's now: write nothing more to it
-                    raise faults.halt(f"stopped after step {step}: {lost}; this run stops so that "
-                               "two runs never write one workdir")
+                    raise faults.halt(f"stopped after step {step}: {lost}; this run stops so "
+                                      "that two runs never write one workdir")
                 if give_up:
                     stopping, saving = faults.metrics_stop_reason(step), True
                 if progress:
