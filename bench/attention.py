@@ -7,7 +7,7 @@ Methods, each jitted once per shape and timed with `bench.timing.median_seconds`
 
 - every lclm kernel (`lclm.ops.kernels.KERNELS`) that imports and suits the backend
   (`pallas_gpu` on GPU, `pallas_tpu` on TPU, `blockwise` everywhere), called through
-  `lclm.ops.ring_attention.local_attention` (the ring with one member, custom VJP included);
+  `lclm.ops.local_attention` (the ring with one member, custom VJP included);
 - `jax.nn.dot_product_attention(implementation='cudnn')` on GPU (fused, not ring-capable);
 - the official `ringattention` package's JAX ring when it is installed, in a one-device
   `shard_map` (skipped otherwise).
@@ -118,7 +118,7 @@ def preferred_kernel(platform: str) -> str:
 
 def lclm_method(impl: str, q_chunk: int, kv_chunk: int) -> Method:
     """An lclm kernel through `local_attention` (one device, original token order)."""
-    from lclm.ops.ring_attention import local_attention
+    from lclm.ops import local_attention
 
     def fn(q, k, v, causal):
         return local_attention(q, k, v, causal=causal, impl=impl, q_chunk=q_chunk,

@@ -1,5 +1,5 @@
 """`python -m bench --suite gpu-quick --compile-only [TARGET]`: every program a GPU suite's
-parts would run, compiled for described GPUs (`lclm.aot.target`, default `h100:1`) on this
+parts would run, compiled for described GPUs (`lclm.plan.aot.target`, default `h100:1`) on this
 machine, with no GPU attached.
 
 The programs are the parts' own, built by their own functions at the suite's sizes:
@@ -7,7 +7,7 @@ The programs are the parts' own, built by their own functions at the suite's siz
 closed over as constants as the part does), `attention` (each method's forward and
 forward+backward at each shape) and `train` (the baseline's three remat variants and lclm's
 step per length, on abstract state and batch: nothing is allocated). Each is lowered with
-`lclm.aot.lowering_for` (the kernels see the described GPU, not this CPU) and compiled by
+`lclm.plan.aot.lowering_for` (the kernels see the described GPU, not this CPU) and compiled by
 XLA:GPU (Triton and Mosaic GPU kernels to sm_90a through ptxas). A compile error found here
 costs no GPU minutes. What cannot be checked without a GPU: timing, autotuning, cuDNN's
 execution plans (built when a program first runs) and whether the memory fits at run time.
@@ -42,7 +42,7 @@ def _abstract(shape, dtype, device):
 
 def _compile(fn, args, device):
     """`fn` (jitted) lowered for `device` with `args` (abstract), then compiled."""
-    from lclm import aot
+    from lclm.plan import aot
 
     with aot.lowering_for(device):
         lowered = fn.lower(*args)
@@ -128,7 +128,7 @@ def run(suite, parts, target_name: str, out_dir: str) -> int:
     number of programs that failed."""
     import jax
 
-    from lclm import aot
+    from lclm.plan import aot
 
     target = aot.target(target_name)
     devices = aot.target_devices(target)

@@ -131,7 +131,7 @@ def ring_of_blocks(kernel, blocks: int, tiles: dict, q_pos, k_pos, q_seg=None, k
     import jax.numpy as jnp
     import numpy as np
 
-    from lclm.ops.ring_attention import merge_partials
+    from lclm.ops.context_parallel.rounds import merge_partials
 
     # device arrays made here, outside the trace: concrete values inside it (kernels index
     # them with traced loop counters, which numpy arrays would refuse)

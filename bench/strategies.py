@@ -26,8 +26,8 @@ import sys
 
 from bench.report import Table, default_out_dir, stamp
 from lclm.cli import run_cli
-from lclm.config.schema import STRATEGIES
 from lclm.files import check_output
+from lclm.ops.context_parallel import STRATEGIES
 
 LAYOUTS = ("striped", "zigzag", "contiguous")  # lclm.config.schema.LAYOUTS in the columns' order
 # (label, mesh sizes, usp's Ulysses degree)
@@ -44,7 +44,7 @@ def _errors(strategy, layout, mesh_kw, ulysses, heads, kv_heads, segments, seed)
     import numpy as np
 
     from lclm.config import AttentionConfig
-    from lclm.ops.context_parallel import context_parallel_attention
+    from lclm.ops.context_parallel import context_parallel_attention, ring_size
     from lclm.ops.kernels.reference import dense_attention
     from lclm.ops.layout import from_layout, to_layout
     from lclm.parallel import make_mesh
@@ -58,7 +58,7 @@ def _errors(strategy, layout, mesh_kw, ulysses, heads, kv_heads, segments, seed)
     want = (want_o, *vjp(jnp.asarray(do)))
 
     mesh = make_mesh(**mesh_kw)
-    n = AttentionConfig(strategy=strategy, ulysses=ulysses).ring_size(mesh.shape["sp"])
+    n = ring_size(AttentionConfig(strategy=strategy, ulysses=ulysses), mesh.shape["sp"])
     lay = lambda x: None if x is None else to_layout(jnp.asarray(x), layout, n)
     attend = jax.jit(lambda q, k, v: context_parallel_attention(
         q, k, v, mesh=mesh, strategy=strategy, layout=layout, segment_ids=lay(seg), q_chunk=8,
@@ -122,15 +122,14 @@ def balance(strategy: str, layout: str, n: int, ulysses: int, seq_len: int, tile
     triangle's tiles x heads / n. ring and all_gather run the same rounds; ulysses runs the
     whole sequence on heads / n heads per device (one round); usp runs a ring of n / ulysses on
     heads / ulysses heads."""
-    from lclm.ops.ring_attention import tile_schedule
+    from lclm.config import AttentionConfig
+    from lclm.ops.context_parallel import ring_size
+    from lclm.ops.context_parallel.ring import tile_schedule
 
     ideal = tile_schedule("contiguous", 1, seq_len, tile, tile)[0, 0] * heads / n
-    if strategy == "ulysses":
-        ring, per_device = 1, heads / n
-    elif strategy == "usp":
-        ring, per_device = n // ulysses, heads / ulysses
-    else:
-        ring, per_device = n, heads
+    # a ring of `ring` members, each sp / ring devices splitting its heads by all-to-alls
+    ring = ring_size(AttentionConfig(strategy=strategy, ulysses=ulysses), n)
+    per_device = heads * ring / n
     counts = tile_schedule(layout if ring > 1 else "contiguous", ring, seq_len, tile, tile)
     return float(ideal / (counts.max(axis=1).sum() * per_device))
 

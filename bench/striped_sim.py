@@ -24,7 +24,7 @@ striped and contiguous rings use.
 
 Next to the simulated speedup contiguous/striped: the bound (C + (N-1) F) / (N C) from the
 same kernel's causal (C) and full (F) block times, the same bound from cuDNN's times (GPU),
-the ratio of busiest-device tile counts (`lclm.ops.ring_attention.tile_schedule`), and the
+the ratio of busiest-device tile counts (`lclm.ops.context_parallel.ring.tile_schedule`), and the
 Striped Attention paper's published figures for the 1B model on a 1 x N mesh.
 """
 
@@ -146,7 +146,7 @@ def class_times(impl: str, block: int, spec: StripedSpec) -> dict[str, float]:
 
 def layout_tiles(layout: str, n: int, block: int, spec: StripedSpec) -> tuple[int, int]:
     """The (q, kv) tiles a ring of this layout runs at this block (`tile_run`)."""
-    from lclm.ops.ring_attention import tile_run
+    from lclm.ops.context_parallel.rounds import tile_run
 
     run = tile_run(layout, n, n * block)
     return min(spec.q_chunk, run), min(spec.kv_chunk, run)
@@ -184,7 +184,7 @@ def tile_ratio(n: int, block: int, spec: StripedSpec) -> float | None:
     """Busiest-device tile count summed over rounds, contiguous / striped (None: too costly)."""
     import jax
 
-    from lclm.ops.ring_attention import tile_schedule
+    from lclm.ops.context_parallel.ring import tile_schedule
 
     tiles = (block // spec.q_chunk) * (block // spec.kv_chunk)
     if n * n * tiles > spec.tile_limit:

@@ -175,14 +175,14 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
 def compile_row(config, *, devices=None, model_patch=None, baseline: str | None = None):
     """(the row's record: params, seq, impl, layout, remat, mesh, compile_s, xla_gib; the
     compiled step; (model config, mesh sizes, state, batch)) for `measure` (see there). On
-    described `devices` (`lclm.aot.target_devices`: `--compile-only`) the step is lowered for
+    described `devices` (`lclm.plan.aot.target_devices`: `--compile-only`) the step is lowered for
     them with an abstract state and batch, and only compiled."""
     import contextlib
 
     import jax
 
-    from lclm import aot
     from lclm.models.llama import param_count
+    from lclm.plan import aot
     from lclm.train.checks import attention_kernel
 
     target = (devices or jax.devices())[0]
@@ -209,14 +209,14 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
 
 def _build(config, devices=None):
     """(model config, mesh sizes, fresh train state, synthetic batch, un-jitted step). On
-    `devices` (described ones, `lclm.aot.target_devices`) the state and batch are abstract:
+    `devices` (described ones, `lclm.plan.aot.target_devices`) the state and batch are abstract:
     shapes and shardings to compile against, nothing allocated."""
     import jax
 
-    from lclm import aot
     from lclm.config import AttentionConfig, LlamaConfig
     from lclm.data.loader import batch_sharding
     from lclm.parallel.mesh import make_mesh
+    from lclm.plan import aot
     from lclm.train.checks import validate
     from lclm.train.state import init_state
     from lclm.train.step import make_optimizer, make_train_step
@@ -246,9 +246,9 @@ def _build_baseline(config, remat: str, devices=None):
     import jax
 
     from bench import baseline
-    from lclm import aot
     from lclm.config import LlamaConfig
     from lclm.errors import ConfigError
+    from lclm.plan import aot
     from lclm.train.checks import validate
     from lclm.train.step import make_optimizer
 

@@ -2,9 +2,9 @@
 the config (train.py's syntax for every program), and `run_cli` turns the errors a user can
 fix into one line on stderr and an exit status (2: bad input at start, 3: a run that stopped
 itself) instead of a traceback. Every such program's `--help` lists the config fields with
-their defaults and the schema's comments on them (`config_help`), and `--print-config`
-prints the config it would run with (the file and the overrides applied, secrets left out)
-and exits 0 without starting anything.
+their defaults, help, names and ranges as the schema declares them (`config_help`), and
+`--print-config` prints the config it would run with (the file and the overrides applied,
+secrets left out) and exits 0 without starting anything.
 
 No JAX here: CLIs read their config before JAX starts (simulated devices are requested from
 the mesh size first).
@@ -13,21 +13,17 @@ the mesh size first).
 from __future__ import annotations
 
 import argparse
-import ast
-import inspect
-import io
 import re
 import sys
 import textwrap
-import tokenize
 from collections.abc import Callable, Iterator
 
 import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from lclm.config import base_config, schema
-from lclm.config import model as model_schema
+from lclm.config import schema
+from lclm.config.fields import fields_of
 from lclm.config.files import field, load_config
 from lclm.config.secrets import public_config
 from lclm.config.stages import keys_set_by_stages
@@ -158,21 +154,19 @@ def config_text(config: ml_collections.ConfigDict) -> str:
 
 def config_help() -> str:
     """Every config field as `key=default` (`base_config`'s defaults, which a config file
-    changes), each under the comment that lclm/config/schema.py or lclm/config/model.py
-    writes beside or above it, a section's comment before its first field."""
-    docs = _field_docs()
+    changes) with its help, accepted names and range as the schema declares them
+    (`schema.SECTIONS`), each section under its own line."""
     lines = ["config fields (--config.<key>=<value>) with lclm.config.base_config's defaults; a",
              "config file changes some (--print-config prints what a run gets):"]
-    section = ""
-    for key, value in _flat(base_config().to_dict()):
-        head = key.rpartition(".")[0]
-        if head != section and head in docs:
-            lines += textwrap.wrap(docs[head], 92, initial_indent="  # ",
-                                   subsequent_indent="  # ")
-        section = head
-        lines.append(f"  {key}={value!r}")
-        lines += textwrap.wrap(docs.get(key, ""), 92, initial_indent=" " * 6,
-                               subsequent_indent=" " * 6)
+    for name, section in schema.SECTIONS.items():
+        lines += textwrap.wrap(" ".join((section.__doc__ or "").split()), 92,
+                               initial_indent="  # ", subsequent_indent="  # ")
+        for f in fields_of(section):
+            lines.append(f"  {name + '.' if name else ''}{f.name}={f.default!r}")
+            words = [f.help] + ([f"one of {', '.join(f.choices)}"] if f.choices else []) + (
+                [f"{f.rule.says}" + (f" ({f.note})" if f.note else "")] if f.rule else [])
+            lines += textwrap.wrap("; ".join(filter(None, words)), 92,
+                                   initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
 
 
@@ -183,84 +177,6 @@ def _flat(tree: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
             yield from _flat(tree[name], f"{prefix}{name}.")
         else:
             yield f"{prefix}{name}", tree[name]
-
-
-def _field_docs() -> dict[str, str]:
-    """{dotted key or section: its comment} as base_config's source writes them; a section
-    that takes its fields from a dataclass (`dataclasses.asdict(LlamaConfig())`) has the
-    comments of that class's source for them (then its own, where it sets one again)."""
-    model_source = inspect.getsource(model_schema)
-    model_notes = _comment_notes(model_source)
-    classes = {c.name: {f.target.id: model_notes(f.lineno) for f in c.body
-                        if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
-               for c in ast.parse(model_source).body if isinstance(c, ast.ClassDef)}
-    source = inspect.getsource(schema)
-    notes = _comment_notes(source)
-    base = next(f for f in ast.parse(source).body
-                if isinstance(f, ast.FunctionDef) and f.name == "base_config")
-    docs: dict[str, list[str]] = {}
-    for stmt in base.body:  # `c.name = value`; a `ConfigDict(...)` value is a section
-        if not (isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Attribute)):
-            continue
-        name = stmt.targets[0].attr
-        docs.setdefault(name, []).append(notes(stmt.lineno))
-        if _call_name(stmt.value) == "ConfigDict":
-            for key, doc in _section_fields(stmt.value, notes, classes, stmt.lineno):
-                docs.setdefault(f"{name}.{key}", []).append(doc)
-    return {key: "; ".join(filter(None, doc)) for key, doc in docs.items() if any(doc)}
-
-
-def _section_fields(node: ast.expr, notes: Callable[..., str], classes: dict,
-                    first_line: int) -> Iterator[tuple[str, str]]:
-    """(field, its comment) of a section's expression: the keywords of its calls
-    (`dict(name=...)`), the keys of its dicts and the fields of `dataclasses.asdict(Cls())`.
-    The comment above `first_line` is the section's, not its fields'."""
-    if isinstance(node, ast.Call) and _call_name(node) == "asdict":
-        yield from classes.get(_call_name(node.args[0]), {}).items()
-    elif isinstance(node, ast.Call):
-        for arg in node.args:
-            yield from _section_fields(arg, notes, classes, first_line)
-        yield from ((k.arg, notes(k.lineno, leading=k.lineno != first_line))
-                    for k in node.keywords if k.arg)
-    elif isinstance(node, ast.Dict):
-        for key, value in zip(node.keys, node.values):
-            if key is None:  # `**value`
-                yield from _section_fields(value, notes, classes, first_line)
-            elif isinstance(key, ast.Constant) and isinstance(key.value, str):
-                yield key.value, notes(key.lineno, leading=key.lineno != first_line)
-
-
-def _call_name(node: ast.expr) -> str:
-    """The name of the function or method that `node` calls ('' where it calls none)."""
-    func = node.func if isinstance(node, ast.Call) else None
-    return getattr(func, "attr", getattr(func, "id", ""))
-
-
-def _comment_notes(source: str) -> Callable[..., str]:
-    """`notes(line, leading=True)`: the comment lines directly above code line `line` of
-    `source` (where `leading`), then the comment ending that line with the comment lines
-    aligned under it."""
-    trailing: dict[int, str] = {}
-    above: dict[int, str] = {}
-    block: list[str] = []
-    last = None  # (line, column, owner line) of the latest comment that follows code
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        (line, col), text = tok.start, tok.string.lstrip("#").strip()
-        if tok.type == tokenize.COMMENT and tok.line[:col].strip():
-            trailing[line], last = text, (line, col, line)
-        elif tok.type == tokenize.COMMENT and last and last[:2] == (line - 1, col):
-            trailing[last[2]] += " " + text
-            last = (line, col, last[2])
-        elif tok.type == tokenize.COMMENT:
-            block.append(text)
-        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
-                              tokenize.DEDENT) and block:
-            above[line], block = " ".join(block), []
-
-    def notes(line: int, leading: bool = True) -> str:
-        return " ".join(filter(None, [above.get(line) if leading else None,
-                                      trailing.get(line)]))
-    return notes
 
 
 def _config_path(argv: list[str]) -> str | None:

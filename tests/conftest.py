@@ -24,7 +24,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # libtpu (ahead-of-time TPU compiles, tests/test_aot.py) takes a machine-wide lock unless
-# told otherwise. lclm.aot says so itself where no TPU is attached; on a TPU VM too the test
+# told otherwise. lclm.plan.aot says so itself where no TPU is attached; on a TPU VM too the test
 # workers only compile (JAX_PLATFORMS=cpu), so parallel ones may each load it
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation for TPU slices (lclm.aot, `python -m lclm.plan --compile`).
+"""Ahead-of-time compilation for TPU slices (lclm.plan.aot, `python -m lclm.plan --compile`).
 
 libtpu comes with the [test] extra on Linux x86-64 (it compiles for TPUs without one), so
 CI runs the compile tests; elsewhere they skip. The no-libtpu message is tested everywhere,
@@ -14,12 +14,12 @@ import pytest
 from support import DEMO_CONFIG, ROOT
 
 from lclm import tpu_attached
-from lclm.aot import compile_step, target_devices, tpu_target
 from lclm.config import load_config
 from lclm.errors import ConfigError
 from lclm.ops.kernels import pallas_tpu
-from lclm.plan import estimate
-from lclm.plan import main as plan_main
+from lclm.plan.__main__ import main as plan_main
+from lclm.plan.aot import compile_step, target_devices, tpu_target
+from lclm.plan.memory import estimate
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
@@ -58,7 +58,7 @@ def _plan(*args):
 
 
 def test_compile_without_libtpu_says_so_in_one_line():
-    hide_libtpu = ("import sys; sys.modules['libtpu'] = None; from lclm.plan import main; "
+    hide_libtpu = ("import sys; sys.modules['libtpu'] = None; from lclm.plan.__main__ import main; "
                    f"sys.exit(main(['--config', {DEMO_CONFIG!r}, '--compile', 'v5e-8']))")
     done = _python("-c", hide_libtpu)
     assert done.returncode == 2

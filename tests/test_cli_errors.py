@@ -47,7 +47,7 @@ def test_train_cli(args, needle):
     ("import lclm_no_such_module\n", "line 1: ModuleNotFoundError: No module named"),
 ])
 def test_a_broken_config_file_is_one_line(text, needle, tmp_path, capsys):
-    from lclm.plan import main
+    from lclm.plan.__main__ import main
     path = tmp_path / "broken.py"
     path.write_text(text)
     assert main(["--config", str(path), "--devices", "8"]) == 2
@@ -69,7 +69,7 @@ def test_a_broken_config_file_is_one_line(text, needle, tmp_path, capsys):
      "(stages.schedule=...) instead"),
 ])
 def test_plan_cli(args, needle, capsys):
-    from lclm.plan import main
+    from lclm.plan.__main__ import main
     assert main(["--config", DEMO_CONFIG, "--devices", "8", *args]) == 2
     _assert_one_error_line(capsys.readouterr().err, needle)
 
@@ -249,7 +249,7 @@ def test_every_console_script_names_a_main_function():
 
 
 def test_generate_cli_checks_its_input_before_loading(tmp_path, capsys):
-    from lclm.generate import main
+    from lclm.eval.generate import main
     missing = ["--hf", str(tmp_path / "no_model")]  # loading would fail: the flags fail first
     for args, needle in [(["--prompt", " "], "--prompt is empty"),
                          (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens=0 must"),
@@ -269,7 +269,7 @@ def _train(*args, cwd=ROOT):
                           capture_output=True, text=True, timeout=60, env=env)
 
 
-def test_train_help_lists_every_config_field_with_its_default_and_comment():
+def test_train_help_lists_every_config_field_with_its_default_and_help():
     from lclm.cli import _flat
     from lclm.config import base_config
     r = _train("--help")
@@ -277,9 +277,12 @@ def test_train_help_lists_every_config_field_with_its_default_and_comment():
     assert r.stdout.startswith("Train a LLaMA with striped ring attention.")
     for key, value in _flat(base_config().to_dict()):
         assert f"\n  {key}={value!r}\n" in r.stdout
-    assert "  checkpoint.every=0\n      steps between saves (0: none by step count)\n" \
-        in r.stdout
-    assert "  # staged context extension (lclm.train.stages)" in r.stdout
+    # each field's help, then what it accepts, as the schema declares them
+    assert "  checkpoint.every=0\n      steps between saves; must be >= 0 (0: no saves by step " \
+        "count)\n" in r.stdout
+    assert "  model.remat='attention'\n" in r.stdout
+    assert "one of none, full, attention, offload, dots, dots_no_batch\n" in r.stdout
+    assert "  # Staged context extension (lclm.train.stages)" in r.stdout
 
 
 def test_train_print_config_prints_the_resolved_config_without_secrets(tmp_path):
@@ -306,7 +309,7 @@ def get_config():
     _assert_one_error_line(r.stderr, "unknown config key train.step")
 
 
-@pytest.mark.parametrize("module", ["lclm.plan", "bench.train_step", "bench.max_context"])
+@pytest.mark.parametrize("module", ["lclm.plan.__main__", "bench.train_step", "bench.max_context"])
 def test_config_driven_clis_print_the_config_and_list_its_fields(module, capsys):
     import importlib
     main = importlib.import_module(module).main

@@ -9,10 +9,10 @@ import pytest
 from support import DEMO_CONFIG, DEMO_TOKENIZER, ROOT
 
 from lclm.config import base_config, load_config
-from lclm.config.schema import LAYOUTS, STRATEGIES
+from lclm.config.model import LAYOUTS
 from lclm.data.loader import parse_sources
 from lclm.errors import ConfigError
-from lclm.ops import context_parallel, layout
+from lclm.ops import layout
 from lclm.train.checks import check_data, validate
 
 
@@ -23,9 +23,6 @@ def _load(name):
 def test_layout_names_are_one_list():
     assert layout.LAYOUTS is LAYOUTS
 
-
-def test_strategy_names_are_one_list():
-    assert context_parallel.STRATEGIES is STRATEGIES   # every one is built
 
 
 @pytest.mark.parametrize("name,devices,sizes", [

@@ -1,4 +1,4 @@
-"""lclm.generate: a prompt's continuation from a checkpoint, greedy (the argmax of the full
+"""lclm.eval.generate: a prompt's continuation from a checkpoint, greedy (the argmax of the full
 forward, recomputed here without a cache) or sampled (the same tokens for the same seed)."""
 
 import dataclasses
@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from support import DEMO_TOKENIZER
 
-from lclm import generate, hf
+from lclm import hf
 from lclm.config import LlamaConfig
 from lclm.convert import hf_to_checkpoint
+from lclm.eval import generate
 from lclm.eval.decode import sampler
 from lclm.eval.model import answer_text, load_model
 from lclm.models.llama import forward, init_params

@@ -1,4 +1,5 @@
-"""Ahead-of-time compilation for GPUs on a machine without one (lclm.aot, `plan --compile h100:N`).
+"""Ahead-of-time compilation for GPUs on a machine without one (lclm.plan.aot,
+`plan --compile h100:N`).
 
 The names, the shipped GPU descriptions, the budget and the kernel choice by target device are
 tested everywhere; the compiles need JAX's CUDA plugin with ptxas (`lclm[gpu-aot]`) and skip,
@@ -15,11 +16,12 @@ import pytest
 from jax._src import xla_bridge
 from support import DEMO_CONFIG, ROOT
 
-from lclm import aot, hardware
+from lclm import hardware
 from lclm.config import load_config
 from lclm.errors import ConfigError
 from lclm.ops.kernels import choose_kernel, compiling_for, target_device, tokamax_gpu
-from lclm.plan import estimate
+from lclm.plan import aot
+from lclm.plan.memory import estimate
 
 HAVE_CUDA_PLUGIN = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None
                        for v in (12, 13)) if importlib.util.find_spec("jax_plugins") else False
@@ -106,7 +108,7 @@ def _python(*args, hide=()):
     """A fresh Python (without the simulated devices' XLA_FLAGS) in the repository root."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     hiding = "".join(f"sys.modules[{m!r}] = None; " for m in hide)
-    code = (f"import sys; {hiding}from lclm.plan import main; "
+    code = (f"import sys; {hiding}from lclm.plan.__main__ import main; "
             f"sys.exit(main({[*args]!r}))")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)

@@ -1,8 +1,9 @@
 """One hardware table: the MFU's peak, the planner's devices and the compiler's targets read
 the same figures (lclm/hardware.py)."""
 
-from lclm import aot, hardware
-from lclm.plan import DEVICES
+from lclm import hardware
+from lclm.plan import aot
+from lclm.plan.memory import DEVICES
 
 
 def test_the_mfu_peak_is_the_longest_matching_device_kind():

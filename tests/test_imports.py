@@ -10,8 +10,8 @@ from support import ROOT
 
 LAYERS = ["lclm.errors", "lclm.hardware", "lclm.storage", "lclm.files", "lclm.config",
           "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel", "lclm.models", "lclm.hf",
-          "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval", "lclm.aot",
-          "lclm.strategy_plan", "lclm.plan", "lclm.convert", "lclm.generate"]
+          "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval",
+          "lclm.plan", "lclm.convert"]
 
 
 def _layer(module: str) -> int | None:

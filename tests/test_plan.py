@@ -8,7 +8,8 @@ from support import DEMO_CONFIG, ROOT
 
 from lclm.config import LlamaConfig, load_config
 from lclm.parallel import make_mesh
-from lclm.plan import estimate, main
+from lclm.plan.__main__ import main
+from lclm.plan.memory import estimate
 from lclm.train.state import init_state
 from lclm.train.step import make_optimizer
 

@@ -1,4 +1,4 @@
-"""The planner's comparison of context-parallel strategies (lclm/strategy_plan.py): bytes by
+"""The planner's comparison of context-parallel strategies (lclm/plan/strategies.py): bytes by
 hand for a small case, how they scale with the ring, and the ranking on a 4 x 8 GPU cluster."""
 
 import os
@@ -7,9 +7,10 @@ import pytest
 from support import ROOT
 
 from lclm.config import load_config
-from lclm.config.schema import STRATEGIES
-from lclm.plan import DEVICES, main
-from lclm.strategy_plan import compare
+from lclm.ops.context_parallel import STRATEGIES
+from lclm.plan.__main__ import main
+from lclm.plan.memory import DEVICES
+from lclm.plan.strategies import compare
 
 H100 = DEVICES["h100-nvlink"][0]
 

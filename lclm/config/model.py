@@ -1,50 +1,69 @@
 """The model schema: `LlamaConfig` (the network) and `AttentionConfig` (how attention runs).
 
-Typed, hashable views of `config.model` and `config.attention`; their defaults are the
-defaults of those config sections (`schema.base_config` builds the sections from them).
-No JAX here: configs are read before JAX starts.
+Typed, hashable views of `config.model` and `config.attention`; their fields (`setting`:
+default, help, accepted names and range) are those config sections' (`schema.base_config`
+builds the sections from them). No JAX here: configs are read before JAX starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from lclm.config.fields import AT_LEAST_1, FINITE_POSITIVE, setting
+
+DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch")
+# the RoPE scalings lclm.models.llama computes; model.rope_scaling also takes "auto"
+ROPE_SCALINGS = ("none", "linear", "llama3")
+# token layouts over the sp devices (lclm.ops.layout)
+LAYOUTS = ("striped", "contiguous", "zigzag")
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Model hyper-parameters (a tiny model by default; `MODEL_PRESETS` hold real shapes)."""
-    vocab_size: int = 512
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_dim: int = 192
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    dtype: str = "bfloat16"         # compute dtype (matmul inputs); sums stay float32
-    param_dtype: str = "float32"
-    scan_layers: bool = True
-    remat: str = "attention"        # one of schema.REMAT_POLICIES
-    ffn_chunk: int = 2048           # tokens per blockwise feed-forward chunk (per sp shard)
-    loss_chunk: int = 2048          # tokens per blockwise cross-entropy chunk (per sp shard)
-    # RoPE frequency scaling over rope_theta: "none", "linear" (every frequency / factor) or
-    # "llama3" (Llama-3.1's: wavelengths above original/low_freq_factor slowed by factor,
-    # below original/high_freq_factor kept, blended between); "auto" (config.model's default:
-    # the init_from_hf source's scaling) means "none" here. The factors are HF's
-    # rope_scaling fields (llama3: Llama-3.1's 8 / 1 / 4 / 8192)
-    rope_scaling: str = "none"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_positions: int = 8192
-    # what an export's config.json states (not used by the computation): the source
-    # checkpoint's token ids (bos_id -1: none; one or more eos ids) and its maximum position
-    # count (an export states max(this, the data.seq_len trained))
-    bos_id: int = 1
-    eos_ids: tuple = (2,)
-    max_position_embeddings: int = 4096
+    vocab_size: int = setting(512, rule=AT_LEAST_1)
+    dim: int = setting(64, "hidden size: n_heads x an even head dim", rule=AT_LEAST_1)
+    n_layers: int = setting(2, rule=AT_LEAST_1)
+    n_heads: int = setting(4, "query heads", rule=AT_LEAST_1)
+    n_kv_heads: int = setting(2, "K/V heads (GQA; divides n_heads)", rule=AT_LEAST_1)
+    ffn_dim: int = setting(192, "SwiGLU hidden size", rule=AT_LEAST_1)
+    rope_theta: float = setting(10000.0, "RoPE base", rule=FINITE_POSITIVE)
+    norm_eps: float = setting(1e-5, "RMSNorm epsilon")
+    tie_embeddings: bool = setting(False, "the output projection is the embedding")
+    init_std: float = setting(0.02, "standard deviation of fresh weights")
+    dtype: str = setting("bfloat16", "compute dtype (matmul inputs); sums stay float32",
+                         choices=DTYPES)
+    param_dtype: str = setting("float32", "dtype of the parameters and optimizer state",
+                               choices=DTYPES)
+    scan_layers: bool = setting(True, "the layers as one lax.scan (one layer compiled)")
+    remat: str = setting("attention", "what the backward recomputes: 'attention' keeps the "
+                         "attention's output (the ring runs once), 'full' keeps only layer "
+                         "inputs, 'offload' moves them to host memory, 'none' keeps all",
+                         choices=REMAT_POLICIES)
+    ffn_chunk: int = setting(2048, "tokens per blockwise feed-forward chunk (per sp shard)",
+                             rule=AT_LEAST_1)
+    loss_chunk: int = setting(2048, "tokens per blockwise cross-entropy chunk (per sp shard)",
+                              rule=AT_LEAST_1)
+    rope_scaling: str = setting(
+        "none", "RoPE frequency scaling over rope_theta: 'none', 'linear' (every frequency / "
+        "factor) or 'llama3' (Llama-3.1's: wavelengths above original/low_freq_factor slowed "
+        "by factor, below original/high_freq_factor kept, blended between)",
+        choices=ROPE_SCALINGS)
+    rope_factor: float = setting(8.0, "HF's rope_scaling factor (Llama-3.1: 8)",
+                                 rule=FINITE_POSITIVE)
+    rope_low_freq_factor: float = setting(1.0, "llama3 scaling (Llama-3.1: 1)",
+                                          rule=FINITE_POSITIVE)
+    rope_high_freq_factor: float = setting(4.0, "llama3 scaling (Llama-3.1: 4)",
+                                           rule=FINITE_POSITIVE)
+    rope_original_max_positions: int = setting(8192, "the context the scaling starts from "
+                                               "(Llama-3.1: 8192)", rule=AT_LEAST_1)
+    bos_id: int = setting(1, "what an export's config.json states: the source checkpoint's "
+                          "beginning-of-sequence id (-1: none)")
+    eos_ids: tuple = setting((2,), "and its end-of-sequence ids (one or more)")
+    max_position_embeddings: int = setting(4096, "and its maximum position count (an export "
+                                           "states max(this, the data.seq_len trained))",
+                                           rule=AT_LEAST_1)
 
     def __post_init__(self):
         # a JSON round trip (saved configs) gives lists; the config stays hashable
@@ -66,23 +85,21 @@ class LlamaConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """How attention is computed (`config.attention`): the kernel (`impl`, 'auto' picks one
-    per platform), the token layout over the sp ring, the blockwise/ring tile sizes, and the
-    context-parallel strategy over sp (`lclm.ops.context_parallel`): 'ring' passes K/V
-    blocks round the ring, 'all_gather' gathers them, 'ulysses' trades the sequence split
-    for a head split with all-to-alls, 'usp' runs Ulysses over groups of `ulysses`
-    consecutive sp devices and the ring across the groups."""
-    impl: str = "auto"
-    layout: str = "striped"
-    q_chunk: int = 512
-    kv_chunk: int = 512
-    strategy: str = "ring"  # ring | all_gather | ulysses | usp
-    ulysses: int = 1  # usp's Ulysses degree: mesh.sp = ring members x ulysses
-
-    def ring_size(self, sp: int) -> int:
-        """Members of the ring over `sp` devices, the shards the token layout splits a
-        sequence into: sp, or sp / ulysses under usp (each shard cut over its group)."""
-        return sp // self.ulysses if self.strategy == "usp" else sp
+    """How attention is computed: the kernel, the token layout over the sp devices, the
+    blockwise tile sizes and the context-parallel strategy over sp."""
+    impl: str = setting("auto", "the attention kernel (lclm.ops.kernels.KERNELS); 'auto' picks "
+                        "the fastest that serves the shapes on each platform")
+    layout: str = setting("striped", "which tokens each sp device holds: 'striped' (token i on "
+                          "device i mod sp), 'contiguous' or 'zigzag'", choices=LAYOUTS)
+    q_chunk: int = setting(512, "query tile of the attention kernel", rule=AT_LEAST_1)
+    kv_chunk: int = setting(512, "key/value tile of the attention kernel", rule=AT_LEAST_1)
+    strategy: str = setting("ring", "what crosses the sp devices (lclm.ops.context_parallel."
+                            "STRATEGIES): 'ring' passes K/V blocks round the ring, "
+                            "'all_gather' gathers them, 'ulysses' trades the sequence split for "
+                            "a head split with all-to-alls, 'usp' runs Ulysses over groups of "
+                            "`ulysses` consecutive sp devices and the ring across the groups")
+    ulysses: int = setting(1, "usp's Ulysses degree: mesh.sp = ring members x ulysses",
+                           rule=AT_LEAST_1)
 
     @classmethod
     def from_config(cls, attention_config) -> AttentionConfig:

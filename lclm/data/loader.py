@@ -30,12 +30,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from lclm import storage
-from lclm.config.model import AttentionConfig
 from lclm.config.schema import SOURCE_KINDS
 from lclm.data.packing import ROW_KEYS, Packer
 from lclm.data.sources import DataError, SourceStats, open_documents
 from lclm.data.stream import DocumentStream, EpochOrders, Mixture
 from lclm.errors import ConfigError
+from lclm.ops.context_parallel import ring_size
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel.mesh import logical_spec
 
@@ -158,7 +158,7 @@ class HostBatches:
         d = config.data
         # the layout's shards: the ring's members (usp: sp / ulysses)
         self.layout = config.attention.layout
-        self.shards = AttentionConfig.from_config(config.attention).ring_size(mesh.shape["sp"])
+        self.shards = ring_size(config.attention, mesh.shape["sp"])
         self.sharding = batch_sharding(mesh)
         self.global_shape = (d.batch_size, d.seq_len)
         self.rows, self.seq = host_block(self.sharding, self.global_shape)

@@ -34,7 +34,7 @@ from jax import lax
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.loader import batch_sharding
 from lclm.models import llama
-from lclm.ops.context_parallel import kernel_block
+from lclm.ops.context_parallel import kernel_block, ring_size
 from lclm.ops.ffn import swiglu
 from lclm.ops.layout import batch_to_layout, to_layout
 
@@ -145,7 +145,7 @@ def padded_length(n: int, sp: int, ffn_chunk: int, attention: AttentionConfig) -
     divides and whose attention runs (`kernel_block`: a ring shard, half of one with zigzag,
     the whole sequence under ulysses) the attention chunks divide, each chunk capped at what
     it tiles as the ring and blockwise ops cap it."""
-    a, ring = attention, attention.ring_size(sp)
+    a, ring = attention, ring_size(attention, sp)
 
     def fits(p: int) -> bool:
         if a.layout == "zigzag" and ring > 1 and (p // ring) % 2:
@@ -226,7 +226,7 @@ def generate(c: LlamaConfig, a: AttentionConfig, params, tokens, positions, segm
     see `padded_length`) and B the mesh's batch axes. Decoded token s sits at position
     positions[:, -1] + 1 + s.
     """
-    sp = 1 if mesh is None else a.ring_size(mesh.shape["sp"])   # the layout's shards
+    sp = 1 if mesh is None else ring_size(a, mesh.shape["sp"])   # the layout's shards
     layout = a.layout if mesh is not None else "contiguous"
     batch = dict(tokens=tokens, positions=positions, segment_ids=segment_ids)
     batch = {k: np.asarray(v, np.int32) for k, v in batch_to_layout(batch, layout, sp).items()}

@@ -1,7 +1,7 @@
 """The model an evaluation CLI decodes with: an lclm checkpoint (its saved config, tokenizer
 and mesh) or a HuggingFace LLaMA directory, its parameters placed on a mesh, and the flags
 that choose it (`add_model_arguments`), shared by `lclm.eval.line_retrieval` and
-`lclm.generate`.
+`lclm.eval.generate`.
 
 Loading reads Orbax tensors, JSON, safetensors and a tokenizer file only: nothing is unpickled.
 """

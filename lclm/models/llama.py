@@ -23,12 +23,11 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lclm.config.model import AttentionConfig, LlamaConfig
-from lclm.config.schema import ROPE_SCALINGS
-from lclm.ops.context_parallel import context_parallel_attention
+from lclm.config.model import ROPE_SCALINGS, AttentionConfig, LlamaConfig
+from lclm.ops.context_parallel import context_parallel_attention, local_attention
+from lclm.ops.context_parallel.rounds import SAVED_NAMES
 from lclm.ops.ffn import blockwise_ffn
 from lclm.ops.loss import blockwise_cross_entropy
-from lclm.ops.ring_attention import SAVED_NAMES, local_attention
 from lclm.parallel.mesh import logical_sharding
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lclm.config.schema import LAYOUTS
+from lclm.config.model import LAYOUTS
 
 
 def _check(length: int, n: int) -> None:

@@ -11,15 +11,15 @@ import copy
 
 from lclm import storage
 from lclm.config.model import AttentionConfig, LlamaConfig
-from lclm.config.schema import MESH_AXES, SOURCE_KINDS, check_fields
+from lclm.config.schema import MESH_AXES, check_fields
 from lclm.config.stages import validation_lengths
 from lclm.data.chat import TEMPLATES
 from lclm.data.loader import parse_sources
 from lclm.data.sources import names_data
 from lclm.errors import ConfigError
-from lclm.ops.context_parallel import kernel_block
+from lclm.ops.context_parallel import STRATEGIES, get_strategy, kernel_block, ring_size
+from lclm.ops.context_parallel.rounds import kv_repeats
 from lclm.ops.kernels import IMPLS, choose_kernel, get_kernel, platform_family
-from lclm.ops.ring_attention import kv_repeats
 from lclm.parallel.mesh import resolve_mesh_shape
 from lclm.train.resume import allowed_keys
 from lclm.train.workdirs import check_workdir
@@ -46,8 +46,8 @@ def validate(config, device_count: int) -> dict[str, int]:
 
     if a.impl not in IMPLS:
         _fail(f"attention.impl={a.impl!r} is not available; use one of {IMPLS}")
-    if d.source not in SOURCE_KINDS:
-        _fail(f"data.source={d.source!r}; use one of {SOURCE_KINDS}")
+    if a.strategy not in STRATEGIES:
+        _fail(f"attention.strategy={a.strategy!r}; use one of {tuple(STRATEGIES)}")
     for key, path in (("data.path", d.path), ("validation.path", config.validation.path)):
         if path:   # the syntax; the planner needs no data (`check_data`: the files)
             parse_sources(path, d.source, key)
@@ -61,21 +61,9 @@ def validate(config, device_count: int) -> dict[str, int]:
     except ValueError:
         _fail(f"model.n_kv_heads={m.n_kv_heads} cannot be split over mesh.tp={tp}; "
               "pick a tp that divides or is a multiple of n_kv_heads")
-    if a.strategy == "ulysses" and m.n_heads % (tp * sp):
-        _fail(f"attention.strategy='ulysses' splits the model.n_heads={m.n_heads} query heads "
-              f"over mesh.tp x mesh.sp = {tp * sp}: not divisible; use 'usp' with "
-              "attention.ulysses dividing them, 'ring' or 'all_gather'")
-    if a.strategy == "usp":
-        if sp % a.ulysses:
-            _fail(f"attention.ulysses={a.ulysses} does not divide mesh.sp={sp}; usp runs "
-                  "Ulysses over groups of that many sp devices and the ring across the groups")
-        if m.n_heads % (tp * a.ulysses):
-            _fail(f"attention.strategy='usp' splits the model.n_heads={m.n_heads} query heads "
-                  f"over mesh.tp x attention.ulysses = {tp * a.ulysses}: not divisible; use a "
-                  "smaller attention.ulysses")
-    elif a.ulysses != 1:
-        _fail(f"attention.ulysses={a.ulysses} is usp's Ulysses degree; set "
-              "attention.strategy='usp' or leave attention.ulysses=1")
+    why = get_strategy(a.strategy).limits(heads=m.n_heads, tp=tp, sp=sp, ulysses=a.ulysses)
+    if why is not None:
+        _fail(why)
     if m.ffn_dim % tp:
         _fail(f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tp={tp}")
 
@@ -84,7 +72,7 @@ def validate(config, device_count: int) -> dict[str, int]:
               f"use a multiple of {sp}")
     local = d.seq_len // sp
     # the layout's shards: the ring's members (usp: sp / ulysses, a shard cut over its group)
-    ring = attention.ring_size(sp)
+    ring = ring_size(attention, sp)
     shard, what = d.seq_len // ring, "mesh.sp" if ring == sp else "mesh.sp / attention.ulysses"
     # zigzag: each shard holds two runs of consecutive positions; tiles stay inside one
     runs = 2 if a.layout == "zigzag" and ring > 1 else 1
@@ -97,7 +85,7 @@ def validate(config, device_count: int) -> dict[str, int]:
         chunk = min(a[key], run)
         if run % chunk == 0:
             continue
-        if a.strategy == "ulysses":
+        if run == d.seq_len:   # the whole sequence in original order (ulysses, or sp=1)
             _fail(f"data.seq_len={d.seq_len} is not divisible by attention.{key}={chunk}; "
                   f"use a multiple of {chunk}")
         else:
@@ -175,6 +163,6 @@ def attention_line(config, model: LlamaConfig, sp: int, platform: str) -> str:
     chosen = f" (auto on {platform_family(platform)})" if config.attention.impl == "auto" else ""
     a = AttentionConfig.from_config(config.attention)
     strategy = "" if a.strategy == "ring" else f", {a.strategy} strategy"
-    if a.strategy == "usp":
-        strategy += f" (ulysses {a.ulysses} x ring {a.ring_size(sp)})"
+    if a.ulysses > 1:
+        strategy += f" (ulysses {a.ulysses} x ring {ring_size(a, sp)})"
     return f"{kernel}{chosen}, {a.layout} layout{strategy}"

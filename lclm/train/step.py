@@ -106,7 +106,7 @@ def jit_train_step(model: LlamaConfig, attention: AttentionConfig, train_config,
                    document_mask: bool = True):
     """The step train.py runs, jitted: `step(state, batch) -> (state, metrics)` with the state
     in `state_sharding` (donated, updated in place), batch rows as the loader shards them and
-    replicated metrics. `lclm.aot` compiles this very function for a TPU slice."""
+    replicated metrics. `lclm.plan.aot` compiles this very function for a TPU slice."""
     return jax.jit(make_train_step(model, attention, train_config, mesh, optimizer,
                                    document_mask=document_mask),
                    in_shardings=(state_sharding, batch_sharding(mesh)),

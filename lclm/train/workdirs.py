@@ -3,7 +3,7 @@ directory holds the checkpoints a tool reads when it is given a run's workdir.
 
 A run keeps its checkpoints in `WORKDIR/checkpoints`; a staged run keeps none of its own:
 each stage is a run in `WORKDIR/stage{i}_{seq_len}` (lclm.config.stages), and what the staged
-run has trained is in its last stage with a checkpoint. `convert --to-hf`, `lclm.generate`
+run has trained is in its last stage with a checkpoint. `convert --to-hf`, `lclm.eval.generate`
 and the evaluations all read a workdir through `workdir_to_read`, so each of them takes a
 staged run's directory the same way; `convert --to-checkpoint` refuses one (`stage_dirs`).
 """

@@ -11,6 +11,7 @@ import pytest
 
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.models.llama import forward, init_params, loss_terms
+from lclm.ops.context_parallel import ring_size
 from lclm.ops.layout import batch_to_layout, from_layout, to_layout
 from lclm.parallel import make_mesh
 from lclm.train.state import shard_params
@@ -126,7 +127,7 @@ def test_attention_remat_keeps_the_ring_output_and_never_reruns_the_ring(scan):
 def _collectives(cfg, attn, params, batch, mesh, op: str) -> list[str]:
     """The result types of every `op` (e.g. all-to-all) in the compiled gradient program."""
     batch = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, attn.layout,
-                            attn.ring_size(mesh.shape["sp"]))
+                            ring_size(attn, mesh.shape["sp"]))
 
     def mean_loss(p):
         total, count = loss_terms(cfg, p, batch, mesh=mesh, attention=attn)
@@ -140,7 +141,7 @@ def test_attention_remat_of_all_gather_and_ulysses_is_what_the_planner_assumes()
     """remat='attention' under the other strategies, on the compiled program: all_gather's
     backward gathers no K/V again (only the int32 segment ids, a few bytes per token), and
     Ulysses' backward re-runs its forward all-to-alls as with full remat, which
-    lclm.strategy_plan counts for every policy but 'none'."""
+    lclm.plan.strategies counts for every policy but 'none'."""
     params = init_params(CFG, jax.random.key(7))
     batch, mesh = _batch(7), make_mesh(sp=4)
     params = shard_params(CFG, params, mesh)

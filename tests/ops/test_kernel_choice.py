@@ -3,8 +3,8 @@
 import jax.numpy as jnp
 import pytest
 
+from lclm.ops import ring_attention
 from lclm.ops.kernels import AUTO, KERNELS, choose_kernel, get_kernel
-from lclm.ops.ring_attention import ring_attention
 from lclm.parallel import make_mesh
 
 LLAMA = dict(head_dim=128, q_chunk=512, kv_chunk=512, block=8192)

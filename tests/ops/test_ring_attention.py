@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from lclm.ops import from_layout, local_attention, ring_attention, stripe, to_layout, unstripe
+from lclm.ops.context_parallel.ring import tile_schedule
 from lclm.ops.kernels.reference import dense_attention
 from lclm.ops.layout import LAYOUTS, original_positions
-from lclm.ops.ring_attention import tile_schedule
 from lclm.parallel import make_mesh
 
 

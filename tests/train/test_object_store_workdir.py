@@ -161,9 +161,9 @@ def test_prepare_to_gs_then_a_staged_run_there_and_generate_from_it(gcs, capsys)
     """The pod workflow with nothing on local disk: data prepared into a bucket, a staged
     run (two stages) with its workdir in the bucket reading it, then generation from the
     staged run's directory (its last stage)."""
-    from lclm import generate
     from lclm.config import load_config
     from lclm.data.prepare import main as prepare
+    from lclm.eval import generate
     from lclm.train.stages import run_stages
     from lclm.train.workdirs import workdir_to_read
 

@@ -1,5 +1,5 @@
 """A staged run's directory, as the tools that read a run take it (lclm.train.workdirs): its
-last stage with a checkpoint for `convert --to-hf` and `lclm.generate` alike, never a target
+last stage with a checkpoint for `convert --to-hf` and `lclm.eval.generate` alike, never a target
 for `convert --to-checkpoint`; a machine with fewer devices than the training mesh is told
 generate's own mesh flags."""
 
@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from support import DEMO_CORPUS, ROOT
 
-from lclm import generate, hf
+from lclm import hf
 from lclm.config import LlamaConfig, load_config
 from lclm.convert import main as convert
 from lclm.errors import StartupError
+from lclm.eval import generate
 from lclm.eval.model import restore_params
 from lclm.models.llama import init_params
 from lclm.parallel import make_mesh
@@ -49,13 +50,13 @@ def staged(tmp_path_factory):
 
 
 def _generate(*flags, devices=None):
-    """`python -m lclm.generate` as a user runs it: devices simulated as the run's config.json
+    """`python -m lclm.eval.generate` as a user runs it: devices simulated as the run's config.json
     asks, or `devices` of them (a machine that has that many)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return subprocess.run([sys.executable, "-m", "lclm.generate", "--prompt", PROMPT,
+    return subprocess.run([sys.executable, "-m", "lclm.eval.generate", "--prompt", PROMPT,
                            "--max-new-tokens", "6", *flags], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 

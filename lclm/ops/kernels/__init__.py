@@ -45,7 +45,7 @@ _TARGET: contextvars.ContextVar = contextvars.ContextVar("lclm_kernel_target", d
 def compiling_for(device):
     """Within: kernels are chosen and lowered for `device` (a JAX device of the mesh, possibly a
     described one of `jax.experimental.topologies`), not for the host's first device.
-    `lclm.aot` sets it around the lowering of an ahead-of-time compile."""
+    `lclm.plan.aot` sets it around the lowering of an ahead-of-time compile."""
     token = _TARGET.set(device)
     try:
         yield

@@ -3,6 +3,7 @@ blockwise reference kernel and dense attention: values, log-sum-exp and gradient
 
 Interpret mode is slow (each pallas_call compiles for about a second), so the cases are few
 and each covers several features; tiles are 128 (the TPU block rule's minimum lane width).
+Under every strategy (the ring included) it runs in tests/ops/test_strategies.py.
 """
 
 import functools
@@ -13,14 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lclm.config import AttentionConfig
-from lclm.ops import context_parallel_attention, from_layout, to_layout
 from lclm.ops.kernels import get_kernel
 from lclm.ops.kernels.blockwise import backward as blockwise_backward
 from lclm.ops.kernels.blockwise import forward as blockwise_forward
 from lclm.ops.kernels.pallas_tpu import KERNEL, _Cfg, _config, _tables, _tile, limits, tpu_tiles
 from lclm.ops.kernels.reference import dense_attention
-from lclm.parallel import make_mesh
 
 TILE = 128
 
@@ -232,33 +230,6 @@ def test_compiled_tiles_follow_the_tpu_generation_not_the_chunks():
 def test_limits_on_a_tpu(shape, why):
     got = limits(q_chunk=2048, kv_chunk=2048, platform="tpu", **shape)
     assert got is None if why is None else why in got
-
-
-# the ring, and the other strategies through the same kernel (usp: Ulysses pairs x a ring of 2)
-@pytest.mark.parametrize("layout,strategy,sp,ulysses", [
-    ("striped", "ring", 2, 1), ("contiguous", "ring", 2, 1), ("contiguous", "all_gather", 2, 1),
-    ("striped", "ulysses", 2, 1), ("striped", "usp", 4, 2)])
-def test_ring_with_pallas_tpu_matches_dense(layout, strategy, sp, ulysses):
-    t = 4 * TILE  # two query and two key tiles per device and ring round
-    x = _random_case(11 + len(layout), tq=t, tk=t, h=2, hkv=1, d=64, segments=True)
-    seg = x["q_seg"]
-    mesh = make_mesh(sp=sp)
-    n = AttentionConfig(strategy=strategy, ulysses=ulysses).ring_size(sp)
-    lay = lambda a: to_layout(a, layout, n)
-
-    def value_and_grads(attention, q, k, v, do):
-        out, vjp = jax.vjp(attention, q, k, v)
-        return (out, *vjp(do))
-
-    dense = lambda q, k, v: dense_attention(q, k, v, causal=True, segment_ids=seg)
-    ring = lambda q, k, v: context_parallel_attention(
-        q, k, v, mesh=mesh, strategy=strategy, ulysses=ulysses, layout=layout,
-        segment_ids=lay(seg), q_chunk=TILE, kv_chunk=TILE, impl="pallas_tpu")
-    names = ("q", "k", "v", "do")
-    want = jax.jit(functools.partial(value_and_grads, dense))(*(x[n] for n in names))
-    got = jax.jit(functools.partial(value_and_grads, ring))(*(lay(x[n]) for n in names))
-    for g, w, what in zip(got, want, ("o", "dq", "dk", "dv")):
-        _close(from_layout(g, layout, n), w, what=what)
 
 
 @pytest.mark.parametrize("dtype,causal,segments,hkv,d", [

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from lclm.ops import from_layout, kernels, local_attention, ring_attention, to_layout
+from lclm.ops.context_parallel.rounds import _site_classes, make_settings, passing_sites
 from lclm.ops.kernels.range_kernel import CLASSES, pair_class, range_kernel, round_class
 from lclm.ops.kernels.reference import dense_attention
 from lclm.ops.layout import LAYOUTS, original_positions
@@ -207,12 +208,12 @@ def _counting(calls: list):
 
 
 # (sp, layout, causal) -> conditionals and attend calls of the forward program (the
-# backward's are the same, with attend_vjp). sp=4: two call sites, the scanned rounds 0..2
-# and the last round, each a switch over the classes its rounds meet on the four devices:
-# striped causal/strict at both (2 + 2 calls), contiguous causal/full/hidden then full/hidden
-# (2 + 1: hidden calls nothing), zigzag causal/key half/query half then the halves (3 + 2);
-# non-causal rounds are all 'ranges' (1 + 1, no switch). Before: 1 (sp=1) or 2 switches of
-# 6 calls each, whatever the layout.
+# backward's are the same, with attend_vjp). sp=4, striped: two call sites, the scanned
+# rounds 0..2 and the last round, each a switch over causal/strict (2 + 2 calls); contiguous
+# and zigzag: the diagonal round on its own (causal, no switch: 1 call), then the scanned
+# rounds 1..2 and the last round, switches over full/hidden (1 + 1: hidden calls nothing) or
+# the two halves (2 + 2); non-causal rounds are all 'ranges' (1 + 1, no switch). Before: 1
+# (sp=1) or 2 switches of 6 calls each, whatever the layout.
 EXPECTED_PROGRAM = {(1, "striped", True): (0, 1), (4, "striped", True): (2, 4),
                     (4, "contiguous", True): (2, 3), (4, "zigzag", True): (2, 5),
                     (4, "striped", False): (0, 2)}
@@ -239,6 +240,23 @@ def test_one_compiled_branch_where_the_class_is_known(monkeypatch, sp, layout, c
         calls.clear()
         local = jax.jit(lambda q, k, v: local_attention(q, k, v, impl="counting"))
         assert "stablehlo.case" not in local.lower(q, k, k).as_text() and len(calls) == 1
+
+
+@pytest.mark.parametrize("layout,want", [
+    ("striped", [{"causal", "strict"}]),
+    ("contiguous", [{"causal"}, {"full", "hidden"}]),
+    ("zigzag", [{"causal"}, {"key half", "query half"}])])
+def test_the_diagonal_round_leaves_the_scanned_switch_where_only_it_has_its_class(
+        reference_kernel, layout, want):
+    """The call sites of the rounds before the last at sp=4 and the classes each compiles;
+    a kernel that does not specialize on classes keeps one site."""
+    s = make_settings(4, layout, True, 8, 8, reference_kernel, jnp.zeros((1, 64, 1, 8)),
+                      jax.devices()[0])
+    sites = passing_sites(s, 16)
+    assert [len(r) for r in sites] == ([3] if layout == "striped" else [1, 2])
+    classify = kernels.get_kernel(reference_kernel).classify
+    assert [set(_site_classes(classify, layout, 4, 16, True, r)) for r in sites] == want
+    assert passing_sites(s._replace(impl="blockwise"), 16) == [range(0, 3)]
 
 
 def test_concrete_positions_pick_the_class_traced_ones_switch_over_all():

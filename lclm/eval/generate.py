@@ -1,10 +1,11 @@
 """Text from a checkpoint: a prompt in, its continuation out.
 
-    python -m lclm.generate --checkpoint WORKDIR --prompt "Once upon a time"
-    python -m lclm.generate --checkpoint WORKDIR --step 2000 --prompt "..." \
+    python -m lclm.eval.generate --checkpoint WORKDIR --prompt "Once upon a time"
+    python -m lclm.eval.generate --checkpoint WORKDIR --step 2000 --prompt "..." \
         --max-new-tokens 128 --temperature 0.8 --top-p 0.95 --seed 1
-    python -m lclm.generate --hf HF_DIR --prompt "..." --sp 4
-    python -m lclm.generate --checkpoint WORKDIR --chat vicuna --prompt "What is ring attention?"
+    python -m lclm.eval.generate --hf HF_DIR --prompt "..." --sp 4
+    python -m lclm.eval.generate --checkpoint WORKDIR --chat vicuna \
+        --prompt "What is ring attention?"
 
 The model is loaded as the line-retrieval eval loads it (`lclm.eval.model`): the latest (or
 `--step`) parameters of a training workdir (a staged run's directory: its last stage with a
@@ -75,7 +76,7 @@ def continuation(model: Model, ids: list[int], max_new: int, pick: Pick = greedy
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m lclm.generate",
+    ap = argparse.ArgumentParser(prog="python -m lclm.eval.generate",
                                  description=__doc__.split("\n")[0])
     add_model_arguments(ap)
     ap.add_argument("--prompt", required=True, help="the text to continue")

@@ -1,0 +1,196 @@
+"""The planner's memory model: per device, before anything is compiled, parameter, gradient
+and optimizer-state bytes under the mesh's sharding rules; activation bytes (per layer and in
+all) for the remat policy and the blockwise chunks; the ring's working set (Ring Attention:
+about 6 x block x hidden); the total against the device's memory; tokens per step; and the
+minimal per-device block for hiding the ring's transfers on the chosen interconnect (Ring
+Attention, Table 2: c = FLOPS / bandwidth). `estimate` computes it, `report` prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from lclm.config import LlamaConfig
+from lclm.hardware import planner_devices
+from lclm.models.llama import is_param_entry, param_table
+from lclm.ops.kernels import get_kernel
+from lclm.parallel.mesh import logical_spec
+from lclm.train.checks import attention_kernel, validate
+
+# planner device name -> (peak FLOP/s, one-way link GB/s, HBM GiB): lclm.hardware's table
+DEVICES = planner_devices()
+_BYTES = {"float32": 4, "bfloat16": 2}
+_BACKWARD_F32 = 3  # float32 arrays the size of q (and of k) live in the attention backward
+# What XLA:GPU holds differently from XLA:TPU for the same step, fitted to lclm.plan.aot's compiles
+# of the recipes for H100s (docs/scaling.md): the loss chunk's float32 logits once, not twice,
+# and no bulk cast of the weights to the compute dtype (XLA:GPU fuses the casts into the GEMMs)
+_GPU = {"backward_f32": _BACKWARD_F32, "loss_copies": 1, "weight_cast": False}
+
+
+@dataclasses.dataclass
+class Plan:
+    mesh: dict
+    params: float
+    grads: float
+    optimizer: float
+    activations_per_layer: float
+    activations: float
+    ring: float
+    tokens_per_step: int
+    local_tokens: int
+    min_block: float | None
+    device_memory: float | None
+    host_activations: float = 0.0  # remat='offload': what the layers keep, in host memory
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.ring
+
+
+class _MeshShape:
+    """Just the axis sizes: what the sharding rules need to decide divisibility."""
+    def __init__(self, sizes: dict[str, int]):
+        self.shape = sizes
+
+
+def estimate(config, device_count: int, device: str | None = None) -> Plan:
+    """Per-device memory estimate (bytes) of `config` on `device_count` devices."""
+
+    sizes = validate(config, device_count)
+    m = LlamaConfig.from_config(config.model)
+    mesh = _MeshShape(sizes)
+    pbytes, cbytes = _BYTES[m.param_dtype], _BYTES[m.dtype]
+
+    def shard(entry) -> float:
+        shape, axes = entry
+        spec = logical_spec(axes, shape, mesh)
+        split = 1
+        for part in spec:
+            for a in (part if isinstance(part, tuple) else (part,)):
+                if a:
+                    split *= sizes[a]
+        return math.prod(shape) / split
+
+    table = param_table(m)
+    local_params = sum(shard(e) for e in jax.tree.leaves(table, is_leaf=is_param_entry))
+    d, a = config.data, config.attention
+    sp, tp = sizes["sp"], sizes["tp"]
+    batch_local = d.batch_size // config.train.grad_accum // (sizes["dp"] * sizes["fsdp"])
+    t = d.seq_len // sp
+    kv_dim = m.n_kv_heads * m.head_dim
+    heads_local = m.n_heads // tp
+    # saved between layers (the scan carries each layer's input) with full remat; more is
+    # saved by the lighter policies (about the layer's matmul outputs)
+    carry = batch_local * t * m.dim * cbytes
+    # 'attention' also keeps the ring's output (compute dtype) and log-sum-exp (float32)
+    ring_out = batch_local * t * heads_local * (m.head_dim * cbytes + 4)
+    per_layer_saved = {"full": carry, "attention": carry + ring_out, "offload": carry + ring_out,
+                       "none": None}.get(m.remat)
+    kv_local = max(kv_dim // tp, m.head_dim)
+    platform = "tpu" if (device or "").startswith("tpu") else "gpu" if device else None
+    kernel = attention_kernel(config, m, sp, platform) if platform else None
+    # a fused kernel keeps its score tiles in VMEM / shared memory, the blockwise kernel in HBM
+    fused = kernel not in (None, "blockwise")
+    # the working set on top of what is saved: the larger of one layer's (its q, o, k, v, the
+    # score tiles of the blockwise kernel, the feed-forward chunk, and the attention backward
+    # in float32: per-block dq, dk, dv, their running sums, o and do upcast for delta, as the
+    # XLA:TPU buffer assignments of the 1B and 7B steps show) and the loss chunk's logits.
+    # On a TPU the per-row statistics [.., t, 1] and [.., t, 2] are padded to 128 lanes.
+    layer = (batch_local * t * (2 * heads_local * m.head_dim + 2 * kv_local) * cbytes
+             + (0 if fused else
+                batch_local * heads_local * min(a.q_chunk, t) * min(a.kv_chunk, t) * 4 * 3)
+             + batch_local * min(m.ffn_chunk, t) * (m.ffn_dim // tp) * cbytes * 3
+             + batch_local * t * 4 * (_GPU["backward_f32"] if platform == "gpu" else _BACKWARD_F32)
+             * (heads_local * m.head_dim + kv_local)
+             + (2 * batch_local * heads_local * t * 128 * 4 if platform == "tpu" else 0))
+    loss = (batch_local * min(m.loss_chunk, t) * (m.vocab_size // tp) * 4
+            * (_GPU["loss_copies"] if platform == "gpu" else 2))
+    # measured, not derived: with every layer's residuals on the device XLA's peak holds both
+    # working sets, with them offloaded it holds the larger (XLA:TPU, 7B stages on a v4-64)
+    inside = max(layer, loss) if m.remat == "offload" else layer + loss
+    if per_layer_saved is None:  # no remat: everything of every layer is kept, and the
+        # feed-forward keeps its chunks' gate and up projections (lclm.ops.ffn save_hidden)
+        per_layer_saved = carry * 4 + inside + 2 * batch_local * t * (m.ffn_dim // tp) * cbytes
+    elif m.remat not in ("full", "attention", "offload"):
+        per_layer_saved = carry * 4
+    if m.dtype != m.param_dtype and (platform != "gpu" or _GPU["weight_cast"]):
+        # XLA casts every local weight to the compute dtype at once
+        inside += local_params * cbytes
+    if shard(table["embed"]) < m.vocab_size * m.dim:
+        # sharded embeddings are gathered whole for the lookup and the head's matmul (compute
+        # dtype, one copy each way round), and the head's float32 gradient is whole until it
+        # is reduce-scattered (the buffer assignments show all three)
+        inside += m.vocab_size * m.dim * (2 * cbytes + 4)
+    # the residual stream and its gradient, float32
+    residual = batch_local * t * m.dim * 4 * 2
+    # the ring: K/V held + in flight (compute dtype) and dK/dV accumulators travelling (f32)
+    ring = (batch_local * t * 2 * (kv_dim // max(1, min(tp, m.n_kv_heads))) * (2 * cbytes + 4)
+            if sp > 1 else 0)
+    host = 0.0
+    if m.remat == "offload" and platform == "gpu":
+        host, per_layer_saved = per_layer_saved * m.n_layers, per_layer_saved
+        # Fitted, not derived (11 XLA:GPU compiles of the offload recipes on H100s, within
+        # -10% .. +4%, docs/scaling.md): with the layers' residuals in host memory XLA:GPU's
+        # peak is the larger of two phases. The loss and feed-forward chunks: their float32
+        # logits and compute-dtype activations, each with its gradient. Or the attention
+        # backward: the ring's buffers, q/k/v/o, one float32 set of q and k's size, the residual
+        # stream; the layer's saved residuals streamed in from the host are not held beside them.
+        chunks = 2 * (loss + batch_local * min(m.ffn_chunk, t) * (m.ffn_dim // tp) * cbytes * 3)
+        attention_backward = (ring + batch_local * t * (2 * heads_local * m.head_dim + 2 * kv_local)
+                              * cbytes + batch_local * t * 4 * (heads_local * m.head_dim + kv_local)
+                              + residual)
+        if sp > 1 and kernel and get_kernel(kernel).compute_dtype_rounds:
+            # the kernel's compute-dtype o, do, dq (q's size) and dk, dv (k's) beside the
+            # ring's float32 accumulators: tokamax_gpu's 7B stages on h100:4x8 need 1.24 GiB
+            # more than pallas_gpu's where this is 1.25. With one round nothing accumulates
+            # (llama1b offloaded at 512K on one H100: 1.7 GiB more, not this term's 7)
+            attention_backward += batch_local * t * (3 * heads_local * m.head_dim
+                                                     + 2 * kv_local) * cbytes
+        activations = max(chunks, attention_backward) - ring   # the ring is counted on its own
+    elif m.remat == "offload":  # on the device only the layer being recomputed (and its copy)
+        host, per_layer_saved = per_layer_saved * m.n_layers, per_layer_saved
+        activations = 2 * per_layer_saved + inside + residual
+    else:
+        activations = per_layer_saved * m.n_layers + inside + residual
+    min_block: float | None = None
+    device_memory: float | None = None
+    if device in DEVICES:  # an unknown or no device: neither is known
+        flops, bandwidth, memory = DEVICES[device]
+        min_block, device_memory = flops / (bandwidth * 1e9), memory * 2**30
+    return Plan(mesh=sizes, params=local_params * pbytes, grads=local_params * 4,
+                optimizer=2 * local_params * pbytes, activations_per_layer=per_layer_saved,
+                activations=activations, ring=ring, tokens_per_step=d.batch_size * d.seq_len,
+                local_tokens=t, min_block=min_block, device_memory=device_memory,
+                host_activations=host)
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:,.2f}"
+
+
+def report(plan: Plan, device: str | None) -> str:
+    with_unit = lambda x: f"{gib(x)} GiB"
+    rows = [("mesh", str(plan.mesh)), ("tokens per step", f"{plan.tokens_per_step:,}"),
+            ("tokens per device (sequence block)", f"{plan.local_tokens:,}"),
+            ("parameters", with_unit(plan.params)), ("gradients (float32)", with_unit(plan.grads)),
+            ("optimizer state (AdamW)", with_unit(plan.optimizer)),
+            ("activations saved per layer", with_unit(plan.activations_per_layer)),
+            ("activations in all (+ one layer's working set)", with_unit(plan.activations)),
+            ("ring working set", with_unit(plan.ring)), ("total", with_unit(plan.total))]
+    if plan.host_activations:
+        rows.append(("host memory (remat='offload': saved activations)",
+                     with_unit(plan.host_activations)))
+    if plan.device_memory:
+        rows.append((f"{device} memory", f"{with_unit(plan.device_memory)} "
+                     f"({100 * plan.total / plan.device_memory:.0f}% used)"))
+    if plan.min_block:
+        ok = "overlaps" if plan.local_tokens >= plan.min_block else "does NOT overlap"
+        rows.append(("min block to hide the ring (FLOPS/bandwidth)",
+                     f"{plan.min_block:,.0f} tokens: the ring {ok}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
