@@ -35,7 +35,7 @@ from lclm.config.secrets import public_config
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
 from lclm.files import check_input, check_output, output_problem
-from lclm.models.llama import param_count, param_shapes
+from lclm.models.llama import param_count, param_shapes, rope_scale
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirLock
 from lclm.train.resume import CONVERTED_FROM, tokenizer_fingerprint
@@ -215,6 +215,10 @@ def _report(workdir, step, hf_dir, model, trained, tokenizer, sizes, notes) -> N
         if model.rope_scaling == "llama3":
             rope += (f" (low/high freq factors {model.rope_low_freq_factor:g}/"
                      f"{model.rope_high_freq_factor:g}, original max positions "
+                     f"{model.rope_original_max_positions})")
+        if model.rope_scaling == "yarn":
+            rope += (f" (beta fast/slow {model.rope_beta_fast:g}/{model.rope_beta_slow:g}, "
+                     f"attention factor {rope_scale(model):g}, original max positions "
                      f"{model.rope_original_max_positions})")
     print(f"exported {workdir} step {step} to {hf_dir}:")
     for name, size in sizes.items():

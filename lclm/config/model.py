@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from lclm.config.fields import AT_LEAST_1, FINITE_POSITIVE, setting
+from lclm.config.fields import AT_LEAST_1, FINITE_NON_NEGATIVE, FINITE_POSITIVE, setting
 
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch")
 # the RoPE scalings lclm.models.llama computes; model.rope_scaling also takes "auto"
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 # token layouts over the sp devices (lclm.ops.layout)
 LAYOUTS = ("striped", "contiguous", "zigzag")
 
@@ -47,8 +47,11 @@ class LlamaConfig:
                               rule=AT_LEAST_1)
     rope_scaling: str = setting(
         "none", "RoPE frequency scaling over rope_theta: 'none', 'linear' (every frequency / "
-        "factor) or 'llama3' (Llama-3.1's: wavelengths above original/low_freq_factor slowed "
-        "by factor, below original/high_freq_factor kept, blended between)",
+        "factor), 'llama3' (Llama-3.1's: wavelengths above original/low_freq_factor slowed "
+        "by factor, below original/high_freq_factor kept, blended between) or 'yarn' (YaRN, "
+        "as Qwen's long-context configs ask: dimensions that turn fewer than beta_slow times "
+        "over the original context slowed by factor, more than beta_fast times kept, a "
+        "linear ramp between; q and k scaled by the attention factor)",
         choices=ROPE_SCALINGS)
     rope_factor: float = setting(8.0, "HF's rope_scaling factor (Llama-3.1: 8)",
                                  rule=FINITE_POSITIVE)
@@ -58,6 +61,15 @@ class LlamaConfig:
                                            rule=FINITE_POSITIVE)
     rope_original_max_positions: int = setting(8192, "the context the scaling starts from "
                                                "(Llama-3.1: 8192)", rule=AT_LEAST_1)
+    rope_beta_fast: float = setting(32.0, "yarn: rotations over the original context above "
+                                    "which a dimension is kept", rule=FINITE_POSITIVE)
+    rope_beta_slow: float = setting(1.0, "yarn: rotations below which it is slowed by factor",
+                                    rule=FINITE_POSITIVE)
+    rope_attention_factor: float = setting(0.0, "yarn: cos and sin (so q and k) scaled by this; "
+                                           "0: 0.1 ln(factor) + 1, YaRN's own",
+                                           rule=FINITE_NON_NEGATIVE)
+    rope_truncate: bool = setting(True, "yarn: the ramp's ends rounded to whole dimensions "
+                                  "(HF's default)")
     bos_id: int = setting(1, "what an export's config.json states: the source checkpoint's "
                           "beginning-of-sequence id (-1: none)")
     eos_ids: tuple = setting((2,), "and its end-of-sequence ids (one or more)")

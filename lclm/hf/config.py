@@ -96,9 +96,12 @@ def _rope_from_hf(hf: dict) -> dict:
                   rope_scaling="none")
     if kind in (None, "default"):
         return fields
-    if kind not in ("linear", "llama3"):
+    if kind not in ("linear", "llama3", "yarn"):
         raise HFFormatError(f"config.json {where}rope_type={kind!r} is not supported; lclm "
-                            "implements RoPE scaling 'default', 'linear' and 'llama3'")
+                            "implements RoPE scaling 'default', 'linear', 'llama3' and 'yarn'")
+    if kind == "yarn":
+        fields.update(_yarn_from_hf(hf, rope, where))
+        return fields
     fields.update(rope_scaling=kind, rope_factor=float(_field(rope, "factor", _NUMBER, None,
                                                                 where)))
     if kind == "llama3":
@@ -114,6 +117,30 @@ def _rope_from_hf(hf: dict) -> dict:
         fields.update(rope_low_freq_factor=float(low), rope_high_freq_factor=float(high),
                       rope_original_max_positions=original)
     return fields
+
+
+def _yarn_from_hf(hf: dict, rope: dict, where: str) -> dict:
+    """lclm's yarn fields of a config.json's RoPE object, with transformers' defaults: the
+    original context falls back to max_position_embeddings, factor to max / original,
+    beta_fast/slow to 32/1; an attention factor DeepSeek-style configs derive from mscale
+    and mscale_all_dim is computed here (0: lclm's own default, from factor)."""
+    positions = _field(hf, "max_position_embeddings", int, _HF_DEFAULTS["max_position_embeddings"])
+    original = _field(rope, "original_max_position_embeddings", int, positions, where)
+    factor = _field(rope, "factor", _NUMBER, 0, where) or positions / original
+    attention = _field(rope, "attention_factor", _NUMBER, 0, where)
+    mscale, all_dims = (_field(rope, k, _NUMBER, 0, where) for k in ("mscale", "mscale_all_dim"))
+    if not attention and mscale and all_dims and factor > 1:
+        ln = math.log(factor)
+        attention = (0.1 * mscale * ln + 1) / (0.1 * all_dims * ln + 1)
+    truncate = rope.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise HFFormatError(f"config.json {where}truncate must be true or false, not "
+                            f"{truncate!r:.100}")
+    return dict(rope_scaling="yarn", rope_factor=float(factor),
+                rope_original_max_positions=original,
+                rope_beta_fast=float(_field(rope, "beta_fast", _NUMBER, 0, where) or 32.0),
+                rope_beta_slow=float(_field(rope, "beta_slow", _NUMBER, 0, where) or 1.0),
+                rope_attention_factor=float(attention), rope_truncate=truncate)
 
 
 def _token_ids(hf: dict) -> dict:
@@ -192,6 +219,12 @@ def rope_to_hf(c: LlamaConfig) -> dict:
             scaling.update(low_freq_factor=c.rope_low_freq_factor,
                            high_freq_factor=c.rope_high_freq_factor,
                            original_max_position_embeddings=c.rope_original_max_positions)
+        if c.rope_scaling == "yarn":
+            scaling.update(original_max_position_embeddings=c.rope_original_max_positions,
+                           beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow,
+                           truncate=c.rope_truncate)
+            if c.rope_attention_factor:
+                scaling.update(attention_factor=c.rope_attention_factor)
     parameters = {"rope_type": "default", "rope_theta": c.rope_theta, **(scaling or {})}
     return {"rope_theta": c.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}
 
@@ -217,7 +250,8 @@ def config_to_hf(c: LlamaConfig) -> dict:
 SOURCE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                   "norm_eps", "tie_embeddings", "bos_id", "eos_ids", "max_position_embeddings")
 SCALING_FIELDS = ("rope_scaling", "rope_factor", "rope_low_freq_factor",
-                   "rope_high_freq_factor", "rope_original_max_positions")
+                   "rope_high_freq_factor", "rope_original_max_positions", "rope_beta_fast",
+                   "rope_beta_slow", "rope_attention_factor", "rope_truncate")
 
 
 def model_fields(fields: dict, rope_scaling: bool = True) -> dict:

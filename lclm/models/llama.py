@@ -98,8 +98,12 @@ def rope_frequencies(c: LlamaConfig) -> np.ndarray:
 
     llama3 scaling divides by `rope_factor` the frequencies whose wavelength exceeds
     `original / low_freq_factor` positions, keeps those shorter than
-    `original / high_freq_factor`, and blends linearly in `original / wavelength` between."""
-    inv = c.rope_theta ** (-np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim)
+    `original / high_freq_factor`, and blends linearly in `original / wavelength` between.
+    yarn divides by `rope_factor` the dimensions that turn fewer than `beta_slow` times over
+    the original context, keeps those that turn more than `beta_fast` times, and ramps
+    linearly in the dimension index between (HF's `_compute_yarn_parameters`)."""
+    half = np.arange(0, c.head_dim, 2, dtype=np.float64)
+    inv = c.rope_theta ** (-half / c.head_dim)
     if c.rope_scaling == "linear":
         inv = inv / c.rope_factor
     elif c.rope_scaling == "llama3":
@@ -108,15 +112,39 @@ def rope_frequencies(c: LlamaConfig) -> np.ndarray:
         keep = np.clip((c.rope_original_max_positions * inv / (2 * np.pi) - low) / (high - low),
                        0.0, 1.0)
         inv = inv * (keep + (1 - keep) / c.rope_factor)
+    elif c.rope_scaling == "yarn":
+        # the dimension that turns `rotations` times over the original context
+        dim_of = lambda rotations: c.head_dim * math.log(
+            c.rope_original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(
+                c.rope_theta))
+        low, high = dim_of(c.rope_beta_fast), dim_of(c.rope_beta_slow)
+        if c.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, c.head_dim - 1)
+        high = high + 0.001 if low == high else high   # HF's guard against 0 / 0
+        # 1: keep (extrapolate), 0: divide by factor (interpolate)
+        keep = 1 - np.clip((np.arange(c.head_dim // 2) - low) / (high - low), 0.0, 1.0)
+        inv = inv * (keep + (1 - keep) / c.rope_factor)
     elif c.rope_scaling != "none":
         raise ValueError(f"rope_scaling={c.rope_scaling!r}; use one of {ROPE_SCALINGS}")
     return inv.astype(np.float32)
 
 
+def rope_scale(c: LlamaConfig) -> float:
+    """What cos and sin are multiplied by (so q and k each, the logits by its square): yarn's
+    attention factor (`rope_attention_factor`, 0: 0.1 ln(factor) + 1), else 1."""
+    if c.rope_scaling != "yarn":
+        return 1.0
+    if c.rope_attention_factor:
+        return c.rope_attention_factor
+    return 0.1 * math.log(c.rope_factor) + 1.0 if c.rope_factor > 1 else 1.0
+
+
 def rope_tables(positions, c: LlamaConfig):
     """cos/sin `[batch, seq, 1, head_dim/2]` (float32) for integer positions `[batch, seq]`."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_frequencies(c))
-    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    scale = rope_scale(c)
+    return scale * jnp.cos(angles)[:, :, None, :], scale * jnp.sin(angles)[:, :, None, :]
 
 
 def apply_rope(x, cos, sin):

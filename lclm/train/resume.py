@@ -58,7 +58,8 @@ _MODEL = (
     "model.bos_id", "model.eos_ids", "model.max_position_embeddings", "model.rope_theta",
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor",
     "model.rope_high_freq_factor", "model.rope_original_max_positions",
-    "data.document_mask", "data.reset_positions")
+    "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_attention_factor",
+    "model.rope_truncate", "data.document_mask", "data.reset_positions")
 
 # `identity` of a converted checkpoint: the HuggingFace directory its weights came from
 CONVERTED_FROM = "converted_from"

@@ -1,4 +1,4 @@
-"""Model fidelity against `transformers`: RoPE scaling (linear, llama3) read from either
+"""Model fidelity against `transformers`: RoPE scaling (linear, llama3, yarn) read from either
 config.json layout, and what lclm carries from a HuggingFace source to its export."""
 
 import json
@@ -31,6 +31,12 @@ SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+    # Qwen's long-context form (transformers' defaults for the rest: beta 32 / 1, the
+    # attention factor from the factor, truncated ramp ends), and one setting every field
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+    "yarn, every field": {"rope_type": "yarn", "factor": 3.0, "beta_fast": 16.0,
+                          "beta_slow": 2.0, "attention_factor": 1.3, "truncate": False,
+                          "original_max_position_embeddings": ORIGINAL},
 }
 
 
@@ -72,11 +78,12 @@ def _relative_error(got, want):
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-@pytest.mark.parametrize("kind", ["linear", "llama3"])
-def test_scaled_rope_logits_match_transformers_past_the_original_length(tmp_path, kind):
+@pytest.mark.parametrize("name", list(SCALINGS))
+def test_scaled_rope_logits_match_transformers_past_the_original_length(tmp_path, name):
     from lclm.models.llama import rope_frequencies
 
-    scaling = SCALINGS[kind]
+    scaling = SCALINGS[name]
+    kind = scaling["rope_type"]
     model = _tiny_hf(tmp_path / "src", scaling)
     tokens = np.random.default_rng(0).integers(0, 101, (2, 3 * ORIGINAL))  # past 32 and 48
     with torch.no_grad():
@@ -96,11 +103,16 @@ def test_scaled_rope_logits_match_transformers_past_the_original_length(tmp_path
                                                                   "rope_scaling": "none"}))
         assert wavelengths.min() < ORIGINAL / 4 and wavelengths.max() > ORIGINAL
         assert np.any((wavelengths > ORIGINAL / 4) & (wavelengths < ORIGINAL))
+    if kind == "yarn":   # the defaults transformers assumes, or the fields set
+        assert (c.rope_original_max_positions, c.rope_beta_fast, c.rope_beta_slow,
+                c.rope_attention_factor, c.rope_truncate) == (
+            ORIGINAL, scaling.get("beta_fast", 32.0), scaling.get("beta_slow", 1.0),
+            scaling.get("attention_factor", 0.0), scaling.get("truncate", True))
 
     got = np.asarray(jax.jit(lambda p, t: forward(c, p, t))(params, tokens))
     error = _relative_error(got, want)
     plain = LlamaConfig(**{**vars(c), "rope_scaling": "none"})
-    print(f"{kind}: max relative logit error vs transformers {error:.2e} (unscaled RoPE: "
+    print(f"{name}: max relative logit error vs transformers {error:.2e} (unscaled RoPE: "
           f"{_relative_error(np.asarray(forward(plain, params, tokens)), want):.2e})")
     assert error < 1e-4
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
@@ -147,7 +159,9 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("rope_scaling", "yarn", "model.rope_scaling='yarn'"),
+    ("rope_scaling", "longrope", "model.rope_scaling='longrope'"),
+    ("rope_beta_fast", 0.0, "model.rope_beta_fast=0.0"),
+    ("rope_attention_factor", -1.0, "model.rope_attention_factor=-1.0"),
     ("rope_factor", 0.0, "model.rope_factor=0.0"),
     ("rope_factor", float("nan"), "model.rope_factor=nan"),
     ("rope_theta", -1.0, "model.rope_theta=-1.0"),

@@ -78,7 +78,7 @@ def test_bf16_checkpoint_gives_bf16_config_and_pickles_are_refused(tmp_path):
         hf.load(path)
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg["rope_scaling"] = {"rope_type": "longrope", "factor": 4.0}
     with pytest.raises(ValueError, match="RoPE scaling"):
         hf.config_from_hf(cfg)
 

@@ -254,11 +254,11 @@ def config_using_a_sliding_window(d):
     return "config.json", "use_sliding_window"
 
 
-def config_with_yarn_rope(d):  # transformers 4's layout
+def config_with_a_yarn_truncate_not_a_bool(d):  # transformers 4's layout
     _edit_json(d, "config.json", lambda c: c.update(
-        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "truncate": "yes",
                       "original_max_position_embeddings": 2048}))
-    return "config.json", "rope_scaling.rope_type", "yarn"
+    return "config.json", "rope_scaling.truncate", "yes"
 
 
 def config_with_dynamic_rope(d):  # transformers 5's layout, with the legacy "type" key
@@ -352,7 +352,8 @@ SINGLE = [header_longer_than_file, absurd_header_length, truncated_file, offsets
           bool_weights, missing_tensor, config_not_json, config_lacks_a_field,
           config_field_of_the_wrong_type, config_with_biases]
 REFUSED = [config_of_another_architecture, config_with_gelu, config_with_a_sliding_window,
-           config_using_a_sliding_window, config_with_yarn_rope, config_with_dynamic_rope,
+           config_using_a_sliding_window, config_with_a_yarn_truncate_not_a_bool,
+           config_with_dynamic_rope,
            config_with_llama3_rope_lacking_a_factor, config_with_llama3_high_below_low,
            config_with_a_negative_rope_factor, config_with_two_thetas,
            config_with_partial_rotary, config_with_bad_token_ids]
