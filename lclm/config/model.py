@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from lclm.config.fields import AT_LEAST_1, FINITE_NON_NEGATIVE, FINITE_POSITIVE, setting
+from lclm.config.fields import (
+    AT_LEAST_0,
+    AT_LEAST_1,
+    FINITE_NON_NEGATIVE,
+    FINITE_POSITIVE,
+    setting,
+)
 
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch")
@@ -23,10 +29,13 @@ LAYOUTS = ("striped", "contiguous", "zigzag")
 class LlamaConfig:
     """Model hyper-parameters (a tiny model by default; `MODEL_PRESETS` hold real shapes)."""
     vocab_size: int = setting(512, rule=AT_LEAST_1)
-    dim: int = setting(64, "hidden size: n_heads x an even head dim", rule=AT_LEAST_1)
+    dim: int = setting(64, "hidden size", rule=AT_LEAST_1)
     n_layers: int = setting(2, rule=AT_LEAST_1)
     n_heads: int = setting(4, "query heads", rule=AT_LEAST_1)
     n_kv_heads: int = setting(2, "K/V heads (GQA; divides n_heads)", rule=AT_LEAST_1)
+    head_dim: int = setting(0, "size of each attention head, even; 0: dim / n_heads (HF's "
+                            "head_dim: Mistral-NeMo's and Qwen3's differ from it)",
+                            rule=AT_LEAST_0)
     ffn_dim: int = setting(192, "SwiGLU hidden size", rule=AT_LEAST_1)
     rope_theta: float = setting(10000.0, "RoPE base", rule=FINITE_POSITIVE)
     norm_eps: float = setting(1e-5, "RMSNorm epsilon")
@@ -84,15 +93,13 @@ class LlamaConfig:
         object.__setattr__(self, "eos_ids", ids)
         if self.rope_scaling == "auto":
             object.__setattr__(self, "rope_scaling", "none")
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     @classmethod
     def from_config(cls, model_config) -> LlamaConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in dict(model_config).items() if k in names})
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
 
 @dataclasses.dataclass(frozen=True)

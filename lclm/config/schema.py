@@ -246,5 +246,8 @@ def check_fields(config) -> None:
     _check_rope_and_ids(m)
     if m.n_heads % m.n_kv_heads:
         _fail(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
-    if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
-        _fail(f"model.dim={m.dim} must be n_heads={m.n_heads} x an even head dim")
+    if m.head_dim and m.head_dim % 2:
+        _fail(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
+    if not m.head_dim and (m.dim % m.n_heads or (m.dim // m.n_heads) % 2):
+        _fail(f"model.dim={m.dim} must be n_heads={m.n_heads} x an even head dim (or set "
+              "model.head_dim)")

@@ -170,16 +170,15 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
     n_heads = _field(hf, "num_attention_heads", int)
     dim = _field(hf, "hidden_size", int)
     head_dim = _field(hf, "head_dim", int, dim // n_heads)
-    if head_dim * n_heads != dim:
-        raise HFFormatError(f"config.json head_dim={head_dim} x num_attention_heads={n_heads} "
-                            f"!= hidden_size={dim} is not supported")
+    if head_dim % 2:
+        raise HFFormatError(f"config.json head_dim={head_dim} is odd; RoPE rotates pairs")
     n_kv_heads = _field(hf, "num_key_value_heads", int, n_heads)
     if n_heads % n_kv_heads:
         raise HFFormatError("config.json num_attention_heads is not a multiple of "
                             "num_key_value_heads")
     dtype = _TORCH_DTYPES.get(str(hf.get("torch_dtype", hf.get("dtype", "float32"))), "float32")
     fields = dict(
-        vocab_size=_field(hf, "vocab_size", int), dim=dim,
+        vocab_size=_field(hf, "vocab_size", int), dim=dim, head_dim=head_dim,
         n_layers=_field(hf, "num_hidden_layers", int), n_heads=n_heads, n_kv_heads=n_kv_heads,
         ffn_dim=_field(hf, "intermediate_size", int),
         norm_eps=float(_field(hf, "rms_norm_eps", _NUMBER, 1e-6)),
@@ -247,7 +246,7 @@ def config_to_hf(c: LlamaConfig) -> dict:
 
 
 # what a checkpoint determines: its shapes and what an export must state again
-SOURCE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+SOURCE_FIELDS = ("vocab_size", "dim", "head_dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                   "norm_eps", "tie_embeddings", "bos_id", "eos_ids", "max_position_embeddings")
 SCALING_FIELDS = ("rope_scaling", "rope_factor", "rope_low_freq_factor",
                    "rope_high_freq_factor", "rope_original_max_positions", "rope_beta_fast",

@@ -99,7 +99,7 @@ def validate(config, device_count: int) -> dict[str, int]:
                   f"{sp} x {chunk}; use a multiple of {sp * chunk}")
     # 'auto' is resolved per platform (`attention_kernel`), always to a kernel that can serve
     why = None if a.impl == "auto" else get_kernel(a.impl).limits(
-        head_dim=m.dim // m.n_heads, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
+        head_dim=LlamaConfig.from_config(m).head_dim, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
         block=run, dtype=m.dtype)
     if why is not None:
         _fail(f"attention.impl={a.impl!r} cannot serve this model: {why}; "
@@ -150,7 +150,7 @@ def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
     inside the step."""
     a = config.attention
     try:
-        return choose_kernel(a.impl, head_dim=model.dim // model.n_heads, q_chunk=a.q_chunk,
+        return choose_kernel(a.impl, head_dim=model.head_dim, q_chunk=a.q_chunk,
                              kv_chunk=a.kv_chunk, platform=platform, dtype=model.dtype,
                              block=kernel_block(AttentionConfig.from_config(a), sp,
                                                 config.data.seq_len))

@@ -25,11 +25,12 @@ log = logging.getLogger(__name__)
 
 def flops_per_token(c: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (non-embedding params + output projection) plus
-    attention 6 x layers x seq x dim, i.e. causal attention counted as half the square."""
+    attention 6 x layers x seq x heads x head_dim (dim, where head_dim is dim / heads), i.e.
+    causal attention counted as half the square."""
     matmul_params = param_count(c, include_embeddings=False)
     if c.tie_embeddings:
         matmul_params += c.vocab_size * c.dim
-    return 6.0 * matmul_params + 6.0 * c.n_layers * seq_len * c.dim
+    return 6.0 * matmul_params + 6.0 * c.n_layers * seq_len * c.n_heads * c.head_dim
 
 
 def truncate_metrics(path: str, last_step: int) -> int:

@@ -129,6 +129,26 @@ def test_scaled_rope_logits_match_transformers_past_the_original_length(tmp_path
     assert _relative_error(again, want) < 1e-6
 
 
+def test_a_head_dim_apart_from_hidden_over_heads_matches_transformers(tmp_path):
+    """Mistral-NeMo and Qwen3 set head_dim apart from hidden_size / heads (here 4 heads of 24
+    over a hidden size of 64): logits equal transformers', and the export states it."""
+    model = _tiny_hf(tmp_path / "src", {"rope_type": "default"}, head_dim=24)
+    tokens = np.random.default_rng(1).integers(0, 101, (2, 40))
+    with torch.no_grad():
+        want = model(torch.tensor(tokens)).logits.numpy()
+    c, params = hf.load(str(tmp_path / "src"))
+    assert (c.dim, c.n_heads, c.head_dim) == (64, 4, 24)
+    got = np.asarray(jax.jit(lambda p, t: forward(c, p, t))(params, tokens))
+    assert _relative_error(got, want) < 1e-5
+    out = str(tmp_path / "export")
+    hf.save(out, c, params)
+    assert hf.load(out)[0] == c
+    with torch.no_grad():
+        again = transformers.LlamaForCausalLM.from_pretrained(out).eval()(
+            torch.tensor(tokens)).logits.numpy()
+    assert _relative_error(again, want) < 1e-6
+
+
 def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one(tmp_path):
     from lclm.config import base_config
     from lclm.train.init_weights import apply_hf_shapes
