@@ -98,12 +98,26 @@ def _value(tree: dict, key: str):
     return list(node) if isinstance(node, tuple) else node
 
 
+def _head_dim(tree: dict):
+    """model.head_dim as the weights have it (0 means dim / n_heads), and whether it is
+    that default: a default one follows dim and n_heads, which are compared themselves."""
+    value, dim, heads = (_value(tree, f"model.{k}") for k in ("head_dim", "dim", "n_heads"))
+    if _MISSING in (dim, heads):
+        return value, True
+    derived = dim // heads
+    return (derived if value in (0, _MISSING) else value), value in (0, _MISSING, derived)
+
+
 def changes(saved: dict, current: dict) -> dict[str, tuple]:
     """key -> (saved value, current value) for every classified key that differs; the
     tokenizer is compared by fingerprint where both configs have one (`identity`)."""
     differing = {}
     for key in CLASSES:
         old, new = _value(saved, key), _value(current, key)
+        if key == "model.head_dim":
+            (old, old_default), (new, new_default) = _head_dim(saved), _head_dim(current)
+            if old_default and new_default:
+                continue
         if old is not _MISSING and new is not _MISSING and old != new:
             differing[key] = (old, new)
     old_fp = _value(saved, "identity.tokenizer")

@@ -177,3 +177,21 @@ def test_auto_rope_scaling_does_not_drop_the_converted_weights_scaling():
     assert resume.check_resume(saved, named, set(), 0) is True
     dropped = _saved(**{"model.rope_scaling": "none"})
     assert resume.check_resume(saved, dropped, set(), 0) is True
+
+
+def test_head_dim_is_compared_as_the_weights_have_it():
+    """model.head_dim 0 means dim / n_heads: a config with 0 describes weights whose head_dim
+    is that (converted weights state it resolved; older checkpoints lack it), and a head_dim
+    apart from it (Mistral-NeMo, Qwen3) is a change of the weights' shape."""
+    def config(**model):
+        c = base_config().to_dict()
+        c["model"].update({"dim": 64, "n_heads": 4, **model})
+        return c
+    assert resume.changes(config(head_dim=16), config(head_dim=0)) == {}
+    old = config()
+    del old["model"]["head_dim"]
+    assert resume.changes(old, config()) == {}
+    assert resume.changes(config(head_dim=24), config(head_dim=0)) == {
+        "model.head_dim": (24, 16)}
+    # a default head_dim follows dim, which is compared (and reported) itself
+    assert set(resume.changes(config(), config(dim=128))) == {"model.dim"}
