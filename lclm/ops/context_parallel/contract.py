@@ -86,6 +86,20 @@ def ring_bytes(step: Step, hops: int) -> float:
     return (2 * hops + (hops + 1) * 4 / b + (hops if step.recompute else 0)) * step.kv
 
 
+def ring_exposed_s(step: Step, hops: int, pair_flops: float) -> float:
+    """Seconds per layer a ring of `hops` + 1 devices waits for its transfers: each hop's K/V
+    block (forward, and again with the float32 dK/dV backward) beyond what the block pair's
+    attention (`pair_flops`) it overlaps takes at peak."""
+    hop_s = step.kv / (step.ring_gbs * 1e9)
+    return max(0.0, hop_s * (2 + 4 / step.dtype_bytes) - pair_flops / step.flops) * hops
+
+
+def ring_buffers(step: Step) -> float:
+    """Bytes a ring member holds beyond q, k, v, o: the K/V block in flight and the float32
+    dK/dV accumulators that travel with it."""
+    return 2 * step.kv + step.kv * 4 / step.dtype_bytes
+
+
 def all_to_all_bytes(step: Step, u: int) -> tuple[float, float, str]:
     """(bytes sent per layer, bytes of its buffers, note) of Ulysses' all-to-alls over `u`
     devices: q, k, v in and o out forward, do in and dq, dk, dv out backward, and q, k, v in

@@ -27,7 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lclm.ops.context_parallel.contract import Step, Strategy, StrategyCost, ring_bytes
+from lclm.ops.context_parallel.contract import (
+    Step,
+    Strategy,
+    StrategyCost,
+    ring_buffers,
+    ring_bytes,
+    ring_exposed_s,
+)
 from lclm.ops.context_parallel.rounds import (
     SP,
     Settings,
@@ -180,13 +187,10 @@ class Ring(Strategy):
 
     def cost(self, step: Step) -> StrategyCost:
         n = step.n
-        hop_s = step.kv / (step.ring_gbs * 1e9)   # one block's hop; dK/dV share its rounds
-        exposed = max(0.0, hop_s * (2 + 4 / step.dtype_bytes)
-                      - step.pair_flops / step.flops) * (n - 1)
         return StrategyCost(self.name, f"ring {n}",
                             {step.ring_link: ring_bytes(step, n - 1) * step.per_step},
-                            exposed * step.per_step,
-                            2 * step.kv + step.kv * 4 / step.dtype_bytes)
+                            ring_exposed_s(step, n - 1, step.pair_flops) * step.per_step,
+                            ring_buffers(step))
 
 
 STRATEGY = Ring()

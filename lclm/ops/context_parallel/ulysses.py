@@ -34,7 +34,9 @@ from lclm.ops.context_parallel.contract import (
     Strategy,
     StrategyCost,
     all_to_all_bytes,
+    ring_buffers,
     ring_bytes,
+    ring_exposed_s,
 )
 from lclm.ops.context_parallel.ring import STRATEGY as RING
 from lclm.ops.context_parallel.ring import ring
@@ -192,14 +194,14 @@ class USP(Strategy):
                                            same.note]))
             return dataclasses.replace(same, strategy=self.name, split=split, note=note)
         a2a, buffers, note = all_to_all_bytes(step, u)
-        link, gbs = step.ring_link, step.ring_gbs
-        ring_exposed = max(0.0, step.kv / (gbs * 1e9) * (2 + 4 / step.dtype_bytes)
-                           - step.pair_flops * u / step.flops) * (r - 1)
+        # the ring's block pairs carry u times the heads of a plain ring's
+        ring_exposed = ring_exposed_s(step, r - 1, step.pair_flops * u)
         sent = {"in a node": a2a * per_step}
+        link = step.ring_link
         sent[link] = sent.get(link, 0.0) + ring_bytes(step, r - 1) * per_step
         return StrategyCost(self.name, split, sent,
                             (a2a / (step.fast_gbs * 1e9) + ring_exposed) * per_step,
-                            buffers + 2 * step.kv + step.kv * 4 / step.dtype_bytes,
+                            buffers + ring_buffers(step),
                             ", ".join(filter(None, [f"attention.ulysses={u}", note])))
 
 
