@@ -1,4 +1,4 @@
-"""Convert between HuggingFace LLaMA directories and lclm checkpoints.
+"""Convert between HuggingFace model directories and lclm checkpoints.
 
     python -m lclm.convert --from-hf HF_DIR --to-checkpoint WORKDIR
     python -m lclm.convert --from-checkpoint WORKDIR --to-hf HF_DIR

@@ -16,6 +16,7 @@ from lclm.config.fields import (
     FINITE_POSITIVE,
     setting,
 )
+from lclm.models.families import FAMILIES
 
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch")
@@ -23,11 +24,16 @@ REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 # token layouts over the sp devices (lclm.ops.layout)
 LAYOUTS = ("striped", "contiguous", "zigzag")
+# the model families (lclm.models.families: each one's layer options and HuggingFace names)
+FAMILY_NAMES = tuple(FAMILIES)
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Model hyper-parameters (a tiny model by default; `MODEL_PRESETS` hold real shapes)."""
+    family: str = setting("llama", "the model family: its layer's options (qwen2: q/k/v "
+                          "biases; qwen3: an RMSNorm on each head's q and k) and its "
+                          "HuggingFace names (lclm.models.families)", choices=FAMILY_NAMES)
     vocab_size: int = setting(512, rule=AT_LEAST_1)
     dim: int = setting(64, "hidden size", rule=AT_LEAST_1)
     n_layers: int = setting(2, rule=AT_LEAST_1)

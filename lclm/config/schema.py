@@ -30,6 +30,7 @@ from lclm.config.fields import (
 from lclm.config.files import field
 from lclm.config.model import ROPE_SCALINGS, AttentionConfig, LlamaConfig
 from lclm.errors import ConfigError
+from lclm.models.families import FAMILIES
 
 # the device mesh's axes, outermost first (lclm.parallel.mesh builds the mesh in this order)
 MESH_AXES = ("dp", "fsdp", "tp", "sp")
@@ -37,24 +38,10 @@ MESH_AXES = ("dp", "fsdp", "tp", "sp")
 # generated: lclm/data/line_retrieval.py)
 SOURCE_KINDS = ("text", "sharegpt", "tokenized", "line_retrieval")
 
-# LLaMA shapes (and the tokenizer's bos/eos ids). 1b/3b are LLaMA-3.2 (1.24B / 3.2B params),
-# 7b/13b are LLaMA-2 (bos 1, eos 2: the defaults).
-MODEL_PRESETS = {
-    "llama3_1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                      ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True,
-                      bos_id=128000, eos_ids=(128001,)),
-    "llama3_3b": dict(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8,
-                      ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True,
-                      bos_id=128000, eos_ids=(128001,)),
-    # the 1B model of Striped Attention, LLaMA-2 style: the issue-14 bench shape
-    "striped_attention_1b": dict(vocab_size=32000, dim=2048, n_layers=22, n_heads=16,
-                                 n_kv_heads=16, ffn_dim=5504, rope_theta=10000.0, norm_eps=1e-5,
-                                 tie_embeddings=False),
-    "llama2_7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                      ffn_dim=11008, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
-    "llama2_13b": dict(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40,
-                       ffn_dim=13824, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
-}
+# released models' shapes (and their tokenizers' bos/eos ids), each family's
+# (lclm.models.families); a preset sets model.family too
+MODEL_PRESETS = {name: dict(family=family.name, **fields) for family in FAMILIES.values()
+                 for name, fields in family.presets.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +68,14 @@ class Mesh:
 
 @dataclasses.dataclass(frozen=True)
 class Model(LlamaConfig):
-    """The model: a LLaMA (real shapes: lclm.config.MODEL_PRESETS, `apply_preset`)"""
+    """The model: a decoder of one family (real shapes: lclm.config.MODEL_PRESETS,
+    `apply_preset`)"""
     rope_scaling: str = setting("auto", "the init_from_hf source's scaling ('auto'; none "
                                 "without a source), or one of these",
                                 choices=("auto", *ROPE_SCALINGS))
-    init_from_hf: str = setting("", "a HuggingFace LLaMA directory: its shapes and weights "
-                                "start the run (model.rope_theta still applies: long-context "
-                                "recipes raise it)")
+    init_from_hf: str = setting("", "a HuggingFace directory of a family lclm knows: its "
+                                "shapes and weights start the run (model.rope_theta still "
+                                "applies: long-context recipes raise it)")
     init_from_checkpoint: str = setting("", "an lclm workdir: its latest parameters start the "
                                         "run (fresh optimizer); staged recipes chain their "
                                         "stages with it")

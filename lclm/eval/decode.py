@@ -8,10 +8,11 @@ cache stays in layout order and sharded over `sp` like the prefill's activations
 over a set of keys does not depend on their order, RoPE was applied at the original
 positions, and visibility comes from segment ids, so nothing is unstriped.
 
-Each decode step feeds one token per row through the layers with plain softmax attention
-over the prefill cache plus a small cache of the tokens decoded so far (float32 scores, the
-two parts merged by one joint softmax). Under `jit` on a mesh this is GSPMD over the sharded
-cache (the reductions over the sequence become collectives); it is meant for a few tokens.
+Each decode step feeds one token per row through the same layers (`llama.decoder_layer`,
+every family's options included) with plain softmax attention over the prefill cache plus a
+small cache of the tokens decoded so far (float32 scores, the two parts merged by one joint
+softmax). Under `jit` on a mesh this is GSPMD over the sharded cache (the reductions over
+the sequence become collectives); it is meant for a few tokens.
 
 Prompts of different lengths share one row length P: each is padded at the front with a
 separate pad segment (`pad_front`), so its last token is the row's last and no prompt token
@@ -116,14 +117,15 @@ def decode_step(c: LlamaConfig, params, cache: Cache, token, position, step, *, 
 
     def layer(x, inputs):
         p, cache_k, cache_v, new_k, new_v = inputs
-        p = llama.compute_weights(c, p)
-        q, k, v = llama.attention_inputs(c, p, x, rope)
-        new_k = lax.dynamic_update_slice_in_dim(new_k, k.astype(new_k.dtype), step, axis=1)
-        new_v = lax.dynamic_update_slice_in_dim(new_v, v.astype(new_v.dtype), step, axis=1)
-        o = _cached_attention(q, cache_k, cache_v, cache.visible, new_k, new_v, step + 1)
-        x = x + jnp.einsum("bthk,hkd->btd", o.astype(x.dtype), p["wo"])
-        h = llama.rms_norm(x, p["ffn_norm"], c.norm_eps)
-        x = x + swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+
+        def attend(q, k, v):
+            nk = lax.dynamic_update_slice_in_dim(new_k, k.astype(new_k.dtype), step, axis=1)
+            nv = lax.dynamic_update_slice_in_dim(new_v, v.astype(new_v.dtype), step, axis=1)
+            return _cached_attention(q, cache_k, cache_v, cache.visible, nk, nv, step + 1), nk, nv
+
+        x, new_k, new_v = llama.decoder_layer(
+            c, p, x, rope, attend,
+            lambda h, _, w: swiglu(h, w["w_gate"], w["w_up"], w["w_down"]))
         return x, (new_k, new_v)
 
     layers = (params["layers"], cache.k, cache.v, cache.new_k, cache.new_v)

@@ -11,7 +11,7 @@ The model is loaded as the line-retrieval eval loads it (`lclm.eval.model`): the
 `--step`) parameters of a training workdir (a staged run's directory: its last stage with a
 checkpoint, as `lclm.convert --to-hf` exports) with its saved config, tokenizer
 (`data.tokenizer` unless `--tokenizer`) and mesh (`--dp/--fsdp/--tp/--sp` override a size;
-a machine with fewer devices than the training mesh needs them), or a HuggingFace LLaMA
+a machine with fewer devices than the training mesh needs them), or a HuggingFace model
 directory. The prompt is tokenised as training tokenises a document (BOS first where
 the tokenizer adds one), or with `--chat TEMPLATE` as a user turn of that chat template
 (`lclm.data.chat`, the templates ShareGPT data trains with: the template's default system

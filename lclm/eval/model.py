@@ -1,5 +1,5 @@
 """The model an evaluation CLI decodes with: an lclm checkpoint (its saved config, tokenizer
-and mesh) or a HuggingFace LLaMA directory, its parameters placed on a mesh, and the flags
+and mesh) or a HuggingFace model directory, its parameters placed on a mesh, and the flags
 that choose it (`add_model_arguments`), shared by `lclm.eval.line_retrieval` and
 `lclm.eval.generate`.
 
@@ -47,7 +47,7 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="an lclm training workdir (a staged run's: its last "
                                           "stage with a checkpoint)")
-    src.add_argument("--hf", help="a HuggingFace LLaMA directory (safetensors)")
+    src.add_argument("--hf", help="a HuggingFace directory (safetensors) of a family lclm knows")
     ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     ap.add_argument("--tokenizer", help="SentencePiece .model, tokenizer.json or a directory "
                                         "holding one (default: the run's; HF_DIR with --hf)")
@@ -106,7 +106,7 @@ def load_checkpoint(args, workdir: str) -> tuple[Model, dict]:
 
 
 def load_hf(args) -> Model:
-    """A HuggingFace LLaMA directory (safetensors; local, gs:// or s3://, read from a local
+    """A HuggingFace model directory (safetensors; local, gs:// or s3://, read from a local
     copy) with its tokenizer (tokenizer.json or tokenizer.model in the directory, or
     --tokenizer)."""
     with hf.local_copy(args.hf) as local:

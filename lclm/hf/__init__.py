@@ -1,4 +1,5 @@
-"""HuggingFace LLaMA directories (config.json, safetensors weights, tokenizer) in and out.
+"""HuggingFace model directories of every family lclm knows (config.json, safetensors weights,
+tokenizer) in and out.
 
 `config` translates config.json to and from LlamaConfig, `weights` reads and writes the
 safetensors (`load`, `save`), `tokenizer` puts the training tokenizer into an export. A

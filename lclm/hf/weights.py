@@ -1,4 +1,5 @@
-"""HuggingFace LLaMA safetensors weights <-> lclm's canonical parameters.
+"""HuggingFace safetensors weights <-> lclm's canonical parameters, for every family (the
+tensor names are the family's, `Family.layer_names`; each parameter's conversion is here).
 
 RoPE convention: lclm applies RoPE in HuggingFace's *rotate-half* form (the first and second
 halves of each head's dims form the rotation pairs). HuggingFace LLaMA checkpoints already
@@ -33,6 +34,7 @@ from lclm.files import write_json
 from lclm.hf.config import config_to_hf, read_config
 from lclm.hf.errors import HFFormatError
 from lclm.hf.files import local_copy, make_dir, world_readable
+from lclm.models.families import get_family
 from lclm.models.llama import param_shapes
 
 _LAYER = "model.layers.{i}."
@@ -44,21 +46,26 @@ _WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
 _FLOATS = ("F32", "BF16", "F16")
 
 
+def _layer_shapes(c: LlamaConfig) -> dict:
+    """lclm layer parameter -> the shape of its HF tensor `[out, in]` (or `[out]`), for every
+    parameter of `c`'s family."""
+    D, F, Dh = c.dim, c.ffn_dim, c.head_dim
+    q, kv = c.n_heads * Dh, c.n_kv_heads * Dh
+    shapes = {"attn_norm": (D,), "ffn_norm": (D,), "wq": (q, D), "wk": (kv, D), "wv": (kv, D),
+              "wo": (D, q), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F),
+              "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (Dh,), "k_norm": (Dh,)}
+    return {name: shapes[name] for name in get_family(c.family).layer_names()}
+
+
 def hf_shapes(c: LlamaConfig) -> dict:
     """HuggingFace tensor name -> the shape `c` implies for it."""
-    D, F, V = c.dim, c.ffn_dim, c.vocab_size
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    D, V = c.dim, c.vocab_size
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     if not c.tie_embeddings:
         shapes["lm_head.weight"] = (V, D)
+    names, layer = get_family(c.family).layer_names(), _layer_shapes(c)
     for i in range(c.n_layers):
-        p = _LAYER.format(i=i)
-        shapes.update({
-            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-            p + "self_attn.q_proj.weight": (q, D), p + "self_attn.k_proj.weight": (kv, D),
-            p + "self_attn.v_proj.weight": (kv, D), p + "self_attn.o_proj.weight": (D, q),
-            p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-            p + "mlp.down_proj.weight": (D, F)})
+        shapes.update({_LAYER.format(i=i) + names[k]: shape for k, shape in layer.items()})
     return shapes
 
 
@@ -194,21 +201,25 @@ def _canonical(c: LlamaConfig):
     def heads_last(w):   # [heads * head_dim, dim] -> [dim, heads, head_dim] (kv heads)
         return w.T.reshape(D, -1, Dh)
 
+    def as_is(w):
+        return w
+
+    def heads(w):   # [heads * head_dim] -> [heads, head_dim] (a bias)
+        return w.reshape(-1, Dh)
+
+    # lclm parameter -> (the map from HF rows to its layout, the axes flattening to rows)
+    maps = {"attn_norm": (as_is, (0,)), "ffn_norm": (as_is, (0,)),
+            "q_norm": (as_is, (0,)), "k_norm": (as_is, (0,)),
+            "wq": (heads_last, (1, 2)), "wk": (heads_last, (1, 2)), "wv": (heads_last, (1, 2)),
+            "bq": (heads, (0, 1)), "bk": (heads, (0, 1)), "bv": (heads, (0, 1)),
+            "wo": (lambda w: w.T.reshape(c.n_heads, Dh, -1), (2,)),
+            "w_gate": (np.transpose, (1,)), "w_up": (np.transpose, (1,)),
+            "w_down": (np.transpose, (1,))}
     tree = {
-        "embed": ("model.embed_tokens.weight", lambda w: w, (0,)),
-        "final_norm": ("model.norm.weight", lambda w: w, (0,)),
-        "layers": {
-            "attn_norm": (layer("input_layernorm.weight"), lambda w: w, (0,)),
-            "ffn_norm": (layer("post_attention_layernorm.weight"), lambda w: w, (0,)),
-            "wq": (layer("self_attn.q_proj.weight"), heads_last, (1, 2)),
-            "wk": (layer("self_attn.k_proj.weight"), heads_last, (1, 2)),
-            "wv": (layer("self_attn.v_proj.weight"), heads_last, (1, 2)),
-            "wo": (layer("self_attn.o_proj.weight"),
-                   lambda w: w.T.reshape(c.n_heads, Dh, -1), (2,)),
-            "w_gate": (layer("mlp.gate_proj.weight"), np.transpose, (1,)),
-            "w_up": (layer("mlp.up_proj.weight"), np.transpose, (1,)),
-            "w_down": (layer("mlp.down_proj.weight"), np.transpose, (1,)),
-        },
+        "embed": ("model.embed_tokens.weight", as_is, (0,)),
+        "final_norm": ("model.norm.weight", as_is, (0,)),
+        "layers": {name: (layer(hf_name), *maps[name])
+                   for name, hf_name in get_family(c.family).layer_names().items()},
     }
     if not c.tie_embeddings:
         tree["lm_head"] = ("lm_head.weight", np.transpose, (1,))
@@ -257,7 +268,8 @@ def _block(reader: _Reader, entry, stacked: bool, shape: tuple, index: tuple, dt
 
 
 def load(hf_dir: str, shardings=None, dtype=None, **overrides):
-    """`(LlamaConfig, params)` from a HuggingFace LLaMA directory (sharded or not), params in
+    """`(LlamaConfig, params)` from a HuggingFace directory of a family lclm knows (sharded or
+    not), params in
     lclm's canonical layout and `dtype` (default: the config's `param_dtype`). A malformed
     directory raises `HFFormatError` (or FileNotFoundError) before any tensor data is read.
 
@@ -313,24 +325,22 @@ def _exports(c: LlamaConfig, params, dtype) -> dict[str, Callable[[], np.ndarray
            "model.norm.weight": read(lambda: params["final_norm"])}
     if not c.tie_embeddings:
         out["lm_head.weight"] = read(lambda: params["lm_head"], np.transpose)
+
+    def as_is(w):
+        return w
+
+    def layer(key: str, i: int) -> Callable[[], object]:
+        return lambda: L[key][i]
+
+    to_hf: dict[str, Callable] = {"wq": to_rows, "wk": to_rows, "wv": to_rows,
+                                  "wo": lambda w: w.reshape(-1, c.dim).T,
+                                  "w_gate": np.transpose, "w_up": np.transpose,
+                                  "w_down": np.transpose, "bq": np.ravel, "bk": np.ravel,
+                                  "bv": np.ravel}   # norms: as they are
+    names = get_family(c.family).layer_names()
     for i in range(c.n_layers):
-        p = _LAYER.format(i=i)
-
-        def layer(key: str, i: int = i):
-            return lambda: L[key][i]
-
-        out.update({
-            p + "input_layernorm.weight": read(layer("attn_norm")),
-            p + "post_attention_layernorm.weight": read(layer("ffn_norm")),
-            p + "self_attn.q_proj.weight": read(layer("wq"), to_rows),
-            p + "self_attn.k_proj.weight": read(layer("wk"), to_rows),
-            p + "self_attn.v_proj.weight": read(layer("wv"), to_rows),
-            p + "self_attn.o_proj.weight": read(layer("wo"),
-                                                lambda w: w.reshape(-1, c.dim).T),
-            p + "mlp.gate_proj.weight": read(layer("w_gate"), np.transpose),
-            p + "mlp.up_proj.weight": read(layer("w_up"), np.transpose),
-            p + "mlp.down_proj.weight": read(layer("w_down"), np.transpose),
-        })
+        for key, hf_name in names.items():
+            out[_LAYER.format(i=i) + hf_name] = read(layer(key, i), to_hf.get(key, as_is))
     return out
 
 
@@ -396,7 +406,7 @@ def _publish(hf_dir: str, c: LlamaConfig, split, write: Callable[[str, list], No
 
 def save(hf_dir: str, c: LlamaConfig, params, max_shard_bytes: int = 4 << 30) -> list:
     """Write `params` (canonical layout: host arrays or `jax.Array`s in any sharding) as a
-    HuggingFace LLaMA directory that `transformers.LlamaForCausalLM.from_pretrained` loads
+    HuggingFace directory of `c`'s family that transformers' `AutoModelForCausalLM` loads
     (sharded above `max_shard_bytes`); returns the names of the files written (0o644;
     directories it creates 0o755).
 

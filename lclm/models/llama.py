@@ -1,4 +1,7 @@
-"""LLaMA (1/2/3 shapes): RMSNorm, RoPE, SwiGLU, GQA, as pure functions over a param tree.
+"""The decoder every model family shares (LLaMA, Qwen2/2.5, Qwen3, Mistral): RMSNorm, RoPE,
+SwiGLU, GQA, as pure functions over a param tree. A family (`lclm.models.families`, named by
+`model.family`) adds options to the one layer: biases on q/k/v (Qwen2), an RMSNorm over each
+head's q and k (Qwen3).
 
 Parameters live in one canonical layout whatever the run's settings: layer weights are
 stacked on a leading `layers` axis (`scan_layers` only chooses scan vs. a Python loop), q/k
@@ -24,6 +27,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from lclm.config.model import ROPE_SCALINGS, AttentionConfig, LlamaConfig
+from lclm.models.families import get_family
 from lclm.ops.context_parallel import context_parallel_attention, local_attention
 from lclm.ops.context_parallel.rounds import SAVED_NAMES
 from lclm.ops.ffn import blockwise_ffn
@@ -52,6 +56,13 @@ def param_table(c: LlamaConfig):
         "w_up": ((L, D, F), ("layers", "embed", "mlp")),
         "w_down": ((L, F, D), ("layers", "mlp", "embed")),
     }
+    family = get_family(c.family)
+    if family.qkv_bias:
+        layers.update(bq=((L, H, Dh), ("layers", "heads", "head_dim")),
+                      bk=((L, K, Dh), ("layers", "kv_heads", "head_dim")),
+                      bv=((L, K, Dh), ("layers", "kv_heads", "head_dim")))
+    if family.qk_norm:   # one weight per head dimension, shared by the heads
+        layers.update(q_norm=((L, Dh), ("layers", "norm")), k_norm=((L, Dh), ("layers", "norm")))
     table = {"embed": ((V, D), ("vocab", "embed")), "layers": layers,
              "final_norm": ((D,), ("norm",))}
     if not c.tie_embeddings:
@@ -69,20 +80,26 @@ def param_shapes(c: LlamaConfig):
     return jax.tree.map(lambda e: e[0], param_table(c), is_leaf=is_param_entry)
 
 
+BIASES = ("bq", "bk", "bv")
+
+
 def init_params(c: LlamaConfig, key):
-    """Random parameters in `param_dtype`: normal(init_std) matrices, unit norm weights."""
+    """Random parameters in `param_dtype`: normal(init_std) matrices, unit norm weights, zero
+    biases."""
     table = param_table(c)
-    leaves, treedef = jax.tree.flatten(table, is_leaf=is_param_entry)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(table, is_leaf=is_param_entry)
     keys = jax.random.split(key, len(leaves))
     dtype = jnp.dtype(c.param_dtype)
 
-    def one(entry, k):
+    def one(path, entry, k):
         shape, axes = entry
         if axes[-1] == "norm":
             return jnp.ones(shape, dtype)
+        if path[-1].key in BIASES:
+            return jnp.zeros(shape, dtype)
         return (c.init_std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
 
-    return jax.tree.unflatten(treedef, [one(e, k) for e, k in zip(leaves, keys)])
+    return jax.tree.unflatten(treedef, [one(*e, k) for e, k in zip(leaves, keys)])
 
 
 def rms_norm(x, weight, eps):
@@ -185,38 +202,62 @@ def compute_weights(c: LlamaConfig, p):
 
 def attention_inputs(c: LlamaConfig, p, x, rope):
     """Rotated q `[batch, seq, heads, head_dim]`, k and v `[batch, seq, kv_heads, head_dim]`
-    of a layer's input x `[batch, seq, dim]` (p: the layer's weights in the compute dtype)."""
+    of a layer's input x `[batch, seq, dim]` (p: the layer's weights in the compute dtype),
+    with the family's options: q/k/v biases, then q and k RMS-normalised per head, both
+    before RoPE (as transformers' Qwen2 and Qwen3 do)."""
+    family = get_family(c.family)
     h = rms_norm(x, p["attn_norm"], c.norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
-    k = jnp.einsum("btd,dhk->bthk", h, p["wk"])
-    v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
+    q, k, v = (jnp.einsum("btd,dhk->bthk", h, p[w]) for w in ("wq", "wk", "wv"))
+    if family.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if family.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], c.norm_eps), rms_norm(k, p["k_norm"], c.norm_eps)
     return apply_rope(q, *rope), apply_rope(k, *rope), v
 
 
-def layer_with_kv(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):
-    """One transformer block: (output x, its rotated k and v, which a decoder caches).
-    x `[batch, seq, dim]` in the compute dtype."""
-    constrain = _constrainer(mesh)
-    x = checkpoint_name(x, LAYER_INPUT)  # every use below takes the named value
-    params, p = p, compute_weights(c, p)
+def decoder_layer(c: LlamaConfig, params, x, rope, attend, feed_forward, constrain=None):
+    """One transformer block, written once for training and decoding: (output x, what
+    `attend` returned besides its output: the keys and values a decoder caches).
+
+    x `[batch, seq, dim]` in the compute dtype; params: the layer's stored weights.
+    attend(q, k, v) -> (o `[batch, seq, heads, head_dim]`, k, v) with the rotated q, k, v of
+    `attention_inputs`; feed_forward(h, params, weights) -> the SwiGLU output for the normed
+    h, given the stored weights and those cast to the compute dtype. constrain(x, axes)
+    places activations on a mesh (None: nowhere)."""
+    constrain = constrain or (lambda t, axes: t)
+    p = compute_weights(c, params)
     heads = ("batch", "seq", "act_heads", None)
     q, k, v = (constrain(t, heads) for t in attention_inputs(c, p, x, rope))
-    chunks = dict(q_chunk=a.q_chunk, kv_chunk=a.kv_chunk, impl=a.impl, segment_ids=segment_ids)
-    if mesh is None:
-        o = local_attention(q, k, v, **chunks)
-    else:
-        o = context_parallel_attention(q, k, v, mesh=mesh, strategy=a.strategy, layout=a.layout,
-                                       ulysses=a.ulysses, **chunks)
-    x = x + constrain(jnp.einsum("bthk,hkd->btd", o, p["wo"]), ("batch", "seq", "act_embed"))
-    h = rms_norm(x, p["ffn_norm"], c.norm_eps)
-    n_shards = 1 if mesh is None else mesh.shape["sp"]
-    # the stored (float32) weights, cast inside the op: their gradients are summed over the
-    # chunks in float32. remat='none' asks for no recomputation: the chunks' projections are
-    # kept for the backward
-    x = x + blockwise_ffn(h, params["w_gate"], params["w_up"], params["w_down"],
-                          chunk=c.ffn_chunk, n_shards=n_shards, constrain=constrain,
-                          dtype=jnp.dtype(c.dtype), save_hidden=c.remat == "none")
+    o, k, v = attend(q, k, v)
+    x = x + constrain(jnp.einsum("bthk,hkd->btd", o.astype(x.dtype), p["wo"]),
+                      ("batch", "seq", "act_embed"))
+    x = x + feed_forward(rms_norm(x, p["ffn_norm"], c.norm_eps), params, p)
     return constrain(x, ("batch", "seq", "act_embed")), k, v
+
+
+def layer_with_kv(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):
+    """One transformer block as trained and prefilled: (output x, its rotated k and v, which
+    a decoder caches). x `[batch, seq, dim]` in the compute dtype."""
+    constrain = _constrainer(mesh)
+    x = checkpoint_name(x, LAYER_INPUT)  # every use below takes the named value
+    chunks = dict(q_chunk=a.q_chunk, kv_chunk=a.kv_chunk, impl=a.impl, segment_ids=segment_ids)
+    n_shards = 1 if mesh is None else mesh.shape["sp"]
+
+    def attend(q, k, v):
+        if mesh is None:
+            return local_attention(q, k, v, **chunks), k, v
+        return context_parallel_attention(q, k, v, mesh=mesh, strategy=a.strategy,
+                                          layout=a.layout, ulysses=a.ulysses, **chunks), k, v
+
+    def feed_forward(h, stored, _):
+        # the stored (float32) weights, cast inside the op: their gradients are summed over
+        # the chunks in float32. remat='none' asks for no recomputation: the chunks'
+        # projections are kept for the backward
+        return blockwise_ffn(h, stored["w_gate"], stored["w_up"], stored["w_down"],
+                             chunk=c.ffn_chunk, n_shards=n_shards, constrain=constrain,
+                             dtype=jnp.dtype(c.dtype), save_hidden=c.remat == "none")
+
+    return decoder_layer(c, p, x, rope, attend, feed_forward, constrain)
 
 
 def _layer(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):

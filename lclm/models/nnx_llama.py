@@ -1,4 +1,4 @@
-"""A Flax NNX view of the functional LLaMA: the same parameter tree, held as `nnx.Param`s.
+"""A Flax NNX view of the functional decoder (every family): its parameter tree as Params.
 
 `LlamaModule`'s state is `lclm.models.llama`'s canonical tree (same names, shapes, nesting),
 so `to_params` / `from_params` move between the two without copying, and checkpoints,

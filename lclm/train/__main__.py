@@ -1,4 +1,4 @@
-"""Train a LLaMA with striped ring attention.
+"""Train a LLaMA, Qwen or Mistral model with striped ring attention.
 
     python train.py --config configs/demo.py   (or: lclm-train, python -m lclm.train)
     python train.py --config configs/demo.py --config.train.steps=10 --config.mesh.sp=4 \\

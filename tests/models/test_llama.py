@@ -31,9 +31,10 @@ def _batch(seed, b=4, t=32):
                 positions=(np.arange(t) - starts).astype(np.int32), segment_ids=seg)
 
 
-def _loss_and_grads(cfg, params, batch, mesh, layout):
-    attn = AttentionConfig(layout=layout, q_chunk=4, kv_chunk=4)
-    n = 1 if mesh is None else mesh.shape["sp"]
+def _loss_and_grads(cfg, params, batch, mesh, layout, strategy="ring"):
+    attn = AttentionConfig(layout=layout, q_chunk=4, kv_chunk=4, strategy=strategy,
+                           ulysses=2 if strategy == "usp" else 1)
+    n = 1 if mesh is None else ring_size(attn, mesh.shape["sp"])
     batch = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, layout, n)
     if mesh is not None:
         params = shard_params(cfg, params, mesh)
@@ -83,6 +84,37 @@ def test_a_head_dim_apart_from_dim_over_heads_trains_alike_on_any_mesh():
     assert loss == pytest.approx(want_loss, rel=1e-5)
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         assert np.max(np.abs(g - w)) / (np.max(np.abs(w)) + 1e-12) < 1e-4
+
+
+@pytest.mark.parametrize("family,strategy,mesh_kw", [
+    ("qwen2", "ring", dict(sp=4, fsdp=2)), ("qwen2", "usp", dict(sp=4, tp=2)),
+    ("qwen3", "ulysses", dict(sp=4, fsdp=2)), ("qwen3", "all_gather", dict(sp=2, tp=2, fsdp=2)),
+    ("mistral", "ring", dict(sp=4, tp=2)),
+])
+def test_every_family_trains_alike_under_every_strategy(family, strategy, mesh_kw):
+    """Each family's layer options (Qwen2's q/k/v biases and tied embedding, Qwen3's q/k
+    norms with a head_dim apart from dim / heads) under each strategy: loss and gradients on
+    the mesh equal one device's, the options' own gradients included."""
+    cfg = dataclasses.replace(CFG, family=family, tie_embeddings=family == "qwen2",
+                              head_dim=12 if family != "qwen2" else 0)
+    params = init_params(cfg, jax.random.key(5))
+    keys = iter(jax.random.split(jax.random.key(6), 8))
+    for name in ("bq", "bk", "bv", "q_norm", "k_norm"):   # non-trivial, so that they count
+        if name in params["layers"]:
+            w = params["layers"][name]
+            params["layers"][name] = w + 0.3 * jax.random.normal(next(keys), w.shape)
+    assert {"bq", "q_norm"} & set(params["layers"]) or family == "mistral"
+    batch = _batch(11)
+    want_loss, want_grads = _loss_and_grads(cfg, params, batch, None, "contiguous")
+    loss, grads = _loss_and_grads(cfg, params, batch, make_mesh(**mesh_kw), "striped",
+                                  strategy=strategy)
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    flat_want = dict(jax.tree_util.tree_leaves_with_path(want_grads))
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        w = flat_want[path]
+        assert np.abs(w).max() > 0, jax.tree_util.keystr(path)
+        err = np.max(np.abs(g - w)) / np.max(np.abs(w))
+        assert err < 1e-4, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("layout", ["striped", "contiguous", "zigzag"])

@@ -1,4 +1,4 @@
-"""The NNX view of the LLaMA: the functional model's tree, logits, gradients and shardings."""
+"""The NNX view of the decoder (every family): the functional tree, logits, gradients, shardings."""
 
 import dataclasses
 
@@ -46,12 +46,20 @@ def _assert_same_tree(got, want, atol=0.0):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_state_is_the_canonical_tree_both_ways(tie):
-    cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+@pytest.mark.parametrize("tie,family", [(False, "llama"), (True, "llama"), (True, "qwen2"),
+                                        (False, "qwen3"), (False, "mistral")])
+def test_state_is_the_canonical_tree_both_ways(tie, family):
+    """Every family's tree, its layer options (Qwen2's biases, Qwen3's q/k norms) included."""
+    cfg = dataclasses.replace(CFG, tie_embeddings=tie, family=family)
     params = init_params(cfg, jax.random.key(0))
     module = from_params(cfg, params)
     assert ("lm_head" in nnx.state(module)) is not tie
+    layers = set(nnx.state(module)["layers"])
+    assert ({"bq", "bk", "bv"} <= layers) == (family == "qwen2")
+    assert ({"q_norm", "k_norm"} <= layers) == (family == "qwen3")
+    tokens = _batch(1)["tokens"]
+    np.testing.assert_array_equal(np.asarray(module(tokens)),
+                                  np.asarray(forward(cfg, params, tokens)))
     back = to_params(module)
     _assert_same_tree(back, params)
     # wrapped, not copied
