@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lclm.config import AttentionConfig, LlamaConfig
 from lclm.data.loader import batch_sharding
-from lclm.models.llama import loss_terms
+from lclm.models.llama import BIASES, loss_terms
 from lclm.parallel.mesh import logical_sharding
 from lclm.train.state import TrainState
 
@@ -38,10 +38,12 @@ def applied_updates(opt_state) -> jax.Array:
 
 
 def make_optimizer(train_config) -> optax.GradientTransformation:
-    """AdamW (no decay on norm weights) after global-norm clipping."""
+    """AdamW (no decay on norm weights or biases, as transformers' Trainer) after global-norm
+    clipping."""
     t = train_config
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(
-        lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+    decays = lambda path, _: ("norm" not in jax.tree_util.keystr(path)
+                              and getattr(path[-1], "key", None) not in BIASES)
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(decays, params)
     return optax.chain(
         optax.clip_by_global_norm(t.clip) if t.clip > 0 else optax.identity(),
         optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,

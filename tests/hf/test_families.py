@@ -171,3 +171,61 @@ def test_what_a_family_lacks_is_refused_in_one_line(tmp_path, family, fields, na
         hf.load(str(tmp_path / "src"))
     message = str(e.value)
     assert "\n" not in message and all(n in message for n in names), message
+
+
+@pytest.mark.parametrize("family,strategy", [("qwen2", "usp"), ("qwen3", "ulysses"),
+                                             ("mistral", "all_gather")])
+def test_a_family_trains_from_its_hf_weights_and_exports_what_transformers_reads(
+        tmp_path, family, strategy):
+    """configs/demo.py started from a tiny HuggingFace model of `family`
+    (`model.init_from_hf`): the first step's loss is the loaded model's, two steps train under
+    `strategy` on sp=4, and the trained checkpoint exported by `lclm.convert` loads in
+    transformers to lclm's logits of the trained weights."""
+    from lclm.config import load_config
+    from lclm.convert import main
+    from lclm.data.loader import HostBatches
+    from lclm.data.tokenizer import Tokenizer
+    from lclm.models.llama import loss_terms
+    from lclm.train.loop import train
+
+    config_class, model_class, extra, _ = FAMILIES[family]
+    cfg = getattr(transformers, config_class)(**{**SHAPE, "vocab_size": 512}, **extra)
+    torch.manual_seed(2)
+    getattr(transformers, model_class)(cfg).save_pretrained(str(tmp_path / "hf"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    config = load_config(os.path.join(root, "configs", "demo.py"))
+    config.workdir = str(tmp_path / "run")
+    config.model.update(init_from_hf=str(tmp_path / "hf"), dtype="float32", ffn_chunk=32,
+                        loss_chunk=32)
+    config.mesh.update(dp=1, fsdp=2, tp=1, sp=4)
+    config.data.update(seq_len=64, batch_size=4)
+    config.attention.update(q_chunk=8, kv_chunk=8, strategy=strategy,
+                            ulysses=2 if strategy == "usp" else 1)
+    config.train.update(steps=2, warmup=1, lr=1e-2)
+    config.checkpoint.update(every=2)
+    config.log.progress = False
+    config.validation.path = ""
+    records = train(config)
+    assert config.model.family == family   # from config.json's model_type
+
+    c, params = hf.load(str(tmp_path / "hf"), rope_theta=config.model.rope_theta)
+    mesh = make_mesh(fsdp=2, sp=4)
+    loader = HostBatches(config, mesh, Tokenizer(config.data.tokenizer))
+    batch = next(loader)
+    loader.close()
+    attention = AttentionConfig.from_config(config.attention)
+    total, count = jax.jit(lambda p: loss_terms(c, p, batch, mesh=mesh,
+                                                attention=attention))(params)
+    assert records[0]["loss"] == pytest.approx(float(total / count), rel=1e-5)
+    assert np.isfinite(records[-1]["loss"]) and records[-1]["loss"] != records[0]["loss"]
+
+    out = str(tmp_path / "export")
+    assert main(["--from-checkpoint", config.workdir, "--to-hf", out]) == 0
+    c2, trained = hf.load(out)
+    assert c2.family == family
+    assert not np.array_equal(np.asarray(trained["layers"]["wq"]),
+                              np.asarray(params["layers"]["wq"]))
+    tokens = np.random.default_rng(3).integers(0, 512, (2, 24))
+    want = _logits(transformers.AutoModelForCausalLM.from_pretrained(out).eval(), tokens)
+    got = np.asarray(forward(c2, trained, tokens))
+    assert _relative_error(got, want) < 1e-5
