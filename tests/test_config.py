@@ -31,6 +31,7 @@ def test_layout_names_are_one_list():
     ("llama13b_512k.py", 32, dict(dp=1, fsdp=1, tp=1, sp=32)),
     ("llama1b.py", 1, dict(dp=1, fsdp=1, tp=1, sp=1)),
     ("llama3b.py", 4, dict(dp=1, fsdp=1, tp=1, sp=4)),
+    ("qwen3_8b_256k.py", 32, dict(dp=1, fsdp=4, tp=1, sp=8)),
 ])
 def test_shipped_configs_validate(name, devices, sizes):
     assert validate(_load(name), devices) == sizes
