@@ -91,7 +91,8 @@ class Data:
     path: str = setting("", "comma-separated [kind:]path[@weight] entries (a mixture)")
     text_field: str = setting("text", "the field of a JSON record that holds its text")
     chat_template: str = setting("vicuna", "how ShareGPT chats become text "
-                                 "(lclm.data.chat.TEMPLATES)")
+                                 "(lclm.data.chat.TEMPLATES), or 'tokenizer': the one "
+                                 "data.tokenizer ships, rendered as transformers does")
     tokenizer: str = setting("", "a SentencePiece model or a HuggingFace tokenizer directory")
     seq_len: int = setting(2048, "tokens per sequence", rule=AT_LEAST_1)
     batch_size: int = setting(8, "sequences per step", rule=AT_LEAST_1)

@@ -1,5 +1,9 @@
 """Chat templates: ShareGPT conversations -> tokens, with the loss on the assistant replies.
 
+The bundled templates (`TEMPLATES`) are written here; `data.chat_template='tokenizer'` takes
+the jinja template a HuggingFace tokenizer ships instead (lclm.data.model_chat). Both answer
+`render`, `render_prompt`, `reply_end_id` and `check`; `get_template` gives either by name.
+
 A conversation is rendered to text once, special tokens (BOS, EOS, '<|eot_id|>', ...) apart,
 and each stretch of text between two special tokens is tokenised in one call, exactly as an
 inference prompt holding the same conversation would be; the loss flags come from the
@@ -23,6 +27,8 @@ import string
 from typing import cast
 
 import numpy as np
+
+from lclm.errors import ConfigError
 
 ROLE_ALIASES = {
     "system": "system",
@@ -49,6 +55,19 @@ class ChatTemplate:
     system_in_first_user: bool = False  # system_format (plain text) opens the first user text
     strip: bool = False     # strip the whitespace around every turn's text
 
+    # what every chat template answers (lclm.data.model_chat.ModelTemplate too)
+    def render(self, turns, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+        return render(turns, tokenizer, self)
+
+    def render_prompt(self, turns, tokenizer) -> np.ndarray:
+        return render_prompt(turns, tokenizer, self)
+
+    def reply_end_id(self, tokenizer) -> int | None:
+        return reply_end_id(self, tokenizer)
+
+    def check(self, tokenizer) -> None:
+        check_template(self, tokenizer)
+
 
 TEMPLATES = {
     # Vicuna v1.1 (FastChat), as used for ShareGPT fine-tuning in the Ring Attention paper:
@@ -74,6 +93,27 @@ TEMPLATES = {
         assistant_prefix="{<|start_header_id|>}assistant{<|end_header_id|>}\n\n",
         assistant_format="{text}{<|eot_id|>}", strip=True),
 }
+
+
+# data.chat_template's name for the template the tokenizer ships (lclm.data.model_chat)
+TOKENIZER = "tokenizer"
+TEMPLATE_NAMES = (*TEMPLATES, TOKENIZER)
+
+
+def get_template(name: str, tokenizer):
+    """The chat template `name` names: a bundled one (`TEMPLATES`), or with 'tokenizer' the
+    one `tokenizer` ships (its `chat_template`, rendered as transformers does). ConfigError
+    (one line) for an unknown name or a tokenizer that ships none."""
+    if name == TOKENIZER:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ConfigError(f"data.chat_template='tokenizer', but tokenizer "
+                              f"{tokenizer.path!r} ships no chat template (tokenizer_config."
+                              f"json's chat_template or chat_template.jinja); name one of "
+                              f"{sorted(TEMPLATES)}")
+        return tokenizer.chat_template
+    if name not in TEMPLATES:
+        raise ConfigError(f"unknown chat template {name!r}; use one of {sorted(TEMPLATE_NAMES)}")
+    return TEMPLATES[name]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ import numpy as np
 
 from lclm import logs, storage
 from lclm.cli import run_cli
-from lclm.data.chat import TEMPLATES
+from lclm.data.chat import TEMPLATE_NAMES
 from lclm.data.sources import TOKENIZED_META, SourceStats, offsets_digest, open_documents
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
                                                        "tokenizer.json or a directory holding one")
     ap.add_argument("--out", required=True)
     ap.add_argument("--text-field", default="text")
-    ap.add_argument("--chat-template", default="vicuna", choices=sorted(TEMPLATES))
+    ap.add_argument("--chat-template", default="vicuna", choices=sorted(TEMPLATE_NAMES))
     logs.configure()
     args = ap.parse_args(argv)
 

@@ -29,7 +29,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,7 +38,8 @@ import pyarrow.parquet as pq
 
 from lclm import storage
 from lclm.data import line_retrieval
-from lclm.data.chat import TEMPLATES, check_template, conversation_turns, render
+from lclm.data.chat import ChatTemplate, conversation_turns, get_template
+from lclm.data.model_chat import TemplateRefused
 from lclm.errors import StartupError
 
 TOKENIZED_META = "lclm_tokens.json"
@@ -450,13 +451,11 @@ class TextDocuments(_RecordDocuments):
 class ChatDocuments(_RecordDocuments):
     """ShareGPT conversations rendered with a chat template; loss on assistant tokens."""
 
-    def __init__(self, records: Records, tokenizer, template: str):
-        self.records, self.tokenizer = records, tokenizer
-        self.template = TEMPLATES[template]
-        check_template(self.template, tokenizer)  # its special tokens exist, or a ConfigError
+    def __init__(self, records: Records, tokenizer, template):
+        self.records, self.tokenizer, self.template = records, tokenizer, template
 
     def document(self, record) -> tuple[np.ndarray, np.ndarray]:
-        tokens, flags = render(conversation_turns(record), self.tokenizer, self.template)
+        tokens, flags = self.template.render(conversation_turns(record), self.tokenizer)
         return tokens, flags.astype(np.int8)
 
 
@@ -609,6 +608,15 @@ class TokenizedDocuments:
         return self.tokens[a:b].astype(np.int32), np.asarray(self.loss[a:b])
 
 
+def _refused(template, record) -> str | None:
+    """Why the tokenizer's own chat template cannot render `record` (None: it can)."""
+    try:
+        template.text_and_replies(conversation_turns(record))
+    except TemplateRefused as e:
+        return str(e)
+    return None
+
+
 def is_tokenized_dir(path: str) -> bool:
     return storage.isfile(storage.join(path, TOKENIZED_META))
 
@@ -636,10 +644,12 @@ def open_documents(kind: str, path: str, tokenizer, *, text_field: str = "text",
                                (text_field,), stats)
         return TextDocuments(records, text_field, tokenizer)
     if kind == "sharegpt":
-        if chat_template not in TEMPLATES:
-            raise ValueError(f"unknown chat template {chat_template!r}; use one of "
-                             f"{sorted(TEMPLATES)}")
-        records = read_records(path, text_field, chat_problem, ("conversations", "messages"),
+        template = get_template(chat_template, tokenizer)
+        template.check(tokenizer)   # its special tokens exist, or a ConfigError
+        problem: Callable[[object], str | None] = chat_problem
+        if not isinstance(template, ChatTemplate):   # the tokenizer's own may refuse some
+            problem = lambda r: chat_problem(r) or _refused(template, r)
+        records = read_records(path, text_field, problem, ("conversations", "messages"),
                                stats)
-        return ChatDocuments(records, tokenizer, chat_template)
+        return ChatDocuments(records, tokenizer, template)
     raise ValueError(f"unknown data source {kind!r}; use text, sharegpt or tokenized")

@@ -9,6 +9,8 @@ s3:// (read whole through lclm.storage). Both kinds give:
   token's (start, end) character span in `text` (a token made by the tokenizer itself, like
   SentencePiece's leading '▁' or the first bytes of a byte-fallback character, has an empty
   span at the character it precedes); `decode(ids)` text, special tokens left out.
+- `chat_template`: the chat template it ships (a `ModelTemplate`, lclm.data.model_chat;
+  None for a SentencePiece model or a tokenizer without one) and `special_ids()`.
 - `bos_id` (None when there is none), `eos_id`, `pad_id` (None when there is none),
   `add_bos` (documents start with BOS), `special_id(token)` (the id of a special token such
   as '<|eot_id|>'), `vocab_size` (one more than the largest id) and `check_fits`.
@@ -27,6 +29,7 @@ import json
 import sentencepiece as spm
 
 from lclm import storage
+from lclm.data.model_chat import ModelTemplate
 from lclm.errors import ConfigError
 
 HF_FILE, SP_FILE = "tokenizer.json", "tokenizer.model"
@@ -68,6 +71,7 @@ class Tokenizer:
     eos_id: int
     pad_id: int | None
     add_bos: bool
+    chat_template: ModelTemplate | None = None
 
     def __new__(cls, path: str | None = None):
         if cls is Tokenizer:
@@ -90,6 +94,10 @@ class Tokenizer:
 
     def special_id(self, token: str) -> int:
         raise NotImplementedError
+
+    def special_ids(self) -> set[int]:
+        """The ids of the special tokens (BOS, EOS, <|im_end|>, ...)."""
+        return {i for i in (self.bos_id, self.eos_id, self.pad_id) if i is not None}
 
     def check_fits(self, model_vocab_size: int) -> None:
         """Fail when token ids could fall outside the model's embedding table."""
@@ -201,6 +209,25 @@ class HFTokenizer(Tokenizer):
         # ids never get special tokens from the post-processor (BOS/EOS are placed by the
         # caller), and without it no offsets are trimmed
         self._tok.post_processor = None
+        self.chat_template = self._chat_template(file, settings)
+
+    @staticmethod
+    def _chat_template(file: str, settings: dict) -> ModelTemplate | None:
+        """The template tokenizer_config.json holds (a string, or named ones: 'default'),
+        else chat_template.jinja beside it (transformers 5 writes it there), with the special
+        tokens' strings the template may read."""
+        source = settings.get("chat_template")
+        if isinstance(source, list):   # [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        jinja = storage.join(storage.dirname(file), "chat_template.jinja")
+        if not isinstance(source, str) and storage.isfile(jinja):
+            source = storage.read_text(jinja)
+        if not isinstance(source, str) or not source.strip():
+            return None
+        names = ("bos_token", "eos_token", "unk_token", "pad_token")
+        tokens = tuple((k, _token_name(settings.get(k))) for k in names)
+        return ModelTemplate(source, tuple((k, v) for k, v in tokens if v is not None))
 
     def _config_id(self, settings: dict, key: str) -> int | None:
         name = _token_name(settings.get(key))
@@ -224,6 +251,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def special_ids(self) -> set[int]:
+        return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def special_id(self, token: str) -> int:
         i = self._tok.token_to_id(token)

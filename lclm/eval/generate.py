@@ -37,7 +37,7 @@ import numpy as np
 
 from lclm import logs
 from lclm.cli import run_cli
-from lclm.data.chat import TEMPLATES, check_template, render_prompt, reply_end_id
+from lclm.data.chat import TEMPLATE_NAMES, get_template
 from lclm.errors import ConfigError, StartupError
 from lclm.eval.decode import Pick, generate, greedy, pad_front, padded_length, sampler
 from lclm.eval.model import Model, add_model_arguments, answer_text, load_model
@@ -52,7 +52,7 @@ def prompt_ids(tokenizer, text: str, chat: str | None = None) -> list[int]:
     the assistant answers next, as chat data is rendered in training."""
     if chat is None:
         return [tokenizer.bos_id] * tokenizer.add_bos + tokenizer.encode(text)
-    return render_prompt([("user", text)], tokenizer, TEMPLATES[chat]).tolist()
+    return get_template(chat, tokenizer).render_prompt([("user", text)], tokenizer).tolist()
 
 
 def max_positions(model: Model, saved: dict | None) -> int:
@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  description=__doc__.split("\n")[0])
     add_model_arguments(ap)
     ap.add_argument("--prompt", required=True, help="the text to continue")
-    ap.add_argument("--chat", choices=sorted(TEMPLATES), default=None,
+    ap.add_argument("--chat", choices=sorted(TEMPLATE_NAMES), default=None,
                     help="the prompt is a user turn of this chat template; the reply is printed")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded (default 64)")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -125,10 +125,11 @@ def _run(args) -> None:
     stop = None
     if args.chat:
         try:
-            check_template(TEMPLATES[args.chat], model.tokenizer)
+            template = get_template(args.chat, model.tokenizer)
+            template.check(model.tokenizer)
         except (ConfigError, ValueError) as e:
             raise StartupError(f"--chat {args.chat}: {e}") from None
-        stop = reply_end_id(TEMPLATES[args.chat], model.tokenizer)
+        stop = template.reply_end_id(model.tokenizer)
     ids = prompt_ids(model.tokenizer, args.prompt, args.chat)
     _check_fits(len(ids), args.max_new_tokens, max_positions(model, saved))
     pick = (greedy if args.temperature == 0 else

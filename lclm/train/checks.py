@@ -13,7 +13,7 @@ from lclm import storage
 from lclm.config.model import AttentionConfig, LlamaConfig
 from lclm.config.schema import MESH_AXES, check_fields
 from lclm.config.stages import validation_lengths
-from lclm.data.chat import TEMPLATES
+from lclm.data.chat import TEMPLATE_NAMES
 from lclm.data.loader import parse_sources
 from lclm.data.sources import names_data
 from lclm.errors import ConfigError
@@ -51,8 +51,8 @@ def validate(config, device_count: int) -> dict[str, int]:
     for key, path in (("data.path", d.path), ("validation.path", config.validation.path)):
         if path:   # the syntax; the planner needs no data (`check_data`: the files)
             parse_sources(path, d.source, key)
-    if d.chat_template not in TEMPLATES:
-        _fail(f"data.chat_template={d.chat_template!r}; use one of {sorted(TEMPLATES)}")
+    if d.chat_template not in TEMPLATE_NAMES:
+        _fail(f"data.chat_template={d.chat_template!r}; use one of {sorted(TEMPLATE_NAMES)}")
     if m.n_heads % tp:
         _fail(f"model.n_heads={m.n_heads} is not divisible by mesh.tp={tp}; "
               "pick a tp that divides the head count")
