@@ -1,6 +1,6 @@
 """The plain single-device training step every lclm train-step row is compared with.
 
-What a JAX user writes without lclm, on the same `LlamaConfig` and parameter tree: scanned
+What a JAX user writes without lclm, on the same `ModelConfig` and parameter tree: scanned
 layers under one of three remat settings (`REMATS`: none, `dots` =
 `jax.checkpoint_policies.checkpoint_dots`, or `full` = nothing saved), attention through
 `jax.nn.dot_product_attention` (cuDNN's fused kernel on GPUs, XLA elsewhere; GQA without
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lclm.config import LlamaConfig
-from lclm.models.llama import apply_rope, rms_norm, rope_tables
+from lclm.config import ModelConfig
+from lclm.models.decoder import apply_rope, rms_norm, rope_tables
 from lclm.train.state import TrainState
 
 F32 = jnp.float32
@@ -51,7 +51,7 @@ def attention_implementation() -> str | None:
     return "cudnn" if platform_family(target_device().platform) == "gpu" else None
 
 
-def _layer(c: LlamaConfig, x, p, rope):
+def _layer(c: ModelConfig, x, p, rope):
     """One transformer block. x `[batch, seq, dim]` in the compute dtype."""
     p = jax.tree.map(lambda w: w.astype(jnp.dtype(c.dtype)), p)
     h = rms_norm(x, p["attn_norm"], c.norm_eps)
@@ -86,7 +86,7 @@ def _chunked_cross_entropy(h, w_out, targets, mask, chunk: int):
     return total, mask.sum()
 
 
-def loss_terms(c: LlamaConfig, params, batch, remat: str = "full"):
+def loss_terms(c: ModelConfig, params, batch, remat: str = "full"):
     """(sum of masked token losses, number of unmasked tokens), as lclm's `loss_terms`.
     batch: `[batch, seq]` arrays in original order (tokens, targets, loss_mask, positions);
     remat: a key of `REMATS`."""
@@ -102,7 +102,7 @@ def loss_terms(c: LlamaConfig, params, batch, remat: str = "full"):
                                   batch["loss_mask"].astype(F32), c.loss_chunk)
 
 
-def make_step(c: LlamaConfig, optimizer: optax.GradientTransformation, remat: str = "full"):
+def make_step(c: ModelConfig, optimizer: optax.GradientTransformation, remat: str = "full"):
     """`step(state, batch) -> (state, metrics)`, not yet jitted: mean loss, AdamW update."""
     def step(state: TrainState, batch):
         def mean_loss(params):
@@ -117,8 +117,8 @@ def make_step(c: LlamaConfig, optimizer: optax.GradientTransformation, remat: st
     return step
 
 
-def init_state(c: LlamaConfig, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
-    from lclm.models.llama import init_params
+def init_state(c: ModelConfig, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+    from lclm.models.decoder import init_params
 
     params = jax.jit(lambda k: init_params(c, k))(jax.random.key(seed))
     return TrainState(jnp.zeros((), jnp.int32), params, jax.jit(optimizer.init)(params))

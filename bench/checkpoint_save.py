@@ -166,9 +166,9 @@ def _measure_all(args, server: GcsServer | None) -> int:
     request_cpu_devices(8)
     import jax
 
-    from lclm.config import LlamaConfig, apply_preset, load_config
+    from lclm.config import ModelConfig, apply_preset, load_config
     from lclm.config.secrets import public_config
-    from lclm.models.llama import param_count
+    from lclm.models.decoder import param_count
     from lclm.parallel.mesh import make_mesh
     from lclm.train.state import init_state
     from lclm.train.step import make_optimizer
@@ -198,7 +198,7 @@ def _measure_all(args, server: GcsServer | None) -> int:
         params_only = name != "demo"
         if params_only:
             apply_preset(config, name)
-        model = LlamaConfig.from_config(config.model)
+        model = ModelConfig.from_config(config.model)
         state = init_state(model, make_optimizer(config.train), mesh, seed=0)
         if params_only:
             state = state._replace(opt_state={})

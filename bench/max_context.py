@@ -12,7 +12,7 @@ Variants of the same LLaMA train step (full remat, AdamW, batch 1, one device):
 - `vanilla`: dense attention (`lclm.ops.kernels.reference.dense_attention`: float32 `[heads, t, t]`
   scores and probabilities materialised), feed-forward and loss unchunked. lclm's model has
   no dense-attention setting, so for this variant the probe swaps the model's attention call
-  (`lclm.models.llama.context_parallel_attention`) while the step is traced; everything else
+  (`lclm.models.decoder.context_parallel_attention`) while the step is traced; everything else
   is lclm's.
 
 Each probe (one variant, one length) runs in a child process (an out-of-memory abort cannot
@@ -101,9 +101,9 @@ def dense_attention_patch():
     """Context manager: lclm's LLaMA calls dense attention instead of the ring while active."""
     from unittest import mock
 
-    from lclm.models import llama
+    from lclm.models import decoder
 
-    return mock.patch.object(llama, "context_parallel_attention", _dense_ring_attention)
+    return mock.patch.object(decoder, "context_parallel_attention", _dense_ring_attention)
 
 
 def probe(config_path: str, overrides, variant: str, seq: int, budget_mib: int | None) -> dict:

@@ -181,7 +181,7 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
 
     import jax
 
-    from lclm.models.llama import param_count
+    from lclm.models.decoder import param_count
     from lclm.plan import aot
     from lclm.train.checks import attention_kernel
 
@@ -213,7 +213,7 @@ def _build(config, devices=None):
     shapes and shardings to compile against, nothing allocated."""
     import jax
 
-    from lclm.config import AttentionConfig, LlamaConfig
+    from lclm.config import AttentionConfig, ModelConfig
     from lclm.data.loader import batch_sharding
     from lclm.parallel.mesh import make_mesh
     from lclm.plan import aot
@@ -225,7 +225,7 @@ def _build(config, devices=None):
     devices = devices or jax.devices()
     sizes = validate(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices[:math.prod(sizes.values())])
-    model = LlamaConfig.from_config(config.model)
+    model = ModelConfig.from_config(config.model)
     attention = AttentionConfig.from_config(config.attention)
     optimizer = make_optimizer(config.train)
     d = config.data
@@ -246,7 +246,7 @@ def _build_baseline(config, remat: str, devices=None):
     import jax
 
     from bench import baseline
-    from lclm.config import LlamaConfig
+    from lclm.config import ModelConfig
     from lclm.errors import ConfigError
     from lclm.plan import aot
     from lclm.train.checks import validate
@@ -258,7 +258,7 @@ def _build_baseline(config, remat: str, devices=None):
     if math.prod(sizes.values()) != 1:
         raise ConfigError(f"the baseline runs on one device, not the mesh {sizes}; "
                           "set --config.mesh.dp/fsdp/tp/sp=1")
-    model = LlamaConfig.from_config(config.model)
+    model = ModelConfig.from_config(config.model)
     optimizer = make_optimizer(config.train)
     d = config.data
     if described:

@@ -30,12 +30,12 @@ import jax.numpy as jnp
 from lclm import hf, logs, storage
 from lclm.checkpoint import Checkpoints, path_problem, read_config, read_params
 from lclm.cli import run_cli
-from lclm.config import LlamaConfig, base_config
+from lclm.config import ModelConfig, base_config
 from lclm.config.secrets import public_config
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
 from lclm.files import check_input, check_output, output_problem
-from lclm.models.llama import param_count, param_shapes, rope_scale
+from lclm.models.decoder import param_count, param_shapes, rope_scale
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirLock
 from lclm.train.resume import CONVERTED_FROM, tokenizer_fingerprint
@@ -165,7 +165,7 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None) ->
               f"{storage.basename(read)}")
         workdir = read
     step, saved = read_config(workdir)
-    model = LlamaConfig(**_dataclass_fields(LlamaConfig, saved["model"]))
+    model = ModelConfig(**_dataclass_fields(ModelConfig, saved["model"]))
     # step 0 (`--to-checkpoint`'s) has trained nothing: only the source's positions count
     trained = max([saved.get("data", {}).get("seq_len", 0) if step else 0, *seq_lens])
     model = dataclasses.replace(
@@ -190,7 +190,7 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None) ->
     return 0
 
 
-def _export_tokenizer(tokenizer: str, out: str, model: LlamaConfig, written: list) -> list:
+def _export_tokenizer(tokenizer: str, out: str, model: ModelConfig, written: list) -> list:
     """Put `tokenizer` (local, gs:// or s3://) into the export folder `out`, adding its files
     to `written`; the warnings (a tokenizer that cannot be exported is one: the weights are
     out already)."""

@@ -73,3 +73,22 @@ def pack_documents(docs, seq_len: int, reset_positions: bool = True):
         packer.add(tokens, loss)
         while (row := packer.pop_row()) is not None:
             yield row
+
+
+def torch_and_transformers():
+    """(torch, transformers) for the cross-checks against transformers: imported on CI's
+    Python (3.11), where the [test] extra installs a CPU torch, so that they run and never
+    skip; skipped, saying why, on 3.12+, where it leaves torch out (only a CUDA build of
+    several GB would be fetched)."""
+    import sys
+
+    import pytest
+    if sys.version_info < (3, 12):
+        import torch
+        import transformers
+        return torch, transformers
+    why = ("the transformers cross-check needs torch and transformers; on Python 3.12+ the "
+           "[test] extra leaves torch out (only a CUDA build of several GB would be fetched): "
+           "install a CPU build of torch to run it")
+    return pytest.importorskip("torch", reason=why), pytest.importorskip("transformers",
+                                                                         reason=why)

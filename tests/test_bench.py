@@ -186,10 +186,10 @@ def test_baseline_step_computes_lclms_loss_and_gradients():
     """The baseline differs from lclm only in how it computes (dense attention, unchunked
     FFN): on one device, one document per row, loss and gradients agree in float32."""
     from bench import baseline
-    from lclm.config import LlamaConfig
-    from lclm.models.llama import init_params, loss_terms
+    from lclm.config import ModelConfig
+    from lclm.models.decoder import init_params, loss_terms
 
-    c = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+    c = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
                     dtype="float32", ffn_chunk=8, loss_chunk=8, tie_embeddings=False)
     params = init_params(c, jax.random.key(0))
     rng = np.random.default_rng(0)

@@ -14,12 +14,12 @@ import pytest
 from support import DEMO_TOKENIZER, ROOT
 
 from lclm import hf
-from lclm.config import LlamaConfig
+from lclm.config import ModelConfig
 from lclm.convert import main
-from lclm.models.llama import init_params
+from lclm.models.decoder import init_params
 from lclm.train.lock import WorkdirLock
 
-MODEL = LlamaConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
+MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
                     dtype="float32")
 
 

@@ -12,17 +12,17 @@ import pytest
 from support import DEMO_TOKENIZER
 
 from lclm import hf
-from lclm.config import LlamaConfig
+from lclm.config import ModelConfig
 from lclm.convert import hf_to_checkpoint
 from lclm.eval import generate
 from lclm.eval.decode import sampler
 from lclm.eval.model import answer_text, load_model
-from lclm.models.llama import forward, init_params
+from lclm.models.decoder import forward, init_params
 
 pytestmark = pytest.mark.slow  # writes a checkpoint and compiles decoding
 
 # large init so that greedy choices are far from ties; the demo tokenizer's 512 pieces
-MODEL = LlamaConfig(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
                     dtype="float32", init_std=0.5)
 PROMPT = "The quick brown fox"
 NEW = 8

@@ -15,12 +15,12 @@ from support import DEMO_TOKENIZER
 
 from lclm import hf, storage
 from lclm.checkpoint import read_config
-from lclm.config import LlamaConfig
+from lclm.config import ModelConfig
 from lclm.convert import main as convert
 from lclm.eval import line_retrieval, perplexity
-from lclm.models.llama import init_params
+from lclm.models.decoder import init_params
 
-MODEL = LlamaConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64,
+MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64,
                     dtype="float32", ffn_chunk=32)
 
 

@@ -36,7 +36,7 @@ def test_the_readme_tpu_table_quotes_the_planner():
     rows = _tpu_table()
     assert {config for config, _, _ in rows} == {
         "llama7b_256k", "llama13b_512k", "llama3b", "llama1b", "striped_attention_1b",
-        "qwen3_8b_256k"}
+        "qwen3_8b_256k", "mistral_nemo_12b_256k"}
     for config, slice_, quoted in rows:
         target = aot.tpu_target(slice_)
         c = load_config(os.path.join(ROOT, "configs", f"{config}.py"))

@@ -1,12 +1,12 @@
 """The one typed configuration of lclm (JAX-free): `base_config()` and the presets a config
 file starts from, the model schema, `load_config` for files. Submodules: `fields` (how a
 field declares its type, default, help, names and range), `schema` (every section as a typed
-dataclass, presets, single-field checks), `model` (LlamaConfig, AttentionConfig), `files`
+dataclass, presets, single-field checks), `model` (ModelConfig, AttentionConfig), `files`
 (config files and dotted keys), `syntax` (token counts, lengths, stage schedules), `stages`
 (the config of every stage of a schedule)."""
 
 from lclm.config.files import load_config
-from lclm.config.model import AttentionConfig, LlamaConfig
+from lclm.config.model import AttentionConfig, ModelConfig
 from lclm.config.schema import (
     MESH_AXES,
     MODEL_PRESETS,
@@ -15,5 +15,5 @@ from lclm.config.schema import (
     mesh_device_count,
 )
 
-__all__ = ["AttentionConfig", "LlamaConfig", "MESH_AXES", "MODEL_PRESETS", "apply_preset",
+__all__ = ["AttentionConfig", "ModelConfig", "MESH_AXES", "MODEL_PRESETS", "apply_preset",
            "base_config", "load_config", "mesh_device_count"]

@@ -1,4 +1,4 @@
-"""The model schema: `LlamaConfig` (the network) and `AttentionConfig` (how attention runs).
+"""The model schema: `ModelConfig` (the network) and `AttentionConfig` (how attention runs).
 
 Typed, hashable views of `config.model` and `config.attention`; their fields (`setting`:
 default, help, accepted names and range) are those config sections' (`schema.base_config`
@@ -20,7 +20,7 @@ from lclm.models.families import FAMILIES
 
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch")
-# the RoPE scalings lclm.models.llama computes; model.rope_scaling also takes "auto"
+# the RoPE scalings lclm.models.decoder computes; model.rope_scaling also takes "auto"
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 # token layouts over the sp devices (lclm.ops.layout)
 LAYOUTS = ("striped", "contiguous", "zigzag")
@@ -29,7 +29,7 @@ FAMILY_NAMES = tuple(FAMILIES)
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class ModelConfig:
     """Model hyper-parameters (a tiny model by default; `MODEL_PRESETS` hold real shapes)."""
     family: str = setting("llama", "the model family: its layer's options (qwen2: q/k/v "
                           "biases; qwen3: an RMSNorm on each head's q and k) and its "
@@ -103,7 +103,7 @@ class LlamaConfig:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     @classmethod
-    def from_config(cls, model_config) -> LlamaConfig:
+    def from_config(cls, model_config) -> ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in dict(model_config).items() if k in names})
 

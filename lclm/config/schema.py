@@ -4,7 +4,7 @@ fail on its own (no devices, no other component).
 
 Config files (`configs/*.py`) define `get_config()` returning `base_config()` with fields
 changed (`apply_preset` fills a real model shape). `config.model` and `config.attention` are
-`LlamaConfig`/`AttentionConfig` (lclm.config.model), the one model schema. Every CLI's
+`ModelConfig`/`AttentionConfig` (lclm.config.model), the one model schema. Every CLI's
 `--help` lists `SECTIONS` (`lclm.cli.config_help`). The checks that need other components
 (the mesh, kernels, strategies, data) are `lclm.train.checks.validate`'s. No JAX here:
 train.py reads the config before JAX starts.
@@ -28,7 +28,7 @@ from lclm.config.fields import (
     setting,
 )
 from lclm.config.files import field
-from lclm.config.model import ROPE_SCALINGS, AttentionConfig, LlamaConfig
+from lclm.config.model import ROPE_SCALINGS, AttentionConfig, ModelConfig
 from lclm.errors import ConfigError
 from lclm.models.families import FAMILIES
 
@@ -67,7 +67,7 @@ class Mesh:
 
 
 @dataclasses.dataclass(frozen=True)
-class Model(LlamaConfig):
+class Model(ModelConfig):
     """The model: a decoder of one family (real shapes: lclm.config.MODEL_PRESETS,
     `apply_preset`)"""
     rope_scaling: str = setting("auto", "the init_from_hf source's scaling ('auto'; none "
@@ -81,7 +81,7 @@ class Model(LlamaConfig):
                                         "stages with it")
 
     def __post_init__(self):
-        """The section keeps 'auto' (LlamaConfig resolves it when a run reads its model)."""
+        """The section keeps 'auto' (ModelConfig resolves it when a run reads its model)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,14 +1,14 @@
 """Decoding: a ring-attention prefill that fills a KV cache, then cached steps, each token
 chosen greedily or sampled (temperature, top-k, top-p).
 
-Prefill runs the model's own layers (`lclm.models.llama.layer_with_kv`: striped ring attention over
-`sp` when a mesh is given, the blockwise kernel on one device otherwise) over the prompt in
-the mesh's token layout, and keeps every layer's rotated keys and values as the cache. The
-cache stays in layout order and sharded over `sp` like the prefill's activations: attention
-over a set of keys does not depend on their order, RoPE was applied at the original
-positions, and visibility comes from segment ids, so nothing is unstriped.
+Prefill runs the model's own layers (`lclm.models.decoder.layer_with_kv`: striped ring
+attention over `sp` when a mesh is given, the blockwise kernel on one device otherwise) over
+the prompt in the mesh's token layout, and keeps every layer's rotated keys and values as the
+cache. The cache stays in layout order and sharded over `sp` like the prefill's activations:
+attention over a set of keys does not depend on their order, RoPE was applied at the
+original positions, and visibility comes from segment ids, so nothing is unstriped.
 
-Each decode step feeds one token per row through the same layers (`llama.decoder_layer`,
+Each decode step feeds one token per row through the same layers (`decoder.decoder_layer`,
 every family's options included) with plain softmax attention over the prefill cache plus a
 small cache of the tokens decoded so far (float32 scores, the two parts merged by one joint
 softmax). Under `jit` on a mesh this is GSPMD over the sharded cache (the reductions over
@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lclm.config import AttentionConfig, LlamaConfig
+from lclm.config import AttentionConfig, ModelConfig
 from lclm.data.loader import batch_sharding
-from lclm.models import llama
+from lclm.models import decoder
 from lclm.ops.context_parallel import kernel_block, ring_size
 from lclm.ops.ffn import swiglu
 from lclm.ops.layout import batch_to_layout, to_layout
@@ -59,27 +59,27 @@ class Cache(NamedTuple):
     new_v: jax.Array
 
 
-def _logits(c: LlamaConfig, params, x):
+def _logits(c: ModelConfig, params, x):
     """Float32 logits `[B, V]` of final-layer states x `[B, D]`."""
-    h = llama.rms_norm(x, params["final_norm"], c.norm_eps)
-    return jnp.einsum("bd,dv->bv", h, llama.output_weights(c, params),
+    h = decoder.rms_norm(x, params["final_norm"], c.norm_eps)
+    return jnp.einsum("bd,dv->bv", h, decoder.output_weights(c, params),
                       preferred_element_type=F32)
 
 
-def prefill(c: LlamaConfig, a: AttentionConfig, params, tokens, positions, segment_ids, *,
+def prefill(c: ModelConfig, a: AttentionConfig, params, tokens, positions, segment_ids, *,
             last: int, max_new: int, mesh=None):
     """Run the prompt; returns (logits `[B, V]` float32 after the token at layout index
     `last`, the `Cache` with `max_new` empty decode slots).
 
     tokens, positions, segment_ids `[B, P]` in the mesh's layout order (original order
     without a mesh). The layer stack is the model's own, so the hidden states (and logits)
-    are exactly those of `llama.forward`.
+    are exactly those of `decoder.forward`.
     """
-    x = llama.embed(c, params, tokens, mesh)
-    rope = llama.rope_tables(positions, c)
+    x = decoder.embed(c, params, tokens, mesh)
+    rope = decoder.rope_tables(positions, c)
 
     def layer(x, p):
-        x, k, v = llama.layer_with_kv(c, a, mesh, x, p, rope, segment_ids)
+        x, k, v = decoder.layer_with_kv(c, a, mesh, x, p, rope, segment_ids)
         return x, (k, v)
 
     x, (k, v) = lax.scan(layer, x, params["layers"])
@@ -108,12 +108,12 @@ def _cached_attention(q, cache_k, cache_v, visible, new_k, new_v, n_new):
     return o.reshape(b, 1, h, d)
 
 
-def decode_step(c: LlamaConfig, params, cache: Cache, token, position, step, *, mesh=None):
+def decode_step(c: ModelConfig, params, cache: Cache, token, position, step, *, mesh=None):
     """Feed token `[B]` at RoPE position `[B]` into decode slot `step` (scalar int); returns
     (logits `[B, V]` float32 for the next token, new_k, new_v): only the decode slots are
     returned, so the (large) prompt cache is never copied."""
-    x = llama.embed(c, params, token[:, None], mesh)
-    rope = llama.rope_tables(position[:, None], c)
+    x = decoder.embed(c, params, token[:, None], mesh)
+    rope = decoder.rope_tables(position[:, None], c)
 
     def layer(x, inputs):
         p, cache_k, cache_v, new_k, new_v = inputs
@@ -123,7 +123,7 @@ def decode_step(c: LlamaConfig, params, cache: Cache, token, position, step, *, 
             nv = lax.dynamic_update_slice_in_dim(new_v, v.astype(new_v.dtype), step, axis=1)
             return _cached_attention(q, cache_k, cache_v, cache.visible, nk, nv, step + 1), nk, nv
 
-        x, new_k, new_v = llama.decoder_layer(
+        x, new_k, new_v = decoder.decoder_layer(
             c, p, x, rope, attend,
             lambda h, _, w: swiglu(h, w["w_gate"], w["w_up"], w["w_down"]))
         return x, (new_k, new_v)
@@ -134,7 +134,7 @@ def decode_step(c: LlamaConfig, params, cache: Cache, token, position, step, *, 
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(c: LlamaConfig, a: AttentionConfig, mesh, last: int, max_new: int):
+def _compiled(c: ModelConfig, a: AttentionConfig, mesh, last: int, max_new: int):
     """Jitted (prefill, decode step) for one model, mesh and prompt shape."""
     run_prefill = jax.jit(functools.partial(prefill, c, a, last=last, max_new=max_new,
                                             mesh=mesh))
@@ -218,7 +218,7 @@ def last_layout_index(layout: str, sp: int, length: int) -> int:
     return int(np.flatnonzero(order == length - 1)[0])
 
 
-def generate(c: LlamaConfig, a: AttentionConfig, params, tokens, positions, segment_ids,
+def generate(c: ModelConfig, a: AttentionConfig, params, tokens, positions, segment_ids,
              max_new: int, mesh=None, pick: Pick = greedy) -> np.ndarray:
     """Continuation `[B, max_new]` int32 of prompts that end at the last column, each token
     chosen by `pick`.
@@ -253,7 +253,7 @@ def generate(c: LlamaConfig, a: AttentionConfig, params, tokens, positions, segm
     return np.asarray(jax.device_get(jnp.stack(out, axis=1)))
 
 
-def greedy_generate(c: LlamaConfig, a: AttentionConfig, params, tokens, positions,
+def greedy_generate(c: ModelConfig, a: AttentionConfig, params, tokens, positions,
                     segment_ids, max_new: int, mesh=None) -> np.ndarray:
     """The greedy continuation `[B, max_new]` (`generate` with `greedy`)."""
     return generate(c, a, params, tokens, positions, segment_ids, max_new, mesh)

@@ -17,11 +17,11 @@ import jax
 
 from lclm import hf, storage
 from lclm.checkpoint import read_config, read_params
-from lclm.config import MESH_AXES, AttentionConfig, LlamaConfig
+from lclm.config import MESH_AXES, AttentionConfig, ModelConfig
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
 from lclm.files import check_input
-from lclm.models.llama import param_shapes
+from lclm.models.decoder import param_shapes
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.layout import LAYOUTS
 from lclm.parallel.devices import request_cpu_devices
@@ -33,7 +33,7 @@ from lclm.train.workdirs import workdir_to_read
 @dataclasses.dataclass
 class Model:
     """What evaluation needs: configs, parameters placed on `mesh`, tokenizer, description."""
-    config: LlamaConfig
+    config: ModelConfig
     attention: AttentionConfig
     params: dict
     mesh: jax.sharding.Mesh
@@ -94,7 +94,7 @@ def load_checkpoint(args, workdir: str) -> tuple[Model, dict]:
     """The model of the lclm run in `workdir` (what `lclm.train.workdirs.workdir_to_read`
     finds for `--checkpoint`); returns (Model, the saved config)."""
     step, saved = read_config(workdir, args.step)
-    model_config = LlamaConfig(**_dataclass_fields(LlamaConfig, saved["model"]))
+    model_config = ModelConfig(**_dataclass_fields(ModelConfig, saved["model"]))
     attention = _attention(AttentionConfig(**_dataclass_fields(AttentionConfig,
                                                                saved["attention"])), args)
     name = f"{storage.basename(storage.absolute(workdir))} step {step}"

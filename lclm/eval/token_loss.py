@@ -1,5 +1,5 @@
 """Per-token losses of a batch with training's forward: the model's layers under the
-attention's context-parallel strategy on the mesh (`llama.hidden_states`, as `loss_terms`
+attention's context-parallel strategy on the mesh (`decoder.hidden_states`, as `loss_terms`
 runs them), then the output projection and cross-entropy of `lclm.ops.loss` chunk by chunk
 of each device's shard (`split_chunks` with `loss_chunk`), as `blockwise_cross_entropy`
 walks them: full-sequence logits never exist. Training sums these losses; here each is
@@ -16,9 +16,9 @@ import jax
 import numpy as np
 from jax import lax
 
-from lclm.config import AttentionConfig, LlamaConfig
+from lclm.config import AttentionConfig, ModelConfig
 from lclm.data.loader import batch_sharding
-from lclm.models import llama
+from lclm.models import decoder
 from lclm.ops.chunking import merge_chunks, split_chunks
 from lclm.ops.context_parallel import ring_size
 from lclm.ops.layout import batch_to_layout, from_layout
@@ -28,7 +28,7 @@ from lclm.parallel.mesh import logical_sharding
 _CHUNKED = (None, "batch", "seq", None)  # [chunks, B, sp shards, chunk]: as the loss splits
 
 
-def token_losses(c: LlamaConfig, a: AttentionConfig, mesh, params, batch: dict):
+def token_losses(c: ModelConfig, a: AttentionConfig, mesh, params, batch: dict):
     """Float32 losses `[B, T]` of predicting `targets` (in the batch's order).
 
     batch: `[B, T]` arrays `tokens`, `targets`, `positions`, `segment_ids` in the mesh's
@@ -38,10 +38,10 @@ def token_losses(c: LlamaConfig, a: AttentionConfig, mesh, params, batch: dict):
     constrain = ((lambda x, axes: x) if mesh is None else
                  (lambda x, axes: lax.with_sharding_constraint(
                      x, logical_sharding(mesh, axes, x.shape))))
-    h = llama.hidden_states(c, params, batch["tokens"], batch["positions"],
+    h = decoder.hidden_states(c, params, batch["tokens"], batch["positions"],
                             batch["segment_ids"], mesh=mesh, attention=a)
     # FSDP gathers the weights along D; V stays split over tp, as in training's loss
-    w = constrain(llama.output_weights(c, params), ("act_embed", "act_vocab"))
+    w = constrain(decoder.output_weights(c, params), ("act_embed", "act_vocab"))
     n_shards = 1 if mesh is None else mesh.shape["sp"]
     hs = constrain(split_chunks(h, n_shards, c.loss_chunk), _CHUNKED + ("act_embed",))
     ts = constrain(split_chunks(batch["targets"], n_shards, c.loss_chunk), _CHUNKED)
@@ -51,11 +51,11 @@ def token_losses(c: LlamaConfig, a: AttentionConfig, mesh, params, batch: dict):
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted(c: LlamaConfig, a: AttentionConfig, mesh):
+def _jitted(c: ModelConfig, a: AttentionConfig, mesh):
     return jax.jit(functools.partial(token_losses, c, a, mesh))
 
 
-def losses_in_order(c: LlamaConfig, a: AttentionConfig, mesh, params, rows: dict) -> np.ndarray:
+def losses_in_order(c: ModelConfig, a: AttentionConfig, mesh, params, rows: dict) -> np.ndarray:
     """Float32 losses `[B, T]` in ORIGINAL token order of rows given in original order
     (numpy `[B, T]` tokens, targets, positions, segment_ids; T must suit the mesh: see
     `decode.padded_length`). The rows are put into the attention's layout for the mesh's

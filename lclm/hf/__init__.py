@@ -1,7 +1,7 @@
 """HuggingFace model directories of every family lclm knows (config.json, safetensors weights,
 tokenizer) in and out.
 
-`config` translates config.json to and from LlamaConfig, `weights` reads and writes the
+`config` translates config.json to and from ModelConfig, `weights` reads and writes the
 safetensors (`load`, `save`), `tokenizer` puts the training tokenizer into an export. A
 directory may be on gs:// or s3://: it is read from a local copy (`local_copy`) and exported
 to a local folder that is then uploaded (`exporting`). Only JSON, safetensors and

@@ -1,4 +1,4 @@
-"""HuggingFace `config.json` <-> lclm's LlamaConfig, for every family lclm knows: the file's
+"""HuggingFace `config.json` <-> lclm's ModelConfig, for every family lclm knows: the file's
 `model_type` picks the family (`lclm.models.families`), whose defaults fill what the file
 leaves out and whose fields an export writes.
 
@@ -12,7 +12,7 @@ import json
 import math
 
 from lclm import storage
-from lclm.config import LlamaConfig
+from lclm.config import ModelConfig
 from lclm.hf.errors import HFFormatError
 from lclm.models.families import FAMILIES, Family, by_model_type, get_family
 
@@ -182,8 +182,8 @@ def _token_ids(hf: dict, family: Family) -> dict:
                 eos_ids=tuple(token_id("eos_token_id", i) for i in eos))
 
 
-def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
-    """LlamaConfig from a HuggingFace `config.json` dict of a family lclm knows (its
+def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    """ModelConfig from a HuggingFace `config.json` dict of a family lclm knows (its
     `model_type`). The compute and parameter dtypes follow `torch_dtype` (float16 checkpoints
     are computed in float32). Whatever lclm cannot compute as the file asks (another
     architecture, biases, an activation other than SiLU, sliding windows, RoPE scaling other
@@ -212,10 +212,10 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
         max_position_embeddings=_max_positions(hf, family),
         dtype=dtype, param_dtype=dtype, **_rope_from_hf(hf, family), **_token_ids(hf, family))
     fields.update(overrides)
-    return LlamaConfig(**fields)
+    return ModelConfig(**fields)
 
 
-def read_config(hf_dir: str, **overrides) -> LlamaConfig:
+def read_config(hf_dir: str, **overrides) -> ModelConfig:
     """`config_from_hf` of `hf_dir/config.json` (local, gs:// or s3://), every failure one line
     naming the directory."""
     path = storage.join(hf_dir, "config.json")
@@ -233,7 +233,7 @@ def read_config(hf_dir: str, **overrides) -> LlamaConfig:
         raise HFFormatError(f"{hf_dir!r}: {e}") from None
 
 
-def rope_to_hf(c: LlamaConfig) -> dict:
+def rope_to_hf(c: ModelConfig) -> dict:
     """The RoPE fields of a config.json for `c`, in both layouts: `rope_theta` + `rope_scaling`
     (transformers 4) and `rope_parameters` (transformers 5)."""
     scaling = None
@@ -253,7 +253,7 @@ def rope_to_hf(c: LlamaConfig) -> dict:
     return {"rope_theta": c.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}
 
 
-def config_to_hf(c: LlamaConfig) -> dict:
+def config_to_hf(c: ModelConfig) -> dict:
     """The config.json of an export of `c`, which transformers 4 and 5 both read as `c`'s
     family (its model_type, architecture and the fields that make its layer lclm's)."""
     eos = list(c.eos_ids)
@@ -283,7 +283,7 @@ SCALING_FIELDS = ("rope_scaling", "rope_factor", "rope_low_freq_factor",
 
 def model_fields(fields: dict, rope_scaling: bool = True) -> dict:
     """The fields of `config.model` that a source model determines, taken from its model
-    fields (an HF checkpoint's `LlamaConfig` as a dict, or an lclm checkpoint's saved
+    fields (an HF checkpoint's `ModelConfig` as a dict, or an lclm checkpoint's saved
     `model`): shapes, token ids, max positions and (with `rope_scaling`) its RoPE scaling.
     Never rope_theta: the run's `model.rope_theta` applies over the source's. JSON lists
     come back as tuples."""

@@ -8,7 +8,7 @@ import shutil
 from google.protobuf.message import DecodeError
 from sentencepiece import sentencepiece_model_pb2
 
-from lclm.config import LlamaConfig
+from lclm.config import ModelConfig
 from lclm.files import replacing, write_json
 from lclm.hf.errors import HFFormatError
 
@@ -114,7 +114,7 @@ def sentencepiece_to_hf(model_path: str, add_bos: bool = True) -> tuple[dict, di
     return tokenizer, specials
 
 
-def save_tokenizer(source: str, hf_dir: str, c: LlamaConfig) -> tuple[list[str], list[str]]:
+def save_tokenizer(source: str, hf_dir: str, c: ModelConfig) -> tuple[list[str], list[str]]:
     """Put the tokenizer the model was trained with into the export `hf_dir` so that
     `transformers.AutoTokenizer.from_pretrained(hf_dir)` loads it; returns (the files written,
     warnings). `source` is a SentencePiece `.model` (copied as tokenizer.model, with a

@@ -29,13 +29,13 @@ from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 
 from lclm import storage
-from lclm.config import LlamaConfig
+from lclm.config import ModelConfig
 from lclm.files import write_json
 from lclm.hf.config import config_to_hf, read_config
 from lclm.hf.errors import HFFormatError
 from lclm.hf.files import local_copy, make_dir, world_readable
+from lclm.models.decoder import param_shapes
 from lclm.models.families import get_family
-from lclm.models.llama import param_shapes
 
 _LAYER = "model.layers.{i}."
 _INDEX = "model.safetensors.index.json"
@@ -46,7 +46,7 @@ _WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
 _FLOATS = ("F32", "BF16", "F16")
 
 
-def _layer_shapes(c: LlamaConfig) -> dict:
+def _layer_shapes(c: ModelConfig) -> dict:
     """lclm layer parameter -> the shape of its HF tensor `[out, in]` (or `[out]`), for every
     parameter of `c`'s family."""
     D, F, Dh = c.dim, c.ffn_dim, c.head_dim
@@ -57,7 +57,7 @@ def _layer_shapes(c: LlamaConfig) -> dict:
     return {name: shapes[name] for name in get_family(c.family).layer_names()}
 
 
-def hf_shapes(c: LlamaConfig) -> dict:
+def hf_shapes(c: ModelConfig) -> dict:
     """HuggingFace tensor name -> the shape `c` implies for it."""
     D, V = c.dim, c.vocab_size
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
@@ -188,7 +188,7 @@ class _Reader:
         return tensor
 
 
-def _canonical(c: LlamaConfig):
+def _canonical(c: ModelConfig):
     """lclm parameter -> (HF tensor name, or a function of the layer index giving it; the map
     from rows of that tensor `[out, in]` to lclm's layout of one layer; the axes of that
     layout that flatten to HF's rows `out`). The map takes any run of whole rows: the first of
@@ -268,7 +268,7 @@ def _block(reader: _Reader, entry, stacked: bool, shape: tuple, index: tuple, dt
 
 
 def load(hf_dir: str, shardings=None, dtype=None, **overrides):
-    """`(LlamaConfig, params)` from a HuggingFace directory of a family lclm knows (sharded or
+    """`(ModelConfig, params)` from a HuggingFace directory of a family lclm knows (sharded or
     not), params in
     lclm's canonical layout and `dtype` (default: the config's `param_dtype`). A malformed
     directory raises `HFFormatError` (or FileNotFoundError) before any tensor data is read.
@@ -307,7 +307,7 @@ def _host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def _exports(c: LlamaConfig, params, dtype) -> dict[str, Callable[[], np.ndarray]]:
+def _exports(c: ModelConfig, params, dtype) -> dict[str, Callable[[], np.ndarray]]:
     """HF tensor name -> a function giving it as a new host array `[out, in]` in `dtype`: one
     layer of one parameter is read at a time, so the model is never whole on the host."""
     L = params["layers"]
@@ -379,7 +379,7 @@ def _file_names(split) -> list:
     return [*split.filename_to_tensors, *([_INDEX] if split.is_sharded else []), "config.json"]
 
 
-def _publish(hf_dir: str, c: LlamaConfig, split, write: Callable[[str, list], None]) -> None:
+def _publish(hf_dir: str, c: ModelConfig, split, write: Callable[[str, list], None]) -> None:
     """Write the weight files of `split` (`write(path, tensor names)`), the index (when it has
     several files) and config.json into a hidden directory in `hf_dir`, then move them into
     place, config.json last (it names the weights' shapes); only then remove the weight files
@@ -404,7 +404,7 @@ def _publish(hf_dir: str, c: LlamaConfig, split, write: Callable[[str, list], No
             os.remove(os.path.join(hf_dir, name))   # the earlier export's, now replaced
 
 
-def save(hf_dir: str, c: LlamaConfig, params, max_shard_bytes: int = 4 << 30) -> list:
+def save(hf_dir: str, c: ModelConfig, params, max_shard_bytes: int = 4 << 30) -> list:
     """Write `params` (canonical layout: host arrays or `jax.Array`s in any sharding) as a
     HuggingFace directory of `c`'s family that transformers' `AutoModelForCausalLM` loads
     (sharded above `max_shard_bytes`); returns the names of the files written (0o644;

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from lclm import tpu_attached
-from lclm.config import AttentionConfig, LlamaConfig
+from lclm.config import AttentionConfig, ModelConfig
 from lclm.data.loader import batch_sharding
 from lclm.errors import ConfigError
 from lclm.hardware import BY_NAME, GPUS, TPUS, planner_device
@@ -246,7 +246,7 @@ class Compiled:
         return self.arguments + self.temporaries + self.outputs - self.aliased
 
 
-def abstract_state(model: LlamaConfig, optimizer, mesh):
+def abstract_state(model: ModelConfig, optimizer, mesh):
     """The train state's shapes, dtypes and shardings on `mesh` (nothing allocated)."""
     shapes = jax.eval_shape(lambda: init_state(model, optimizer, mesh, 0))
     return jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
@@ -299,7 +299,7 @@ def compile_step(config, devices) -> Compiled:
 
     sizes = validate(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices[:math.prod(sizes.values())])
-    model = LlamaConfig.from_config(config.model)
+    model = ModelConfig.from_config(config.model)
     optimizer = make_optimizer(config.train)
     state = abstract_state(model, optimizer, mesh)
     batch = abstract_batch(config.data.batch_size, config.data.seq_len, batch_sharding(mesh))

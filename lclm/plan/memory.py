@@ -13,9 +13,9 @@ import math
 
 import jax
 
-from lclm.config import LlamaConfig
+from lclm.config import ModelConfig
 from lclm.hardware import planner_devices
-from lclm.models.llama import is_param_entry, param_table
+from lclm.models.decoder import is_param_entry, param_table
 from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
 from lclm.train.checks import attention_kernel, validate
@@ -60,7 +60,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     """Per-device memory estimate (bytes) of `config` on `device_count` devices."""
 
     sizes = validate(config, device_count)
-    m = LlamaConfig.from_config(config.model)
+    m = ModelConfig.from_config(config.model)
     mesh = _MeshShape(sizes)
     pbytes, cbytes = _BYTES[m.param_dtype], _BYTES[m.dtype]
 

@@ -16,7 +16,7 @@ over it and those of different nodes over the family's `-ib` link (400 Gb/s Infi
 
 from __future__ import annotations
 
-from lclm.config import LlamaConfig
+from lclm.config import ModelConfig
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.context_parallel.contract import Step, StrategyCost
 
@@ -30,7 +30,7 @@ def compare(config, sizes: dict[str, int], flops: float, fast_gbs: float,
     """The costs of every registered strategy for `config` (one stage) on a mesh of `sizes`,
     devices of `flops` peak FLOP/s, links of `fast_gbs` inside a node of `devices_per_node`
     devices and `slow_gbs` between nodes (GB/s, one way)."""
-    m = LlamaConfig.from_config(config.model)
+    m = ModelConfig.from_config(config.model)
     n, tp = sizes["sp"], sizes["tp"]
     micro = config.train.grad_accum
     batch = config.data.batch_size // micro // (sizes["dp"] * sizes["fsdp"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 
 from lclm import storage
-from lclm.config.model import AttentionConfig, LlamaConfig
+from lclm.config.model import AttentionConfig, ModelConfig
 from lclm.config.schema import MESH_AXES, check_fields
 from lclm.config.stages import validation_lengths
 from lclm.data.chat import TEMPLATE_NAMES
@@ -99,7 +99,7 @@ def validate(config, device_count: int) -> dict[str, int]:
                   f"{sp} x {chunk}; use a multiple of {sp * chunk}")
     # 'auto' is resolved per platform (`attention_kernel`), always to a kernel that can serve
     why = None if a.impl == "auto" else get_kernel(a.impl).limits(
-        head_dim=LlamaConfig.from_config(m).head_dim, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
+        head_dim=ModelConfig.from_config(m).head_dim, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
         block=run, dtype=m.dtype)
     if why is not None:
         _fail(f"attention.impl={a.impl!r} cannot serve this model: {why}; "
@@ -144,7 +144,7 @@ def check_data(config) -> None:
                   f".jsonl/.json/.txt/.parquet/.arrow file, a directory or a glob{comma}")
 
 
-def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
+def attention_kernel(config, model: ModelConfig, sp: int, platform: str) -> str:
     """The kernel the ring will run (`attention.impl`, 'auto' resolved); an explicit kernel
     that cannot run on this platform is a config error here, at start, not a traceback
     inside the step."""
@@ -158,7 +158,7 @@ def attention_kernel(config, model: LlamaConfig, sp: int, platform: str) -> str:
         raise ConfigError(str(e)) from None
 
 
-def attention_line(config, model: LlamaConfig, sp: int, platform: str) -> str:
+def attention_line(config, model: ModelConfig, sp: int, platform: str) -> str:
     kernel = attention_kernel(config, model, sp, platform)
     chosen = f" (auto on {platform_family(platform)})" if config.attention.impl == "auto" else ""
     a = AttentionConfig.from_config(config.attention)

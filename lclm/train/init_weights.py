@@ -14,7 +14,7 @@ import jax
 
 from lclm import hf
 from lclm.checkpoint import Checkpoints, ShapeMismatch, first_line, read_config, read_params
-from lclm.config.model import LlamaConfig
+from lclm.config.model import ModelConfig
 from lclm.errors import StartupError
 from lclm.parallel.distributed import any_process
 from lclm.train.state import TrainState, param_shardings
@@ -62,7 +62,7 @@ def apply_checkpoint_fields(config) -> None:
                                         rope_scaling=config.model.rope_scaling == "auto"))
 
 
-def load_hf_params(config, model: LlamaConfig, mesh):
+def load_hf_params(config, model: ModelConfig, mesh):
     """`init_from_hf` weights in the run's param dtype and shardings."""
     # each device's block is read from the files and placed where it belongs: the model is
     # never whole on one device nor on the host (13B in float32 is 52 GB)

@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 
 from lclm import storage
 from lclm.checkpoint import Checkpoints, SaveFailed
-from lclm.config.model import AttentionConfig, LlamaConfig
+from lclm.config.model import AttentionConfig, ModelConfig
 from lclm.config.secrets import public_config
 from lclm.config.stages import validation_lengths
 from lclm.data.loader import HostBatches, parse_sources
@@ -26,7 +26,7 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError, StartupError
 from lclm.files import write_json
 from lclm.hardware import peak_flops
-from lclm.models.llama import param_count
+from lclm.models.decoder import param_count
 from lclm.parallel.distributed import any_process, check_same_config
 from lclm.parallel.mesh import make_mesh
 from lclm.train.checks import attention_line, check_data, validate
@@ -77,7 +77,7 @@ def train(config, stop_after: int | None = None,
                               "mesh must use all devices (use -1 for one axis)")
         check_same_config(json.dumps(public_config(config), sort_keys=True))
     mesh = make_mesh(**sizes, devices=devices)
-    model = LlamaConfig.from_config(config.model)
+    model = ModelConfig.from_config(config.model)
     attention = AttentionConfig.from_config(config.attention)
     tokenizer = Tokenizer(config.data.tokenizer)
     tokenizer.check_fits(model.vocab_size)

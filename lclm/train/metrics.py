@@ -15,15 +15,15 @@ import uuid
 import jax
 
 from lclm import storage
-from lclm.config import LlamaConfig
+from lclm.config import ModelConfig
 from lclm.config.secrets import is_secret, public_config
 from lclm.config.syntax import format_tokens
 from lclm.files import replacing
-from lclm.models.llama import param_count
+from lclm.models.decoder import param_count
 
 log = logging.getLogger(__name__)
 
-def flops_per_token(c: LlamaConfig, seq_len: int) -> float:
+def flops_per_token(c: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (non-embedding params + output projection) plus
     attention 6 x layers x seq x heads x head_dim (dim, where head_dim is dim / heads), i.e.
     causal attention counted as half the square."""

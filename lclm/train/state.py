@@ -9,18 +9,18 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lclm.config import LlamaConfig
-from lclm.models.llama import init_params, is_param_entry, param_table
+from lclm.config import ModelConfig
+from lclm.models.decoder import init_params, is_param_entry, param_table
 from lclm.parallel.mesh import logical_sharding
 
 
-def param_shardings(c: LlamaConfig, mesh):
+def param_shardings(c: ModelConfig, mesh):
     """NamedSharding per parameter (canonical layout) under `AXIS_RULES`."""
     return jax.tree.map(lambda e: logical_sharding(mesh, e[1], e[0]), param_table(c),
                         is_leaf=is_param_entry)
 
 
-def shard_params(c: LlamaConfig, params, mesh):
+def shard_params(c: ModelConfig, params, mesh):
     """Place `params` on `mesh` with the parameter shardings."""
     return jax.device_put(params, param_shardings(c, mesh))
 
@@ -36,7 +36,7 @@ class TrainState(NamedTuple, Generic[_Step]):
     opt_state: optax.OptState
 
 
-def state_shardings(model: LlamaConfig, optimizer, mesh) -> TrainState[NamedSharding]:
+def state_shardings(model: ModelConfig, optimizer, mesh) -> TrainState[NamedSharding]:
     """Where every array of the train state lives: parameters by the logical rules, optimizer
     moments exactly like their parameters (left to propagation, XLA replicated them), counts
     and other scalars replicated."""
@@ -49,7 +49,7 @@ def state_shardings(model: LlamaConfig, optimizer, mesh) -> TrainState[NamedShar
     return TrainState(replicated, shardings, opt_shardings)
 
 
-def init_state(model: LlamaConfig, optimizer, mesh, seed: int) -> TrainState[jax.Array]:
+def init_state(model: ModelConfig, optimizer, mesh, seed: int) -> TrainState[jax.Array]:
     """Fresh parameters and optimizer state, created directly in their shardings."""
     where = state_shardings(model, optimizer, mesh)
     params = jax.jit(lambda k: init_params(model, k), out_shardings=where.params)(

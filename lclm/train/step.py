@@ -11,9 +11,9 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lclm.config import AttentionConfig, LlamaConfig
+from lclm.config import AttentionConfig, ModelConfig
 from lclm.data.loader import batch_sharding
-from lclm.models.llama import BIASES, loss_terms
+from lclm.models.decoder import BIASES, loss_terms
 from lclm.parallel.mesh import logical_sharding
 from lclm.train.state import TrainState
 
@@ -61,7 +61,7 @@ def _micro_batches(batch, accum: int, mesh):
     return jax.tree.map(split, batch)
 
 
-def make_train_step(model: LlamaConfig, attention: AttentionConfig, train_config, mesh,
+def make_train_step(model: ModelConfig, attention: AttentionConfig, train_config, mesh,
                     optimizer: optax.GradientTransformation, document_mask: bool = True):
     """`step(state, batch) -> (state, metrics)`, not yet jitted.
 
@@ -103,7 +103,7 @@ def make_train_step(model: LlamaConfig, attention: AttentionConfig, train_config
     return step
 
 
-def jit_train_step(model: LlamaConfig, attention: AttentionConfig, train_config, mesh,
+def jit_train_step(model: ModelConfig, attention: AttentionConfig, train_config, mesh,
                    optimizer: optax.GradientTransformation, state_sharding,
                    document_mask: bool = True):
     """The step train.py runs, jitted: `step(state, batch) -> (state, metrics)` with the state
@@ -116,7 +116,7 @@ def jit_train_step(model: LlamaConfig, attention: AttentionConfig, train_config,
                    donate_argnums=0)
 
 
-def jit_eval_loss(model: LlamaConfig, attention: AttentionConfig, mesh, param_sharding,
+def jit_eval_loss(model: ModelConfig, attention: AttentionConfig, mesh, param_sharding,
                   document_mask: bool = True):
     """`eval_loss(params, batch) -> (sum of token losses, token count)` of one batch, jitted
     (no gradients), with replicated float32 scalars."""

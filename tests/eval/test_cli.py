@@ -63,10 +63,10 @@ def test_eval_cli_on_a_huggingface_directory(tmp_path, capsys):
     import jax
 
     from lclm import hf
-    from lclm.config import LlamaConfig
-    from lclm.models.llama import init_params
+    from lclm.config import ModelConfig
+    from lclm.models.decoder import init_params
 
-    model = LlamaConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, n_kv_heads=1,
+    model = ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, n_kv_heads=1,
                         ffn_dim=64, dtype="float32", ffn_chunk=32)
     hf.save(str(tmp_path / "hf"), model, init_params(model, jax.random.key(0)))
     rc = line_retrieval.main(["--hf", str(tmp_path / "hf"), "--tokenizer",

@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lclm.config import AttentionConfig, LlamaConfig
+from lclm.config import AttentionConfig, ModelConfig
 from lclm.eval.decode import greedy_generate, last_layout_index, pad_front, prefill
-from lclm.models.llama import forward, init_params
+from lclm.models.decoder import forward, init_params
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
 from lclm.train.state import shard_params
 
 # large init so that greedy choices are far from ties; GQA (4 heads over 2 kv heads)
-MODEL = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
                     dtype="float32", init_std=0.5, remat="none", ffn_chunk=8, loss_chunk=8)
 ATTENTION = AttentionConfig(layout="striped", q_chunk=8, kv_chunk=8)
 P, M = 64, 5

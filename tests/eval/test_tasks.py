@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from support import DEMO_TOKENIZER, small_train_config
 
-from lclm.config import AttentionConfig, LlamaConfig
+from lclm.config import AttentionConfig, ModelConfig
 from lclm.data.tokenizer import Tokenizer
 from lclm.eval import needle, passkey, perplexity, retrieval
 from lclm.eval.__main__ import main as eval_main
 from lclm.eval.model import Model
-from lclm.models.llama import init_params, loss_terms
+from lclm.models.decoder import init_params, loss_terms
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
 from lclm.train.loop import train
@@ -25,7 +25,7 @@ from lclm.train.state import shard_params
 # float32 and a large init, so that token losses vary along the sequence and greedy choices
 # are far from ties; GQA (4 heads over 2 kv heads); chunks far below the lengths, so every
 # blockwise op really runs in several chunks per device
-MODEL = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
                     dtype="float32", init_std=0.5, remat="none", ffn_chunk=8, loss_chunk=8)
 LENGTH, BUCKETS = 64, 4
 
@@ -43,7 +43,7 @@ def on_mesh(params, sp, tokenizer=None, fsdp=1, **attention):
 
 # -- perplexity ----------------------------------------------------------------------------
 
-def numpy_losses(c: LlamaConfig, params, tokens: np.ndarray) -> np.ndarray:
+def numpy_losses(c: ModelConfig, params, tokens: np.ndarray) -> np.ndarray:
     """Float32 losses `[T]` of tokens `[T+1]` by a dense causal LLaMA written in numpy (no
     lclm code): RMSNorm, rotate-half RoPE, GQA softmax attention, SwiGLU."""
     p = jax.tree.map(lambda x: np.asarray(x, np.float32), params)

@@ -7,15 +7,15 @@ refused in one line."""
 
 import json
 import os
-import sys
 
 import jax
 import numpy as np
 import pytest
+from support import torch_and_transformers
 
 from lclm import hf
 from lclm.config import AttentionConfig
-from lclm.models.llama import forward
+from lclm.models.decoder import forward
 from lclm.ops.context_parallel import STRATEGIES, ring_size
 from lclm.ops.layout import from_layout, to_layout
 from lclm.parallel import make_mesh
@@ -23,15 +23,7 @@ from lclm.train.state import shard_params
 
 pytestmark = pytest.mark.slow  # builds torch models: left out by -m 'not slow'
 
-if sys.version_info < (3, 12):  # CI's Python: the cross-check must run, never skip
-    import torch
-    import transformers
-else:
-    WHY = ("the transformers cross-check needs torch and transformers; on Python 3.12+ the "
-           "[test] extra leaves torch out (only a CUDA build of several GB would be fetched): "
-           "install a CPU build of torch to run it")
-    torch = pytest.importorskip("torch", reason=WHY)
-    transformers = pytest.importorskip("transformers", reason=WHY)
+torch, transformers = torch_and_transformers()
 
 VOCAB = 101
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -185,7 +177,7 @@ def test_a_family_trains_from_its_hf_weights_and_exports_what_transformers_reads
     from lclm.convert import main
     from lclm.data.loader import HostBatches
     from lclm.data.tokenizer import Tokenizer
-    from lclm.models.llama import loss_terms
+    from lclm.models.decoder import loss_terms
     from lclm.train.loop import train
 
     config_class, model_class, extra, _ = FAMILIES[family]

@@ -3,28 +3,19 @@ config.json layout, and what lclm carries from a HuggingFace source to its expor
 
 import json
 import os
-import sys
 
 import jax
 import numpy as np
 import pytest
-from support import DEMO_CONFIG, DEMO_CORPUS, DEMO_TOKENIZER
+from support import DEMO_CONFIG, DEMO_CORPUS, DEMO_TOKENIZER, torch_and_transformers
 
 from lclm import hf
-from lclm.config import LlamaConfig
-from lclm.models.llama import forward
+from lclm.config import ModelConfig
+from lclm.models.decoder import forward
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
-if sys.version_info < (3, 12):  # CI's Python: the cross-check must run, never skip
-    import torch
-    import transformers
-else:
-    WHY = ("the transformers cross-check needs torch and transformers; on Python 3.12+ the "
-           "[test] extra leaves torch out (only a CUDA build of several GB would be fetched): "
-           "install a CPU build of torch to run it")
-    torch = pytest.importorskip("torch", reason=WHY)
-    transformers = pytest.importorskip("transformers", reason=WHY)
+torch, transformers = torch_and_transformers()
 
 ORIGINAL = 32  # original_max_position_embeddings of the tiny models; sequences run past it
 SCALINGS = {
@@ -80,7 +71,7 @@ def _relative_error(got, want):
 
 @pytest.mark.parametrize("name", list(SCALINGS))
 def test_scaled_rope_logits_match_transformers_past_the_original_length(tmp_path, name):
-    from lclm.models.llama import rope_frequencies
+    from lclm.models.decoder import rope_frequencies
 
     scaling = SCALINGS[name]
     kind = scaling["rope_type"]
@@ -99,7 +90,7 @@ def test_scaled_rope_logits_match_transformers_past_the_original_length(tmp_path
         assert (c.rope_low_freq_factor, c.rope_high_freq_factor,
                 c.rope_original_max_positions) == (1.0, 4.0, ORIGINAL)
         # every band of llama3 scaling is exercised: kept, blended and slowed frequencies
-        wavelengths = 2 * np.pi / rope_frequencies(LlamaConfig(**{**vars(c),
+        wavelengths = 2 * np.pi / rope_frequencies(ModelConfig(**{**vars(c),
                                                                   "rope_scaling": "none"}))
         assert wavelengths.min() < ORIGINAL / 4 and wavelengths.max() > ORIGINAL
         assert np.any((wavelengths > ORIGINAL / 4) & (wavelengths < ORIGINAL))
@@ -111,7 +102,7 @@ def test_scaled_rope_logits_match_transformers_past_the_original_length(tmp_path
 
     got = np.asarray(jax.jit(lambda p, t: forward(c, p, t))(params, tokens))
     error = _relative_error(got, want)
-    plain = LlamaConfig(**{**vars(c), "rope_scaling": "none"})
+    plain = ModelConfig(**{**vars(c), "rope_scaling": "none"})
     print(f"{name}: max relative logit error vs transformers {error:.2e} (unscaled RoPE: "
           f"{_relative_error(np.asarray(forward(plain, params, tokens)), want):.2e})")
     assert error < 1e-4
@@ -162,7 +153,7 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
     config.model.update(init_from_hf=str(tmp_path / "src"), rope_theta=1e6)
     assert config.model.rope_scaling == "auto"
     apply_hf_shapes(config)
-    m = LlamaConfig.from_config(config.model)
+    m = ModelConfig.from_config(config.model)
     assert (m.bos_id, m.eos_ids, m.max_position_embeddings) == (7, (8, 9), 48)
     assert (m.rope_scaling, m.rope_factor, m.rope_original_max_positions) == ("llama3", 8.0,
                                                                              ORIGINAL)
@@ -172,10 +163,10 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
     config.model.update(init_from_hf=str(tmp_path / "src"), rope_scaling="linear",
                         rope_factor=2.0)
     apply_hf_shapes(config)  # a scaling the run names is the run's
-    m = LlamaConfig.from_config(config.model)
+    m = ModelConfig.from_config(config.model)
     assert (m.rope_scaling, m.rope_factor, m.bos_id) == ("linear", 2.0, 7)
     # a run from scratch: "auto" is no scaling
-    assert LlamaConfig.from_config(base_config().model).rope_scaling == "none"
+    assert ModelConfig.from_config(base_config().model).rope_scaling == "none"
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -211,7 +202,7 @@ def test_training_from_hf_then_export_states_what_was_trained(tmp_path, capsys, 
     from lclm.config import load_config
     from lclm.convert import main
     from lclm.data.tokenizer import Tokenizer
-    from lclm.models.llama import param_shapes
+    from lclm.models.decoder import param_shapes
     from lclm.train.loop import train
 
     scaling = SCALINGS["llama3"]
@@ -273,7 +264,7 @@ def test_training_from_hf_then_export_states_what_was_trained(tmp_path, capsys, 
     # transformers' logits of the export are lclm's of the trained parameters
     workdir = str(tmp_path / "run" / "stage0_64")
     step, saved = read_config(workdir)
-    c = LlamaConfig(**{k: v for k, v in saved["model"].items() if k in vars(LlamaConfig())})
+    c = ModelConfig(**{k: v for k, v in saved["model"].items() if k in vars(ModelConfig())})
     assert (c.rope_theta, c.rope_scaling) == (20000.0, "llama3")
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, np.float32, sharding=device),
@@ -308,9 +299,9 @@ def test_the_eval_decoder_applies_the_scaling(tmp_path):
 
     from lclm.config import AttentionConfig
     from lclm.eval.decode import greedy_generate
-    from lclm.models.llama import init_params
+    from lclm.models.decoder import init_params
 
-    model = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+    model = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
                         dtype="float32", init_std=0.5, remat="none", ffn_chunk=8, loss_chunk=8,
                         rope_scaling="llama3", rope_factor=8.0, rope_original_max_positions=16)
     params = init_params(model, jax.random.key(0))

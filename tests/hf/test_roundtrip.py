@@ -2,24 +2,16 @@
 
 import json
 import os
-import sys
 
 import jax
 import numpy as np
 import pytest
+from support import torch_and_transformers
 
 from lclm import hf
-from lclm.models.llama import forward
+from lclm.models.decoder import forward
 
-if sys.version_info < (3, 12):  # CI's Python: the cross-check must run, never skip
-    import torch
-    import transformers
-else:  # the [test] extra installs torch only where a CPU build is at hand
-    WHY = ("the transformers cross-check needs torch and transformers; on Python 3.12+ the "
-           "[test] extra leaves torch out (only a CUDA build of several GB would be fetched): "
-           "install a CPU build of torch to run it")
-    torch = pytest.importorskip("torch", reason=WHY)
-    transformers = pytest.importorskip("transformers", reason=WHY)
+torch, transformers = torch_and_transformers()
 
 
 def _tiny_hf(tmp_path, tie=False, dtype=torch.float32):
@@ -109,7 +101,7 @@ def test_training_starts_from_hf_weights_with_the_configured_rope_theta(tmp_path
     from lclm.config import AttentionConfig, load_config
     from lclm.data.loader import HostBatches
     from lclm.data.tokenizer import Tokenizer
-    from lclm.models.llama import loss_terms
+    from lclm.models.decoder import loss_terms
     from lclm.parallel import make_mesh
     from lclm.train.loop import train
 

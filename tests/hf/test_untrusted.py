@@ -13,11 +13,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from lclm import hf
-from lclm.config import LlamaConfig
+from lclm.config import ModelConfig
 from lclm.convert import main
-from lclm.models.llama import init_params
+from lclm.models.decoder import init_params
 
-TINY = LlamaConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=12,
+TINY = ModelConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=12,
                    dtype="float32", param_dtype="float32")
 EMBED, NORM = "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"
 K_PROJ, GATE = "model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.gate_proj.weight"
@@ -399,7 +399,7 @@ def test_good_directories_load_exactly(single, sharded, tmp_path):
         assert c == TINY
         for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(params)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    bf16 = LlamaConfig(**{**vars(TINY), "dtype": "bfloat16", "param_dtype": "bfloat16"})
+    bf16 = ModelConfig(**{**vars(TINY), "dtype": "bfloat16", "param_dtype": "bfloat16"})
     hf.save(str(tmp_path / "bf16"), bf16, want)
     c, params = hf.load(str(tmp_path / "bf16"))
     assert c == bf16 and params["embed"].dtype == jax.numpy.bfloat16

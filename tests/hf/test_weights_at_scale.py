@@ -17,12 +17,12 @@ import safetensors.numpy
 from support import ROOT
 
 from lclm import hf
-from lclm.config import LlamaConfig
-from lclm.models.llama import init_params
+from lclm.config import ModelConfig
+from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
 from lclm.train.state import param_shardings
 
-SMALL = LlamaConfig(vocab_size=512, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128,
+SMALL = ModelConfig(vocab_size=512, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128,
                     param_dtype="float32")
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
 
@@ -46,7 +46,7 @@ def test_a_sharded_load_places_each_block_and_equals_the_whole_load(tmp_path, me
 
 
 def test_an_export_is_what_safetensors_reads_in_hf_layout(tmp_path):
-    c = LlamaConfig(**{**vars(SMALL), "param_dtype": "bfloat16"})
+    c = ModelConfig(**{**vars(SMALL), "param_dtype": "bfloat16"})
     params = init_params(c, jax.random.key(4))
     hf.save(str(tmp_path), c, params)
     with safetensors.safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
@@ -63,9 +63,9 @@ def test_an_export_is_what_safetensors_reads_in_hf_layout(tmp_path):
 _WRITE = textwrap.dedent("""
     import sys, jax, numpy as np
     from lclm import hf
-    from lclm.config import LlamaConfig
-    from lclm.models.llama import param_shapes
-    c = LlamaConfig(vocab_size=32000, dim=2048, n_layers=20, n_heads=32, n_kv_heads=8,
+    from lclm.config import ModelConfig
+    from lclm.models.decoder import param_shapes
+    c = ModelConfig(vocab_size=32000, dim=2048, n_layers=20, n_heads=32, n_kv_heads=8,
                     ffn_dim=5632, param_dtype="float32")
     # every parameter a broadcast view of one value (no memory): what is measured is the
     # export's own, and the load
@@ -116,8 +116,8 @@ def test_a_1b_checkpoint_loads_onto_8_devices_in_under_1_5x_its_size(tmp_path):
 _KILLED = textwrap.dedent(f"""
     import os, signal, sys, jax
     import lclm.hf.weights as weights
-    from lclm.config import LlamaConfig
-    from lclm.models.llama import init_params
+    from lclm.config import ModelConfig
+    from lclm.models.decoder import init_params
     SMALL = {SMALL!r}
     write = weights._write_file
     def killed_in_the_second_file(path, *args):

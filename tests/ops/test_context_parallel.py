@@ -14,8 +14,8 @@ from test_ring_attention import _close
 from test_strategies import check
 
 from bench.strategies import collectives, gradient_program
-from lclm.config import AttentionConfig, LlamaConfig
-from lclm.models.llama import init_params, loss_terms
+from lclm.config import AttentionConfig, ModelConfig
+from lclm.models.decoder import init_params, loss_terms
 from lclm.ops import kernels
 from lclm.ops.context_parallel import STRATEGIES, context_parallel_attention, ring_size
 from lclm.ops.kernels.range_kernel import range_kernel
@@ -66,7 +66,7 @@ def test_ulysses_needs_query_heads_divisible_by_sp():
         context_parallel_attention(q, q, q, mesh=make_mesh(sp=8), strategy="usp", ulysses=3)
 
 
-CFG = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+CFG = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
                   dtype="float32", ffn_chunk=8, loss_chunk=4)
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from lclm.config import AttentionConfig, LlamaConfig
-from lclm.models.llama import init_params, loss_terms
+from lclm.config import AttentionConfig, ModelConfig
+from lclm.models.decoder import init_params, loss_terms
 from lclm.ops.ffn import blockwise_ffn
 from lclm.ops.loss import blockwise_cross_entropy
 
@@ -43,7 +43,7 @@ def _ffn_case(seed=0, t=1024, d=64, f=128):
 @pytest.mark.parametrize("cast_by", ["caller", "op"])
 def test_ffn_weight_grads_do_not_degrade_with_more_chunks(cast_by):
     """`caller`: bf16 weights passed in (gradient taken at their f32 originals), as
-    llama.layer_with_kv does; `op`: f32 weights and `dtype=bfloat16`."""
+    decoder.layer_with_kv does; `op`: f32 weights and `dtype=bfloat16`."""
     x, ws, r = _ffn_case()
     t = x.shape[1]
 
@@ -108,12 +108,12 @@ def test_tied_model_grads_do_not_degrade_with_more_chunks():
     """loss_terms of a tied model (the untied output projection: the train step test below)."""
     tie, t, input_vocab = True, 256, 128
     base = dict(tie_embeddings=tie, n_layers=1, init_std=0.05)
-    params = init_params(LlamaConfig(**base), jax.random.key(1))
+    params = init_params(ModelConfig(**base), jax.random.key(1))
     batch = _batch(np.random.default_rng(2), 1, t, 512, input_vocab)
     attention = AttentionConfig(q_chunk=64, kv_chunk=64)
 
     def grads(dtype, chunk):
-        c = LlamaConfig(**base, dtype=dtype, ffn_chunk=chunk, loss_chunk=chunk)
+        c = ModelConfig(**base, dtype=dtype, ffn_chunk=chunk, loss_chunk=chunk)
         f = lambda p: loss_terms(c, p, batch, attention=attention)[0]
         return jax.jit(jax.grad(f))(params)
 
@@ -141,7 +141,7 @@ def test_train_step_grads_with_accumulation_do_not_degrade_with_more_chunks():
     batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in batch.items()}
 
     def grads(dtype, chunk):
-        model = LlamaConfig(n_layers=1, init_std=0.05, dtype=dtype, ffn_chunk=chunk,
+        model = ModelConfig(n_layers=1, init_std=0.05, dtype=dtype, ffn_chunk=chunk,
                             loss_chunk=chunk)
         state = init_state(model, optimizer, mesh, seed=4)
         step = jax.jit(make_train_step(model, AttentionConfig(q_chunk=64, kv_chunk=64), train,

@@ -92,14 +92,14 @@ def test_ring_refuses_a_kernel_that_cannot_serve_before_tracing_it():
 
 
 def test_the_trainer_names_its_kernel_and_refuses_one_the_platform_cannot_run():
-    from lclm.config import LlamaConfig, base_config
+    from lclm.config import ModelConfig, base_config
     from lclm.errors import ConfigError
     from lclm.train.checks import attention_kernel
 
     c = base_config()
     c.model.update(dim=512, n_heads=4, n_kv_heads=4)     # head dim 128
     c.data.seq_len, c.attention.q_chunk, c.attention.kv_chunk = 8192, 64, 64
-    model = LlamaConfig.from_config(c.model)
+    model = ModelConfig.from_config(c.model)
     assert attention_kernel(c, model, 4, "cpu") == "blockwise"
     assert attention_kernel(c, model, 4, "cuda") == "pallas_gpu"
     assert attention_kernel(c, model, 4, "tpu") == "pallas_tpu"  # it sizes its own tiles

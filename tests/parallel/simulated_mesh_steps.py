@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from lclm.config import (  # noqa: E402
     AttentionConfig,
-    LlamaConfig,
+    ModelConfig,
     base_config,  # noqa: E402
 )
 from lclm.data.loader import batch_sharding  # noqa: E402
@@ -43,7 +43,7 @@ def run(case: str) -> float:
     c.model.update(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
                    dtype="float32", ffn_chunk=int(chunk), loss_chunk=int(chunk))
     c.attention.update(layout=layout, q_chunk=int(chunk), kv_chunk=int(chunk))
-    model = LlamaConfig.from_config(c.model)
+    model = ModelConfig.from_config(c.model)
     optimizer = make_optimizer(c.train)
     state = init_state(model, optimizer, mesh, 0)
     where = jax.tree.map(lambda x: x.sharding, state)

@@ -11,10 +11,10 @@ import pytest
 from support import small_train_config
 
 from lclm.checkpoint import Checkpoints
-from lclm.config import MESH_AXES, AttentionConfig, LlamaConfig
+from lclm.config import MESH_AXES, AttentionConfig, ModelConfig
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
-from lclm.models.llama import loss_terms
+from lclm.models.decoder import loss_terms
 from lclm.ops.layout import batch_to_layout, from_layout
 from lclm.parallel import make_mesh
 from lclm.train.loop import train
@@ -32,7 +32,7 @@ def _config(workdir, **mesh):
 def _restore(config):
     sizes = {k: config.mesh[k] for k in MESH_AXES}
     mesh = make_mesh(**sizes)
-    model = LlamaConfig.from_config(config.model)
+    model = ModelConfig.from_config(config.model)
     template = init_state(model, make_optimizer(config.train), mesh, seed=99)
     state, data = Checkpoints(config.workdir, 0, 3).restore(template)
     return mesh, model, state, data

@@ -21,9 +21,9 @@ from support import DAMAGE, DEMO_CONFIG, ROOT, damage_checkpoint, small_train_co
 
 from lclm import hf
 from lclm.checkpoint import Checkpoints
-from lclm.config import LlamaConfig, load_config
+from lclm.config import ModelConfig, load_config
 from lclm.errors import ConfigError, TrainingHalted
-from lclm.models.llama import init_params
+from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirBusy, WorkdirLock
 from lclm.train.loop import WritePatience, train
@@ -68,7 +68,7 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_used(
     shutil.copytree(finished_run, workdir)
     damage_checkpoint(str(workdir / "checkpoints" / "4"), kind)
     config = _config(workdir)
-    template = init_state(LlamaConfig.from_config(config.model), make_optimizer(config.train),
+    template = init_state(ModelConfig.from_config(config.model), make_optimizer(config.train),
                           make_mesh(fsdp=2, sp=2), seed=7)
     checkpoints = Checkpoints(str(workdir), every=2, keep=3)
     with caplog.at_level(logging.ERROR):
@@ -490,7 +490,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, caplog):
     assert records[0]["loss"] is not None and records[1]["loss"] is None
     # skipped updates left the parameters of step 1 untouched: every checkpoint has them
     config.train.steps = 1
-    template = init_state(LlamaConfig.from_config(config.model), make_optimizer(config.train),
+    template = init_state(ModelConfig.from_config(config.model), make_optimizer(config.train),
                           make_mesh(fsdp=2, sp=2), seed=7)
     checkpoints = Checkpoints(config.workdir, 0, 9)
     first = checkpoints.manager.restore(1)["state"]["params"]
@@ -501,7 +501,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, caplog):
 
 
 def test_a_checkpoint_with_non_finite_parameters_is_never_written(tmp_path):
-    model = LlamaConfig.from_config(_config(tmp_path).model)
+    model = ModelConfig.from_config(_config(tmp_path).model)
     params = jax.device_get(init_params(model, jax.random.key(0)))
     params["layers"]["w_up"] = np.asarray(params["layers"]["w_up"]).copy()
     params["layers"]["w_up"][0, 0, 0] = np.nan

@@ -15,10 +15,10 @@ import pytest
 from support import DEMO_CONFIG, DEMO_TOKENIZER, ROOT
 
 from lclm import convert, hf
-from lclm.config import MESH_AXES, AttentionConfig, LlamaConfig, load_config
+from lclm.config import MESH_AXES, AttentionConfig, ModelConfig, load_config
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
-from lclm.models.llama import init_params, loss_terms
+from lclm.models.decoder import init_params, loss_terms
 from lclm.parallel import make_mesh
 
 pytestmark = pytest.mark.slow  # trains a model in a subprocess
@@ -28,7 +28,7 @@ def _hf_dir(path, **changes):
     """A HuggingFace LLaMA directory with configs/demo.py's model (shapes `changes`d) and a
     copy of the demo tokenizer; returns (its path, its parameters)."""
     fields = dict(load_config(DEMO_CONFIG).model) | changes
-    model = LlamaConfig.from_config(fields)
+    model = ModelConfig.from_config(fields)
     params = init_params(model, jax.random.key(7))   # not what the run's own init would give
     hf.save(str(path), model, params)
     shutil.copy(DEMO_TOKENIZER, path / "tokenizer.model")
@@ -51,7 +51,7 @@ def _first_batch_loss(params) -> float:
     loader = HostBatches(config, mesh, Tokenizer(config.data.tokenizer))
     batch = next(loader)
     loader.close()
-    model = LlamaConfig.from_config(config.model)
+    model = ModelConfig.from_config(config.model)
     attention = AttentionConfig.from_config(config.attention)
     total, count = jax.jit(lambda p: loss_terms(model, p, batch, mesh=mesh,
                                                 attention=attention))(params)

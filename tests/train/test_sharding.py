@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from support import DEMO_CONFIG
 
-from lclm.config import MESH_AXES, AttentionConfig, LlamaConfig, apply_preset, load_config
+from lclm.config import MESH_AXES, AttentionConfig, ModelConfig, apply_preset, load_config
 from lclm.data.loader import batch_sharding
 from lclm.parallel import make_mesh
 from lclm.train.state import init_state, state_shardings
@@ -33,7 +33,7 @@ def _llama7b(c):
 def test_the_train_step_compiles_without_full_rematerialization(shape, capfd):
     c = shape(load_config(DEMO_CONFIG))
     mesh = make_mesh(**{k: c.mesh[k] for k in MESH_AXES})
-    model = LlamaConfig.from_config(c.model)
+    model = ModelConfig.from_config(c.model)
     optimizer = make_optimizer(c.train)
     where = state_shardings(model, optimizer, mesh)
     shapes = jax.eval_shape(lambda: init_state(model, optimizer, mesh, 0))

@@ -11,10 +11,10 @@ from support import ROOT, damage_checkpoint
 
 from lclm import hf
 from lclm.checkpoint import Checkpoints
-from lclm.config import LlamaConfig, load_config
+from lclm.config import ModelConfig, load_config
 from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError
-from lclm.models.llama import init_params
+from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
 from lclm.train.init_weights import SourceDamaged
 from lclm.train.loop import train
@@ -41,7 +41,7 @@ def _recipe(tmp_path, name, hf_dir, lr=3e-3, schedule="64:1e4:3:2, 128:1e5:3:4, 
 
 def _tiny_hf(tmp_path):
     """A HuggingFace LLaMA directory written by lclm's exporter (no download)."""
-    model = LlamaConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
+    model = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
                         dtype="float32")
     params = init_params(model, jax.random.key(42))
     path = str(tmp_path / "hf")
@@ -52,7 +52,7 @@ def _tiny_hf(tmp_path):
 def _final_params(config):
     """Final parameters of the last stage, restored on one device."""
     last = stage_configs(config)[-1]
-    model = LlamaConfig.from_config(last.model)
+    model = ModelConfig.from_config(last.model)
     template = init_state(model, make_optimizer(last.train), make_mesh(), seed=0)
     checkpoints = Checkpoints(last.workdir, every=0, keep=1)
     state, _ = checkpoints.restore(template)
@@ -120,7 +120,7 @@ def test_a_staged_run_refuses_a_workdir_that_holds_a_single_runs_checkpoints(tmp
     hf_dir, _ = _tiny_hf(tmp_path)
     c = _recipe(tmp_path, "run", hf_dir)
     single = Checkpoints(c.workdir, every=0, keep=1)   # a plain run's (or a conversion's) step
-    model = LlamaConfig.from_config(stage_configs(c)[0].model)
+    model = ModelConfig.from_config(stage_configs(c)[0].model)
     state = init_state(model, make_optimizer(c.train), make_mesh(), seed=0)
     single.save(0, state, None, {})
     single.close()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from support import DEMO_CONFIG
 
-from lclm.config import AttentionConfig, LlamaConfig, load_config
+from lclm.config import AttentionConfig, ModelConfig, load_config
 from lclm.config.secrets import public_config
 from lclm.data.loader import batch_sharding
 from lclm.ops.layout import batch_to_layout
@@ -96,7 +96,7 @@ def test_wandb_resumes_its_run_and_keeps_secret_command_lines_out(tmp_path, monk
 def test_grad_accumulation_equals_one_big_batch(tmp_path, layout):
     config = demo_config(tmp_path)
     config.model.update(vocab_size=64)
-    model = LlamaConfig.from_config(config.model)
+    model = ModelConfig.from_config(config.model)
     attention = AttentionConfig(layout=layout, q_chunk=16, kv_chunk=16)
     mesh = make_mesh(fsdp=2, sp=2)
     rng = np.random.default_rng(0)

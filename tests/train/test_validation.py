@@ -10,12 +10,12 @@ import pytest
 from support import DEMO_CORPUS, small_train_config
 
 from lclm.checkpoint import read_params
-from lclm.config import AttentionConfig, LlamaConfig, base_config
+from lclm.config import AttentionConfig, ModelConfig, base_config
 from lclm.config.stages import stage_configs, validation_lengths
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
-from lclm.models.llama import loss_terms
+from lclm.models.decoder import loss_terms
 from lclm.parallel import make_mesh
 from lclm.train.checks import validate
 from lclm.train.loop import train
@@ -46,7 +46,7 @@ def test_val_loss_is_the_loss_of_the_saved_parameters_on_the_held_out_batches(tm
 
     # the final val_loss is what the final parameters score on the held-out batches
     mesh = make_mesh(**mesh_sizes)
-    model = LlamaConfig.from_config(config.model)
+    model = ModelConfig.from_config(config.model)
     template = init_state(model, make_optimizer(config.train), mesh, seed=0)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             template.params)

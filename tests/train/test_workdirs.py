@@ -14,12 +14,12 @@ import pytest
 from support import DEMO_CORPUS, ROOT
 
 from lclm import hf
-from lclm.config import LlamaConfig, load_config
+from lclm.config import ModelConfig, load_config
 from lclm.convert import main as convert
 from lclm.errors import StartupError
 from lclm.eval import generate
 from lclm.eval.model import restore_params
-from lclm.models.llama import init_params
+from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirLock
 from lclm.train.stages import run_stages
@@ -101,7 +101,7 @@ def _tree(path):
 
 
 def test_convert_refuses_a_staged_runs_directory_finished_or_starting(staged, tmp_path, capsys):
-    model = LlamaConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1,
+    model = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1,
                         ffn_dim=64, dtype="float32")
     hf.save(str(tmp_path / "hf"), model, init_params(model, jax.random.key(0)))
     before = _tree(staged)

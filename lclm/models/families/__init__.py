@@ -1,6 +1,6 @@
 """The model families lclm reads, trains and writes: one module each, one line here.
 
-`FAMILIES`: `model.family` name -> `Family` (contract.py). `lclm.models.llama` computes every
+`FAMILIES`: `model.family` name -> `Family` (contract.py). `lclm.models.decoder` computes every
 family's layer from its options; `lclm.hf` reads and writes each family's config.json and
 tensor names by its `model_type`; `lclm.config.MODEL_PRESETS` gathers the families' presets.
 A new family is a module defining `FAMILY` and its line in `FAMILIES`.

@@ -1,5 +1,5 @@
 """What a model family is: `Family`, declarative data about one HuggingFace architecture that
-lclm's decoder (`lclm.models.llama`) computes with its layer options.
+lclm's decoder (`lclm.models.decoder`) computes with its layer options.
 
 Every family lclm knows is a pre-norm decoder of RMSNorm, RoPE (rotate-half), grouped-query
 attention and a SwiGLU feed-forward; families differ in options of that one layer (biases on

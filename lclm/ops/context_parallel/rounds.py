@@ -30,7 +30,7 @@ SP = "sp"
 BATCH_AXES = ("dp", "fsdp")
 HEAD_AXIS = "tp"
 
-# Names of the attention's residuals for remat policies (`lclm.models.llama`'s 'attention'
+# Names of the attention's residuals for remat policies (`lclm.models.decoder`'s 'attention'
 # policy saves them, so the backward does not run a strategy's forward again).
 SAVED_NAMES = ("attention_out", "attention_lse")
 

@@ -1,4 +1,4 @@
-"""The LLaMA model: causality, and loss/gradients independent of mesh shape and layout."""
+"""The decoder (every family): causality; loss and gradients independent of mesh and layout."""
 
 import dataclasses
 import re
@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lclm.config import AttentionConfig, LlamaConfig
-from lclm.models.llama import forward, init_params, loss_terms
+from lclm.config import AttentionConfig, ModelConfig
+from lclm.models.decoder import forward, init_params, loss_terms
 from lclm.ops.context_parallel import ring_size
 from lclm.ops.layout import batch_to_layout, from_layout, to_layout
 from lclm.parallel import make_mesh
 from lclm.train.state import shard_params
 
-CFG = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+CFG = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
                   rope_theta=5000.0, dtype="float32", ffn_chunk=8, loss_chunk=4)
 
 

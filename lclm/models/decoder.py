@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lclm.config.model import ROPE_SCALINGS, AttentionConfig, LlamaConfig
+from lclm.config.model import ROPE_SCALINGS, AttentionConfig, ModelConfig
 from lclm.models.families import get_family
 from lclm.ops.context_parallel import context_parallel_attention, local_attention
 from lclm.ops.context_parallel.rounds import SAVED_NAMES
@@ -35,13 +35,13 @@ from lclm.ops.loss import blockwise_cross_entropy
 from lclm.parallel.mesh import logical_sharding
 
 
-def param_count(c: LlamaConfig, include_embeddings: bool = True) -> int:
+def param_count(c: ModelConfig, include_embeddings: bool = True) -> int:
     shapes = jax.tree.leaves(param_shapes(c), is_leaf=lambda x: isinstance(x, tuple))
     total = sum(math.prod(s) for s in shapes)
     return total if include_embeddings else total - c.vocab_size * c.dim
 
 
-def param_table(c: LlamaConfig):
+def param_table(c: ModelConfig):
     """name -> (shape, logical axes) of every parameter, in the canonical layout."""
     L, D, H, K, Dh, F, V = (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim,
                             c.ffn_dim, c.vocab_size)
@@ -75,7 +75,7 @@ def is_param_entry(x):
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
 
 
-def param_shapes(c: LlamaConfig):
+def param_shapes(c: ModelConfig):
     """Pytree of parameter shapes."""
     return jax.tree.map(lambda e: e[0], param_table(c), is_leaf=is_param_entry)
 
@@ -83,7 +83,7 @@ def param_shapes(c: LlamaConfig):
 BIASES = ("bq", "bk", "bv")
 
 
-def init_params(c: LlamaConfig, key):
+def init_params(c: ModelConfig, key):
     """Random parameters in `param_dtype`: normal(init_std) matrices, unit norm weights, zero
     biases."""
     table = param_table(c)
@@ -109,7 +109,7 @@ def rms_norm(x, weight, eps):
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_frequencies(c: LlamaConfig) -> np.ndarray:
+def rope_frequencies(c: ModelConfig) -> np.ndarray:
     """The `head_dim/2` rotation frequencies (radians per position, float32) of `c`: theta's
     geometric series, then `c.rope_scaling` (computed in float64, a trace-time constant).
 
@@ -147,7 +147,7 @@ def rope_frequencies(c: LlamaConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def rope_scale(c: LlamaConfig) -> float:
+def rope_scale(c: ModelConfig) -> float:
     """What cos and sin are multiplied by (so q and k each, the logits by its square): yarn's
     attention factor (`rope_attention_factor`, 0: 0.1 ln(factor) + 1), else 1."""
     if c.rope_scaling != "yarn":
@@ -157,7 +157,7 @@ def rope_scale(c: LlamaConfig) -> float:
     return 0.1 * math.log(c.rope_factor) + 1.0 if c.rope_factor > 1 else 1.0
 
 
-def rope_tables(positions, c: LlamaConfig):
+def rope_tables(positions, c: ModelConfig):
     """cos/sin `[batch, seq, 1, head_dim/2]` (float32) for integer positions `[batch, seq]`."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_frequencies(c))
     scale = rope_scale(c)
@@ -195,12 +195,12 @@ def _constrainer(mesh):
     return lambda x, axes: lax.with_sharding_constraint(x, logical_sharding(mesh, axes, x.shape))
 
 
-def compute_weights(c: LlamaConfig, p):
+def compute_weights(c: ModelConfig, p):
     """A layer's weights cast to the compute dtype."""
     return jax.tree.map(lambda w: w.astype(jnp.dtype(c.dtype)), p)
 
 
-def attention_inputs(c: LlamaConfig, p, x, rope):
+def attention_inputs(c: ModelConfig, p, x, rope):
     """Rotated q `[batch, seq, heads, head_dim]`, k and v `[batch, seq, kv_heads, head_dim]`
     of a layer's input x `[batch, seq, dim]` (p: the layer's weights in the compute dtype),
     with the family's options: q/k/v biases, then q and k RMS-normalised per head, both
@@ -215,7 +215,7 @@ def attention_inputs(c: LlamaConfig, p, x, rope):
     return apply_rope(q, *rope), apply_rope(k, *rope), v
 
 
-def decoder_layer(c: LlamaConfig, params, x, rope, attend, feed_forward, constrain=None):
+def decoder_layer(c: ModelConfig, params, x, rope, attend, feed_forward, constrain=None):
     """One transformer block, written once for training and decoding: (output x, what
     `attend` returned besides its output: the keys and values a decoder caches).
 
@@ -235,7 +235,7 @@ def decoder_layer(c: LlamaConfig, params, x, rope, attend, feed_forward, constra
     return constrain(x, ("batch", "seq", "act_embed")), k, v
 
 
-def layer_with_kv(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):
+def layer_with_kv(c: ModelConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):
     """One transformer block as trained and prefilled: (output x, its rotated k and v, which
     a decoder caches). x `[batch, seq, dim]` in the compute dtype."""
     constrain = _constrainer(mesh)
@@ -260,12 +260,12 @@ def layer_with_kv(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_
     return decoder_layer(c, p, x, rope, attend, feed_forward, constrain)
 
 
-def _layer(c: LlamaConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):
+def _layer(c: ModelConfig, a: AttentionConfig, mesh, x, p, rope, segment_ids):
     """One transformer block, as trained (the k/v outputs are not needed)."""
     return layer_with_kv(c, a, mesh, x, p, rope, segment_ids)[0]
 
 
-def embed(c: LlamaConfig, params, tokens, mesh=None):
+def embed(c: ModelConfig, params, tokens, mesh=None):
     """Token embeddings `[batch, seq, dim]` in the compute dtype for tokens `[batch, seq]`.
 
     The table is gathered over its embed dimension first, as FSDP gathers every weight: a
@@ -276,7 +276,7 @@ def embed(c: LlamaConfig, params, tokens, mesh=None):
     return constrain(jnp.take(table, tokens, axis=0), ("batch", "seq", "act_embed"))
 
 
-def hidden_states(c: LlamaConfig, params, tokens, positions, segment_ids=None, *, mesh=None,
+def hidden_states(c: ModelConfig, params, tokens, positions, segment_ids=None, *, mesh=None,
                   attention: AttentionConfig = AttentionConfig()):
     """Final-normed hidden states `[batch, seq, dim]` for tokens `[batch, seq]`.
 
@@ -296,13 +296,13 @@ def hidden_states(c: LlamaConfig, params, tokens, positions, segment_ids=None, *
     return rms_norm(x, params["final_norm"], c.norm_eps)
 
 
-def output_weights(c: LlamaConfig, params):
+def output_weights(c: ModelConfig, params):
     """The `[dim, vocab]` projection to logits (the tied embedding when configured)."""
     w = params["embed"].T if c.tie_embeddings else params["lm_head"]
     return w.astype(jnp.dtype(c.dtype))
 
 
-def forward(c: LlamaConfig, params, tokens, positions=None, segment_ids=None, *, mesh=None,
+def forward(c: ModelConfig, params, tokens, positions=None, segment_ids=None, *, mesh=None,
             attention: AttentionConfig = AttentionConfig()):
     """Float32 logits `[batch, seq, vocab]` (materialised: for checks and evaluation).
 
@@ -315,7 +315,7 @@ def forward(c: LlamaConfig, params, tokens, positions=None, segment_ids=None, *,
                       preferred_element_type=jnp.float32)
 
 
-def loss_terms(c: LlamaConfig, params, batch, *, mesh=None,
+def loss_terms(c: ModelConfig, params, batch, *, mesh=None,
                attention: AttentionConfig = AttentionConfig(), document_mask: bool = True):
     """(sum of masked token losses, number of unmasked tokens) of a batch, float32.
 

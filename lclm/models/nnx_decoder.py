@@ -1,6 +1,6 @@
 """A Flax NNX view of the functional decoder (every family): its parameter tree as Params.
 
-`LlamaModule`'s state is `lclm.models.llama`'s canonical tree (same names, shapes, nesting),
+`DecoderModule`'s state is `lclm.models.decoder`'s canonical tree (same names, shapes, nesting),
 so `to_params` / `from_params` move between the two without copying, and checkpoints,
 HuggingFace conversion and the training loop stay shared with the functional path. Calling
 the module runs the functional `forward` / `loss_terms` on that tree: one model, two views.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from lclm.models import llama
-from lclm.models.llama import AttentionConfig, LlamaConfig
+from lclm.models import decoder
+from lclm.models.decoder import AttentionConfig, ModelConfig
 from lclm.parallel.mesh import AXIS_RULES
 
 
@@ -33,50 +33,50 @@ def _param(path, entry, value) -> nnx.Param:
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-class LlamaModule(nnx.Module):
-    """lclm's LLaMA as an NNX module (`config`: its `LlamaConfig`, static).
+class DecoderModule(nnx.Module):
+    """lclm's LLaMA as an NNX module (`config`: its `ModelConfig`, static).
 
     Its Params mirror the canonical tree: `embed [vocab, dim]`, `layers` (an `nnx.Dict` of
     weights stacked on a leading `[layers]` axis, e.g. `wq [layers, dim, heads, head_dim]`),
     `final_norm [dim]` and, unless embeddings are tied, `lm_head [dim, vocab]`.
     """
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs | jax.Array | None = None,
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | jax.Array | None = None,
                  params: dict | None = None):
         """Parameters from lclm's `init_params` with `rngs` (an `nnx.Rngs`, of which one
         `params` key is drawn, or a PRNG key), or the given canonical tree `params`."""
         if (rngs is None) == (params is None):
-            raise ValueError("LlamaModule takes exactly one of rngs= and params=")
+            raise ValueError("DecoderModule takes exactly one of rngs= and params=")
         if params is None:
             key = rngs.params() if isinstance(rngs, nnx.Rngs) else rngs
-            params = llama.init_params(config, key)
+            params = decoder.init_params(config, key)
         self.config = config
-        tree = jax.tree_util.tree_map_with_path(_param, llama.param_table(config), params,
-                                                is_leaf=llama.is_param_entry)
+        tree = jax.tree_util.tree_map_with_path(_param, decoder.param_table(config), params,
+                                                is_leaf=decoder.is_param_entry)
         for name, value in tree.items():
             setattr(self, name, nnx.Dict(value) if isinstance(value, dict) else value)
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, mesh=None,
                  attention: AttentionConfig = AttentionConfig()):
-        """Float32 logits `[batch, seq, vocab]` for tokens `[batch, seq]`: `llama.forward`."""
-        return llama.forward(self.config, to_params(self), tokens, positions, segment_ids,
+        """Float32 logits `[batch, seq, vocab]` for tokens `[batch, seq]`: `decoder.forward`."""
+        return decoder.forward(self.config, to_params(self), tokens, positions, segment_ids,
                              mesh=mesh, attention=attention)
 
     def loss_terms(self, batch, *, mesh=None, attention: AttentionConfig = AttentionConfig(),
                    document_mask: bool = True):
         """(sum of masked token losses, unmasked token count) of a batch of `[batch, seq]`
-        arrays, without materialising the logits: `llama.loss_terms`."""
-        return llama.loss_terms(self.config, to_params(self), batch, mesh=mesh,
+        arrays, without materialising the logits: `decoder.loss_terms`."""
+        return decoder.loss_terms(self.config, to_params(self), batch, mesh=mesh,
                                 attention=attention, document_mask=document_mask)
 
 
-def from_params(config: LlamaConfig, params) -> LlamaModule:
+def from_params(config: ModelConfig, params) -> DecoderModule:
     """The module holding a canonical parameter tree (arrays are wrapped, not copied)."""
-    return LlamaModule(config, params=params)
+    return DecoderModule(config, params=params)
 
 
-def to_params(module: LlamaModule) -> dict:
-    """The module's canonical parameter tree of plain arrays (what `llama.*` functions take)."""
+def to_params(module: DecoderModule) -> dict:
+    """The module's canonical parameter tree of plain arrays (what `decoder.*` functions take)."""
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 

@@ -8,22 +8,22 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lclm.models.llama import (
+from lclm.models.decoder import (
     AttentionConfig,
-    LlamaConfig,
+    ModelConfig,
     forward,
     init_params,
     is_param_entry,
     loss_terms,
     param_table,
 )
-from lclm.models.nnx_llama import LlamaModule, flax_axis_rules, from_params, to_params
+from lclm.models.nnx_decoder import DecoderModule, flax_axis_rules, from_params, to_params
 from lclm.parallel import make_mesh
 from lclm.train.state import param_shardings
 
 # every sharded dimension divides by its mesh axes on the (fsdp=2, tp=2, sp=2) mesh, where
 # flax's shape-blind rules and lclm's agree
-CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
                   dtype="float32", ffn_chunk=8, loss_chunk=8)
 ATTN = AttentionConfig(q_chunk=8, kv_chunk=8)
 
@@ -70,17 +70,17 @@ def test_state_is_the_canonical_tree_both_ways(tie, family):
 
 def test_constructor_initialises_with_lclm_init_params():
     key = jax.random.key(3)
-    _assert_same_tree(to_params(LlamaModule(CFG, rngs=key)), init_params(CFG, key))
-    _assert_same_tree(to_params(LlamaModule(CFG, rngs=nnx.Rngs(params=4))),
+    _assert_same_tree(to_params(DecoderModule(CFG, rngs=key)), init_params(CFG, key))
+    _assert_same_tree(to_params(DecoderModule(CFG, rngs=nnx.Rngs(params=4))),
                       init_params(CFG, nnx.Rngs(params=4).params()))
 
 
 def test_bad_arguments_are_refused():
     params = init_params(CFG, jax.random.key(0))
     with pytest.raises(ValueError, match="exactly one"):
-        LlamaModule(CFG)
+        DecoderModule(CFG)
     with pytest.raises(ValueError, match="exactly one"):
-        LlamaModule(CFG, rngs=jax.random.key(0), params=params)
+        DecoderModule(CFG, rngs=jax.random.key(0), params=params)
     params["layers"]["wq"] = params["layers"]["wq"][:, :, :2]
     with pytest.raises(ValueError, match=r"\['layers'\]\['wq'\]"):
         from_params(CFG, params)
@@ -90,7 +90,7 @@ def test_each_param_carries_its_logical_axes():
     table = jax.tree_util.tree_flatten_with_path(param_table(CFG), is_leaf=is_param_entry)[0]
     want = {tuple(k.key for k in path): axes for path, (_, axes) in table}
     got = {path: v.out_sharding
-           for path, v in nnx.to_flat_state(nnx.state(LlamaModule(CFG, rngs=nnx.Rngs(0))))}
+           for path, v in nnx.to_flat_state(nnx.state(DecoderModule(CFG, rngs=nnx.Rngs(0))))}
     assert got == want
 
 
@@ -131,7 +131,7 @@ def test_nnx_grad_equals_jax_grad_of_the_functional_model(objective):
 
 def test_flax_sharding_by_lclm_rules_matches_lclm_sharding():
     mesh = make_mesh(fsdp=2, tp=2, sp=2)
-    module = LlamaModule(CFG, rngs=jax.random.key(4))
+    module = DecoderModule(CFG, rngs=jax.random.key(4))
     want = jax.tree.map(lambda s: s.spec, param_shardings(CFG, mesh))
     state = nnx.state(module)
     with nnx.logical_axis_rules(flax_axis_rules()):

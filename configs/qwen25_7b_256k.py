@@ -1,0 +1,47 @@
+"""Extend Qwen2.5-7B-Instruct from its 32K to 262,144 tokens in two stages with striped ring
+attention.
+
+    python train.py --config configs/qwen25_7b_256k.py \
+        --config.model.init_from_hf=/path/to/Qwen2.5-7B-Instruct \
+        --config.data.tokenizer=/path/to/Qwen2.5-7B-Instruct --config.data.path=/path/to/books
+    python -m lclm.plan --config configs/qwen25_7b_256k.py --compile h100:4x8
+
+Starts from the HuggingFace weights (`model.init_from_hf`: family qwen2, its q/k/v biases from
+the safetensors) and trains on long text documents with Qwen's own tokenizer (tokenizer.json;
+chat data would take `data.chat_template='tokenizer'`, its ChatML). Stages 64K -> 256K, the
+second from the first's final weights, at RoPE theta 1e7 (the base Qwen2.5-7B-Instruct-1M's
+config.json states), and 1M tokens per step in both (16 x 64K, 4 x 256K). The ring grows
+with the sequence: sp=4 at 64K and sp=8 at 256K, 16K-32K tokens per device; FSDP takes the
+other devices: 32 H100s, 4 nodes of 8 (compiled ahead of time for them: README's GPU
+table). Qwen2.5-7B's 28 query heads rule out Ulysses over 8 at 256K, not usp's 4 x ring 2
+(python -m lclm.plan --strategies). Re-running the command resumes.
+
+On a TPU v4-64, libtpu 0.0.42.1 compiles stage 0 (11.34 GiB of 32 per chip) but aborts on
+stage 1's host offload ("Strided host DMA (non iova) is not supported", a check in its
+async_dynamic_index_emitter); stage 1 compiles with --config.model.remat=attention (28.26
+GiB of 32), which stage 0 does not fit (30.8 GiB planned), so on TPU run the stages as two
+invocations with their own remat.
+"""
+
+from lclm.config import apply_preset, base_config
+
+
+def get_config():
+    c = apply_preset(base_config(), "qwen25_7b")
+    c.workdir = "runs/qwen25_7b_256k"
+    c.mesh.update(dp=1, fsdp=-1, tp=1, sp=8)
+    # a loss chunk of 2048 tokens: its float32 logits over the 152,064-token vocabulary are
+    # 1.2 GiB (LLaMA-2's 8192 would hold 4.6 GiB of them)
+    c.model.update(init_from_hf="checkpoints/Qwen2.5-7B-Instruct", dtype="bfloat16",
+                   param_dtype="float32", scan_layers=True, remat="offload", ffn_chunk=8192,
+                   loss_chunk=2048)
+    c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
+    c.data.update(source="text", path="data/long_documents",
+                  tokenizer="checkpoints/Qwen2.5-7B-Instruct", seq_len=262144, batch_size=4)
+    c.stages.update(schedule="64k:1e7:300:4, 256k:1e7:150:8", tokens_per_batch=1 << 20)
+    c.train.update(steps=150, lr=1e-5, warmup=20, min_lr_ratio=0.1, weight_decay=0.0,
+                   clip=1.0, grad_accum=1)
+    c.log.every = 1
+    c.validation.update(path="", every=50, batches=1, lengths="stages")
+    c.checkpoint.update(every=50, keep=2)
+    return c
