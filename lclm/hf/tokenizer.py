@@ -13,8 +13,9 @@ from lclm.files import replacing, write_json
 from lclm.hf.errors import HFFormatError
 
 # what an export holds of a tokenizer
+# chat_template.jinja: where transformers 5 keeps a tokenizer's chat template
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model")
+                   "tokenizer.model", "chat_template.jinja")
 # SentencePiece ModelProto piece types (5, UNUSED, needs no handling) and model types
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
 _UNIGRAM, _BPE = 1, 2
@@ -119,8 +120,8 @@ def save_tokenizer(source: str, hf_dir: str, c: ModelConfig) -> tuple[list[str],
     `transformers.AutoTokenizer.from_pretrained(hf_dir)` loads it; returns (the files written,
     warnings). `source` is a SentencePiece `.model` (copied as tokenizer.model, with a
     tokenizer.json that encodes like it and its tokenizer_config.json), a HuggingFace
-    tokenizer.json or a directory holding one (copied with the tokenizer_config.json and
-    special_tokens_map.json beside it)."""
+    tokenizer.json or a directory holding one (copied with the tokenizer_config.json,
+    special_tokens_map.json and chat_template.jinja beside it)."""
     def copy(src, name):
         with open(src, "rb") as f, replacing(os.path.join(hf_dir, name), binary=True) as out:
             shutil.copyfileobj(f, out)

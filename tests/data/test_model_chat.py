@@ -75,10 +75,9 @@ def _tokenizer_dir(path, template, **settings):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     path.mkdir(exist_ok=True)
     raw.save(str(path / "tokenizer.json"))
-    config = dict(tokenizer_class="PreTrainedTokenizerFast", chat_template=template,
-                  eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
-                  add_bos_token=False)
-    config.update(settings)
+    config = dict(tokenizer_class="PreTrainedTokenizerFast", eos_token="<|im_end|>",
+                  pad_token="<|endoftext|>", bos_token=None, add_bos_token=False)
+    config.update(settings, **({} if template is None else {"chat_template": template}))
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return str(path)
 
@@ -161,3 +160,25 @@ def test_a_template_is_sandboxed(tmp_path):
     tokenizer = Tokenizer(_tokenizer_dir(tmp_path / "tok", escape + CHATML))
     with pytest.raises(ValueError, match="refuses the conversation"):
         get_template("tokenizer", tokenizer).render(CHATS[0], tokenizer)
+
+
+def test_a_template_in_chat_template_jinja_is_read_and_exported(tmp_path):
+    """transformers 5 keeps the template in chat_template.jinja: lclm reads it there, and an
+    export (`save_tokenizer`) carries it, so the exported tokenizer chats alike."""
+    from lclm.config import ModelConfig
+    from lclm.hf import save_tokenizer
+
+    path = tmp_path / "tok"
+    _tokenizer_dir(path, None)
+    (path / "chat_template.jinja").write_text(CHATML)
+    tokenizer = Tokenizer(str(path))
+    ids, flags = get_template("tokenizer", tokenizer).render(CHATS[1], tokenizer)
+    out = tmp_path / "export"
+    out.mkdir()
+    written, _ = save_tokenizer(str(path), str(out), ModelConfig(vocab_size=400))
+    assert "chat_template.jinja" in written
+    theirs = transformers.AutoTokenizer.from_pretrained(str(out))
+    want = theirs.apply_chat_template(_messages(CHATS[1]), tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+    assert ids.tolist() == list(want["input_ids"])
+    assert flags.tolist() == list(want["assistant_masks"])
