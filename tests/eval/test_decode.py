@@ -36,13 +36,14 @@ def prompts():
 
 # the reference runs one sequence length, so every chunk size divides it
 FULL = dataclasses.replace(MODEL, ffn_chunk=4096)
-full_forward = jax.jit(lambda prm, tokens: forward(FULL, prm, tokens))
 
 
-def recompute_greedy(params, docs, steps):
+def recompute_greedy(params, docs, steps, model=MODEL):
     """Reference: re-run the whole model (no cache) on every row's growing sequence for
     every new token. Rows are right-padded to one length: causal attention never looks
     ahead, so the padding does not change the logits read at each row's last token."""
+    full = dataclasses.replace(model, ffn_chunk=4096)
+    full_forward = jax.jit(lambda prm, tokens: forward(full, prm, tokens))
     seqs = [list(d) for d in docs]
     for _ in range(steps):
         width = max(map(len, seqs)) + steps
@@ -87,3 +88,20 @@ def test_greedy_decode_on_a_mesh_matches_one_device(params, prompts):
     on_mesh = greedy_generate(MODEL, ATTENTION, shard_params(MODEL, params, mesh), *rows, M,
                               mesh=mesh)
     assert np.array_equal(on_mesh, greedy_generate(MODEL, ATTENTION, params, *rows, M))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_cached_decoding_runs_each_familys_layer(family, prompts):
+    """The cached decode step runs the layer training runs (`decoder_layer`): Qwen2's q/k/v
+    biases and Qwen3's q/k norms (with a head_dim apart from dim / heads) give the greedy
+    tokens of recomputing the whole model."""
+    model = dataclasses.replace(MODEL, family=family, head_dim=12 if family == "qwen3" else 0)
+    params = init_params(model, jax.random.key(1))
+    keys = iter(jax.random.split(jax.random.key(2), 8))
+    for name in ("bq", "bk", "bv", "q_norm", "k_norm"):   # not zeros and ones: they count
+        if name in params["layers"]:
+            w = params["layers"][name]
+            params["layers"][name] = w + 0.5 * jax.random.normal(next(keys), w.shape)
+    docs, rows = prompts
+    assert greedy_generate(model, ATTENTION, params, *rows, M).tolist() == recompute_greedy(
+        params, docs, M, model)

@@ -106,7 +106,7 @@ def test_a_family_loads_to_transformers_logits_and_exports_what_transformers_rea
     assert _relative_error(_logits(reloaded, tokens), want) < 1e-6
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_family_equals_transformers_under_every_strategy_on_four_sp_devices(tmp_path,
                                                                               family):
     model = _tiny(tmp_path / "src", family)
