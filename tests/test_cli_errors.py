@@ -274,7 +274,7 @@ def test_train_help_lists_every_config_field_with_its_default_and_help():
     from lclm.config import base_config
     r = _train("--help")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("Train a LLaMA with striped ring attention.")
+    assert r.stdout.startswith("Train a LLaMA, Qwen or Mistral model with striped ring attention.")
     for key, value in _flat(base_config().to_dict()):
         assert f"\n  {key}={value!r}\n" in r.stdout
     # each field's help, then what it accepts, as the schema declares them

@@ -1,4 +1,6 @@
-"""lclm's import graph runs one way: errors -> storage -> files -> config -> logs/cli -> ops
+"""lclm's import graph runs one way: errors -> storage -> files -> the model families'
+declarations (lclm.models.families: no JAX, read by the config's presets and choices) ->
+config -> logs/cli -> ops
 -> parallel -> models -> hf -> data -> checkpoint -> train -> eval -> the planner and converter
 CLIs. No module imports a higher layer, none imports lclm inside a function (the old way to
 dodge a cycle), and so there are no cycles. Read from the source (AST), nothing is imported."""
@@ -8,15 +10,17 @@ import pathlib
 
 from support import ROOT
 
-LAYERS = ["lclm.errors", "lclm.hardware", "lclm.storage", "lclm.files", "lclm.config",
+LAYERS = ["lclm.errors", "lclm.hardware", "lclm.storage", "lclm.files",
+          "lclm.models.families", "lclm.config",
           "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel", "lclm.models", "lclm.hf",
           "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval",
           "lclm.plan", "lclm.convert"]
 
 
 def _layer(module: str) -> int | None:
-    found = [i for i, p in enumerate(LAYERS) if module == p or module.startswith(p + ".")]
-    return found[-1] if found else None
+    """The layer of `module`: its longest prefix in LAYERS."""
+    found = [p for p in LAYERS if module == p or module.startswith(p + ".")]
+    return LAYERS.index(max(found, key=len)) if found else None
 
 
 def _modules():

@@ -8,6 +8,7 @@ builds the sections from them). No JAX here: configs are read before JAX starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from lclm.config.fields import (
     AT_LEAST_0,
@@ -24,6 +25,14 @@ REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 # token layouts over the sp devices (lclm.ops.layout)
 LAYOUTS = ("striped", "contiguous", "zigzag")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context `factor`: 0.1 mscale ln(factor) + 1 (1 at
+    factor <= 1), as transformers' `get_mscale`."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 # the model families (lclm.models.families: each one's layer options and HuggingFace names)
 FAMILY_NAMES = tuple(FAMILIES)
 

@@ -13,6 +13,7 @@ import math
 
 from lclm import storage
 from lclm.config import ModelConfig
+from lclm.config.model import yarn_mscale
 from lclm.hf.errors import HFFormatError
 from lclm.models.families import FAMILIES, Family, by_model_type, get_family
 
@@ -155,8 +156,7 @@ def _yarn_from_hf(hf: dict, rope: dict, where: str, family: Family) -> dict:
     attention = _field(rope, "attention_factor", _NUMBER, 0, where)
     mscale, all_dims = (_field(rope, k, _NUMBER, 0, where) for k in ("mscale", "mscale_all_dim"))
     if not attention and mscale and all_dims and factor > 1:
-        ln = math.log(factor)
-        attention = (0.1 * mscale * ln + 1) / (0.1 * all_dims * ln + 1)
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dims)
     truncate = rope.get("truncate", True)
     if not isinstance(truncate, bool):
         raise HFFormatError(f"config.json {where}truncate must be true or false, not "

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lclm.config.model import ROPE_SCALINGS, AttentionConfig, ModelConfig
+from lclm.config.model import ROPE_SCALINGS, AttentionConfig, ModelConfig, yarn_mscale
 from lclm.models.families import get_family
 from lclm.ops.context_parallel import context_parallel_attention, local_attention
 from lclm.ops.context_parallel.rounds import SAVED_NAMES
@@ -154,7 +154,7 @@ def rope_scale(c: ModelConfig) -> float:
         return 1.0
     if c.rope_attention_factor:
         return c.rope_attention_factor
-    return 0.1 * math.log(c.rope_factor) + 1.0 if c.rope_factor > 1 else 1.0
+    return yarn_mscale(c.rope_factor)
 
 
 def rope_tables(positions, c: ModelConfig):

@@ -53,8 +53,8 @@ _SCHEDULE = ("train.steps", "train.lr", "train.warmup", "train.min_lr_ratio", "t
 _DATA_ORDER = ("seed", "data.source", "data.path", "data.text_field", "data.chat_template",
                "data.tokenizer", "data.seq_len", "data.batch_size")
 _MODEL = (
-    "model.vocab_size", "model.dim", "model.head_dim", "model.n_layers", "model.n_heads",
-    "model.n_kv_heads",
+    "model.family", "model.vocab_size", "model.dim", "model.head_dim", "model.n_layers",
+    "model.n_heads", "model.n_kv_heads",
     "model.ffn_dim", "model.norm_eps", "model.param_dtype", "model.tie_embeddings",
     "model.bos_id", "model.eos_ids", "model.max_position_embeddings", "model.rope_theta",
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor",
