@@ -95,9 +95,9 @@ class Tokenizer:
     def special_id(self, token: str) -> int:
         raise NotImplementedError
 
-    def special_ids(self) -> set[int]:
+    def special_ids(self) -> frozenset[int]:
         """The ids of the special tokens (BOS, EOS, <|im_end|>, ...)."""
-        return {i for i in (self.bos_id, self.eos_id, self.pad_id) if i is not None}
+        return frozenset(i for i in (self.bos_id, self.eos_id, self.pad_id) if i is not None)
 
     def check_fits(self, model_vocab_size: int) -> None:
         """Fail when token ids could fall outside the model's embedding table."""
@@ -210,6 +210,9 @@ class HFTokenizer(Tokenizer):
         # caller), and without it no offsets are trimmed
         self._tok.post_processor = None
         self.chat_template = self._chat_template(file, settings)
+        # asked once per rendered chat: the added tokens' table is built once here
+        self._special = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items()
+                                  if t.special)
 
     @staticmethod
     def _chat_template(file: str, settings: dict) -> ModelTemplate | None:
@@ -252,8 +255,8 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def special_ids(self) -> set[int]:
-        return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+    def special_ids(self) -> frozenset[int]:
+        return self._special
 
     def special_id(self, token: str) -> int:
         i = self._tok.token_to_id(token)
