@@ -531,3 +531,38 @@ def test_max_context_search_stops_at_its_budget_and_keeps_what_it_found(monkeypa
     assert probed == seen == [512, 1024]
     assert (result["best"], result["fail"], result["stopped"]) == (1024, None, "skipped: budget")
     assert "1K (search stopped: time budget)" in max_context._row(result, spec)
+
+
+def test_profile_sums_a_gpu_traces_stream_kernels_by_kind(tmp_path):
+    """bench.profile_step on a trace shaped as XLA:GPU writes one (process '/device:GPU:0',
+    kernels on 'Stream #N' threads, the same time again on its 'XLA Ops' line), then a real
+    run on the CPU: the report is written and, with no GPU stream in the trace, the raw
+    trace is kept beside it."""
+    import gzip
+
+    from bench import profile_step
+
+    def kernel(name, ts, dur, tid=14):
+        return dict(ph="X", pid=1, tid=tid, name=name, ts=ts, dur=dur)
+    events = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
+              dict(ph="M", name="thread_name", pid=1, tid=14,
+                   args=dict(name="Stream #14(Compute)")),
+              dict(ph="M", name="thread_name", pid=1, tid=2, args=dict(name="XLA Ops")),
+              kernel("flash_attention_sm90_mosaic_gpu_kernel", 0, 600),
+              kernel("nvjet_sm90_tst_128x160", 600, 300),
+              kernel("MemcpyD2D", 900, 50), kernel("loop_add_fusion", 950, 50),
+              kernel("fusion.1", 0, 1000, tid=2)]
+    folder = tmp_path / "trace" / "plugins" / "profile" / "1"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "host.trace.json.gz", "wt") as f:
+        json.dump(dict(traceEvents=events), f)
+    kernels, complete, _ = profile_step.trace_events(str(tmp_path / "trace"))
+    assert len(kernels) == 4 and len(complete) == 5
+    report = profile_step.summarise(kernels, steps=2, wall_ms=0.6)
+    assert "| attention | 0.3 | 60.0% |" in report and "| matmul | 0.1 |" in report
+    assert "| copy | 0.0 | 5.0% |" in report and "| other (XLA fusions) | 0.0 | 5.0% |" in report
+
+    assert profile_step.main(["--config", DEMO_CONFIG, "--seq", "64", "--steps", "1",
+                              "--config.model.n_layers=1", "--out", str(tmp_path / "p")]) == 0
+    written = sorted(p.name for p in (tmp_path / "p").iterdir())
+    assert written == ["profile-blockwise-attention-64.md", "trace-blockwise-attention-64.json.gz"]
