@@ -284,6 +284,8 @@ def main(argv=None) -> int:
         # a schedule's stages)
         args, _ = parse_cli(ap, argv, default.config, runs_stages=False)
         if args.probe:
+            from lclm.parallel.devices import allow_gpu_host_memory
+            allow_gpu_host_memory()  # before JAX starts: the offload probes' host memory
             emit_record(probe(args.config, args.overrides, args.variant, args.seq,
                               args.budget_mib))
             return 0

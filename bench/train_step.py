@@ -520,14 +520,14 @@ def main(argv=None):
     from lclm.cli import parse_cli, run_cli
     from lclm.config import mesh_device_count
     from lclm.files import check_output
-    from lclm.parallel.devices import request_cpu_devices
-
+    from lclm.parallel.devices import allow_gpu_host_memory, request_cpu_devices
 
     def body():
         args, base = parse_cli(ap, argv, runs_stages=False)  # a schedule's stages do not run
         if args.out and not args.record:  # before the measuring, not at its first row
             check_output("--out", args.out, folder=False)
         request_cpu_devices(mesh_device_count(base) or 1)
+        allow_gpu_host_memory()  # remat='offload' rows at long lengths need more than XLA's cap
         seqs = int_list(args.seq) or (base.data.seq_len,)
         layouts = tuple(args.layouts.split(",")) if args.layouts else (None,)
         impls = tuple(args.impls.split(",")) if args.impls else (None,)

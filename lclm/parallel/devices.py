@@ -1,8 +1,10 @@
-"""Simulated CPU devices on machines without an accelerator, and safe CPU compiler flags.
+"""What XLA reads from the environment when JAX starts its backends: simulated CPU devices on
+machines without an accelerator, safe CPU compiler flags, and the GPU's pinned host memory.
 
-`request_cpu_devices` must run before JAX initialises its backends (it sets XLA_FLAGS);
-the flags only affect the CPU platform, so they are harmless on GPU/TPU machines, where the
-accelerators are used and a mesh larger than them is a configuration error.
+Both functions must run before JAX initialises its backends (importing it does not).
+`request_cpu_devices`' flags only affect the CPU platform, so they are harmless on GPU/TPU
+machines, where the accelerators are used and a mesh larger than them is a configuration
+error; `allow_gpu_host_memory` only affects the GPU platform.
 """
 
 from __future__ import annotations
@@ -42,6 +44,30 @@ def request_cpu_devices(n: int) -> None:
     simulated = n if _FLAG not in flags else _flag_count(flags)
     if simulated > 1 and "NPROC" not in os.environ:
         os.environ["NPROC"] = str(max(os.cpu_count() or 1, POOL_THREADS_PER_DEVICE * simulated))
+
+
+# XLA:GPU's allocator of pinned host memory, where remat='offload' keeps activations, is
+# capped unless this is set (in GiB): its default cap was below the 65 GiB that LLaMA-3.2-1B's
+# 524,288-token step asks for at once (RESOURCE_EXHAUSTED on a 128 GiB H200 host, jax 0.11.2);
+# with 115 it trained (bench/results/gpu-lease-h200/README.md, second lease)
+GPU_HOST_MEMORY_LIMIT = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+HOST_MEMORY_SHARE = 0.9  # of the machine's memory, split between its processes
+
+
+def allow_gpu_host_memory(local_processes: int = 1) -> None:
+    """Let XLA:GPU's pinned host allocator grow to `HOST_MEMORY_SHARE` of this machine's
+    memory, split between its `local_processes` (unless the environment already sets
+    `GPU_HOST_MEMORY_LIMIT`). A cap, not a reservation: nothing is pinned until offloaded
+    activations need it. No effect once JAX has started: call it first."""
+    if GPU_HOST_MEMORY_LIMIT in os.environ:
+        return
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no such query here: keep XLA's default
+        return
+    gib = int(total * HOST_MEMORY_SHARE / max(local_processes, 1) / 2 ** 30)
+    if gib > 0:
+        os.environ[GPU_HOST_MEMORY_LIMIT] = str(gib)
 
 
 def _flag_count(flags: str) -> int:

@@ -22,16 +22,19 @@ from lclm import logs
 from lclm.cli import config_main
 from lclm.config import mesh_device_count
 from lclm.parallel import distributed
-from lclm.parallel.devices import request_cpu_devices
+from lclm.parallel.devices import allow_gpu_host_memory, request_cpu_devices
 from lclm.train.loop import train
 from lclm.train.stages import run_stages
 
 
 def run(config) -> None:
     """Train `config`, or its stages one after another when it has a schedule."""
-    # before JAX starts its backends (importing it does not): simulated CPU devices (split
-    # between local processes), then the multi-process runtime when a launcher started several
-    request_cpu_devices((mesh_device_count(config) or 1) // distributed.local_process_count())
+    # before JAX starts its backends (importing it does not): simulated CPU devices and the
+    # GPU's pinned host memory (split between local processes), then the multi-process runtime
+    # when a launcher started several
+    local = distributed.local_process_count()
+    request_cpu_devices((mesh_device_count(config) or 1) // local)
+    allow_gpu_host_memory(local)
     logs.configure()
     distributed.initialize()
     logs.configure(main_process=jax.process_index() == 0)
