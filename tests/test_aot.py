@@ -178,3 +178,14 @@ def test_compile_while_another_process_holds_libtpus_lock():
     noise = ("host bounds", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "libtpu")
     assert [line for line in done.stderr.splitlines() if any(n in line for n in noise)] == []
     assert [line for line in done.stdout.splitlines() if line.startswith("| 0 | 128 |")]
+
+
+def test_conditionals_are_counted_whatever_their_results_shape():
+    """A conditional returning a tuple (as a `lax.cond` over a fused kernel's outputs does) is
+    one; its branch computations' names and a 'conditional' in metadata are none."""
+    from lclm.plan.aot import conditionals
+    text = ("  %cond.12 = (bf16[1,8,2]{2,1,0}, f32[1,8]{1,0}) conditional(%p, %a, %b), "
+            "branch_computations={%region_1, %region_2}\n"
+            "  %c = f32[4]{0} conditional(%q, %x, %y), true_computation=%t\n"
+            "  %f = f32[4]{0} fusion(%x), metadata={op_name=\"cond/conditional(\"}\n")
+    assert conditionals(text) == 2

@@ -28,7 +28,10 @@ differ, e.g. striped rounds from k < j and k > j): a `lax.switch` over those onl
 
 Packed documents: in every class but `ranges` the visible keys precede (or equal) the query
 in position, so with segment ids non-decreasing along a row (lclm's packing) a query's
-document is cut out by `k_start` alone: the first key of its segment.
+document is cut out by `k_start` alone: the first key of its segment. With
+`skip_zero_starts`, a call whose k_start is 0 for every query (no document begins inside the
+block after its first key: one document per row) runs without it, chosen on the device by a
+`lax.cond` (two compiled calls per call site): for ops that pay for a range on every tile.
 
 `attend(q, k, v, causal, k_start, k_end) -> (o, lse)`: q `[b, tq, h, d]`, k/v `[b, tk, hkv, d]`,
 k_start/k_end int32 `[b, tq]` or None, causal a Python bool; o `[b, tq, h, d]` (any float
@@ -214,11 +217,21 @@ class RangeKernel(Kernel):
     classify = staticmethod(pair_class)
 
 
-def range_kernel(attend, attend_vjp, limits=serves_any) -> RangeKernel:
+def range_kernel(attend, attend_vjp, limits=serves_any, *,
+                 skip_zero_starts: bool = False) -> RangeKernel:
     """lclm's block-pair `Kernel` from a range-mask attention and its VJP (module docstring)
     and the op's `limits` (`contract.Kernel.limits`). Rows that see nothing in a pair get
     o = 0, lse = -inf and no gradient, as the contract says, even from an op that fills empty
-    rows otherwise."""
+    rows otherwise. `skip_zero_starts`: see the module docstring."""
+
+    def masked(call: _Call, op):
+        """op(k_start, k_end) of a call; without a k_start that is 0 for every query where
+        `skip_zero_starts` (the shifted keys' start is never 0: no conditional there)."""
+        if not skip_zero_starts or call.start is None or call.end is not None \
+                or call.keys == "shifted":
+            return op(call.start, call.end)
+        return lax.cond(jnp.all(call.start == 0), lambda: op(None, None),
+                        lambda: op(call.start, None))
 
     def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk, kv_chunk,
                 classes=None):
@@ -231,7 +244,8 @@ def range_kernel(attend, attend_vjp, limits=serves_any) -> RangeKernel:
                 return jnp.zeros((b, tq, h, d), F32), jnp.full((b, tq, h), -jnp.inf, F32)
             c = call()
             keys = _KEYS[c.keys][0]
-            o_c, lse_c = attend(q[:, c.rows], keys(k), keys(v), c.causal, c.start, c.end)
+            o_c, lse_c = masked(c, lambda start, end: attend(q[:, c.rows], keys(k), keys(v),
+                                                             c.causal, start, end))
             return (_place(o_c.astype(F32), c.rows, 0.0),
                     _place(lse_c.astype(F32), c.rows, -jnp.inf))
 
@@ -255,8 +269,8 @@ def range_kernel(attend, attend_vjp, limits=serves_any) -> RangeKernel:
             c = call()
             keys, back = _KEYS[c.keys]
             r = c.rows
-            dq, dk, dv = attend_vjp(q[:, r], keys(k), keys(v), o[:, r], lse[:, r], do[:, r],
-                                    c.causal, c.start, c.end)
+            dq, dk, dv = masked(c, lambda start, end: attend_vjp(
+                q[:, r], keys(k), keys(v), o[:, r], lse[:, r], do[:, r], c.causal, start, end))
             # bf16 per-round gradients: a fused op returns a round's dq/dk/dv in the input
             # dtype (tokamax: bf16 when training; float32 inside the kernel), so each round's
             # share is rounded once, then the ring adds rounds in float32 (`_ring_backward`'s

@@ -348,8 +348,73 @@ def test_tokamax_gets_key_ranges_with_one_heads_axis_for_every_head(monkeypatch)
             o, lse = kernel.forward(q, kv, kv, q_pos, k_pos, seg, seg, **tiles)
             return kernel.backward(q, kv, kv, o, lse, q, q_pos, k_pos, seg, seg, **tiles)
         jax.eval_shape(both, q, kv, seg)
-    assert len(masks) == 6            # strict, causal and exact ranges: forward and VJP
+    # forward and VJP each: strict, causal (with k_start, and without it: skip_zero_starts'
+    # other branch) and exact ranges
+    assert len(masks) == 8
+    assert sum(m.k_start is None for m in masks) == 2
     shapes = {x.shape for m in masks for x in (m.k_start, m.k_end) if x is not None}
     assert shapes == {(b, 1, t)}
     with pytest.raises(ValueError, match="per row"):
         tokamax_gpu._mask(Mask, True, jnp.zeros((b, 4, t), jnp.int32), None)
+
+
+@pytest.fixture
+def skipping_kernel(monkeypatch):
+    """The reference range kernel with `skip_zero_starts` (as tokamax_gpu's is built)."""
+    monkeypatch.setitem(kernels.KERNELS, "range_skipping",
+                        range_kernel(ref_attend, ref_attend_vjp, skip_zero_starts=True))
+    return "range_skipping"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("sp,documents", [(1, "one"), (1, "packed"), (4, "one"),
+                                          (4, "packed"), (4, "mixed")])
+def test_skipping_zero_starts_matches_dense(skipping_kernel, layout, sp, documents):
+    """Values and gradients equal dense attention whichever branch a call takes: rows of one
+    document (k_start 0 everywhere: no range passed), packed rows, and a batch of both."""
+    rng = np.random.default_rng(sp)
+    b, t, h, hkv, d = 2, 64, 4, 2, 16
+    q, do = (rng.standard_normal((b, t, h, d), np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, t, hkv, d), np.float32) for _ in range(2))
+    packed = np.cumsum(rng.random((b, t)) < 0.08, axis=1).astype(np.int32)
+    seg = {"one": np.ones((b, t), np.int32), "packed": packed,
+           "mixed": np.stack([np.ones(t, np.int32), packed[1]])}[documents]
+    want, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, causal=True, segment_ids=seg),
+                        q, k, v)
+    want = (want, *vjp(do))
+    mesh = make_mesh(sp=sp, fsdp=2)
+    lay = lambda x: to_layout(jnp.asarray(x), layout, sp)
+
+    def f(q, k, v):
+        return ring_attention(q, k, v, mesh=mesh, layout=layout, causal=True,
+                              segment_ids=lay(seg), impl=skipping_kernel)
+
+    out, vjp = jax.vjp(jax.jit(f), lay(q), lay(k), lay(v))
+    for got, w in zip((out, *vjp(lay(do))), want):
+        got = np.asarray(from_layout(got, layout, sp))
+        err = np.max(np.abs(got - np.asarray(w))) / np.max(np.abs(np.asarray(w)))
+        assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("documents,skipped", [("one", True), ("packed", False),
+                                               ("mixed", False)])
+def test_a_start_of_zero_everywhere_is_not_passed(documents, skipped):
+    """The branch taken on the device: rows whose documents all begin at the block's first key
+    run the op without k_start (one conditional per call); any later start keeps it. The op
+    here marks its output by whether it got a start."""
+    def attend(q, k, v, causal, start, end):
+        o, lse = ref_attend(q, k, v, causal, start, end)
+        return o + (1000.0 if start is None else 0.0), lse
+
+    kernel = range_kernel(attend, ref_attend_vjp, skip_zero_starts=True)
+    t = 16
+    pos = jnp.arange(t)
+    seg = {"one": np.ones((2, t), np.int32),
+           "packed": np.repeat(np.arange(8), 4).reshape(2, t),
+           "mixed": np.stack([np.ones(t, np.int32), np.repeat(np.arange(2), 8)])}[documents]
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((2, t, 2, 8)), F32)
+    forward = jax.jit(lambda q, seg: kernel.forward(q, q, q, pos, pos, seg, seg, causal=True,
+                                                    q_chunk=t, kv_chunk=t))
+    o, _ = forward(q, jnp.asarray(seg))
+    assert bool(np.all(np.asarray(o) > 500)) == skipped
+    assert forward.lower(q, jnp.asarray(seg)).as_text().count("stablehlo.case") == 1
