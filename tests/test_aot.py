@@ -182,10 +182,11 @@ def test_compile_while_another_process_holds_libtpus_lock():
 
 def test_conditionals_are_counted_whatever_their_results_shape():
     """A conditional returning a tuple (as a `lax.cond` over a fused kernel's outputs does) is
-    one; its branch computations' names and a 'conditional' in metadata are none."""
+    one, a computation's ROOT one too; a 'conditional(' in metadata is none."""
     from lclm.plan.aot import conditionals
     text = ("  %cond.12 = (bf16[1,8,2]{2,1,0}, f32[1,8]{1,0}) conditional(%p, %a, %b), "
             "branch_computations={%region_1, %region_2}\n"
             "  %c = f32[4]{0} conditional(%q, %x, %y), true_computation=%t\n"
+            "  ROOT %r = (f32[4]{0}, f32[4]{0}) conditional(%q, %x, %y), true_computation=%t\n"
             "  %f = f32[4]{0} fusion(%x), metadata={op_name=\"cond/conditional(\"}\n")
-    assert conditionals(text) == 2
+    assert conditionals(text) == 3

@@ -561,6 +561,9 @@ def test_profile_sums_a_gpu_traces_stream_kernels_by_kind(tmp_path):
     report = profile_step.summarise(kernels, steps=2, wall_ms=0.6)
     assert "| attention | 0.3 | 60.0% |" in report and "| matmul | 0.1 |" in report
     assert "| copy | 0.0 | 5.0% |" in report and "| other (XLA fusions) | 0.0 | 5.0% |" in report
+    assert "at least one kernel running 0.5 ms of a span of 0.5 ms" in report
+    overlapping = [dict(ts=0, dur=10), dict(ts=5, dur=10), dict(ts=30, dur=5)]
+    assert profile_step.covered(overlapping) == 20   # streams overlap: time counted once
 
     assert profile_step.main(["--config", DEMO_CONFIG, "--seq", "64", "--steps", "1",
                               "--config.model.n_layers=1", "--out", str(tmp_path / "p")]) == 0

@@ -336,7 +336,7 @@ def conditionals(text: str) -> int:
     """`conditional` ops in a compiled program's text (on XLA:GPU each copies its predicate to
     the host and waits). One per instruction line, whatever its result's shape (a tuple's
     has spaces in it)."""
-    return len(re.findall(r"(?m)^\s*\S+ = [^\n]* conditional\(", text))
+    return len(re.findall(r"(?m)^\s*(?:ROOT\s+)?\S+ = [^\n]* conditional\(", text))
 
 
 def collectives(text: str) -> dict[str, int]:

@@ -8,7 +8,7 @@ device me - r. Masks follow from original positions, which each device derives f
 index and the layout (`lclm.ops.layout.original_positions`). A kernel that specializes on a
 static class of a block pair (`classify`: `lclm.ops.kernels.range_kernel`) is told at each
 call site the classes it can meet there, found on the host from the layout, so it compiles
-only those (one at sp=1: no conditional).
+only those (one at sp=1: no switch).
 """
 
 from __future__ import annotations

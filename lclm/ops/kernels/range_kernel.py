@@ -30,8 +30,9 @@ Packed documents: in every class but `ranges` the visible keys precede (or equal
 in position, so with segment ids non-decreasing along a row (lclm's packing) a query's
 document is cut out by `k_start` alone: the first key of its segment. With
 `skip_zero_starts`, a call whose k_start is 0 for every query (no document begins inside the
-block after its first key: one document per row) runs without it, chosen on the device by a
-`lax.cond` (two compiled calls per call site): for ops that pay for a range on every tile.
+block after its first key: one document per row) runs without it, chosen by a `lax.cond`
+(two compiled calls per call site; on XLA:GPU one host sync per call, as it reads the
+predicate): for ops that pay for a range on every tile.
 
 `attend(q, k, v, causal, k_start, k_end) -> (o, lse)`: q `[b, tq, h, d]`, k/v `[b, tk, hkv, d]`,
 k_start/k_end int32 `[b, tq]` or None, causal a Python bool; o `[b, tq, h, d]` (any float

@@ -115,8 +115,9 @@ def attend_vjp(q, k, v, o, lse, do, causal, start, end):
     return grads["q"], grads["k"], grads["v"]
 
 
-# tokamax's dK/dV kernel reloads and applies k_start on every tile: in LLaMA-3.2-1B's 32K step
-# on an H200 its backward took 611 ms with the start of a one-document row passed, against 505
-# for 16 layers of the same call without a mask (bench.tokamax_configs): rows whose document
-# starts at their first key are run without it
+# tokamax's dK/dV kernel reloads and applies k_start on every tile (its sm90 source): in
+# LLaMA-3.2-1B's 32K step on an H200 its backward took 611 ms with a one-document row's
+# k_start (all 0) passed, against 505 for 16 layers of the same causal call without k_start
+# (bench/results/gpu-lease-h200). The suspected cause, not yet timed on a GPU: calls whose
+# starts are all 0 run without them, at one host sync per call for the lax.cond
 KERNEL = range_kernel(attend, attend_vjp, limits, skip_zero_starts=True)

@@ -392,13 +392,17 @@ def test_skipping_zero_starts_matches_dense(skipping_kernel, layout, sp, documen
                                                ("mixed", False)])
 def test_a_start_of_zero_everywhere_is_not_passed(documents, skipped):
     """The branch taken on the device: rows whose documents all begin at the block's first key
-    run the op without k_start (one conditional per call); any later start keeps it. The op
-    here marks its output by whether it got a start."""
+    run the op without k_start (one conditional per call, forward and backward); any later
+    start keeps it. The ops here mark their outputs by whether they got a start."""
     def attend(q, k, v, causal, start, end):
         o, lse = ref_attend(q, k, v, causal, start, end)
         return o + (1000.0 if start is None else 0.0), lse
 
-    kernel = range_kernel(attend, ref_attend_vjp, skip_zero_starts=True)
+    def attend_vjp(q, k, v, o, lse, do, causal, start, end):
+        dq, dk, dv = ref_attend_vjp(q, k, v, o, lse, do, causal, start, end)
+        return dq + (1000.0 if start is None else 0.0), dk, dv
+
+    kernel = range_kernel(attend, attend_vjp, skip_zero_starts=True)
     t = 16
     pos = jnp.arange(t)
     seg = {"one": np.ones((2, t), np.int32),
@@ -407,6 +411,11 @@ def test_a_start_of_zero_everywhere_is_not_passed(documents, skipped):
     q = jnp.asarray(np.random.default_rng(0).standard_normal((2, t, 2, 8)), F32)
     forward = jax.jit(lambda q, seg: kernel.forward(q, q, q, pos, pos, seg, seg, causal=True,
                                                     q_chunk=t, kv_chunk=t))
-    o, _ = forward(q, jnp.asarray(seg))
+    o, lse = forward(q, jnp.asarray(seg))
     assert bool(np.all(np.asarray(o) > 500)) == skipped
     assert forward.lower(q, jnp.asarray(seg)).as_text().count("stablehlo.case") == 1
+    plain = range_kernel(ref_attend, ref_attend_vjp)   # the same, never skipping
+    dq, want = (jax.jit(lambda q, o, lse, seg, k=k: k.backward(
+        q, q, q, o, lse, q, pos, pos, seg, seg, causal=True, q_chunk=t, kv_chunk=t)[0])(
+            q, o, lse, jnp.asarray(seg)) for k in (kernel, plain))
+    np.testing.assert_allclose(np.asarray(dq - want), 1000.0 if skipped else 0.0, atol=1e-2)
