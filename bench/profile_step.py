@@ -24,7 +24,6 @@ import re
 import shutil
 import sys
 import tempfile
-import time
 
 # the first pattern a kernel's name matches gives its kind; cuDNN's attention kernels are
 # named sdpa/fmha, tokamax's Mosaic ones after their Pallas function
@@ -117,7 +116,7 @@ def profile(config, out_dir: str, *, steps: int, baseline: str | None,
     """Compile, warm up once, trace `steps` steps; returns the report's path."""
     import jax
 
-    from bench.train_step import compile_row
+    from bench.train_step import _timed_steps, compile_row
 
     record, compiled, (_, _, state, batch) = compile_row(config, baseline=baseline)
     state, metrics = compiled(state, batch)
@@ -127,11 +126,8 @@ def profile(config, out_dir: str, *, steps: int, baseline: str | None,
         # create_perfetto_trace makes the profiler write the Chrome trace (*.trace.json.gz)
         # beside its xplane.pb: the only form read here without xprof
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                state, metrics = compiled(state, batch)
-            jax.block_until_ready(metrics)
-            wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+            step_s, metrics = _timed_steps(compiled, state, batch, 0, steps)
+        wall_ms = step_s * 1e3
         kernels, complete, path = trace_events(trace_dir)
         if not kernels:  # named unlike a GPU's streams: keep the raw trace to read elsewhere
             shutil.copy(path, os.path.join(out_dir, f"trace-{name}.json.gz"))

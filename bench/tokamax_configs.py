@@ -19,21 +19,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
+
+from bench.timing import median_seconds
 
 SHAPES = ((64, 32, 8), (128, 16, 16))  # head dim, query heads, key/value heads
 
 
-def _median_s(f, *args, n: int = 5) -> float:
-    import jax
-
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[n // 2]
+def _median_s(f, *args) -> float:
+    """Median seconds of 5 calls after the compiling one."""
+    return median_seconds(f, *args, warmup=0, iters=5)[0]
 
 
 def run(out: str, seq: int) -> None:
