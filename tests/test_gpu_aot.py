@@ -97,11 +97,11 @@ def test_kernels_see_the_target_device_not_the_host(monkeypatch):
     assert target_device().platform == "cpu"
     with compiling_for(_gpu("9.0")):
         assert tokamax_gpu.limits(platform="gpu", **shapes) is None
-        assert choose_kernel("auto", platform="gpu", **shapes) == "tokamax_gpu"
+        assert choose_kernel("auto", platform="gpu", **shapes) == "cudnn_gpu"
     with compiling_for(_gpu("8.0")):
         assert "Hopper" in tokamax_gpu.limits(platform="gpu", **shapes)
         assert choose_kernel("auto", platform="gpu", **shapes) == "pallas_gpu"
-    assert choose_kernel("auto", platform="gpu", device=_gpu("9.0"), **shapes) == "tokamax_gpu"
+    assert choose_kernel("auto", platform="gpu", device=_gpu("9.0"), **shapes) == "cudnn_gpu"
 
 
 def _python(*args, hide=()):

@@ -17,11 +17,12 @@ def _no_tokamax(monkeypatch):
     monkeypatch.setattr(tokamax_gpu, "available", lambda: False)
 
 
-def test_auto_prefers_tokamax_on_gpus_where_it_is_installed(monkeypatch):
+def test_auto_prefers_cudnn_with_tokamax_rounds_on_gpus_where_tokamax_is_installed(monkeypatch):
     from lclm.ops.kernels import tokamax_gpu
     monkeypatch.setattr(tokamax_gpu, "available", lambda: True)
     monkeypatch.setattr(tokamax_gpu, "hopper_or_newer", lambda: True)
-    assert choose_kernel("auto", platform="gpu", **LLAMA) == "tokamax_gpu"
+    assert choose_kernel("auto", platform="gpu", **LLAMA) == "cudnn_gpu"
+    assert choose_kernel("tokamax_gpu", platform="gpu", **LLAMA) == "tokamax_gpu"
     assert choose_kernel("auto", platform="cpu", **LLAMA) == "blockwise"
     # its kernels compute in bf16/f16 and need sm90+: elsewhere auto falls back
     assert choose_kernel("auto", platform="gpu", dtype="float32", **LLAMA) == "pallas_gpu"
@@ -29,7 +30,7 @@ def test_auto_prefers_tokamax_on_gpus_where_it_is_installed(monkeypatch):
     assert choose_kernel("auto", platform="gpu", **LLAMA) == "pallas_gpu"
 
 
-@pytest.mark.parametrize("head_dim,want", [(64, "tokamax_gpu"), (128, "tokamax_gpu"),
+@pytest.mark.parametrize("head_dim,want", [(64, "cudnn_gpu"), (128, "cudnn_gpu"),
                                             (256, "pallas_gpu"), (96, "blockwise")])
 def test_tokamax_serves_only_the_head_dims_checked_on_a_gpu(monkeypatch, head_dim, want):
     from lclm.ops.kernels import tokamax_gpu
@@ -38,7 +39,7 @@ def test_tokamax_serves_only_the_head_dims_checked_on_a_gpu(monkeypatch, head_di
     shapes = dict(LLAMA, head_dim=head_dim)
     assert choose_kernel("auto", platform="gpu", **shapes) == want
     why = get_kernel("tokamax_gpu").limits(platform="gpu", **shapes)
-    assert (why is None) == (want == "tokamax_gpu")
+    assert (why is None) == (want == "cudnn_gpu")
     if why is not None:
         assert f"head dim {head_dim} must be 64 or 128" in why
 
@@ -80,7 +81,7 @@ def test_every_auto_kernel_is_registered_and_imports_here():
         assert names[-1] == "blockwise"  # auto always has a kernel that serves any shape
         for name in names:
             why = get_kernel(name).limits(platform=None, **LLAMA)
-            optional = name == "tokamax_gpu" and not tokamax_gpu.available()
+            optional = name in ("cudnn_gpu", "tokamax_gpu") and not tokamax_gpu.available()
             assert name in KERNELS and (why is None or optional and "not installed" in why)
             get_kernel(name)  # GPU/TPU kernel code imports cleanly on a CPU machine
 

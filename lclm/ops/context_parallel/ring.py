@@ -46,7 +46,7 @@ from lclm.ops.context_parallel.rounds import (
     send,
     setup,
 )
-from lclm.ops.kernels import target_device
+from lclm.ops.kernels import get_kernel, target_device
 from lclm.ops.kernels.contract import F32, visible_tiles
 from lclm.ops.layout import original_positions
 
@@ -126,6 +126,17 @@ def _ring_bwd(settings, residuals, do):
 ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+def ring_or_whole(settings: Settings, q, k, v, q_seg, k_seg):
+    """`ring`, or where it has one member and the kernel attends to a whole sequence itself
+    (`Kernel.whole`: cuDNN's fused attention with its own VJP), that, with the ring as its
+    fallback. With one member the positions are the original order in every layout."""
+    whole = get_kernel(settings.impl).whole if settings.n == 1 else None
+    if whole is None:
+        return ring(settings, q, k, v, q_seg, k_seg)
+    return whole(q, k, v, q_seg, causal=settings.causal,
+                 fallback=lambda: ring(settings, q, k, v, q_seg, k_seg))
+
+
 def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_chunk=512,
                     impl="auto"):
     """Blockwise attention on one device (no mesh): the ring with a single member.
@@ -135,7 +146,7 @@ def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_c
     """
     settings = make_settings(1, "contiguous", causal, q_chunk, kv_chunk, impl, q,
                               target_device(), axis=None)
-    return ring(settings, q, k, v, segment_ids, segment_ids)
+    return ring_or_whole(settings, q, k, v, segment_ids, segment_ids)
 
 
 def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
@@ -151,7 +162,7 @@ def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=
     """
     settings = make_settings(mesh.shape[SP], layout, causal, q_chunk, kv_chunk, impl, q,
                               mesh.devices.flat[0])
-    return on_mesh(lambda q, k, v, s: ring(settings, q, k, v, s, s), mesh, q, k, v,
+    return on_mesh(lambda q, k, v, s: ring_or_whole(settings, q, k, v, s, s), mesh, q, k, v,
                    segment_ids)
 
 

@@ -39,7 +39,7 @@ from lclm.ops.context_parallel.contract import (
     ring_exposed_s,
 )
 from lclm.ops.context_parallel.ring import STRATEGY as RING
-from lclm.ops.context_parallel.ring import ring
+from lclm.ops.context_parallel.ring import ring_or_whole
 from lclm.ops.context_parallel.rounds import (
     HEAD_AXIS,
     SP,
@@ -73,7 +73,7 @@ def _in_original_order(settings: Settings, layout: str, n: int, q, k, v, seg):
     """One-device attention (`settings`: a ring of one) of a whole sequence in `layout`'s
     order for `n` shards: permuted to original order, attended, permuted back."""
     orig = lambda x: None if x is None else from_layout(x, layout, n)
-    o = ring(settings, orig(q), orig(k), orig(v), orig(seg), orig(seg))
+    o = ring_or_whole(settings, orig(q), orig(k), orig(v), orig(seg), orig(seg))
     return to_layout(o, layout, n)
 
 
@@ -116,7 +116,7 @@ def usp_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=N
                          f"ulysses={ulysses}: they are not divisible")
     settings = make_settings(n // ulysses, layout, causal, q_chunk, kv_chunk, impl, q,
                              mesh.devices.flat[0])
-    inner = lambda q, k, v, s: ring(settings, q, k, v, s, s)
+    inner = lambda q, k, v, s: ring_or_whole(settings, q, k, v, s, s)
     return on_mesh(functools.partial(_ulysses, ULYSSES, ulysses, inner),
                    usp_mesh(mesh, ulysses), q, k, v, segment_ids, seq_axes=(SP, ULYSSES))
 

@@ -1,7 +1,8 @@
 """Attention kernels, one module each, and the registry `attention.impl` names them in.
 
 `contract` says what a kernel is; `blockwise` (pure JAX, any platform), `pallas_gpu`,
-`pallas_tpu` and `tokamax_gpu` (through `range_kernel`) are the kernels; `reference` is the
+`pallas_tpu`, `tokamax_gpu` (through `range_kernel`) and `cudnn_gpu` (cuDNN without a ring,
+tokamax's passes in one) are the kernels; `reference` is the
 dense attention they are tested against. Each kernel's module states its own limits
 (`Kernel.limits`); this registry only knows names, module paths and the order in which
 `attention.impl='auto'` tries them on each platform.
@@ -24,6 +25,7 @@ from lclm.ops.kernels.contract import Kernel
 # name -> Kernel, or the module whose `KERNEL` it is (imported on first use)
 KERNELS: dict[str, Kernel | str] = {
     "blockwise": blockwise.KERNEL,
+    "cudnn_gpu": "lclm.ops.kernels.cudnn_gpu",
     "pallas_gpu": "lclm.ops.kernels.pallas_gpu",
     "pallas_tpu": "lclm.ops.kernels.pallas_tpu",
     "tokamax_gpu": "lclm.ops.kernels.tokamax_gpu",
@@ -32,8 +34,8 @@ KERNELS: dict[str, Kernel | str] = {
 # limits allow the shapes is used. A kernel runs compiled only on its own platform; elsewhere
 # (pallas_* on CPU) it is interpreted, which is for tests, never picked. Every list ends with
 # blockwise, which serves any shape.
-AUTO = {"gpu": ("tokamax_gpu", "pallas_gpu", "blockwise"), "tpu": ("pallas_tpu", "blockwise"),
-        "cpu": ("blockwise",)}
+AUTO = {"gpu": ("cudnn_gpu", "tokamax_gpu", "pallas_gpu", "blockwise"),
+        "tpu": ("pallas_tpu", "blockwise"), "cpu": ("blockwise",)}
 IMPLS = ("auto", *KERNELS)
 
 

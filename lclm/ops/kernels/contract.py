@@ -56,12 +56,17 @@ class Kernel(NamedTuple):
 
     `compute_dtype_rounds`: its backward is handed o and do, and returns a round's dq, dk, dv,
     in the compute dtype, upcast to float32 per round; those copies live beside the ring's
-    float32 ones (the memory planner, `lclm.plan`, counts them)."""
+    float32 ones (the memory planner, `lclm.plan`, counts them).
+
+    `whole`: optional, attention of one device's whole sequence where the ring has one
+    member, with its own VJP: `whole(q, k, v, segment_ids, *, causal, fallback) -> o` in q's
+    dtype (original order; `fallback()` gives the ring's result where it cannot serve)."""
     forward: Callable
     backward: Callable
     limits: Callable[..., str | None] = serves_any
     takes_platform: bool = False
     compute_dtype_rounds: bool = False
+    whole: Callable | None = None
 
 
 def tile_visible(q_pos, k_pos, q_seg, k_seg, causal: bool):

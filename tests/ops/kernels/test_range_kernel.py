@@ -143,7 +143,7 @@ def test_tokamax_adapter_imports_here_and_is_never_picked_off_gpu(monkeypatch):
     shapes = dict(head_dim=128, q_chunk=512, kv_chunk=512, block=8192)
     assert "GPUs only" in kernels.get_kernel("tokamax_gpu").limits(platform="cpu", **shapes)
     assert kernels.choose_kernel("auto", platform="cpu", **shapes) == "blockwise"
-    expected = "tokamax_gpu" if tokamax_gpu.available() else "pallas_gpu"
+    expected = "cudnn_gpu" if tokamax_gpu.available() else "pallas_gpu"
     assert kernels.choose_kernel("auto", platform="gpu", **shapes) == expected
 
 

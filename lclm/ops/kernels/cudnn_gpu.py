@@ -1,0 +1,119 @@
+"""cuDNN's fused flash attention where one device holds the whole sequence, tokamax's kernel in
+ring rounds: `impl='cudnn_gpu'`, what `attention.impl='auto'` picks first on Hopper GPUs.
+
+Without a ring (sp=1, and inside Ulysses' all-to-alls) there are no per-round statistics to
+merge, so the fastest single-device attention serves as it is, with its own VJP
+(`Kernel.whole`). On an H200 cuDNN's causal fwd+bwd at 32K took 36.1 ms (head dim 64) and
+28.1 ms (128), where tokamax's backward alone is 0.87 / 0.93 of cuDNN's backward
+(bench/results/gpu-lease-h200). Packed documents go to cuDNN as per-row document offsets
+and lengths (its packed layout, through jax's private `jax._src.cudnn.fused_attention_stablehlo`,
+which takes them; `jax.nn.dot_product_attention` does not): checked there against float32
+dense attention with 4 documents per row (errors <= 6e-3 in bf16, as plain causal).
+
+Which call a step makes is decided per step from the segment ids (one `lax.switch`, read on
+the host): every row one document -> plain causal; at most `MAX_DOCUMENTS` -> packed; more
+-> the ring with tokamax's kernel (always exact; cuDNN's packed call needs a static document
+count, and keeps softmax statistics of `[batch x MAX_DOCUMENTS, heads, seq]` float32 per layer
+for its backward, which is why the bound is not larger).
+
+In a ring (sp > 1) the block-pair passes are tokamax's (`tokamax_gpu`), unchanged. Under
+ahead-of-time compilation for a described GPU (`lclm.plan.aot`), jax's cuDNN checks read the
+local GPU, which is absent, and reject the packed layout: there the ring's kernel is compiled.
+The residuals are cuDNN's own (not named for remat policies): remat='attention' or 'offload'
+re-run cuDNN's forward in the backward; remat='none' keeps them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lclm.ops.kernels import target_device, tokamax_gpu
+
+# Documents per row that go to cuDNN's packed call; rows with more fall back to the ring
+MAX_DOCUMENTS = 32
+
+
+def document_offsets(segment_ids, max_documents: int):
+    """cuDNN's packed-layout arguments from segment ids `[b, t]` (each id one contiguous run):
+    (lengths `[b, max_documents]`, offsets `[b, max_documents + 1]`) int32, the documents'
+    lengths and first positions in order, -1 past a row's last document. Rows with more
+    documents are cut (callers check `document_count` first)."""
+    b, t = segment_ids.shape
+    first = jnp.concatenate([jnp.ones((b, 1), bool),
+                             segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+    def row(first_row):
+        starts = jnp.nonzero(first_row, size=max_documents + 1, fill_value=t)[0]
+        n = jnp.sum(first_row)
+        index = jnp.arange(max_documents + 1)
+        ends = jnp.concatenate([starts[1:], jnp.array([t])])
+        lengths = jnp.where(index < n, jnp.minimum(ends, t) - starts, -1)
+        return (lengths[:max_documents].astype(jnp.int32),
+                jnp.where(index < n, starts, -1).astype(jnp.int32))
+
+    return jax.vmap(row)(first)
+
+
+def document_count(segment_ids):
+    """The most documents (runs of equal ids) in any row of `[b, t]` ids: int32 scalar."""
+    changes = jnp.sum(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1)
+    return (jnp.max(changes) + 1).astype(jnp.int32)
+
+
+def call_index(segment_ids):
+    """Which call `whole` makes for `[b, t]` segment ids: 0 plain causal (every row one
+    document), 1 packed (at most `MAX_DOCUMENTS`), 2 the ring (more). int32 scalar."""
+    count = document_count(segment_ids)
+    return jnp.where(count == 1, 0, jnp.where(count <= MAX_DOCUMENTS, 1, 2)).astype(jnp.int32)
+
+
+@functools.cache
+def _fused():
+    """jax's cuDNN attention module, imported on first use."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    return fused_attention_stablehlo
+
+
+def _on_local_gpu() -> bool:
+    """Whether the program is built for a GPU of this process (jax's cuDNN checks read the
+    local GPU's compute capability; a described one of an AOT compile has none here)."""
+    device = target_device()
+    return device.platform in ("gpu", "cuda") and device in jax.local_devices()
+
+
+def _causal(q, k, v):
+    fa = _fused()
+    return fa.dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5,
+                                    mask_type=fa.MaskType.CAUSAL)
+
+
+def _packed(q, k, v, segment_ids):
+    fa = _fused()
+    lengths, offsets = document_offsets(segment_ids, MAX_DOCUMENTS)
+    return fa.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths,
+                                    q_offsets=offsets, kv_offsets=offsets,
+                                    scale=q.shape[-1] ** -0.5,
+                                    mask_type=fa.MaskType.PADDING_CAUSAL)
+
+
+def whole(q, k, v, segment_ids, *, causal: bool, fallback):
+    """Causal attention of one device's whole sequence in original order, differentiable.
+
+    q `[b, t, h, d]`, k/v `[b, t, kv_heads, d]`, segment_ids `[b, t]` or None; returns
+    `[b, t, h, d]` in q's dtype. `fallback()`: the ring's result, used where cuDNN does not
+    serve (non-causal, no local GPU, rows of more than `MAX_DOCUMENTS` documents)."""
+    if not causal or not _on_local_gpu():
+        return fallback()
+    if segment_ids is None:
+        return _causal(q, k, v)
+    return lax.switch(call_index(segment_ids), [lambda: _causal(q, k, v),
+                               lambda: _packed(q, k, v, segment_ids),
+                               lambda: fallback().astype(q.dtype)])
+
+
+KERNEL = tokamax_gpu.KERNEL._replace(whole=whole)

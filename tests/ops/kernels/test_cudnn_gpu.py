@@ -1,0 +1,99 @@
+"""`impl='cudnn_gpu'` on the CPU: packed documents become cuDNN's offsets and lengths, each
+step picks plain causal, packed or the ring by documents per row, and a ring of one member
+hands a kernel's whole-sequence attention the work. cuDNN's own calls need a GPU: they were
+checked against float32 dense attention on an H200 (bench/results/gpu-lease-h200)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lclm.ops import kernels, local_attention, ring_attention
+from lclm.ops.kernels import blockwise, cudnn_gpu
+from lclm.ops.kernels.reference import dense_attention
+from lclm.parallel import make_mesh
+
+ROWS = jnp.array([[1, 1, 1, 2, 2, 3, 3, 3],
+                  [5, 5, 5, 5, 5, 5, 5, 5],
+                  [1, 1, 2, 2, 2, 0, 0, 0]])   # the last: two documents and padding
+
+
+def test_segment_ids_become_cudnns_packed_layout():
+    lengths, offsets = cudnn_gpu.document_offsets(ROWS, 4)
+    np.testing.assert_array_equal(lengths, [[3, 2, 3, -1], [8, -1, -1, -1], [2, 3, 3, -1]])
+    np.testing.assert_array_equal(offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1],
+                                            [0, 2, 5, -1, -1]])
+    assert int(cudnn_gpu.document_count(ROWS)) == 3
+    # every token is in exactly one listed document
+    assert np.all(np.where(lengths >= 0, lengths, 0).sum(1) == ROWS.shape[1])
+
+
+@pytest.mark.parametrize("rows,call", [
+    (jnp.ones((2, 64), jnp.int32), 0),                                        # plain causal
+    (jnp.repeat(jnp.arange(1, 5), 16)[None].repeat(2, 0), 1),                 # packed
+    (jnp.arange(64)[None].repeat(2, 0), 2),                                   # too many: ring
+])
+def test_each_step_picks_plain_packed_or_the_ring_by_documents_per_row(rows, call):
+    assert int(cudnn_gpu.call_index(rows)) == call
+    assert int(cudnn_gpu.document_count(rows)) == [1, 4, 64][call]
+
+
+def _inputs(t=64, h=4, kvh=2, d=16):
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (2, t, h, d), jnp.float32)
+    k, v = (jax.random.normal(x, (2, t, kvh, d), jnp.float32) for x in ks[1:3])
+    return q, k, v, jax.random.normal(ks[3], (2, t, h, d), jnp.float32)
+
+
+@pytest.mark.parametrize("docs", [0, 1, 4, cudnn_gpu.MAX_DOCUMENTS + 8])
+def test_whole_attention_equals_dense_in_every_branch(monkeypatch, docs):
+    """The branches' calls stand in for cuDNN's (dense float32, what cuDNN was checked
+    against on the GPU); what is tested is the switch and the ring fallback around them."""
+    monkeypatch.setattr(cudnn_gpu, "_on_local_gpu", lambda: True)
+    monkeypatch.setattr(cudnn_gpu, "_causal", lambda q, k, v: dense_attention(q, k, v))
+    monkeypatch.setattr(cudnn_gpu, "_packed", lambda q, k, v, seg: dense_attention(
+        q, k, v, segment_ids=seg))
+    q, k, v, do = _inputs(t=128)
+    # row 0: `docs` documents, row 1: one
+    seg = None if docs == 0 else jnp.stack([jnp.arange(128) * docs // 128,
+                                            jnp.full(128, 7)]).astype(jnp.int32)
+    assert seg is None or int(cudnn_gpu.document_count(seg)) == docs
+
+    def whole(q, k, v):
+        return cudnn_gpu.whole(q, k, v, seg, causal=True, fallback=lambda: local_attention(
+            q, k, v, segment_ids=seg, impl="blockwise", q_chunk=32, kv_chunk=32))
+
+    want, want_vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, segment_ids=seg), q, k, v)
+    got, got_vjp = jax.vjp(jax.jit(whole), q, k, v)
+    for g, w in zip((got, *got_vjp(do)), (want, *want_vjp(do))):
+        assert np.max(np.abs(np.asarray(g) - np.asarray(w))) < 1e-5
+
+
+def test_off_a_local_gpu_whole_attention_is_the_rings():
+    """On this CPU, as in an ahead-of-time compile for a described GPU, cuDNN is not called."""
+    assert not cudnn_gpu._on_local_gpu()
+    q, k, v, _ = _inputs()
+    out = cudnn_gpu.whole(q, k, v, None, causal=True, fallback=lambda: "the ring's")
+    assert out == "the ring's"
+
+
+def test_a_ring_of_one_member_hands_the_kernels_whole_attention_the_work(monkeypatch):
+    calls = []
+
+    def whole(q, k, v, seg, *, causal, fallback):
+        calls.append(q.shape)
+        return fallback()
+
+    monkeypatch.setitem(kernels.KERNELS, "with_whole", blockwise.KERNEL._replace(whole=whole))
+    q, k, v, _ = _inputs()
+    chunks = dict(q_chunk=16, kv_chunk=16, impl="with_whole")
+    placed = dict(chunks, layout="contiguous")  # original order on the mesh too
+    want = dense_attention(q, k, v)
+    for attend, sp, called in ((lambda: local_attention(q, k, v, **chunks), None, 1),
+                               (lambda: ring_attention(q, k, v, mesh=make_mesh(sp=1),
+                                                       **placed), 1, 1),
+                               (lambda: ring_attention(q, k, v, mesh=make_mesh(sp=2),
+                                                       **placed), 2, 0)):
+        calls.clear()
+        np.testing.assert_allclose(attend(), want, atol=1e-5)
+        assert len(calls) == called, sp
