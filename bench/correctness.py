@@ -45,6 +45,12 @@ CASES = {
     "gqa": ("contiguous", 1, 0, (0,), False, True),
     "ring of 4": ("striped", 4, 2, (2, 1, 0, 3), True, True),
 }
+# Kernels with a whole-sequence attention (`Kernel.whole`: one device, no ring; cudnn_gpu's
+# cuDNN call) are also checked through `local_attention`, two rows of causal self-attention:
+# case -> documents in the first row (0: no segment ids; the second row is one document).
+# 48 is past cudnn_gpu's packed bound (32): those rows take the ring
+WHOLE_CASES = {"whole": 0, "whole, 1 document": 1, "whole, 4 documents": 4,
+               "whole, 48 documents": 48}
 # bf16 inputs, float32 accumulation: errors of the size of bf16 rounding of p and ds
 TOLERANCE = 2e-2
 
@@ -161,7 +167,6 @@ def ring_of_blocks(kernel, blocks: int, tiles: dict, q_pos, k_pos, q_seg=None, k
 def check(impl: str, case: str, head_dim: int, spec: CorrectnessSpec, cache=None) -> dict:
     """Relative errors of one kernel on one case. `cache` (a dict) keeps each case's inputs
     and reference between kernels."""
-    import numpy as np
 
     from lclm.ops.kernels import get_kernel
 
@@ -176,6 +181,47 @@ def check(impl: str, case: str, head_dim: int, spec: CorrectnessSpec, cache=None
     args, want = entry
     q, k, v, do, *ids = args
     got = ring_of_blocks(get_kernel(impl), len(CASES[case][3]), tiles(spec), *ids)(q, k, v, do)
+    return _errors(got, want)
+
+
+def check_whole(impl: str, case: str, head_dim: int, spec: CorrectnessSpec) -> dict:
+    """Relative errors of `local_attention` through kernel `impl` (its `Kernel.whole` where
+    it has one) against dense float32 attention: one `WHOLE_CASES` case, 2 rows of
+    `spec.block` tokens, GQA (4 query heads per K/V head)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from lclm.ops import local_attention
+    from lclm.ops.kernels.reference import dense_attention
+
+    t, docs = spec.block, WHOLE_CASES[case]
+    keys = jax.random.split(jax.random.key(head_dim + docs), 4)
+    shape = lambda h: (2, t, h, head_dim)
+    q, do = (jax.random.normal(key, shape(spec.heads), jnp.dtype(spec.dtype))
+             for key in keys[:2])
+    k, v = (jax.random.normal(key, shape(spec.heads // 4), jnp.dtype(spec.dtype))
+            for key in keys[2:])
+    seg = None if not docs else jnp.asarray(
+        np.stack([np.arange(t) * docs // t, np.full(t, 7)]), jnp.int32)
+
+    def f(attend):
+        def run(q, k, v):
+            o, vjp = jax.vjp(attend, q, k, v)
+            return (o, *vjp(do.astype(o.dtype)))
+        return jax.jit(run)
+
+    got = f(lambda q, k, v: local_attention(q, k, v, segment_ids=seg, impl=impl,
+                                            **tiles(spec)))(q, k, v)
+    want = f(lambda q, k, v: dense_attention(q, k, v, segment_ids=seg))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    return _errors(got, want)
+
+
+def _errors(got, want) -> dict:
+    """max |got - want| / max |want| of (o, dq, dk, dv), the worst, and the status."""
+    import numpy as np
+
     errors = {}
     for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
@@ -220,6 +266,7 @@ def run(spec: CorrectnessSpec, out_dir: str, toy: bool = False, on_row=None) -> 
     import jax
 
     from bench.timing import Budget
+    from lclm.ops.kernels import get_kernel
 
     kernels, skipped = checked_kernels(jax.devices()[0].platform, spec)
     budget = Budget(spec.budget_s)
@@ -239,14 +286,16 @@ def run(spec: CorrectnessSpec, out_dir: str, toy: bool = False, on_row=None) -> 
     table = Table("Kernel correctness against a float32 dense reference", notes, HEADER, path)
     cache, bad = {}, []
     for impl in kernels:
+        whole = WHOLE_CASES if get_kernel(impl).whole is not None else {}
         for head_dim in spec.head_dims:
-            for case in CASES:
+            for case in (*CASES, *whole):
                 t0 = time.perf_counter()
                 if budget.spent():
                     r = dict(status=budget.skipped())
                 else:
                     try:
-                        r = check(impl, case, head_dim, spec, cache)
+                        r = (check_whole(impl, case, head_dim, spec) if case in whole
+                             else check(impl, case, head_dim, spec, cache))
                     except Exception as e:  # noqa: BLE001  (a kernel that cannot run here)
                         r = dict(status=error_status(e))
                 r = dict(r, impl=impl, case=case, head_dim=head_dim,

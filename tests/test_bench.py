@@ -264,6 +264,29 @@ def test_correctness_passes_real_kernels_and_catches_wrong_ones(monkeypatch):
     assert check("local", "causal + strict, segments", 64, spec)["status"] == "WRONG"
 
 
+def test_correctness_checks_a_kernels_whole_sequence_attention_and_catches_a_wrong_one(
+        monkeypatch, tmp_path):
+    """Kernels with `Kernel.whole` (cudnn_gpu's cuDNN call) get the WHOLE_CASES rows too."""
+    from bench import correctness
+    from lclm.ops import kernels
+
+    spec = dataclasses.replace(correctness.CorrectnessSpec().smallest(),
+                               impls=("blockwise", "whole_off"))
+    right = kernels.KERNELS["blockwise"]
+
+    def whole_off(q, k, v, seg, *, causal, fallback):  # 5% off where documents are packed
+        return fallback() * (1.0 if seg is None else 1.05)
+
+    monkeypatch.setitem(kernels.KERNELS, "whole_off", right._replace(whole=whole_off))
+    monkeypatch.setattr(correctness, "checked_kernels",
+                        lambda platform, spec: (list(spec.impls), []))
+    with pytest.raises(RuntimeError, match="kernel correctness failed"):
+        correctness.run(spec, str(tmp_path))
+    rows = (tmp_path / "correctness.md").read_text()
+    assert "| blockwise | whole" not in rows  # no whole-sequence attention of its own
+    assert "| whole_off | whole | 64 |" in rows and rows.count("WRONG") == 3
+
+
 def test_every_suite_names_existing_configs_and_kernels():
     from lclm.ops.kernels import KERNELS
 
