@@ -174,6 +174,8 @@ def apply_rope(x, cos, sin):
 
 LAYER_INPUT = "layer_input"  # the name remat policies know a layer's input by
 
+# the policies that keep the ring's named residuals instead of running its forward again
+KEEPS_ATTENTION_RESIDUALS = ("attention", "offload")
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # the ring's output and log-sum-exp are kept: the backward recomputes the layer's cheap
@@ -240,7 +242,8 @@ def layer_with_kv(c: ModelConfig, a: AttentionConfig, mesh, x, p, rope, segment_
     a decoder caches). x `[batch, seq, dim]` in the compute dtype."""
     constrain = _constrainer(mesh)
     x = checkpoint_name(x, LAYER_INPUT)  # every use below takes the named value
-    chunks = dict(q_chunk=a.q_chunk, kv_chunk=a.kv_chunk, impl=a.impl, segment_ids=segment_ids)
+    chunks = dict(q_chunk=a.q_chunk, kv_chunk=a.kv_chunk, impl=a.impl, segment_ids=segment_ids,
+                  whole=c.remat not in KEEPS_ATTENTION_RESIDUALS)
     n_shards = 1 if mesh is None else mesh.shape["sp"]
 
     def attend(q, k, v):

@@ -107,11 +107,11 @@ _all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
 def all_gather_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
-                         q_chunk=512, kv_chunk=512, impl="auto"):
+                         q_chunk=512, kv_chunk=512, impl="auto", whole=True):
     """`ring_attention`'s arguments and result, K/V all-gathered over `sp` instead of passed
     round the ring."""
     settings = make_settings(mesh.shape[SP], layout, causal, q_chunk, kv_chunk, impl, q,
-                             mesh.devices.flat[0])
+                             mesh.devices.flat[0], whole=whole)
     return on_mesh(lambda q, k, v, s: _all_gather(settings, q, k, v, s), mesh, q, k, v,
                    segment_ids)
 

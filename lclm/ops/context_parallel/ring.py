@@ -130,7 +130,7 @@ def ring_or_whole(settings: Settings, q, k, v, q_seg, k_seg):
     """`ring`, or where it has one member and the kernel attends to a whole sequence itself
     (`Kernel.whole`: cuDNN's fused attention with its own VJP), that, with the ring as its
     fallback. With one member the positions are the original order in every layout."""
-    whole = get_kernel(settings.impl).whole if settings.n == 1 else None
+    whole = get_kernel(settings.impl).whole if settings.n == 1 and settings.whole else None
     if whole is None:
         return ring(settings, q, k, v, q_seg, k_seg)
     return whole(q, k, v, q_seg, causal=settings.causal,
@@ -138,30 +138,30 @@ def ring_or_whole(settings: Settings, q, k, v, q_seg, k_seg):
 
 
 def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_chunk=512,
-                    impl="auto"):
+                    impl="auto", whole=True):
     """Blockwise attention on one device (no mesh): the ring with a single member.
 
     q `[batch, seq, heads, dim]`, k/v `[batch, seq, kv_heads, dim]` in original order,
-    segment_ids `[batch, seq]` or None. Differentiable.
+    segment_ids `[batch, seq]` or None; `whole`: `rounds.Settings.whole`. Differentiable.
     """
     settings = make_settings(1, "contiguous", causal, q_chunk, kv_chunk, impl, q,
-                              target_device(), axis=None)
+                              target_device(), axis=None, whole=whole)
     return ring_or_whole(settings, q, k, v, segment_ids, segment_ids)
 
 
 def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
-                   q_chunk=512, kv_chunk=512, impl="auto"):
+                   q_chunk=512, kv_chunk=512, impl="auto", whole=True):
     """Ring attention of global arrays whose sequence axis is sharded over `sp`.
 
     q `[batch, seq, heads, dim]`, k/v `[batch, seq, kv_heads, dim]` (kv_heads divides heads),
     segment_ids `[batch, seq]` int or None (ids that never decrease along the original order,
     as packing gives them: range-based kernels rely on it); all already in `layout`'s token
     order (see `lclm.ops.stripe`). Batch is split over (`dp`, `fsdp`), heads over `tp`.
-    Returns the output `[batch, seq, heads, dim]` in the same order and dtype as q.
-    Differentiable.
+    Returns the output `[batch, seq, heads, dim]` in the same order and dtype as q; `whole`:
+    `rounds.Settings.whole`. Differentiable.
     """
     settings = make_settings(mesh.shape[SP], layout, causal, q_chunk, kv_chunk, impl, q,
-                              mesh.devices.flat[0])
+                              mesh.devices.flat[0], whole=whole)
     return on_mesh(lambda q, k, v, s: ring_or_whole(settings, q, k, v, s, s), mesh, q, k, v,
                    segment_ids)
 

@@ -66,6 +66,10 @@ class Settings(NamedTuple):
     impl: str
     platform: str  # of the devices the program is for (the mesh's)
     device_kind: str  # theirs too, e.g. 'TPU v4' (a TPU kernel sizes its tiles by it)
+    # whether a kernel's whole-sequence attention (`Kernel.whole`) may serve a ring of one:
+    # False where a remat policy keeps the ring's named residuals (`SAVED_NAMES`), which
+    # cuDNN's own VJP does not name (it would run its forward again in the backward)
+    whole: bool = True
 
 
 def tile_run(layout: str, n: int, seq_len: int) -> int:
@@ -75,16 +79,17 @@ def tile_run(layout: str, n: int, seq_len: int) -> int:
     return local // 2 if layout == "zigzag" and n > 1 else local
 
 
-def make_settings(n, layout, causal, q_chunk, kv_chunk, impl, q, device, axis=SP) -> Settings:
+def make_settings(n, layout, causal, q_chunk, kv_chunk, impl, q, device, axis=SP,
+                  whole=True) -> Settings:
     """Check the layout and resolve `impl` ('auto' included) for global queries `q` split
-    over a ring of `n` (`axis`) on devices like `device`."""
+    over a ring of `n` (`axis`) on devices like `device`; `whole`: `Settings.whole`."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
     impl = choose_kernel(impl, head_dim=q.shape[-1], q_chunk=q_chunk, kv_chunk=kv_chunk,
                          block=tile_run(layout, n, q.shape[1]), platform=device.platform,
                          dtype=jnp.dtype(q.dtype).name)
     return Settings(axis, n, layout, bool(causal), int(q_chunk), int(kv_chunk), impl,
-                    device.platform, device.device_kind)
+                    device.platform, device.device_kind, bool(whole))
 
 
 def setup(s: Settings, q, which: str):

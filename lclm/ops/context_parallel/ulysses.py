@@ -78,7 +78,7 @@ def _in_original_order(settings: Settings, layout: str, n: int, q, k, v, seg):
 
 
 def ulysses_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
-                      q_chunk=512, kv_chunk=512, impl="auto"):
+                      q_chunk=512, kv_chunk=512, impl="auto", whole=True):
     """`ring_attention`'s arguments and result, by Ulysses all-to-alls over `sp`: needs the
     query heads per tp shard divisible by sp (K/V heads are repeated as needed)."""
     n, tp = mesh.shape[SP], mesh.shape[HEAD_AXIS]
@@ -86,7 +86,7 @@ def ulysses_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_i
         raise ValueError(f"ulysses splits the {q.shape[2] // tp} query heads per tp shard "
                          f"over sp={n}: they are not divisible")
     settings = make_settings(1, "contiguous", causal, q_chunk, kv_chunk, impl, q,
-                             mesh.devices.flat[0], axis=None)
+                             mesh.devices.flat[0], axis=None, whole=whole)
     inner = functools.partial(_in_original_order, settings, layout, n)
     return on_mesh(functools.partial(_ulysses, SP, n, inner), mesh, q, k, v, segment_ids)
 
@@ -103,7 +103,7 @@ def usp_mesh(mesh: Mesh, ulysses: int) -> Mesh:
 
 
 def usp_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
-                  q_chunk=512, kv_chunk=512, impl="auto", ulysses=1):
+                  q_chunk=512, kv_chunk=512, impl="auto", ulysses=1, whole=True):
     """`ring_attention`'s arguments and result (q, k, v and segment ids in `layout`'s order
     for a ring of sp / ulysses), by Ulysses all-to-alls over groups of `ulysses` consecutive
     sp devices and the ring across the groups: needs the query heads per tp shard divisible
@@ -115,7 +115,7 @@ def usp_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=N
         raise ValueError(f"usp splits the {q.shape[2] // tp} query heads per tp shard over "
                          f"ulysses={ulysses}: they are not divisible")
     settings = make_settings(n // ulysses, layout, causal, q_chunk, kv_chunk, impl, q,
-                             mesh.devices.flat[0])
+                             mesh.devices.flat[0], whole=whole)
     inner = lambda q, k, v, s: ring_or_whole(settings, q, k, v, s, s)
     return on_mesh(functools.partial(_ulysses, ULYSSES, ulysses, inner),
                    usp_mesh(mesh, ulysses), q, k, v, segment_ids, seq_axes=(SP, ULYSSES))

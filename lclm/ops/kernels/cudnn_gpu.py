@@ -19,8 +19,8 @@ for its backward, which is why the bound is not larger).
 In a ring (sp > 1) the block-pair passes are tokamax's (`tokamax_gpu`), unchanged. Under
 ahead-of-time compilation for a described GPU (`lclm.plan.aot`), jax's cuDNN checks read the
 local GPU, which is absent, and reject the packed layout: there the ring's kernel is compiled.
-The residuals are cuDNN's own (not named for remat policies): remat='attention' or 'offload'
-re-run cuDNN's forward in the backward; remat='none' keeps them.
+The residuals are cuDNN's own, not the ring's named ones: under remat='attention' and
+'offload', which keep those, the model asks for the ring (`rounds.Settings.whole`).
 """
 
 from __future__ import annotations

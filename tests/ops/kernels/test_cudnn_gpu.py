@@ -97,3 +97,29 @@ def test_a_ring_of_one_member_hands_the_kernels_whole_attention_the_work(monkeyp
         calls.clear()
         np.testing.assert_allclose(attend(), want, atol=1e-5)
         assert len(calls) == called, sp
+
+
+@pytest.mark.parametrize("remat,called", [("none", True), ("full", True),
+                                          ("attention", False), ("offload", False)])
+def test_remat_policies_that_keep_the_rings_residuals_keep_the_ring(monkeypatch, remat, called):
+    """'attention' and 'offload' save the ring's named output and log-sum-exp; a whole-sequence
+    attention with residuals of its own (cuDNN's) would run its forward again instead."""
+    from lclm.config import AttentionConfig, ModelConfig
+    from lclm.models.decoder import init_params, loss_terms
+
+    calls = []
+
+    def whole(q, k, v, seg, *, causal, fallback):
+        calls.append(1)
+        return fallback()
+
+    monkeypatch.setitem(kernels.KERNELS, "with_whole", blockwise.KERNEL._replace(whole=whole))
+    c = ModelConfig(n_layers=1, remat=remat)
+    t = 32
+    batch = dict(tokens=jnp.zeros((1, t), jnp.int32), targets=jnp.zeros((1, t), jnp.int32),
+                 loss_mask=jnp.ones((1, t), jnp.float32), positions=jnp.arange(t)[None],
+                 segment_ids=jnp.ones((1, t), jnp.int32))
+    attention = AttentionConfig(q_chunk=16, kv_chunk=16, impl="with_whole")
+    jax.grad(lambda p: loss_terms(c, p, batch, attention=attention)[0])(
+        init_params(c, jax.random.key(0)))
+    assert bool(calls) == called
