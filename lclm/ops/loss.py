@@ -102,13 +102,9 @@ def _blockwise_ce_bwd(static, res, dtotal):
     def body(dw, xs):
         hc, tc, mc = xs
         # every chunk's sum enters the total with weight 1: its cotangent is `dtotal`
-        (dlogits,) = jax.vjp(lambda lg: _masked_sum(lg, tc, mc), logits_of(hc, w))[1](dtotal)
-        # dh takes the logits' cotangent in the compute dtype (dh is in it anyway; cuBLAS sums
-        # in float32): in float32 this matmul ran as a TF32 GEMM, one of two (41 and 73 ms) in
-        # LLaMA-3.2-1B's 32K step on an H200. The weights' gradient keeps it in float32: it is
-        # summed over chunks (and XLA:CPU has no bf16 x bf16 -> f32 dot for some of its shapes)
-        dhc = lax.dot_general(dlogits.astype(w.dtype), w,
-                              (((dlogits.ndim - 1,), (1,)), ((), ()))).astype(hc.dtype)
+        logits, logits_vjp = jax.vjp(lambda hc: logits_of(hc, w), hc)
+        (dlogits,) = jax.vjp(lambda lg: _masked_sum(lg, tc, mc), logits)[1](dtotal)
+        (dhc,) = logits_vjp(dlogits)
         return dw + weight_grad(hc, dlogits), dhc
 
     hs, ts, ms = _chunks(constrain, n_shards, chunk, h, targets, mask)
