@@ -149,13 +149,14 @@ GPU = Suite(
 SUITES = {
     "gpu": GPU,
     # the first call of a 15-minute lease (one command of at most 10 minutes, ~9.3 with the
-    # install and the GPU probe): the fused kernel auto picks on Hopper (tokamax_gpu) against
-    # the float32 reference at both head dims, against cuDNN at 8K/32K, and LLaMA-3.2-1B's step
+    # install and the GPU probe): the fused kernels auto picks on Hopper (cudnn_gpu's whole-
+    # sequence call, tokamax_gpu in ring rounds) against the float32 reference at both head
+    # dims, tokamax_gpu against cuDNN at 8K/32K, and LLaMA-3.2-1B's step
     # at 8K/32K against the fastest plain cuDNN step; every part cut by a budget and a kill
     "gpu-lease": dataclasses.replace(
         GPU.quick(),
-        correctness=dataclasses.replace(GPU.correctness.quick(), impls=("tokamax_gpu",),
-                                        budget_s=90.0),
+        correctness=dataclasses.replace(GPU.correctness.quick(),
+                                        impls=("cudnn_gpu", "tokamax_gpu"), budget_s=90.0),
         attention=dataclasses.replace(GPU.attention.quick(), impls=("tokamax_gpu",),
                                       budget_s=90.0),
         train=dataclasses.replace(GPU.train.quick(), budget_s=170.0, timeout=200.0),

@@ -4,17 +4,20 @@ ring rounds: `impl='cudnn_gpu'`, what `attention.impl='auto'` picks first on Hop
 Without a ring (sp=1, and inside Ulysses' all-to-alls) there are no per-round statistics to
 merge, so the fastest single-device attention serves as it is, with its own VJP
 (`Kernel.whole`). On an H200 cuDNN's causal fwd+bwd at 32K took 36.1 ms (head dim 64) and
-28.1 ms (128), where tokamax's backward alone is 0.87 / 0.93 of cuDNN's backward
+28.1 ms (128); tokamax's backward alone runs at 0.87 / 0.93 of the speed of cuDNN's
 (bench/results/gpu-lease-h200). Packed documents go to cuDNN as per-row document offsets
 and lengths (its packed layout, through jax's private `jax._src.cudnn.fused_attention_stablehlo`,
 which takes them; `jax.nn.dot_product_attention` does not): checked there against float32
 dense attention with 4 documents per row (errors <= 6e-3 in bf16, as plain causal).
 
-Which call a step makes is decided per step from the segment ids (one `lax.switch`, read on
-the host): every row one document -> plain causal; at most `MAX_DOCUMENTS` -> packed; more
--> the ring with tokamax's kernel (always exact; cuDNN's packed call needs a static document
-count, and keeps softmax statistics of `[batch x MAX_DOCUMENTS, heads, seq]` float32 per layer
-for its backward, which is why the bound is not larger).
+Which call a step makes is decided per step from the segment ids (a `lax.switch` in every
+layer's forward and backward, its index read on the host): every row one document -> plain
+causal; at most `MAX_DOCUMENTS` -> packed; more -> the ring with tokamax's kernel (always
+exact; cuDNN's packed call needs a static document count, and keeps softmax statistics of
+`[batch x MAX_DOCUMENTS, heads, seq]` float32 per layer for its backward, which is why the
+bound is not larger). Differentiating the switch keeps every branch's residuals, those
+statistics included, whichever branch runs: with remat='none' the step holds more than
+tokamax_gpu's (bench/results/gpu-lease-h200).
 
 In a ring (sp > 1) the block-pair passes are tokamax's (`tokamax_gpu`), unchanged. Under
 ahead-of-time compilation for a described GPU (`lclm.plan.aot`), jax's cuDNN checks read the
@@ -50,10 +53,11 @@ def document_offsets(segment_ids, max_documents: int):
         starts = jnp.nonzero(first_row, size=max_documents + 1, fill_value=t)[0]
         n = jnp.sum(first_row)
         index = jnp.arange(max_documents + 1)
+        listed = index < jnp.minimum(n, max_documents)  # the last offset slot is always -1
         ends = jnp.concatenate([starts[1:], jnp.array([t])])
-        lengths = jnp.where(index < n, jnp.minimum(ends, t) - starts, -1)
+        lengths = jnp.where(listed, ends - starts, -1)
         return (lengths[:max_documents].astype(jnp.int32),
-                jnp.where(index < n, starts, -1).astype(jnp.int32))
+                jnp.where(listed, starts, -1).astype(jnp.int32))
 
     return jax.vmap(row)(first)
 

@@ -26,6 +26,13 @@ def test_segment_ids_become_cudnns_packed_layout():
     assert int(cudnn_gpu.document_count(ROWS)) == 3
     # every token is in exactly one listed document
     assert np.all(np.where(lengths >= 0, lengths, 0).sum(1) == ROWS.shape[1])
+    # exactly the bound: all listed, the last offset slot -1; past it: cut at the bound in both
+    lengths, offsets = cudnn_gpu.document_offsets(ROWS[:1], 3)
+    np.testing.assert_array_equal(lengths, [[3, 2, 3]])
+    np.testing.assert_array_equal(offsets, [[0, 3, 5, -1]])
+    lengths, offsets = cudnn_gpu.document_offsets(ROWS[:1], 2)
+    np.testing.assert_array_equal(lengths, [[3, 2]])
+    np.testing.assert_array_equal(offsets, [[0, 3, -1]])
 
 
 @pytest.mark.parametrize("rows,call", [
@@ -45,30 +52,44 @@ def _inputs(t=64, h=4, kvh=2, d=16):
     return q, k, v, jax.random.normal(ks[3], (2, t, h, d), jnp.float32)
 
 
-@pytest.mark.parametrize("docs", [0, 1, 4, cudnn_gpu.MAX_DOCUMENTS + 8])
-def test_whole_attention_equals_dense_in_every_branch(monkeypatch, docs):
+@pytest.mark.parametrize("docs,branch", [(0, "causal"), (1, "causal"), (4, "packed"),
+                                         (cudnn_gpu.MAX_DOCUMENTS + 8, "ring")])
+def test_whole_attention_equals_dense_in_every_branch(monkeypatch, docs, branch):
     """The branches' calls stand in for cuDNN's (dense float32, what cuDNN was checked
-    against on the GPU); what is tested is the switch and the ring fallback around them."""
+    against on the GPU; the plain one without segments); what is tested is the switch, with
+    the segment ids a jit argument as in training, and the ring fallback around them."""
+    ran = []
+
+    def tagged(name, out):
+        jax.debug.callback(lambda: ran.append(name))
+        return out
+
     monkeypatch.setattr(cudnn_gpu, "_on_local_gpu", lambda: True)
-    monkeypatch.setattr(cudnn_gpu, "_causal", lambda q, k, v: dense_attention(q, k, v))
-    monkeypatch.setattr(cudnn_gpu, "_packed", lambda q, k, v, seg: dense_attention(
-        q, k, v, segment_ids=seg))
+    monkeypatch.setattr(cudnn_gpu, "_causal",
+                        lambda q, k, v: tagged("causal", dense_attention(q, k, v)))
+    monkeypatch.setattr(cudnn_gpu, "_packed", lambda q, k, v, seg: tagged(
+        "packed", dense_attention(q, k, v, segment_ids=seg)))
     q, k, v, do = _inputs(t=128)
     # row 0: `docs` documents, row 1: one
     seg = None if docs == 0 else jnp.stack([jnp.arange(128) * docs // 128,
                                             jnp.full(128, 7)]).astype(jnp.int32)
     assert seg is None or int(cudnn_gpu.document_count(seg)) == docs
 
-    def whole(q, k, v):
-        return cudnn_gpu.whole(q, k, v, seg, causal=True, fallback=lambda: local_attention(
-            q, k, v, segment_ids=seg, impl="blockwise", q_chunk=32, kv_chunk=32))
+    def whole(q, k, v, seg):
+        def ring():
+            return tagged("ring", local_attention(q, k, v, segment_ids=seg, impl="blockwise",
+                                                  q_chunk=32, kv_chunk=32))
+        return cudnn_gpu.whole(q, k, v, seg, causal=True, fallback=ring)
 
     want, want_vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, segment_ids=seg), q, k, v)
-    got, got_vjp = jax.vjp(jax.jit(whole), q, k, v)
-    for g, w in zip((got, *got_vjp(do)), (want, *want_vjp(do))):
+    got, got_vjp = jax.vjp(jax.jit(whole), q, k, v, seg)
+    for g, w in zip((got, *got_vjp(do)[:3]), (want, *want_vjp(do))):
         assert np.max(np.abs(np.asarray(g) - np.asarray(w))) < 1e-5
+    jax.effects_barrier()
+    assert set(ran) == {branch}
 
 
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="a GPU is attached")
 def test_off_a_local_gpu_whole_attention_is_the_rings():
     """On this CPU, as in an ahead-of-time compile for a described GPU, cuDNN is not called."""
     assert not cudnn_gpu._on_local_gpu()
