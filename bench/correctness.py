@@ -167,7 +167,6 @@ def ring_of_blocks(kernel, blocks: int, tiles: dict, q_pos, k_pos, q_seg=None, k
 def check(impl: str, case: str, head_dim: int, spec: CorrectnessSpec, cache=None) -> dict:
     """Relative errors of one kernel on one case. `cache` (a dict) keeps each case's inputs
     and reference between kernels."""
-
     from lclm.ops.kernels import get_kernel
 
     key = (case, head_dim)
@@ -193,7 +192,6 @@ def check_whole(impl: str, case: str, head_dim: int, spec: CorrectnessSpec) -> d
     import numpy as np
 
     from lclm.ops import local_attention
-    from lclm.ops.kernels.reference import dense_attention
 
     t, docs = spec.block, WHOLE_CASES[case]
     keys = jax.random.split(jax.random.key(head_dim + docs), 4)
@@ -207,17 +205,15 @@ def check_whole(impl: str, case: str, head_dim: int, spec: CorrectnessSpec) -> d
 
     # the segment ids are a jit argument, as in training: a kernel that picks its call from
     # them on the device (cudnn_gpu's switch) runs it with a runtime index, every branch built
-    def f(attend):
-        def run(q, k, v, seg):
-            o, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, seg), q, k, v)
-            return (o, *vjp(do.astype(o.dtype)))
-        return jax.jit(run)
+    @jax.jit
+    def attended(q, k, v, seg):
+        o, vjp = jax.vjp(lambda q, k, v: local_attention(q, k, v, segment_ids=seg, impl=impl,
+                                                         **tiles(spec)), q, k, v)
+        return (o, *vjp(do))
 
-    got = f(lambda q, k, v, seg: local_attention(q, k, v, segment_ids=seg, impl=impl,
-                                                 **tiles(spec)))(q, k, v, seg)
-    want = f(lambda q, k, v, seg: dense_attention(q, k, v, segment_ids=seg))(
-        *(x.astype(jnp.float32) for x in (q, k, v)), seg)
-    return _errors(got, want)
+    positions = np.arange(t)
+    want = dense_reference(positions, positions, seg, seg)(q, k, v, do)
+    return _errors(attended(q, k, v, seg), want)
 
 
 def _errors(got, want) -> dict:

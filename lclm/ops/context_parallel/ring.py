@@ -130,11 +130,10 @@ def ring_or_whole(settings: Settings, q, k, v, q_seg, k_seg):
     """`ring`, or where it has one member and the kernel attends to a whole sequence itself
     (`Kernel.whole`: cuDNN's fused attention with its own VJP), that, with the ring as its
     fallback. With one member the positions are the original order in every layout."""
+    the_ring = functools.partial(ring, settings, q, k, v, q_seg, k_seg)
     whole = get_kernel(settings.impl).whole if settings.n == 1 and settings.whole else None
-    if whole is None:
-        return ring(settings, q, k, v, q_seg, k_seg)
-    return whole(q, k, v, q_seg, causal=settings.causal,
-                 fallback=lambda: ring(settings, q, k, v, q_seg, k_seg))
+    return the_ring() if whole is None else whole(q, k, v, q_seg, causal=settings.causal,
+                                                   fallback=the_ring)
 
 
 def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_chunk=512,

@@ -40,14 +40,18 @@ from lclm.ops.kernels import target_device, tokamax_gpu
 MAX_DOCUMENTS = 32
 
 
+def _document_starts(segment_ids):
+    """bool `[b, t]`: where a document (a run of equal ids) begins in each row."""
+    return jnp.concatenate([jnp.ones((segment_ids.shape[0], 1), bool),
+                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+
 def document_offsets(segment_ids, max_documents: int):
     """cuDNN's packed-layout arguments from segment ids `[b, t]` (each id one contiguous run):
     (lengths `[b, max_documents]`, offsets `[b, max_documents + 1]`) int32, the documents'
     lengths and first positions in order, -1 past a row's last document. Rows with more
     documents are cut (callers check `document_count` first)."""
-    b, t = segment_ids.shape
-    first = jnp.concatenate([jnp.ones((b, 1), bool),
-                             segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    t = segment_ids.shape[1]
 
     def row(first_row):
         starts = jnp.nonzero(first_row, size=max_documents + 1, fill_value=t)[0]
@@ -59,13 +63,12 @@ def document_offsets(segment_ids, max_documents: int):
         return (lengths[:max_documents].astype(jnp.int32),
                 jnp.where(listed, starts, -1).astype(jnp.int32))
 
-    return jax.vmap(row)(first)
+    return jax.vmap(row)(_document_starts(segment_ids))
 
 
 def document_count(segment_ids):
     """The most documents (runs of equal ids) in any row of `[b, t]` ids: int32 scalar."""
-    changes = jnp.sum(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1)
-    return (jnp.max(changes) + 1).astype(jnp.int32)
+    return jnp.max(jnp.sum(_document_starts(segment_ids), axis=1)).astype(jnp.int32)
 
 
 def call_index(segment_ids):
@@ -116,8 +119,8 @@ def whole(q, k, v, segment_ids, *, causal: bool, fallback):
     if segment_ids is None:
         return _causal(q, k, v)
     return lax.switch(call_index(segment_ids), [lambda: _causal(q, k, v),
-                               lambda: _packed(q, k, v, segment_ids),
-                               lambda: fallback().astype(q.dtype)])
+                                                lambda: _packed(q, k, v, segment_ids),
+                                                lambda: fallback().astype(q.dtype)])
 
 
 KERNEL = tokamax_gpu.KERNEL._replace(whole=whole)
