@@ -120,7 +120,7 @@ def whole(q, k, v, segment_ids, *, causal: bool, fallback):
         return _causal(q, k, v)
     return lax.switch(call_index(segment_ids), [lambda: _causal(q, k, v),
                                                 lambda: _packed(q, k, v, segment_ids),
-                                                lambda: fallback().astype(q.dtype)])
+                                                fallback])
 
 
 KERNEL = tokamax_gpu.KERNEL._replace(whole=whole)

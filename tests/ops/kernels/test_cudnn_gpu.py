@@ -98,7 +98,10 @@ def test_off_a_local_gpu_whole_attention_is_the_rings():
     assert out == "the ring's"
 
 
-def test_a_ring_of_one_member_hands_the_kernels_whole_attention_the_work(monkeypatch):
+@pytest.fixture
+def whole_calls(monkeypatch):
+    """Registers `impl='with_whole'`: blockwise with a whole-sequence attention that records
+    each call (its query shape) and hands the work to the ring. Returns the record."""
     calls = []
 
     def whole(q, k, v, seg, *, causal, fallback):
@@ -106,6 +109,10 @@ def test_a_ring_of_one_member_hands_the_kernels_whole_attention_the_work(monkeyp
         return fallback()
 
     monkeypatch.setitem(kernels.KERNELS, "with_whole", blockwise.KERNEL._replace(whole=whole))
+    return calls
+
+
+def test_a_ring_of_one_member_hands_the_kernels_whole_attention_the_work(whole_calls):
     q, k, v, _ = _inputs()
     chunks = dict(q_chunk=16, kv_chunk=16, impl="with_whole")
     placed = dict(chunks, layout="contiguous")  # original order on the mesh too
@@ -115,26 +122,19 @@ def test_a_ring_of_one_member_hands_the_kernels_whole_attention_the_work(monkeyp
                                                        **placed), 1, 1),
                                (lambda: ring_attention(q, k, v, mesh=make_mesh(sp=2),
                                                        **placed), 2, 0)):
-        calls.clear()
+        whole_calls.clear()
         np.testing.assert_allclose(attend(), want, atol=1e-5)
-        assert len(calls) == called, sp
+        assert len(whole_calls) == called, sp
 
 
 @pytest.mark.parametrize("remat,called", [("none", True), ("full", True),
                                           ("attention", False), ("offload", False)])
-def test_remat_policies_that_keep_the_rings_residuals_keep_the_ring(monkeypatch, remat, called):
+def test_remat_policies_that_keep_the_rings_residuals_keep_the_ring(whole_calls, remat, called):
     """'attention' and 'offload' save the ring's named output and log-sum-exp; a whole-sequence
     attention with residuals of its own (cuDNN's) would run its forward again instead."""
     from lclm.config import AttentionConfig, ModelConfig
     from lclm.models.decoder import init_params, loss_terms
 
-    calls = []
-
-    def whole(q, k, v, seg, *, causal, fallback):
-        calls.append(1)
-        return fallback()
-
-    monkeypatch.setitem(kernels.KERNELS, "with_whole", blockwise.KERNEL._replace(whole=whole))
     c = ModelConfig(n_layers=1, remat=remat)
     t = 32
     batch = dict(tokens=jnp.zeros((1, t), jnp.int32), targets=jnp.zeros((1, t), jnp.int32),
@@ -143,4 +143,4 @@ def test_remat_policies_that_keep_the_rings_residuals_keep_the_ring(monkeypatch,
     attention = AttentionConfig(q_chunk=16, kv_chunk=16, impl="with_whole")
     jax.grad(lambda p: loss_terms(c, p, batch, attention=attention)[0])(
         init_params(c, jax.random.key(0)))
-    assert bool(calls) == called
+    assert bool(whole_calls) == called
