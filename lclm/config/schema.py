@@ -37,6 +37,10 @@ MESH_AXES = ("dp", "fsdp", "tp", "sp")
 # kinds of data.path entries (lclm.data.loader reads each; line_retrieval is synthetic,
 # generated: lclm/data/line_retrieval.py)
 SOURCE_KINDS = ("text", "sharegpt", "tokenized", "line_retrieval")
+MIXTURE_UNITS = ("tokens", "documents")
+LR_DECAYS = ("cosine", "linear", "constant")
+# what a stage after the first does with its predecessor's optimizer state
+STAGE_OPTIMIZER = ("carry", "fresh")
 
 # released models' shapes (and their tokenizers' bos/eos ids), each family's
 # (lclm.models.families); a preset sets model.family too
@@ -98,6 +102,15 @@ class Data:
     batch_size: int = setting(8, "sequences per step", rule=AT_LEAST_1)
     document_mask: bool = setting(True, "packed documents do not attend to each other")
     reset_positions: bool = setting(True, "positions restart at each packed document")
+    mixture_unit: str = setting("tokens", "what a data.path weight shares out: 'tokens' (each "
+                                "source's share of the tokens trained on, whatever its "
+                                "documents' lengths, as ProLong's and Fu et al.'s mixtures are "
+                                "stated) or 'documents' (of the documents drawn)",
+                                choices=MIXTURE_UNITS)
+    balance: bool = setting(True, "the rows of a step go to devices and micro-batches so that "
+                            "each gets about the same attention work (its documents' squared "
+                            "lengths); only which device trains which row changes, never the "
+                            "rows or the loss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +120,13 @@ class Train:
     lr: float = setting(3e-4, "peak learning rate", rule=FINITE_POSITIVE)
     min_lr_ratio: float = setting(0.1, "the cosine ends at lr x this", rule=FRACTION)
     warmup: int = setting(100, "steps of linear warm-up", rule=AT_LEAST_0)
+    decay: str = setting("cosine", "the learning rate after warm-up: to lr x min_lr_ratio at "
+                         "the last step by a cosine or a straight line, or 'constant' at lr",
+                         choices=LR_DECAYS)
+    optimizer_from_checkpoint: bool = setting(
+        False, "with model.init_from_checkpoint: that run's optimizer state too (Adam's moments "
+        "and step count carry on; the learning-rate schedule starts again); staged runs set it "
+        "per stage (stages.optimizer)")
     grad_accum: int = setting(1, "micro-batches per step", rule=AT_LEAST_1)
     clip: float = setting(1.0, "global gradient-norm clip", rule=FINITE_NON_NEGATIVE,
                           note="0: no clipping")
@@ -158,15 +178,26 @@ class Validation:
 
 @dataclasses.dataclass(frozen=True)
 class Stages:
-    """Staged context extension (lclm.train.stages)"""
-    schedule: str = setting("", "\"seq_len:rope_theta:steps, ...\" runs one stage after another, "
-                            "each from the previous one's final weights; empty = a single run")
+    """Staged context extension (lclm.config.stages: what a stage may set; lclm.train.stages
+    runs them)"""
+    list: tuple = setting((), "the stages, each a dict of the config fields it changes "
+                          "(nested by section, e.g. dict(data=dict(seq_len='64k', path=...), "
+                          "model=dict(rope_theta=8e6), train=dict(lr=1e-5, steps=5000))) and "
+                          "of name, tokens, tokens_per_batch and optimizer; a field a stage "
+                          "leaves out keeps the previous stage's value. Set in a config "
+                          "file; empty: stages.schedule")
+    schedule: str = setting("", "the one-line form: \"seq_len:rope_theta:steps[:sp], ...\" "
+                            "runs one stage after another, each from the previous one's final "
+                            "weights; empty (and no stages.list) = a single run")
     tokens_per_batch: int = setting(0, "each stage's data.batch_size = this / its seq_len "
-                                    "(0: data.batch_size throughout)")
-    extend_lr: float = setting(0.0, "the peak learning rate of every stage after the first "
-                               "(each fine-tunes its predecessor's weights with a fresh "
-                               "optimizer); 0 = train.lr", rule=FINITE_NON_NEGATIVE,
+                                    "(0: data.batch_size throughout); a stage may set its own")
+    extend_lr: float = setting(0.0, "the one-line form: the peak learning rate of every stage "
+                               "after the first; 0 = train.lr", rule=FINITE_NON_NEGATIVE,
                                note="0: the stages after the first use train.lr")
+    optimizer: str = setting("carry", "what a stage after the first starts from besides its "
+                             "predecessor's weights: 'carry' its optimizer state (Adam's "
+                             "moments, as ProLong's second stage), 'fresh' a new one; a stage "
+                             "may set its own", choices=STAGE_OPTIMIZER)
 
 
 # section name -> its dataclass, in --help's order ("" holds the top-level fields)

@@ -47,11 +47,15 @@ _FREE = (
     "train.grad_accum", "validation.path", "validation.every", "validation.batches",
     "validation.lengths",
     # a stage's own config (seq_len, steps, lr, init) is compared; these only derive it
-    "stages.schedule", "stages.tokens_per_batch", "stages.extend_lr")
-_SCHEDULE = ("train.steps", "train.lr", "train.warmup", "train.min_lr_ratio", "train.clip",
+    "stages.schedule", "stages.tokens_per_batch", "stages.extend_lr", "stages.list",
+    "stages.optimizer", "train.optimizer_from_checkpoint",
+    # which device trains which row of a step: the rows themselves and the loss are the same
+    "data.balance")
+_SCHEDULE = ("train.steps", "train.lr", "train.warmup", "train.decay", "train.min_lr_ratio",
+             "train.clip",
              "train.weight_decay", "train.b1", "train.b2")
 _DATA_ORDER = ("seed", "data.source", "data.path", "data.text_field", "data.chat_template",
-               "data.tokenizer", "data.seq_len", "data.batch_size")
+               "data.tokenizer", "data.seq_len", "data.batch_size", "data.mixture_unit")
 _MODEL = (
     "model.family", "model.vocab_size", "model.dim", "model.head_dim", "model.n_layers",
     "model.n_heads", "model.n_kv_heads",

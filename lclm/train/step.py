@@ -20,12 +20,18 @@ from lclm.train.state import TrainState
 
 def lr_schedule(train_config) -> optax.Schedule:
     """The learning rate of the update after `count` applied ones: linear warmup reaching
-    `lr` at update `warmup`, then cosine decay to `lr * min_lr_ratio` at update `steps`. The
-    first update already gets `lr / warmup` (a warmup from 0 would waste step 1)."""
+    `lr` at update `warmup`, then `decay` ('cosine' or 'linear' to `lr * min_lr_ratio` at
+    update `steps`, or 'constant' at `lr`). The first update already gets `lr / warmup` (a
+    warmup from 0 would waste step 1)."""
     t = train_config
-    base = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup,
-        decay_steps=max(t.steps, t.warmup + 1), end_value=t.lr * t.min_lr_ratio)
+    decay_steps = max(t.steps, t.warmup + 1) - t.warmup
+    end = t.lr * t.min_lr_ratio
+    warm = optax.linear_schedule(0.0, t.lr, t.warmup) if t.warmup else optax.constant_schedule(t.lr)
+    after = {"cosine": lambda: optax.cosine_decay_schedule(t.lr, decay_steps,
+                                                           alpha=t.min_lr_ratio),
+             "linear": lambda: optax.linear_schedule(t.lr, end, decay_steps),
+             "constant": lambda: optax.constant_schedule(t.lr)}[t.decay]()
+    base = optax.join_schedules([warm, after], [t.warmup])
     return lambda count: base(count + 1)
 
 
