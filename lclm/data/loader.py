@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 
 from lclm import storage
 from lclm.config.schema import SOURCE_KINDS
+from lclm.data.balance import attention_work, balance_permutation
 from lclm.data.packing import ROW_KEYS, Packer
 from lclm.data.sources import DataError, SourceStats, open_documents
 from lclm.data.stream import DocumentStream, EpochOrders, Mixture
@@ -178,6 +179,13 @@ class HostBatches:
                                d.reset_positions)
                       for r in range(self.rows.start, self.rows.stop)}
         self.batches = 0
+        # data.balance (next_host_batch): rows per batch shard and micro-batches per step,
+        # the bins that this process's rows are balanced over
+        self.balance = d.balance
+        shards = {idx[0].start for idx in
+                  self.sharding.devices_indices_map(self.global_shape).values()}
+        self.shard_rows, self.grad_accum = d.batch_size // len(shards), config.train.grad_accum
+        self.document_mask = d.document_mask
         if state is not None:
             self.restore(state)
         self._state = self._snapshot()
@@ -210,9 +218,24 @@ class HostBatches:
         self.batches = max(s["batches"] for s in states)
 
     def next_host_batch(self) -> dict[str, np.ndarray]:
-        """The next block of this process, in layout order (synchronous; no device arrays)."""
+        """The next block of this process, in layout order (synchronous; no device arrays).
+
+        With `data.balance` its rows are first reordered (`lclm.data.balance`) so that each of
+        this process's (batch shard, micro-batch) bins gets about the same attention work: the
+        loss, a token mean over the whole step, is unchanged. The order is a function of the
+        rows alone (a resumed run reorders them the same way; `state()` is untouched) and
+        every process holding a row's sequence blocks computes the same one. With several
+        processes only each process's own rows are reordered: rows never move between
+        processes (balance across processes is left to chance), so the order of a global
+        batch's rows, not which rows it holds, depends on how many processes build it."""
         rows = [self.slots[r].next_row() for r in range(self.rows.start, self.rows.stop)]
         batch = {k: np.stack([r[k] for r in rows]) for k in ROW_KEYS}
+        if self.balance:
+            work = attention_work(batch["segment_ids"], self.layout, self.shards,
+                                  self.document_mask)
+            shards = (self.rows.stop - self.rows.start) // self.shard_rows
+            order = balance_permutation(work, shards, self.grad_accum)
+            batch = {k: v[order] for k, v in batch.items()}
         batch = batch_to_layout(batch, self.layout, self.shards)
         self.batches += 1
         return {k: np.ascontiguousarray(v[:, self.seq]) for k, v in batch.items()}
