@@ -77,15 +77,20 @@ def read_config(workdir: str, step: int | None = None) -> tuple[int, dict]:
 def read_params(workdir: str, step: int, abstract_params):
     """The parameters of checkpoint `step` alone (no optimizer or data state), placed as the
     `jax.ShapeDtypeStruct` leaves of `abstract_params` say (their shardings: any mesh)."""
-    item = {"params": abstract_params}
+    return read_state_items(workdir, step, {"params": abstract_params})["params"]
+
+
+def read_state_items(workdir: str, step: int, abstract: dict) -> dict:
+    """Items of checkpoint `step`'s train state (`{"params": ..., "opt_state": ...}`, any of
+    them), placed as the `jax.ShapeDtypeStruct` leaves of `abstract` say."""
     manager = _reader(workdir)
     try:
         restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
             partial_restore=True)))
     finally:
         manager.close()
-    return restored["state"]["params"]
+    return restored["state"]
 
 
 def path_problem(workdir: str) -> str | None:

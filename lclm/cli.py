@@ -16,7 +16,7 @@ import argparse
 import re
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import ml_collections
 from absl import flags
@@ -24,9 +24,9 @@ from ml_collections import config_flags
 
 from lclm.config import schema
 from lclm.config.fields import fields_of
-from lclm.config.files import field, load_config
+from lclm.config.files import field, flat_items, load_config
 from lclm.config.secrets import public_config
-from lclm.config.stages import keys_set_by_stages
+from lclm.config.stages import keys_set_by_stages, stage_lines
 from lclm.errors import ConfigError, StartupError, TrainingHalted
 
 PRINT_CONFIG = "--print-config"
@@ -106,8 +106,6 @@ def config_from_argv(argv: list[str], default: str,
 def _check_stage_overrides(config, keys: list[str]) -> None:
     """An override of a key that every (or some) stage of `stages.schedule` replaces would
     be silently lost: refuse it (the schedule, where the stages are, is what to change)."""
-    if not config.stages.schedule:
-        return
     replaced = keys_set_by_stages(config)
     for key in keys:
         if key in replaced:
@@ -148,8 +146,10 @@ def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None, default: 
 
 def config_text(config: ml_collections.ConfigDict) -> str:
     """`key=value` lines (`model.dim=2048`, values as Python writes them) of every field of
-    `config` but the secrets, sorted: what `--print-config` prints."""
-    return "\n".join(f"{key}={value!r}" for key, value in _flat(public_config(config)))
+    `config` but the secrets, sorted, then each stage's resolved values where they differ
+    (`stages[i].key=value`): what `--print-config` prints."""
+    return "\n".join([*(f"{key}={value!r}" for key, value in flat_items(public_config(config))),
+                      *stage_lines(config)])
 
 
 def config_help() -> str:
@@ -168,15 +168,6 @@ def config_help() -> str:
             lines += textwrap.wrap("; ".join(filter(None, words)), 92,
                                    initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
-
-
-def _flat(tree: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
-    """(dotted key, value) of every leaf of a nested dict, keys sorted."""
-    for name in sorted(tree):
-        if isinstance(tree[name], dict):
-            yield from _flat(tree[name], f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", tree[name]
 
 
 def _config_path(argv: list[str]) -> str | None:

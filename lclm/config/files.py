@@ -7,6 +7,7 @@ import difflib
 import importlib.util
 import os
 import traceback
+from collections.abc import Iterator
 
 import ml_collections
 
@@ -65,6 +66,15 @@ def field(config, key: str) -> tuple[ml_collections.ConfigDict, str]:
         if i < len(parts) - 1:
             node = node[part]
     return node, parts[-1]
+
+
+def flat_items(tree: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
+    """(dotted key, value) of every leaf of a nested dict, keys sorted."""
+    for name in sorted(tree):
+        if isinstance(tree[name], dict):
+            yield from flat_items(tree[name], f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", tree[name]
 
 
 def _unknown_key(parts: list[str], i: int, node) -> str:

@@ -1,74 +1,238 @@
-"""Staged context extension as configs: the complete training config of every stage of
-`config.stages.schedule`, the keys the stages set (a command-line override of one would be
-lost), and the lengths each stage validates at. Running the stages is lclm.train.stages'.
+"""Staged context extension as configs: what a stage may set, the complete training config of
+every stage, the keys the stages set (a command-line override of one would be lost), and the
+lengths each stage validates at. Running the stages is lclm.train.stages'.
+
+A stage is a record of what changes at its start, written in a config file as
+`config.stages.list`: a dict of config fields nested by section, as the config itself is,
+
+    dict(name="64k", tokens=20 * 10**9, tokens_per_batch=4 << 20,
+         data=dict(seq_len="64k", path="code@0.3,books@0.3,short@0.4"),
+         model=dict(rope_theta=8e6), train=dict(lr=1e-5, warmup=500, decay="cosine"))
+
+plus four keys of the stage's own (`STAGE_KEYS`): `name` (shown in logs), `tokens` (the
+stage's length in tokens: train.steps = tokens / tokens per step, rounded up; or set
+train.steps), `tokens_per_batch` (data.batch_size = this / seq_len) and `optimizer` ('carry'
+or 'fresh': what a stage after the first takes from its predecessor besides the weights,
+`stages.optimizer` by default). A field a stage leaves out keeps the previous stage's value
+(the first stage's: the config's), so a stage says only what changes; `tokens`, `name` and
+`optimizer` are the stage's alone. Any field may change but those that fix the weights'
+shapes and where they come from (`FIXED`). The one-line form `stages.schedule`
+("seq_len:rope_theta:steps[:sp], ...", with `stages.extend_lr` for the stages after the
+first) is read into the same records.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 from lclm import storage
-from lclm.config.syntax import Stage, parse_schedule, parse_tokens
+from lclm.config.files import field, flat_items
+from lclm.config.secrets import public_config
+from lclm.config.syntax import parse_schedule, parse_tokens
 from lclm.errors import ConfigError
+
+STAGE_KEYS = ("name", "tokens", "tokens_per_batch", "optimizer")
+# fields no stage may set: the weights' shapes and dtype (the next stage reads its
+# predecessor's weights and optimizer state), where the first weights come from, the run's
+# place and the stages themselves
+FIXED = (
+    "workdir", "model.family", "model.vocab_size", "model.dim", "model.n_layers",
+    "model.n_heads", "model.n_kv_heads", "model.head_dim", "model.ffn_dim",
+    "model.tie_embeddings", "model.norm_eps", "model.param_dtype", "model.init_from_hf",
+    "model.init_from_checkpoint", "train.optimizer_from_checkpoint")
+# fields whose values may be written as token counts ('64k')
+_TOKEN_COUNTS = ("data.seq_len", "tokens", "tokens_per_batch")
+STAGES = "stages"
+
+
+def _flat(record: dict, where: str, prefix: str = "") -> dict[str, object]:
+    """{dotted key: value} of a stage record nested by section."""
+    flat: dict[str, object] = {}
+    for key, value in record.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{where}: key {key!r} is not a field name")
+        if isinstance(value, dict):
+            flat.update(_flat(value, where, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _token_count(value, key: str, where: str) -> int:
+    try:
+        if isinstance(value, str):
+            return parse_tokens(value)
+        if isinstance(value, bool) or not float(value).is_integer() or value < 1:
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {key}={value!r} is not a token count (e.g. 65536 or "
+                          "'64k')") from None
+
+
+def stage_records(config) -> list[dict[str, object]]:
+    """Each stage as {dotted config key or stage key: value}, from `stages.list` or the
+    one-line `stages.schedule` ([] for a single run). Keys are checked here: an unknown or
+    fixed one is a ConfigError naming the stage."""
+    listed, schedule = tuple(config.stages.list), config.stages.schedule
+    if listed and schedule.strip():
+        raise ConfigError("config.stages.list and config.stages.schedule are both set; a run "
+                          "has one list of stages: keep one of them")
+    if not listed:
+        records: list[dict[str, object]] = []
+        stages = parse_schedule(schedule)
+        any_sp = any(stage.sp for stage in stages)
+        for i, stage in enumerate(stages):
+            record: dict[str, object] = {"data.seq_len": stage.seq_len,
+                                         "model.rope_theta": stage.rope_theta,
+                                         "train.steps": stage.steps}
+            if any_sp:   # a stage without sp runs on the config's mesh.sp
+                record["mesh.sp"] = stage.sp or config.mesh.sp
+            if i and config.stages.extend_lr:
+                record["train.lr"] = config.stages.extend_lr
+            records.append(record)
+        return records
+    records = []
+    for i, entry in enumerate(listed):
+        where = f"config.stages.list[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where} is {type(entry).__name__}, not a dict of the fields the "
+                              "stage sets (e.g. dict(data=dict(seq_len='64k'), train="
+                              "dict(steps=100)))")
+        record = _flat(entry, where)
+        for key in record:
+            if key in STAGE_KEYS:
+                continue
+            if key in FIXED or key.startswith("stages."):
+                raise ConfigError(f"{where} sets {key}, which no stage may change (the weights' "
+                                  "shape, their source and the stages are the run's); set it "
+                                  "in the config outside stages.list")
+            field(config, key)   # an unknown key: a ConfigError naming the closest one
+        if "tokens" in record and "train.steps" in record:
+            raise ConfigError(f"{where} sets both tokens and train.steps; a stage's length is "
+                              "one of them")
+        if i == 0 and "optimizer" in record:
+            raise ConfigError(f"{where} sets optimizer, but the first stage has no predecessor "
+                              "to take an optimizer from")
+        if record.get("optimizer", "carry") not in ("carry", "fresh"):
+            raise ConfigError(f"{where}: optimizer={record['optimizer']!r}; use 'carry' or "
+                              "'fresh'")
+        for key in _TOKEN_COUNTS:
+            if key in record:
+                record[key] = _token_count(record[key], key, where)
+        records.append(record)
+    return records
+
+
+def _set(c, key: str, value, where: str) -> None:
+    node, name = field(c, key)
+    try:
+        node[name] = value
+    except TypeError:
+        raise ConfigError(f"{where}: {key}={value!r}: expected type "
+                          f"{type(node[name]).__name__}") from None
+
+
+def stage_name(record: dict, index: int) -> str:
+    return str(record.get("name") or index)
+
+
+def stage_workdir(config, index: int, seq_len: int) -> str:
+    return storage.join(config.workdir, f"stage{index}_{seq_len}")
+
+
+def stage_configs(config) -> list:
+    """One complete training config per stage (chained through `model.init_from_checkpoint`;
+    `train.optimizer_from_checkpoint` where the stage carries its predecessor's optimizer)."""
+    records = stage_records(config)
+    base = copy.deepcopy(config)
+    base.stages.update(schedule="", list=())
+    tokens_per_batch = config.stages.tokens_per_batch
+    warmup = config.train.warmup   # as set, before a short stage clamps it
+    configs: list = []
+    for i, record in enumerate(records):
+        where = f"stage {stage_name(record, i)}"
+        c = copy.deepcopy(configs[-1] if configs else base)
+        for key, value in record.items():
+            if key not in STAGE_KEYS:
+                _set(c, key, value, where)
+        tokens_per_batch = int(record.get("tokens_per_batch", tokens_per_batch))
+        seq_len = c.data.seq_len
+        if tokens_per_batch:
+            if tokens_per_batch % seq_len:
+                raise ConfigError(f"tokens_per_batch={tokens_per_batch} is not a multiple of "
+                                  f"{where}'s seq_len={seq_len}")
+            c.data.batch_size = tokens_per_batch // seq_len
+        if "tokens" in record:
+            c.train.steps = math.ceil(int(record["tokens"]) / (c.data.batch_size * seq_len))
+        warmup = int(record.get("train.warmup", warmup))
+        c.train.warmup = min(warmup, c.train.steps - 1)
+        c.workdir = stage_workdir(config, i, seq_len)
+        # 'stages' names lengths only the schedule knows: this stage's and the earlier ones'
+        lengths = [*(s.data.seq_len for s in configs), seq_len]
+        c.validation.lengths = ",".join(
+            ",".join(map(str, lengths)) if item.strip() == STAGES else item
+            for item in config.validation.lengths.split(","))
+        if configs:   # weights come from the previous stage, not from HF
+            c.model.init_from_checkpoint = configs[-1].workdir
+            c.train.optimizer_from_checkpoint = (
+                record.get("optimizer", config.stages.optimizer) == "carry")
+        configs.append(c)
+    return configs
 
 
 def keys_set_by_stages(config) -> dict[str, str]:
     """{config key that a stage replaces: why, and what to change instead} of a staged config
-    ({} without a schedule). A command-line override of one of these keys would be silently
+    ({} without stages). A command-line override of one of these keys would be silently
     replaced by the stages (train.warmup is only clamped, so it is not one of them)."""
-    stages = parse_schedule(config.stages.schedule)
-    if not stages:
+    records = stage_records(config)
+    if not records:
         return {}
-    every = "set by every stage of stages.schedule"
-    change = "change the schedule (stages.schedule=...) instead"
-    keys = {k: f"{every}; {change}" for k in ("data.seq_len", "model.rope_theta", "train.steps")}
-    with_sp = [str(i) for i, stage in enumerate(stages) if stage.sp]
-    if with_sp:
-        keys["mesh.sp"] = (f"set by stage{'s' if len(with_sp) > 1 else ''} {', '.join(with_sp)} "
-                           f"of stages.schedule (seq_len:rope_theta:steps:sp); {change}")
-    if config.stages.tokens_per_batch:
-        keys["data.batch_size"] = (f"{every} (stages.tokens_per_batch // seq_len); change "
-                                   "stages.tokens_per_batch instead")
-    return keys
+    if config.stages.schedule.strip():
+        every = "set by every stage of stages.schedule"
+        change = "change the schedule (stages.schedule=...) instead"
+        keys = {k: f"{every}; {change}" for k in ("data.seq_len", "model.rope_theta",
+                                                 "train.steps")}
+        with_sp = [str(i) for i, s in enumerate(parse_schedule(config.stages.schedule)) if s.sp]
+        if with_sp:
+            keys["mesh.sp"] = (f"set by stage{'s' if len(with_sp) > 1 else ''} "
+                               f"{', '.join(with_sp)} of stages.schedule "
+                               f"(seq_len:rope_theta:steps:sp); {change}")
+        if config.stages.tokens_per_batch:
+            keys["data.batch_size"] = (f"{every} (stages.tokens_per_batch // seq_len); change "
+                                       "stages.tokens_per_batch instead")
+        return keys
+    setters: dict[str, list[str]] = {}
+    for i, record in enumerate(records):
+        derived = [k for k in record if k not in STAGE_KEYS]
+        if "tokens" in record:
+            derived.append("train.steps")
+        if "tokens_per_batch" in record or config.stages.tokens_per_batch:
+            derived.append("data.batch_size")
+        for key in derived:
+            setters.setdefault(key, []).append(str(i))
+    return {key: (f"set by stage{'s' if len(who) > 1 else ''} {', '.join(who)} of stages.list "
+                  "(a stage keeps it for the stages after it); change it there instead")
+            for key, who in setters.items()}
 
 
-def stage_workdir(config, index: int, stage: Stage) -> str:
-    return storage.join(config.workdir, f"stage{index}_{stage.seq_len}")
-
-
-def stage_configs(config) -> list:
-    """One complete training config per stage (chained through `model.init_from_checkpoint`)."""
-    stages = parse_schedule(config.stages.schedule)
-    tokens = config.stages.tokens_per_batch
-    configs, previous = [], None
-    for i, stage in enumerate(stages):
-        c = copy.deepcopy(config)
-        c.stages.schedule = ""
-        c.workdir = stage_workdir(config, i, stage)
-        c.data.seq_len = stage.seq_len
-        c.model.rope_theta = stage.rope_theta
-        c.train.steps = stage.steps
-        c.train.warmup = min(c.train.warmup, stage.steps - 1)
-        if stage.sp:
-            c.mesh.sp = stage.sp
-        if tokens:
-            if tokens % stage.seq_len:
-                raise ConfigError(f"stages.tokens_per_batch={tokens} is not a multiple of stage "
-                                  f"{i}'s seq_len={stage.seq_len}")
-            c.data.batch_size = tokens // stage.seq_len
-        # 'stages' names lengths only the schedule knows: this stage's and the earlier ones'
-        c.validation.lengths = ",".join(
-            ",".join(str(s.seq_len) for s in stages[:i + 1]) if item.strip() == STAGES else item
-            for item in config.validation.lengths.split(","))
-        if previous is not None:  # weights come from the previous stage, not from HF
-            c.model.init_from_checkpoint = previous
-            c.train.lr = config.stages.extend_lr or c.train.lr
-        configs.append(c)
-        previous = c.workdir
-    return configs
-
-
-STAGES = "stages"
+def stage_lines(config) -> list[str]:
+    """`stages[i].key=value` lines of every field each stage resolves to a value other than
+    the config's: what `--print-config` adds for a staged config."""
+    configs = stage_configs(config)
+    if not configs:
+        return []
+    records = stage_records(config)
+    base = copy.deepcopy(config)
+    base.stages.update(schedule="", list=())
+    flat_base = dict(flat_items(public_config(base)))
+    lines = []
+    for i, (c, record) in enumerate(zip(configs, records)):
+        lines.append(f"# stage {i}" + (f" ({record['name']})" if record.get("name") else ""))
+        lines += [f"stages[{i}].{key}={value!r}" for key, value in flat_items(public_config(c))
+                  if flat_base.get(key, object()) != value]
+    return lines
 
 
 def validation_lengths(config) -> list[int]:

@@ -1,6 +1,7 @@
 """Where a run's first weights come from when it does not resume: a HuggingFace directory
-(`model.init_from_hf`) or another lclm run's latest checkpoint (`model.init_from_checkpoint`),
-with the model fields each determines (shapes, token ids, positions, RoPE scaling). The
+(`model.init_from_hf`) or another lclm run's latest checkpoint (`model.init_from_checkpoint`,
+with its optimizer state where `train.optimizer_from_checkpoint`), with the model fields each
+determines (shapes, token ids, positions, RoPE scaling). The
 weights are read into the run's shardings; nothing is unpickled.
 """
 
@@ -13,11 +14,18 @@ import os
 import jax
 
 from lclm import hf
-from lclm.checkpoint import Checkpoints, ShapeMismatch, first_line, read_config, read_params
+from lclm.checkpoint import (
+    Checkpoints,
+    ShapeMismatch,
+    first_line,
+    read_config,
+    read_state_items,
+)
 from lclm.config.model import ModelConfig
 from lclm.errors import StartupError
 from lclm.parallel.distributed import any_process
 from lclm.train.state import TrainState, param_shardings
+from lclm.train.step import restart_schedule
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +80,18 @@ def load_hf_params(config, model: ModelConfig, mesh):
     return params
 
 
-def load_checkpoint_params(config, template: TrainState):
-    """The latest parameters of the lclm run in `init_from_checkpoint`, placed like
-    `template.params` (its optimizer state is not read)."""
+def load_checkpoint_state(config, template: TrainState) -> TrainState:
+    """`template` with the latest parameters of the lclm run in `init_from_checkpoint`, and,
+    where `train.optimizer_from_checkpoint`, its optimizer state with the learning-rate
+    schedule started again (Adam's moments and step count carry on: its bias correction
+    stays that of a warmed-up optimizer). Placed like `template`."""
     source = config.model.init_from_checkpoint
+    carry = config.train.optimizer_from_checkpoint
+    items = {"params": template.params, **({"opt_state": template.opt_state} if carry else {})}
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            template.params)
+                            items)
     checkpoints = Checkpoints(source, every=0, keep=1)
-    error, params = None, None
+    error, restored = None, None
     try:
         step = checkpoints.latest_step()
         if step is None:
@@ -87,7 +99,7 @@ def load_checkpoint_params(config, template: TrainState):
                                     "point it at the workdir of a finished lclm run")
         try:
             checkpoints.check_shapes(step, template.params)
-            params = read_params(source, step, abstract)
+            restored = read_state_items(source, step, abstract)
         except ShapeMismatch:
             raise
         except Exception as e:  # noqa: BLE001  (truncated, garbage, missing files)
@@ -97,5 +109,10 @@ def load_checkpoint_params(config, template: TrainState):
     if any_process(error is not None):  # every process stops, or none
         raise SourceDamaged(source, step, first_line(error) if error else
                             "unreadable on another process")
-    log.info("initialised from %s step %d", source, step)
-    return params
+    assert restored is not None   # read above, or raised
+    log.info("initialised from %s step %d%s", source, step,
+             " with its optimizer state" if carry else "")
+    if not carry:
+        return template._replace(params=restored["params"])
+    return template._replace(params=restored["params"],
+                             opt_state=restart_schedule(restored["opt_state"]))

@@ -34,7 +34,7 @@ from lclm.train.faults import FaultPolicy, WritePatience
 from lclm.train.init_weights import (
     apply_checkpoint_fields,
     apply_hf_shapes,
-    load_checkpoint_params,
+    load_checkpoint_state,
     load_hf_params,
 )
 from lclm.train.lock import WorkdirLock
@@ -142,7 +142,7 @@ def _restore_or_init(config, checkpoints: Checkpoints, state: TrainState, model,
                 saved, saved_config, allowed_keys(config), restored)
         return state, None if restart_data else data_state
     if config.model.init_from_checkpoint:
-        state = state._replace(params=load_checkpoint_params(config, state))
+        state = load_checkpoint_state(config, state)
     elif config.model.init_from_hf:
         state = state._replace(params=load_hf_params(config, model, mesh))
     return state, None
@@ -190,7 +190,7 @@ def _check_validation_size(config, tokenizer) -> None:
     the fix is more held-out data, not another `data.batch_size`, which would change the
     training run."""
     v, d = config.validation, config.data
-    for kind, path, _ in parse_sources(v.path, d.source, "validation.path"):
+    for kind, path, *_ in parse_sources(v.path, d.source, "validation.path"):
         found = len(open_documents(kind, path, tokenizer, text_field=d.text_field,
                                    chat_template=d.chat_template))
         if found < d.batch_size:

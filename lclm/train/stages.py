@@ -1,17 +1,15 @@
-"""Staged context extension: one run that trains at growing sequence lengths.
+"""Staged context extension: one run that trains its stages one after another.
 
-`config.stages.schedule` lists the stages as `seq_len:rope_theta:steps[:sp]` entries, e.g.
-`"32k:1e6:400:8, 128k:1e7:200:16, 256k:1e7:100:32, 512k:2.5e7:100:32"` (k = 1024 tokens; the
-optional sp sets `mesh.sp` for that stage, so short stages use a short ring and more FSDP:
-checkpoints are layout-free, so the mesh may change between stages). Each stage is
-an ordinary training run in `{workdir}/stage{i}_{seq_len}` with that sequence length, RoPE
-theta and step count; the batch is `stages.tokens_per_batch // seq_len` sequences, so every
-stage sees the same tokens per step. Stage 0 starts from `model.init_from_hf` (or from
-scratch); stage i > 0 starts from stage i-1's final parameters (fresh optimizer state and
-schedule, as a new fine-tuning phase, at `stages.extend_lr` where set: a fresh optimizer at a
-from-scratch learning rate can wipe what the previous stage learned). Re-running the same
-command resumes: finished stages are skipped, a stage with a checkpoint resumes from it (same
-data order), the next one starts from its predecessor's final checkpoint.
+The stages are records of what changes at each one (`config.stages.list`, or the one-line
+`stages.schedule` "seq_len:rope_theta:steps[:sp], ..."; what a stage may set:
+lclm.config.stages). Each stage is an ordinary training run in `{workdir}/stage{i}_{seq_len}`
+with its own config (checkpoints are layout-free, so the mesh, strategy and remat may change
+between stages). Stage 0 starts from `model.init_from_hf` (or from scratch); stage i > 0
+starts from stage i-1's final parameters and, unless the stage says `optimizer='fresh'`, its
+optimizer state (Adam's moments; the learning-rate schedule starts again with the stage's own
+warm-up and decay, as ProLong's second stage continues from the first's optimizer). Re-running
+the same command resumes: finished stages are skipped, a stage with a checkpoint resumes from
+it (same data order), the next one starts from its predecessor's final checkpoint.
 """
 
 from __future__ import annotations
@@ -93,9 +91,11 @@ def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
             log.info("stage %d (seq_len %d) already finished at step %d", i, c.data.seq_len, done)
             i += 1
             continue
-        log.info("stage %d: seq_len %d, rope_theta %g, %d steps of %d sequences in %s", i,
-                 c.data.seq_len, c.model.rope_theta, c.train.steps, c.data.batch_size,
-                 c.workdir)
+        log.info("stage %d: seq_len %d, rope_theta %g (scaling %s), %d steps of %d sequences "
+                 "at lr %g, %s optimizer, data %s, in %s", i, c.data.seq_len,
+                 c.model.rope_theta, c.model.rope_scaling, c.train.steps, c.data.batch_size,
+                 c.train.lr, "carried" if c.train.optimizer_from_checkpoint and i else "fresh",
+                 c.data.path, c.workdir)
         if stop_after is not None and stop_after <= steps_before:
             break
         try:

@@ -43,6 +43,14 @@ def applied_updates(opt_state) -> jax.Array:
     return state.count
 
 
+def restart_schedule(opt_state):
+    """`opt_state` with its learning-rate schedule's count at 0 (a new stage's schedule
+    starts from its warm-up; Adam's own count, its bias correction, is left as it is)."""
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    return jax.tree.map(lambda x: x._replace(count=jnp.zeros_like(x.count))
+                        if is_schedule(x) else x, opt_state, is_leaf=is_schedule)
+
+
 def make_optimizer(train_config) -> optax.GradientTransformation:
     """AdamW (no decay on norm weights or biases, as transformers' Trainer) after global-norm
     clipping."""

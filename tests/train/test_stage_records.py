@@ -1,0 +1,172 @@
+"""Stages as records (`stages.list`): each field a stage sets takes effect at that stage and
+is kept by the stages after it, never before; a stage's optimizer is carried or fresh as it
+says; a staged run stopped in the middle of a stage or at a boundary resumes to the losses of
+the run that was never stopped."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from support import ROOT, small_train_config
+
+from lclm.checkpoint import Checkpoints, read_config
+from lclm.cli import config_from_argv, config_text
+from lclm.config import ModelConfig, load_config
+from lclm.config.stages import keys_set_by_stages, stage_configs
+from lclm.errors import ConfigError
+from lclm.parallel import make_mesh
+from lclm.train.stages import run_stages
+from lclm.train.state import init_state
+from lclm.train.step import applied_updates, make_optimizer
+
+DEMO = os.path.join(ROOT, "data", "demo")
+
+
+def _stages():
+    """Three stages, each changing what a recipe changes between its stages."""
+    return [
+        dict(name="short", data=dict(seq_len=64), train=dict(steps=3, lr=3e-3, warmup=1),
+             mesh=dict(sp=2), model=dict(remat="attention")),
+        dict(name="long", tokens=3 * 512, tokens_per_batch=512,
+             data=dict(seq_len="128", document_mask=False,
+                       path=f"{DEMO}/corpus.jsonl@0.5,sharegpt:{DEMO}/sharegpt.jsonl@0.5"),
+             model=dict(rope_theta=1e5, remat="full"), mesh=dict(sp=4),
+             attention=dict(strategy="all_gather"), train=dict(lr=1e-3, decay="linear")),
+        dict(name="fresh", optimizer="fresh", train=dict(steps=2, decay="constant", warmup=0),
+             attention=dict(strategy="ulysses"), model=dict(rope_scaling="linear",
+                                                         rope_factor=2.0)),
+    ]
+
+
+def _config(workdir):
+    c = small_train_config(workdir, mesh=dict(dp=1, fsdp=2, tp=1, sp=2),
+                           attention=dict(q_chunk=16, kv_chunk=16))
+    c.model.update(n_heads=4, n_kv_heads=4)   # Ulysses splits the heads over sp=4
+    c.stages.list = _stages()
+    c.checkpoint.every = 1
+    return c
+
+
+def test_each_field_takes_effect_at_its_stage_and_is_kept_after_it(tmp_path):
+    c = _config(tmp_path / "run")
+    s0, s1, s2 = stage_configs(c)
+    assert [s.data.seq_len for s in (s0, s1, s2)] == [64, 128, 128]
+    assert [s.data.batch_size for s in (s0, s1, s2)] == [4, 4, 4]   # 512 tokens / 128
+    assert [s.train.steps for s in (s0, s1, s2)] == [3, 3, 2]   # tokens=1536 -> 3 steps
+    assert [s.mesh.sp for s in (s0, s1, s2)] == [2, 4, 4]
+    assert [s.model.rope_theta for s in (s0, s1, s2)] == [c.model.rope_theta, 1e5, 1e5]
+    assert [s.model.rope_scaling for s in (s0, s1, s2)] == [c.model.rope_scaling] * 2 + ["linear"]
+    assert [s.data.document_mask for s in (s0, s1, s2)] == [True, False, False]
+    assert [s.attention.strategy for s in (s0, s1, s2)] == ["ring", "all_gather", "ulysses"]
+    assert [s.model.remat for s in (s0, s1, s2)] == ["attention", "full", "full"]
+    assert [s.train.lr for s in (s0, s1, s2)] == [3e-3, 1e-3, 1e-3]
+    assert [s.train.decay for s in (s0, s1, s2)] == ["cosine", "linear", "constant"]
+    assert [s.train.warmup for s in (s0, s1, s2)] == [1, 1, 0]
+    assert s0.data.path == c.data.path and s1.data.path == s2.data.path != c.data.path
+    assert [s.train.optimizer_from_checkpoint for s in (s0, s1, s2)] == [False, True, False]
+    assert [s.model.init_from_checkpoint for s in (s1, s2)] == [s0.workdir, s1.workdir]
+    assert all(s.stages.list == () and s.stages.schedule == "" for s in (s0, s1, s2))
+    # what a command-line override would lose is named, with the stage that sets it
+    assert keys_set_by_stages(c)["attention.strategy"].startswith(
+        "set by stages 1, 2 of stages.list")
+
+
+@pytest.mark.parametrize("stage,needle", [
+    (dict(model=dict(dim=128)), r"stages.list\[0\] sets model.dim, which no stage may change"),
+    (dict(model=dict(init_from_hf="/x")), "sets model.init_from_hf, which no stage"),
+    (dict(data=dict(seq_lenn=64)), r"unknown config key data.seq_lenn \(did you mean "
+     r"data.seq_len\?\)"),
+    (dict(tokens=512, train=dict(steps=3)), "sets both tokens and train.steps"),
+    (dict(optimizer="fresh"), "the first stage has no predecessor"),
+    (dict(data=dict(seq_len="64q")), r"data.seq_len='64q' is not a token count"),
+    (dict(train=dict(lr="fast")), r"stage 0: train.lr='fast': expected type float"),
+    ("64k:1e6:3", r"stages.list\[0\] is str, not a dict"),
+])
+def test_a_bad_stage_fails_at_start_in_one_line(tmp_path, stage, needle):
+    c = _config(tmp_path / "run")
+    c.stages.list = [stage]
+    with pytest.raises(ConfigError, match=needle) as e:
+        stage_configs(c)
+    assert "\n" not in str(e.value)
+    c.stages.update(list=_stages(), schedule="64:1e4:3")
+    with pytest.raises(ConfigError, match="stages.list and config.stages.schedule are both"):
+        stage_configs(c)
+
+
+def test_print_config_shows_each_stages_resolved_values(tmp_path):
+    text = config_text(_config(tmp_path / "run"))
+    assert "# stage 1 (long)" in text
+    assert "stages[1].data.seq_len=128" in text and "stages[0].data.seq_len" not in text
+    assert "stages[2].train.decay='constant'" in text
+    assert "stages[2].train.optimizer_from_checkpoint" not in text   # fresh, as the config
+    assert "stages[1].train.optimizer_from_checkpoint=True" in text
+
+
+def test_a_command_line_override_of_a_field_a_stage_sets_is_refused(tmp_path):
+    path = tmp_path / "staged.py"
+    demo = os.path.join(ROOT, "configs", "demo.py")
+    path.write_text("from lclm.config import load_config\n"
+                    f"def get_config():\n    c = load_config({demo!r})\n"
+                    "    c.stages.list = [dict(data=dict(seq_len=64), train=dict(steps=2)),\n"
+                    "                     dict(train=dict(lr=1e-4))]\n    return c\n")
+    with pytest.raises(ConfigError, match="config.train.lr is set by stage 1 of stages.list"):
+        config_from_argv(["train.py", "--config", str(path), "--config.train.lr=0.1"], "")
+    c = config_from_argv(["train.py", "--config", str(path), "--config.train.b2=0.9"], "")
+    assert [s.train.b2 for s in stage_configs(c)] == [0.9, 0.9]
+
+
+def _state(config):
+    """(step, Adam's count, the schedule's count) of a stage's latest checkpoint."""
+    model = ModelConfig.from_config(config.model)
+    optimizer = make_optimizer(config.train)
+    template = init_state(model, optimizer, make_mesh(), seed=0)
+    checkpoints = Checkpoints(config.workdir, every=0, keep=1)
+    state, _ = checkpoints.restore(template)
+    checkpoints.close()
+    (adam,) = [x for x in jax.tree.leaves(
+        state.opt_state, is_leaf=lambda x: hasattr(x, "nu")) if hasattr(x, "nu")]
+    return int(state.step), int(adam.count), int(applied_updates(state.opt_state))
+
+
+@pytest.mark.slow
+def test_a_staged_run_of_records_trains_each_stage_as_set_and_resumes(tmp_path):
+    straight = _config(tmp_path / "straight")
+    runs = run_stages(straight)
+    s0, s1, s2 = stage_configs(straight)
+    # the learning rate of each stage follows its own schedule
+    lrs = [[r["lr"] for r in records] for records in runs]
+    np.testing.assert_allclose(lrs[1], [1e-3, 1e-3 - (1e-3 - 1e-4) / 2, 1e-4], rtol=1e-5)
+    np.testing.assert_allclose(lrs[2], [1e-3, 1e-3], rtol=1e-6)
+    # stage 1 carried stage 0's optimizer (Adam's count goes on, the schedule's restarted);
+    # stage 2 started a fresh one
+    assert _state(s0) == (3, 3, 3)
+    assert _state(s1) == (3, 6, 3)
+    assert _state(s2) == (2, 2, 2)
+    # each stage ran with its own config (as saved with its checkpoints)
+    saved = [read_config(s.workdir)[1] for s in (s0, s1, s2)]
+    assert [x["data"]["document_mask"] for x in saved] == [True, False, False]
+    assert [x["attention"]["strategy"] for x in saved] == ["ring", "all_gather", "ulysses"]
+    assert [x["model"]["rope_scaling"] for x in saved] == ["auto", "auto", "linear"]
+
+    resumed = _config(tmp_path / "resumed")
+    first = run_stages(resumed, stop_after=4)   # stage 0, then 1 step of stage 1
+    second = run_stages(resumed, stop_after=6)  # to stage 1's end: the boundary
+    third = run_stages(resumed)
+    steps = [[r["step"] for r in records] for records in first + second + third]
+    assert steps == [[1, 2, 3], [1], [2, 3], [1, 2]]
+    losses = [r["loss"] for records in first + second + third for r in records]
+    np.testing.assert_allclose(losses, [r["loss"] for records in runs for r in records],
+                               rtol=1e-4)
+    assert _state(stage_configs(resumed)[1]) == (3, 6, 3)
+
+
+def test_the_one_line_schedule_is_read_into_the_same_records():
+    c = load_config(os.path.join(ROOT, "configs", "demo_stages.py"))
+    c.stages.extend_lr = 1e-3
+    stages = stage_configs(c)
+    assert [(s.data.seq_len, s.model.rope_theta, s.train.steps, s.mesh.sp, s.train.lr)
+            for s in stages] == [(128, 1e4, 20, 2, 3e-3), (256, 1e5, 15, 4, 1e-3),
+                                 (512, 1e6, 15, 4, 1e-3)]
+    c.stages.schedule = "128:1e4:20:2, 256:1e5:15"   # a stage without sp: the config's
+    assert [s.mesh.sp for s in stage_configs(c)] == [2, c.mesh.sp]
