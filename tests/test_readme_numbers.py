@@ -18,7 +18,7 @@ from lclm.plan.strategies import compare
 
 def _planned(config, devices: int, device: str) -> list[str]:
     """The planner's GiB per stage, runs of equal values written once (as the tables do)."""
-    runs = stage_configs(config) if config.stages.schedule else [config]
+    runs = stage_configs(config) or [config]
     values = [gib(estimate(c, devices, device).total) for c in runs]
     return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
 

@@ -217,21 +217,29 @@ def keys_set_by_stages(config) -> dict[str, str]:
             for key, who in setters.items()}
 
 
-def stage_lines(config) -> list[str]:
-    """`stages[i].key=value` lines of every field each stage resolves to a value other than
-    the config's: what `--print-config` adds for a staged config."""
+# what a stage's config holds to chain it to the others (not what its step computes)
+CHAINING = ("workdir", "model.init_from_checkpoint", "train.optimizer_from_checkpoint",
+            "validation.lengths")
+
+
+def stage_changes(config) -> list[dict[str, object]]:
+    """Per stage, {dotted key: resolved value} of every field where the stage's config
+    differs from `config` (secrets left out); [] without stages."""
     configs = stage_configs(config)
-    if not configs:
-        return []
-    records = stage_records(config)
     base = copy.deepcopy(config)
     base.stages.update(schedule="", list=())
     flat_base = dict(flat_items(public_config(base)))
+    return [{key: value for key, value in flat_items(public_config(c))
+             if flat_base.get(key, object()) != value} for c in configs]
+
+
+def stage_lines(config) -> list[str]:
+    """`stages[i].key=value` lines of every field each stage resolves to a value other than
+    the config's: what `--print-config` adds for a staged config."""
     lines = []
-    for i, (c, record) in enumerate(zip(configs, records)):
+    for i, (record, changed) in enumerate(zip(stage_records(config), stage_changes(config))):
         lines.append(f"# stage {i}" + (f" ({record['name']})" if record.get("name") else ""))
-        lines += [f"stages[{i}].{key}={value!r}" for key, value in flat_items(public_config(c))
-                  if flat_base.get(key, object()) != value]
+        lines += [f"stages[{i}].{key}={value!r}" for key, value in changed.items()]
     return lines
 
 

@@ -30,7 +30,7 @@ import sys
 from lclm import logs
 from lclm.cli import parse_cli, run_cli
 from lclm.config import mesh_device_count
-from lclm.config.stages import stage_configs
+from lclm.config.stages import CHAINING, stage_changes, stage_configs
 from lclm.errors import ConfigError, StartupError
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.plan import aot, strategies
@@ -43,7 +43,7 @@ def _plans(config, args) -> tuple[list, list[Plan]]:
     if count is None:
         raise ConfigError("the mesh has a -1 axis; pass --devices N (the devices of the run)")
     # a staged recipe is planned stage by stage; the longest stage decides the fit
-    runs = stage_configs(config) if config.stages.schedule else [config]
+    runs = stage_configs(config) or [config]
     return runs, [estimate(c, count, args.device) for c in runs]
 
 
@@ -61,7 +61,7 @@ def _compile_stages(config, args) -> int:
     gpu = target.platform == "gpu"
     budget, how = aot.gpu_budget(target) if gpu else (target.hbm_bytes, "")
 
-    runs = stage_configs(config) if config.stages.schedule else [config]
+    runs = stage_configs(config) or [config]
     if gpu:
         print(f"{target.name}: {target.devices} x {devices[0].device_kind} ({target.nodes} "
               f"node(s) of {target.devices // target.nodes}), "
@@ -194,11 +194,11 @@ def _run(ap: argparse.ArgumentParser, argv) -> int:
                   f"{alt.host_activations / 2**30:,.2f} GiB in host memory")
     if args.measure:  # the same step the benchmark times, at the last (longest) stage
         import runpy
-        last = runs[-1]  # the benchmark measures the fields it is given, not the stages
-        stage = [f"--config.{key}={value}" for key, value in (
-            ("data.seq_len", last.data.seq_len), ("data.batch_size", last.data.batch_size),
-            ("model.rope_theta", last.model.rope_theta), ("mesh.sp", last.mesh.sp))
-                 ] if config.stages.schedule else []
+        # the benchmark measures the fields it is given, not the stages: the last stage's
+        # fields that shape its step
+        last = stage_changes(config)[-1] if len(runs) > 1 else {}
+        stage = [f"--config.{key}={value}" for key, value in last.items()
+                 if key not in CHAINING]
         sys.argv = ["bench.train_step", "--config", args.config, "--steps", "1",
                     *args.overrides, *stage]
         runpy.run_module("bench.train_step", run_name="__main__")
