@@ -53,6 +53,10 @@ each part in its own process so that no part holds device memory another needs. 
 runs every part at toy sizes on the CPU in a few minutes: its numbers check the machinery and
 are not a performance result (the reports say so). `--smallest` cuts every part to its first
 size (the smoke test).
+
+Outside the suites (host arithmetic, no device): `python -m bench.balance` measures
+data.balance, the attention work per device before and after balancing a step's rows, on the
+Python standard library's length mix (bench/results/balance.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ lengths / 2, so a row of one 64K document costs ~64x a row of 64 1K documents al
 hold 64K tokens. Devices that hold rows of the same length then take different times, and
 every step waits for the slowest. `attention_work` counts that work exactly, per sequence
 (sp) device of a layout, in closed form from the documents' bounds; `balance_permutation`
-reorders a step's rows so that every (batch shard, micro-batch) bin gets about the same.
+reorders a step's rows so that within every micro-batch each batch shard gets about the
+same.
 
 Only the quadratic term is counted. Everything else a row costs (projections, FFN, loss) is
 linear in its tokens, and every row holds `seq_len` tokens, so it is the same for every row
@@ -109,25 +110,41 @@ def _check_bins(rows: int, shards: int, accum: int) -> None:
                          f"{accum} micro-batches")
 
 
-def assign_bins(work: np.ndarray, bins: int) -> np.ndarray:
-    """Longest processing time first, with every bin taking rows // bins rows: `[rows, n]`
-    work -> `[rows]` bin of each row.
-
-    Rows in decreasing order of their busiest shard's work (ties: lower row first) each go to
-    the bin with room whose busiest shard would be least loaded after taking it (ties: the
-    lower bin), so the result depends on the work alone."""
+def _longest_first(work: np.ndarray, bins: int) -> np.ndarray:
+    """Longest processing time first, every bin taking rows // bins rows: `[rows, n]` work,
+    rows in decreasing order -> `[rows]` bin of each. Each row goes to the bin with room whose
+    busiest shard would be least loaded after taking it (ties: the lower bin)."""
     rows, n = work.shape
     capacity = rows // bins
     loads = np.zeros((bins, n), np.int64)
     taken = np.zeros(bins, np.int64)
     assigned = np.empty(rows, np.int64)
-    for r in np.argsort(-work.max(axis=1), kind="stable"):
+    for r in range(rows):
         after = (loads + work[r]).max(axis=1)
         after[taken >= capacity] = np.iinfo(np.int64).max
         b = int(np.argmin(after))
         loads[b] += work[r]
         taken[b] += 1
         assigned[r] = b
+    return assigned
+
+
+def assign_bins(work: np.ndarray, shards: int, accum: int) -> np.ndarray:
+    """`[rows, n]` work -> `[rows]` bin (shard * accum + micro-batch) of each row, every bin
+    taking the same number of rows.
+
+    Micro-batches run one after another, each as slow as its busiest device, so a step's
+    attention time is the sum over micro-batches of their busiest device's work. Rows in
+    decreasing order of their busiest shard's work (ties: lower row first) are cut into
+    `accum` equal groups, the heaviest group the first micro-batch (similar rows together:
+    for one row per bin this pairing minimises that sum), and each group is spread over the
+    batch shards longest-first (`_longest_first`), which keeps its busiest shard low. The
+    result depends on the work alone."""
+    rows = work.shape[0]
+    order = np.argsort(-work.max(axis=1), kind="stable")
+    assigned = np.empty(rows, np.int64)
+    for a, group in enumerate(np.split(order, accum)):
+        assigned[group] = _longest_first(work[group], shards) * accum + a
     return assigned
 
 
@@ -138,7 +155,7 @@ def balance_permutation(work: np.ndarray, shards: int, accum: int) -> np.ndarray
     rows are split over; `accum`: micro-batches per step. Only reorders rows."""
     rows = work.shape[0]
     _check_bins(rows, shards, accum)
-    assigned = assign_bins(work, shards * accum)
+    assigned = assign_bins(work, shards, accum)
     target = bin_of_position(rows, shards, accum)
     order = np.empty(rows, np.int64)
     # within a bin, rows keep their relative order (stable sorts: deterministic)
@@ -162,3 +179,12 @@ def imbalance(work: np.ndarray, shards: int, accum: int) -> float:
     after another and each waits for its slowest device. 1.0 is perfect balance."""
     loads = bin_loads(work, shards, accum).reshape(accum, -1)
     return float(loads.max(axis=1).sum() / max(loads.mean(axis=1).sum(), 1e-30))
+
+
+def one_vs_many(seq: int, layout: str, n: int, short: int = 1024) -> tuple[float, float]:
+    """The planner's bound on row imbalance: (busiest shard's work for a row of one `seq`-token
+    document / the same for a row of `short`-token documents, busiest / mean shard's work for
+    the one-document row, which no reordering of rows changes)."""
+    one = attention_work(np.ones((1, seq), np.int32), layout, n)[0]
+    many = attention_work(np.arange(seq)[None] // short, layout, n)[0]
+    return float(one.max() / many.max()), float(one.max() / one.mean())

@@ -31,8 +31,9 @@ from lclm import logs
 from lclm.cli import parse_cli, run_cli
 from lclm.config import mesh_device_count
 from lclm.config.stages import CHAINING, stage_changes, stage_configs
+from lclm.data.balance import one_vs_many
 from lclm.errors import ConfigError, StartupError
-from lclm.ops.context_parallel import STRATEGIES
+from lclm.ops.context_parallel import STRATEGIES, ring_size
 from lclm.plan import aot, strategies
 from lclm.plan.memory import DEVICES, Plan, estimate, gib, report
 
@@ -169,6 +170,20 @@ def main(argv=None) -> int:
     return run_cli(lambda: _run(ap, argv))
 
 
+def _balance_line(config) -> str:
+    """How unequal rows of this stage's length can be in attention work (lclm.data.balance)."""
+    seq, a = config.data.seq_len, config.attention
+    if not config.data.document_mask:
+        return "attention work: no document masks, every row the same"
+    shards = ring_size(a, config.mesh.sp)
+    rows, within = one_vs_many(seq, a.layout, shards)
+    return (f"attention work: a row of one {seq:,}-token document costs {rows:.1f}x a row of "
+            f"1,024-token documents on its busiest of {shards} sp device(s) ({a.layout}; "
+            f"{within:.2f}x the mean device, which no row order changes); data.balance="
+            f"{config.data.balance} {'evens' if config.data.balance else 'leaves'} rows "
+            "over devices and micro-batches")
+
+
 def _run(ap: argparse.ArgumentParser, argv) -> int:
     args, config = parse_cli(ap, argv)
     if args.compile:
@@ -181,6 +196,7 @@ def _run(ap: argparse.ArgumentParser, argv) -> int:
             print(f"\n== stage {i}: seq_len {c.data.seq_len:,}, rope_theta {c.model.rope_theta:g}, "
                   f"{c.train.steps} steps of {c.data.batch_size} sequences")
         print(report(plan, args.device))
+        print(_balance_line(c))
         if plan.device_memory and plan.total > plan.device_memory and c.model.remat != "offload":
             offload = c.copy_and_resolve_references()
             offload.model.remat = "offload"

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from support import small_train_config
 
+from bench.balance import measure, step_segments
 from lclm.config.model import AttentionConfig, ModelConfig
-from lclm.data.balance import attention_work, balance_permutation, imbalance
+from lclm.data.balance import attention_work, balance_permutation, imbalance, one_vs_many
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.ops.layout import original_positions
@@ -78,6 +79,20 @@ def test_balanced_rows_are_the_same_rows_in_another_order():
         for k in batch:
             np.testing.assert_array_equal(moved[k][r], batch[k][order[r]])
     assert sorted(map(bytes, moved["tokens"])) == sorted(map(bytes, batch["tokens"]))
+
+
+def test_planner_bound_of_one_document_against_many():
+    assert one_vs_many(65536, "striped", 1) == pytest.approx((64, 1), rel=2e-3)
+    rows, within = one_vs_many(4096, "contiguous", 4)
+    assert within == pytest.approx(7 / 4, rel=1e-3)   # the last of 4 blocks: 7/16 of 1
+
+
+def test_benchmark_measures_the_loaders_order_against_the_balanced_one():
+    lengths = np.array([5000, 40, 300, 70, 2000, 90, 20, 600] * 4)
+    steps = step_segments(lengths, 512, 8, 4)
+    assert [s.shape for s in steps] == [(8, 512)] * 4
+    before, after, step_before, step_after = measure(steps, "striped", 4, 2, 2)
+    assert 1 <= after < before and 1 <= step_after < step_before < before
 
 
 def test_uneven_bins_are_refused():
