@@ -10,7 +10,7 @@ from support import DEMO_CONFIG, DEMO_TOKENIZER, ROOT
 
 from lclm.config import base_config, load_config
 from lclm.config.model import LAYOUTS
-from lclm.data.loader import parse_sources
+from lclm.data.loader import SourceEntry, parse_sources
 from lclm.errors import ConfigError
 from lclm.ops import layout
 from lclm.train.checks import check_data, validate
@@ -368,8 +368,9 @@ def test_a_comma_in_a_file_name_can_be_part_of_a_mixture(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "y"}\n')
     c = _load("demo.py")
     c.data.path = f"{tmp_path}/a\\,b.jsonl@0.25,{tmp_path}/c.jsonl"
-    assert parse_sources(c.data.path, "text") == [("text", f"{tmp_path}/a,b.jsonl", 0.25),
-                                                  ("text", f"{tmp_path}/c.jsonl", 1.0)]
+    assert parse_sources(c.data.path, "text") == [
+        SourceEntry("text", f"{tmp_path}/a,b.jsonl", 0.25),
+        SourceEntry("text", f"{tmp_path}/c.jsonl", 1.0)]
     check_data(c)
 
 

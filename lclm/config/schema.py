@@ -92,7 +92,9 @@ class Model(ModelConfig):
 class Data:
     """Training data"""
     source: str = setting("text", "data.path entries' default kind", choices=SOURCE_KINDS)
-    path: str = setting("", "comma-separated [kind:]path[@weight] entries (a mixture)")
+    path: str = setting("", "comma-separated [kind:]path[@weight][?key=value&...] entries (a "
+                        "mixture); options per source: min_tokens, short_below + short_keep, "
+                        "long_above + long_repeat (docs/training.md, long documents)")
     text_field: str = setting("text", "the field of a JSON record that holds its text")
     chat_template: str = setting("vicuna", "how ShareGPT chats become text "
                                  "(lclm.data.chat.TEMPLATES), or 'tokenizer': the one "

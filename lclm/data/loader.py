@@ -24,6 +24,7 @@ import queue
 import re
 import threading
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -32,6 +33,7 @@ from jax.sharding import NamedSharding
 from lclm import storage
 from lclm.config.schema import SOURCE_KINDS
 from lclm.data.balance import attention_work, balance_permutation
+from lclm.data.filters import BUCKETS, LengthFilter, LengthRules, parse_options, statistics
 from lclm.data.packing import ROW_KEYS, Packer
 from lclm.data.sources import DataError, SourceStats, open_documents
 from lclm.data.stream import DocumentStream, EpochOrders, Mixture
@@ -55,38 +57,59 @@ def _local_path(path: str) -> bool:
     return not storage.is_remote(path) and os.path.exists(path)
 
 
-def _entry(entry: str, default_kind: str, key: str) -> tuple[str, str, float]:
-    """One `[kind:]path[@weight]` entry. A local path that exists is taken as it is, so '@'
-    in a file name is not read as a weight."""
+class SourceEntry(NamedTuple):
+    """One entry of a data.path mixture."""
+    kind: str
+    path: str
+    weight: float
+    options: LengthRules = LengthRules()
+
+
+def _split_options(rest: str) -> tuple[str, str]:
+    """(path[@weight], options) of `path[@weight][?key=value&...]`; only a tail that holds
+    '=' is options, so a glob's '?' stays in the path."""
+    head, sep, tail = rest.rpartition("?")
+    return (head, tail) if sep and "=" in tail else (rest, "")
+
+
+def _entry(entry: str, default_kind: str, key: str) -> SourceEntry:
+    """One `[kind:]path[@weight][?options]` entry. A local path that exists is taken as it
+    is, so '@' or '?' in a file name is not read as a weight or options."""
     kind, rest = default_kind, entry
     head, sep, tail = entry.partition(":")
     if sep and head in SOURCE_KINDS:
         kind, rest = head, tail
+    if _local_path(rest):
+        return SourceEntry(kind, rest, 1.0)
+    rest, text = _split_options(rest)
+    options = parse_options(text, f"config.{key} entry {entry!r}")
     if _local_path(rest) or "@" not in rest:
-        return kind, rest, 1.0
+        return SourceEntry(kind, rest, 1.0, options)
     path, w = rest.rsplit("@", 1)
     try:
         weight = float(w)
-    except ValueError:
-        return kind, rest, 1.0   # not a weight: part of a path (reported as missing later)
+    except ValueError:   # not a weight: part of a path (reported as missing later)
+        return SourceEntry(kind, rest, 1.0, options)
     if not 0 < weight < float("inf"):
         raise ConfigError(f"config.{key} entry {entry!r}: the weight after '@' must be a "
                           "finite number > 0")
-    return kind, path, weight
+    return SourceEntry(kind, path, weight, options)
 
 
 # entries are split at commas that no backslash escapes: '\,' is a comma of a file name
 _ENTRY_SEPARATOR = re.compile(r"(?<!\\),")
 
 
-def parse_sources(path: str, default_kind: str,
-                  key: str = "data.path") -> list[tuple[str, str, float]]:
-    """`config.<key>` (data.path, validation.path) as (kind, path, weight): comma-separated
-    `[kind:]path[@weight]`, each path local, gs:// or s3://. The whole string is one entry
-    where it names an existing local path; in a mixture, a ',' of a file name is written
-    '\\,'."""
-    whole = _entry(path.strip(), default_kind, key)
-    if path.strip() and _local_path(whole[1]):
+def parse_sources(path: str, default_kind: str, key: str = "data.path") -> list[SourceEntry]:
+    """`config.<key>` (data.path, validation.path) as entries: comma-separated
+    `[kind:]path[@weight][?key=value&...]`, each path local, gs:// or s3://, the options
+    those of `lclm.data.filters`. The whole string is one entry where it names an existing
+    local path; in a mixture, a ',' of a file name is written '\\,'."""
+    try:
+        whole: SourceEntry | None = _entry(path.strip(), default_kind, key)
+    except ConfigError:   # not one entry (its options would run into the next entry's)
+        whole = None
+    if path.strip() and whole is not None and _local_path(whole.path):
         return [whole]
     entries = [_entry(e.replace("\\,", ","), default_kind, key)
                for e in (e.strip() for e in _ENTRY_SEPARATOR.split(path)) if e]
@@ -112,6 +135,45 @@ def host_block(sharding: NamedSharding, global_shape) -> tuple[slice, slice]:
     return slice(r0, r1), slice(s0, s1)
 
 
+def _shares(found: list[dict], unit: str) -> list[float]:
+    """Each source's share of the tokens drawn: its weight's share where several sources
+    share tokens, else in proportion to weight x its mean tokens per document drawn."""
+    w = np.asarray([f["weight"] for f in found], np.float64)
+    if unit != "tokens" or len(found) == 1:
+        w = w * [f["tokens"] / max(f["documents"], 1) for f in found]
+    return [float(x) for x in w / (w.sum() or 1.0)]
+
+
+def _table(found: list[dict]) -> str:
+    """The statistics as lines: per source, one epoch's draws and tokens ('~': estimated
+    from a sample), its tokens' shares by document length, its share of the run."""
+    labels = [label for label, _, _ in BUCKETS]
+    lines = ["one epoch per source under its options; tokens by document length; share of "
+             "the tokens trained on (~: estimated from a sample)",
+             f"{'source':<44} {'documents':>11} {'tokens':>15} "
+             + " ".join(f"{label:>7}" for label in labels) + f" {'share':>7}"]
+    for f in found:
+        name = f"{f['kind']}:{f['path']}" + (f"?{f['options']}" if f["options"] else "")
+        mark = "~" if f["estimated"] else " "
+        cells = " ".join(f"{100 * f['buckets'][label]['tokens'] / max(f['tokens'], 1):6.1f}%"
+                         for label in labels)
+        lines.append(f"{name[-44:]:<44} {mark}{f['documents']:>10,} {mark}{f['tokens']:>14,} "
+                     f"{cells} {100 * f['share']:6.1f}%")
+    return "\n".join(lines)
+
+
+class _Source(NamedTuple):
+    """An opened data.path entry, shared by the slots."""
+    entry: SourceEntry
+    docs: object   # a random-access document set (lclm.data.sources.open_documents)
+    orders: EpochOrders
+    filter: LengthFilter
+
+    def stream(self, row: int, batch_size: int) -> DocumentStream:
+        rules = None if self.entry.options.trivial else self.filter
+        return DocumentStream(self.docs, self.orders, row, batch_size, rules, self.entry.path)
+
+
 class _Slot:
     """The reader of one batch row: its mixture of source streams and its packer.
 
@@ -120,10 +182,11 @@ class _Slot:
     documents drawn since}`.
     """
 
-    def __init__(self, sources, weights, seed: int, row: int, batch_size: int, seq_len: int,
-                 reset_positions: bool):
-        streams = [DocumentStream(docs, orders, row, batch_size) for docs, orders in sources]
-        self.mixture = Mixture(streams, weights, seed, stream_id=row)
+    def __init__(self, sources: list[_Source], unit: str, seed: int, row: int,
+                 batch_size: int, seq_len: int, reset_positions: bool):
+        streams = [s.stream(row, batch_size) for s in sources]
+        self.mixture = Mixture(streams, [s.entry.weight for s in sources], seed, stream_id=row,
+                               unit=unit)
         self.packer = Packer(seq_len, reset_positions)
         self._origins: collections.deque[dict] = collections.deque()  # of pending documents
 
@@ -164,20 +227,22 @@ class HostBatches:
         self.global_shape = (d.batch_size, d.seq_len)
         self.rows, self.seq = host_block(self.sharding, self.global_shape)
         self.stats = SourceStats()
-        sources, weights = [], []
-        for i, (kind, path, weight) in enumerate(parse_sources(d.path, d.source)):
-            docs = open_documents(kind, path, tokenizer, text_field=d.text_field,
+        self.sources: list[_Source] = []
+        for i, entry in enumerate(parse_sources(d.path, d.source)):
+            docs = open_documents(entry.kind, entry.path, tokenizer, text_field=d.text_field,
                                   chat_template=d.chat_template, stats=self.stats)
             if len(docs) < d.batch_size:
-                raise DataError(f"data source {path} has {len(docs)} usable records but needs "
-                                f"at least {d.batch_size}: each of the data.batch_size="
+                raise DataError(f"data source {entry.path} has {len(docs)} usable records but "
+                                f"needs at least {d.batch_size}: each of the data.batch_size="
                                 f"{d.batch_size} batch rows reads its own share; use more data "
                                 "or a smaller data.batch_size")
-            sources.append((docs, EpochOrders(len(docs), config.seed * 1009 + i)))
-            weights.append(weight)
-        self.slots = {r: _Slot(sources, weights, config.seed, r, d.batch_size, d.seq_len,
-                               d.reset_positions)
+            self.sources.append(_Source(entry, docs, EpochOrders(len(docs), config.seed * 1009 + i),
+                                        LengthFilter(docs, entry.options, config.seed, i)))
+        self.unit = d.mixture_unit
+        self.slots = {r: _Slot(self.sources, self.unit, config.seed, r, d.batch_size,
+                               d.seq_len, d.reset_positions)
                       for r in range(self.rows.start, self.rows.stop)}
+        self._statistics: dict | None = None
         self.batches = 0
         # data.balance (next_host_batch): rows per batch shard and micro-batches per step,
         # the bins that this process's rows are balanced over
@@ -275,6 +340,22 @@ class HostBatches:
     def state(self) -> dict:
         """JSON state after the last batch returned by `next` (restore it to continue)."""
         return self._state
+
+    def statistics(self, sample: int = 1000) -> dict:
+        """What one epoch of each source holds under its options and the token share of
+        each source the run will train on (JSON-ready; the first call also logs it as a
+        table): `{"mixture_unit", "sources": [{"kind", "path", "weight", "share",
+        "documents", "tokens", "buckets": {label: {"documents", "tokens"}}, ...}]}` (see
+        `lclm.data.filters.statistics`). Sources that are not pre-tokenised are measured on
+        up to `sample` documents and marked `estimated`."""
+        if self._statistics is None:
+            found = [dict(kind=s.entry.kind, path=s.entry.path, weight=s.entry.weight,
+                          **statistics(s.filter, sample)) for s in self.sources]
+            for f, share in zip(found, _shares(found, self.unit)):
+                f["share"] = share
+            self._statistics = dict(mixture_unit=self.unit, sources=found)
+            log.info("data: %s", _table(found))
+        return self._statistics
 
     def close(self) -> None:
         self._stop.set()

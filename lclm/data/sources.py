@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -343,6 +344,8 @@ class ColumnarRecords:
         self._decoded_bytes = 0
         self._ever_decoded: set[int] = set()
         self._warned = False
+        # the loader's thread and its statistics (lclm.data.filters) may read at once
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -357,13 +360,14 @@ class ColumnarRecords:
         block = self.blocks[k]
         if not isinstance(block, _RowGroup):
             return block
-        table = self._decoded.pop(k, None)
-        if table is None:
-            table = self._decode(k, block)
-        self._decoded[k] = table
-        while self._decoded_bytes > PARQUET_CACHE_BYTES and len(self._decoded) > 1:
-            self._decoded_bytes -= self._decoded.popitem(last=False)[1].nbytes
-        return table
+        with self._lock:
+            table = self._decoded.pop(k, None)
+            if table is None:
+                table = self._decode(k, block)
+            self._decoded[k] = table
+            while self._decoded_bytes > PARQUET_CACHE_BYTES and len(self._decoded) > 1:
+                self._decoded_bytes -= self._decoded.popitem(last=False)[1].nbytes
+            return table
 
     def _decode(self, k: int, group: _RowGroup):
         if k in self._ever_decoded and not self._warned:

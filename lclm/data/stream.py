@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from lclm.data.filters import LengthFilter
+from lclm.data.sources import DataError
+
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
     """The document order `[n]` of one epoch: a pure function of (n, seed, epoch)."""
@@ -39,18 +42,30 @@ class DocumentStream:
     takes every `num_shards`-th document of each epoch's order, starting at `shard`.
 
     State: `{"epoch", "index"}` (JSON). Malformed documents (None) are skipped (a document
-    set that holds only malformed ones raises instead of answering None). The reader
-    keeps its own share (`[~n / num_shards]`) of its current epoch's order, so the shares of
-    all readers together hold about one order, wherever each reader is.
+    set that holds only malformed ones raises instead of answering None). The reader keeps
+    its own share (`[~n / num_shards]`) of its current epoch's order, so the shares of all
+    readers together hold about one order, wherever each reader is.
+
+    With a source's options (`rules`, see lclm.data.filters), an epoch is `copies` draws per
+    position of the share: the document there, then copy c of the document c * shift
+    positions further on (shift = share / copies), so the copies of a long document lie
+    spread over the epoch. Draws that the options leave out are skipped, as is a draw of the
+    document drawn just before (never twice in a row), unless a whole epoch's draws were
+    skipped since: then it is the only one left. Where documents repeat, the state holds
+    `"last"` and `"skipped"` (draws skipped since) too.
     """
 
-    def __init__(self, docs, orders: EpochOrders, shard: int = 0, num_shards: int = 1):
+    def __init__(self, docs, orders: EpochOrders, shard: int = 0, num_shards: int = 1,
+                 rules: LengthFilter | None = None, name: str = "data"):
         if len(docs) < num_shards:
             raise ValueError(f"{len(docs)} documents cannot be shared by {num_shards} readers; "
                              "use more data or a smaller data.batch_size")
-        self.docs, self.orders = docs, orders
+        self.docs, self.orders, self.rules, self.name = docs, orders, rules, name
+        self.copies = 1 if rules is None else rules.copies
         self.shard, self.num_shards = shard, num_shards
         self.epoch, self.index = 0, 0
+        self.last: int | None = None   # the document drawn last, where copies may follow it
+        self.skipped = 0   # draws left out in a row
         self._share_epoch: int | None = None
         self._share: np.ndarray | None = None
 
@@ -65,53 +80,114 @@ class DocumentStream:
         assert self._share is not None  # made above for the current epoch
         return self._share
 
+    def _document(self, share: np.ndarray) -> tuple[int, int]:
+        """(document, copy) of draw `index` of the epoch."""
+        position, copy = divmod(self.index, self.copies)
+        shift = max(1, len(share) // self.copies)
+        return int(share[(position + copy * shift) % len(share)]), copy
+
+    def _read(self, i: int, copy: int):
+        if self.rules is None:
+            return self.docs[i]
+        if self.copies > 1 and i == self.last:
+            return None
+        return self.rules.read(i, self.epoch, copy)
+
+    def _left_out(self, share: np.ndarray) -> None:
+        """Count a draw left out; after a whole epoch of them, fail if no document of the
+        share can ever be drawn (else it was chance, or `last` is all that is left: go on)."""
+        self.skipped += 1
+        if self.rules is not None and self.skipped >= len(share) * self.copies:
+            self.rules.check_keepable(share, self.name)
+            self.skipped, self.last = 0, None
+
     def __next__(self):
         while True:
             share = self._my_share()
-            if self.index >= len(share):
+            if self.index >= len(share) * self.copies:
                 self.epoch, self.index = self.epoch + 1, 0
                 continue
-            doc = self.docs[int(share[self.index])]
+            i, copy = self._document(share)
+            doc = self._read(i, copy)
             self.index += 1
-            if doc is not None:
-                return doc
+            if doc is None:
+                self._left_out(share)
+                continue
+            self.skipped = 0
+            if self.copies > 1:
+                self.last = i
+            return doc
 
     def state(self) -> dict:
-        return dict(epoch=self.epoch, index=self.index)
+        state: dict = dict(epoch=self.epoch, index=self.index)
+        if self.copies > 1:
+            state.update(last=self.last, skipped=self.skipped)
+        return state
 
     def restore(self, state: dict) -> None:
         self.epoch, self.index = state["epoch"], state["index"]
+        self.last, self.skipped = state.get("last"), state.get("skipped", 0)
+
+
+def _deficits(weights: np.ndarray, tokens: list[int]) -> np.ndarray:
+    """How far each source `[k]` is below its share (`weights`, summing to 1) of the tokens
+    drawn so far, in tokens."""
+    drawn = np.asarray(tokens, np.float64)
+    return weights * drawn.sum() - drawn
 
 
 class Mixture:
-    """Documents drawn from several streams with the given weights; the choice for the n-th
-    document of reader `stream_id` depends only on (seed, stream_id, n): the state is a
-    counter."""
+    """Documents drawn from several streams with the given weights.
+
+    unit='documents': the choice for the n-th document of reader `stream_id` depends only on
+    (seed, stream_id, n); state `{"count", "streams"}`. unit='tokens': each draw takes the
+    source furthest below its weight's share of the tokens drawn so far (the first in order
+    on a tie), so token shares track the weights whatever the documents' lengths; state
+    `{"count", "tokens": per source, "streams"}`. A single source needs no choice, and its
+    state is the same under both units.
+    """
 
     def __init__(self, streams: list[DocumentStream], weights: list[float], seed: int,
-                 stream_id: int = 0):
+                 stream_id: int = 0, unit: str = "documents"):
         w = np.asarray(weights, np.float64)
         if len(streams) != len(w) or (w <= 0).any():
             raise ValueError("every data source needs a positive weight")
-        self.streams, self.cdf = streams, np.cumsum(w / w.sum())
+        self.streams, self.weights, self.cdf = streams, w / w.sum(), np.cumsum(w / w.sum())
         self.seed, self.stream_id, self.count = seed, stream_id, 0
+        self.by_tokens = unit == "tokens" and len(streams) > 1
+        self.tokens = [0] * len(streams)
 
     def __iter__(self):
         return self
 
-    def __next__(self):
+    def _choose(self) -> int:
         if len(self.streams) == 1:
-            choice = 0
-        else:
-            u = np.random.default_rng([self.seed, self.stream_id, self.count]).random()
-            choice = int(min(np.searchsorted(self.cdf, u, side="right"), len(self.cdf) - 1))
+            return 0
+        if self.by_tokens:
+            return int(np.argmax(_deficits(self.weights, self.tokens)))
+        u = np.random.default_rng([self.seed, self.stream_id, self.count]).random()
+        return min(int(np.searchsorted(self.cdf, u, side="right")), len(self.cdf) - 1)
+
+    def __next__(self):
+        choice = self._choose()
         self.count += 1
-        return next(self.streams[choice])
+        doc = next(self.streams[choice])
+        self.tokens[choice] += len(doc[0])
+        return doc
 
     def state(self) -> dict:
-        return dict(count=self.count, streams=[s.state() for s in self.streams])
+        state: dict = dict(count=self.count, streams=[s.state() for s in self.streams])
+        if self.by_tokens:
+            state["tokens"] = list(self.tokens)
+        return state
 
     def restore(self, state: dict) -> None:
+        if self.by_tokens != ("tokens" in state):
+            saved = "tokens" if "tokens" in state else "documents"
+            raise DataError(f"the saved data state shares its mixture by {saved} but this run "
+                            f"by {'tokens' if self.by_tokens else 'documents'}; set "
+                            f"data.mixture_unit={saved} to resume it")
         self.count = state["count"]
+        self.tokens = list(state.get("tokens", [0] * len(self.streams)))
         for s, st in zip(self.streams, state["streams"]):
             s.restore(st)

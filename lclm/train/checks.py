@@ -130,7 +130,7 @@ def check_data(config) -> None:
                       ("validation.path", config.validation.path)):
         if not path:
             continue
-        for kind, source, _ in parse_sources(path, config.data.source, key):
+        for kind, source, *_ in parse_sources(path, config.data.source, key):
             # synthetic sources hold options, not paths; hub datasets are found by `datasets`
             if kind == "line_retrieval" or source.startswith("hub:"):
                 continue

@@ -7,7 +7,13 @@ import pytest
 from support import DEMO_CONFIG, DEMO_CORPUS
 
 from lclm.config import load_config
-from lclm.data.loader import HostBatches, batch_sharding, host_block, parse_sources
+from lclm.data.loader import (
+    HostBatches,
+    SourceEntry,
+    batch_sharding,
+    host_block,
+    parse_sources,
+)
 from lclm.data.sources import DataError, resolve_files
 from lclm.data.stream import DocumentStream, EpochOrders
 from lclm.data.synthetic import conversations
@@ -42,10 +48,10 @@ def _host(batch, layout, sp):
 
 
 def test_parse_sources():
-    assert parse_sources("a.jsonl", "text") == [("text", "a.jsonl", 1.0)]
+    assert parse_sources("a.jsonl", "text") == [SourceEntry("text", "a.jsonl", 1.0)]
     assert parse_sources("sharegpt:x.json@0.25, tokenized:/d@2", "text") == [
-        ("sharegpt", "x.json", 0.25), ("tokenized", "/d", 2.0)]
-    assert parse_sources("hub:user/owt", "text") == [("text", "hub:user/owt", 1.0)]
+        SourceEntry("sharegpt", "x.json", 0.25), SourceEntry("tokenized", "/d", 2.0)]
+    assert parse_sources("hub:user/owt", "text") == [SourceEntry("text", "hub:user/owt", 1.0)]
 
 
 
@@ -54,11 +60,11 @@ def test_data_paths_with_commas_at_signs_and_brackets_are_themselves(tmp_path):
     odd.mkdir()
     (odd / "a.jsonl").write_text('{"text": "x"}\n')
     (tmp_path / "b@2.jsonl").write_text('{"text": "y"}\n')
-    assert parse_sources(str(odd), "text") == [("text", str(odd), 1.0)]
+    assert parse_sources(str(odd), "text") == [SourceEntry("text", str(odd), 1.0)]
     assert parse_sources(f"{tmp_path}/b@2.jsonl@0.5", "text") == [
-        ("text", f"{tmp_path}/b@2.jsonl", 0.5)]
+        SourceEntry("text", f"{tmp_path}/b@2.jsonl", 0.5)]
     assert parse_sources(f"{tmp_path}/b@2.jsonl", "text") == [
-        ("text", f"{tmp_path}/b@2.jsonl", 1.0)]
+        SourceEntry("text", f"{tmp_path}/b@2.jsonl", 1.0)]
     assert resolve_files(str(odd)) == [str(odd / "a.jsonl")]
     assert resolve_files(str(odd / "a.jsonl")) == [str(odd / "a.jsonl")]
     with pytest.raises(ConfigError, match="the weight after '@' must be"):
@@ -84,6 +90,7 @@ def test_rows_do_not_depend_on_how_processes_split_the_batch(tmp_path):
     """Two simulated hosts (rows 0-1 and 2-3 of a batch of 4) build exactly the rows that one
     host building all 4 rows builds, reading disjoint documents."""
     config = _config(tmp_path)
+    config.data.balance = False   # balancing reorders only each process's own rows
     tok = Tokenizer(config.data.tokenizer)
     mesh = make_mesh(fsdp=2, sp=4)
     whole = HostBatches(config, mesh, tok, prefetch=0)
@@ -146,6 +153,7 @@ def test_batches_are_global_arrays_in_layout_order_with_both_sources(tmp_path):
 
 def test_state_saved_by_two_processes_resumes_on_one(tmp_path):
     config = _config(tmp_path)
+    config.data.balance = False   # balancing reorders only each process's own rows
     tok = Tokenizer(config.data.tokenizer)
     mesh = make_mesh(fsdp=2, sp=4)
     whole = HostBatches(config, mesh, tok, prefetch=0)

@@ -1,0 +1,219 @@
+"""Long-document engineering per source: the `?key=value&...` options of a data.path entry.
+
+`min_tokens` drops shorter documents; `short_below` + `short_keep` keep documents under
+short_below tokens with probability short_keep (Fu et al. 2024 keep 10% under 4K);
+`long_above` + `long_repeat` draw documents of at least long_above tokens long_repeat times
+per epoch (a real number >= 1: the fraction is a per-document chance of one more copy).
+
+Every decision is a pure function of (seed, source, document, epoch, copy), so a resumed run
+decides exactly as the run it continues (the loader's state holds positions only). A
+document's length is known without reading it for pre-tokenised sources (their offsets);
+other sources measure it when the document is first read, and remember it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from lclm.config.syntax import format_tokens, parse_tokens
+from lclm.data.sources import DataError, TokenizedDocuments
+from lclm.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthRules:
+    """The options of one source; the defaults change nothing."""
+    min_tokens: int = 0
+    short_below: int = 0
+    short_keep: float = 1.0
+    long_above: int = 0
+    long_repeat: float = 1.0
+
+    @property
+    def copies(self) -> int:
+        """Draws an epoch may make of one document (its original and its possible copies)."""
+        return math.ceil(self.long_repeat)
+
+    @property
+    def trivial(self) -> bool:
+        return self == LengthRules()
+
+    def text(self) -> str:
+        """The options as written in a data.path entry ('' for none)."""
+        parts = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value != field.default:
+                shown = f"{value:g}" if isinstance(value, float) else format_tokens(value)
+                parts.append(f"{field.name}={shown}")
+        return "&".join(parts)
+
+
+_PAIRS = (("short_below", "short_keep", "0.1"), ("long_above", "long_repeat", "2"))
+
+
+def _option_value(name: str, text: str) -> int | float:
+    """One option's value; ValueError naming what it must be."""
+    if name in ("min_tokens", "short_below", "long_above"):
+        return parse_tokens(text)
+    value = float(text)
+    if name == "short_keep" and not 0 <= value <= 1:
+        raise ValueError(f"short_keep={text} must be a probability in [0, 1]")
+    if name == "long_repeat" and not 1 <= value < float("inf"):
+        raise ValueError(f"long_repeat={text} must be a number >= 1")
+    return value
+
+
+def parse_options(text: str, where: str) -> LengthRules:
+    """`key=value&key=value` (what follows '?' in a data.path entry) as `LengthRules`;
+    `where` names the entry in the one-line ConfigError for an unknown option or bad value."""
+    names = [f.name for f in dataclasses.fields(LengthRules)]
+    values: dict[str, int | float] = {}
+    for item in filter(None, text.split("&")):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in names:
+            raise ConfigError(f"{where}: unknown option {item!r}; the options are "
+                              f"{', '.join(names)} (e.g. ?short_below=4k&short_keep=0.1)")
+        if name in values:
+            raise ConfigError(f"{where}: option {name} is given twice; keep one")
+        try:
+            values[name] = _option_value(name, value.strip())
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    for length, share, example in _PAIRS:
+        if (length in values) != (share in values):
+            raise ConfigError(f"{where}: {length} and {share} go together; give both (e.g. "
+                              f"{length}={format_tokens(int(values.get(length, 4096)))}"
+                              f"&{share}={example})")
+    return LengthRules(**values)  # type: ignore[arg-type]  # typed per field above
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 `[k]` (wrapping arithmetic): every output bit
+    depends on every input bit."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(key: Sequence[int], documents: np.ndarray) -> np.ndarray:
+    """A uniform number in [0, 1) per document of `documents` `[k]`: a pure function of
+    (key, document), vectorised, so that a whole source is decided at once for statistics
+    and a single document as it is drawn, alike."""
+    base = np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0]
+    h = _mix(_mix(np.asarray(documents, np.uint64) + np.uint64(0x9E3779B97F4A7C15)) ^ base)
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+class DocumentLengths:
+    """Token counts `[n]` of a document set's documents: exact from the offsets of a
+    pre-tokenised directory, else measured when a document is first read (-1: not yet);
+    a malformed document counts 0 tokens."""
+
+    def __init__(self, docs):
+        self.docs = docs
+        self.exact = isinstance(docs, TokenizedDocuments)
+        self.known = (np.diff(docs.offsets) if self.exact
+                      else np.full(len(docs), -1, np.int64))
+
+    def note(self, i: int, doc) -> None:
+        self.known[i] = 0 if doc is None else len(doc[0])
+
+    def measure(self, indices: np.ndarray) -> np.ndarray:
+        """The lengths `[k]` of documents `indices` `[k]`, reading those not yet known."""
+        for i in indices[self.known[indices] < 0]:
+            self.note(int(i), self.docs[int(i)])
+        return self.known[indices]
+
+
+class LengthFilter:
+    """A source's options applied to its documents; shared by all its readers.
+
+    `read(i, epoch, copy)` is document i as its `copy`-th draw of `epoch` (0: the original,
+    >= 1: a copy of a long document), or None where the options (or a malformed record)
+    leave that draw out.
+    """
+
+    def __init__(self, docs, rules: LengthRules, seed: int, source: int):
+        self.docs, self.rules, self.seed, self.source = docs, rules, seed, source
+        self.lengths = DocumentLengths(docs)
+        self.copies = rules.copies
+
+    def keep(self, indices: np.ndarray, lengths: np.ndarray, epoch: int,
+             copy: int) -> np.ndarray:
+        """Whether draw `copy` of `epoch` takes each of documents `indices` `[k]` of
+        `lengths` `[k]`: bool `[k]`."""
+        r = self.rules
+        kept = lengths >= max(r.min_tokens, 1)
+        if r.short_keep < 1:
+            lucky = uniforms((self.seed, self.source, epoch, 0), indices) < r.short_keep
+            kept &= (lengths >= r.short_below) | lucky
+        if copy:
+            kept &= lengths >= r.long_above
+            whole = math.floor(r.long_repeat)
+            if copy >= whole:   # the last copy, made with the fraction's chance
+                chance = uniforms((self.seed, self.source, epoch, copy), indices)
+                kept &= chance < r.long_repeat - whole
+        return kept
+
+    def read(self, i: int, epoch: int, copy: int):
+        doc = None
+        if self.lengths.known[i] < 0:   # measured by reading it: keep what was read
+            doc = self.docs[i]
+            self.lengths.note(i, doc)
+        if not self.keep(np.array([i]), self.lengths.known[i:i + 1], epoch, copy)[0]:
+            return None
+        return self.docs[i] if doc is None else doc
+
+    def check_keepable(self, indices: np.ndarray, name: str) -> None:
+        """A DataError naming `name` when no document of `indices` (all measured) could ever
+        be drawn: a reader of only those would search forever."""
+        lengths = self.lengths.measure(indices)
+        r = self.rules
+        possible = (lengths >= max(r.min_tokens, 1)) & (
+            (lengths >= r.short_below) | (r.short_keep > 0))
+        if not possible.any():
+            raise DataError(f"data source {name}: its options ?{r.text()} leave out every "
+                            f"document of a batch row's share ({len(indices)} documents); "
+                            "loosen min_tokens or short_keep, or use more data")
+
+
+# (label, first length, end): the length buckets of the statistics
+BUCKETS = (("<4K", 0, 4096), ("4-16K", 4096, 16384), ("16-64K", 16384, 65536),
+           ("64-256K", 65536, 262144), (">=256K", 262144, None))
+
+
+def _sample(n: int, cap: int, seed: int, source: int) -> np.ndarray:
+    """The documents `[min(n, cap)]` measured for the statistics, in index order: all of
+    them, or a deterministic random sample of `cap`."""
+    if n <= cap:
+        return np.arange(n)
+    return np.sort(np.random.default_rng([seed, source]).choice(n, cap, replace=False))
+
+
+def statistics(f: LengthFilter, cap: int) -> dict:
+    """What one epoch of the source draws under its options (epoch 0, exactly as drawn):
+    `documents` (draws, copies counted) and `tokens`, in total and per length bucket, and
+    the source before its options (`source_documents`, `source_tokens`). Pre-tokenised
+    sources are counted exactly; others measure up to `cap` documents (a deterministic
+    sample) and scale, with `estimated` true when they sampled."""
+    n = len(f.docs)
+    indices = (np.arange(n) if f.lengths.exact else _sample(n, cap, f.seed, f.source))
+    lengths = f.lengths.measure(indices)
+    draws = np.sum([f.keep(indices, lengths, 0, c) for c in range(f.copies)], axis=0)
+    scale = n / len(indices)
+
+    def count(mask: np.ndarray) -> dict[str, int]:
+        return dict(documents=round(float(draws[mask].sum()) * scale),
+                    tokens=round(float((draws * lengths)[mask].sum()) * scale))
+
+    buckets = {label: count((lengths >= lo) & (lengths < (hi or np.inf)))
+               for label, lo, hi in BUCKETS}
+    return dict(options=f.rules.text(), estimated=len(indices) < n, measured=len(indices),
+                source_documents=n, source_tokens=round(float(lengths.sum()) * scale),
+                **count(np.ones(len(indices), bool)), buckets=buckets)
