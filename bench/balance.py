@@ -34,7 +34,11 @@ import sysconfig
 import numpy as np
 
 from bench import ROOT, int_list
+from bench.report import Table
 from lclm.cli import run_cli
+from lclm.data.balance import attention_work, balance_permutation, bin_loads
+from lclm.data.packing import Packer
+from lclm.data.tokenizer import Tokenizer
 from lclm.files import check_output
 
 TOKENIZER = os.path.join(ROOT, "data", "demo", "tokenizer.model")
@@ -69,8 +73,6 @@ def stdlib_documents() -> list[tuple[str, str]]:
 def step_segments(lengths: np.ndarray, seq: int, batch: int, steps: int, seed: int = 0):
     """`steps` arrays `[batch, seq]` of segment ids: row r of every step from slot r's packer,
     which reads documents r, r + batch, ... of each epoch's shuffle."""
-    from lclm.data.packing import Packer
-
     def slot(r: int):
         packer, epoch = Packer(seq), 0
         while True:
@@ -93,8 +95,6 @@ def _ratio(loads: list[np.ndarray]) -> float:
 
 def measure(steps: list[np.ndarray], layout: str, shards: int, sp: int, accum: int):
     """(attention before, after, 7B step before, after) over `steps` (rows in loader order)."""
-    from lclm.data.balance import attention_work, balance_permutation, bin_loads
-
     seq = steps[0].shape[1]
     loads: dict[str, list[np.ndarray]] = {k: [] for k in ("before", "after", "7b before",
                                                           "7b after")}
@@ -125,9 +125,6 @@ def main(argv=None) -> int:
 
 
 def _run(args, argv) -> int:
-    from bench.report import Table
-    from lclm.data.tokenizer import Tokenizer
-
     if args.out:
         check_output("--out", args.out, folder=False)
     meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
