@@ -16,11 +16,12 @@ other devices: 32 H100s, 4 nodes of 8 (compiled ahead of time for them: README's
 table). Qwen2.5-7B's 28 query heads rule out Ulysses over 8 at 256K, not usp's 4 x ring 2
 (python -m lclm.plan --strategies). Re-running the command resumes.
 
-On a TPU v4-64, libtpu 0.0.42.1 compiles stage 0 (11.34 GiB of 32 per chip) but aborts on
-stage 1's host offload ("Strided host DMA (non iova) is not supported", a check in its
-async_dynamic_index_emitter); stage 1 compiles with --config.model.remat=attention (28.26
-GiB of 32), which stage 0 does not fit (30.8 GiB planned), so on TPU run the stages as two
-invocations with their own remat.
+Each stage has its own remat: stage 0 offloads its saved activations to host memory
+(`remat='offload'`: with them on the device it would not fit a v4-64's 32 GiB chips, 30.8
+GiB planned), stage 1 keeps the attention's output on the device (`remat='attention'`): on a
+TPU v4-64, libtpu 0.0.42.1 aborts on stage 1's host offload ("Strided host DMA (non iova) is
+not supported", a check in its async_dynamic_index_emitter) and compiles it with 'attention'
+(28.26 GiB of 32, measured when the stages were run as two invocations).
 """
 
 from lclm.config import apply_preset, base_config
@@ -38,7 +39,12 @@ def get_config():
     c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
     c.data.update(source="text", path="data/long_documents",
                   tokenizer="checkpoints/Qwen2.5-7B-Instruct", seq_len=262144, batch_size=4)
-    c.stages.update(schedule="64k:1e7:300:4, 256k:1e7:150:8", tokens_per_batch=1 << 20)
+    c.stages.update(tokens_per_batch=1 << 20, list=[
+        dict(data=dict(seq_len="64k"), train=dict(steps=300), mesh=dict(sp=4),
+             model=dict(remat="offload", rope_theta=1e7)),
+        dict(data=dict(seq_len="256k"), train=dict(steps=150), mesh=dict(sp=8),
+             model=dict(remat="attention")),
+    ])
     c.train.update(steps=150, lr=1e-5, warmup=20, min_lr_ratio=0.1, weight_decay=0.0,
                    clip=1.0, grad_accum=1)
     c.log.every = 1

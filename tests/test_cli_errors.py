@@ -270,19 +270,19 @@ def _train(*args, cwd=ROOT):
 
 
 def test_train_help_lists_every_config_field_with_its_default_and_help():
-    from lclm.cli import _flat
     from lclm.config import base_config
+    from lclm.config.files import flat_items
     r = _train("--help")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Train a LLaMA, Qwen or Mistral model with striped ring attention.")
-    for key, value in _flat(base_config().to_dict()):
+    for key, value in flat_items(base_config().to_dict()):
         assert f"\n  {key}={value!r}\n" in r.stdout
     # each field's help, then what it accepts, as the schema declares them
     assert "  checkpoint.every=0\n      steps between saves; must be >= 0 (0: no saves by step " \
         "count)\n" in r.stdout
     assert "  model.remat='attention'\n" in r.stdout
     assert "one of none, full, attention, offload, dots, dots_no_batch\n" in r.stdout
-    assert "  # Staged context extension (lclm.train.stages)" in r.stdout
+    assert "  # Staged context extension (lclm.config.stages: what a stage may set;" in r.stdout
 
 
 def test_train_print_config_prints_the_resolved_config_without_secrets(tmp_path):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 from lclm import storage
 from lclm.config.files import field, flat_items
@@ -46,9 +47,9 @@ _TOKEN_COUNTS = ("data.seq_len", "tokens", "tokens_per_batch")
 STAGES = "stages"
 
 
-def _flat(record: dict, where: str, prefix: str = "") -> dict[str, object]:
+def _flat(record: dict, where: str, prefix: str = "") -> dict[str, Any]:
     """{dotted key: value} of a stage record nested by section."""
-    flat: dict[str, object] = {}
+    flat: dict[str, Any] = {}
     for key, value in record.items():
         if not isinstance(key, str):
             raise ConfigError(f"{where}: key {key!r} is not a field name")
@@ -71,7 +72,7 @@ def _token_count(value, key: str, where: str) -> int:
                           "'64k')") from None
 
 
-def stage_records(config) -> list[dict[str, object]]:
+def stage_records(config) -> list[dict[str, Any]]:
     """Each stage as {dotted config key or stage key: value}, from `stages.list` or the
     one-line `stages.schedule` ([] for a single run). Keys are checked here: an unknown or
     fixed one is a ConfigError naming the stage."""
@@ -80,11 +81,11 @@ def stage_records(config) -> list[dict[str, object]]:
         raise ConfigError("config.stages.list and config.stages.schedule are both set; a run "
                           "has one list of stages: keep one of them")
     if not listed:
-        records: list[dict[str, object]] = []
+        records: list[dict[str, Any]] = []
         stages = parse_schedule(schedule)
         any_sp = any(stage.sp for stage in stages)
         for i, stage in enumerate(stages):
-            record: dict[str, object] = {"data.seq_len": stage.seq_len,
+            record: dict[str, Any] = {"data.seq_len": stage.seq_len,
                                          "model.rope_theta": stage.rope_theta,
                                          "train.steps": stage.steps}
             if any_sp:   # a stage without sp runs on the config's mesh.sp
@@ -222,7 +223,7 @@ CHAINING = ("workdir", "model.init_from_checkpoint", "train.optimizer_from_check
             "validation.lengths")
 
 
-def stage_changes(config) -> list[dict[str, object]]:
+def stage_changes(config) -> list[dict[str, Any]]:
     """Per stage, {dotted key: resolved value} of every field where the stage's config
     differs from `config` (secrets left out); [] without stages."""
     configs = stage_configs(config)

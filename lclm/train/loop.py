@@ -267,6 +267,10 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                                  document_mask=config.data.document_mask)
         finite_fn = jax.jit(all_finite)
         batches = HostBatches(config, mesh, tokenizer, state=data_state)
+        if is_main:   # what the run trains on: tokens per length bucket and source, the mixture
+            stats_path = storage.join(config.workdir, "data_statistics.json")
+            with _written_at_start(stats_path):
+                write_json(stats_path, batches.statistics())
         val_losses = _validation(config, mesh, tokenizer, model, attention,
                                  state_sharding.params)
 

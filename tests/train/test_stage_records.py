@@ -3,6 +3,7 @@ is kept by the stages after it, never before; a stage's optimizer is carried or 
 says; a staged run stopped in the middle of a stage or at a boundary resumes to the losses of
 the run that was never stopped."""
 
+import json
 import os
 
 import jax
@@ -148,6 +149,13 @@ def test_a_staged_run_of_records_trains_each_stage_as_set_and_resumes(tmp_path):
     assert [x["data"]["document_mask"] for x in saved] == [True, False, False]
     assert [x["attention"]["strategy"] for x in saved] == ["ring", "all_gather", "ulysses"]
     assert [x["model"]["rope_scaling"] for x in saved] == ["auto", "auto", "linear"]
+    # and trained on its own mixture, as the statistics written at its start say
+    mixtures = []
+    for s in (s0, s1, s2):
+        with open(os.path.join(s.workdir, "data_statistics.json")) as f:
+            mixtures.append([(x["kind"], x["weight"]) for x in json.load(f)["sources"]])
+    assert mixtures == [[("text", 0.8), ("sharegpt", 0.2)], [("text", 0.5), ("sharegpt", 0.5)],
+                        [("text", 0.5), ("sharegpt", 0.5)]]
 
     resumed = _config(tmp_path / "resumed")
     first = run_stages(resumed, stop_after=4)   # stage 0, then 1 step of stage 1
@@ -170,3 +178,57 @@ def test_the_one_line_schedule_is_read_into_the_same_records():
                                  (512, 1e6, 15, 4, 1e-3)]
     c.stages.schedule = "128:1e4:20:2, 256:1e5:15"   # a stage without sp: the config's
     assert [s.mesh.sp for s in stage_configs(c)] == [2, c.mesh.sp]
+
+
+def _recipe(name):
+    return load_config(os.path.join(ROOT, "configs", f"{name}.py"))
+
+
+def test_prolong_recipe_states_prolongs_numbers():
+    """configs/prolong_llama3_8b_512k.py against princeton-nlp/ProLong's train_64K.sh and
+    train_512K.sh: lengths, theta, lr, steps, tokens per step, warm-up (10%), the optimizer
+    carried, and each stage's token shares (code / books / short)."""
+    from lclm.data.loader import parse_sources
+    from lclm.train.stages import validate_stages
+    c = _recipe("prolong_llama3_8b_512k")
+    s64, s512 = validate_stages(c, 64)
+    assert [(s.data.seq_len, s.model.rope_theta, s.train.lr, s.train.steps, s.train.warmup)
+            for s in (s64, s512)] == [(65536, 8e6, 1e-5, 5000, 500),
+                                      (524288, 1.28e8, 5e-6, 2500, 250)]
+    assert [s.data.batch_size * s.data.seq_len for s in (s64, s512)] == [4 << 20, 8 << 20]
+    assert (s512.train.optimizer_from_checkpoint, s512.model.init_from_checkpoint) == (
+        True, s64.workdir)
+    assert all((s.train.b2, s.train.weight_decay, s.train.min_lr_ratio, s.model.loss_chunk,
+                s.data.document_mask, s.data.mixture_unit) == (0.95, 0.1, 0.1, 2048, True,
+                                                               "tokens") for s in (s64, s512))
+
+    def shares(stage):
+        found: dict[str, float] = {}
+        for entry in parse_sources(stage.data.path, stage.data.source):
+            name = os.path.basename(entry.path)
+            kind = ("code" if name.startswith("thestack") else "books" if name.startswith("book")
+                    else "short")
+            found[kind] = round(found.get(kind, 0) + entry.weight, 6)
+        return found
+    assert shares(s64) == {"code": 0.3, "books": 0.3, "short": 0.4}
+    assert shares(s512) == {"code": 0.3, "books": 0.3, "short": 0.4}
+
+
+def test_fu_and_ultralong_recipes_state_their_numbers():
+    from lclm.data.loader import parse_sources
+    from lclm.train.checks import validate
+    fu = _recipe("fu_llama2_7b_80k")
+    validate(fu, 32)
+    entries = parse_sources(fu.data.path, fu.data.source)
+    assert len(entries) == 7 and abs(sum(e.weight for e in entries) - 1) < 1e-6
+    assert all((e.options.short_below, e.options.short_keep) == (4096, 0.1) for e in entries)
+    assert fu.data.seq_len == 80 * 1024 and fu.data.mixture_unit == "tokens"
+    ultra = _recipe("ultralong_llama31_8b_1m")
+    validate(ultra, 64)
+    m = ultra.model
+    assert (m.rope_scaling, m.rope_factor, m.rope_beta_slow, m.rope_beta_fast,
+            m.rope_original_max_positions) == ("yarn", 128.0, 1.0, 4.0, 8192)
+    assert ultra.data.seq_len == 8192 * 128 and not ultra.data.document_mask
+    assert ultra.train.steps * ultra.data.batch_size * ultra.data.seq_len >= 10 ** 9
+    (entry,) = parse_sources(ultra.data.path, ultra.data.source)
+    assert entry.options.long_repeat > 1
