@@ -1,6 +1,7 @@
 """Long-document engineering per source: the `?key=value&...` options of a data.path entry.
 
-`min_tokens` drops shorter documents; `short_below` + `short_keep` keep documents under
+`min_tokens` drops shorter documents, `max_tokens` longer ones (a source's short documents
+alone, e.g. for short-context retention); `short_below` + `short_keep` keep documents under
 short_below tokens with probability short_keep (Fu et al. 2024 keep 10% under 4K);
 `long_above` + `long_repeat` draw documents of at least long_above tokens long_repeat times
 per epoch (a real number >= 1: the fraction is a per-document chance of one more copy).
@@ -28,6 +29,7 @@ from lclm.errors import ConfigError
 class LengthRules:
     """The options of one source; the defaults change nothing."""
     min_tokens: int = 0
+    max_tokens: int = 0   # 0: no limit
     short_below: int = 0
     short_keep: float = 1.0
     long_above: int = 0
@@ -58,7 +60,7 @@ _PAIRS = (("short_below", "short_keep", "0.1"), ("long_above", "long_repeat", "2
 
 def _option_value(name: str, text: str) -> int | float:
     """One option's value; ValueError naming what it must be."""
-    if name in ("min_tokens", "short_below", "long_above"):
+    if name in ("min_tokens", "max_tokens", "short_below", "long_above"):
         return parse_tokens(text)
     value = float(text)
     if name == "short_keep" and not 0 <= value <= 1:
@@ -149,7 +151,7 @@ class LengthFilter:
         """Whether draw `copy` of `epoch` takes each of documents `indices` `[k]` of
         `lengths` `[k]`: bool `[k]`."""
         r = self.rules
-        kept = lengths >= max(r.min_tokens, 1)
+        kept = self._fits(lengths)
         if r.short_keep < 1:
             lucky = uniforms((self.seed, self.source, epoch, 0), indices) < r.short_keep
             kept &= (lengths >= r.short_below) | lucky
@@ -160,6 +162,12 @@ class LengthFilter:
                 chance = uniforms((self.seed, self.source, epoch, copy), indices)
                 kept &= chance < r.long_repeat - whole
         return kept
+
+    def _fits(self, lengths: np.ndarray) -> np.ndarray:
+        """Whether each of `lengths` `[k]` is within min_tokens..max_tokens: bool `[k]`."""
+        r = self.rules
+        fits = lengths >= max(r.min_tokens, 1)
+        return fits & (lengths <= r.max_tokens) if r.max_tokens else fits
 
     def read(self, i: int, epoch: int, copy: int):
         doc = None
@@ -175,12 +183,12 @@ class LengthFilter:
         be drawn: a reader of only those would search forever."""
         lengths = self.lengths.measure(indices)
         r = self.rules
-        possible = (lengths >= max(r.min_tokens, 1)) & (
+        possible = self._fits(lengths) & (
             (lengths >= r.short_below) | (r.short_keep > 0))
         if not possible.any():
             raise DataError(f"data source {name}: its options ?{r.text()} leave out every "
                             f"document of a batch row's share ({len(indices)} documents); "
-                            "loosen min_tokens or short_keep, or use more data")
+                            "loosen min_tokens, max_tokens or short_keep, or use more data")
 
 
 # (label, first length, end): the length buckets of the statistics

@@ -18,6 +18,7 @@ import jax
 from lclm import hf, storage
 from lclm.checkpoint import read_config, read_params
 from lclm.config import MESH_AXES, AttentionConfig, ModelConfig
+from lclm.config.model import ROPE_SCALINGS
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
 from lclm.files import check_input
@@ -61,6 +62,15 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
                     help="attention.strategy of the prefill (default: the checkpoint's)")
     ap.add_argument("--ulysses", type=int, default=None,
                     help="attention.ulysses, usp's Ulysses degree (default: the checkpoint's)")
+    ap.add_argument("--rope-scaling", choices=ROPE_SCALINGS, default=None,
+                    help="RoPE scaling at inference, over the model's own (default: the "
+                         "model's): e.g. yarn with --rope-factor 4 reads 4x the trained context "
+                         "without training")
+    ap.add_argument("--rope-factor", type=float, default=None,
+                    help="the scaling's factor (default: the model's)")
+    ap.add_argument("--rope-original-max-positions", type=int, default=None,
+                    help="the context the scaling starts from (default: the model's "
+                         "max_position_embeddings, the context it was trained at)")
 
 
 def load_model(args) -> tuple[Model, dict | None]:
@@ -69,9 +79,28 @@ def load_model(args) -> tuple[Model, dict | None]:
     check_input("--hf", args.hf)
     workdir = workdir_to_read(args.checkpoint) if args.checkpoint else None
     request_cpu_devices(_requested_devices(args, workdir))  # no effect once JAX has started
-    if workdir:
-        return load_checkpoint(args, workdir)
-    return load_hf(args), None
+    model, saved = load_checkpoint(args, workdir) if workdir else (load_hf(args), None)
+    return _rescaled(model, args), saved
+
+
+def _rescaled(model: Model, args) -> Model:
+    """`model` with the RoPE scaling of --rope-scaling / --rope-factor /
+    --rope-original-max-positions (the weights are the same: RoPE has no parameters)."""
+    changes = {k: v for k, v in (
+        ("rope_scaling", getattr(args, "rope_scaling", None)),
+        ("rope_factor", getattr(args, "rope_factor", None)),
+        ("rope_original_max_positions", getattr(args, "rope_original_max_positions", None)))
+        if v is not None}
+    if not changes:
+        return model
+    if "rope_original_max_positions" not in changes and "rope_scaling" in changes:
+        changes["rope_original_max_positions"] = model.config.max_position_embeddings
+    if changes.get("rope_factor", 1.0) <= 0 or changes.get("rope_original_max_positions", 1) < 1:
+        raise StartupError("--rope-factor and --rope-original-max-positions must be positive")
+    config = dataclasses.replace(model.config, **changes)
+    rope = (f"rope {config.rope_scaling} x{config.rope_factor:g} from "
+            f"{config.rope_original_max_positions}")
+    return dataclasses.replace(model, config=config, name=f"{model.name}, {rope}")
 
 
 def restore_params(workdir: str, step: int, model_config, mesh) -> dict:

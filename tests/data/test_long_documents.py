@@ -57,7 +57,7 @@ def test_entries_take_options_after_a_question_mark(tmp_path):
 
 
 @pytest.mark.parametrize("entry, why", [
-    ("a.jsonl?max_tokens=1k", "unknown option 'max_tokens=1k'; the options are min_tokens"),
+    ("a.jsonl?max_len=1k", "unknown option 'max_len=1k'; the options are min_tokens"),
     ("a.jsonl@0.5?short_keep=0.1", "short_below and short_keep go together"),
     ("a.jsonl?short_below=4k&short_keep=1.5", "short_keep=1.5 must be a probability"),
     ("a.jsonl?long_above=1k&long_repeat=0.5", "long_repeat=0.5 must be a number >= 1"),
@@ -271,3 +271,11 @@ def test_a_length_filter_keeps_each_sources_token_share_on_real_code(tmp_path):
     assert sum(b["tokens"] for b in modules["buckets"].values()) == pytest.approx(
         modules["tokens"], abs=len(modules["buckets"]))
     assert modules["documents"] < 0.75 * modules["source_documents"]   # short ones left out
+
+
+def test_max_tokens_keeps_only_the_short_documents():
+    rules = parse_options("max_tokens=8", "test")
+    lengths = np.array([1, 8, 9, 100])
+    f = LengthFilter([None] * 4, rules, seed=0, source=0)
+    assert f.keep(np.arange(4), lengths, epoch=0, copy=0).tolist() == [True, True, False, False]
+    assert rules.text() == "max_tokens=8"

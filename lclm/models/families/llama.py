@@ -2,7 +2,8 @@
 
 Presets: 1b/3b are LLaMA-3.2 (1.24B / 3.2B parameters), `llama3_8b` LLaMA-3 and 3.1 8B (one
 shape; 3.1's RoPE scaling comes from its config.json through `model.init_from_hf`; eos: the
-Instruct models' end of text and end of turn), 7b/13b LLaMA-2 (bos 1, eos 2: the
+Instruct models' end of text and end of turn), `smollm2_135m` SmolLM2-135M (trained at 8K;
+the project's real model: docs/checkpoints.md), 7b/13b LLaMA-2 (bos 1, eos 2: the
 defaults); `striped_attention_1b` is the 1B model of Striped Attention, LLaMA-2 style (the
 issue-14 bench shape).
 """
@@ -25,6 +26,10 @@ FAMILY = Family(
         "llama3_8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                           ffn_dim=14336, rope_theta=500000.0, norm_eps=1e-5,
                           tie_embeddings=False, bos_id=128000, eos_ids=(128001, 128009)),
+        "smollm2_135m": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                             ffn_dim=1536, rope_theta=100000.0, norm_eps=1e-5,
+                             tie_embeddings=True, bos_id=1, eos_ids=(2,),
+                             max_position_embeddings=8192),
         "striped_attention_1b": dict(vocab_size=32000, dim=2048, n_layers=22, n_heads=16,
                                      n_kv_heads=16, ffn_dim=5504, rope_theta=10000.0,
                                      norm_eps=1e-5, tie_embeddings=False),
