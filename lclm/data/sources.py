@@ -4,7 +4,8 @@ Record formats: .jsonl / .json (read tolerantly line by line: one bad line is sk
 the file), .txt (documents separated by blank lines), .parquet / .arrow files (read in
 place with pyarrow: no copy, no `datasets` cache), saved `datasets` directories (through
 `datasets`, memory-mapped), `hub:NAME` (a named hub dataset, only where a hub is reachable),
-and pre-tokenised directories written by `python -m lclm.data.prepare`. Nothing loaded is
+pre-tokenised directories written by `python -m lclm.data.prepare`, and directories of code
+packages (`lclm.data.code`: one document per package). Nothing loaded is
 unpickled or executed. Every path may be local or on gs:// or s3:// (through lclm.storage):
 there files read whole are downloaded, parquet files and pre-tokenised directories are read
 in ranges as documents are drawn, and Arrow files (which cannot be mapped) are held in memory.
@@ -38,7 +39,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lclm import storage
-from lclm.data import line_retrieval
+from lclm.config.schema import SOURCE_KINDS
+from lclm.data import code, line_retrieval
 from lclm.data.chat import ChatTemplate, conversation_turns, get_template
 from lclm.data.model_chat import TemplateRefused
 from lclm.errors import StartupError
@@ -627,8 +629,10 @@ def is_tokenized_dir(path: str) -> bool:
 
 def open_documents(kind: str, path: str, tokenizer, *, text_field: str = "text",
                    chat_template: str = "vicuna", stats: SourceStats | None = None):
-    """A random-access document set of source `kind` ('text', 'sharegpt', 'tokenized' or
-    'line_retrieval', whose `path` is its options: see `lclm.data.line_retrieval.Spec`).
+    """A random-access document set of source `kind` (one of SOURCE_KINDS: 'text',
+    'sharegpt', 'tokenized', 'code' and 'code-heldout', whose `path` is a directory of
+    packages: see `lclm.data.code`, or 'line_retrieval', whose `path` is its options: see
+    `lclm.data.line_retrieval.Spec`).
 
     A source that cannot give a single document fails here with a `DataError` (or
     `FileNotFoundError`) naming it; single malformed records are left out and counted in
@@ -637,6 +641,13 @@ def open_documents(kind: str, path: str, tokenizer, *, text_field: str = "text",
     stats = SourceStats() if stats is None else stats
     if kind == "line_retrieval":  # synthetic documents made on the fly; `path` holds options
         return line_retrieval.open_source(path, tokenizer)
+    if kind in ("code", "code-heldout"):
+        packages = code.CodeRecords(path, kind == "code-heldout", stats)
+        if not len(packages):
+            split = "held-out " if kind == "code-heldout" else ""
+            raise DataError(f"{kind}:{path} holds no {split}package with "
+                            f"{'/'.join(code.EXTENSIONS)} files")
+        return TextDocuments(packages, "text", tokenizer)
     if kind == "tokenized" or is_tokenized_dir(path):
         docs = TokenizedDocuments(path)
         if docs.vocab_size > tokenizer.vocab_size:
@@ -656,4 +667,4 @@ def open_documents(kind: str, path: str, tokenizer, *, text_field: str = "text",
         records = read_records(path, text_field, problem, ("conversations", "messages"),
                                stats)
         return ChatDocuments(records, tokenizer, template)
-    raise ValueError(f"unknown data source {kind!r}; use text, sharegpt or tokenized")
+    raise ValueError(f"unknown data source {kind!r}; use one of {', '.join(SOURCE_KINDS)}")

@@ -8,6 +8,7 @@ line naming the fix (ConfigError). The single-field checks are lclm.config.schem
 from __future__ import annotations
 
 import copy
+import os
 
 from lclm import storage
 from lclm.config.model import AttentionConfig, ModelConfig
@@ -133,6 +134,11 @@ def check_data(config) -> None:
         for kind, source, *_ in parse_sources(path, config.data.source, key):
             # synthetic sources hold options, not paths; hub datasets are found by `datasets`
             if kind == "line_retrieval" or source.startswith("hub:"):
+                continue
+            if kind in ("code", "code-heldout"):   # read with os: local directories only
+                if not os.path.isdir(source):
+                    _fail(f"config.{key}: {kind}:{source!r} is not a local directory; point "
+                          "it at a directory of packages (e.g. a site-packages)")
                 continue
             problem = storage.client_problem(source)
             if problem:
