@@ -39,6 +39,9 @@ MAX_FILE_BYTES = 1 << 20   # larger files are generated or data (The Stack drops
 MAX_DOCUMENT_BYTES = 8 << 20   # ~2M LLaMA tokens; bounds the cost of reading one document
 HELDOUT_SHARE = 0.05
 
+# the source kinds this module reads (data.path `code:DIR`, `code-heldout:DIR`)
+CODE_KINDS = ("code", "code-heldout")
+
 
 @dataclasses.dataclass(frozen=True)
 class CodeDocument:

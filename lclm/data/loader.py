@@ -341,7 +341,7 @@ class HostBatches:
         """JSON state after the last batch returned by `next` (restore it to continue)."""
         return self._state
 
-    def statistics(self, sample: int = 1000) -> dict:
+    def statistics(self, sample: int = 200) -> dict:
         """What one epoch of each source holds under its options and the token share of
         each source the run will train on (JSON-ready; the first call also logs it as a
         table): `{"mixture_unit", "sources": [{"kind", "path", "weight", "share",

@@ -641,7 +641,7 @@ def open_documents(kind: str, path: str, tokenizer, *, text_field: str = "text",
     stats = SourceStats() if stats is None else stats
     if kind == "line_retrieval":  # synthetic documents made on the fly; `path` holds options
         return line_retrieval.open_source(path, tokenizer)
-    if kind in ("code", "code-heldout"):
+    if kind in code.CODE_KINDS:
         packages = code.CodeRecords(path, kind == "code-heldout", stats)
         if not len(packages):
             split = "held-out " if kind == "code-heldout" else ""

@@ -31,7 +31,7 @@ from lclm.data.sources import open_documents
 from lclm.errors import StartupError
 from lclm.eval import report, retrieval
 from lclm.eval.model import load_model
-from lclm.eval.perplexity import check_data
+from lclm.eval.perplexity import data_source
 
 TASK = "needle"
 NEEDLE = "The special magic number is {number}."
@@ -112,10 +112,10 @@ def _run(args) -> int:
     report.check_model_args(args, retrieval.GRID_FLAGS)
     if "{number}" not in args.needle:
         raise StartupError(f"--needle {args.needle!r} has no {{number}} to put the number in")
-    check_data("--data", args.data)
+    source = data_source("--data", args.data)
     lengths = parse_lengths(args.lengths)
     model, _ = load_model(args)
-    docs = open_documents("text", args.data, model.tokenizer, text_field=args.text_field)
+    docs = open_documents(source.kind, source.path, model.tokenizer, text_field=args.text_field)
     make = lambda length: items(docs, model.tokenizer, length, args.depths, args.samples,
                                 args.digits, args.seed, args.needle, args.question)
     meta = dict(data=args.data, needle=args.needle, question=args.question)

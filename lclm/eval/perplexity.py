@@ -34,11 +34,14 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 
 import numpy as np
 
 from lclm.config.syntax import format_tokens, parse_lengths
+from lclm.data.code import CODE_KINDS
+from lclm.data.loader import SourceEntry, parse_sources
 from lclm.data.sources import SourceStats, is_tokenized_dir, open_documents, resolve_files
 from lclm.errors import StartupError
 from lclm.eval import report
@@ -220,7 +223,9 @@ def write_report(out_dir: str, result: dict, n_buckets: int, meta: dict) -> None
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data", required=True,
                     help="held-out documents: a .jsonl/.json/.txt/.parquet/.arrow file, a "
-                         "directory or glob of them, or a lclm.data.prepare directory")
+                         "directory or glob of them, a lclm.data.prepare directory, or one "
+                         "[kind:]path source of the data.path syntax (e.g. code-heldout:DIR, "
+                         "the held-out packages of a code directory)")
     ap.add_argument("--text-field", default="text", help="the documents' text field")
     ap.add_argument("--lengths", default="2k,4k,8k", help="comma-separated, e.g. 512,2k,4k")
     ap.add_argument("--buckets", type=int, default=8, help="equal position ranges")
@@ -234,16 +239,26 @@ def parse_args(argv=None, prog: str | None = None):
     return report.parse_task_args(__doc__, TASK, add_arguments, argv, prog)
 
 
-def check_data(flag: str, path: str) -> None:
-    """A --data that names nothing is one line before the model loads."""
-    check_input(flag, path)
-    if not is_tokenized_dir(path):
+def data_source(flag: str, text: str) -> SourceEntry:
+    """The one `[kind:]path` source --data names (the data.path syntax, 'text' by default);
+    one that names nothing is one line before the model loads."""
+    check_input(flag, text)
+    entries = parse_sources(text, "text", flag.lstrip("-"))
+    if len(entries) != 1:
+        raise StartupError(f"{flag} {text!r} names {len(entries)} sources; evaluate one at a "
+                           "time")
+    (entry,) = entries
+    if entry.kind in CODE_KINDS:
+        if not os.path.isdir(entry.path):
+            raise StartupError(f"{flag} {text!r}: {entry.path!r} is not a directory")
+    elif not is_tokenized_dir(entry.path):
         try:
-            resolve_files(path)
+            resolve_files(entry.path)
         except FileNotFoundError as e:
             # the sources word it for training (config.data.path); here the flag is meant
-            raise StartupError(f"{flag} {path!r}: "
+            raise StartupError(f"{flag} {text!r}: "
                                + str(e).replace("config.data.path", flag)) from None
+    return entry
 
 
 def main(argv=None, prog: str | None = None) -> int:
@@ -252,12 +267,12 @@ def main(argv=None, prog: str | None = None) -> int:
 
 def _run(args) -> int:
     report.check_model_args(args, ("buckets", "documents", "batch_size"))
-    check_data("--data", args.data)
+    source = data_source("--data", args.data)
     lengths = parse_lengths(args.lengths)
     model, saved = load_model(args)
     stats = SourceStats()
-    docs = open_documents("text", args.data, model.tokenizer, text_field=args.text_field,
-                          stats=stats)
+    docs = open_documents(source.kind, source.path, model.tokenizer,
+                          text_field=args.text_field, stats=stats)
     result = evaluate(model, docs, lengths, n_buckets=args.buckets, max_docs=args.documents,
                       batch_size=args.batch_size)
     if stats.skipped:

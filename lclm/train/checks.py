@@ -15,6 +15,7 @@ from lclm.config.model import AttentionConfig, ModelConfig
 from lclm.config.schema import MESH_AXES, check_fields
 from lclm.config.stages import validation_lengths
 from lclm.data.chat import TEMPLATE_NAMES
+from lclm.data.code import CODE_KINDS
 from lclm.data.loader import parse_sources
 from lclm.data.sources import names_data
 from lclm.errors import ConfigError
@@ -135,7 +136,7 @@ def check_data(config) -> None:
             # synthetic sources hold options, not paths; hub datasets are found by `datasets`
             if kind == "line_retrieval" or source.startswith("hub:"):
                 continue
-            if kind in ("code", "code-heldout"):   # read with os: local directories only
+            if kind in CODE_KINDS:   # read with os: local directories only
                 if not os.path.isdir(source):
                     _fail(f"config.{key}: {kind}:{source!r} is not a local directory; point "
                           "it at a directory of packages (e.g. a site-packages)")
