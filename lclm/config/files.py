@@ -40,13 +40,19 @@ def load_config(path: str, overrides: dict | None = None) -> ml_collections.Conf
         raise ConfigError(f"config file {path!r} line {_line_in(e, path)}: "
                           f"{type(e).__name__}: {e}") from None
     for key, value in (overrides or {}).items():
-        node, name = field(config, key)
-        try:
-            node[name] = value
-        except TypeError:
-            raise ConfigError(f"config key {key}={value!r}: expected type "
-                              f"{type(node[name]).__name__}") from None
+        set_field(config, key, value)
     return config
+
+
+def set_field(config, key: str, value, where: str = "config key") -> None:
+    """`config.<key> = value`; an unknown key or a value of the wrong type is a ConfigError
+    beginning with `where`."""
+    node, name = field(config, key)
+    try:
+        node[name] = value
+    except TypeError:
+        raise ConfigError(f"{where} {key}={value!r}: expected type "
+                          f"{type(node[name]).__name__}") from None
 
 
 def _line_in(error: Exception, path: str) -> int | str:

@@ -28,7 +28,7 @@ import math
 from typing import Any
 
 from lclm import storage
-from lclm.config.files import field, flat_items
+from lclm.config.files import field, flat_items, set_field
 from lclm.config.secrets import public_config
 from lclm.config.syntax import parse_schedule, parse_tokens
 from lclm.errors import ConfigError
@@ -126,15 +126,6 @@ def stage_records(config) -> list[dict[str, Any]]:
     return records
 
 
-def _set(c, key: str, value, where: str) -> None:
-    node, name = field(c, key)
-    try:
-        node[name] = value
-    except TypeError:
-        raise ConfigError(f"{where}: {key}={value!r}: expected type "
-                          f"{type(node[name]).__name__}") from None
-
-
 def stage_name(record: dict, index: int) -> str:
     return str(record.get("name") or index)
 
@@ -157,7 +148,7 @@ def stage_configs(config) -> list:
         c = copy.deepcopy(configs[-1] if configs else base)
         for key, value in record.items():
             if key not in STAGE_KEYS:
-                _set(c, key, value, where)
+                set_field(c, key, value, f"{where}:")
         tokens_per_batch = int(record.get("tokens_per_batch", tokens_per_batch))
         seq_len = c.data.seq_len
         if tokens_per_batch:
