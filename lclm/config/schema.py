@@ -172,6 +172,9 @@ class Validation:
     path: str = setting("", "the data.path syntax; empty: none")
     every: int = setting(200, rule=AT_LEAST_1)
     batches: int = setting(4, rule=AT_LEAST_1)
+    at_start: bool = setting(False, "also measure it before a fresh run's first step (a "
+                             "step-0 record in metrics.jsonl: what the run starts from; a "
+                             "stage's gate sets it)")
     lengths: str = setting("", "more sequence lengths to measure it at, each logged as "
                            "val_loss@LEN, e.g. \"2k,8k\", or \"stages\": this stage's and every "
                            "earlier stage's (a staged run then shows what it gained at its new "

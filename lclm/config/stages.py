@@ -9,11 +9,12 @@ A stage is a record of what changes at its start, written in a config file as
          data=dict(seq_len="64k", path="code@0.3,books@0.3,short@0.4"),
          model=dict(rope_theta=8e6), train=dict(lr=1e-5, warmup=500, decay="cosine"))
 
-plus four keys of the stage's own (`STAGE_KEYS`): `name` (shown in logs), `tokens` (the
-stage's length in tokens: train.steps = tokens / tokens per step, rounded up; or set
-train.steps), `tokens_per_batch` (data.batch_size = this / seq_len) and `optimizer` ('carry'
-or 'fresh': what a stage after the first takes from its predecessor besides the weights,
-`stages.optimizer` by default). A field a stage leaves out keeps the previous stage's value
+plus keys of the stage's own (`STAGE_KEYS`): `name` (shown in logs), `tokens` (the stage's
+length in tokens: train.steps = tokens / tokens per step, rounded up; or set train.steps),
+`tokens_per_batch` (data.batch_size = this / seq_len), `optimizer` ('carry' or 'fresh': what
+a stage after the first takes from its predecessor besides the weights, `stages.optimizer`
+by default) and `gate` (what the stage must reach before the next starts:
+lclm.train.gates). A field a stage leaves out keeps the previous stage's value
 (the first stage's: the config's), so a stage says only what changes; `tokens`, `name` and
 `optimizer` are the stage's alone. Any field may change but those that fix the weights'
 shapes and where they come from (`FIXED`). The one-line form `stages.schedule`
@@ -33,7 +34,7 @@ from lclm.config.secrets import public_config
 from lclm.config.syntax import parse_schedule, parse_tokens
 from lclm.errors import ConfigError
 
-STAGE_KEYS = ("name", "tokens", "tokens_per_batch", "optimizer")
+STAGE_KEYS = ("name", "tokens", "tokens_per_batch", "optimizer", "gate")
 # fields no stage may set: the weights' shapes and dtype (the next stage reads its
 # predecessor's weights and optimizer state), where the first weights come from, the run's
 # place and the stages themselves
@@ -45,6 +46,30 @@ FIXED = (
 # fields whose values may be written as token counts ('64k')
 _TOKEN_COUNTS = ("data.seq_len", "tokens", "tokens_per_batch")
 STAGES = "stages"
+# a stage's gate (evaluated by lclm.train.gates)
+GATE_KEYS = ("short_loss", "on_fail")
+ON_FAIL = ("stop", "warn")
+
+
+def check_gate(gate, where: str) -> dict:
+    """`gate` as written in a stage record, checked: a one-line ConfigError naming `where`."""
+    if not isinstance(gate, dict) or not gate:
+        raise ConfigError(f"{where}: gate={gate!r} is not a dict such as "
+                          "dict(short_loss=0.02, on_fail='stop')")
+    unknown = sorted(set(gate) - set(GATE_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: gate key {unknown[0]!r} is unknown; a gate has "
+                          f"{', '.join(GATE_KEYS)}")
+    if "short_loss" not in gate:
+        raise ConfigError(f"{where}: the gate names nothing to reach; set short_loss (e.g. "
+                          "0.02: the short-length held-out loss at most 2% above the "
+                          "stage's start)")
+    fraction = gate["short_loss"]
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or fraction < 0:
+        raise ConfigError(f"{where}: gate short_loss={fraction!r} must be a number >= 0")
+    if gate.get("on_fail", "stop") not in ON_FAIL:
+        raise ConfigError(f"{where}: gate on_fail={gate['on_fail']!r}; use 'stop' or 'warn'")
+    return gate
 
 
 def _flat(record: dict, where: str, prefix: str = "") -> dict[str, Any]:
@@ -53,7 +78,7 @@ def _flat(record: dict, where: str, prefix: str = "") -> dict[str, Any]:
     for key, value in record.items():
         if not isinstance(key, str):
             raise ConfigError(f"{where}: key {key!r} is not a field name")
-        if isinstance(value, dict):
+        if isinstance(value, dict) and not (prefix == "" and key in STAGE_KEYS):
             flat.update(_flat(value, where, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
@@ -113,6 +138,8 @@ def stage_records(config) -> list[dict[str, Any]]:
         if "tokens" in record and "train.steps" in record:
             raise ConfigError(f"{where} sets both tokens and train.steps; a stage's length is "
                               "one of them")
+        if "gate" in record:
+            check_gate(record["gate"], where)
         if i == 0 and "optimizer" in record:
             raise ConfigError(f"{where} sets optimizer, but the first stage has no predecessor "
                               "to take an optimizer from")
@@ -166,6 +193,11 @@ def stage_configs(config) -> list:
         c.validation.lengths = ",".join(
             ",".join(map(str, lengths)) if item.strip() == STAGES else item
             for item in config.validation.lengths.split(","))
+        if "gate" in record:   # judged against the held-out loss of the stage's first weights
+            if not c.validation.path:
+                raise ConfigError(f"{where}'s gate compares held-out losses; set "
+                                  "validation.path")
+            c.validation.at_start = True
         if configs:   # weights come from the previous stage, not from HF
             c.model.init_from_checkpoint = configs[-1].workdir
             c.train.optimizer_from_checkpoint = (

@@ -237,6 +237,14 @@ def _written_at_start(path: str):
                            "another workdir") from None
 
 
+def _start_record(config, losses: dict[int, float]) -> dict:
+    """The step-0 record of `validation.at_start`: the held-out loss of the first weights."""
+    record = dict(step=0, val_loss=losses[config.data.seq_len])
+    if len(losses) > 1:
+        record.update({f"val_loss@{n}": x for n, x in losses.items()})
+    return record
+
+
 def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
          lock: WorkdirLock, patience: WritePatience) -> list[dict]:
     devices = list(mesh.devices.flat)
@@ -290,6 +298,10 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                     else None)
         if is_main and progress is None and first <= total:   # the bar says it where there is one
             log.info("compiling the training step (step %d of %d)", first, total)
+        if val_losses is not None and config.validation.at_start and first == 1:
+            start = _start_record(config, val_losses(state.params))   # every process computes
+            if logger:
+                logger.log(start)
         started, first_logged = time.perf_counter(), None
         records = []
         preempted = threading.Event()

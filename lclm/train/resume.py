@@ -45,6 +45,7 @@ _FREE = (
     "model.scan_layers", "model.ffn_chunk", "model.loss_chunk", "model.dtype",
     "model.init_std", "model.init_from_hf", "model.init_from_checkpoint", "train.max_bad_steps",
     "train.grad_accum", "validation.path", "validation.every", "validation.batches",
+    "validation.at_start",
     "validation.lengths",
     # a stage's own config (seq_len, steps, lr, init) is compared; these only derive it
     "stages.schedule", "stages.tokens_per_batch", "stages.extend_lr", "stages.list",

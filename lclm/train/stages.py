@@ -20,8 +20,9 @@ import jax
 
 from lclm import storage
 from lclm.checkpoint import Checkpoints
-from lclm.config.stages import stage_configs
-from lclm.errors import ConfigError
+from lclm.config.stages import stage_configs, stage_name, stage_records
+from lclm.errors import ConfigError, TrainingHalted
+from lclm.train import gates
 from lclm.train.checks import validate
 from lclm.train.init_weights import SourceDamaged, apply_hf_shapes
 from lclm.train.loop import train
@@ -71,6 +72,7 @@ def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
     if config.model.init_from_hf:
         apply_hf_shapes(config)  # every stage validates against the real model shape
     configs = validate_stages(config, len(jax.devices()))
+    records = stage_records(config)
     # looked at only where it exists: opening Checkpoints would create the directory
     single = (_saved_step(config.workdir)
               if storage.isdir(storage.join(config.workdir, "checkpoints")) else None)
@@ -89,6 +91,7 @@ def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
         done = _saved_step(c.workdir)
         if done is not None and done >= c.train.steps:
             log.info("stage %d (seq_len %d) already finished at step %d", i, c.data.seq_len, done)
+            _pass_gate(c, records[i], i)
             i += 1
             continue
         log.info("stage %d: seq_len %d, rope_theta %g (scaling %s), %d steps of %d sequences "
@@ -115,5 +118,18 @@ def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
             log.warning("stage %d stopped at step %s of %d; run the same command to resume",
                         i, reached, c.train.steps)
             break
+        _pass_gate(c, records[i], i)
         i += 1
     return results
+
+
+def _pass_gate(config, record: dict, index: int) -> None:
+    """Evaluate a finished stage's gate, if it has one; a failed 'stop' gate halts the run
+    (exit 3) before the next stage: re-running evaluates it again."""
+    if "gate" not in record:
+        return
+    verdict = gates.evaluate(config, record["gate"], stage_name(record, index))
+    if not verdict.passed and verdict.stop:
+        raise TrainingHalted(f"{verdict.line}; the next stage did not start (train this one "
+                             "longer, loosen its gate, or set its gate's on_fail='warn'), "
+                             "then run the same command")

@@ -232,3 +232,44 @@ def test_fu_and_ultralong_recipes_state_their_numbers():
     assert ultra.train.steps * ultra.data.batch_size * ultra.data.seq_len >= 10 ** 9
     (entry,) = parse_sources(ultra.data.path, ultra.data.source)
     assert entry.options.long_repeat > 1
+
+
+@pytest.mark.slow
+def test_a_failed_gate_stops_before_the_next_stage_and_is_evaluated_again(tmp_path):
+    from lclm.errors import TrainingHalted
+    c = _config(tmp_path / "gated")
+    c.validation.update(path=f"{DEMO}/heldout.jsonl", lengths="stages", every=100, batches=1)
+    c.stages.list = [
+        dict(data=dict(seq_len=64), train=dict(steps=2, lr=1e-12, warmup=0), mesh=dict(sp=2),
+             gate=dict(short_loss=0.02)),   # unchanged weights: the short loss holds
+        dict(data=dict(seq_len=128), train=dict(steps=2, lr=3.0, warmup=0),  # wrecks it
+             gate=dict(short_loss=0.02)),
+        dict(train=dict(steps=1)),
+    ]
+    with pytest.raises(TrainingHalted, match=r"stage 1 gate: val_loss@64 .* FAILED; the next "
+                       "stage did not start"):
+        run_stages(c)
+    s0, s1, s2 = stage_configs(c)
+    with open(os.path.join(s0.workdir, "gate.json")) as f:
+        assert json.load(f)["passed"] is True
+    assert not os.path.exists(s2.workdir)
+    with pytest.raises(TrainingHalted):   # the same command evaluates it again
+        run_stages(c)
+    c.stages.list[1]["gate"] = dict(short_loss=0.02, on_fail="warn")
+    assert [len(r) for r in run_stages(c)] == [1]   # warned, and stage 2 trained
+    with open(os.path.join(s1.workdir, "gate.json")) as f:
+        verdict = json.load(f)
+    assert verdict["passed"] is False and verdict["end"] > 1.02 * verdict["start"]
+
+
+def test_gates_are_checked_at_start(tmp_path):
+    c = _config(tmp_path / "run")
+    c.stages.list = [dict(data=dict(seq_len=64), train=dict(steps=2), gate=dict(short_loss=0.02))]
+    with pytest.raises(ConfigError, match="gate compares held-out losses; set validation.path"):
+        stage_configs(c)
+    for gate, needle in ((dict(short_los=0.1), "gate key 'short_los' is unknown"),
+                         (dict(on_fail="warn"), "the gate names nothing to reach"),
+                         (dict(short_loss=0.1, on_fail="halt"), "on_fail='halt'")):
+        c.stages.list = [dict(train=dict(steps=2), gate=gate)]
+        with pytest.raises(ConfigError, match=needle):
+            stage_configs(c)
