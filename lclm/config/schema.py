@@ -34,10 +34,12 @@ from lclm.models.families import FAMILIES
 
 # the device mesh's axes, outermost first (lclm.parallel.mesh builds the mesh in this order)
 MESH_AXES = ("dp", "fsdp", "tp", "sp")
-# kinds of data.path entries (lclm.data.loader reads each; line_retrieval is synthetic,
-# generated: lclm/data/line_retrieval.py; code and code-heldout read directories of packages
-# as documents, the held-out ~5% of packages apart: lclm/data/code.py)
-SOURCE_KINDS = ("text", "sharegpt", "tokenized", "line_retrieval", "code", "code-heldout")
+# kinds of data.path entries (lclm.data.loader reads each; line_retrieval and ruler are
+# synthetic, generated: lclm/data/line_retrieval.py, lclm/data/ruler.py; code and
+# code-heldout read directories of packages as documents, the held-out ~5% of packages
+# apart: lclm/data/code.py)
+SOURCE_KINDS = ("text", "sharegpt", "tokenized", "line_retrieval", "ruler", "code",
+                "code-heldout")
 MIXTURE_UNITS = ("tokens", "documents")
 LR_DECAYS = ("cosine", "linear", "constant")
 # what a stage after the first does with its predecessor's optimizer state

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from lclm import storage
 from lclm.config.schema import SOURCE_KINDS
-from lclm.data import code, line_retrieval
+from lclm.data import code, line_retrieval, ruler
 from lclm.data.chat import ChatTemplate, conversation_turns, get_template
 from lclm.data.model_chat import TemplateRefused
 from lclm.errors import StartupError
@@ -631,8 +631,8 @@ def open_documents(kind: str, path: str, tokenizer, *, text_field: str = "text",
                    chat_template: str = "vicuna", stats: SourceStats | None = None):
     """A random-access document set of source `kind` (one of SOURCE_KINDS: 'text',
     'sharegpt', 'tokenized', 'code' and 'code-heldout', whose `path` is a directory of
-    packages: see `lclm.data.code`, or 'line_retrieval', whose `path` is its options: see
-    `lclm.data.line_retrieval.Spec`).
+    packages: see `lclm.data.code`, or 'line_retrieval' and 'ruler', whose `path` is their
+    options: see `lclm.data.line_retrieval.Spec`, `lclm.data.ruler.Spec`).
 
     A source that cannot give a single document fails here with a `DataError` (or
     `FileNotFoundError`) naming it; single malformed records are left out and counted in
@@ -641,6 +641,8 @@ def open_documents(kind: str, path: str, tokenizer, *, text_field: str = "text",
     stats = SourceStats() if stats is None else stats
     if kind == "line_retrieval":  # synthetic documents made on the fly; `path` holds options
         return line_retrieval.open_source(path, tokenizer)
+    if kind == ruler.KIND:
+        return ruler.open_source(path, tokenizer)
     if kind in code.CODE_KINDS:
         packages = code.CodeRecords(path, kind == "code-heldout", stats)
         if not len(packages):

@@ -6,6 +6,7 @@ own report `OUT/<task>.{md,json,png}`.
     passkey         a number hidden in filler text                   (lclm.eval.passkey)
     needle          a sentence hidden in your documents              (lclm.eval.needle)
     line-retrieval  numbered lines, one asked for                    (lclm.eval.line_retrieval)
+    ruler           RULER's generated tasks, effective length         (lclm.eval.ruler)
 
 `python -m lclm.eval TASK --help` lists a task's flags.
 """
@@ -15,13 +16,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from lclm.eval import line_retrieval, needle, passkey, perplexity
+from lclm.eval import line_retrieval, needle, passkey, perplexity, ruler
 
 TASKS: dict[str, Callable[..., int]] = {
     "perplexity": perplexity.main,
     "passkey": passkey.main,
     "needle": needle.main,
     "line-retrieval": line_retrieval.main,
+    "ruler": ruler.main,
 }
 
 
