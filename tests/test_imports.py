@@ -13,7 +13,7 @@ from support import ROOT
 LAYERS = ["lclm.errors", "lclm.hardware", "lclm.storage", "lclm.files",
           "lclm.models.families", "lclm.config",
           "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel", "lclm.models", "lclm.hf",
-          "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval",
+          "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval", "lclm.check",
           "lclm.plan", "lclm.convert"]
 
 
