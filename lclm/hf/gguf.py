@@ -22,7 +22,6 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 
-import gguf
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -44,6 +43,13 @@ _CONTROL, _USER_DEFINED = 3, 4
 # tokens for SmolLM2, whose merges never join a digit
 _SPLIT_DIGITS = {"default": False, "gpt2": False, "smollm": True}
 
+
+
+def _gguf():
+    """The `gguf` package, imported when a GGUF file is read: GPU images run lclm from its
+    sources without it, and every other conversion does without it."""
+    import gguf
+    return gguf
 
 def _is_gguf(path: str) -> bool:
     with open(path, "rb") as f:
@@ -79,11 +85,11 @@ def _value(field):
     """The Python value of a `gguf.ReaderField`: a number, bool or str, or a list of them
     (read from its parts, as every `gguf` version can)."""
     def one(part, kind):
-        if kind == gguf.GGUFValueType.STRING:
+        if kind == _gguf().GGUFValueType.STRING:
             return bytes(part).decode("utf-8")
         return part[0].item()
 
-    if field.types[0] == gguf.GGUFValueType.ARRAY:
+    if field.types[0] == _gguf().GGUFValueType.ARRAY:
         return [one(field.parts[i], field.types[-1]) for i in field.data]
     return one(field.parts[field.data[0]], field.types[0])
 
@@ -139,7 +145,7 @@ def config_from_gguf(meta: dict, tied: bool) -> ModelConfig:
 def _dequantized(tensor) -> np.ndarray:
     """A `gguf.ReaderTensor` as float32, `[out, in]` for a matrix (ggml's shape reversed)."""
     try:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        values = _gguf().quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
         raise HFFormatError(f"tensor {tensor.name!r} is {tensor.tensor_type.name}, which the "
                             "gguf package cannot dequantize") from None
@@ -266,7 +272,7 @@ def gguf_to_hf(path: str, hf_dir: str) -> list[str]:
     is whole on the host (4 bytes a parameter): meant for small models."""
     with gguf_file(path) as local:
         try:
-            reader = gguf.GGUFReader(local)
+            reader = _gguf().GGUFReader(local)
         except ValueError as e:   # a GGUF version or a layout the reader refuses
             raise HFFormatError(f"{path!r}: the gguf package cannot read it ({e})") from None
         meta = read_metadata(reader)

@@ -134,7 +134,8 @@ def test_train_step_grads_with_accumulation_do_not_degrade_with_more_chunks():
     from lclm.train.step import make_train_step
 
     mesh, sp, t, input_vocab = make_mesh(fsdp=2, sp=2), 2, 512, 128
-    train = types.SimpleNamespace(grad_accum=2, lr=1.0, warmup=1, steps=1, min_lr_ratio=1.0)
+    train = types.SimpleNamespace(grad_accum=2, lr=1.0, warmup=1, steps=1, min_lr_ratio=1.0,
+                                  decay="cosine")
     optimizer = optax.sgd(lambda count: -1.0)
     batch = batch_to_layout(_batch(np.random.default_rng(3), 4, t, 512, input_vocab),
                             "striped", sp)
