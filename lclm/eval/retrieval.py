@@ -36,10 +36,10 @@ class Item:
 
 
 def generate_answers(model: Model, prompts: list[np.ndarray], max_new: int,
-                     batch_size: int) -> tuple[list[str], int]:
-    """Greedy answers (text up to EOS) of token prompts, `batch_size` rows per prefill, and
-    the padded length all rows shared. The last batch is filled up with copies of its last
-    prompt so that the mesh's batch axes divide it."""
+                     batch_size: int, stop: int | None = None) -> tuple[list[str], int]:
+    """Greedy answers (text up to EOS, or the first `stop` id) of token prompts, `batch_size`
+    rows per prefill, and the padded length all rows shared. The last batch is filled up with
+    copies of its last prompt so that the mesh's batch axes divide it."""
     length = padded_length(max(map(len, prompts)), model.mesh.shape["sp"],
                            model.config.ffn_chunk, model.attention)
     pad = prompts[0][-1]  # any id: the pad segment is never attended to
@@ -50,7 +50,7 @@ def generate_answers(model: Model, prompts: list[np.ndarray], max_new: int,
         rows = pad_front(group + [group[-1]] * (batch_size - n), length, pad)
         ids = greedy_generate(model.config, model.attention, model.params, *rows, max_new,
                               mesh=model.mesh)
-        answers.extend(answer_text(model.tokenizer, row) for row in ids[:n])
+        answers.extend(answer_text(model.tokenizer, row, stop) for row in ids[:n])
     return answers, length
 
 

@@ -37,8 +37,7 @@ from lclm.config.syntax import format_tokens, parse_lengths
 from lclm.data import ruler
 from lclm.errors import ConfigError, StartupError
 from lclm.eval import report, retrieval
-from lclm.eval.decode import greedy_generate, pad_front, padded_length
-from lclm.eval.model import Model, answer_text, load_model
+from lclm.eval.model import Model, load_model
 
 log = logging.getLogger(__name__)
 
@@ -82,22 +81,6 @@ def prompts(tokenizer, form: ruler.Form, tasks: list[str], lengths: list[int], s
             for n in lengths for task in tasks}
 
 
-def decode(model: Model, tokens: list[np.ndarray], max_new: int, rows: int,
-           stop: int) -> list[str]:
-    """Greedy answers of token prompts (text up to EOS or `stop`), `rows` prompts per prefill;
-    the last prefill is filled up with copies of its last prompt."""
-    length = padded_length(max(map(len, tokens)), model.mesh.shape["sp"],
-                           model.config.ffn_chunk, model.attention)
-    out: list[str] = []
-    for start in range(0, len(tokens), rows):
-        group = tokens[start:start + rows]
-        batch = pad_front(group + [group[-1]] * (rows - len(group)), length, pad_id=0)
-        ids = greedy_generate(model.config, model.attention, model.params, *batch, max_new,
-                              mesh=model.mesh)
-        out += [answer_text(model.tokenizer, row, stop) for row in ids[:len(group)]]
-    return out
-
-
 def evaluate(model: Model, form: ruler.Form, made: dict, *, batch_size: int | None = None
              ) -> dict:
     """Scores {task: {length: percent}}, the average per length and one record per prompt.
@@ -107,8 +90,8 @@ def evaluate(model: Model, form: ruler.Form, made: dict, *, batch_size: int | No
     records = []
     for (task, n), items in made.items():
         start = time.time()
-        texts = decode(model, [s.tokens for s in items], ruler.TASKS[task].budget, rows,
-                       form.end_id)
+        texts, _ = retrieval.generate_answers(model, [s.tokens for s in items],
+                                              ruler.TASKS[task].budget, rows, form.end_id)
         got = [string_match_all(postprocess(t), s.answers) for t, s in zip(texts, items)]
         scores.setdefault(task, {})[n] = round(100 * float(np.mean(got)), 2)
         records += [dict(task=task, length=n, index=i, prompt_tokens=len(s.tokens),
