@@ -38,10 +38,8 @@ NEAR_UNIFORM = 1.0   # nats below ln(V) that count as "near ln(V)": next to noth
 LONG_MARGIN = 0.5    # nats the long loss may exceed the short one by (it has more context)
 # relative tolerances of check 2 (loss, gradient norm) and absolute per-token loss change of
 # check 3, by compute dtype: float32 strategies agree to ~1e-6, bfloat16 ones to ~1e-3
-STRATEGY_TOLERANCE = {"float32": (2e-4, 2e-3)}
-BF16_STRATEGY_TOLERANCE = (1e-2, 5e-2)
-LEAK_TOLERANCE = {"float32": 1e-5}
-BF16_LEAK_TOLERANCE = 1e-3
+STRATEGY_TOLERANCE = {"float32": (2e-4, 2e-3), "bfloat16": (1e-2, 5e-2)}
+LEAK_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-3}
 PIECES = 4           # documents a one-document row is cut into for check 3
 
 
@@ -138,7 +136,7 @@ def strategy_check(run: Run) -> Result:
     one = make_mesh(devices=jax.devices()[:1])
     ref_loss, ref_norm = loss_and_grad_norm(
         run, one, jax.device_put(run.params, param_shardings(run.model, one)))
-    loss_tol, norm_tol = STRATEGY_TOLERANCE.get(run.model.dtype, BF16_STRATEGY_TOLERANCE)
+    loss_tol, norm_tol = STRATEGY_TOLERANCE[run.model.dtype]
     loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-6)
     norm_err = abs(norm - ref_norm) / max(abs(ref_norm), 1e-6)
     ok = loss_err <= loss_tol and norm_err <= norm_tol
@@ -181,7 +179,7 @@ def document_check(run: Run) -> Result:
     changed["tokens"][i, inside] = noise
     before, after = losses_by_token(run, rows), losses_by_token(run, changed)
     change = float(np.max(np.abs(before[i, ~inside] - after[i, ~inside])))
-    tol = LEAK_TOLERANCE.get(run.model.dtype, BF16_LEAK_TOLERANCE)
+    tol = LEAK_TOLERANCE[run.model.dtype]
     ok = change <= tol
     verdict = ("unchanged" if ok else "CHANGED: tokens attend across document boundaries; "
                "check that segment ids reach the attention (data.document_mask, the kernel's "

@@ -16,8 +16,6 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
-from lclm import storage
-from lclm.checkpoint import Checkpoints
 from lclm.config import MESH_AXES, AttentionConfig, ModelConfig
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
@@ -29,6 +27,7 @@ from lclm.parallel.mesh import make_mesh
 from lclm.train.checks import check_data, validate
 from lclm.train.init_weights import apply_checkpoint_fields, apply_hf_shapes, load_hf_params
 from lclm.train.state import param_shardings
+from lclm.train.workdirs import has_checkpoint, saved_steps
 
 MAX_ROWS = 2            # batch rows a check runs (the data axis of the shrunk mesh)
 SHORT_FRACTION = 8      # the short length is about 1/8 of the target ...
@@ -125,7 +124,7 @@ def weights_source(stage, first) -> tuple[ConfigDict, str]:
     stage's initial weights stand in (with this stage's model settings: RoPE and the rest)."""
     c = copy.deepcopy(stage)
     source = c.model.init_from_checkpoint
-    if source and stage is not first and _latest_step(source) is None:
+    if source and stage is not first and not has_checkpoint(source):
         c.model.update(init_from_hf=first.model.init_from_hf,
                        init_from_checkpoint=first.model.init_from_checkpoint)
         what = _source_words(c)
@@ -140,17 +139,6 @@ def _source_words(config) -> str:
     if m.init_from_hf:
         return f"HF {m.init_from_hf}"
     return f"random init (seed {config.seed}): untrained"
-
-
-def _latest_step(workdir: str) -> int | None:
-    """The latest checkpoint step in `workdir`, or None (nothing is created where none is)."""
-    if not storage.exists(storage.join(workdir, "checkpoints")):
-        return None
-    checkpoints = Checkpoints(workdir, every=0, keep=1)
-    try:
-        return checkpoints.latest_step()
-    finally:
-        checkpoints.close()
 
 
 def prepare(stage, first, length: int | None) -> Run:
@@ -182,10 +170,10 @@ def initial_params(config, model: ModelConfig, mesh) -> dict:
         return load_hf_params(config, model, mesh)
     if config.model.init_from_checkpoint:
         source = config.model.init_from_checkpoint
-        step = _latest_step(source)
-        if step is None:
+        steps = saved_steps(source)
+        if not steps:
             raise FileNotFoundError(f"model.init_from_checkpoint={source!r} has no checkpoint")
-        return restore_params(source, step, model, mesh)
+        return restore_params(source, steps[-1], model, mesh)
     params = init_params(model, jax.random.key(config.seed))
     return jax.device_put(params, param_shardings(model, mesh))
 
