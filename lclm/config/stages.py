@@ -30,6 +30,7 @@ from typing import Any
 
 from lclm import storage
 from lclm.config.files import field, flat_items, set_field
+from lclm.config.schema import STAGE_OPTIMIZER
 from lclm.config.secrets import public_config
 from lclm.config.syntax import parse_schedule, parse_tokens
 from lclm.errors import ConfigError
@@ -111,8 +112,8 @@ def stage_records(config) -> list[dict[str, Any]]:
         any_sp = any(stage.sp for stage in stages)
         for i, stage in enumerate(stages):
             record: dict[str, Any] = {"data.seq_len": stage.seq_len,
-                                         "model.rope_theta": stage.rope_theta,
-                                         "train.steps": stage.steps}
+                                      "model.rope_theta": stage.rope_theta,
+                                      "train.steps": stage.steps}
             if any_sp:   # a stage without sp runs on the config's mesh.sp
                 record["mesh.sp"] = stage.sp or config.mesh.sp
             if i and config.stages.extend_lr:
@@ -143,9 +144,9 @@ def stage_records(config) -> list[dict[str, Any]]:
         if i == 0 and "optimizer" in record:
             raise ConfigError(f"{where} sets optimizer, but the first stage has no predecessor "
                               "to take an optimizer from")
-        if record.get("optimizer", "carry") not in ("carry", "fresh"):
-            raise ConfigError(f"{where}: optimizer={record['optimizer']!r}; use 'carry' or "
-                              "'fresh'")
+        if record.get("optimizer", "carry") not in STAGE_OPTIMIZER:
+            raise ConfigError(f"{where}: optimizer={record['optimizer']!r}; use one of "
+                              f"{STAGE_OPTIMIZER}")
         for key in _TOKEN_COUNTS:
             if key in record:
                 record[key] = _token_count(record[key], key, where)

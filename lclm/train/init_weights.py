@@ -1,8 +1,8 @@
 """Where a run's first weights come from when it does not resume: a HuggingFace directory
 (`model.init_from_hf`) or another lclm run's latest checkpoint (`model.init_from_checkpoint`,
 with its optimizer state where `train.optimizer_from_checkpoint`), with the model fields each
-determines (shapes, token ids, positions, RoPE scaling). The
-weights are read into the run's shardings; nothing is unpickled.
+determines (shapes, token ids, positions, RoPE scaling). The weights are read into the run's
+shardings; nothing is unpickled.
 """
 
 from __future__ import annotations

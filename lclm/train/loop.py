@@ -237,12 +237,13 @@ def _written_at_start(path: str):
                            "another workdir") from None
 
 
-def _start_record(config, losses: dict[int, float]) -> dict:
-    """The step-0 record of `validation.at_start`: the held-out loss of the first weights."""
-    record = dict(step=0, val_loss=losses[config.data.seq_len])
+def _val_fields(config, losses: dict[int, float]) -> dict:
+    """A metric record's held-out losses: `val_loss` at the run's own length and, where it
+    measures several, `val_loss@LEN` for each (its own included)."""
+    fields = dict(val_loss=losses[config.data.seq_len])
     if len(losses) > 1:
-        record.update({f"val_loss@{n}": x for n, x in losses.items()})
-    return record
+        fields.update({f"val_loss@{n}": x for n, x in losses.items()})
+    return fields
 
 
 def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
@@ -299,7 +300,8 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
         if is_main and progress is None and first <= total:   # the bar says it where there is one
             log.info("compiling the training step (step %d of %d)", first, total)
         if val_losses is not None and config.validation.at_start and first == 1:
-            start = _start_record(config, val_losses(state.params))   # every process computes
+            # the first weights' held-out loss (validation.at_start): every process computes
+            start = dict(step=0, **_val_fields(config, val_losses(state.params)))
             if logger:
                 logger.log(start)
         started, first_logged = time.perf_counter(), None
@@ -367,10 +369,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                               skipped_steps=faults.skipped_steps)
                 first_logged = first_logged or now
                 if validating:   # not counted in the next steps' time
-                    losses = val_losses(state.params)
-                    record["val_loss"] = losses[config.data.seq_len]
-                    if len(losses) > 1:   # val_loss@LEN for every length, its own included
-                        record.update({f"val_loss@{n}": x for n, x in losses.items()})
+                    record.update(_val_fields(config, val_losses(state.params)))
                     now = time.perf_counter()
                 t0, since = now, step
                 records.append(record)

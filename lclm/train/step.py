@@ -35,20 +35,23 @@ def lr_schedule(train_config) -> optax.Schedule:
     return lambda count: base(count + 1)
 
 
+def _is_schedule(x) -> bool:
+    """Whether `x` is the state of the optimizer's learning-rate schedule (its count)."""
+    return isinstance(x, optax.ScaleByScheduleState)
+
+
 def applied_updates(opt_state) -> jax.Array:
     """How many updates the optimizer has applied (skipped steps are not counted): the count
     its learning-rate schedule is evaluated at."""
-    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
-    (state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(x)]
+    (state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_schedule) if _is_schedule(x)]
     return state.count
 
 
 def restart_schedule(opt_state):
     """`opt_state` with its learning-rate schedule's count at 0 (a new stage's schedule
     starts from its warm-up; Adam's own count, its bias correction, is left as it is)."""
-    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
     return jax.tree.map(lambda x: x._replace(count=jnp.zeros_like(x.count))
-                        if is_schedule(x) else x, opt_state, is_leaf=is_schedule)
+                        if _is_schedule(x) else x, opt_state, is_leaf=_is_schedule)
 
 
 def make_optimizer(train_config) -> optax.GradientTransformation:
