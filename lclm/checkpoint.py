@@ -54,6 +54,9 @@ def _reader(workdir: str):
     that parameters can be restored without the optimizer state."""
     directory = storage.absolute(storage.join(workdir, "checkpoints"))
     if not storage.isdir(directory):
+        if not storage.exists(workdir):
+            raise FileNotFoundError(f"{workdir!r} does not exist; pass the workdir of an "
+                                    "lclm run")
         raise FileNotFoundError(f"no checkpoints in {workdir!r} (expected {directory})")
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler()}

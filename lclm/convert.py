@@ -43,7 +43,7 @@ from lclm.files import check_input, check_output, output_problem
 from lclm.hf import gguf
 from lclm.models.decoder import param_count, param_shapes, rope_scale
 from lclm.parallel import make_mesh
-from lclm.train.lock import WorkdirLock
+from lclm.train.object_lock import workdir_lock
 from lclm.train.resume import CONVERTED_FROM, tokenizer_fingerprint
 from lclm.train.state import TrainState, param_shardings, state_shardings
 from lclm.train.step import make_optimizer
@@ -112,7 +112,7 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
     config = base_config()
     lock = None
     if storage.isdir(workdir):   # a live run there refuses the conversion before any reading
-        lock = WorkdirLock(workdir, config.workdir_lease_minutes)
+        lock = workdir_lock(workdir, config.workdir_lease_minutes)
         lock.acquire()
     try:
         optimizer = make_optimizer(config.train)
@@ -131,7 +131,7 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
         state = TrainState(jnp.zeros((), jnp.int32), params, opt_state)
         if lock is None:
             storage.makedirs(workdir)
-            lock = WorkdirLock(workdir, config.workdir_lease_minutes)  # as training does
+            lock = workdir_lock(workdir, config.workdir_lease_minutes)  # as training does
             lock.acquire()
         checkpoints = Checkpoints(workdir, every=0, keep=3)
         try:
@@ -233,7 +233,8 @@ def _report(workdir, step, hf_dir, model, trained, tokenizer, sizes, notes) -> N
             what = (f"{model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}, "
                     f"{model.param_dtype}; {rope}; max_position_embeddings "
                     f"{model.max_position_embeddings} (longest trained: {trained}); "
-                    f"bos {model.bos_id}, eos {list(model.eos_ids)}")
+                    f"bos {model.bos_id if model.bos_id >= 0 else 'none'}, eos "
+                    f"{list(model.eos_ids) if model.eos_ids else 'none'}")
         elif name.startswith("tokenizer") or name == "special_tokens_map.json":
             what = f"from {tokenizer}"
         print(f"  {name:<32} {size:>14,} bytes  {what}".rstrip())

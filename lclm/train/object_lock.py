@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 class ObjectLock(WorkdirLock):
     """`WorkdirLock` for a gs:// or s3:// workdir."""
 
+    OBJECT_STORE = True
+
     def __init__(self, workdir: str, lease_minutes: float = 10.0):
         super().__init__(workdir.rstrip("/"), lease_minutes)
         self.path = storage.join(self.workdir, "lock")
@@ -81,7 +83,8 @@ class ObjectLock(WorkdirLock):
 
 def workdir_lock(workdir: str, lease_minutes: float = 10.0) -> WorkdirLock:
     """The lease lock of `workdir`: a file (lclm.train.lock), or for a gs:// or s3:// workdir
-    an object."""
+    an object. Every writer of a workdir (training, `lclm.convert --to-checkpoint`) takes its
+    lock here; each class refuses the other's paths."""
     if storage.is_remote(workdir):
         return ObjectLock(workdir, lease_minutes)
     return WorkdirLock(workdir, lease_minutes)
