@@ -1,9 +1,11 @@
 """lclm's import graph runs one way: errors -> storage -> files -> the model families'
 declarations (lclm.models.families: no JAX, read by the config's presets and choices) ->
 config -> logs/cli -> ops
--> parallel -> models -> hf -> data -> checkpoint -> train -> eval -> the planner and converter
-CLIs. No module imports a higher layer, none imports lclm inside a function (the old way to
-dodge a cycle), and so there are no cycles. Read from the source (AST), nothing is imported."""
+-> parallel -> models -> hf -> data -> checkpoint -> train -> eval -> the training program
+(lclm.train.__main__, whose stage gates score RULER with evaluation's code) -> the planner
+and converter CLIs. No module imports a higher layer, none imports lclm inside a function
+(the old way to dodge a cycle), and so there are no cycles. Read from the source (AST),
+nothing is imported."""
 
 import ast
 import pathlib
@@ -13,8 +15,8 @@ from support import ROOT
 LAYERS = ["lclm.errors", "lclm.hardware", "lclm.storage", "lclm.files",
           "lclm.models.families", "lclm.config",
           "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel", "lclm.models", "lclm.hf",
-          "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval", "lclm.check",
-          "lclm.plan", "lclm.convert"]
+          "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval", "lclm.train.__main__",
+          "lclm.check", "lclm.plan", "lclm.convert"]
 
 
 def _layer(module: str) -> int | None:

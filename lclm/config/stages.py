@@ -48,8 +48,13 @@ FIXED = (
 _TOKEN_COUNTS = ("data.seq_len", "tokens", "tokens_per_batch")
 STAGES = "stages"
 # a stage's gate (evaluated by lclm.train.gates)
-GATE_KEYS = ("short_loss", "on_fail")
+GATE_KEYS = ("short_loss", "ruler", "on_fail")
 ON_FAIL = ("stop", "warn")
+# a gate's RULER subset: what `python -m lclm.eval ruler` takes, scored on the stage's final
+# checkpoint at `length` (default: the stage's seq_len)
+GATE_RULER_KEYS = ("min_score", "tasks", "samples", "length", "seed", "chat", "batch_size")
+GATE_RULER_DEFAULTS = dict(tasks="niah_single_1,niah_multikey_1,vt", samples=10, seed=42,
+                           chat=None, batch_size=None)
 
 
 def check_gate(gate, where: str) -> dict:
@@ -61,16 +66,57 @@ def check_gate(gate, where: str) -> dict:
     if unknown:
         raise ConfigError(f"{where}: gate key {unknown[0]!r} is unknown; a gate has "
                           f"{', '.join(GATE_KEYS)}")
-    if "short_loss" not in gate:
+    if "short_loss" not in gate and "ruler" not in gate:
         raise ConfigError(f"{where}: the gate names nothing to reach; set short_loss (e.g. "
                           "0.02: the short-length held-out loss at most 2% above the "
-                          "stage's start)")
-    fraction = gate["short_loss"]
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or fraction < 0:
-        raise ConfigError(f"{where}: gate short_loss={fraction!r} must be a number >= 0")
+                          "stage's start) or ruler (e.g. dict(min_score=80): RULER's "
+                          "average at the stage's length)")
+    if "short_loss" in gate:
+        fraction = gate["short_loss"]
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or fraction < 0:
+            raise ConfigError(f"{where}: gate short_loss={fraction!r} must be a number >= 0")
+    if "ruler" in gate:
+        _check_gate_ruler(gate["ruler"], where)
     if gate.get("on_fail", "stop") not in ON_FAIL:
         raise ConfigError(f"{where}: gate on_fail={gate['on_fail']!r}; use 'stop' or 'warn'")
     return gate
+
+
+def _check_gate_ruler(spec, where: str) -> None:
+    """A gate's `ruler` dict: its keys and their types (task names are checked with the
+    tokenizer at start: lclm.train.stages)."""
+    if not isinstance(spec, dict) or "min_score" not in spec:
+        raise ConfigError(f"{where}: gate ruler={spec!r} is not a dict such as "
+                          "dict(min_score=80, tasks='niah_single_1,vt', samples=10)")
+    unknown = sorted(set(spec) - set(GATE_RULER_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: gate ruler key {unknown[0]!r} is unknown; it has "
+                          f"{', '.join(GATE_RULER_KEYS)}")
+    score = spec["min_score"]
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0 <= score <= 100:
+        raise ConfigError(f"{where}: gate ruler min_score={score!r} must be a percentage "
+                          "(0-100), RULER's scale")
+    for key in ("samples", "seed", "batch_size"):
+        value = spec.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < (0 if key == "seed" else 1)):
+            raise ConfigError(f"{where}: gate ruler {key}={value!r} must be a positive integer")
+    if not isinstance(spec.get("tasks", ""), str):
+        raise ConfigError(f"{where}: gate ruler tasks={spec['tasks']!r} must be a "
+                          "comma-separated string")
+    if spec.get("chat") not in (None, "tokenizer"):
+        raise ConfigError(f"{where}: gate ruler chat={spec['chat']!r}; use None (RULER's base "
+                          "prompts) or 'tokenizer' (its chat template)")
+
+
+def gate_ruler(gate: dict, seq_len: int) -> dict | None:
+    """A gate's RULER subset with its defaults filled in (`length` the stage's `seq_len`
+    unless it sets one), or None when it has none."""
+    if "ruler" not in gate:
+        return None
+    spec = dict(GATE_RULER_DEFAULTS, **gate["ruler"])
+    spec["length"] = parse_tokens(str(spec.get("length") or seq_len))
+    return spec
 
 
 def _flat(record: dict, where: str, prefix: str = "") -> dict[str, Any]:
@@ -194,7 +240,8 @@ def stage_configs(config) -> list:
         c.validation.lengths = ",".join(
             ",".join(map(str, lengths)) if item.strip() == STAGES else item
             for item in config.validation.lengths.split(","))
-        if "gate" in record:   # judged against the held-out loss of the stage's first weights
+        if "short_loss" in record.get("gate", {}):
+            # judged against the held-out loss of the stage's first weights
             if not c.validation.path:
                 raise ConfigError(f"{where}'s gate compares held-out losses; set "
                                   "validation.path")

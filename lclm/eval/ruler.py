@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from lclm import storage
 from lclm.config.syntax import format_tokens, parse_lengths
 from lclm.data import ruler
 from lclm.errors import ConfigError, StartupError
@@ -176,7 +177,8 @@ def main(argv=None, prog: str | None = None) -> int:
     return report.run_task(parse_args(argv, prog), _run)
 
 
-def _run(args) -> int:
+def _evaluate(args) -> tuple[dict, dict, str]:
+    """(the result, its description, the markdown table) of the flags `args`."""
     report.check_model_args(args, ("samples", "batch_size"))
     tasks, lengths = task_names(args.tasks), parse_lengths(args.lengths)
     model, _ = load_model(args)
@@ -190,11 +192,43 @@ def _run(args) -> int:
                 strategy=model.attention.strategy, form=args.chat or "base",
                 samples_per_cell=args.samples, seed=args.seed, lengths=lengths,
                 threshold=THRESHOLD, haystack="Python reference documentation (pydoc_data)")
-    table = markdown_table(result)
-    print(table, flush=True)
+    return result, meta, markdown_table(result)
+
+
+def _save(args, result: dict, meta: dict, table: str, title: str) -> int:
     return report.save_report(args.out, TASK, lambda folder: report.write_files(
         folder, TASK, table, dict(meta, **result),
-        lambda path: heatmap(path, result, f"RULER: {model.name}")))
+        lambda path: heatmap(path, result, title)))
+
+
+def _run(args) -> int:
+    result, meta, table = _evaluate(args)
+    print(table, flush=True)
+    return _save(args, result, meta, table, f"RULER: {meta['model']}")
+
+
+def gate_argv(workdir: str, spec: dict) -> list[str]:
+    """The `python -m lclm.eval ruler` flags that score a stage gate's RULER subset (`spec`:
+    lclm.config.stages.gate_ruler's) on the stage's final checkpoint in `workdir`."""
+    argv = ["--checkpoint", workdir, "--lengths", str(spec["length"]),
+            "--tasks", spec["tasks"], "--samples", str(spec["samples"]),
+            "--seed", str(spec["seed"]), "--out", storage.join(workdir, "ruler_gate")]
+    if spec["chat"]:
+        argv += ["--chat", spec["chat"]]
+    if spec["batch_size"]:
+        argv += ["--batch-size", str(spec["batch_size"])]
+    return argv
+
+
+def score_gate(workdir: str, spec: dict) -> dict:
+    """A stage gate's RULER subset scored on the stage's final checkpoint, on its own mesh,
+    as `python -m lclm.eval ruler` with `gate_argv`'s flags scores it (the report in
+    `workdir/ruler_gate/`); lclm.train.gates' `score_ruler`."""
+    args = parse_args(gate_argv(workdir, spec), prog=f"{TASK} gate")
+    result, meta, table = _evaluate(args)
+    log.info("RULER gate of %s:\n%s", workdir, table)
+    _save(args, result, meta, table, f"RULER gate: {meta['model']}")
+    return result
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ can be overridden with --config.<path>=<value>; `--help` lists every field with 
 When the mesh needs more devices than the machine has, they are simulated on the CPU. A bad
 config or input stops the run at start with one line `error: ...` and exit status 2; a run
 that stops itself (train.max_bad_steps non-finite steps in a row, checkpoints that cannot be
-saved) prints one line and exits with status 3.
+saved, a stage gate that fails) prints one line and exits with status 3. This program sits
+above lclm.eval in the layers: a stage gate's RULER subset is scored by evaluation's code.
 """
 
 import sys
@@ -22,6 +23,7 @@ from lclm import logs
 from lclm.cli import config_main
 from lclm.config import mesh_device_count
 from lclm.config.stages import stage_configs
+from lclm.eval.ruler import score_gate
 from lclm.parallel import distributed
 from lclm.parallel.devices import allow_gpu_host_memory, request_cpu_devices
 from lclm.train.loop import train
@@ -41,7 +43,7 @@ def run(config) -> None:
     logs.configure()
     distributed.initialize()
     logs.configure(main_process=jax.process_index() == 0)
-    run_stages(config) if stages else train(config)
+    run_stages(config, score_ruler=score_gate) if stages else train(config)
 
 
 def main(argv: list[str] | None = None) -> int:

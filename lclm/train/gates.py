@@ -1,30 +1,41 @@
 """Stage gates: what a stage must reach before the next one starts (Llama 3 advanced its
 context stages only once short-context skill had recovered).
 
-A stage's `gate` (a key of its record in `stages.list`) is a dict:
+A stage's `gate` (a key of its record in `stages.list`) is a dict of one or both of:
 - `short_loss`: a fraction f. The held-out loss at the shortest validation length at the
   stage's end must be at most (1 + f) x its value at the stage's start (the stage's own first
   weights, measured before its first step: `validation.at_start`), i.e. the longer context
   was not bought with the short one.
-- `on_fail`: 'stop' (the default: the run stops, exit 3, before the next stage) or 'warn'.
+- `ruler`: a RULER subset, e.g. dict(min_score=80, tasks='niah_single_1,vt', samples=10):
+  RULER's average over those tasks at `length` (default: the stage's seq_len), scored on the
+  stage's final checkpoint on its own mesh as `python -m lclm.eval ruler --checkpoint
+  <stage workdir>` scores it, must be at least `min_score` (percent). The scoring is
+  evaluation's (`score_ruler`, given by the training program, which sits above lclm.eval);
+  its report goes to `<stage workdir>/ruler_gate/`.
+and `on_fail`: 'stop' (the default: the run stops, exit 3, before the next stage) or 'warn'.
 
-A gate is evaluated from the stage's metrics.jsonl whenever the stage is finished, so
-re-running a stopped run evaluates it again (after the stage was trained longer, or the gate
-changed) and goes on only once it passes. Its verdict is logged and written to
-`<stage workdir>/gate.json`.
+A gate is evaluated whenever the stage is finished, so re-running a stopped run evaluates it
+again (after the stage was trained longer, or the gate changed) and goes on only once it
+passes. Its verdict is logged and written to `<stage workdir>/gate.json`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import NamedTuple
 
 from lclm import storage
-from lclm.config.stages import validation_lengths
+from lclm.config.stages import gate_ruler, validation_lengths
+from lclm.errors import ConfigError
 from lclm.files import write_json
 from lclm.train.metrics import read_metrics
 
 log = logging.getLogger(__name__)
+
+# (the stage's workdir, its gate's RULER subset with defaults) -> {'average': {length: %}, ...}
+ScoreRuler = Callable[[str, dict], dict]
+
 
 class Verdict(NamedTuple):
     passed: bool
@@ -39,9 +50,8 @@ def _short_loss(record: dict, length: int, own_length: int) -> float | None:
     return value
 
 
-def evaluate(config, gate: dict, name: str) -> Verdict:
-    """The verdict of a finished stage's `gate` (`config`: the stage's config), read from
-    its metrics.jsonl and written to its gate.json."""
+def _short_loss_part(config, limit: float) -> tuple[bool | None, str, dict]:
+    """(passed or None where it could not be measured, its line, its gate.json fields)."""
     length = validation_lengths(config)[0]
     records = read_metrics(config.workdir)
     start = next((_short_loss(r, length, config.data.seq_len) for r in records
@@ -49,20 +59,48 @@ def evaluate(config, gate: dict, name: str) -> Verdict:
     end = next((v for r in reversed(records)
                 if r.get("step", 0) > 0
                 and (v := _short_loss(r, length, config.data.seq_len)) is not None), None)
-    limit = gate["short_loss"]
-    stop = gate.get("on_fail", "stop") == "stop"
+    fields = dict(length=length, start=start, end=end)
     if start is None or end is None:
-        verdict = Verdict(False, f"stage {name} gate: no held-out loss at {length} tokens "
-                                 f"{'at its start' if start is None else 'at its end'} in "
-                                 f"{config.workdir}/metrics.jsonl", stop)
-    else:
-        change = end / start - 1
-        passed = change <= limit
-        verdict = Verdict(passed, f"stage {name} gate: val_loss@{length} {start:.4f} -> "
-                                  f"{end:.4f} ({change:+.1%}, limit {limit:+.1%}): "
-                                  f"{'passed' if passed else 'FAILED'}", stop)
+        return None, (f"no held-out loss at {length} tokens "
+                      f"{'at its start' if start is None else 'at its end'} in "
+                      f"{config.workdir}/metrics.jsonl"), fields
+    change = end / start - 1
+    return change <= limit, (f"val_loss@{length} {start:.4f} -> {end:.4f} ({change:+.1%}, "
+                             f"limit {limit:+.1%})"), fields
+
+
+def _ruler_part(config, spec: dict, score_ruler: ScoreRuler) -> tuple[bool, str, dict]:
+    result = score_ruler(config.workdir, spec)
+    score = result["average"][spec["length"]]
+    return score >= spec["min_score"], (
+        f"RULER {spec['tasks']} at {spec['length']} tokens {score:.1f} (min "
+        f"{spec['min_score']:g}, {spec['samples']} prompts each)"), dict(
+        ruler=dict(spec, scores=result["scores"], average=score))
+
+
+def evaluate(config, gate: dict, name: str, score_ruler: ScoreRuler | None = None) -> Verdict:
+    """The verdict of a finished stage's `gate` (`config`: the stage's config): its held-out
+    losses read from its metrics.jsonl, its RULER subset scored by `score_ruler`; written to
+    its gate.json."""
+    parts = []
+    fields: dict = {}
+    if "short_loss" in gate:
+        parts.append(_short_loss_part(config, gate["short_loss"]))
+    spec = gate_ruler(gate, config.data.seq_len)
+    if spec is not None:
+        if score_ruler is None:
+            raise ConfigError(f"stage {name}'s gate scores RULER, which the training program "
+                              "(python train.py) does; lclm.train.stages.run_stages was called "
+                              "without score_ruler")
+        parts.append(_ruler_part(config, spec, score_ruler))
+    for _, _, more in parts:
+        fields.update(more)
+    passed = all(p is True for p, _, _ in parts)
+    line = f"stage {name} gate: " + "; ".join(
+        f"{text}: {'passed' if p else 'FAILED'}" if p is not None else text
+        for p, text, _ in parts)
+    verdict = Verdict(passed, line, gate.get("on_fail", "stop") == "stop")
     write_json(storage.join(config.workdir, "gate.json"),
-               dict(gate=gate, length=length, start=start, end=end, passed=verdict.passed,
-                    line=verdict.line))
+               dict(gate=gate, **fields, passed=verdict.passed, line=verdict.line))
     (log.info if verdict.passed else log.warning)("%s", verdict.line)
     return verdict

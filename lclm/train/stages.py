@@ -20,7 +20,9 @@ import jax
 
 from lclm import storage
 from lclm.checkpoint import Checkpoints
-from lclm.config.stages import stage_configs, stage_name, stage_records
+from lclm.config.stages import gate_ruler, stage_configs, stage_name, stage_records
+from lclm.data import ruler
+from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError, TrainingHalted
 from lclm.train import gates
 from lclm.train.checks import validate
@@ -39,6 +41,32 @@ def validate_stages(config, device_count: int) -> list:
         except ConfigError as e:
             raise ConfigError(f"stage {i} (seq_len {c.data.seq_len}): {e}") from None
     return configs
+
+
+def check_ruler_gates(configs: list, records: list[dict],
+                      score_ruler: gates.ScoreRuler | None) -> None:
+    """Every gate's RULER subset can be scored: known tasks whose first prompt fits its
+    length with the stage's tokenizer; found at start, not after a stage of training."""
+    for i, (c, record) in enumerate(zip(configs, records)):
+        spec = gate_ruler(record.get("gate", {}), c.data.seq_len)
+        if spec is None:
+            continue
+        where = f"stage {i} (seq_len {c.data.seq_len})'s gate"
+        if score_ruler is None:
+            raise ConfigError(f"{where} scores RULER, which the training program (python "
+                              "train.py) does; run_stages was called without score_ruler")
+        tasks = [t.strip() for t in spec["tasks"].split(",") if t.strip()]
+        unknown = [t for t in tasks if t not in ruler.TASKS] or ([] if tasks else ["(none)"])
+        if unknown:
+            raise ConfigError(f"{where}: RULER task {unknown[0]!r} is unknown; use some of "
+                              f"{', '.join(ruler.TASKS)}")
+        tokenizer = Tokenizer(c.data.tokenizer)
+        try:
+            form = ruler.prompt_form(tokenizer, spec["chat"])
+            for task in tasks:
+                ruler.sample(task, tokenizer, form, spec["length"], spec["seed"], 0)
+        except (ConfigError, ValueError) as e:
+            raise ConfigError(f"{where}: {e}") from None
 
 
 def _saved_step(workdir: str) -> int | None:
@@ -61,18 +89,21 @@ def _set_aside_final(workdir: str, damaged: SourceDamaged) -> None:
         checkpoints.close()
 
 
-def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
+def run_stages(config, stop_after: int | None = None,
+               score_ruler: gates.ScoreRuler | None = None) -> list[list[dict]]:
     """Train every unfinished stage in order; returns each run stage's metric records.
 
     `stop_after` counts steps over all stages (stage 1's first step is stage 0's steps + 1)
     and stops there as a crash would (steps since the stage's last checkpoint are lost); the
     next call resumes. A stage whose predecessor's final checkpoint turns out damaged when it
     starts sends the run back to that predecessor, which resumes from its previous good step.
+    `score_ruler` scores the gates' RULER subsets (lclm.train.gates).
     """
     if config.model.init_from_hf:
         apply_hf_shapes(config)  # every stage validates against the real model shape
     configs = validate_stages(config, len(jax.devices()))
     records = stage_records(config)
+    check_ruler_gates(configs, records, score_ruler)
     # looked at only where it exists: opening Checkpoints would create the directory
     single = (_saved_step(config.workdir)
               if storage.isdir(storage.join(config.workdir, "checkpoints")) else None)
@@ -91,7 +122,7 @@ def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
         done = _saved_step(c.workdir)
         if done is not None and done >= c.train.steps:
             log.info("stage %d (seq_len %d) already finished at step %d", i, c.data.seq_len, done)
-            _pass_gate(c, records[i], i)
+            _pass_gate(c, records[i], i, score_ruler)
             i += 1
             continue
         log.info("stage %d: seq_len %d, rope_theta %g (scaling %s), %d steps of %d sequences "
@@ -118,17 +149,17 @@ def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
             log.warning("stage %d stopped at step %s of %d; run the same command to resume",
                         i, reached, c.train.steps)
             break
-        _pass_gate(c, records[i], i)
+        _pass_gate(c, records[i], i, score_ruler)
         i += 1
     return results
 
 
-def _pass_gate(config, record: dict, index: int) -> None:
+def _pass_gate(config, record: dict, index: int, score_ruler: gates.ScoreRuler | None) -> None:
     """Evaluate a finished stage's gate, if it has one; a failed 'stop' gate halts the run
     (exit 3) before the next stage: re-running evaluates it again."""
     if "gate" not in record:
         return
-    verdict = gates.evaluate(config, record["gate"], stage_name(record, index))
+    verdict = gates.evaluate(config, record["gate"], stage_name(record, index), score_ruler)
     if not verdict.passed and verdict.stop:
         raise TrainingHalted(f"{verdict.line}; the next stage did not start (train this one "
                              "longer, loosen its gate, or set its gate's on_fail='warn'), "

@@ -273,3 +273,68 @@ def test_gates_are_checked_at_start(tmp_path):
         c.stages.list = [dict(train=dict(steps=2), gate=gate)]
         with pytest.raises(ConfigError, match=needle):
             stage_configs(c)
+
+
+def _ruler_gated(workdir, ruler_gate: dict, on_fail: str = "stop"):
+    c = _config(workdir)
+    c.stages.list = [
+        dict(data=dict(seq_len=64), train=dict(steps=1, warmup=0), mesh=dict(sp=2),
+             gate=dict(ruler=ruler_gate, on_fail=on_fail)),
+        dict(data=dict(seq_len=128), train=dict(steps=1)),
+    ]
+    return c
+
+
+@pytest.mark.slow
+def test_a_ruler_gate_scores_the_stage_as_the_eval_command_does_and_stops_below_its_score(
+        tmp_path):
+    from lclm.errors import TrainingHalted
+    from lclm.eval.__main__ import main as eval_main
+    from lclm.eval.ruler import gate_argv, score_gate
+    # a single needle at 512 tokens, past the stage's 64: an untrained model scores ~0
+    spec = dict(min_score=50, tasks="niah_single_1", samples=2, length=512)
+    c = _ruler_gated(tmp_path / "gated", spec)
+    with pytest.raises(TrainingHalted, match=r"stage 0 gate: RULER niah_single_1 at 512 "
+                       r"tokens \d+\.\d \(min 50, 2 prompts each\): FAILED; the next stage "
+                       "did not start"):
+        run_stages(c, score_ruler=score_gate)
+    s0, s1 = stage_configs(c)
+    assert not os.path.exists(s1.workdir)
+    with open(os.path.join(s0.workdir, "gate.json")) as f:
+        verdict = json.load(f)
+    assert verdict["passed"] is False and verdict["ruler"]["length"] == 512
+    with open(os.path.join(s0.workdir, "ruler_gate", "ruler.json")) as f:
+        gate_report = json.load(f)
+    # the same flags on the command line give the same prompts, answers and scores
+    argv = gate_argv(s0.workdir, dict(verdict["ruler"]))
+    argv[argv.index("--out") + 1] = str(tmp_path / "cli")
+    assert eval_main(["ruler", *argv]) == 0
+    with open(tmp_path / "cli" / "ruler.json") as f:
+        cli_report = json.load(f)
+    assert cli_report["samples"] == gate_report["samples"]
+    assert cli_report["average"] == gate_report["average"] == {"512": verdict["ruler"]["average"]}
+    # a warning gate lets the next stage train; a reachable score passes
+    c.stages.list[0]["gate"] = dict(ruler=spec, on_fail="warn")
+    assert [len(r) for r in run_stages(c, score_ruler=score_gate)] == [1]
+    c = _ruler_gated(tmp_path / "passing", dict(spec, min_score=0))
+    run_stages(c, score_ruler=score_gate)
+    with open(os.path.join(stage_configs(c)[0].workdir, "gate.json")) as f:
+        assert json.load(f)["passed"] is True
+
+
+def test_ruler_gates_are_checked_at_start(tmp_path):
+    from lclm.eval.ruler import score_gate
+    for spec, needle in ((dict(tasks="vt"), "is not a dict such as dict\\(min_score=80"),
+                         (dict(min_score=150), "must be a percentage"),
+                         (dict(min_score=50, sample=3), "gate ruler key 'sample' is unknown"),
+                         (dict(min_score=50, chat="chatml"), "use None")):
+        with pytest.raises(ConfigError, match=needle):
+            stage_configs(_ruler_gated(tmp_path / "run", spec))
+    for spec, needle in ((dict(min_score=50, tasks="vt,qa_1"), "RULER task 'qa_1' is unknown"),
+                         (dict(min_score=50, tasks="niah_single_1", length=64),
+                          "a niah_single_1 prompt does not fit in 64 tokens")):
+        with pytest.raises(ConfigError, match=needle):
+            run_stages(_ruler_gated(tmp_path / "run", spec), score_ruler=score_gate)
+    with pytest.raises(ConfigError, match="run_stages was called without score_ruler"):
+        run_stages(_ruler_gated(tmp_path / "run", dict(min_score=50, length=512)))
+    assert not os.path.exists(tmp_path / "run")   # nothing trained
