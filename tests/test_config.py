@@ -87,7 +87,7 @@ def test_bad_stage_schedules_fail_at_start(schedule, needle):
 @pytest.mark.parametrize("change,devices,needle", [
     (lambda c: c.data.update(seq_len=1000), 8, "data.seq_len=1000 is not divisible by mesh.sp"),
     (lambda c: c.mesh.update(tp=3, sp=1, fsdp=1), 8, "not divisible by mesh.tp=3"),
-    (lambda c: c.mesh.update(sp=16), 8, "needs 32 devices but only 8 exist"),
+    (lambda c: c.mesh.update(sp=16, fit=False), 8, "needs 32 devices but only 8 exist"),
     (lambda c: c.mesh.update(sp=-1, fsdp=-1), 8, "at most one -1"),
     (lambda c: c.attention.update(q_chunk=48), 8, "attention.q_chunk"),
     (lambda c: c.attention.update(layout="ring"), 8, "attention.layout='ring'"),
@@ -200,7 +200,7 @@ def _train_cli(*args, timeout=120):
 
 def test_cli_rejects_bad_mesh(tmp_path):
     r = _train_cli("--config", "configs/demo.py", "--config.mesh.sp=64",
-                   f"--config.workdir={tmp_path}")
+                   "--config.mesh.fit=false", f"--config.workdir={tmp_path}")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error: config.mesh:")
     assert "needs 128 devices" in r.stderr

@@ -50,7 +50,7 @@ def test_a_cli_that_starts_jax_prints_nothing_of_libtpu(tmp_path):
     """train.py counts the devices (JAX starts its backends) and then refuses a mesh of 64:
     its one error line is all of stderr."""
     done = _python("train.py", "--config", DEMO_CONFIG, "--config.mesh.sp=32",
-                   f"--config.workdir={tmp_path}")
+                   "--config.mesh.fit=false", f"--config.workdir={tmp_path}")
     assert done.returncode == 2, done.stderr
     assert _noise(done.stderr) == []
     lines = done.stderr.strip().splitlines()

@@ -8,6 +8,7 @@ line naming the fix (ConfigError). The single-field checks are lclm.config.schem
 from __future__ import annotations
 
 import copy
+import logging
 import os
 
 from lclm import storage
@@ -26,6 +27,8 @@ from lclm.parallel.mesh import resolve_mesh_shape
 from lclm.train.resume import allowed_keys
 from lclm.train.workdirs import check_workdir
 
+log = logging.getLogger(__name__)
+
 
 def _fail(msg: str):
     raise ConfigError(msg)
@@ -33,17 +36,23 @@ def _fail(msg: str):
 
 def validate(config, device_count: int) -> dict[str, int]:
     """Check `config` against itself, the components it names and `device_count`; returns
-    the resolved mesh sizes. Raises a one-line ConfigError naming the fix."""
+    the resolved mesh sizes. Raises a one-line ConfigError naming the fix. A mesh that
+    `mesh.fit` shrank is written back to `config.mesh`, so that the run's config.json names
+    the mesh it ran on (what generate and the evaluations default to)."""
     m, a, d, t = config.model, config.attention, config.data, config.train
     check_fields(config)
     attention = AttentionConfig.from_config(a)
     check_workdir(config.workdir)
     allowed_keys(config)
     try:
-        sizes = resolve_mesh_shape(**{k: config.mesh[k] for k in MESH_AXES},
-                                   device_count=device_count)
+        asked = {k: config.mesh[k] for k in MESH_AXES}
+        sizes = resolve_mesh_shape(**asked, device_count=device_count, fit=config.mesh.fit)
     except ValueError as e:
         _fail(f"config.mesh: {e}")
+    if config.mesh.fit and -1 not in asked.values() and sizes != asked:
+        log.info("mesh %s needs more than the %d devices here: fitted to %s (mesh.fit)",
+                 asked, device_count, sizes)
+        config.mesh.update(sizes)
     dp, fsdp, tp, sp = sizes["dp"], sizes["fsdp"], sizes["tp"], sizes["sp"]
 
     if a.impl not in IMPLS:
