@@ -60,6 +60,10 @@ class Run:
         10.0, "the workdir lock is a lease its run renews; one not renewed for this long (a "
         "dead host, a requeued job) may be taken over by the next run (lclm.train.lock)",
         rule=FINITE_POSITIVE)
+    storage_patience_seconds: float = setting(
+        300.0, "how long checkpoint saves and metrics writes may keep failing (a full disk, an "
+        "unreachable bucket) while they are retried; then the run stops (exit 3), what it "
+        "saved intact (lclm.train.faults)", rule=FINITE_NON_NEGATIVE)
     seed: int = setting(0, "of the first weights and the data order")
 
 
@@ -71,6 +75,9 @@ class Mesh:
     tp: int = setting(1, "tensor parallel: heads and the feed-forward split")
     sp: int = setting(1, "sequence parallel: the sequence split, attention by "
                       "attention.strategy")
+    fit: bool = setting(False, "a mesh larger than the machine shrinks to fit (dp, then "
+                        "fsdp, tp, sp; lclm.parallel.mesh.fit_mesh) instead of stopping the "
+                        "run; the loss does not depend on the mesh (the demo sets it)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,8 +39,11 @@ AXIS_RULES: dict[str, tuple[str, ...]] = {
 
 
 def resolve_mesh_shape(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,
-                       device_count: int | None = None) -> dict[str, int]:
-    """Sizes per axis with at most one -1 replaced by the remaining devices."""
+                       device_count: int | None = None, fit: bool = False) -> dict[str, int]:
+    """Sizes per axis with at most one -1 replaced by the remaining devices.
+
+    `fit`: a mesh that needs more than `device_count` devices shrinks to fit (`fit_mesh`)
+    instead of being refused."""
     sizes = dict(dp=int(dp), fsdp=int(fsdp), tp=int(tp), sp=int(sp))
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1 or any(s == 0 or s < -1 for s in sizes.values()):
@@ -54,9 +57,25 @@ def resolve_mesh_shape(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,
         sizes[free[0]] = device_count // known
     need = math.prod(sizes.values())
     if device_count is not None and need > device_count:
+        if fit:
+            return fit_mesh(sizes, device_count)
         raise ValueError(f"mesh {sizes} needs {need} devices but only {device_count} exist; "
-                         "shrink config.mesh.* (or use -1 for one axis)")
+                         "shrink config.mesh.*, use -1 for one axis, or set mesh.fit=True")
     return sizes
+
+
+def fit_mesh(sizes: Mapping[str, int], device_count: int) -> dict[str, int]:
+    """`sizes` shrunk until their product is at most `device_count`: the axes in the order
+    dp, fsdp, tp, sp (the sequence split, the point of a long-context mesh, goes last), each
+    divided by its smallest prime factor at a time until it is 1 or the mesh fits. A divisor
+    of a size divides whatever the size divided (batch, sequence, heads), and the loss does
+    not depend on the mesh, so a fitted run trains the same steps; e.g. dp=1 fsdp=2 tp=1 sp=4
+    on 8, 4, 2, 1 devices: fsdp=2 sp=4, sp=4, sp=2, all 1."""
+    fitted = dict(sizes)
+    for axis in MESH_AXES:
+        while fitted[axis] > 1 and math.prod(fitted.values()) > device_count:
+            fitted[axis] //= next(f for f in range(2, fitted[axis] + 1) if fitted[axis] % f == 0)
+    return fitted
 
 
 def make_mesh(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,

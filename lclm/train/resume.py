@@ -37,9 +37,10 @@ log = logging.getLogger(__name__)
 FREE, SCHEDULE, DATA_ORDER, MODEL = "free", "schedule", "data order", "model"
 
 _FREE = (
-    "workdir", "workdir_lease_minutes", "attention.impl", "attention.layout", "attention.q_chunk",
-    "attention.kv_chunk", "attention.strategy", "attention.ulysses", "mesh.dp", "mesh.fsdp",
-    "mesh.tp", "mesh.sp", "checkpoint.every",
+    "workdir", "workdir_lease_minutes", "storage_patience_seconds", "attention.impl",
+    "attention.layout", "attention.q_chunk", "attention.kv_chunk", "attention.strategy",
+    "attention.ulysses", "mesh.dp", "mesh.fsdp",
+    "mesh.tp", "mesh.sp", "mesh.fit", "checkpoint.every",
     "checkpoint.every_minutes", "checkpoint.keep", "checkpoint.allow_changed", "log.every",
     "log.progress", "log.wandb", "log.wandb_mode", "log.wandb_project", "model.remat",
     "model.scan_layers", "model.ffn_chunk", "model.loss_chunk", "model.dtype",
