@@ -23,8 +23,10 @@ def get_config():
     c.data.update(path=f"{demo}/corpus.jsonl@0.8,sharegpt:{demo}/sharegpt.jsonl@0.2",
                   tokenizer=os.path.join(ROOT, "data", "demo", "tokenizer.model"),
                   seq_len=512, batch_size=8)
-    # held-out documents of the corpus' grammar: val_loss every 50 steps (about 1 s each)
-    c.validation.update(path=f"{demo}/heldout.jsonl", every=50, batches=2)
+    # held-out documents of the corpus' grammar: val_loss every 50 steps (about 1 s each); the
+    # file names its kind, as a held-out entry without one takes data.source's, which a run
+    # on your own chats (--config.data.source=sharegpt) changes
+    c.validation.update(path=f"text:{demo}/heldout.jsonl", every=50, batches=2)
     c.train.update(steps=200, lr=3e-3, warmup=20, weight_decay=0.0)
     c.log.every = 20
     return c
