@@ -24,7 +24,7 @@ Shapes: B rows, P prefill tokens, M decode slots, L layers, K kv heads, Dh head 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -219,9 +219,13 @@ def last_layout_index(layout: str, sp: int, length: int) -> int:
 
 
 def generate(c: ModelConfig, a: AttentionConfig, params, tokens, positions, segment_ids,
-             max_new: int, mesh=None, pick: Pick = greedy) -> np.ndarray:
-    """Continuation `[B, max_new]` int32 of prompts that end at the last column, each token
-    chosen by `pick`.
+             max_new: int, mesh=None, pick: Pick = greedy,
+             stop_ids: Sequence[int] = ()) -> np.ndarray:
+    """Continuation `[B, n]` int32 (n <= max_new) of prompts that end at the last column,
+    each token chosen by `pick`. A row ends at its first token in `stop_ids` (EOS, a chat
+    template's end of turn): later columns of that row repeat it, and decoding stops once
+    every row has ended (n is then the longest row's length), so a short answer costs no
+    more steps than it has tokens.
 
     tokens, positions, segment_ids: numpy `[B, P]` in original order (front padding goes in
     its own segment, see `pad_front`); P must suit the mesh (`sp` and the chunks divide it,
@@ -240,20 +244,33 @@ def generate(c: ModelConfig, a: AttentionConfig, params, tokens, positions, segm
         raise ValueError(f"max_new={max_new}; decode at least one token")
     logits, cache = run_prefill(params, batch["tokens"], batch["positions"],
                                 batch["segment_ids"])
+    stops = np.asarray(list(stop_ids), np.int32)
     out = [pick(logits, 0)]
+    ended = np.isin(np.asarray(jax.device_get(out[-1])), stops)
     next_position = jnp.asarray(positions[:, -1] + 1, jnp.int32)
     # simulated CPU devices: one program in flight at a time (as in the training loop,
     # overlapping multi-device CPU programs can stall XLA's collective rendezvous)
     sync = jax.block_until_ready if jax.devices()[0].platform == "cpu" else (lambda x: x)
     for s in range(max_new - 1):
+        if len(stops) and ended.all():
+            break
         logits, new_k, new_v = sync(run_step(params, cache, out[-1], next_position + s,
                                              jnp.int32(s)))
         cache = cache._replace(new_k=new_k, new_v=new_v)
         out.append(sync(pick(logits, s + 1)))
-    return np.asarray(jax.device_get(jnp.stack(out, axis=1)))
+        if len(stops):   # a host read per step: only when there is something to stop at
+            ended |= np.isin(np.asarray(jax.device_get(out[-1])), stops)
+    ids = np.array(jax.device_get(jnp.stack(out, axis=1)))  # writable: rows are cut below
+    for row in ids:
+        hit = np.flatnonzero(np.isin(row, stops))
+        if len(hit):
+            row[hit[0]:] = row[hit[0]]
+    return ids
 
 
 def greedy_generate(c: ModelConfig, a: AttentionConfig, params, tokens, positions,
-                    segment_ids, max_new: int, mesh=None) -> np.ndarray:
-    """The greedy continuation `[B, max_new]` (`generate` with `greedy`)."""
-    return generate(c, a, params, tokens, positions, segment_ids, max_new, mesh)
+                    segment_ids, max_new: int, mesh=None,
+                    stop_ids: Sequence[int] = ()) -> np.ndarray:
+    """The greedy continuation `[B, n <= max_new]` (`generate` with `greedy`)."""
+    return generate(c, a, params, tokens, positions, segment_ids, max_new, mesh,
+                    stop_ids=stop_ids)

@@ -34,7 +34,6 @@ import sys
 
 import numpy as np
 
-from lclm.config.syntax import parse_lengths
 from lclm.data.line_retrieval import Spec, build_example, line_format, spec_of_config
 from lclm.eval import report, retrieval
 from lclm.eval.model import Model, load_model
@@ -83,13 +82,16 @@ markdown_table = report.accuracy_table
 
 
 def write_report(out_dir: str, result: dict, lengths, n_bins: int, meta: dict) -> str:
-    """Write table, JSON and PNG into `out_dir`; returns the markdown table."""
+    """Write table, JSON and PNG into `out_dir`; returns the markdown table. `meta` holds
+    `report.model_meta`'s fields, `trained_length` and `samples_per_cell`."""
     table = markdown_table(result["cells"], lengths, n_bins)
     report.write_files(
         out_dir, TASK, table, dict(meta, lengths=lengths, depth_bins=n_bins, **result),
         lambda path: report.accuracy_heatmap(path, result["cells"], lengths, n_bins,
                                              f"line retrieval: {meta['model']}",
-                                             depth_of="the asked line"))
+                                             depth_of="the asked line",
+                                             trained=meta.get("trained_length"),
+                                             samples=meta.get("samples_per_cell")))
     return table
 
 
@@ -97,15 +99,17 @@ def write_report(out_dir: str, result: dict, lengths, n_bins: int, meta: dict) -
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The task's flags (beside `add_model_arguments`')."""
-    ap.add_argument("--lengths", default="2k,4k,8k", help="comma-separated, e.g. 512,2k,4k")
+    report.add_lengths_argument(ap)
     ap.add_argument("--samples", type=int, default=10, help="prompts per (length, depth bin)")
     ap.add_argument("--depths", type=int, default=5, help="number of needle-depth bins")
-    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--seed", type=int, default=1234,
+                    help="the prompts' random numbers and asked lines (the same prompts every "
+                         "run)")
     ap.add_argument("--format", help="line format (default: the run's line_retrieval data, "
                                      "else 'compact')")
     ap.add_argument("--digits", type=int, help="digits of the numbers (default: as --format)")
     ap.add_argument("--batch-size", type=int, default=None,
-                    help="prompts per prefill (rounded up to the mesh's dp x fsdp)")
+                    help="prompts per prefill (default 1; rounded up to the mesh's dp x fsdp)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="tokens decoded per prompt (default: digits + 3)")
 
@@ -127,12 +131,13 @@ def main(argv=None, prog: str | None = None) -> int:
 def _run(args) -> int:
     # flags that would fail only after the model is loaded, or at the very end (--out)
     report.check_model_args(args, ("samples", "depths", "batch_size", "max_new_tokens"))
-    lengths = parse_lengths(args.lengths)
+    given = report.explicit_lengths(args)
     model, saved = load_model(args)
+    lengths = report.task_lengths(given, model, saved)
     fmt = _line_format(args, saved)
     result = evaluate(model, lengths, samples=args.samples, n_bins=args.depths, fmt=fmt,
                       seed=args.seed, batch_size=args.batch_size, max_new=args.max_new_tokens)
-    meta = dict(model=model.name, mesh=dict(model.mesh.shape), layout=model.attention.layout,
+    meta = dict(report.model_meta(model), trained_length=report.trained_length(model, saved),
                 format=dataclasses.asdict(fmt), samples_per_cell=args.samples, seed=args.seed)
     print(markdown_table(result["cells"], lengths, args.depths), flush=True)
     return report.save_report(

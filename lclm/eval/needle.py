@@ -26,7 +26,6 @@ import sys
 
 import numpy as np
 
-from lclm.config.syntax import parse_lengths
 from lclm.data.sources import open_documents
 from lclm.errors import StartupError
 from lclm.eval import report, retrieval
@@ -113,13 +112,15 @@ def _run(args) -> int:
     if "{number}" not in args.needle:
         raise StartupError(f"--needle {args.needle!r} has no {{number}} to put the number in")
     source = data_source("--data", args.data)
-    lengths = parse_lengths(args.lengths)
-    model, _ = load_model(args)
+    given = report.explicit_lengths(args)
+    model, saved = load_model(args)
+    lengths = report.task_lengths(given, model, saved)
     docs = open_documents(source.kind, source.path, model.tokenizer, text_field=args.text_field)
     make = lambda length: items(docs, model.tokenizer, length, args.depths, args.samples,
                                 args.digits, args.seed, args.needle, args.question)
     meta = dict(data=args.data, needle=args.needle, question=args.question)
-    return retrieval.run_grid(args, TASK, model, lengths, make, meta, "needle in a haystack")
+    return retrieval.run_grid(args, TASK, model, lengths, make, meta, "needle in a haystack",
+                              report.trained_length(model, saved))
 
 
 def main(argv=None, prog: str | None = None) -> int:

@@ -4,10 +4,10 @@ length and depth (Mohtashami & Jaggi, "Landmark Attention", 2023; used by LongLo
     python -m lclm.eval passkey --checkpoint WORKDIR --lengths 4k,16k,64k --depths 5
     python -m lclm.eval passkey --hf HF_DIR --lengths 32k,128k --sp 8 --samples 10
 
-A prompt of at most L tokens: BOS, an instruction, whole repetitions of the filler ("The
-grass is green. The sky is blue. ..."), with the passkey sentence placed between two of
-them at a depth drawn from one of `--depths` equal bins, then the question "What is the
-pass key? The pass key is". The answer is decoded greedily after a prefill with the
+A prompt of exactly L tokens: BOS, an instruction, repetitions of the filler ("The grass is
+green. The sky is blue. ...", the last one cut to fill L), with the passkey sentence placed
+between two of them at a depth drawn from one of `--depths` equal bins, then the question
+"What is the pass key? The pass key is". The answer is decoded greedily after a prefill with the
 model's context-parallel attention (`lclm.eval.retrieval`); it is correct when its first
 number is the key. Every prompt is deterministic from (seed, length, bin, sample).
 
@@ -22,7 +22,6 @@ import sys
 
 import numpy as np
 
-from lclm.config.syntax import parse_lengths
 from lclm.eval import report, retrieval
 from lclm.eval.model import load_model
 
@@ -36,19 +35,23 @@ QUESTION = "What is the pass key? The pass key is"
 
 
 def build_prompt(tokenizer, length: int, key: str, depth: float) -> tuple[np.ndarray, float]:
-    """(tokens `[n <= length]` int32, the needle's actual depth: the share of filler
-    repetitions before it). Pieces are encoded separately and joined, so each repetition
-    is the same tokens; the needle goes between repetitions round(depth * k) and the next."""
+    """(tokens `[length]` int32, the needle's actual depth: the share of the k whole filler
+    repetitions before it). Pieces are encoded separately and joined, so each repetition is the same
+    tokens; the needle goes between repetitions round(depth * k) and the next of the k whole
+    ones that fit, and the first tokens of one more repetition fill the prompt to exactly
+    `length` (a row of the table is a prompt of that many tokens)."""
     head = [tokenizer.bos_id] * tokenizer.add_bos + tokenizer.encode(INTRO)
     needle = tokenizer.encode(NEEDLE.format(key=key))
     question = tokenizer.encode(QUESTION)
     unit = tokenizer.encode(FILLER)
-    k = (length - len(head) - len(needle) - len(question)) // len(unit)
+    filler = length - len(head) - len(needle) - len(question)
+    k = filler // len(unit)
     if k < 1:
         raise ValueError(f"a passkey prompt needs more than {length} tokens; use a longer "
                          "--lengths")
     at = min(k, round(depth * k))
-    tokens = head + unit * at + needle + unit * (k - at) + question
+    tokens = (head + unit * at + needle + unit * (k - at) + unit[:filler - k * len(unit)]
+              + question)
     return np.asarray(tokens, np.int32), at / k
 
 
@@ -80,11 +83,13 @@ def main(argv=None, prog: str | None = None) -> int:
 
 def _run(args) -> int:
     report.check_model_args(args, retrieval.GRID_FLAGS)
-    lengths = parse_lengths(args.lengths)
-    model, _ = load_model(args)
+    given = report.explicit_lengths(args)
+    model, saved = load_model(args)
+    lengths = report.task_lengths(given, model, saved)
     make = lambda length: items(model.tokenizer, length, args.depths, args.samples,
                                 args.digits, args.seed)
-    return retrieval.run_grid(args, TASK, model, lengths, make, {}, "passkey retrieval")
+    return retrieval.run_grid(args, TASK, model, lengths, make, {}, "passkey retrieval",
+                              report.trained_length(model, saved))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,21 @@
 """Loss (and perplexity) by token position over held-out long documents.
 
+    python -m lclm.eval perplexity --checkpoint WORKDIR
     python -m lclm.eval perplexity --checkpoint WORKDIR --data heldout.jsonl --lengths 4k,16k
     python -m lclm.eval perplexity --hf HF_DIR --data books/ --lengths 32k,128k --sp 8
 
-For each of `--lengths` L, the first `--documents` documents of `--data` holding at least
-L + 1 tokens are cut to their first L + 1: the model reads tokens 0..L-1 and the loss at
-position p is that of predicting token p + 1 from tokens 0..p. Shorter documents are
-skipped and counted (the table and JSON say how many, per length). `--data` is read by the
-training data sources (`lclm.data.sources`: .jsonl/.json/.txt/.parquet/.arrow files, a
-directory or glob of them, a `lclm.data.prepare` directory), documents in file order;
-targets a document does not train on (chat prompts) are left out, as in training's loss.
+For each of `--lengths` L (default: the trained length x1, x2 and x4), the first
+`--documents` documents of `--data` holding at least L + 1 tokens are cut to their first
+L + 1: the model reads tokens 0..L-1 and the loss at position p is that of predicting token
+p + 1 from tokens 0..p. Shorter documents are skipped and counted (the table and JSON say
+how many, per length); a length that no document reaches is said in a line under the table
+and on the plot, and when no length has a document the command stops before measuring
+anything. `--data` is read by the training data sources (`lclm.data.sources`:
+.jsonl/.json/.txt/.parquet/.arrow files, a directory or glob of them, a `lclm.data.prepare`
+directory, or a `[kind:]path` source), documents in file order; targets a document does
+not train on (chat prompts) are left out, as in training's loss. By default `--data` is the
+held-out packages of this Python's standard library as repository documents
+(`code-heldout:STDLIB`, `lclm.data.code`): long documents that any machine with Python has.
 
 The positions 0..L-1 are cut into `--buckets` equal ranges and the mean token loss of each
 (summed in float64 over float32 token losses) is reported with its perplexity exp(loss).
@@ -26,7 +32,9 @@ strategy (up to float rounding). Rows are padded at the END to a length that `sp
 chunks divide, in a separate segment that no document token attends to.
 
 Writes the table to stdout and `OUT/perplexity.md`, `OUT/perplexity.json` (buckets per
-length, each document's mean loss) and `OUT/perplexity.png` (loss against position).
+length, each document's mean loss) and `OUT/perplexity.png` (loss against position). The
+report is written again after each length, marked incomplete until the last: a run that
+stops at a long length (out of memory, interrupted) keeps the lengths it measured.
 """
 
 from __future__ import annotations
@@ -36,10 +44,12 @@ import logging
 import math
 import os
 import sys
+import sysconfig
+from collections.abc import Callable
 
 import numpy as np
 
-from lclm.config.syntax import format_tokens, parse_lengths
+from lclm.config.syntax import format_tokens
 from lclm.data.code import CODE_KINDS
 from lclm.data.loader import SourceEntry, parse_sources
 from lclm.data.sources import SourceStats, is_tokenized_dir, open_documents, resolve_files
@@ -52,6 +62,8 @@ from lclm.eval.token_loss import losses_in_order
 from lclm.files import check_input
 
 TASK = "perplexity"
+# long held-out documents that every machine with Python has (see the module's docstring)
+DEFAULT_DATA = f"code-heldout:{sysconfig.get_paths()['stdlib']}"
 log = logging.getLogger(__name__)
 
 
@@ -60,11 +72,13 @@ log = logging.getLogger(__name__)
 def windows(docs, lengths: list[int], max_docs: int) -> dict[int, dict]:
     """For each length L: {'tokens': [n, L+1] int32 and 'mask': [n, L] (whether target p is
     one training would learn) of the first `max_docs` documents of at least L + 1 tokens,
-    in order, and 'skipped': how many shorter documents were passed over}. One pass over
-    the documents, stopping once every length has its `max_docs`."""
+    in order, 'skipped': how many shorter documents were passed over and 'longest': the
+    most tokens one of them held}. One pass over the documents, stopping once every length
+    has its `max_docs`."""
     tokens_of: dict[int, list[np.ndarray]] = {n: [] for n in lengths}
     masks_of: dict[int, list[np.ndarray]] = {n: [] for n in lengths}
     skipped = dict.fromkeys(lengths, 0)
+    longest = dict.fromkeys(lengths, 0)
     for i in range(len(docs)):
         if all(len(t) >= max_docs for t in tokens_of.values()):
             break
@@ -77,11 +91,13 @@ def windows(docs, lengths: list[int], max_docs: int) -> dict[int, dict]:
                 continue
             if len(tokens) < n + 1:
                 skipped[n] += 1
+                longest[n] = max(longest[n], len(tokens))
             else:
                 tokens_of[n].append(np.asarray(tokens[:n + 1], np.int32))
                 masks_of[n].append(np.asarray(loss[1:n + 1], bool))
     return {n: dict(tokens=np.asarray(tokens_of[n], np.int32).reshape(-1, n + 1),
-                    mask=np.asarray(masks_of[n], bool).reshape(-1, n), skipped=skipped[n])
+                    mask=np.asarray(masks_of[n], bool).reshape(-1, n), skipped=skipped[n],
+                    longest=longest[n])
             for n in lengths}
 
 
@@ -145,30 +161,63 @@ def position_losses(model: Model, windows_: np.ndarray, batch_size: int) -> np.n
     return np.concatenate(out)
 
 
+def check_buckets(lengths: list[int], n_buckets: int) -> None:
+    """Every length must hold at least `n_buckets` positions (a bucket of none has no loss);
+    one line naming the fix otherwise. Buckets are not shrunk to fit: the table has one
+    column per bucket for every length, and a column would mean different ranges."""
+    short = [n for n in lengths if n < n_buckets]
+    if short:
+        raise StartupError(
+            f"--buckets {n_buckets} cuts each length into {n_buckets} ranges of positions, but "
+            f"length{'s' * (len(short) > 1)} {','.join(map(str, short))} of --lengths "
+            f"hold{'s' * (len(short) == 1)} fewer positions; use --buckets {min(lengths)} or "
+            f"fewer, or longer --lengths")
+
+
+def no_document_line(entry: dict) -> str:
+    """What a report says of a length that no document of --data reaches."""
+    return (f"length {format_tokens(entry['length'])}: nothing measured, no document of "
+            f"--data holds {entry['length'] + 1} tokens (of {entry['skipped']} read, the "
+            f"longest holds {entry['longest']})")
+
+
 def evaluate(model: Model, docs, lengths: list[int], *, n_buckets: int, max_docs: int,
-             batch_size: int | None = None) -> dict:
-    """{'lengths': [per length: documents, skipped, loss, perplexity, buckets, the
-    documents' mean losses]}; one log line per length."""
+             batch_size: int | None = None,
+             measured: Callable[[dict], None] | None = None) -> dict:
+    """{'lengths': [per length: documents, skipped, the longest skipped, loss, perplexity,
+    buckets, the documents' mean losses]}; one log line per length, and `measured(result so
+    far)` after each. Every length's documents are found before anything is measured: when
+    no length has one, a StartupError says so (and how long the documents are)."""
     rows = batch_rows(model, batch_size)
-    results = []
-    for length, w in windows(docs, lengths, max_docs).items():
-        entry = dict(length=length, documents=len(w["tokens"]), skipped=w["skipped"])
+    found = windows(docs, lengths, max_docs)
+    if not any(len(w["tokens"]) for w in found.values()):
+        longest = max(w["longest"] for w in found.values())
+        read = max(w["skipped"] for w in found.values())
+        raise StartupError(
+            f"--data holds no document long enough for any of --lengths (each needs length + 1 "
+            f"tokens; the longest of the {read} documents read holds {longest}): use --lengths "
+            f"below {longest} or longer documents, e.g. the default --data {DEFAULT_DATA}")
+    results: list[dict] = []
+    for length, w in found.items():
+        entry = dict(length=length, documents=len(w["tokens"]), skipped=w["skipped"],
+                     longest_skipped=w["longest"])
         if not len(w["tokens"]):
-            log.warning("length %d: no document of %d tokens or more (%d shorter skipped)",
-                        length, length + 1, w["skipped"])
+            log.warning("%s", no_document_line(dict(entry, longest=w["longest"])))
             results.append(dict(entry, loss=None, perplexity=None, buckets=[],
                                 document_losses=[]))
-            continue
-        losses = position_losses(model, w["tokens"], rows)
-        mask = w["mask"]
-        mean = float(np.sum(losses[mask], dtype=np.float64) / max(1, mask.sum()))
-        per_doc = [float(np.sum(r[m], dtype=np.float64) / max(1, m.sum()))
-                   for r, m in zip(losses, mask)]
-        results.append(dict(entry, loss=mean, perplexity=math.exp(mean),
-                            buckets=bucket_losses(losses, mask, n_buckets),
-                            document_losses=per_doc))
-        log.info("length %d: %d documents (%d shorter skipped), loss %.4f", length,
-                 len(w["tokens"]), w["skipped"], mean)
+        else:
+            losses = position_losses(model, w["tokens"], rows)
+            mask = w["mask"]
+            mean = float(np.sum(losses[mask], dtype=np.float64) / max(1, mask.sum()))
+            per_doc = [float(np.sum(r[m], dtype=np.float64) / max(1, m.sum()))
+                       for r, m in zip(losses, mask)]
+            results.append(dict(entry, loss=mean, perplexity=math.exp(mean),
+                                buckets=bucket_losses(losses, mask, n_buckets),
+                                document_losses=per_doc))
+            log.info("length %d: %d documents (%d shorter skipped), loss %.4f", length,
+                     len(w["tokens"]), w["skipped"], mean)
+        if measured:
+            measured(dict(lengths=list(results)))
     return dict(lengths=results)
 
 
@@ -189,6 +238,11 @@ def markdown_table(result: dict, n_buckets: int) -> str:
                      + f" | {r['loss']:.4f} | {r['perplexity']:.2f}")
         lines.append(f"| {format_tokens(r['length'])} | {r['documents']} | "
                      f"{r['skipped']} | {cells} |")
+    lines += [f"\n**{no_document_line(dict(r, longest=r['longest_skipped']))}**"
+              for r in result["lengths"] if r["loss"] is None]
+    if result.get("complete") is False:
+        lines.append(f"\n**incomplete: the lengths measured so far ({len(result['lengths'])});"
+                     " the run goes on or stopped**")
     return "\n".join(lines)
 
 
@@ -204,10 +258,16 @@ def draw(path: str, result: dict, title: str, trained: int | None) -> None:
                     label=f"{format_tokens(r['length'])} ({r['documents']} docs)")
     if trained:
         ax.axvline(trained, color="grey", linestyle="--", label=f"trained length {trained}")
+    missing = [format_tokens(r["length"]) for r in result["lengths"] if r["loss"] is None]
+    if missing:
+        ax.text(0.5, 0.5, f"no document of --data is long enough for {', '.join(missing)}:\n"
+                          "nothing measured there", transform=ax.transAxes, ha="center",
+                va="center", color="darkred", fontsize=9, fontweight="bold")
     ax.set_xlabel("token position")
     ax.set_ylabel("mean token loss")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     report.save_png(path, fig)
 
@@ -221,18 +281,22 @@ def write_report(out_dir: str, result: dict, n_buckets: int, meta: dict) -> None
 # -- command line --------------------------------------------------------------------------
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--data", required=True,
+    ap.add_argument("--data", default=DEFAULT_DATA,
                     help="held-out documents: a .jsonl/.json/.txt/.parquet/.arrow file, a "
                          "directory or glob of them, a lclm.data.prepare directory, or one "
                          "[kind:]path source of the data.path syntax (e.g. code-heldout:DIR, "
-                         "the held-out packages of a code directory)")
+                         "the held-out packages of a code directory); default: those of this "
+                         "Python's standard library, whose documents run to thousands of "
+                         "tokens, %(default)s")
     ap.add_argument("--text-field", default="text", help="the documents' text field")
-    ap.add_argument("--lengths", default="2k,4k,8k", help="comma-separated, e.g. 512,2k,4k")
-    ap.add_argument("--buckets", type=int, default=8, help="equal position ranges")
+    report.add_lengths_argument(ap)
+    ap.add_argument("--buckets", type=int, default=8,
+                    help="equal ranges the positions 0..L-1 are cut into (at most the "
+                         "shortest length)")
     ap.add_argument("--documents", type=int, default=16,
                     help="documents per length (the first long enough ones)")
     ap.add_argument("--batch-size", type=int, default=None,
-                    help="rows per forward (rounded up to the mesh's dp x fsdp)")
+                    help="rows per forward (default 1; rounded up to the mesh's dp x fsdp)")
 
 
 def parse_args(argv=None, prog: str | None = None):
@@ -268,23 +332,50 @@ def main(argv=None, prog: str | None = None) -> int:
 def _run(args) -> int:
     report.check_model_args(args, ("buckets", "documents", "batch_size"))
     source = data_source("--data", args.data)
-    lengths = parse_lengths(args.lengths)
+    given = report.explicit_lengths(args)
+    check_buckets(given or [], args.buckets)
     model, saved = load_model(args)
+    lengths = report.task_lengths(given, model, saved)
+    check_buckets(lengths, args.buckets)
     stats = SourceStats()
     docs = open_documents(source.kind, source.path, model.tokenizer,
                           text_field=args.text_field, stats=stats)
-    result = evaluate(model, docs, lengths, n_buckets=args.buckets, max_docs=args.documents,
-                      batch_size=args.batch_size)
+    meta = lambda: dict(report.model_meta(model), data=args.data, buckets=args.buckets,
+                        trained_length=report.trained_length(model, saved),
+                        malformed_records=stats.skipped)
+    written: list[str] = []
+
+    def write_so_far(partial: dict) -> None:
+        """The report of the lengths measured so far (the last one's is written below)."""
+        if len(partial["lengths"]) == len(lengths):
+            return
+        try:
+            write_report(args.out, dict(partial, complete=False), args.buckets,
+                         dict(meta(), lengths_asked=lengths))
+        except OSError as e:
+            log.warning("could not write the report so far into %s (%s); it is tried again "
+                        "after the next length", args.out, e.strerror or e)
+        else:
+            written[:] = [format_tokens(r["length"]) for r in partial["lengths"]]
+
+    try:
+        result = evaluate(model, docs, lengths, n_buckets=args.buckets,
+                          max_docs=args.documents, batch_size=args.batch_size,
+                          measured=write_so_far)
+    except BaseException:
+        if written:
+            print(f"note: the report of the lengths measured before this ({', '.join(written)})"
+                  f" is in {args.out}", file=sys.stderr, flush=True)
+        raise
     if stats.skipped:
         log.warning("--data: %s", stats.summary())
-    trained = saved.get("data", {}).get("seq_len") if saved else None
-    meta = dict(model=model.name, mesh=dict(model.mesh.shape), layout=model.attention.layout,
-                strategy=model.attention.strategy, data=args.data, buckets=args.buckets,
-                trained_length=trained, malformed_records=stats.skipped)
+    result = dict(result, complete=True)
     print(markdown_table(result, args.buckets), flush=True)
-    return report.save_report(args.out, TASK,
-                              lambda folder: write_report(folder, result, args.buckets, meta),
-                              lost="the per-document losses and the plot are lost")
+    return report.save_report(
+        args.out, TASK,
+        lambda folder: write_report(folder, result, args.buckets,
+                                    dict(meta(), lengths_asked=lengths)),
+        lost="the per-document losses and the plot are lost")
 
 
 if __name__ == "__main__":

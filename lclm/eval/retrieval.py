@@ -48,10 +48,16 @@ def generate_answers(model: Model, prompts: list[np.ndarray], max_new: int,
         group = prompts[start:start + batch_size]
         n = len(group)
         rows = pad_front(group + [group[-1]] * (batch_size - n), length, pad)
+        # decoding stops once every row has ended: answers are a few tokens of max_new
         ids = greedy_generate(model.config, model.attention, model.params, *rows, max_new,
-                              mesh=model.mesh)
+                              mesh=model.mesh, stop_ids=stop_ids(model.tokenizer, stop))
         answers.extend(answer_text(model.tokenizer, row, stop) for row in ids[:n])
     return answers, length
+
+
+def stop_ids(tokenizer, stop: int | None = None) -> tuple[int, ...]:
+    """The ids an answer ends at: the tokenizer's EOS (where it has one) and `stop`."""
+    return tuple(i for i in (tokenizer.eos_id, stop) if i is not None and i >= 0)
 
 
 def batch_rows(model: Model, batch_size: int | None) -> int:
@@ -97,13 +103,14 @@ def evaluate(model: Model, lengths: list[int], items_of: Callable[[int], list[It
 
 def add_grid_arguments(ap: argparse.ArgumentParser, digits: int) -> None:
     """Flags of a retrieval task (beside `add_model_arguments`')."""
-    ap.add_argument("--lengths", default="2k,4k,8k", help="comma-separated, e.g. 512,2k,4k")
+    report.add_lengths_argument(ap)
     ap.add_argument("--depths", type=int, default=5, help="number of needle-depth bins")
     ap.add_argument("--samples", type=int, default=5, help="prompts per (length, depth bin)")
-    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--seed", type=int, default=1234,
+                    help="the prompts' random numbers and depths (the same prompts every run)")
     ap.add_argument("--digits", type=int, default=digits, help="digits of the hidden number")
     ap.add_argument("--batch-size", type=int, default=None,
-                    help="prompts per prefill (rounded up to the mesh's dp x fsdp)")
+                    help="prompts per prefill (default 1; rounded up to the mesh's dp x fsdp)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="tokens decoded per prompt (default: digits + 4)")
 
@@ -122,13 +129,14 @@ def depth_in_bin(rng, b: int, n_bins: int) -> float:
 
 
 def run_grid(args, task: str, model: Model, lengths: list[int],
-             items_of: Callable[[int], list[Item]], meta: dict, title: str) -> int:
-    """Evaluate, print the table and write `OUT/<task>.{md,json,png}` (see `report`)."""
+             items_of: Callable[[int], list[Item]], meta: dict, title: str,
+             trained: int | None = None) -> int:
+    """Evaluate, print the table and write `OUT/<task>.{md,json,png}` (see `report`);
+    `trained`: the trained length, marked on the heatmap."""
     max_new = args.max_new_tokens or args.digits + 4  # a space, the digits, EOS, slack
     result = evaluate(model, lengths, items_of, n_bins=args.depths, max_new=max_new,
                       batch_size=args.batch_size)
-    meta = dict(meta, model=model.name, mesh=dict(model.mesh.shape),
-                layout=model.attention.layout, strategy=model.attention.strategy,
+    meta = dict(meta, **report.model_meta(model), trained_length=trained,
                 samples_per_cell=args.samples, seed=args.seed, digits=args.digits)
     table = report.accuracy_table(result["cells"], lengths, args.depths)
     print(table, flush=True)
@@ -138,6 +146,7 @@ def run_grid(args, task: str, model: Model, lengths: list[int],
                            dict(meta, lengths=lengths, depth_bins=args.depths, **result),
                            lambda path: report.accuracy_heatmap(
                                path, result["cells"], lengths, args.depths,
-                               f"{title}: {model.name}"))
+                               f"{title}: {model.name}", trained=trained,
+                               samples=args.samples))
 
     return report.save_report(args.out, task, write)

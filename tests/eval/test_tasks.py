@@ -170,7 +170,7 @@ def test_passkey_prompts_hide_the_key_at_its_depth(tokenizer):
     assert [it.depth_bin for it in items] == [0, 0, 1, 1]
     for it in items:
         text = tokenizer.decode(it.tokens)
-        assert 180 < len(it.tokens) <= 200 and it.tokens[0] == tokenizer.bos_id
+        assert len(it.tokens) == 200 and it.tokens[0] == tokenizer.bos_id  # the row's length
         assert len(it.answer) == 5 and text.count(it.answer) == 2
         assert text.endswith(passkey.QUESTION)
         depth = text.index(it.answer) / len(text)
@@ -300,7 +300,8 @@ def test_line_retrieval_is_a_task_of_the_same_command(tmp_path, capsys, monkeypa
                for b in (0, 1)]
     result = dict(cells=[retrieval.cell(records, 128, b, 2) for b in (0, 1)], samples=records)
     model = SimpleNamespace(name="fake", mesh=SimpleNamespace(shape={"sp": 1}),
-                            attention=SimpleNamespace(layout="striped"))
+                            attention=SimpleNamespace(layout="striped", strategy="ring"),
+                            config=SimpleNamespace(max_position_embeddings=128))
     monkeypatch.setattr(line_retrieval, "load_model", lambda args: (model, None))
     monkeypatch.setattr(line_retrieval, "evaluate", lambda *a, **k: result)
     out = tmp_path / "eval"
@@ -336,3 +337,46 @@ def test_unknown_task_and_bad_flags_are_one_line(tmp_path, capsys):
                       str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --data") and "no data files" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_perplexity_says_which_lengths_no_document_reaches(checkpoint, capsys):
+    out = checkpoint["root"] / "out_none"
+    rc, printed, err = run_task(capsys, "perplexity", checkpoint, out, "--data",
+                                checkpoint["data"], "--lengths", "64,100000", "--buckets", "4")
+    assert rc == 0, err
+    line = "**length 100000: nothing measured, no document of --data holds 100001 tokens"
+    table = (out / "perplexity.md").read_text()
+    assert line in table and line in printed
+    report = json.loads((out / "perplexity.json").read_text())
+    assert [r["loss"] is None for r in report["lengths"]] == [False, True]
+    # no length at all: one line before anything is measured
+    short = checkpoint["root"] / "short.jsonl"
+    short.write_text('{"text": "Too short."}\n{"text": "Short too."}\n')
+    rc, _, err = run_task(capsys, "perplexity", checkpoint, out, "--data", str(short))
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("error: --data holds no document long enough for any of --lengths")
+
+
+@pytest.mark.slow
+def test_perplexity_keeps_the_lengths_measured_before_a_failure(checkpoint, capsys,
+                                                                 monkeypatch):
+    """The default lengths are the trained 64 tokens x1, x2, x4; the forward at the last
+    runs out of memory (here: raises as XLA would): the first two stay on disk."""
+    measure = perplexity.position_losses
+
+    def out_of_memory_at_256(model, windows_, batch_size):
+        if windows_.shape[1] - 1 == 256:
+            raise MemoryError("RESOURCE_EXHAUSTED")
+        return measure(model, windows_, batch_size)
+
+    monkeypatch.setattr(perplexity, "position_losses", out_of_memory_at_256)
+    out = checkpoint["root"] / "out_partial"
+    with pytest.raises(MemoryError):
+        run_task(capsys, "perplexity", checkpoint, out, "--data", checkpoint["data"],
+                 "--buckets", "4")
+    assert f"(64, 128) is in {out}" in capsys.readouterr().err
+    report = json.loads((out / "perplexity.json").read_text())
+    assert report["complete"] is False and report["lengths_asked"] == [64, 128, 256]
+    assert [r["length"] for r in report["lengths"]] == [64, 128]
+    assert "**incomplete" in (out / "perplexity.md").read_text()
