@@ -21,9 +21,11 @@ with a KV cache (`lclm.eval.decode`): greedily with `--temperature 0` (the defau
 drawn from the softmax at that temperature, cut to `--top-k` tokens and the `--top-p`
 nucleus, the same text for the same `--seed`.
 
-The continuation, up to the first EOS, goes to stdout; logs go to stderr. A missing
-checkpoint or step, an empty prompt, or a prompt whose tokens with `--max-new-tokens` pass
-the positions the model was made for is one line `error: ...` and exit status 2.
+The continuation, up to the first EOS (or with `--chat` the template's end of turn), goes to
+stdout; decoding stops there rather than running on to `--max-new-tokens`. Logs go to
+stderr. A missing checkpoint or step, an empty prompt, or a prompt whose tokens with
+`--max-new-tokens` pass the positions the model was made for is one line `error: ...` and
+exit status 2.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from lclm.data.chat import TEMPLATE_NAMES, get_template
 from lclm.errors import ConfigError, StartupError
 from lclm.eval.decode import Pick, generate, greedy, pad_front, padded_length, sampler
 from lclm.eval.model import Model, add_model_arguments, answer_text, load_model
+from lclm.eval.retrieval import stop_ids
 from lclm.train.resume import CONVERTED_FROM
 
 log = logging.getLogger(__name__)
@@ -63,8 +66,10 @@ def max_positions(model: Model, saved: dict | None) -> int:
     return max(model.config.max_position_embeddings, trained)
 
 
-def continuation(model: Model, ids: list[int], max_new: int, pick: Pick = greedy) -> np.ndarray:
-    """The `max_new` ids `[max_new]` int32 that follow prompt `ids`, each chosen by `pick`."""
+def continuation(model: Model, ids: list[int], max_new: int, pick: Pick = greedy,
+                 stop: int | None = None) -> np.ndarray:
+    """The ids `[n <= max_new]` int32 that follow prompt `ids`, each chosen by `pick`, up to
+    and including the first EOS or `stop` (decoding ends there)."""
     # the mesh's batch axes shard rows: the prompt fills each of them, the first is read
     rows = model.mesh.shape["dp"] * model.mesh.shape["fsdp"]
     length = padded_length(len(ids), model.mesh.shape["sp"], model.config.ffn_chunk,
@@ -72,7 +77,7 @@ def continuation(model: Model, ids: list[int], max_new: int, pick: Pick = greedy
     # any pad id: the pad segment is never attended to
     batch = pad_front([np.asarray(ids, np.int32)] * rows, length, pad_id=0)
     return generate(model.config, model.attention, model.params, *batch, max_new,
-                    mesh=model.mesh, pick=pick)[0]
+                    mesh=model.mesh, pick=pick, stop_ids=stop_ids(model.tokenizer, stop))[0]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -136,8 +141,8 @@ def _run(args) -> None:
             sampler(args.temperature, args.top_k, args.top_p, args.seed))
     log.info("%s on mesh %s: %d prompt tokens, %d new", model.name, dict(model.mesh.shape),
              len(ids), args.max_new_tokens)
-    print(answer_text(model.tokenizer, continuation(model, ids, args.max_new_tokens, pick),
-                      stop))
+    print(answer_text(model.tokenizer,
+                      continuation(model, ids, args.max_new_tokens, pick, stop), stop))
 
 
 def main(argv=None) -> int:

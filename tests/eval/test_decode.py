@@ -105,3 +105,38 @@ def test_cached_decoding_runs_each_familys_layer(family, prompts):
     docs, rows = prompts
     assert greedy_generate(model, ATTENTION, params, *rows, M).tolist() == recompute_greedy(
         params, docs, M, model)
+
+
+def test_decoding_stops_each_row_at_its_stop_token_and_ends_when_all_have(params, prompts):
+    """A row ends at its first stop id (later columns repeat it) and the loop ends once every
+    row has: fewer steps than max_new, the same tokens up to each row's stop."""
+    _, rows = prompts
+    full = greedy_generate(MODEL, ATTENTION, params, *rows, 12)
+    stops = tuple(int(t) for t in full[:, 2])  # every row meets one by its third token
+    stopped = greedy_generate(MODEL, ATTENTION, params, *rows, 12, stop_ids=stops)
+    ends = [int(np.flatnonzero(np.isin(r, stops))[0]) for r in full]
+    assert stopped.shape == (3, max(ends) + 1) and stopped.shape[1] <= 3 < 12
+    for r, end in enumerate(ends):
+        assert stopped[r, :end + 1].tolist() == full[r, :end + 1].tolist()
+        assert (stopped[r, end:] == full[r, end]).all()
+
+
+def test_generate_stops_at_eos(params):
+    """`lclm.eval generate`'s continuation ends at the tokenizer's EOS (here: the token the
+    model decodes third) instead of running on to max_new."""
+    from types import SimpleNamespace
+
+    from lclm.eval.generate import continuation
+    from lclm.eval.model import Model
+
+    mesh = make_mesh(fsdp=1, sp=1)
+    prompt = list(range(3, 40))
+    model = Model(MODEL, ATTENTION, shard_params(MODEL, params, mesh), mesh,
+                  SimpleNamespace(eos_id=None), "test")
+    full = continuation(model, prompt, 12)
+    assert len(full) == 12
+    eos = int(full[2])
+    first = full.tolist().index(eos)
+    model.tokenizer = SimpleNamespace(eos_id=eos)
+    out = continuation(model, prompt, 12)
+    assert out.tolist() == full[:first + 1].tolist() and out[-1] == eos
