@@ -25,7 +25,7 @@ from lclm.files import check_input
 from lclm.models.decoder import param_shapes
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.layout import LAYOUTS
-from lclm.parallel.devices import request_cpu_devices
+from lclm.parallel.devices import available, request_cpu_devices
 from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
 from lclm.train.state import param_shardings
 from lclm.train.workdirs import workdir_to_read
@@ -175,8 +175,8 @@ def _mesh_sizes(saved_mesh: dict, args, name: str | None) -> dict:
            "the parameters load onto any mesh")
     need = math.prod(sizes.values())
     if -1 not in sizes.values() and need > count:
-        raise StartupError(f"the mesh {sizes} ({origin}) needs {need} devices but this machine "
-                           f"has {count}; {fix}")
+        raise StartupError(f"the mesh {sizes} ({origin}) needs {need} devices but "
+                           f"{available(jax.devices())}; {fix}")
     try:
         return resolve_mesh_shape(**sizes, device_count=count)
     except ValueError as e:

@@ -14,6 +14,20 @@ import os
 _FLAG = "--xla_force_host_platform_device_count"
 # A CPU gains nothing from more simulated devices than this; larger meshes are a config error.
 MAX_SIMULATED_DEVICES = 16
+
+
+def available(devices) -> str:
+    """What a mesh could use, said as what it is, for a message that ends 'needs N devices
+    but ...': the accelerators ('1 gpu device'), or on a CPU the devices lclm simulated,
+    whose count is not the machine's (capped at `MAX_SIMULATED_DEVICES` whatever its cores).
+    `devices`: jax.devices()."""
+    n, platform = len(devices), devices[0].platform
+    if platform != "cpu":
+        return f"this machine has {n} {platform} device{'s' * (n != 1)}"
+    return (f"lclm simulates {n} CPU device{'s' * (n != 1)} on this machine "
+            f"({os.cpu_count()} cores; at most {MAX_SIMULATED_DEVICES} are simulated on any)")
+
+
 # XLA's concurrency-optimised CPU scheduler let simulated devices of one program enter the
 # ring's collective-permute and an FSDP all-gather in different orders: a deadlock that XLA
 # aborts after 40 s (reproduced with jax 0.12 on 2 cores; gone with this flag).

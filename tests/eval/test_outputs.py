@@ -14,6 +14,7 @@ import matplotlib
 import pytest
 from support import DEMO_TOKENIZER, ROOT
 
+from lclm.errors import StartupError
 from lclm.eval import line_retrieval, needle, passkey, perplexity, report, retrieval
 from lclm.eval.__main__ import main as eval_main
 
@@ -122,3 +123,22 @@ def test_the_default_data_holds_documents_beyond_the_demos_length(tmp_path):
     docs = open_documents(entry.kind, entry.path, Tokenizer(DEMO_TOKENIZER))
     found = perplexity.windows(docs, [512, 1024, 2048], max_docs=4)
     assert all(len(w["tokens"]) == 4 for w in found.values())
+
+
+def test_a_mesh_too_large_names_simulated_devices_not_the_machines(tmp_path):
+    """On a CPU the devices are lclm's simulated ones (at most 16 whatever the cores): the
+    message must not call their count the machine's."""
+    import jax
+
+    from lclm.eval.model import _mesh_sizes
+    from lclm.parallel.devices import MAX_SIMULATED_DEVICES, available
+
+    args = SimpleNamespace(dp=None, fsdp=None, tp=None, sp=64)
+    with pytest.raises(StartupError) as e:
+        _mesh_sizes({}, args, None)
+    n = len(jax.devices())
+    assert f"this machine has {n}" not in str(e.value)
+    assert f"lclm simulates {n} CPU devices on this machine ({os.cpu_count()} cores" in str(e.value)
+    cap = [SimpleNamespace(platform="cpu")] * MAX_SIMULATED_DEVICES
+    assert f"at most {MAX_SIMULATED_DEVICES} are simulated" in available(cap)
+    assert available([SimpleNamespace(platform="gpu")]) == "this machine has 1 gpu device"
