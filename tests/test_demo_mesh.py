@@ -27,7 +27,7 @@ DEMO_MESH = dict(dp=1, fsdp=2, tp=1, sp=4)
     (16, DEMO_MESH),   # a larger machine: the first 8 devices, as any smaller mesh
 ])
 def test_the_demo_mesh_fits_the_devices(devices, sizes):
-    assert resolve_mesh_shape(**DEMO_MESH, device_count=devices, fit=True) == sizes
+    assert resolve_mesh_shape(**fit_mesh(DEMO_MESH, devices), device_count=devices) == sizes
     config = load_config(DEMO_CONFIG)
     assert validate(config, devices) == sizes
     # config.json records the mesh the run used: generate and the evaluations read it

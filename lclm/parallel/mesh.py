@@ -39,11 +39,8 @@ AXIS_RULES: dict[str, tuple[str, ...]] = {
 
 
 def resolve_mesh_shape(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,
-                       device_count: int | None = None, fit: bool = False) -> dict[str, int]:
-    """Sizes per axis with at most one -1 replaced by the remaining devices.
-
-    `fit`: a mesh that needs more than `device_count` devices shrinks to fit (`fit_mesh`)
-    instead of being refused."""
+                       device_count: int | None = None) -> dict[str, int]:
+    """Sizes per axis with at most one -1 replaced by the remaining devices."""
     sizes = dict(dp=int(dp), fsdp=int(fsdp), tp=int(tp), sp=int(sp))
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1 or any(s == 0 or s < -1 for s in sizes.values()):
@@ -57,8 +54,6 @@ def resolve_mesh_shape(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,
         sizes[free[0]] = device_count // known
     need = math.prod(sizes.values())
     if device_count is not None and need > device_count:
-        if fit:
-            return fit_mesh(sizes, device_count)
         raise ValueError(f"mesh {sizes} needs {need} devices but only {device_count} exist; "
                          "shrink config.mesh.*, use -1 for one axis, or set mesh.fit=True")
     return sizes

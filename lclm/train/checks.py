@@ -23,7 +23,7 @@ from lclm.errors import ConfigError
 from lclm.ops.context_parallel import STRATEGIES, get_strategy, kernel_block, ring_size
 from lclm.ops.context_parallel.rounds import kv_repeats
 from lclm.ops.kernels import IMPLS, choose_kernel, get_kernel, platform_family
-from lclm.parallel.mesh import resolve_mesh_shape
+from lclm.parallel.mesh import fit_mesh, resolve_mesh_shape
 from lclm.train.resume import allowed_keys
 from lclm.train.workdirs import check_workdir
 
@@ -46,10 +46,12 @@ def validate(config, device_count: int) -> dict[str, int]:
     allowed_keys(config)
     try:
         asked = {k: config.mesh[k] for k in MESH_AXES}
-        sizes = resolve_mesh_shape(**asked, device_count=device_count, fit=config.mesh.fit)
+        fitted = asked if not config.mesh.fit or -1 in asked.values() else fit_mesh(
+            asked, device_count)
+        sizes = resolve_mesh_shape(**fitted, device_count=device_count)
     except ValueError as e:
         _fail(f"config.mesh: {e}")
-    if config.mesh.fit and -1 not in asked.values() and sizes != asked:
+    if fitted != asked:
         log.info("mesh %s needs more than the %d devices here: fitted to %s (mesh.fit)",
                  asked, device_count, sizes)
         config.mesh.update(sizes)
