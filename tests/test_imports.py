@@ -15,8 +15,8 @@ from support import ROOT
 LAYERS = ["lclm.errors", "lclm.hardware", "lclm.storage", "lclm.files",
           "lclm.models.families", "lclm.config",
           "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel", "lclm.models", "lclm.hf",
-          "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval", "lclm.train.__main__",
-          "lclm.check", "lclm.plan", "lclm.convert"]
+          "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval", "lclm.generate",
+          "lclm.train.__main__", "lclm.check", "lclm.plan", "lclm.convert"]
 
 
 def _layer(module: str) -> int | None:

@@ -5,6 +5,8 @@ dataclass, presets, single-field checks), `model` (ModelConfig, AttentionConfig)
 (config files and dotted keys), `syntax` (token counts, lengths, stage schedules), `stages`
 (the config of every stage of a schedule)."""
 
+import warnings
+
 from lclm.config.files import load_config
 from lclm.config.model import AttentionConfig, ModelConfig
 from lclm.config.schema import (
@@ -17,3 +19,13 @@ from lclm.config.schema import (
 
 __all__ = ["AttentionConfig", "ModelConfig", "MESH_AXES", "MODEL_PRESETS", "apply_preset",
            "base_config", "load_config", "mesh_device_count"]
+
+
+def __getattr__(name: str):
+    """`LlamaConfig`, ModelConfig's name before the model served every family: still
+    importable, with a DeprecationWarning naming `ModelConfig`."""
+    if name == "LlamaConfig":
+        warnings.warn("lclm.config.LlamaConfig is now lclm.config.ModelConfig",
+                      DeprecationWarning, stacklevel=2)
+        return ModelConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
