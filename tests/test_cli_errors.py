@@ -132,9 +132,12 @@ UNKNOWN_SCHEME = ("uses hdfs://, which lclm does not read or write; use gs://, s
      "--out '{tmp}/afile/tok' cannot be made: '{tmp}/afile' is a file"),
     ("bench", ["--suite", "gpu", "--out", "{tmp}/afile/bench"],
      "--out '{tmp}/afile/bench' cannot be made: '{tmp}/afile' is a file"),
-    # the default output, beside the checkpoint, is checked too (and named as the default)
+    # the default output, a new folder beside the checkpoint, is checked too (and named as
+    # the default)
     ("lclm.eval.line_retrieval", ["--checkpoint", "{tmp}/run"],
-     "the default --out '{tmp}/run/line_retrieval_eval' is a file; pass a folder"),
+     "the default --out '{tmp}/run/line_retrieval_eval/"),
+    ("lclm.eval.line_retrieval", ["--checkpoint", "{tmp}/run"],
+     "cannot be made: '{tmp}/run/line_retrieval_eval' is a file; pass another path"),
     # an input on a scheme lclm does not read is not looked up as a local './hdfs:/...' path
     ("lclm.eval.line_retrieval", ["--checkpoint", "hdfs://b/run"],
      f"--checkpoint 'hdfs://b/run' {UNKNOWN_SCHEME}"),

@@ -132,18 +132,22 @@ def run_task(args, run: Callable[[argparse.Namespace], int]) -> int:
 def default_out(args, task: str) -> str:
     """A new folder `<task>_eval/<date-time>/` inside the checkpoint's workdir
     (`runs/<task>_eval/<name>/<date-time>/` with --hf): beside what was evaluated, never in
-    the current directory, and never a folder an earlier run wrote (a second run in the same
-    second gets `-2`, `-3`, ...)."""
+    the current directory, and never a folder an earlier run wrote (`unused`, once the
+    paths are checked)."""
     if args.checkpoint:
         base = storage.join(args.checkpoint, f"{task}_eval")
     else:
         base = os.path.join("runs", f"{task}_eval", os.path.basename(os.path.normpath(args.hf)))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out, n = storage.join(base, stamp), 1
-    while storage.exists(out):
+    return storage.join(base, time.strftime("%Y%m%d-%H%M%S"))
+
+
+def unused(out: str) -> str:
+    """`out`, or where it exists already (a second run in the same second) `out-2`, ..."""
+    path, n = out, 1
+    while storage.exists(path):
         n += 1
-        out = storage.join(base, f"{stamp}-{n}")
-    return out
+        path = f"{out}-{n}"
+    return path
 
 
 def set_out(args, task: str) -> None:
@@ -159,6 +163,8 @@ def check_model_args(args, positive: tuple[str, ...] = ()) -> None:
     that could not be written (after an hour of evaluation is too late to find out)."""
     for flag in ("checkpoint", "hf", "tokenizer"):
         check_input(f"--{flag}", getattr(args, flag))
+    if args.default_out:
+        args.out = unused(args.out)
     for name in positive:
         value = getattr(args, name)
         if value is not None and value < 1:
