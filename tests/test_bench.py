@@ -592,3 +592,27 @@ def test_profile_sums_a_gpu_traces_stream_kernels_by_kind(tmp_path):
                               "--config.model.n_layers=1", "--out", str(tmp_path / "p")]) == 0
     written = sorted(p.name for p in (tmp_path / "p").iterdir())
     assert written == ["profile-blockwise-attention-64.md", "trace-blockwise-attention-64.json.gz"]
+
+
+def test_seed_sweep_reads_finished_seeds_and_states_which_miss_the_target(tmp_path):
+    """Seeds already run are read, not trained again; the table says which miss 90%."""
+    from bench import line_retrieval_seeds as sweep
+    from lclm.eval.retrieval import cell
+    assert sweep.seed_list("0-2,7") == [0, 1, 2, 7]
+    for seed, right_at_128 in ((3, 40), (4, 30)):   # of 40 prompts per length
+        records = [dict(length=n, depth_bin=0, prompt_tokens=n, padded_to=n,
+                        correct=i < (40 if n == 64 else right_at_128))
+                   for n in (64, 128) for i in range(40)]
+        folder = tmp_path / "runs" / f"seed{seed}"
+        (folder / "eval").mkdir(parents=True)
+        (folder / "eval" / "line_retrieval.json").write_text(json.dumps(
+            dict(cells=[cell(records, n, 0, 1) for n in (64, 128)])))
+        (folder / "times.json").write_text(json.dumps(dict(train_wall_s=495.0,
+                                                          train_cpu_s=900.0)))
+    out = tmp_path / "seeds.md"
+    assert sweep.main(["--seeds", "3-4", "--runs", str(tmp_path / "runs"),
+                       "--out", str(out)]) == 1
+    text = out.read_text()
+    assert "| 3 | 100.0% | 100.0% | 8 min 15 s | 900 s | yes |" in text
+    assert "| 4 | 100.0% | 75.0% | 8 min 15 s | 900 s | NO |" in text
+    assert "1 of 2 seeds reach 90% at both lengths" in text
