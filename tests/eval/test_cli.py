@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 from support import DEMO_TOKENIZER, ROOT
@@ -82,11 +83,13 @@ def test_eval_cli_on_a_huggingface_directory(tmp_path, capsys):
 
 
 def test_results_go_beside_what_was_evaluated_not_into_the_current_directory():
+    """In a new <date-time> folder: a second run does not replace the first's report."""
     from lclm.eval.line_retrieval import parse_args
-    assert parse_args(["--checkpoint", "runs/demo"]).out == \
-        os.path.join("runs/demo", "line_retrieval_eval")
-    assert parse_args(["--hf", "/models/Llama-2-7b-hf/"]).out == \
-        os.path.join("runs", "line_retrieval_eval", "Llama-2-7b-hf")
+    stamp = r"/\d{8}-\d{6}$"
+    assert re.match(re.escape(os.path.join("runs/demo", "line_retrieval_eval")) + stamp,
+                    parse_args(["--checkpoint", "runs/demo"]).out)
+    assert re.match(re.escape(os.path.join("runs", "line_retrieval_eval", "Llama-2-7b-hf"))
+                    + stamp, parse_args(["--hf", "/models/Llama-2-7b-hf/"]).out)
     assert parse_args(["--hf", "x", "--out", "elsewhere"]).out == "elsewhere"
 
 
@@ -103,7 +106,8 @@ def _evaluated(monkeypatch, tmp_path, out, fallback_dir):
     result = dict(cells=[line_retrieval._cell(records, 128, b, 2) for b in (0, 1)],
                   samples=records)
     model = SimpleNamespace(name="fake", mesh=SimpleNamespace(shape={"sp": 1}),
-                            attention=SimpleNamespace(layout="striped"))
+                            attention=SimpleNamespace(layout="striped", strategy="ring"),
+                            config=SimpleNamespace(max_position_embeddings=128))
 
     def evaluate(*args, **kwargs):
         out.write_text("")
