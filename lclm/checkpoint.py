@@ -30,6 +30,8 @@ from lclm.errors import StartupError
 from lclm.parallel.distributed import any_process
 
 log = logging.getLogger(__name__)
+# the object Orbax writes last into a step saved on GCS (no rename there): the step is complete
+COMMITTED = "commit_success.txt"
 
 
 def gather_json(obj) -> list:
@@ -338,13 +340,14 @@ class Checkpoints:
             raise self._failed(step, e) from None
         self._pending = step
 
-    def poll(self) -> bool:
-        """True once the save in flight has completed; `SaveFailed` as soon as it has
-        failed (cheap: a flag test while it is still writing)."""
-        if self._pending is not None and not self.manager.is_saving_in_progress():
+    def poll(self) -> int | None:
+        """The step of the save in flight once it has completed (else None); `SaveFailed` as
+        soon as it has failed (cheap: a flag test while it is still writing)."""
+        step = self._pending
+        if step is not None and not self.manager.is_saving_in_progress():
             self.wait()
-            return True
-        return False
+            return step
+        return None
 
     def wait(self) -> None:
         """Wait for the save in flight; `SaveFailed` if it failed."""
@@ -355,17 +358,33 @@ class Checkpoints:
             raise self._failed(step, e) from None
 
     def _remove_partial(self) -> None:
-        """Delete what failed saves wrote: it would keep a full disk full for the retry."""
-        if jax.process_index() == 0:
-            for step in self._abandoned:
+        """Delete what failed saves wrote: it would keep a full disk full for the retry, and on
+        GCS a step's partial objects sit under the step's own name (a local save writes under
+        a temporary name and renames it; a GCS save marks the end with a commit object).
+        Storage that still fails (an unreachable bucket) is tried again at the next save."""
+        if jax.process_index() != 0:
+            return
+        for step in sorted(self._abandoned):
+            try:
                 for name in storage.listdir(self.directory):
-                    if name.startswith(f"{step}.orbax-checkpoint-tmp"):
-                        storage.remove_tree(storage.join(self.directory, name))
+                    path = storage.join(self.directory, name)
+                    if name.startswith(f"{step}.orbax-checkpoint-tmp") or (
+                            name == str(step) and storage.is_remote(path)
+                            and not storage.exists(storage.join(path, COMMITTED))):
+                        storage.remove_tree(path)
+            except Exception as e:  # noqa: BLE001  (any client's error: the save is what failed)
+                log.debug("partial files of step %d not removed yet (%s)", step, first_line(e))
+                continue
+            self._abandoned.discard(step)
 
     def _failed(self, step, error: BaseException) -> SaveFailed:
         if step is not None:
             self._abandoned.add(step)
             self._remove_partial()
+        try:
+            self.manager.reload()   # the failed step out of the manager's list, if it is there
+        except Exception as e:  # noqa: BLE001  (storage still failing: its last list stands)
+            log.debug("checkpoint list not reloaded (%s)", first_line(e))
         intact = [s for s in self.manager.all_steps() if s != step]
         return SaveFailed(f"checkpoint step {step} could not be saved to {self.directory} "
                           f"({first_line(error)}); intact checkpoints: {intact or 'none'}")

@@ -47,6 +47,7 @@ def client_problem(path: str) -> str | None:
         return (f"uses {s}://, which lclm does not read or write; use gs://, s3:// or a local "
                 "or mounted path")
     module, package = CLIENTS[s]
+    _quiet_emulator_probe()   # gcsfs picks its filesystem class when it is imported
     try:
         __import__(module)
     except ImportError:
@@ -56,7 +57,9 @@ def client_problem(path: str) -> str | None:
 
 def _quiet_emulator_probe() -> None:
     """gcsfs asks each bucket over gRPC whether it is a zonal bucket; a local GCS server
-    serves no gRPC and every probe waits 60 s before falling back. Only with an emulator."""
+    serves no gRPC and every probe waits 60 s before falling back (and logs a warning per
+    call). Only with an emulator, and before gcsfs is imported: it reads the variable once,
+    to choose its filesystem class."""
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
@@ -69,7 +72,6 @@ def filesystem(path: str):
         raise StartupError(f"{path!r} {problem}")
     import fsspec
 
-    _quiet_emulator_probe()
     s = scheme(path)
     if s is None:
         return fsspec.filesystem("file"), os.path.abspath(path)

@@ -24,17 +24,23 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class WritePatience:
     """How long a run rides out a storage fault (a disk full until a clean-up job runs, a
-    network filesystem failing over) before it stops (exit 3) rather than lose work.
+    bucket unreachable while its network fails over) before it stops (exit 3) rather than
+    lose work: `seconds` (the config's `storage_patience_seconds`), the same for checkpoint
+    saves and metrics writes, and a time, not a count of failures (at a fast log rate or a
+    small `checkpoint.every` a two-second hiccup is many failed writes).
 
-    `metrics_seconds`: how long writes of metrics.jsonl may fail, every one since the first,
-    before the run saves a checkpoint and stops; meanwhile the records are held in memory and
-    retried at each logged step. A time, not a count of failures: at a fast log rate a
-    two-second hiccup is many failed writes. `save_retries`: the pauses (seconds) before each
-    retry of a checkpoint save that failed; the save counts as failed once every retry has.
-    """
+    Meanwhile a failed save is tried again after `first_pause` seconds, each pause twice the
+    last up to `max_pause`: training goes on between the tries, except for a final,
+    preemption or stopping save, which waits for them. Failed metrics writes are held in
+    memory and retried at each logged step."""
 
-    metrics_seconds: float = 300.0
-    save_retries: tuple[float, ...] = (1.0, 4.0, 15.0)
+    seconds: float = 300.0
+    first_pause: float = 1.0
+    max_pause: float = 30.0
+
+    def pause(self, tries: int) -> float:
+        """The pause after the `tries`-th failed try (1, 2, ...)."""
+        return min(self.max_pause, self.first_pause * 2 ** (tries - 1))
 
 
 def seconds_text(seconds: float) -> str:
@@ -58,7 +64,10 @@ class FaultPolicy:
         self.failing_since: float | None = None   # when metrics writes started failing
         self.failing_from = 0                      # the first logged step whose write failed
         self._reported = 0.0
-        self.failed_saves = 0   # checkpoint saves in a row that failed, each after its retries
+        self.saves_failing_since: float | None = None   # when saves started failing
+        self._save_tries = 0        # failed tries since then
+        self._next_save_try = 0.0   # when the next try is due (time.monotonic())
+        self._save_reported = 0.0
         self.last_saved = time.monotonic()
 
     def halt(self, why: str) -> TrainingHalted:
@@ -84,23 +93,23 @@ class FaultPolicy:
                             "steps with a non-finite loss or gradient norm (their updates were "
                             "skipped); lower train.lr or check the data")
 
-    # -- metrics writes: ridden out for `patience.metrics_seconds`, reported at once
+    # -- metrics writes: ridden out for `patience.seconds`, reported at once
 
     def metrics_failed(self, step: int, error: MetricsFailed) -> bool:
         """Report a failed metrics.jsonl write (at once, then once a minute while it lasts);
-        True once writes have failed for `patience.metrics_seconds`: the run then saves a
+        True once writes have failed for `patience.seconds`: the run then saves a
         checkpoint and stops, the held records in the log."""
         now = time.monotonic()
         if self.failing_since is None:
             self.failing_since, self.failing_from, self._reported = now, step, now
             log.error("%s; they are held in memory and written with the next logged step "
                       "that can (the run saves a checkpoint and stops if writes fail for %s)",
-                      error, seconds_text(self.patience.metrics_seconds))
+                      error, seconds_text(self.patience.seconds))
         elif now - self._reported >= 60:
             self._reported = now
             log.error("%s; failing since step %d, %s ago", error, self.failing_from,
                       seconds_text(now - self.failing_since))
-        return now - self.failing_since >= self.patience.metrics_seconds
+        return now - self.failing_since >= self.patience.seconds
 
     def metrics_written(self, step: int) -> None:
         if self.failing_since is not None:
@@ -108,6 +117,25 @@ class FaultPolicy:
                         "the records held since step %d are in it", step,
                         seconds_text(time.monotonic() - self.failing_since), self.failing_from)
             self.failing_since = None
+
+    def flush_metrics(self, flush: Callable[[], None], step: int) -> None:
+        """At the end of a run, write the records held back by failed writes (`flush()`
+        raises `MetricsFailed`), tried again after each pause while the patience lasts; then
+        the run stops (exit 3) naming the records lost to metrics.jsonl (they are in the
+        log)."""
+        tries = 0
+        while True:
+            try:
+                flush()
+                self.metrics_written(step)
+                return
+            except MetricsFailed as e:
+                tries += 1
+                since = self.failing_since if self.failing_since is not None else time.monotonic()
+                if time.monotonic() - since >= self.patience.seconds:
+                    raise self.halt(f"{self.metrics_stop_reason(step)} ({e})") from None
+                time.sleep(min(self.patience.pause(tries),
+                               max(0.0, since + self.patience.seconds - time.monotonic())))
 
     def metrics_stop_reason(self, step: int) -> str:
         """Why the run stops after `step` when its metrics could not be written."""
@@ -118,47 +146,76 @@ class FaultPolicy:
                 f"{self.failing_from} ({seconds_text(time.monotonic() - self.failing_since)}); "
                 "the records since are in the log")
 
-    # -- checkpoint saves: retried, one failure ridden out, never two in a row
+    # -- checkpoint saves: retried for `patience.seconds` since the first failure
 
-    def save(self, step: int, write: Callable[[], None], finite: bool,
-             wait: bool) -> SaveFailed | None:
-        """Save `step` with `write()`, retried after each pause of `patience.save_retries`
-        while it fails; with `wait` a save counts only once written to the end. `finite`:
-        whether the state to save is finite (else the run stops: no checkpoint of it).
-        Returns the last try's failure, or None."""
+    def save(self, step: int, write: Callable[[], None], finite: bool, wait: bool,
+             last_chance: bool = False) -> SaveFailed | None:
+        """Save `step` with `write()`; with `wait` a save counts only once written to the end.
+        `last_chance` (a final, preemption or stopping save): tried again after each pause
+        while it fails and the patience lasts; otherwise one try, the next one at a later
+        step (`retry_due`). `finite`: whether the state to save is finite (else the run
+        stops: no checkpoint of it). Returns the last try's failure, or None."""
         if not finite:
             raise self.halt(f"step {step}: parameters or optimizer state are not finite, so "
                             "no checkpoint was written")
         self.last_saved = time.monotonic()
-        error = None
-        for pause in (0.0, *self.patience.save_retries):
-            if error is not None:
-                log.error("%s; retrying in %g s", error, pause)
-                time.sleep(pause)
+        while True:
             try:
                 write()
                 if wait:
                     self.checkpoints.wait()
-                    self.save_written()
+                    self.save_written(step)
                 return None
             except SaveFailed as e:
-                error = e
-        return error
+                self.save_trouble(e)
+                if not last_chance or self.saves_patience_spent():
+                    return e
+            time.sleep(max(0.0, self._next_save_try - time.monotonic()))
 
-    def save_written(self) -> None:
-        """An asynchronous save reached the end."""
-        self.failed_saves = 0
+    def save_trouble(self, error: SaveFailed) -> None:
+        """A try of a save failed: logged when saves start failing, then once a minute while
+        they fail; the next try is due after a pause."""
+        now = time.monotonic()
+        self._save_tries += 1
+        self._next_save_try = now + self.patience.pause(self._save_tries)
+        if self.saves_failing_since is None:
+            self.saves_failing_since = self._save_reported = now
+            log.error("%s; retried for up to %s (storage_patience_seconds), training goes on",
+                      error, seconds_text(self.patience.seconds))
+        elif now - self._save_reported >= 60:
+            self._save_reported = now
+            log.error("%s; saves failing for %s", error,
+                      seconds_text(now - self.saves_failing_since))
+        else:
+            log.debug("%s", error)
+
+    def retry_due(self) -> bool:
+        """Whether the pause after the last failed try of a save is over."""
+        return time.monotonic() >= self._next_save_try
+
+    def saves_patience_spent(self) -> bool:
+        return (self.saves_failing_since is not None
+                and time.monotonic() - self.saves_failing_since >= self.patience.seconds)
+
+    def save_written(self, step: int) -> None:
+        """A save reached the end (one line if saves had been failing)."""
+        if self.saves_failing_since is not None:
+            log.warning("checkpoint step %d saved, after %s of failed saves (%d failed "
+                        "tries)", step, seconds_text(time.monotonic() - self.saves_failing_since),
+                        self._save_tries)
+        self.saves_failing_since, self._save_tries, self._next_save_try = None, 0, 0.0
 
     def save_failed(self, error: SaveFailed, last_chance: bool) -> None:
-        """A save that failed every retry: training goes on to the next checkpoint step,
-        unless it is the second such save in a row or no later chance will come (a run that
-        cannot save would lose its work): then the run stops with its earlier checkpoints
-        intact."""
-        self.failed_saves += 1
-        if last_chance or self.failed_saves >= 2:
-            raise self.halt(f"stopped: {error}")
-        log.error("%s; training goes on and the save is retried at the next checkpoint step",
-                  error)
+        """A save that failed: training goes on and the save is tried again at a later step,
+        unless saves have failed for `patience.seconds` or no later chance will come (a run
+        that cannot save would lose its work): then the run stops with its earlier
+        checkpoints intact."""
+        if last_chance or self.saves_patience_spent():
+            since = (seconds_text(time.monotonic() - self.saves_failing_since)
+                     if self.saves_failing_since is not None else "")
+            raise self.halt(f"stopped: {error}" + (f"; saves failed for {since} "
+                            f"(storage_patience_seconds={self.patience.seconds:g})"
+                            if since else ""))
 
     def due_by_time(self, step: int) -> bool:
         """Whether a time-based save is due at `step` (every process gets the same answer)."""

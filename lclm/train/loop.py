@@ -16,7 +16,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from lclm import storage
-from lclm.checkpoint import Checkpoints, SaveFailed
+from lclm.checkpoint import Checkpoints, SaveFailed, ShapeMismatch
 from lclm.config.model import AttentionConfig, ModelConfig
 from lclm.config.secrets import public_config
 from lclm.config.stages import validation_lengths
@@ -26,7 +26,7 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError, StartupError
 from lclm.files import write_json
 from lclm.hardware import peak_flops
-from lclm.models.decoder import param_count
+from lclm.models.decoder import init_params, param_count
 from lclm.parallel.distributed import any_process, check_same_config
 from lclm.parallel.mesh import make_mesh
 from lclm.train.checks import attention_line, check_data, validate
@@ -54,13 +54,12 @@ from lclm.train.step import all_finite, jit_eval_loss, jit_train_step, make_opti
 log = logging.getLogger(__name__)
 
 
-def train(config, stop_after: int | None = None,
-          patience: WritePatience = WritePatience()) -> list[dict]:
+def train(config, stop_after: int | None = None) -> list[dict]:
     """Run (or resume) up to `config.train.steps` steps; returns the logged metric records.
 
     `stop_after` ends the run after that step as a crash would (steps since the last
     checkpoint are lost), leaving the schedule and the final step unchanged for the resume.
-    `patience`: how long storage faults are ridden out (`WritePatience`).
+    Storage faults are ridden out for `config.storage_patience_seconds` (`WritePatience`).
     """
     devices = jax.devices()
     if config.model.init_from_hf:
@@ -86,7 +85,7 @@ def train(config, stop_after: int | None = None,
     lock.acquire()
     try:
         return _run(config, sizes, mesh, model, attention, tokenizer, stop_after, lock,
-                    patience)
+                    WritePatience(config.storage_patience_seconds))
     except BaseException:
         lock.release()
         if fresh and jax.process_index() == 0 and not _trained(config.workdir):
@@ -111,18 +110,27 @@ def _remove_workdir(workdir: str) -> None:
         log.warning("could not remove the new workdir %s (%s)", workdir, e)
 
 
-def _check_resume(config, checkpoints: Checkpoints,
-                  saved_config: dict) -> tuple[int, bool] | None:
+def _check_resume(config, checkpoints: Checkpoints, saved_config: dict,
+                  model: ModelConfig) -> tuple[int, bool] | None:
     """(step, whether the data pipeline restarts) of the latest checkpoint whose saved config
-    this run's (`saved_config`) may resume (`lclm.train.resume`); None where the workdir has
-    no checkpoint with a readable config. A refusal is a ConfigError raised before the model
-    is initialised (a large one takes minutes and most of the memory) and before config.json,
-    which describes the workdir's checkpoints, is rewritten."""
+    this run's (`saved_config`) may resume (`lclm.train.resume`) and whose parameter shapes
+    (its metadata) are `model`'s (its abstract parameters); None where the workdir has no
+    checkpoint with a readable config. A refusal (ConfigError, ShapeMismatch) is raised
+    before the model is initialised (a large one takes minutes and most of the memory) and
+    before config.json, which describes the workdir's checkpoints, is rewritten."""
     latest = checkpoints.latest_config()
     if latest is None:
         return None
     step, saved = latest
-    return step, check_resume(saved, saved_config, allowed_keys(config), step)
+    restart_data = check_resume(saved, saved_config, allowed_keys(config), step)
+    try:   # an allowed change (checkpoint.allow_changed) may still change a shape
+        checkpoints.check_shapes(step, jax.eval_shape(functools.partial(init_params, model),
+                                                      jax.random.key(0)))
+    except ShapeMismatch:
+        raise
+    except Exception as e:  # noqa: BLE001  (damaged metadata: the restore sets the step aside)
+        log.debug("shapes of checkpoint step %d not checked before the restore (%s)", step, e)
+    return step, restart_data
 
 
 def _restore_or_init(config, checkpoints: Checkpoints, state: TrainState, model, mesh,
@@ -262,7 +270,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
     batches = logger = None
     previous_handlers = {}
     try:
-        resume = _check_resume(config, checkpoints, saved_config)
+        resume = _check_resume(config, checkpoints, saved_config, model)
         optimizer = make_optimizer(config.train)
         state = init_state(model, optimizer, mesh, config.seed)
         state, data_state = _restore_or_init(config, checkpoints, state, model, mesh,
@@ -337,11 +345,13 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                 faults.check_step(*unchecked)
             unchecked = (step, metrics["skipped"])
             try:
-                if checkpoints.poll():
-                    faults.save_written()
+                saved = checkpoints.poll()
+                if saved is not None:
+                    faults.save_written(saved)
             except SaveFailed as e:
-                # that step's state is gone: the current one is saved in its place
-                log.error("%s; saving a later step instead", e)
+                # that step's state is gone: a later one is saved in its place
+                faults.save_trouble(e)
+                faults.save_failed(e, last_chance=False)
                 resave = True
             if multi and multihost_utils.reached_preemption_sync_point(step):
                 preempted.set()
@@ -351,7 +361,12 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                             or preempted.is_set() or validating)
             if multi and logging_step:   # every process saves, or none
                 resave = any_process(resave)
+            # a failed save is tried again once its pause is over (with several processes, as
+            # process 0's clock says, at a logged step)
             retry = resave and (logging_step or not multi)
+            if retry:
+                retry = (any_process(jax.process_index() == 0 and faults.retry_due()) if multi
+                         else faults.retry_due())
             saving = (checkpoints.due(step) or faults.due_by_time(step) or step == total
                       or preempted.is_set() or retry)
             stopping = None   # why the run stops after saving this step
@@ -400,8 +415,8 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                     step, functools.partial(checkpoints.save, step, state, batches.state(),
                                             saved_config),
                     finite=bool(finite_fn((state.params, state.opt_state))),
-                    wait=last_chance or retry)
-                resave = False   # this save, whatever its outcome, replaces the failed one
+                    wait=last_chance or retry, last_chance=last_chance)
+                resave = error is not None   # a failed save is tried again at a later step
                 if error is not None and stopping is not None:
                     stopping += f"; {error}"
                 elif error is not None:
@@ -419,15 +434,9 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
         except SaveFailed as e:
             faults.save_failed(e, last_chance=True)
         if logger is not None and faults.failing_since is not None:
-            # the last logged steps' records: retried as a save is, then they go to the log
-            for pause in (*patience.save_retries, None):
-                try:
-                    logger.flush()
-                    faults.metrics_written(records[-1]["step"])
-                    break
-                except MetricsFailed:
-                    if pause is not None:
-                        time.sleep(pause)
+            # the last logged steps' records: retried while the patience lasts, else the run
+            # stops naming them (they go to the log)
+            faults.flush_metrics(logger.flush, records[-1]["step"])
         if is_main and records:
             assert first_logged is not None  # set with the first record
             summary = _summary(records, started, first_logged, tokens_per_step, checkpoints,

@@ -15,7 +15,7 @@ import re
 import tempfile
 
 from lclm import storage
-from lclm.checkpoint import path_problem
+from lclm.checkpoint import COMMITTED, path_problem
 from lclm.errors import ConfigError, StartupError
 from lclm.files import output_problem
 
@@ -44,7 +44,7 @@ def saved_steps(workdir: str) -> list[int]:
 
 
 def _committed(step_dir: str) -> bool:
-    return storage.exists(storage.join(step_dir, "commit_success.txt"))
+    return storage.exists(storage.join(step_dir, COMMITTED))
 
 
 def has_checkpoint(workdir: str) -> bool:

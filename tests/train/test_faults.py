@@ -26,7 +26,7 @@ from lclm.errors import ConfigError, TrainingHalted
 from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
 from lclm.train.lock import WorkdirBusy, WorkdirLock
-from lclm.train.loop import WritePatience, train
+from lclm.train.loop import train
 from lclm.train.metrics import truncate_metrics
 from lclm.train.state import init_state
 from lclm.train.step import make_optimizer
@@ -34,13 +34,13 @@ from lclm.train.step import make_optimizer
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
 
-def _config(workdir, **train):
-    return small_train_config(workdir, mesh=dict(dp=1, fsdp=2, tp=1, sp=2),
-                              attention=dict(q_chunk=16, kv_chunk=16), train=train)
-
-
-# saves retried once, at once: a fault that lasts fails the retry too, without the real pauses
-QUICK = WritePatience(save_retries=(0.0,))
+def _config(workdir, patience=None, **train):
+    """`patience`: storage_patience_seconds (short ones keep a lasting fault's test short)."""
+    config = small_train_config(workdir, mesh=dict(dp=1, fsdp=2, tp=1, sp=2),
+                                attention=dict(q_chunk=16, kv_chunk=16), train=train)
+    if patience is not None:
+        config.storage_patience_seconds = patience
+    return config
 
 
 @pytest.fixture(scope="module")
@@ -178,31 +178,35 @@ def test_a_failed_save_is_reported_at_once_retried_then_stops_with_earlier_ones_
     shutil.copytree(two_steps, workdir)
     with _read_only(workdir / "checkpoints", when="restored checkpoint step 2"), \
             caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
-        train(_config(workdir, steps=6), patience=QUICK)
+        train(_config(workdir, steps=6, patience=1.5))
     message = str(e.value)
     assert "\n" not in message
     assert "checkpoint step 6 could not be saved" in message
     assert "intact checkpoints: [2]" in message
+    assert re.search(r"saves failed for [\d.]+ s \(storage_patience_seconds=1.5\)", message)
     assert "last good checkpoint: step 2" in message
-    # step 4's failure was reported when it happened, retried, and training went on to step 6
+    # step 4's failure was reported when it happened, once, and training went on to step 6,
+    # whose final save was tried again until the patience was spent
     assert "checkpoint step 4 could not be saved" in caplog.text
-    assert caplog.text.count("retrying in 0 s") == 2   # steps 4 and 6, once each
-    assert "retried at the next checkpoint step" in caplog.text
+    assert caplog.text.count("retried for up to 1.5 s (storage_patience_seconds)") == 1
     assert "Traceback" not in caplog.text
     assert os.listdir(workdir / "checkpoints") == ["2"]
     steps = [json.loads(l)["step"] for l in open(workdir / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_save_that_fails_once_is_retried_at_once_and_the_run_completes(two_steps, tmp_path):
+def test_a_save_that_fails_once_is_retried_and_the_run_completes(two_steps, tmp_path, caplog):
     workdir = tmp_path / "run"
     shutil.copytree(two_steps, workdir)
     # the fault goes away once it has been reported: the retry saves that same step
     with _read_only(workdir / "checkpoints", when="restored checkpoint step 2") as end, \
-            _when_logged("retrying in", lambda: end()):
-        records = train(_config(workdir, steps=6), patience=QUICK)
+            _when_logged("retried for up to", lambda: end()), caplog.at_level(logging.INFO):
+        records = train(_config(workdir, steps=6))
     assert records[-1]["step"] == 6
-    assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "4", "6"]
+    assert re.search(r"checkpoint step [56] saved, after [\d.]+ s of failed saves",
+                     caplog.text), caplog.text
+    saved = sorted(os.listdir(workdir / "checkpoints"), key=int)
+    assert saved[0] == "2" and saved[-1] == "6" and "4" not in saved
 
 
 def test_a_failed_final_save_is_retried_before_the_run_stops(two_steps, tmp_path, caplog):
@@ -210,27 +214,27 @@ def test_a_failed_final_save_is_retried_before_the_run_stops(two_steps, tmp_path
     shutil.copytree(two_steps, workdir)
     config = _config(workdir, steps=3)   # step 3: the final save, no periodic one before it
     with _read_only(workdir / "checkpoints", when="restored checkpoint step 2") as end, \
-            _when_logged("retrying in", lambda: end()), caplog.at_level(logging.ERROR):
-        records = train(config, patience=WritePatience(save_retries=(0.5,)))
+            _when_logged("retried for up to", lambda: end()), caplog.at_level(logging.INFO):
+        records = train(config)
     assert [r["step"] for r in records] == [3]
     assert "checkpoint step 3 could not be saved" in caplog.text
-    assert "retrying in 0.5 s" in caplog.text
+    assert "checkpoint step 3 saved, after" in caplog.text
     assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "3"]
 
 
 def test_metrics_that_cannot_be_written_for_a_while_are_held_then_the_run_saves_and_stops(
         two_steps, tmp_path, caplog):
     """A failed metrics.jsonl write is held and retried at each logged step; once writes have
-    failed for `WritePatience.metrics_seconds` the run saves a checkpoint and stops (exit 3)
+    failed for `storage_patience_seconds` the run saves a checkpoint and stops (exit 3)
     with the held records in the log."""
     workdir = tmp_path / "run"
     shutil.copytree(two_steps, workdir)
     config = _config(workdir, steps=10_000)   # it stops long before
     config.checkpoint.every = 0   # only the save before it stops
-    patience = WritePatience(metrics_seconds=1.0, save_retries=(0.0,))
+    config.storage_patience_seconds = 1.0
     with _read_only(workdir / "metrics.jsonl", when="compiling the training step"), \
             caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
-        train(config, patience=patience)
+        train(config)
     message = str(e.value)
     match = re.fullmatch(r"stopped after step (\d+): metrics.jsonl could not be written since "
                          r"step 3 \(([\d.]+) s\); the records since are in the log; last good "
@@ -249,6 +253,99 @@ def test_metrics_that_cannot_be_written_for_a_while_are_held_then_the_run_saves_
     # the disk is back: it resumes after the saved step
     records = train(_config(workdir, steps=stopped + 2))
     assert [r["step"] for r in records] == [stopped + 1, stopped + 2]
+
+
+def _ends_after(seconds, end):
+    """A thread that ends a fault `seconds` after it is started."""
+    return threading.Timer(seconds, end)
+
+
+def _errors(caplog):
+    return [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("patience, survives", [(10.0, True), (1.0, False)])
+def test_how_long_failing_saves_are_ridden_out_is_one_patience_whatever_checkpoint_every(
+        two_steps, tmp_path, caplog, patience, survives):
+    """A 3 s fault while every step saves (checkpoint.every=1): within a 10 s patience the run
+    goes on (many failed saves in a row: not a count, a time), says in one line when a retry
+    succeeds, and logs one ERROR for the whole fault; against a 1 s patience it stops (exit
+    3) with its checkpoints intact and every trained step's metrics written (issue 62)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(two_steps, workdir)
+    config = _config(workdir, steps=400, patience=patience)
+    config.checkpoint.update(every=1, keep=2)
+    timers = []
+
+    def start(end):   # once the fault is on: it ends 3 s later
+        timers.append(_ends_after(3.0, end))
+        timers[-1].start()
+
+    with _read_only(workdir / "checkpoints", when="restored checkpoint step 2") as end, \
+            _when_logged("retried for up to", lambda: start(end)), \
+            caplog.at_level(logging.INFO):
+        if survives:
+            records = train(config)
+        else:
+            with pytest.raises(TrainingHalted) as e:
+                train(config)
+    for timer in timers:
+        timer.join()
+    steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
+    if survives:
+        assert records[-1]["step"] == 400 and steps == list(range(1, 401))
+        assert re.search(r"checkpoint step \d+ saved, after [\d.]+ s of failed saves \(\d+ "
+                         r"failed tries\)", caplog.text), caplog.text
+        assert len(_errors(caplog)) == 1, [r.getMessage() for r in _errors(caplog)]
+        assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["399", "400"]
+    else:
+        message = str(e.value)
+        assert "\n" not in message
+        assert re.search(r"saves failed for [\d.]+ s \(storage_patience_seconds=1\); last good "
+                         r"checkpoint: step 2 in ", message), message
+        assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2"]
+        assert steps == list(range(1, steps[-1] + 1)) and steps[-1] > 3
+    assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize("fault_seconds", [1.5, None])
+def test_a_run_that_ends_while_metrics_cannot_be_written_retries_then_names_the_loss(
+        two_steps, tmp_path, caplog, fault_seconds):
+    """The last records of a run whose metrics.jsonl cannot be written at its end are written
+    once the fault ends within the patience (3 s); a fault that outlasts it stops the run
+    (exit 3) naming the records metrics.jsonl lacks, instead of exit 0 with them lost."""
+    workdir = tmp_path / "run"
+    shutil.copytree(two_steps, workdir)
+    config = _config(workdir, steps=4, patience=3.0)
+    timers = []
+
+    def start(end):
+        if fault_seconds is not None:
+            timers.append(_ends_after(fault_seconds, end))
+            timers[-1].start()
+
+    with _read_only(workdir / "metrics.jsonl", when="compiling the training step") as end, \
+            _when_logged("held in memory", lambda: start(end)), \
+            caplog.at_level(logging.INFO):
+        if fault_seconds is not None:
+            train(config)
+        else:
+            with pytest.raises(TrainingHalted) as e:
+                train(config)
+    for timer in timers:
+        timer.join()
+    steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
+    assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "4"]
+    if fault_seconds is not None:
+        assert steps == [1, 2, 3, 4]
+        assert "metrics.jsonl written again at step 4" in caplog.text
+    else:
+        assert steps == [1, 2]
+        message = str(e.value)
+        assert message.startswith("stopped after step 4: metrics.jsonl could not be written "
+                                  "since step 3 ("), message
+        assert "the records since are in the log" in message and "\n" not in message
+        assert '"step": 4,' in caplog.text   # the records: in the log
 
 
 def test_metrics_write_that_fails_once_loses_nothing(two_steps, tmp_path):
@@ -317,13 +414,13 @@ def test_a_full_disk_fails_the_asynchronous_save_and_is_reported(tmp_path, caplo
     with _small_disk(tmp_path, "1700k") as mount:
         workdir = mount / "run"
         with caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
-            train(_config(workdir, steps=6), patience=QUICK)
+            train(_config(workdir, steps=6, patience=1.0))
         assert "No space left on device" in caplog.text or "RESOURCE_EXHAUSTED" in caplog.text
         assert "intact checkpoints: [2]" in str(e.value)
         assert sorted(s for s in os.listdir(workdir / "checkpoints") if s.isdigit()) == ["2"]
         # Orbax's save threads report the failure too: in one line each, like lclm
         assert "Traceback" not in caplog.text
-        assert "retrying in 0 s" in caplog.text
+        assert "retried for up to 1.0 s" in caplog.text
 
 
 @no_unraisable_tracebacks
@@ -348,23 +445,25 @@ def test_a_two_second_full_disk_loses_nothing_and_prints_no_traceback(tmp_path, 
 
 
 @no_unraisable_tracebacks
-def test_an_asynchronous_save_that_fails_is_retried_at_once_at_a_later_step(tmp_path, caplog):
-    """A save whose background writes fail (the disk filled up) is saved again at the step the
-    failure is found, not a whole checkpoint interval later."""
+def test_an_asynchronous_save_that_fails_is_retried_soon_at_a_later_step(tmp_path, caplog):
+    """A save that fails (the disk filled up) is tried again at the first step after its pause
+    (1 s; here the run's last step comes first), one line saying when a save succeeds."""
     with _small_disk(tmp_path, "16m") as mount:   # room for 3 checkpoints
         config = _config(mount / "run", steps=60)
         config.checkpoint.every = 20
         failed = threading.Event()
         filler = _fill(mount, 5, until=lambda _: failed.is_set())   # full from step 6 on
         with _when_logged("compiling the training step", filler.start), \
-                _when_logged("saving a later step instead", failed.set), \
+                _when_logged("retried for up to", failed.set), \
                 caplog.at_level(logging.INFO):
-            records = train(config, patience=QUICK)
+            records = train(config)
         filler.join(timeout=60)
         assert records[-1]["step"] == 60
         assert "checkpoint step 20 could not be saved" in caplog.text
+        assert re.search(r"checkpoint step \d+ saved, after [\d.]+ s of failed saves",
+                         caplog.text)
         saved = sorted(int(s) for s in os.listdir(mount / "run" / "checkpoints") if s.isdigit())
-        assert len(saved) == 3 and 20 < saved[0] < 40 and saved[1:] == [40, 60], saved
+        assert saved[-1] == 60 and 20 not in saved, saved
         assert "Traceback" not in caplog.text
         steps = [json.loads(line)["step"] for line in open(mount / "run" / "metrics.jsonl")]
         assert steps == list(range(1, 61))
