@@ -57,7 +57,7 @@ def test_eval_cli_on_a_freshly_trained_checkpoint(tmp_path, capsys):
 def test_eval_cli_reports_a_missing_checkpoint(tmp_path, capsys):
     assert line_retrieval.main(["--checkpoint", str(tmp_path / "none"), "--lengths", "128",
                                 "--out", str(tmp_path / "eval")]) == 2
-    assert "no checkpoints" in capsys.readouterr().err
+    assert "does not exist; pass the workdir of an lclm run" in capsys.readouterr().err
 
 
 def test_eval_cli_on_a_huggingface_directory(tmp_path, capsys):
