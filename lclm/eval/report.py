@@ -170,7 +170,7 @@ def check_model_args(args, positive: tuple[str, ...] = ()) -> None:
         if value is not None and value < 1:
             raise StartupError(f"--{name.replace('_', '-')}={value} must be >= 1")
     if args.default_out and args.checkpoint and not storage.isdir(args.checkpoint):
-        return  # the default lies inside it: 'no checkpoints in ...' is the line that helps
+        return  # the default lies inside it: the missing checkpoint is the line that helps
     problem = output_problem(args.out, remote=True)
     if problem:
         flag = "the default --out" if args.default_out else "--out"
