@@ -535,9 +535,13 @@ def _command_line(config) -> list[str]:
                                         if demo[key] != value]
 
 
-def test_a_refused_resume_initialises_nothing_and_leaves_config_json_alone(two_steps, tmp_path):
+@pytest.mark.parametrize("allowed", ["", "model.vocab_size"])
+def test_a_refused_resume_initialises_nothing_and_leaves_config_json_alone(two_steps, tmp_path,
+                                                                          allowed):
     """A resume that changes the model is refused (exit 2, one line) before the model is
-    initialised, and config.json still describes the workdir's checkpoints (issue 40)."""
+    initialised, and config.json still describes the workdir's checkpoints (issue 40); so is
+    one whose change checkpoint.allow_changed lets through but whose parameter shapes differ
+    from the checkpoint's metadata (issue 62)."""
     workdir = tmp_path / "run"
     shutil.copytree(two_steps, workdir)
     before = (workdir / "config.json").read_bytes()
@@ -545,6 +549,7 @@ def test_a_refused_resume_initialises_nothing_and_leaves_config_json_alone(two_s
     # 2**21 x 64 embeddings and output projection: 268M parameters, 3.2 GB with Adam's
     # moments, that the refused run must never allocate
     config.model.vocab_size = 2**21
+    config.checkpoint.allow_changed = allowed
     # The run's own peak resident memory, VmHWM of its process image, written as it exits.
     # Not wait4's ru_maxrss: Linux carries a forked child's maxrss over its exec, so that
     # reports this pytest worker's size (4.6 GB in CI) rather than the run's.
@@ -563,8 +568,10 @@ def test_a_refused_resume_initialises_nothing_and_leaves_config_json_alone(two_s
     assert run.returncode == 2, stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert errors == [stderr.splitlines()[-1]] and "Traceback" not in stderr, stderr
-    assert errors[0].startswith("error: the checkpoint (step 2) was written with another "
-                                "config: model.vocab_size 512 -> 2097152; ")
+    assert errors[0].startswith(
+        "error: checkpoint step 2 parameter ['embed'] has shape (512, 64) but the model "
+        "expects (2097152, 64); " if allowed else "error: the checkpoint (step 2) was written "
+        "with another config: model.vocab_size 512 -> 2097152; "), errors[0]
     assert (workdir / "config.json").read_bytes() == before
     peak_gb = int(peak.read_text()) / 2**20
     assert peak_gb < 1.5, f"the refused run peaked at {peak_gb:.1f} GB"
