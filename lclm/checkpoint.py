@@ -62,6 +62,7 @@ def _reader(workdir: str):
         raise FileNotFoundError(f"no checkpoints in {workdir!r} (expected {directory})")
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler()}
+    _quiet_storage_tracebacks()   # a damaged step's failed reads: one line, as for saves
     return ocp.CheckpointManager(directory, item_handlers=handlers,
                                  options=ocp.CheckpointManagerOptions(create=False))
 
@@ -77,6 +78,64 @@ def read_config(workdir: str, step: int | None = None) -> tuple[int, dict]:
     finally:
         manager.close()
     return step, config["config"]
+
+
+def first_readable(steps, read, damaged):
+    """(step, `read(step)`) of the first of `steps` (latest first) that every process reads,
+    `damaged(step, why)` called for each that is not; None when none is. The one fallback
+    of training's resume (`Checkpoints.restore`, which sets a damaged step aside) and of the
+    tools that read a run's parameters (`read_checkpoint`, which leaves it where it is). A
+    shape mismatch, or any other StartupError (a mesh this machine cannot make), is not
+    damage: it is raised."""
+    for step in steps:
+        error, result = None, None
+        try:
+            result = read(step)
+        except StartupError:
+            raise
+        except Exception as e:  # noqa: BLE001  (any damage: truncated, random, missing)
+            error = e
+        if any_process(error is not None):  # every process falls back together
+            damaged(step, first_line(error) if error else "unreadable on another process")
+            continue
+        return step, result
+    return None
+
+
+def read_checkpoint(workdir: str, step: int | None, load) -> tuple[int, dict, object]:
+    """(step, its saved config, `load(step, config)`) of checkpoint `step` of `workdir`, or
+    where `step` is None of its latest readable one: a damaged step is named in a warning and
+    the previous one read, as a resumed run falls back, but left where it is (a reader does
+    not move a run's files; the next training run sets it aside). `load` reads what the
+    caller needs (the parameters); a given `step` that cannot be read is one line."""
+    manager = _reader(workdir)
+    try:
+        steps = sorted(manager.all_steps(), reverse=True)
+    finally:
+        manager.close()
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {workdir!r}/checkpoints")
+    if step is not None and step not in steps:
+        raise FileNotFoundError(f"{workdir!r} has no checkpoint step {step} (saved: "
+                                f"{sorted(steps)})")
+
+    def read(s: int):
+        config = read_config(workdir, s)[1]
+        return config, load(s, config)
+
+    def damaged(s: int, why: str) -> None:
+        if step is not None:
+            raise StartupError(f"checkpoint step {s} of {workdir} cannot be read ({why}); pass "
+                               f"another --step (saved: {sorted(steps)})")
+        log.warning("checkpoint step %d of %s is damaged (%s); reading the previous one", s,
+                    workdir, why)
+
+    found = first_readable([step] if step is not None else steps, read, damaged)
+    if found is None:
+        raise StartupError(f"no readable checkpoint in {workdir!r} (steps {sorted(steps)} are "
+                           "damaged)")
+    s, (config, loaded) = found
+    return s, config, loaded
 
 
 def read_params(workdir: str, step: int, abstract_params):
@@ -130,7 +189,7 @@ def first_line(e: BaseException, limit: int = 300) -> str:
 # tensorstore reports a failed read or write (a full disk, a file gone) as a ValueError whose
 # text starts with the status code
 _STORAGE_STATUS = re.compile(r"(RESOURCE_EXHAUSTED|NOT_FOUND|PERMISSION_DENIED|UNAVAILABLE|"
-                             r"DATA_LOSS|ABORTED|DEADLINE_EXCEEDED|FAILED_PRECONDITION|"
+                             r"OUT_OF_RANGE|DATA_LOSS|ABORTED|DEADLINE_EXCEEDED|FAILED_PRECONDITION|"
                              r"CANCELLED|UNKNOWN|INTERNAL): ")
 
 
@@ -190,12 +249,24 @@ class _LateCallbacksIgnored:
         self.previous(unraisable)
 
 
+class _NoChatter(logging.Filter):
+    """The storage clients' informational records (gcsfs's 'AdaptiveReadaheadCache enabled',
+    five per save or restore) are dropped; their warnings and errors stay, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
 def _quiet_storage_tracebacks() -> None:
-    # Orbax logs through absl, whose records (like asyncio's) reach lclm's handlers
-    for name in ("absl", "asyncio"):
+    # Orbax logs through absl, whose records (like asyncio's and the storage clients') reach
+    # lclm's handlers
+    for name in ("absl", "asyncio", "gcsfs", "fsspec"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _OneLineStorageErrors) for f in logger.filters):
             logger.addFilter(_OneLineStorageErrors())
+        if name in ("gcsfs", "fsspec") and not any(isinstance(f, _NoChatter)
+                                                   for f in logger.filters):
+            logger.addFilter(_NoChatter())
     if not isinstance(sys.unraisablehook, _LateCallbacksIgnored):
         sys.unraisablehook = _LateCallbacksIgnored(sys.unraisablehook)
 
@@ -304,20 +375,11 @@ class Checkpoints:
         """(state placed like `template`, the data states of every process that saved it) of
         the latest readable checkpoint. Damaged steps are set aside; a shape mismatch is a
         config error and stops."""
-        for step in sorted(self.manager.all_steps(), reverse=True):
-            error, result = None, None
-            try:
-                result = self._read(step, template)
-            except ShapeMismatch:
-                raise
-            except Exception as e:  # noqa: BLE001  (any damage: truncated, random, missing)
-                error = e
-            if any_process(error is not None):  # every process falls back together
-                self.set_aside(step, first_line(error) if error else "unreadable on another "
-                               "process")
-                continue
-            log.info("restored checkpoint step %d of %s", step, self.directory)
-            return result
+        found = first_readable(sorted(self.manager.all_steps(), reverse=True),
+                               lambda step: self._read(step, template), self.set_aside)
+        if found is not None:
+            log.info("restored checkpoint step %d of %s", found[0], self.directory)
+            return found[1]
         raise StartupError(f"no readable checkpoint in {self.directory} (damaged ones are in "
                            f"{self.damaged}); run again to start from scratch, or use a new "
                            "workdir")

@@ -7,7 +7,8 @@
 An lclm checkpoint lives in `WORKDIR/checkpoints/STEP` (what `train.py` writes and resumes
 from). `--to-checkpoint` writes step 0 with a fresh optimizer state, so
 `train.py --config.workdir=WORKDIR` fine-tunes from it; `--to-hf` exports the parameters of
-the latest step in canonical layout, whatever mesh or layout the run used (a staged run's
+the latest readable step (or `--step N`; a damaged later step is named and skipped) in
+canonical layout, whatever mesh or layout the run used (a staged run's
 WORKDIR exports its last stage with a checkpoint). Only the parameters are read. The export's
 config.json states what was trained: the source's token ids, the RoPE theta and scaling
 trained with (as transformers 4 and 5 read them) and max_position_embeddings = max(the
@@ -33,7 +34,13 @@ import jax
 import jax.numpy as jnp
 
 from lclm import hf, logs, storage
-from lclm.checkpoint import Checkpoints, path_problem, read_config, read_params
+from lclm.checkpoint import (
+    Checkpoints,
+    path_problem,
+    read_checkpoint,
+    read_config,
+    read_params,
+)
 from lclm.cli import run_cli
 from lclm.config import ModelConfig, base_config
 from lclm.config.secrets import public_config
@@ -154,9 +161,11 @@ def _dataclass_fields(cls, values: dict) -> dict:
     return {k: v for k, v in values.items() if k in names}
 
 
-def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None) -> int:
-    """Export the latest parameters of `workdir` (or, for a staged run's workdir, of its last
-    stage with a checkpoint) to `hf_dir`: weights, a config.json that states what was trained
+def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None,
+                     step: int | None = None) -> int:
+    """Export the parameters of checkpoint `step` (None: the latest readable one; a damaged
+    later one is named) of `workdir` (or, for a staged run's workdir, of its last stage with
+    a checkpoint) to `hf_dir`: weights, a config.json that states what was trained
     (the source's token ids, the RoPE theta and scaling trained with, max positions covering
     the longest sequence trained) and the tokenizer. Only the parameters are read. A gs://
     or s3:// `hf_dir` is exported locally, then uploaded (`hf.exporting`)."""
@@ -170,19 +179,23 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None) ->
         print(f"{workdir}: staged run; exporting its last stage with a checkpoint, "
               f"{storage.basename(read)}")
         workdir = read
-    step, saved = read_config(workdir)
-    model = ModelConfig(**_dataclass_fields(ModelConfig, saved["model"]))
+
+    def load(step: int, saved: dict):
+        model = ModelConfig(**_dataclass_fields(ModelConfig, saved["model"]))
+        # spread over this machine's devices; the export gathers one layer at a time
+        abstract = jax.tree.map(
+            lambda shape, sharding: jax.ShapeDtypeStruct(shape, jnp.dtype(model.param_dtype),
+                                                         sharding=sharding),
+            param_shapes(model), param_shardings(model, _local_mesh()),
+            is_leaf=lambda x: isinstance(x, tuple))
+        return model, read_params(workdir, step, abstract)
+
+    # `step`, or the latest readable one (a damaged one is named and the previous one read)
+    step, saved, (model, params) = read_checkpoint(workdir, step, load)
     # step 0 (`--to-checkpoint`'s) has trained nothing: only the source's positions count
     trained = max([saved.get("data", {}).get("seq_len", 0) if step else 0, *seq_lens])
     model = dataclasses.replace(
         model, max_position_embeddings=max(model.max_position_embeddings, trained))
-    # spread over this machine's devices; the export gathers one layer at a time to the host
-    abstract = jax.tree.map(
-        lambda shape, sharding: jax.ShapeDtypeStruct(shape, jnp.dtype(model.param_dtype),
-                                                     sharding=sharding),
-        param_shapes(model), param_shardings(model, _local_mesh()),
-        is_leaf=lambda x: isinstance(x, tuple))
-    params = read_params(workdir, step, abstract)
     tokenizer = tokenizer or saved.get("data", {}).get("tokenizer", "")
     with hf.exporting(hf_dir) as out:
         written = hf.save(out, model, params)
@@ -266,6 +279,8 @@ def main(argv=None) -> int:
     dst.add_argument("--to-hf")
     ap.add_argument("--tokenizer", help="with --to-hf: the tokenizer to export (default: the "
                     "checkpoint's data.tokenizer)")
+    ap.add_argument("--step", type=int, help="with --from-checkpoint: the checkpoint step to "
+                    "export (default: the latest readable one)")
     logs.configure()
     args = ap.parse_args(argv)
 
@@ -275,7 +290,7 @@ def main(argv=None) -> int:
         if args.from_hf and args.to_checkpoint:
             return hf_to_checkpoint(args.from_hf, args.to_checkpoint)
         if args.from_checkpoint and args.to_hf:
-            return checkpoint_to_hf(args.from_checkpoint, args.to_hf, args.tokenizer)
+            return checkpoint_to_hf(args.from_checkpoint, args.to_hf, args.tokenizer, args.step)
         if args.from_gguf and args.to_hf:
             return gguf_to_hf(args.from_gguf, args.to_hf)
         ap.error("use --from-hf with --to-checkpoint, or --from-checkpoint or --from-gguf with "

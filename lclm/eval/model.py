@@ -16,7 +16,7 @@ import math
 import jax
 
 from lclm import hf, storage
-from lclm.checkpoint import read_config, read_params
+from lclm.checkpoint import read_checkpoint, read_params
 from lclm.config import MESH_AXES, AttentionConfig, ModelConfig
 from lclm.config.model import ROPE_SCALINGS
 from lclm.data.tokenizer import Tokenizer
@@ -121,17 +121,23 @@ def _dataclass_fields(cls, values: dict) -> dict:
 
 def load_checkpoint(args, workdir: str) -> tuple[Model, dict]:
     """The model of the lclm run in `workdir` (what `lclm.train.workdirs.workdir_to_read`
-    finds for `--checkpoint`); returns (Model, the saved config)."""
-    step, saved = read_config(workdir, args.step)
-    model_config = ModelConfig(**_dataclass_fields(ModelConfig, saved["model"]))
+    finds for `--checkpoint`) at `--step`, or at its latest readable step (a damaged one is
+    named and the previous one read: `lclm.checkpoint.read_checkpoint`); returns (Model, the
+    saved config)."""
+    def name(step: int) -> str:
+        return f"{storage.basename(storage.absolute(workdir))} step {step}"
+
+    def load(step: int, saved: dict):
+        model_config = ModelConfig(**_dataclass_fields(ModelConfig, saved["model"]))
+        mesh = make_mesh(**_mesh_sizes(saved.get("mesh", {}), args, name(step)))
+        return model_config, mesh, restore_params(workdir, step, model_config, mesh)
+
+    step, saved, (model_config, mesh, params) = read_checkpoint(workdir, args.step, load)
     attention = _attention(AttentionConfig(**_dataclass_fields(AttentionConfig,
                                                                saved["attention"])), args)
-    name = f"{storage.basename(storage.absolute(workdir))} step {step}"
-    mesh = make_mesh(**_mesh_sizes(saved.get("mesh", {}), args, name))
     tokenizer = Tokenizer(args.tokenizer or saved["data"]["tokenizer"])
     tokenizer.check_fits(model_config.vocab_size)
-    params = restore_params(workdir, step, model_config, mesh)
-    return Model(model_config, attention, params, mesh, tokenizer, name), saved
+    return Model(model_config, attention, params, mesh, tokenizer, name(step)), saved
 
 
 def load_hf(args) -> Model:
