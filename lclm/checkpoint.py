@@ -19,6 +19,8 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -30,6 +32,7 @@ from lclm.errors import StartupError
 from lclm.parallel.distributed import any_process
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # the object Orbax writes last into a step saved on GCS (no rename there): the step is complete
 COMMITTED = "commit_success.txt"
 
@@ -102,7 +105,8 @@ def first_readable(steps, read, damaged):
     return None
 
 
-def read_checkpoint(workdir: str, step: int | None, load) -> tuple[int, dict, object]:
+def read_checkpoint(workdir: str, step: int | None,
+                    load: Callable[[int, dict], T]) -> tuple[int, dict, T]:
     """(step, its saved config, `load(step, config)`) of checkpoint `step` of `workdir`, or
     where `step` is None of its latest readable one: a damaged step is named in a warning and
     the previous one read, as a resumed run falls back, but left where it is (a reader does
