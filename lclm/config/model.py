@@ -19,8 +19,35 @@ from lclm.config.fields import (
 )
 from lclm.models.families import FAMILIES
 
-DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("none", "full", "attention", "offload", "dots", "dots_no_batch")
+# the dtypes a model computes and keeps its parameters in, and their bytes per element
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPES = tuple(DTYPE_BYTES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """What a remat policy (`model.remat`) keeps of a layer's forward for its backward; the
+    rest the backward computes again. Every policy keeps each layer's input (the scan's
+    carry). lclm.models.decoder gives each its JAX checkpoint policy; the strategies' costs
+    and the planner's memory model read these."""
+    everything: bool = False            # nothing is computed again (no jax.checkpoint)
+    attention_residuals: bool = False   # the attention's output and log-sum-exp (the names
+    # the strategies give them): its forward, and what crosses the devices there, runs once
+    matmuls: bool = False               # the matmuls' outputs (XLA's dots)
+    host: bool = False                  # what it keeps lives in host memory, not the device's
+
+    @property
+    def reruns_attention(self) -> bool:
+        """Whether the backward runs the attention's forward (its transfers too) again."""
+        return not (self.everything or self.attention_residuals)
+
+
+# model.remat -> what it keeps, in the order the docs list them
+REMAT = {"none": Remat(everything=True), "full": Remat(),
+         "attention": Remat(attention_residuals=True),
+         "offload": Remat(attention_residuals=True, host=True),
+         "dots": Remat(matmuls=True), "dots_no_batch": Remat(matmuls=True)}
+REMAT_POLICIES = tuple(REMAT)
 # the RoPE scalings lclm.models.decoder computes; model.rope_scaling also takes "auto"
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 # token layouts over the sp devices (lclm.ops.layout)

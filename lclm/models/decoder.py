@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lclm.config.model import ROPE_SCALINGS, AttentionConfig, ModelConfig, yarn_mscale
+from lclm.config.model import REMAT, ROPE_SCALINGS, AttentionConfig, ModelConfig, yarn_mscale
 from lclm.models.families import get_family
 from lclm.ops.context_parallel import context_parallel_attention, local_attention
 from lclm.ops.context_parallel.rounds import SAVED_NAMES
@@ -174,8 +174,8 @@ def apply_rope(x, cos, sin):
 
 LAYER_INPUT = "layer_input"  # the name remat policies know a layer's input by
 
-# the policies that keep the ring's named residuals instead of running its forward again
-KEEPS_ATTENTION_RESIDUALS = ("attention", "offload")
+# model.remat -> its JAX checkpoint policy, keeping what lclm.config.model.REMAT says it
+# keeps ('none' runs no jax.checkpoint)
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # the ring's output and log-sum-exp are kept: the backward recomputes the layer's cheap
@@ -243,7 +243,7 @@ def layer_with_kv(c: ModelConfig, a: AttentionConfig, mesh, x, p, rope, segment_
     constrain = _constrainer(mesh)
     x = checkpoint_name(x, LAYER_INPUT)  # every use below takes the named value
     chunks = dict(q_chunk=a.q_chunk, kv_chunk=a.kv_chunk, impl=a.impl, segment_ids=segment_ids,
-                  whole=c.remat not in KEEPS_ATTENTION_RESIDUALS)
+                  whole=not REMAT[c.remat].attention_residuals)
     n_shards = 1 if mesh is None else mesh.shape["sp"]
 
     def attend(q, k, v):
@@ -258,7 +258,7 @@ def layer_with_kv(c: ModelConfig, a: AttentionConfig, mesh, x, p, rope, segment_
         # projections are kept for the backward
         return blockwise_ffn(h, stored["w_gate"], stored["w_up"], stored["w_down"],
                              chunk=c.ffn_chunk, n_shards=n_shards, constrain=constrain,
-                             dtype=jnp.dtype(c.dtype), save_hidden=c.remat == "none")
+                             dtype=jnp.dtype(c.dtype), save_hidden=REMAT[c.remat].everything)
 
     return decoder_layer(c, p, x, rope, attend, feed_forward, constrain)
 
@@ -289,7 +289,7 @@ def hidden_states(c: ModelConfig, params, tokens, positions, segment_ids=None, *
     x = embed(c, params, tokens, mesh)
     rope = rope_tables(positions, c)
     layer: Callable[..., Any] = functools.partial(_layer, c, attention, mesh)
-    if c.remat != "none":
+    if not REMAT[c.remat].everything:
         layer = jax.checkpoint(layer, policy=_REMAT[c.remat])
     if c.scan_layers:
         x, _ = lax.scan(lambda x, p: (layer(x, p, rope, segment_ids), None), x, params["layers"])

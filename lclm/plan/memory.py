@@ -1,7 +1,8 @@
 """The planner's memory model: per device, before anything is compiled, parameter, gradient
 and optimizer-state bytes under the mesh's sharding rules; activation bytes (per layer and in
-all) for the remat policy and the blockwise chunks; the ring's working set (Ring Attention:
-about 6 x block x hidden); the total against the device's memory; tokens per step; and the
+all) for the remat policy and the blockwise chunks; the attention strategy's buffers, as the
+strategy states them (`Strategy.buffers`; the ring's, Ring Attention: about 6 x block x
+hidden); the total against the device's memory; tokens per step; and the
 minimal per-device block for hiding the ring's transfers on the chosen interconnect (Ring
 Attention, Table 2: c = FLOPS / bandwidth). `estimate` computes it, `report` prints it.
 """
@@ -14,15 +15,17 @@ import math
 import jax
 
 from lclm.config import ModelConfig
+from lclm.config.model import DTYPE_BYTES, REMAT
 from lclm.hardware import planner_devices
 from lclm.models.decoder import is_param_entry, param_table
+from lclm.ops.context_parallel import get_strategy
 from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
+from lclm.plan.strategies import attention_step
 from lclm.train.checks import attention_kernel, validate
 
 # planner device name -> (peak FLOP/s, one-way link GB/s, HBM GiB): lclm.hardware's table
 DEVICES = planner_devices()
-_BYTES = {"float32": 4, "bfloat16": 2}
 _BACKWARD_F32 = 3  # float32 arrays the size of q (and of k) live in the attention backward
 # What XLA:GPU holds differently from XLA:TPU for the same step, fitted to lclm.plan.aot's compiles
 # of the recipes for H100s (docs/scaling.md): the loss chunk's float32 logits once, not twice,
@@ -38,7 +41,7 @@ class Plan:
     optimizer: float
     activations_per_layer: float
     activations: float
-    ring: float
+    ring: float             # the attention strategy's buffers (`Strategy.buffers`)
     tokens_per_step: int
     local_tokens: int
     min_block: float | None
@@ -62,7 +65,8 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     sizes = validate(config, device_count)
     m = ModelConfig.from_config(config.model)
     mesh = _MeshShape(sizes)
-    pbytes, cbytes = _BYTES[m.param_dtype], _BYTES[m.dtype]
+    pbytes, cbytes = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.dtype]
+    remat = REMAT[m.remat]
 
     def shard(entry) -> float:
         shape, axes = entry
@@ -82,13 +86,10 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     t = d.seq_len // sp
     kv_dim = m.n_kv_heads * m.head_dim
     heads_local = m.n_heads // tp
-    # saved between layers (the scan carries each layer's input) with full remat; more is
-    # saved by the lighter policies (about the layer's matmul outputs)
+    # saved between layers (the scan carries each layer's input) by every policy
     carry = batch_local * t * m.dim * cbytes
-    # 'attention' also keeps the ring's output (compute dtype) and log-sum-exp (float32)
+    # the attention's output (compute dtype) and log-sum-exp (float32), where they are kept
     ring_out = batch_local * t * heads_local * (m.head_dim * cbytes + 4)
-    per_layer_saved = {"full": carry, "attention": carry + ring_out, "offload": carry + ring_out,
-                       "none": None}.get(m.remat)
     kv_local = max(kv_dim // tp, m.head_dim)
     platform = "tpu" if (device or "").startswith("tpu") else "gpu" if device else None
     kernel = attention_kernel(config, m, sp, platform) if platform else None
@@ -110,12 +111,16 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
             * (_GPU["loss_copies"] if platform == "gpu" else 2))
     # measured, not derived: with every layer's residuals on the device XLA's peak holds both
     # working sets, with them offloaded it holds the larger (XLA:TPU, 7B stages on a v4-64)
-    inside = max(layer, loss) if m.remat == "offload" else layer + loss
-    if per_layer_saved is None:  # no remat: everything of every layer is kept, and the
-        # feed-forward keeps its chunks' gate and up projections (lclm.ops.ffn save_hidden)
+    inside = max(layer, loss) if remat.host else layer + loss
+    if remat.everything or remat.matmuls:  # no remat: everything of every layer is kept, and
+        # the feed-forward keeps its chunks' gate and up projections (lclm.ops.ffn
+        # save_hidden); the matmul policies are charged as much, an upper bound (nothing
+        # measured says how much of a layer they keep)
         per_layer_saved = carry * 4 + inside + 2 * batch_local * t * (m.ffn_dim // tp) * cbytes
-    elif m.remat not in ("full", "attention", "offload"):
-        per_layer_saved = carry * 4
+    elif remat.attention_residuals:
+        per_layer_saved = carry + ring_out
+    else:
+        per_layer_saved = carry
     if m.dtype != m.param_dtype and (platform != "gpu" or _GPU["weight_cast"]):
         # XLA casts every local weight to the compute dtype at once
         inside += local_params * cbytes
@@ -126,11 +131,13 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
         inside += m.vocab_size * m.dim * (2 * cbytes + 4)
     # the residual stream and its gradient, float32
     residual = batch_local * t * m.dim * 4 * 2
-    # the ring: K/V held + in flight (compute dtype) and dK/dV accumulators travelling (f32)
-    ring = (batch_local * t * 2 * (kv_dim // max(1, min(tp, m.n_kv_heads))) * (2 * cbytes + 4)
-            if sp > 1 else 0)
+    # what the strategy holds for the attention (the ring: K/V in flight and the float32
+    # dK/dV accumulators travelling); over one device nothing crosses, nothing is held
+    step = attention_step(config, sizes, flops=0.0, fast_gbs=0.0, slow_gbs=0.0,
+                          devices_per_node=sp)   # (the links do not change what it holds)
+    ring = get_strategy(a.strategy).buffers(step, a.ulysses) if sp > 1 else 0.0
     host = 0.0
-    if m.remat == "offload" and platform == "gpu":
+    if remat.host and platform == "gpu":
         host, per_layer_saved = per_layer_saved * m.n_layers, per_layer_saved
         # Fitted, not derived (11 XLA:GPU compiles of the offload recipes on H100s, within
         # -10% .. +4%, docs/scaling.md): with the layers' residuals in host memory XLA:GPU's
@@ -150,7 +157,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
             attention_backward += batch_local * t * (3 * heads_local * m.head_dim
                                                      + 2 * kv_local) * cbytes
         activations = max(chunks, attention_backward) - ring   # the ring is counted on its own
-    elif m.remat == "offload":  # on the device only the layer being recomputed (and its copy)
+    elif remat.host:  # on the device only the layer being recomputed (and its copy)
         host, per_layer_saved = per_layer_saved * m.n_layers, per_layer_saved
         activations = 2 * per_layer_saved + inside + residual
     else:

@@ -127,12 +127,15 @@ class AllGather(Strategy):
         del ulysses
         return all_gather_attention(q, k, v, mesh=mesh, **kwargs)
 
+    def buffers(self, step: Step, ulysses: int) -> float:
+        """The whole sequence's K/V and their float32 gradient."""
+        return step.n * step.kv * (1 + 4 / step.dtype_bytes)
+
     def cost(self, step: Step) -> StrategyCost:
         n, b = step.n, step.dtype_bytes
         sent = (2 + 4 / b + (1 if step.recompute else 0)) * (n - 1) * step.kv
         return StrategyCost(self.name, f"all-gather {n}", {step.ring_link: sent * step.per_step},
-                            sent / (step.ring_gbs * 1e9) * step.per_step,
-                            n * step.kv * (1 + 4 / b))
+                            sent / (step.ring_gbs * 1e9) * step.per_step, self.buffers(step, 1))
 
 
 STRATEGY = AllGather()

@@ -14,8 +14,10 @@ is a `Strategy` with
   tiles stay inside (`Kernel.limits`' `block`);
 - `limits(heads, tp, sp, ulysses)`: why it cannot run these heads on this mesh (None: it
   can), one line naming the config keys to change (start-up validation);
+- `buffers(step, ulysses)`: the bytes a device holds for one layer's attention beyond q, k,
+  v and o (the planner's memory model, `lclm.plan`, charges them);
 - `cost(step)`: per device and training step, the bytes it sends over each kind of link,
-  the seconds the attention waits for them and the memory it adds (`lclm.plan
+  the seconds the attention waits for them and the memory it adds (`buffers`; `lclm.plan
   --strategies`).
 
 `ulysses` is `attention.ulysses`, usp's Ulysses degree; every other strategy takes only 1.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from lclm.config.model import REMAT
 from lclm.ops.context_parallel.rounds import tile_run
 
 
@@ -52,7 +55,7 @@ class Step:
     @property
     def recompute(self) -> bool:
         """Whether the backward re-runs the attention's forward (its output is not saved)."""
-        return self.remat in ("full", "dots", "dots_no_batch")
+        return REMAT[self.remat].reruns_attention
 
     @property
     def crosses(self) -> bool:
@@ -81,7 +84,7 @@ class StrategyCost:
 
 def ring_bytes(step: Step, hops: int) -> float:
     """Bytes one device sends per layer in a ring of `hops` + 1 devices: K/V forward and
-    again backward (and where remat re-runs the forward), the float32 dK/dV home."""
+    again backward (and where the backward re-runs the forward), the float32 dK/dV home."""
     b = step.dtype_bytes
     return (2 * hops + (hops + 1) * 4 / b + (hops if step.recompute else 0)) * step.kv
 
@@ -103,11 +106,12 @@ def ring_buffers(step: Step) -> float:
 def all_to_all_bytes(step: Step, u: int) -> tuple[float, float, str]:
     """(bytes sent per layer, bytes of its buffers, note) of Ulysses' all-to-alls over `u`
     devices: q, k, v in and o out forward, do in and dq, dk, dv out backward, and q, k, v in
-    again where the backward re-runs the forward (every remat policy but 'none')."""
+    again where the backward runs the layer's forward again (every remat policy but
+    'none')."""
     repeat = u // math.gcd(step.kv_heads, u)   # as `kv_repeats`: KV head copies per device
     kv = step.kv * repeat
     note = f"KV heads replicated x{repeat}" if repeat > 1 else ""
-    again = step.remat != "none"
+    again = not REMAT[step.remat].everything
     moved = 2 * (2 * step.q + kv) + ((step.q + kv) if again else 0)
     return moved * (u - 1) / u, 2 * step.q + kv, note
 
@@ -133,6 +137,11 @@ class Strategy:
             return (f"attention.ulysses={ulysses} is usp's Ulysses degree; set "
                     "attention.strategy='usp' or leave attention.ulysses=1")
         return None
+
+    def buffers(self, step: Step, ulysses: int) -> float:
+        """Bytes a device holds for one layer's attention beyond q, k, v and o, with usp's
+        Ulysses degree `ulysses` (1 for every other strategy)."""
+        raise NotImplementedError
 
     def cost(self, step: Step) -> StrategyCost:
         raise NotImplementedError

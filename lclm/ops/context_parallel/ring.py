@@ -195,12 +195,15 @@ class Ring(Strategy):
         del ulysses
         return ring_attention(q, k, v, mesh=mesh, **kwargs)
 
+    def buffers(self, step: Step, ulysses: int) -> float:
+        return ring_buffers(step)
+
     def cost(self, step: Step) -> StrategyCost:
         n = step.n
         return StrategyCost(self.name, f"ring {n}",
                             {step.ring_link: ring_bytes(step, n - 1) * step.per_step},
                             ring_exposed_s(step, n - 1, step.pair_flops) * step.per_step,
-                            ring_buffers(step))
+                            self.buffers(step, 1))
 
 
 STRATEGY = Ring()

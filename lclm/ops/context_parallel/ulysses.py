@@ -143,6 +143,9 @@ class Ulysses(Strategy):
                     "attention.ulysses dividing them, 'ring' or 'all_gather'")
         return super().limits(heads=heads, tp=tp, sp=sp, ulysses=ulysses)
 
+    def buffers(self, step: Step, ulysses: int) -> float:
+        return all_to_all_bytes(step, step.n)[1]
+
     def cost(self, step: Step) -> StrategyCost:
         n, per_step = step.n, step.per_step
         sent, buffers, note = all_to_all_bytes(step, n)
@@ -180,6 +183,13 @@ class USP(Strategy):
                     "smaller attention.ulysses")
         return None
 
+    def buffers(self, step: Step, ulysses: int) -> float:
+        """The all-to-alls' over each group of `ulysses` devices and the ring's across the
+        groups (either alone where the other has one member, as `cost` prices it)."""
+        groups = step.n // ulysses
+        return ((all_to_all_bytes(step, ulysses)[1] if ulysses > 1 else 0.0)
+                + (ring_buffers(step) if groups > 1 else 0.0))
+
     def cost(self, step: Step) -> StrategyCost:
         n, per_step = step.n, step.per_step
         # on one interconnect (a TPU slice) the largest split the heads allow
@@ -193,7 +203,7 @@ class USP(Strategy):
             note = ", ".join(filter(None, [f"= {same.strategy} here (attention.ulysses={u})",
                                            same.note]))
             return dataclasses.replace(same, strategy=self.name, split=split, note=note)
-        a2a, buffers, note = all_to_all_bytes(step, u)
+        a2a, _, note = all_to_all_bytes(step, u)
         # the ring's block pairs carry u times the heads of a plain ring's
         ring_exposed = ring_exposed_s(step, r - 1, step.pair_flops * u)
         sent = {"in a node": a2a * per_step}
@@ -201,7 +211,7 @@ class USP(Strategy):
         sent[link] = sent.get(link, 0.0) + ring_bytes(step, r - 1) * per_step
         return StrategyCost(self.name, split, sent,
                             (a2a / (step.fast_gbs * 1e9) + ring_exposed) * per_step,
-                            buffers + ring_buffers(step),
+                            self.buffers(step, u),
                             ", ".join(filter(None, [f"attention.ulysses={u}", note])))
 
 
