@@ -373,6 +373,7 @@ class Checkpoints:
                       "back to the previous one", step, self.directory, why, target)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"lclm_set_aside_{step}")
+        storage.forget_listings(self.directory)
         self.manager.reload()
 
     def restore(self, template):
@@ -448,6 +449,7 @@ class Checkpoints:
             self._abandoned.add(step)
             self._remove_partial()
         try:
+            storage.forget_listings(self.directory)   # a removed GCS step: out of every listing
             self.manager.reload()   # the failed step out of the manager's list, if it is there
         except Exception as e:  # noqa: BLE001  (storage still failing: its last list stands)
             log.debug("checkpoint list not reloaded (%s)", first_line(e))

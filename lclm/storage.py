@@ -213,6 +213,22 @@ def move(path: str, target: str) -> None:
     fs.mv(p, t, recursive=True)
 
 
+def forget_listings(path: str) -> None:
+    """Drop the folder listings that every client of `path`'s object store in this process
+    has cached (nothing for a local path). Orbax lists a checkpoint folder through its own
+    gcsfs instance (etils.epath makes it with other options than `filesystem`'s), which
+    keeps a step moved or deleted through lclm's instance in its listing: the manager,
+    reloaded, would still count the step and refuse to save it again ('Checkpoint for step
+    N already exists')."""
+    if not is_remote(path):
+        return
+    fs, _ = filesystem(path)
+    # fsspec keeps each instance of a filesystem class, one per set of options, in the
+    # class's instance cache (what `clear_instance_cache` empties)
+    for instance in list(type(fs)._cache.values()):
+        instance.invalidate_cache()
+
+
 def makedirs(path: str) -> None:
     """Create a local folder; object stores have no folders (a prefix exists once an object
     is written under it)."""

@@ -203,3 +203,26 @@ def test_an_s3_workdir_is_refused_at_start_in_one_line(s3):
         check_workdir(workdir)
     with pytest.raises(StartupError, match=re.escape(f"--checkpoint '{workdir}' {why}")):
         workdir_to_read(workdir)
+
+
+@pytest.mark.slow
+def test_a_step_set_aside_on_gs_is_saved_again_by_the_same_run(gcs, caplog):
+    """The damaged step is the final one: the resumed run trains it again and must save it
+    where the damaged one was (the storage client's listing of the checkpoint folder, read
+    before the move, still held it: 'Checkpoint for step 4 already exists')."""
+    from lclm.train.loop import train
+
+    bucket = gcs.bucket()
+    c = small_train_config(bucket + "/run", mesh=dict(fsdp=2), attention={})
+    train(c)   # checkpoints 2 and 4
+    step_dir = os.path.join(gcs.root, bucket[len("gs://"):], "run", "checkpoints", "4")
+    damage_checkpoint(step_dir, "deleted manifest.ocdbt")
+    c.storage_patience_seconds = 3.0   # the refused saves, before: a stop 3 s on, not 300
+    with caplog.at_level(logging.WARNING):
+        records = train(c)
+    assert [r["step"] for r in records] == [3, 4]
+    assert "checkpoint step 4 in " + bucket + "/run/checkpoints is damaged" in caplog.text
+    assert "already exists" not in caplog.text
+    assert saved_steps(bucket + "/run") == [2, 4]
+    assert len(storage.listdir(bucket + "/run/checkpoints_damaged")) == 1
+    assert [s for s, _ in _losses(bucket + "/run")] == [1, 2, 3, 4]
