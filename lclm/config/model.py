@@ -52,6 +52,11 @@ REMAT_POLICIES = tuple(REMAT)
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 # token layouts over the sp devices (lclm.ops.layout)
 LAYOUTS = ("striped", "contiguous", "zigzag")
+# the names attention.strategy and attention.impl take, known here before JAX starts: the
+# registries (lclm.ops.context_parallel.STRATEGIES, lclm.ops.kernels.KERNELS) hold exactly
+# these, in this order (tests/test_attention_names.py)
+STRATEGY_NAMES = ("ring", "all_gather", "ulysses", "usp")
+KERNEL_NAMES = ("blockwise", "cudnn_gpu", "pallas_gpu", "pallas_tpu", "tokamax_gpu")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -149,7 +154,8 @@ class AttentionConfig:
     """How attention is computed: the kernel, the token layout over the sp devices, the
     blockwise tile sizes and the context-parallel strategy over sp."""
     impl: str = setting("auto", "the attention kernel (lclm.ops.kernels.KERNELS); 'auto' picks "
-                        "the fastest that serves the shapes on each platform")
+                        "the fastest that serves the shapes on each platform",
+                        choices=("auto", *KERNEL_NAMES))
     layout: str = setting("striped", "which tokens each sp device holds: 'striped' (token i on "
                           "device i mod sp), 'contiguous' or 'zigzag'", choices=LAYOUTS)
     q_chunk: int = setting(512, "query tile of the attention kernel", rule=AT_LEAST_1)
@@ -158,7 +164,8 @@ class AttentionConfig:
                             "STRATEGIES): 'ring' passes K/V blocks round the ring, "
                             "'all_gather' gathers them, 'ulysses' trades the sequence split for "
                             "a head split with all-to-alls, 'usp' runs Ulysses over groups of "
-                            "`ulysses` consecutive sp devices and the ring across the groups")
+                            "`ulysses` consecutive sp devices and the ring across the groups",
+                            choices=STRATEGY_NAMES)
     ulysses: int = setting(1, "usp's Ulysses degree: mesh.sp = ring members x ulysses",
                            rule=AT_LEAST_1)
 

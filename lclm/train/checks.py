@@ -20,9 +20,9 @@ from lclm.data.code import CODE_KINDS
 from lclm.data.loader import parse_sources
 from lclm.data.sources import names_data
 from lclm.errors import ConfigError
-from lclm.ops.context_parallel import STRATEGIES, get_strategy, kernel_block, ring_size
+from lclm.ops.context_parallel import get_strategy, kernel_block, ring_size
 from lclm.ops.context_parallel.rounds import kv_repeats
-from lclm.ops.kernels import IMPLS, choose_kernel, get_kernel, platform_family
+from lclm.ops.kernels import choose_kernel, get_kernel, platform_family
 from lclm.parallel.mesh import fit_mesh, resolve_mesh_shape
 from lclm.train.resume import allowed_keys
 from lclm.train.workdirs import check_workdir
@@ -57,10 +57,6 @@ def validate(config, device_count: int) -> dict[str, int]:
         config.mesh.update(sizes)
     dp, fsdp, tp, sp = sizes["dp"], sizes["fsdp"], sizes["tp"], sizes["sp"]
 
-    if a.impl not in IMPLS:
-        _fail(f"attention.impl={a.impl!r} is not available; use one of {IMPLS}")
-    if a.strategy not in STRATEGIES:
-        _fail(f"attention.strategy={a.strategy!r}; use one of {tuple(STRATEGIES)}")
     for key, path in (("data.path", d.path), ("validation.path", config.validation.path)):
         if path:   # the syntax; the planner needs no data (`check_data`: the files)
             parse_sources(path, d.source, key)

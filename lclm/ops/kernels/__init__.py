@@ -36,7 +36,6 @@ KERNELS: dict[str, Kernel | str] = {
 # blockwise, which serves any shape.
 AUTO = {"gpu": ("cudnn_gpu", "tokamax_gpu", "pallas_gpu", "blockwise"),
         "tpu": ("pallas_tpu", "blockwise"), "cpu": ("blockwise",)}
-IMPLS = ("auto", *KERNELS)
 
 
 # The device programs are being built for, where that is not the host's own (`compiling_for`)
