@@ -30,6 +30,7 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -82,14 +83,27 @@ def prompts(tokenizer, form: ruler.Form, tasks: list[str], lengths: list[int], s
             for n in lengths for task in tasks}
 
 
-def evaluate(model: Model, form: ruler.Form, made: dict, *, batch_size: int | None = None
+def _summary(scores: dict[str, dict[int, float]], records: list[dict], lengths: list[int]
              ) -> dict:
+    """The result of the cells scored so far: the average per length over the tasks scored
+    there, the effective length over the lengths every task was scored at."""
+    average = {n: round(float(np.mean([s[n] for s in scores.values() if n in s])), 2)
+               for n in lengths if any(n in s for s in scores.values())}
+    whole = {n: a for n, a in average.items() if all(n in s for s in scores.values())}
+    return dict(scores=scores, average=average, effective_length=effective_length(whole),
+                samples=records)
+
+
+def evaluate(model: Model, form: ruler.Form, made: dict, *, batch_size: int | None = None,
+             measured: Callable[[dict], None] | None = None) -> dict:
     """Scores {task: {length: percent}}, the average per length and one record per prompt.
-    One log line per (length, task) reports progress."""
+    One log line per (length, task) reports progress, and `measured(result so far)` follows
+    each but the last."""
     rows = retrieval.batch_rows(model, batch_size)
+    lengths = sorted({n for _, n in made})
     scores: dict[str, dict[int, float]] = {}
-    records = []
-    for (task, n), items in made.items():
+    records: list[dict] = []
+    for done, ((task, n), items) in enumerate(made.items(), 1):
         start = time.time()
         texts, _ = retrieval.generate_answers(model, [s.tokens for s in items],
                                               ruler.TASKS[task].budget, rows, form.end_id)
@@ -98,29 +112,33 @@ def evaluate(model: Model, form: ruler.Form, made: dict, *, batch_size: int | No
         records += [dict(task=task, length=n, index=i, prompt_tokens=len(s.tokens),
                          answers=s.answers, output=t, score=g)
                     for i, (s, t, g) in enumerate(zip(items, texts, got))]
-        log.info("length %d %s: %.1f (%d prompts, %.0f s)", n, task, scores[task][n],
-                 len(items), time.time() - start)
-    lengths = sorted({n for _, n in made})
-    average = {n: round(float(np.mean([s[n] for s in scores.values()])), 2) for n in lengths}
-    return dict(scores=scores, average=average, effective_length=effective_length(average),
-                samples=records)
+        log.info("length %d %s: %.1f (%d prompts, %.0f s; %d of %d cells)", n, task,
+                 scores[task][n], len(items), time.time() - start, done, len(made))
+        if measured and done < len(made):
+            measured(_summary(scores, records, lengths))
+    return _summary(scores, records, lengths)
 
 
 # -- the report ---------------------------------------------------------------------------------
 
 def markdown_table(result: dict) -> str:
-    """Rows: the tasks, then their average; columns: the lengths; then the effective length."""
+    """Rows: the tasks, then their average; columns: the lengths; then the effective length
+    (a cell not scored yet is '-', and an incomplete result says so)."""
     lengths = list(result["average"])
     lines = ["| task | " + " | ".join(format_tokens(n) for n in lengths) + " |",
              "| --- |" + " --- |" * len(lengths)]
     for task, by_length in result["scores"].items():
-        lines.append(f"| {task} | " + " | ".join(f"{by_length[n]:.1f}" for n in lengths) + " |")
+        lines.append(f"| {task} | " + " | ".join(
+            f"{by_length[n]:.1f}" if n in by_length else "-" for n in lengths) + " |")
     lines.append("| **average** | " + " | ".join(f"**{result['average'][n]:.1f}**"
                                                   for n in lengths) + " |")
     eff = result["effective_length"]
     lines.append("")
     lines.append(f"effective length (average >= {THRESHOLD}): "
                  + (format_tokens(eff) if eff else "none of the lengths"))
+    if result.get("complete") is False:
+        lines.append(f"\n**incomplete: the {len(result['samples'])} prompts scored so far; "
+                     "the run goes on or stopped**")
     return "\n".join(lines)
 
 
@@ -128,7 +146,7 @@ def heatmap(path: str, result: dict, title: str) -> None:
     """PNG: score per task (rows, then the average) and length (columns)."""
     plt = report.pyplot()
     lengths, tasks = list(result["average"]), list(result["scores"])
-    grid = np.asarray([[result["scores"][t][n] for n in lengths] for t in tasks]
+    grid = np.asarray([[result["scores"][t].get(n, np.nan) for n in lengths] for t in tasks]
                       + [[result["average"][n] for n in lengths]])
     fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 3.5, 0.4 * len(grid) + 1.8))
     im = ax.imshow(grid, vmin=0.0, vmax=100.0, cmap="RdYlGn", aspect="auto")
@@ -137,7 +155,8 @@ def heatmap(path: str, result: dict, title: str) -> None:
     ax.set_xlabel("context length (tokens)")
     for i in range(len(grid)):
         for j in range(len(lengths)):
-            ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", fontsize=8)
+            ax.text(j, i, "-" if np.isnan(grid[i, j]) else f"{grid[i, j]:.0f}", ha="center",
+                    va="center", fontsize=8)
     fig.colorbar(im, ax=ax, label="score (%)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
@@ -178,7 +197,8 @@ def main(argv=None, prog: str | None = None) -> int:
 
 
 def _evaluate(args) -> tuple[dict, dict, str]:
-    """(the result, its description, the markdown table) of the flags `args`."""
+    """(the result, its description, the markdown table) of the flags `args`; the report so
+    far is rewritten into --out after each cell, so a long run that stops keeps them."""
     report.check_model_args(args, ("samples", "batch_size"))
     tasks, lengths = task_names(args.tasks), parse_lengths(args.lengths)
     model, _ = load_model(args)
@@ -187,18 +207,33 @@ def _evaluate(args) -> tuple[dict, dict, str]:
     except ConfigError as e:
         raise StartupError(f"--chat {args.chat}: {e}") from None
     made = prompts(model.tokenizer, form, tasks, lengths, args.samples, args.seed)
-    result = evaluate(model, form, made, batch_size=args.batch_size)
     meta = dict(model=model.name, mesh=dict(model.mesh.shape), layout=model.attention.layout,
                 strategy=model.attention.strategy, form=args.chat or "base",
                 samples_per_cell=args.samples, seed=args.seed, lengths=lengths,
                 threshold=THRESHOLD, haystack="Python reference documentation (pydoc_data)")
+
+    def write_so_far(partial: dict) -> None:
+        partial = dict(partial, complete=False)
+        try:
+            _write(args.out, partial, meta, markdown_table(partial),
+                   f"RULER (incomplete): {model.name}")
+        except OSError as e:
+            log.warning("could not write the report so far into %s (%s); it is tried again "
+                        "after the next cell", args.out, e.strerror or e)
+
+    result = dict(evaluate(model, form, made, batch_size=args.batch_size,
+                           measured=write_so_far), complete=True)
     return result, meta, markdown_table(result)
 
 
+def _write(folder: str, result: dict, meta: dict, table: str, title: str) -> None:
+    report.write_files(folder, TASK, table, dict(meta, **result),
+                       lambda path: heatmap(path, result, title))
+
+
 def _save(args, result: dict, meta: dict, table: str, title: str) -> int:
-    return report.save_report(args.out, TASK, lambda folder: report.write_files(
-        folder, TASK, table, dict(meta, **result),
-        lambda path: heatmap(path, result, title)))
+    return report.save_report(args.out, TASK,
+                              lambda folder: _write(folder, result, meta, table, title))
 
 
 def _run(args) -> int:

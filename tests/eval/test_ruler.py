@@ -5,17 +5,21 @@ never repeat an evaluation prompt."""
 
 import collections
 import dataclasses
+import json
 import re
+import shutil
 
 import jax
 import numpy as np
 import pytest
 from support import DEMO_TOKENIZER, real_model_dir
 
+from lclm import hf
 from lclm.config import AttentionConfig, ModelConfig
 from lclm.data import ruler
 from lclm.data.sources import open_documents
 from lclm.data.tokenizer import Tokenizer
+from lclm.eval import retrieval
 from lclm.eval import ruler as ruler_eval
 from lclm.eval.__main__ import main as eval_main
 from lclm.eval.model import Model
@@ -198,3 +202,30 @@ def test_training_documents_teach_the_answer_and_never_repeat_an_evaluation_prom
         open_documents("ruler", "tasks=vt+qa_1", demo)
     with pytest.raises(ValueError, match="bad ruler option"):
         open_documents("ruler", "length=5", demo)
+
+
+def test_a_run_that_stops_keeps_the_cells_scored_before(demo, tmp_path, monkeypatch):
+    """The report is rewritten after each cell: a failure in the second keeps the first."""
+    monkeypatch.setitem(ruler.TASKS, "niah_single_1",
+                        dataclasses.replace(ruler.TASKS["niah_single_1"], budget=4))
+    hf.save(str(tmp_path / "hf"), MODEL, init_params(MODEL, jax.random.key(0)))
+    shutil.copy(DEMO_TOKENIZER, tmp_path / "hf" / "tokenizer.model")
+    real = retrieval.generate_answers
+    calls = []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("out of memory in the second cell")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(retrieval, "generate_answers", second_fails)
+    with pytest.raises(MemoryError):
+        ruler_eval.main(["--hf", str(tmp_path / "hf"), "--tasks", "niah_single_1",
+                         "--lengths", "512,640", "--samples", "1", "--out",
+                         str(tmp_path / "out")])
+    table = (tmp_path / "out" / "ruler.md").read_text()
+    assert "| task | 512 |" in table and "incomplete: the 1 prompts scored so far" in table
+    with open(tmp_path / "out" / "ruler.json") as f:
+        saved = json.load(f)
+    assert saved["complete"] is False and list(saved["scores"]["niah_single_1"]) == ["512"]
