@@ -33,6 +33,7 @@ from bench import int_list, repo_path
 from bench.isolate import emit_record, run_child
 from bench.report import MFU_NOTE, Table, error_status, fmt, stamp, try_plot
 from lclm.config import MESH_AXES
+from lclm.ops.kernels import KERNELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +57,9 @@ class ModelRun:
 class TrainSpec:
     """The train-step part of a suite."""
     models: tuple[ModelRun, ...]
-    # those usable run; 'auto' runs what the trainer would pick (the row names it)
-    impls: tuple[str, ...] = ("blockwise", "pallas_gpu", "pallas_tpu", "tokamax_gpu")
+    # those usable run (by default every registered kernel); 'auto' runs what the trainer
+    # would pick (the row names it)
+    impls: tuple[str, ...] = tuple(KERNELS)
     baseline: bool = True  # one `bench.baseline` row per (model, length); needs a 1-device mesh
     steps: int = 3
     warmup: int = 2

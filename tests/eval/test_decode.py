@@ -10,6 +10,7 @@ import pytest
 from lclm.config import AttentionConfig, ModelConfig
 from lclm.eval.decode import greedy_generate, last_layout_index, pad_front, prefill
 from lclm.models.decoder import forward, init_params
+from lclm.models.families import FAMILIES
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
 from lclm.train.state import shard_params
@@ -90,12 +91,13 @@ def test_greedy_decode_on_a_mesh_matches_one_device(params, prompts):
     assert np.array_equal(on_mesh, greedy_generate(MODEL, ATTENTION, params, *rows, M))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", [name for name, f in FAMILIES.items()
+                                    if f.qkv_bias or f.qk_norm])
 def test_cached_decoding_runs_each_familys_layer(family, prompts):
-    """The cached decode step runs the layer training runs (`decoder_layer`): Qwen2's q/k/v
-    biases and Qwen3's q/k norms (with a head_dim apart from dim / heads) give the greedy
-    tokens of recomputing the whole model."""
-    model = dataclasses.replace(MODEL, family=family, head_dim=12 if family == "qwen3" else 0)
+    """The cached decode step runs the layer training runs (`decoder_layer`): each registered
+    family's layer options (Qwen2's q/k/v biases, Qwen3's q/k norms), with a head_dim apart
+    from dim / heads, give the greedy tokens of recomputing the whole model."""
+    model = dataclasses.replace(MODEL, family=family, head_dim=12)
     params = init_params(model, jax.random.key(1))
     keys = iter(jax.random.split(jax.random.key(2), 8))
     for name in ("bq", "bk", "bv", "q_norm", "k_norm"):   # not zeros and ones: they count

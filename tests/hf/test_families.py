@@ -1,10 +1,12 @@
-"""Every model family against `transformers` on CPU: a tiny random Qwen2 (q/k/v biases, tied
-embeddings), Qwen3 (q/k RMSNorm per head, head_dim apart from hidden / heads) and Mistral
-(NeMo's head_dim) built with transformers' own classes; lclm's logits equal theirs in float32
+"""Every registered model family against `transformers` on CPU: a tiny random model of each
+(Qwen2: q/k/v biases, tied embeddings; Qwen3: q/k RMSNorm per head, head_dim apart from
+hidden / heads; Mistral: NeMo's head_dim) built with transformers' own classes from the
+family's model_type, architecture and export fields; lclm's logits equal theirs in float32
 on one device and under every context-parallel strategy on 4 sp devices; an export is read
 back by transformers' AutoModelForCausalLM to the same logits; what a family's layer lacks is
 refused in one line."""
 
+import itertools
 import json
 import os
 
@@ -16,6 +18,7 @@ from support import torch_and_transformers
 from lclm import hf
 from lclm.config import AttentionConfig
 from lclm.models.decoder import forward
+from lclm.models.families import FAMILIES
 from lclm.ops.context_parallel import STRATEGIES, ring_size
 from lclm.ops.layout import from_layout, to_layout
 from lclm.parallel import make_mesh
@@ -29,24 +32,40 @@ VOCAB = 101
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
              max_position_embeddings=128, rope_theta=10000.0)
-# family -> (transformers' config and model classes, their extra fields, what lclm reads)
-FAMILIES = {
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True),
-              dict(tie_embeddings=True, head_dim=16)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24),
-              dict(tie_embeddings=False, head_dim=24)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=24, sliding_window=None),
-                dict(tie_embeddings=False, head_dim=24)),
-}
+# what a family's tiny model varies from SHAPE (where transformers' config takes it); a
+# family not named here is built with SHAPE alone
+VARIED = {"qwen2": dict(tie_word_embeddings=True), "qwen3": dict(head_dim=24),
+          "mistral": dict(head_dim=24)}
+# the family without layer options that the others are read as (`_without`)
+PLAIN = next(n for n, f in FAMILIES.items() if not (f.qkv_bias or f.qk_norm))
+
+
+def _hf_model(family, **shape):
+    """A random transformers model of `family` (its registered model_type and architecture,
+    and the fields its export writes so that transformers builds lclm's layer)."""
+    f = FAMILIES[family]
+    cfg = transformers.AutoConfig.for_model(f.model_type, **shape, **f.hf_fields,
+                                            **VARIED.get(family, {}))
+    return getattr(transformers, f.architecture)(cfg)
+
+
+def _reads(family) -> dict:
+    """What lclm reads of `family`'s tiny model."""
+    varied = VARIED.get(family, {})
+    return dict(tie_embeddings=varied.get("tie_word_embeddings", False),
+                head_dim=varied.get("head_dim", SHAPE["hidden_size"]
+                                    // SHAPE["num_attention_heads"]))
+
+
+def test_every_varied_family_is_registered():
+    assert set(VARIED) <= set(FAMILIES)
 
 
 def _tiny(path, family):
     """A random tiny model of `family`, saved by transformers itself; its norms, biases and
     q/k norms made non-trivial so that a dropped or swapped one shows in the logits."""
-    config_class, model_class, extra, _ = FAMILIES[family]
-    cfg = getattr(transformers, config_class)(**SHAPE, **extra)
     torch.manual_seed(0)
-    model = getattr(transformers, model_class)(cfg).to(torch.float32).eval()
+    model = _hf_model(family, **SHAPE).to(torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -81,14 +100,15 @@ def test_a_family_loads_to_transformers_logits_and_exports_what_transformers_rea
     want = _logits(model, tokens)
     c, params = hf.load(str(tmp_path / "src"))
     assert c.family == family
-    assert {k: getattr(c, k) for k in FAMILIES[family][3]} == FAMILIES[family][3]
+    assert {k: getattr(c, k) for k in _reads(family)} == _reads(family)
     assert ("lm_head" in params) != c.tie_embeddings
     got = np.asarray(jax.jit(lambda p, t: forward(c, p, t))(params, tokens))
     error = _relative_error(got, want)
     print(f"{family}: max relative logit error vs transformers {error:.2e}")
     assert error < 1e-5
-    if family != "mistral":   # not vacuous: the layer's options change the logits
-        plain = _without(c, "mistral")
+    if FAMILIES[family].qkv_bias or FAMILIES[family].qk_norm:   # not vacuous: the layer's
+        # options change the logits
+        plain = _without(c, PLAIN)
         options = {k: v for k, v in params["layers"].items()
                    if k not in ("bq", "bk", "bv", "q_norm", "k_norm")}
         assert len(options) < len(params["layers"])
@@ -102,7 +122,7 @@ def test_a_family_loads_to_transformers_logits_and_exports_what_transformers_rea
     assert written["model_type"] == family
     assert hf.load(out)[0] == c
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded).__name__ == FAMILIES[family][1]
+    assert type(reloaded).__name__ == FAMILIES[family].architecture
     assert _relative_error(_logits(reloaded, tokens), want) < 1e-6
 
 
@@ -165,8 +185,11 @@ def test_what_a_family_lacks_is_refused_in_one_line(tmp_path, family, fields, na
     assert "\n" not in message and all(n in message for n in names), message
 
 
-@pytest.mark.parametrize("family,strategy", [("qwen2", "usp"), ("qwen3", "ulysses"),
-                                             ("mistral", "all_gather")])
+@pytest.mark.parametrize("family,strategy", [
+    # each registered family but PLAIN (the demo's own) under a strategy other than the
+    # ring in turn
+    (f, s) for f, s in zip([f for f in FAMILIES if f != PLAIN],
+                           itertools.cycle(s for s in STRATEGIES if s != "ring"))])
 def test_a_family_trains_from_its_hf_weights_and_exports_what_transformers_reads(
         tmp_path, family, strategy):
     """configs/demo.py started from a tiny HuggingFace model of `family`
@@ -180,10 +203,8 @@ def test_a_family_trains_from_its_hf_weights_and_exports_what_transformers_reads
     from lclm.models.decoder import loss_terms
     from lclm.train.loop import train
 
-    config_class, model_class, extra, _ = FAMILIES[family]
-    cfg = getattr(transformers, config_class)(**{**SHAPE, "vocab_size": 512}, **extra)
     torch.manual_seed(2)
-    getattr(transformers, model_class)(cfg).save_pretrained(str(tmp_path / "hf"))
+    _hf_model(family, **{**SHAPE, "vocab_size": 512}).save_pretrained(str(tmp_path / "hf"))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = load_config(os.path.join(root, "configs", "demo.py"))
     config.workdir = str(tmp_path / "run")

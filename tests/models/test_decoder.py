@@ -11,6 +11,7 @@ import pytest
 
 from lclm.config import AttentionConfig, ModelConfig
 from lclm.models.decoder import forward, init_params, loss_terms
+from lclm.models.families import FAMILIES
 from lclm.ops.context_parallel import STRATEGIES, ring_size
 from lclm.ops.layout import batch_to_layout, from_layout, to_layout
 from lclm.parallel import make_mesh
@@ -92,21 +93,22 @@ STRATEGY_MESHES = {"ring": dict(sp=4, tp=2), "all_gather": dict(sp=2, tp=2, fsdp
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGY_MESHES))
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != CFG.family])
 def test_every_family_trains_alike_under_every_strategy(family, strategy):
-    """Each family's layer options (Qwen2's q/k/v biases and tied embedding, Qwen3's q/k
-    norms with a head_dim apart from dim / heads) under each strategy: loss and gradients on
-    the mesh equal one device's, the options' own gradients included."""
+    """Each registered family's layer options (Qwen2's q/k/v biases, Qwen3's q/k norms), tied
+    embeddings and a head_dim apart from dim / heads under each strategy: loss and gradients
+    on the mesh equal one device's, the options' own gradients included (CFG's family is
+    the other tests')."""
     assert set(STRATEGY_MESHES) == set(STRATEGIES)   # a new strategy joins this test
-    cfg = dataclasses.replace(CFG, family=family, tie_embeddings=family == "qwen2",
-                              head_dim=12 if family != "qwen2" else 0)
+    cfg = dataclasses.replace(CFG, family=family, tie_embeddings=True, head_dim=12)
     params = init_params(cfg, jax.random.key(5))
     keys = iter(jax.random.split(jax.random.key(6), 8))
     for name in ("bq", "bk", "bv", "q_norm", "k_norm"):   # non-trivial, so that they count
         if name in params["layers"]:
             w = params["layers"][name]
             params["layers"][name] = w + 0.3 * jax.random.normal(next(keys), w.shape)
-    assert {"bq", "q_norm"} & set(params["layers"]) or family == "mistral"
+    options = FAMILIES[family].qkv_bias or FAMILIES[family].qk_norm
+    assert bool({"bq", "q_norm"} & set(params["layers"])) == options
     batch = _batch(11)
     want_loss, want_grads = _loss_and_grads(cfg, params, batch, None, "contiguous")
     loss, grads = _loss_and_grads(cfg, params, batch, make_mesh(**STRATEGY_MESHES[strategy]),

@@ -17,6 +17,7 @@ from lclm.models.decoder import (
     loss_terms,
     param_table,
 )
+from lclm.models.families import FAMILIES
 from lclm.models.nnx_decoder import DecoderModule, flax_axis_rules, from_params, to_params
 from lclm.parallel import make_mesh
 from lclm.train.state import param_shardings
@@ -46,8 +47,8 @@ def _assert_same_tree(got, want, atol=0.0):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("tie,family", [(False, "llama"), (True, "llama"), (True, "qwen2"),
-                                        (False, "qwen3"), (False, "mistral")])
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_state_is_the_canonical_tree_both_ways(tie, family):
     """Every family's tree, its layer options (Qwen2's biases, Qwen3's q/k norms) included."""
     cfg = dataclasses.replace(CFG, tie_embeddings=tie, family=family)
@@ -55,8 +56,8 @@ def test_state_is_the_canonical_tree_both_ways(tie, family):
     module = from_params(cfg, params)
     assert ("lm_head" in nnx.state(module)) is not tie
     layers = set(nnx.state(module)["layers"])
-    assert ({"bq", "bk", "bv"} <= layers) == (family == "qwen2")
-    assert ({"q_norm", "k_norm"} <= layers) == (family == "qwen3")
+    assert ({"bq", "bk", "bv"} <= layers) == FAMILIES[family].qkv_bias
+    assert ({"q_norm", "k_norm"} <= layers) == FAMILIES[family].qk_norm
     tokens = _batch(1)["tokens"]
     np.testing.assert_array_equal(np.asarray(module(tokens)),
                                   np.asarray(forward(cfg, params, tokens)))
