@@ -24,10 +24,8 @@ import dataclasses
 import hashlib
 import os
 import threading
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:   # the sources use this module: importing them back would be a cycle
-    from lclm.data.sources import SourceStats
+from lclm.data.stats import SourceStats
 
 # Python sources, stubs and Cython, and the prose beside them. C/C++ files are left out: in a
 # site-packages they are mostly the vendored headers of compiled libraries (9891 .h files,

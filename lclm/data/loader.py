@@ -35,7 +35,8 @@ from lclm.config.schema import SOURCE_KINDS
 from lclm.data.balance import attention_work, balance_permutation
 from lclm.data.filters import BUCKETS, LengthFilter, LengthRules, parse_options, statistics
 from lclm.data.packing import ROW_KEYS, Packer
-from lclm.data.sources import DataError, SourceStats, open_documents
+from lclm.data.sources import DataError, open_documents
+from lclm.data.stats import SourceStats
 from lclm.data.stream import DocumentStream, EpochOrders, Mixture
 from lclm.errors import ConfigError
 from lclm.ops.context_parallel import ring_size

@@ -34,7 +34,8 @@ import numpy as np
 from lclm import logs, storage
 from lclm.cli import run_cli
 from lclm.data.chat import TEMPLATE_NAMES
-from lclm.data.sources import TOKENIZED_META, SourceStats, offsets_digest, open_documents
+from lclm.data.sources import TOKENIZED_META, offsets_digest, open_documents
+from lclm.data.stats import SourceStats
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
 from lclm.files import check_input, check_output, replacing

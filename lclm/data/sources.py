@@ -43,6 +43,7 @@ from lclm.config.schema import SOURCE_KINDS
 from lclm.data import code, line_retrieval, ruler
 from lclm.data.chat import ChatTemplate, conversation_turns, get_template
 from lclm.data.model_chat import TemplateRefused
+from lclm.data.stats import SourceStats
 from lclm.errors import StartupError
 
 TOKENIZED_META = "lclm_tokens.json"
@@ -52,21 +53,6 @@ log = logging.getLogger(__name__)
 class DataError(StartupError):
     """A data source that cannot be trained on (entirely malformed, empty, too small for its
     readers); the message is one line that names the file or source."""
-
-
-@dataclasses.dataclass
-class SourceStats:
-    """Malformed records left out, each counted once (a source is read again every epoch)."""
-    skipped: int = 0
-    examples: list = dataclasses.field(default_factory=list)
-
-    def skip(self, where: str, why: str) -> None:
-        self.skipped += 1
-        if len(self.examples) < 5:
-            self.examples.append(f"{where}: {why}")
-
-    def summary(self) -> str:
-        return f"{self.skipped} records skipped (first: {'; '.join(self.examples)})"
 
 
 DATA_EXTENSIONS = ("jsonl", "json", "txt", "parquet", "arrow")

@@ -52,7 +52,8 @@ import numpy as np
 from lclm.config.syntax import format_tokens
 from lclm.data.code import CODE_KINDS
 from lclm.data.loader import SourceEntry, parse_sources
-from lclm.data.sources import SourceStats, is_tokenized_dir, open_documents, resolve_files
+from lclm.data.sources import is_tokenized_dir, open_documents, resolve_files
+from lclm.data.stats import SourceStats
 from lclm.errors import StartupError
 from lclm.eval import report
 from lclm.eval.decode import padded_length

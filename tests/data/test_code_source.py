@@ -12,7 +12,8 @@ from lclm.config.schema import SOURCE_KINDS
 from lclm.data import code
 from lclm.data.filters import LengthRules
 from lclm.data.loader import HostBatches, SourceEntry, parse_sources
-from lclm.data.sources import DataError, SourceStats, open_documents
+from lclm.data.sources import DataError, open_documents
+from lclm.data.stats import SourceStats
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 from lclm.parallel import make_mesh

@@ -13,7 +13,8 @@ import pytest
 from support import DEMO_TOKENIZER, ROOT
 
 from lclm.data import sources
-from lclm.data.sources import DataError, SourceStats, open_documents
+from lclm.data.sources import DataError, open_documents
+from lclm.data.stats import SourceStats
 from lclm.data.synthetic import conversations
 from lclm.data.tokenizer import Tokenizer
 
@@ -54,7 +55,8 @@ def write_columnar(directory, table):
 
 READ_IN_A_CLEAN_PROCESS = """
 import json, sys
-from lclm.data.sources import SourceStats, open_documents
+from lclm.data.sources import open_documents
+from lclm.data.stats import SourceStats
 from lclm.data.tokenizer import Tokenizer
 stats = SourceStats()
 docs = open_documents("text", sys.argv[1], Tokenizer(sys.argv[2]), stats=stats)

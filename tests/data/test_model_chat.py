@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from lclm.data.chat import get_template
-from lclm.data.sources import SourceStats, open_documents
+from lclm.data.sources import open_documents
+from lclm.data.stats import SourceStats
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 

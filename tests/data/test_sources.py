@@ -8,7 +8,8 @@ from support import DEMO_TOKENIZER
 
 from lclm.data.chat import TEMPLATES, conversation_turns, render
 from lclm.data.prepare import prepare
-from lclm.data.sources import DataError, SourceStats, open_documents
+from lclm.data.sources import DataError, open_documents
+from lclm.data.stats import SourceStats
 from lclm.data.synthetic import conversations
 from lclm.data.tokenizer import Tokenizer
 
