@@ -210,25 +210,27 @@ def is_io_error(e: BaseException | None) -> bool:
 
 
 class _OneLineStorageErrors(logging.Filter):
-    """Orbax's save threads each log a failed write with its traceback (one full disk: half a
-    dozen tracebacks, some after the run has stopped) while lclm reports the failure itself as
-    a one-line `SaveFailed`: such records keep their first line and the error's, no
-    traceback. asyncio reports the same failures again when Orbax's unawaited tasks are
-    collected, often at exit after the run's last line: those are dropped. Errors that are
-    not storage errors keep their tracebacks."""
+    """Orbax's save threads each log a failed write (one full disk: half a dozen records with
+    tracebacks, an unreachable bucket: one per thread of the save), asyncio and the storage
+    clients (gcsfs, fsspec: '_request out of retries', 'Consumer caught an error', for every
+    request while a bucket is unreachable) report the same failures again with 50-line
+    tracebacks, while lclm reports the failure itself in one line (`SaveFailed`, a failed
+    metrics write): such records are not shown, only kept in one line at DEBUG under lclm's
+    logger. So is the record of a failed save's thread that Orbax leaves running and that
+    finds the interpreter shutting down at exit. Errors that are not storage errors keep
+    their tracebacks."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if error is None or not is_io_error(error):
+        if error is None:
             return True
-        if record.name == "asyncio":
-            return False
-        message = (record.getMessage().strip().splitlines() or [""])[0]
-        cause = first_line(error)
-        record.msg = message if cause in message else f"{message} ({cause})"
-        record.args = None
-        record.exc_info = record.exc_text = record.stack_info = None
-        return True
+        if not (is_io_error(error) or (isinstance(error, RuntimeError) and
+                                       "cannot schedule new futures after" in str(error))):
+            return True
+        if record.name != "asyncio":   # asyncio's repeat Orbax's unawaited tasks at exit
+            message = (record.getMessage().strip().splitlines() or [""])[0]
+            log.debug("%s: %s (%s)", record.name, message, first_line(error))
+        return False
 
 
 class _LateCallbacksIgnored:
@@ -253,24 +255,26 @@ class _LateCallbacksIgnored:
         self.previous(unraisable)
 
 
-class _NoChatter(logging.Filter):
-    """The storage clients' informational records (gcsfs's 'AdaptiveReadaheadCache enabled',
-    five per save or restore) are dropped; their warnings and errors stay, in one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING
+# the storage clients' loggers and those of their modules that log on their own: a logger's
+# filters see only the records logged on it, not those its children pass up
+_CLIENT_LOGGERS = ("gcsfs", "fsspec")
+_CLIENT_CHILDREN = ("gcsfs.credentials", "gcsfs.zonal_file", "fsspec.asyn", "fsspec.caching",
+                    "fsspec.prefetcher", "fsspec.generic", "fsspec.mapping")
 
 
 def _quiet_storage_tracebacks() -> None:
     # Orbax logs through absl, whose records (like asyncio's and the storage clients') reach
     # lclm's handlers
-    for name in ("absl", "asyncio", "gcsfs", "fsspec"):
+    for name in ("absl", "asyncio", *_CLIENT_LOGGERS, *_CLIENT_CHILDREN):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _OneLineStorageErrors) for f in logger.filters):
             logger.addFilter(_OneLineStorageErrors())
-        if name in ("gcsfs", "fsspec") and not any(isinstance(f, _NoChatter)
-                                                   for f in logger.filters):
-            logger.addFilter(_NoChatter())
+    for name in _CLIENT_LOGGERS:
+        # their informational records (fsspec's 'AdaptiveReadaheadCache enabled', five per
+        # save or restore) are not shown; a level someone set on purpose is kept
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.WARNING)
     if not isinstance(sys.unraisablehook, _LateCallbacksIgnored):
         sys.unraisablehook = _LateCallbacksIgnored(sys.unraisablehook)
 

@@ -98,9 +98,13 @@ def train(config, stop_after: int | None = None) -> list[dict]:
 
 
 def _trained(workdir: str) -> bool:
-    """Whether a run in `workdir` has logged a step or saved a checkpoint."""
-    return bool(read_metrics(workdir)) or bool(storage.listdir(storage.join(workdir,
-                                                                             "checkpoints")))
+    """Whether a run in `workdir` has logged a step or saved a checkpoint (True where the
+    workdir cannot be read: a bucket unreachable when the run stopped keeps its work)."""
+    try:
+        return bool(read_metrics(workdir)) or bool(storage.listdir(storage.join(workdir,
+                                                                                 "checkpoints")))
+    except OSError:
+        return True
 
 
 def _remove_workdir(workdir: str) -> None:

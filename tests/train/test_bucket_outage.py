@@ -1,0 +1,92 @@
+"""A gs:// workdir whose bucket becomes unreachable while a run saves (issue 62 items 6 and
+10): the local GCS server behind a proxy that is switched off (tests/support_outage.py), for
+longer than the storage clients retry by themselves (about 30 s). Within
+`storage_patience_seconds` the run rides it out and loses nothing; past it the run stops
+with exit 3 in one line, and a resume loses nothing that was saved. Either way the console
+shows lclm's lines, not the clients' tracebacks and chatter."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from support import ROOT
+from support_outage import Outage
+
+from lclm.train.metrics import read_metrics
+from lclm.train.workdirs import saved_steps
+
+STEPS = 12
+ARGS = ["--config", "configs/demo.py", "--config.model.dim=64", "--config.model.n_layers=2",
+        "--config.model.ffn_dim=128", "--config.model.ffn_chunk=32",
+        "--config.model.loss_chunk=32", "--config.data.seq_len=64", "--config.data.batch_size=4",
+        "--config.attention.q_chunk=16", "--config.attention.kv_chunk=16",
+        "--config.model.dtype=float32", "--config.validation.path=",
+        "--config.train.warmup=1", "--config.log.every=1", "--config.log.progress=False",
+        "--config.mesh.fsdp=2", "--config.mesh.sp=1", "--config.checkpoint.every=2",
+        f"--config.train.steps={STEPS}"]
+# what the storage clients print on their own when lclm does not quiet them
+NOISE = ("Traceback", "Could not determine bucket type", "AdaptiveReadaheadCache",
+         "ClientConnectorError", "Event loop is closed")
+
+
+@pytest.fixture
+def outage(gcs):
+    """The GCS server behind a proxy that the test switches off and on."""
+    proxy = Outage(gcs.env, gcs.url)
+    yield proxy
+    proxy.up()
+
+
+def _env(proxy):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", WANDB_MODE="disabled", **proxy.env)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    # lclm sets it itself under an emulator (storage._quiet_emulator_probe): seen here
+    env.pop("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", None)
+    return env
+
+
+def _train(proxy, workdir, log, *extra):
+    return subprocess.Popen([sys.executable, "train.py", *ARGS, f"--config.workdir={workdir}",
+                             *extra], cwd=ROOT, env=_env(proxy), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _cut_during_the_save_of(step, gcs, proxy, workdir, run):
+    """Wait for the run to start saving `step` (its folder on the server's disk), then make
+    the bucket unreachable."""
+    step_dir = os.path.join(gcs.root, workdir[len("gs://"):], "checkpoints", str(step))
+    deadline = time.time() + 120
+    while not os.path.exists(step_dir):
+        assert run.poll() is None and time.time() < deadline, f"the run never saved {step}"
+        time.sleep(0.01)
+    proxy.down()
+
+
+def _console(log):
+    log.seek(0)
+    return log.read()
+
+
+@pytest.mark.slow
+def test_an_outage_longer_than_the_clients_retries_is_ridden_out(gcs, outage, tmp_path):
+    workdir = gcs.bucket() + "/run"
+    with open(tmp_path / "console", "w+") as log:
+        run = _train(outage, workdir, log, "--config.storage_patience_seconds=120")
+        _cut_during_the_save_of(2, gcs, outage, workdir, run)
+        time.sleep(40)
+        outage.up()
+        assert run.wait(timeout=200) == 0, _console(log)
+        console = _console(log)
+    assert [r["step"] for r in read_metrics(workdir)] == list(range(1, STEPS + 1))
+    assert saved_steps(workdir)[-1] == STEPS
+    # one ERROR per incident (the save, the metrics writes), one line when each is over
+    errors = [line for line in console.splitlines() if " ERROR " in line]
+    assert len([e for e in errors if "could not be saved" in e]) == 1, console
+    assert len([e for e in errors if "could not write" in e]) <= 1, console
+    assert len(errors) == 2 or (len(errors) == 1 and "could not be saved" in errors[0]), console
+    assert re.search(r"checkpoint step \d+ saved, after [\d.]+ s of failed saves", console)
+    assert not [n for n in NOISE if n in console], console
+
