@@ -7,7 +7,8 @@ their defaults, help, names and ranges as the schema declares them (`config_help
 secrets left out) and exits 0 without starting anything.
 
 No JAX here: CLIs read their config before JAX starts (simulated devices are requested from
-the mesh size first).
+the mesh size first). `run_cli` is every CLI's door, so it is where JAX's platforms are chosen
+(lclm.platforms: kept off an absent TPU) before the program starts JAX's backends.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lclm.config.files import field, flat_items, load_config
 from lclm.config.secrets import public_config
 from lclm.config.stages import keys_set_by_stages, stage_lines
 from lclm.errors import ConfigError, StartupError, TrainingHalted
+from lclm.platforms import keep_jax_off_an_absent_tpu
 
 PRINT_CONFIG = "--print-config"
 
@@ -37,7 +39,9 @@ def run_cli(body: Callable[[], int | None],
     """`body()`'s exit status (None: 0). A StartupError, a missing file or one of
     `input_errors` (what else means bad input to this CLI, e.g. ValueError for a program
     whose inputs are parsed by libraries) is `error: ...` on stderr and status 2; a
-    TrainingHalted is `error: ...` and status 3."""
+    TrainingHalted is `error: ...` and status 3. JAX's platforms are chosen first
+    (`keep_jax_off_an_absent_tpu`): `body` may start its backends."""
+    keep_jax_off_an_absent_tpu()
     bad_input: tuple[type[BaseException], ...] = (StartupError, FileNotFoundError, *input_errors)
     try:
         return body() or 0

@@ -13,13 +13,13 @@ import sys
 import pytest
 from support import DEMO_CONFIG, ROOT
 
-from lclm import tpu_attached
 from lclm.config import load_config
 from lclm.errors import ConfigError
 from lclm.ops.kernels import pallas_tpu
 from lclm.plan.__main__ import main as plan_main
 from lclm.plan.aot import compile_step, target_devices, tpu_target
 from lclm.plan.memory import estimate
+from lclm.platforms import tpu_attached
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 

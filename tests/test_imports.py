@@ -12,7 +12,7 @@ import pathlib
 
 from support import ROOT
 
-LAYERS = ["lclm.errors", "lclm.hardware", "lclm.storage", "lclm.files",
+LAYERS = ["lclm.errors", "lclm.hardware", "lclm.platforms", "lclm.storage", "lclm.files",
           "lclm.models.families", "lclm.config",
           "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel", "lclm.models", "lclm.hf",
           "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval", "lclm.generate",

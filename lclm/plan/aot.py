@@ -36,13 +36,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-from lclm import tpu_attached
 from lclm.config import AttentionConfig, ModelConfig
 from lclm.data.loader import batch_sharding
 from lclm.errors import ConfigError
 from lclm.hardware import BY_NAME, GPUS, TPUS, planner_device
 from lclm.ops.kernels import compiling_for
 from lclm.parallel.mesh import make_mesh
+from lclm.platforms import tpu_attached
 from lclm.train.checks import validate
 from lclm.train.state import init_state, state_shardings
 from lclm.train.step import jit_train_step, make_optimizer
