@@ -21,6 +21,7 @@ import os
 import sys
 
 from bench.timing import median_seconds
+from lclm.cli import run_cli
 
 SHAPES = ((64, 32, 8), (128, 16, 16))  # head dim, query heads, key/value heads
 
@@ -98,8 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="the .md file rows are appended to")
     args = ap.parse_args(argv)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    run(args.out, args.seq)
-    return 0
+    return run_cli(lambda: run(args.out, args.seq))
 
 
 if __name__ == "__main__":
