@@ -14,6 +14,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, "configs", "demo.py")
 DEMO_TOKENIZER = os.path.join(ROOT, "data", "demo", "tokenizer.model")
 DEMO_CORPUS = os.path.join(ROOT, "data", "demo", "corpus.jsonl")
+# `python train.py` flags of a tiny demo run that saves every 2 steps (object-store tests)
+TINY_DEMO_ARGS = [
+    "--config", "configs/demo.py", "--config.model.dim=64", "--config.model.n_layers=2",
+    "--config.model.ffn_dim=128", "--config.model.ffn_chunk=32", "--config.model.loss_chunk=32",
+    "--config.data.seq_len=64", "--config.data.batch_size=4", "--config.attention.q_chunk=16",
+    "--config.attention.kv_chunk=16", "--config.model.dtype=float32",
+    "--config.validation.path=", "--config.train.warmup=1", "--config.log.every=1",
+    "--config.log.progress=False", "--config.mesh.fsdp=2", "--config.mesh.sp=1",
+    "--config.checkpoint.every=2"]
 
 
 def small_train_config(workdir, *, mesh: dict, attention: dict, train: dict | None = None):

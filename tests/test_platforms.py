@@ -110,7 +110,8 @@ def _cli_args(tmp: str) -> dict[str, list[str]]:
 
 
 # In one process, as a user's shell starts it: JAX_PLATFORMS (the variable and JAX's config)
-# and whether JAX's backends have started after importing every CLI, then JAX_PLATFORMS after each CLI's main (cleared between).
+# and whether JAX's backends have started after importing every CLI, then JAX_PLATFORMS after
+# each CLI's main (cleared between).
 _RUN_CLIS = """
 import importlib, json, os, sys
 clis = json.loads(sys.argv[1])

@@ -12,21 +12,14 @@ import sys
 import time
 
 import pytest
-from support import ROOT
+from support import ROOT, TINY_DEMO_ARGS
 from support_outage import Outage
 
 from lclm.train.metrics import read_metrics
 from lclm.train.workdirs import saved_steps
 
 STEPS = 12
-ARGS = ["--config", "configs/demo.py", "--config.model.dim=64", "--config.model.n_layers=2",
-        "--config.model.ffn_dim=128", "--config.model.ffn_chunk=32",
-        "--config.model.loss_chunk=32", "--config.data.seq_len=64", "--config.data.batch_size=4",
-        "--config.attention.q_chunk=16", "--config.attention.kv_chunk=16",
-        "--config.model.dtype=float32", "--config.validation.path=",
-        "--config.train.warmup=1", "--config.log.every=1", "--config.log.progress=False",
-        "--config.mesh.fsdp=2", "--config.mesh.sp=1", "--config.checkpoint.every=2",
-        f"--config.train.steps={STEPS}"]
+ARGS = [*TINY_DEMO_ARGS, f"--config.train.steps={STEPS}"]
 # what the storage clients print on their own when lclm does not quiet them
 NOISE = ("Traceback", "Could not determine bucket type", "AdaptiveReadaheadCache",
          "ClientConnectorError", "Event loop is closed")

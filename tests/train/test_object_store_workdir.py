@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from support import ROOT, damage_checkpoint, small_train_config
+from support import ROOT, TINY_DEMO_ARGS, damage_checkpoint, small_train_config
 
 from lclm import storage
 from lclm.train.lock import WorkdirBusy
@@ -21,15 +21,7 @@ from lclm.train.metrics import read_metrics
 from lclm.train.object_lock import ObjectLock
 from lclm.train.workdirs import saved_steps
 
-ARGS = ["--config", "configs/demo.py", "--config.model.dim=64", "--config.model.n_layers=2",
-        "--config.model.ffn_dim=128", "--config.model.ffn_chunk=32",
-        "--config.model.loss_chunk=32", "--config.data.seq_len=64", "--config.data.batch_size=4",
-        "--config.attention.q_chunk=16", "--config.attention.kv_chunk=16",
-        "--config.model.dtype=float32", "--config.validation.path=",
-        "--config.train.warmup=1", "--config.log.every=1", "--config.log.progress=False",
-        "--config.mesh.fsdp=2", "--config.mesh.sp=1", "--config.checkpoint.every=2",
-        "--config.checkpoint.keep=2",
-        "--config.train.steps=6"]
+ARGS = [*TINY_DEMO_ARGS, "--config.checkpoint.keep=2", "--config.train.steps=6"]
 LEASE = 0.002   # minutes: 0.12 s
 
 
