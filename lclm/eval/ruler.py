@@ -83,13 +83,14 @@ def prompts(tokenizer, form: ruler.Form, tasks: list[str], lengths: list[int], s
             for n in lengths for task in tasks}
 
 
-def _summary(scores: dict[str, dict[int, float]], records: list[dict], lengths: list[int]
-             ) -> dict:
+def _summary(scores: dict[str, dict[int, float]], records: list[dict], made: dict) -> dict:
     """The result of the cells scored so far: the average per length over the tasks scored
-    there, the effective length over the lengths every task was scored at."""
+    there, the effective length over the lengths every task of `made` was scored at."""
+    lengths = sorted({n for _, n in made})
     average = {n: round(float(np.mean([s[n] for s in scores.values() if n in s])), 2)
                for n in lengths if any(n in s for s in scores.values())}
-    whole = {n: a for n, a in average.items() if all(n in s for s in scores.values())}
+    whole = {n: a for n, a in average.items()
+             if all(n in scores.get(task, {}) for task, _ in made)}
     return dict(scores=scores, average=average, effective_length=effective_length(whole),
                 samples=records)
 
@@ -100,7 +101,6 @@ def evaluate(model: Model, form: ruler.Form, made: dict, *, batch_size: int | No
     One log line per (length, task) reports progress, and `measured(result so far)` follows
     each but the last."""
     rows = retrieval.batch_rows(model, batch_size)
-    lengths = sorted({n for _, n in made})
     scores: dict[str, dict[int, float]] = {}
     records: list[dict] = []
     for done, ((task, n), items) in enumerate(made.items(), 1):
@@ -115,8 +115,8 @@ def evaluate(model: Model, form: ruler.Form, made: dict, *, batch_size: int | No
         log.info("length %d %s: %.1f (%d prompts, %.0f s; %d of %d cells)", n, task,
                  scores[task][n], len(items), time.time() - start, done, len(made))
         if measured and done < len(made):
-            measured(_summary(scores, records, lengths))
-    return _summary(scores, records, lengths)
+            measured(_summary(scores, records, made))
+    return _summary(scores, records, made)
 
 
 # -- the report ---------------------------------------------------------------------------------

@@ -229,3 +229,9 @@ def test_a_run_that_stops_keeps_the_cells_scored_before(demo, tmp_path, monkeypa
     with open(tmp_path / "out" / "ruler.json") as f:
         saved = json.load(f)
     assert saved["complete"] is False and list(saved["scores"]["niah_single_1"]) == ["512"]
+    # one task of two asked at 512 is no effective length yet, whatever it scored
+    made = {("vt", 512): [], ("niah_single_1", 512): []}
+    partial = ruler_eval._summary({"niah_single_1": {512: 100.0}}, [], made)
+    assert partial["average"] == {512: 100.0} and partial["effective_length"] is None
+    assert ruler_eval._summary({"niah_single_1": {512: 100.0}, "vt": {512: 90.0}}, [],
+                               made)["effective_length"] == 512
