@@ -43,6 +43,7 @@ from lclm.checkpoint import (
 )
 from lclm.cli import run_cli
 from lclm.config import ModelConfig, base_config
+from lclm.config.fields import from_saved
 from lclm.config.secrets import public_config
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
@@ -156,11 +157,6 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
     return 0
 
 
-def _dataclass_fields(cls, values: dict) -> dict:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in values.items() if k in names}
-
-
 def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None,
                      step: int | None = None) -> int:
     """Export the parameters of checkpoint `step` (None: the latest readable one; a damaged
@@ -181,7 +177,7 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None,
         workdir = read
 
     def load(step: int, saved: dict):
-        model = ModelConfig(**_dataclass_fields(ModelConfig, saved["model"]))
+        model = from_saved(ModelConfig, saved["model"])
         # spread over this machine's devices; the export gathers one layer at a time
         abstract = jax.tree.map(
             lambda shape, sharding: jax.ShapeDtypeStruct(shape, jnp.dtype(model.param_dtype),

@@ -1,22 +1,27 @@
-"""lclm's import graph runs one way: errors -> storage -> files -> the model families'
-declarations (lclm.models.families: no JAX, read by the config's presets and choices) ->
-config -> logs/cli -> ops
--> parallel -> models -> hf -> data -> checkpoint -> train -> eval -> the training program
-(lclm.train.__main__, whose stage gates score RULER with evaluation's code) -> the planner
-and converter CLIs. No module imports a higher layer, none imports lclm inside a function
-(the old way to dodge a cycle), and so there are no cycles. Read from the source (AST),
-nothing is imported."""
+"""lclm's import graph runs one way: errors -> hardware (what a chip is) -> platforms (the
+probe that chooses JAX's platform) -> storage -> files -> the model families' declarations
+(lclm.families: no JAX, read by the config's presets and choices) -> config -> logs/cli ->
+ops -> parallel -> models -> hf -> data -> checkpoint -> train -> eval -> generate -> the
+training program (lclm.train_program, whose stage gates score RULER with evaluation's code) ->
+its launcher for `python -m lclm.train` (lclm.train.__main__: Python looks for it in that
+package; the one module of lclm.train above the program) -> the checker, planner and
+converter CLIs. No module imports a higher layer, none imports lclm inside a function (the
+old way to dodge a cycle), and so there are no cycles. Read from the source (AST), nothing is
+imported."""
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 from support import ROOT
 
 LAYERS = ["lclm.errors", "lclm.hardware", "lclm.platforms", "lclm.storage", "lclm.files",
-          "lclm.models.families", "lclm.config",
+          "lclm.families", "lclm.config",
           "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel", "lclm.models", "lclm.hf",
           "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval", "lclm.generate",
-          "lclm.train.__main__", "lclm.check", "lclm.plan", "lclm.convert"]
+          "lclm.train_program", "lclm.train.__main__", "lclm.check", "lclm.plan", "lclm.convert"]
 
 
 def _layer(module: str) -> int | None:
@@ -78,3 +83,16 @@ def test_no_import_cycles():
         return seen
 
     assert [m for m in graph if m in reaches(m)] == []
+
+
+# `python -m lclm.train` runs the program that moved out of lclm.train: the same one-line error
+# and status as train.py
+def test_python_m_lclm_train_runs_the_training_program(tmp_path):
+    missing = str(tmp_path / "missing.py")
+    runs = [subprocess.run([sys.executable, *door, "--config", missing], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
+            for door in (["-m", "lclm.train"], ["train.py"])]
+    assert [r.returncode for r in runs] == [2, 2]
+    assert runs[0].stderr == runs[1].stderr
+    assert runs[0].stderr.count("\n") == 1 and runs[0].stderr.startswith("error: ")

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple, TypeVar
+
+_Section = TypeVar("_Section")
 
 
 class Rule(NamedTuple):
@@ -59,3 +61,11 @@ def fields_of(section: type) -> Iterator[Field]:
         meta = f.metadata
         yield Field(f.name, f.default, meta.get("help", ""), meta.get("choices", ()),
                     meta.get("rule"), meta.get("note", ""))
+
+
+def from_saved(section: type[_Section], values: Mapping[str, Any]) -> _Section:
+    """The section dataclass `section` from a saved dict (a checkpoint's or a run's config):
+    the keys it declares; others (a field this version of lclm no longer has, or does not
+    have yet) are dropped, and fields the dict lacks take their defaults."""
+    names = {f.name for f in dataclasses.fields(section)}  # type: ignore[arg-type]
+    return section(**{k: v for k, v in values.items() if k in names})

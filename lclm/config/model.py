@@ -15,9 +15,10 @@ from lclm.config.fields import (
     AT_LEAST_1,
     FINITE_NON_NEGATIVE,
     FINITE_POSITIVE,
+    from_saved,
     setting,
 )
-from lclm.models.families import FAMILIES
+from lclm.families import FAMILIES
 
 # the dtypes a model computes and keeps its parameters in, and their bytes per element
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -65,7 +66,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
-# the model families (lclm.models.families: each one's layer options and HuggingFace names)
+# the model families (lclm.families: each one's layer options and HuggingFace names)
 FAMILY_NAMES = tuple(FAMILIES)
 
 
@@ -74,7 +75,7 @@ class ModelConfig:
     """Model hyper-parameters (a tiny model by default; `MODEL_PRESETS` hold real shapes)."""
     family: str = setting("llama", "the model family: its layer's options (qwen2: q/k/v "
                           "biases; qwen3: an RMSNorm on each head's q and k) and its "
-                          "HuggingFace names (lclm.models.families)", choices=FAMILY_NAMES)
+                          "HuggingFace names (lclm.families)", choices=FAMILY_NAMES)
     vocab_size: int = setting(512, rule=AT_LEAST_1)
     dim: int = setting(64, "hidden size", rule=AT_LEAST_1)
     n_layers: int = setting(2, rule=AT_LEAST_1)
@@ -145,8 +146,7 @@ class ModelConfig:
 
     @classmethod
     def from_config(cls, model_config) -> ModelConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in dict(model_config).items() if k in names})
+        return from_saved(cls, dict(model_config))
 
 
 @dataclasses.dataclass(frozen=True)

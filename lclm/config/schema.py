@@ -30,7 +30,7 @@ from lclm.config.fields import (
 from lclm.config.files import field
 from lclm.config.model import ROPE_SCALINGS, AttentionConfig, ModelConfig
 from lclm.errors import ConfigError
-from lclm.models.families import FAMILIES
+from lclm.families import FAMILIES
 
 # the device mesh's axes, outermost first (lclm.parallel.mesh builds the mesh in this order)
 MESH_AXES = ("dp", "fsdp", "tp", "sp")
@@ -46,7 +46,7 @@ LR_DECAYS = ("cosine", "linear", "constant")
 STAGE_OPTIMIZER = ("carry", "fresh")
 
 # released models' shapes (and their tokenizers' bos/eos ids), each family's
-# (lclm.models.families); a preset sets model.family too
+# (lclm.families); a preset sets model.family too
 MODEL_PRESETS = {name: dict(family=family.name, **fields) for family in FAMILIES.values()
                  for name, fields in family.presets.items()}
 

@@ -18,6 +18,7 @@ import jax
 from lclm import hf, storage
 from lclm.checkpoint import read_checkpoint, read_params
 from lclm.config import MESH_AXES, AttentionConfig, ModelConfig
+from lclm.config.fields import from_saved
 from lclm.config.model import ROPE_SCALINGS
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
@@ -114,11 +115,6 @@ def restore_params(workdir: str, step: int, model_config, mesh) -> dict:
     return read_params(workdir, step, abstract)
 
 
-def _dataclass_fields(cls, values: dict) -> dict:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in values.items() if k in names}
-
-
 def load_checkpoint(args, workdir: str) -> tuple[Model, dict]:
     """The model of the lclm run in `workdir` (what `lclm.train.workdirs.workdir_to_read`
     finds for `--checkpoint`) at `--step`, or at its latest readable step (a damaged one is
@@ -128,13 +124,12 @@ def load_checkpoint(args, workdir: str) -> tuple[Model, dict]:
         return f"{storage.basename(storage.absolute(workdir))} step {step}"
 
     def load(step: int, saved: dict):
-        model_config = ModelConfig(**_dataclass_fields(ModelConfig, saved["model"]))
+        model_config = from_saved(ModelConfig, saved["model"])
         mesh = make_mesh(**_mesh_sizes(saved.get("mesh", {}), args, name(step)))
         return model_config, mesh, restore_params(workdir, step, model_config, mesh)
 
     step, saved, (model_config, mesh, params) = read_checkpoint(workdir, args.step, load)
-    attention = _attention(AttentionConfig(**_dataclass_fields(AttentionConfig,
-                                                               saved["attention"])), args)
+    attention = _attention(from_saved(AttentionConfig, saved["attention"]), args)
     tokenizer = Tokenizer(args.tokenizer or saved["data"]["tokenizer"])
     tokenizer.check_fits(model_config.vocab_size)
     return Model(model_config, attention, params, mesh, tokenizer, name(step)), saved

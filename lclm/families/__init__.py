@@ -6,8 +6,8 @@ tensor names by its `model_type`; `lclm.config.MODEL_PRESETS` gathers the famili
 A new family is a module defining `FAMILY` and its line in `FAMILIES`.
 """
 
-from lclm.models.families import llama, mistral, qwen2, qwen3
-from lclm.models.families.contract import Family
+from lclm.families import llama, mistral, qwen2, qwen3
+from lclm.families.contract import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
                                                    mistral.FAMILY)}

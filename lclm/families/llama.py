@@ -8,7 +8,7 @@ defaults); `striped_attention_1b` is the 1B model of Striped Attention, LLaMA-2 
 issue-14 bench shape).
 """
 
-from lclm.models.families.contract import Family, frozen
+from lclm.families.contract import Family, frozen
 
 FAMILY = Family(
     name="llama", model_type="llama", architecture="LlamaForCausalLM",

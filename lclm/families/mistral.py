@@ -6,7 +6,7 @@ since lclm's kernels attend to the whole causal context.
 Presets: Mistral-7B-v0.3 and Mistral-NeMo-12B (128K context) as their config.json states them.
 """
 
-from lclm.models.families.contract import Family, frozen
+from lclm.families.contract import Family, frozen
 
 FAMILY = Family(
     name="mistral", model_type="mistral", architecture="MistralForCausalLM",

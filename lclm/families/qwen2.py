@@ -5,7 +5,7 @@ Presets: Qwen2.5-0.5B-Instruct and -7B-Instruct as their config.json states them
 151643; eos 151645, <|im_end|>; 32,768 positions).
 """
 
-from lclm.models.families.contract import Family, frozen
+from lclm.families.contract import Family, frozen
 
 _QWEN25 = dict(rope_theta=1000000.0, norm_eps=1e-6, bos_id=151643,
                eos_ids=(151645,), max_position_embeddings=32768)

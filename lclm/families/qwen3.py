@@ -5,7 +5,7 @@ Presets: Qwen3-0.6B and -8B as their config.json states them (40,960 positions; 
 cards extend to 131,072 with YaRN factor 4 over 32,768, `model.rope_scaling='yarn'`).
 """
 
-from lclm.models.families.contract import Family, frozen
+from lclm.families.contract import Family, frozen
 
 _QWEN3 = dict(head_dim=128, rope_theta=1000000.0, norm_eps=1e-6,
               bos_id=151643, eos_ids=(151645,), max_position_embeddings=40960,

@@ -1,5 +1,5 @@
 """HuggingFace `config.json` <-> lclm's ModelConfig, for every family lclm knows: the file's
-`model_type` picks the family (`lclm.models.families`), whose defaults fill what the file
+`model_type` picks the family (`lclm.families`), whose defaults fill what the file
 leaves out and whose fields an export writes.
 
 Whatever a config.json asks for that lclm's decoder does not compute (another architecture,
@@ -15,7 +15,7 @@ from lclm import storage
 from lclm.config import ModelConfig
 from lclm.config.model import yarn_mscale
 from lclm.hf.errors import HFFormatError
-from lclm.models.families import FAMILIES, Family, by_model_type, get_family
+from lclm.families import FAMILIES, Family, by_model_type, get_family
 
 # float16 checkpoints are computed in float32
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}

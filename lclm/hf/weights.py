@@ -35,7 +35,7 @@ from lclm.hf.config import config_to_hf, read_config
 from lclm.hf.errors import HFFormatError
 from lclm.hf.files import local_copy, make_dir, world_readable
 from lclm.models.decoder import param_shapes
-from lclm.models.families import get_family
+from lclm.families import get_family
 
 _LAYER = "model.layers.{i}."
 _INDEX = "model.safetensors.index.json"

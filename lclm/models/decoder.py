@@ -1,5 +1,5 @@
 """The decoder every model family shares (LLaMA, Qwen2/2.5, Qwen3, Mistral): RMSNorm, RoPE,
-SwiGLU, GQA, as pure functions over a param tree. A family (`lclm.models.families`, named by
+SwiGLU, GQA, as pure functions over a param tree. A family (`lclm.families`, named by
 `model.family`) adds options to the one layer: biases on q/k/v (Qwen2), an RMSNorm over each
 head's q and k (Qwen3).
 
@@ -27,7 +27,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from lclm.config.model import REMAT, ROPE_SCALINGS, AttentionConfig, ModelConfig, yarn_mscale
-from lclm.models.families import get_family
+from lclm.families import get_family
 from lclm.ops.context_parallel import context_parallel_attention, local_attention
 from lclm.ops.context_parallel.rounds import SAVED_NAMES
 from lclm.ops.ffn import blockwise_ffn

@@ -11,7 +11,7 @@ import pytest
 
 from lclm.config import AttentionConfig, ModelConfig
 from lclm.models.decoder import forward, init_params, loss_terms
-from lclm.models.families import FAMILIES
+from lclm.families import FAMILIES
 from lclm.ops.context_parallel import STRATEGIES, ring_size
 from lclm.ops.layout import batch_to_layout, from_layout, to_layout
 from lclm.parallel import make_mesh

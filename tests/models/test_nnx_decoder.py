@@ -17,7 +17,7 @@ from lclm.models.decoder import (
     loss_terms,
     param_table,
 )
-from lclm.models.families import FAMILIES
+from lclm.families import FAMILIES
 from lclm.models.nnx_decoder import DecoderModule, flax_axis_rules, from_params, to_params
 from lclm.parallel import make_mesh
 from lclm.train.state import param_shardings
