@@ -31,7 +31,8 @@ _GOOGLE_PCI_VENDOR = "0x1ae0"
 _TPU_PCI_DEVICES = frozenset({"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f",
                               "0x0076"})
 # The device nodes through which JAX finds an NVIDIA GPU (hardware_utils) or an AMD one (KFD)
-_GPU_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+_NVIDIA_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl")
+_GPU_DEVICE_NODES = (*_NVIDIA_DEVICE_NODES, "/dev/dxg", "/dev/kfd")
 
 
 def tpu_attached() -> bool:
@@ -78,15 +79,28 @@ def _jax_plugins(spec: ModuleSpec | None) -> list[str]:
             ] if spec else []
 
 
-def _cuda_plugin() -> bool:
-    """Whether JAX's CUDA plugin is installed (the [cuda] or [gpu-aot] extra): without a GPU,
-    JAX's platform search makes it print a cuInit failure before every command; compiling for
-    described GPUs (`plan --compile h100:8`) needs the CPU platform only."""
+def nvidia_gpu_attached() -> bool:
+    """Whether this machine shows an NVIDIA GPU's device nodes (those JAX's CUDA plugin opens)."""
+    return any(os.path.exists(p) for p in _NVIDIA_DEVICE_NODES)
+
+
+def cuda_plugin() -> str | None:
+    """The module of JAX's installed CUDA plugin (jax_plugins.xla_cuda12 or _cuda13: the [cuda]
+    or [gpu-aot] extra), or None. Without a GPU, JAX's platform search makes it print a cuInit
+    failure before every command; compiling for described GPUs (`plan --compile h100:8`) needs
+    it and the CPU platform only."""
     try:
         spec = importlib.util.find_spec("jax_plugins")
     except (ImportError, ValueError):
-        return False
-    return any(re.fullmatch(r"xla_cuda\d*", name) for name in _jax_plugins(spec))
+        return None
+    for name in sorted(_jax_plugins(spec), reverse=True):  # the newest CUDA first
+        if re.fullmatch(r"xla_cuda\d*", name):
+            try:  # a plugin blocked in sys.modules (set to None) is not there
+                if importlib.util.find_spec(f"jax_plugins.{name}") is not None:
+                    return f"jax_plugins.{name}"
+            except (ImportError, ValueError):
+                continue
+    return None
 
 
 def keep_jax_off_an_absent_tpu() -> None:
@@ -96,7 +110,7 @@ def keep_jax_off_an_absent_tpu() -> None:
     if "JAX_PLATFORMS" in os.environ or "JAX_FORCE_TPU_INIT" in os.environ:
         return
     if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")
-            or _cuda_plugin()):
+            or cuda_plugin()):
         return  # without libtpu or the CUDA plugin JAX's own search is silent and lock-free
     if tpu_attached() or _other_accelerator():
         return

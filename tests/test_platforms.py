@@ -96,7 +96,7 @@ def test_unset_jax_platforms_becomes_the_cpu():
 def _cli_args(tmp: str) -> dict[str, list[str]]:
     missing = os.path.join(tmp, "missing")
     return {
-        "lclm.train.__main__:main": ["train.py", "--config", missing],
+        "lclm.train_program:main": ["train.py", "--config", missing],
         "lclm.plan.__main__:main": ["--config", missing, "--devices", "8"],
         "lclm.convert:main": ["--from-hf", missing, "--to-checkpoint", missing],
         "lclm.data.prepare:main": ["--source", "text", "--input", DEMO_CONFIG, "--tokenizer",
@@ -199,10 +199,18 @@ def test_a_cuda_plugin_without_a_gpu_gets_the_cpu_too(choose, monkeypatch):
     # the [gpu-aot] extra on a machine without a GPU: no cuInit failure before each command
     monkeypatch.delenv("TPU_LIBRARY_PATH")
     monkeypatch.setitem(sys.modules, "libtpu", None)
-    monkeypatch.setattr(platforms, "_cuda_plugin", lambda: True)
+    monkeypatch.setattr(platforms, "cuda_plugin", lambda: "jax_plugins.xla_cuda12")
     assert choose() == "cpu"
 
 
 def test_another_pjrt_plugin_is_left_to_jax(monkeypatch):
     monkeypatch.setenv("PJRT_NAMES_AND_LIBRARY_PATHS", "mydevice:/opt/mydevice/pjrt.so")
     assert platforms._other_accelerator()
+
+
+def test_the_planner_asks_the_platform_probe_about_cuda():
+    # one place knows whether JAX's CUDA plugin is installed and an NVIDIA GPU attached: the
+    # planner's GPU compiles ask the probe's functions instead of keeping their own
+    from lclm.plan import aot
+    assert aot.cuda_plugin is platforms.cuda_plugin
+    assert aot.nvidia_gpu_attached is platforms.nvidia_gpu_attached

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.resources
-import importlib.util
 import logging
 import math
 import os
@@ -42,7 +41,7 @@ from lclm.errors import ConfigError
 from lclm.hardware import BY_NAME, GPUS, TPUS, planner_device
 from lclm.ops.kernels import compiling_for
 from lclm.parallel.mesh import make_mesh
-from lclm.platforms import tpu_attached
+from lclm.platforms import cuda_plugin, nvidia_gpu_attached, tpu_attached
 from lclm.train.checks import validate
 from lclm.train.state import init_state, state_shardings
 from lclm.train.step import jit_train_step, make_optimizer
@@ -156,20 +155,9 @@ def _compiler_only_libtpu() -> None:
             os.environ.setdefault(name, value)
 
 
-def _cuda_plugin() -> str | None:
-    """The installed CUDA plugin's module (jax_plugins.xla_cuda12 or _cuda13), or None."""
-    for name in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
-        try:
-            if importlib.util.find_spec(name) is not None:
-                return name
-        except (ImportError, ValueError):
-            continue
-    return None
-
-
 def _gpu_devices(target: Target):
     """Described GPUs: XLA:GPU's compiler runs on this machine; nothing touches a GPU."""
-    if _cuda_plugin() is None:
+    if cuda_plugin() is None:
         raise ConfigError(f"--compile {target.name} needs JAX's CUDA plugin and ptxas (it runs "
                           "the GPU compiler on this machine): pip install 'lclm[gpu-aot]'")
     # The plugin registers its compiler only when its CUDA check passes or is skipped; with no
@@ -181,7 +169,7 @@ def _gpu_devices(target: Target):
     platforms = jax_config.jax_platforms.value
     if not xla_bridge.backends_are_initialized() and platforms is None:
         jax.config.update("jax_platforms", "cpu")
-    elif (platforms or "").split(",") != ["cpu"] and not _gpu_attached():
+    elif (platforms or "").split(",") != ["cpu"] and not nvidia_gpu_attached():
         raise ConfigError(f"--compile {target.name} compiles for described GPUs, which needs "
                           "JAX_PLATFORMS=cpu on a machine without one (JAX is set to "
                           f"{platforms or 'its default platforms'} here)")
@@ -192,10 +180,6 @@ def _gpu_devices(target: Target):
         raise ConfigError(f"--compile {target.name}: JAX's CUDA plugin could not describe the "
                           f"GPUs ({str(e).splitlines()[0]})") from None
     return list(topology.devices)
-
-
-def _gpu_attached() -> bool:
-    return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl"))
 
 
 # XLA:GPU compiles a program that is over HBM (its scheduler only logs it), so the fit is
