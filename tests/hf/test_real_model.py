@@ -181,6 +181,7 @@ def test_the_chat_template_renders_as_transformers(model_dir, theirs):
 def test_a_greedy_chat_reply_equals_transformers(model_dir, theirs):
     from lclm.eval.generate import continuation, parse_args, prompt_ids
     from lclm.eval.model import answer_text, load_model
+    from lclm.eval.retrieval import stop_ids
 
     torch, _ = torch_and_transformers()
     model, tokenizer = theirs
@@ -188,8 +189,10 @@ def test_a_greedy_chat_reply_equals_transformers(model_dir, theirs):
     ids = prompt_ids(lclm_model.tokenizer, QUESTION, "tokenizer")
     got = continuation(lclm_model, ids, 16).tolist()
     with torch.no_grad():
+        # both stop at the same end tokens (lclm's decoding ends a reply there)
         out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
-                             eos_token_id=None, pad_token_id=tokenizer.eos_token_id)
+                             eos_token_id=list(stop_ids(lclm_model.tokenizer, None)),
+                             pad_token_id=tokenizer.eos_token_id)
     want = out[0, len(ids):].tolist()
     reply = answer_text(lclm_model.tokenizer, got, tokenizer.eos_token_id)
     print(f"reply: {reply!r}")
