@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils
 
 from lclm import storage
 from lclm.errors import StartupError
@@ -54,6 +55,21 @@ def _as_dict(state) -> dict:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
 
+# tensorstore's tries of one GCS request while Orbax writes or reads arrays (its own: 32, with
+# pauses doubling to 32 s): during an outage a failed save's writes went on for minutes, and
+# the interpreter, at exit, waited for Orbax's threads that wait for them. A few seconds, as
+# for gcsfs (storage.GCS_TRIES): `storage_patience_seconds` decides how long a run waits.
+_TENSORSTORE_GCS_RETRIES = {"max_retries": 3, "initial_delay": "1s", "max_delay": "2s"}
+
+
+def _bound_tensorstore_retries() -> None:
+    """Put `_TENSORSTORE_GCS_RETRIES` into the tensorstore contexts Orbax makes (Orbax builds
+    each from these module-level dicts and offers no option for it)."""
+    for context in (tensorstore_utils._BASE_TS_CONTEXT,
+                    tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+        context["gcs_request_retries"] = dict(_TENSORSTORE_GCS_RETRIES)
+
+
 def _reader(workdir: str):
     """A read-only manager of `<workdir>/checkpoints`; `state` is read as a plain PyTree so
     that parameters can be restored without the optimizer state."""
@@ -66,6 +82,7 @@ def _reader(workdir: str):
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler()}
     _quiet_storage_tracebacks()   # a damaged step's failed reads: one line, as for saves
+    _bound_tensorstore_retries()
     return ocp.CheckpointManager(directory, item_handlers=handlers,
                                  options=ocp.CheckpointManagerOptions(create=False))
 
@@ -296,12 +313,14 @@ class Checkpoints:
             # the step directory is created before `save` returns, so an unwritable or full
             # disk fails the save call itself instead of a background thread waiting minutes
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+        _bound_tensorstore_retries()   # before the handlers make their contexts
         handlers = {"state": ocp.StandardCheckpointHandler(),
                     "data": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
         _quiet_storage_tracebacks()
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=handlers)
         self._pending: int | None = None   # step of the asynchronous save in flight
+        self._completed: int | None = None   # a save completed since `poll` last said so
         self._abandoned: set[int] = set()   # failed saves whose partial files may remain
 
     def latest_step(self) -> int | None:
@@ -414,11 +433,11 @@ class Checkpoints:
     def poll(self) -> int | None:
         """The step of the save in flight once it has completed (else None); `SaveFailed` as
         soon as it has failed (cheap: a flag test while it is still writing)."""
-        step = self._pending
-        if step is not None and not self.manager.is_saving_in_progress():
+        if self._pending is not None and not self.manager.is_saving_in_progress():
             self.wait()
-            return step
-        return None
+        # also a save that the next one waited for (with `every=1`, most of them)
+        done, self._completed = self._completed, None
+        return done
 
     def wait(self) -> None:
         """Wait for the save in flight; `SaveFailed` if it failed."""
@@ -427,36 +446,47 @@ class Checkpoints:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
             raise self._failed(step, e) from None
+        if step is not None:
+            self._completed = step
 
     def _remove_partial(self) -> None:
         """Delete what failed saves wrote: it would keep a full disk full for the retry, and on
         GCS a step's partial objects sit under the step's own name (a local save writes under
         a temporary name and renames it; a GCS save marks the end with a commit object).
-        Storage that still fails (an unreachable bucket) is tried again at the next save."""
-        if jax.process_index() != 0:
+        Done at the next save or at close, not when the save fails: storage that fails a save
+        usually fails this too (an unreachable bucket), and the run decides by its patience,
+        not by waiting on cleanup. Storage that still fails is tried again the next time."""
+        if not self._abandoned:
             return
-        for step in sorted(self._abandoned):
-            try:
-                for name in storage.listdir(self.directory):
-                    path = storage.join(self.directory, name)
-                    if name.startswith(f"{step}.orbax-checkpoint-tmp") or (
-                            name == str(step) and storage.is_remote(path)
-                            and not storage.exists(storage.join(path, COMMITTED))):
-                        storage.remove_tree(path)
-            except Exception as e:  # noqa: BLE001  (any client's error: the save is what failed)
-                log.debug("partial files of step %d not removed yet (%s)", step, first_line(e))
-                continue
-            self._abandoned.discard(step)
+        if jax.process_index() == 0:
+            for step in sorted(self._abandoned):
+                try:
+                    for name in storage.listdir(self.directory):
+                        path = storage.join(self.directory, name)
+                        if name.startswith(f"{step}.orbax-checkpoint-tmp") or (
+                                name == str(step) and storage.is_remote(path)
+                                and not storage.exists(storage.join(path, COMMITTED))):
+                            storage.remove_tree(path)
+                except Exception as e:  # noqa: BLE001  (any client's error: the save failed)
+                    log.debug("partial files of step %d not removed yet (%s)", step,
+                              first_line(e))
+                    return
+                self._abandoned.discard(step)
+        else:
+            self._abandoned.clear()
+        self._reload()
 
-    def _failed(self, step, error: BaseException) -> SaveFailed:
-        if step is not None:
-            self._abandoned.add(step)
-            self._remove_partial()
+    def _reload(self) -> None:
         try:
             storage.forget_listings(self.directory)   # a removed GCS step: out of every listing
             self.manager.reload()   # the failed step out of the manager's list, if it is there
         except Exception as e:  # noqa: BLE001  (storage still failing: its last list stands)
             log.debug("checkpoint list not reloaded (%s)", first_line(e))
+
+    def _failed(self, step, error: BaseException) -> SaveFailed:
+        if step is not None:
+            self._abandoned.add(step)
+        self._reload()   # Orbax, not reloaded, raises the failed save again at every later one
         intact = [s for s in self.manager.all_steps() if s != step]
         return SaveFailed(f"checkpoint step {step} could not be saved to {self.directory} "
                           f"({first_line(error)}); intact checkpoints: {intact or 'none'}")

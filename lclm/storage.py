@@ -52,7 +52,31 @@ def client_problem(path: str) -> str | None:
         __import__(module)
     except ImportError:
         return f"is on {s}://, which needs the {package} package: {INSTALL}"
+    if s == "gs":
+        _bound_gcs_retries()
     return None
+
+
+# tries of one request by gcsfs (its own: 6, about 33 s of pauses): a blip of a few seconds is
+# ridden out by the client, anything longer by lclm's `storage_patience_seconds`, which decides
+# when a run stops (with the client's 6 tries, every request of a stop during an outage cost
+# 33 s, and a run past its patience took minutes to stop)
+GCS_TRIES = 3
+
+
+def _bound_gcs_retries() -> None:
+    """Give gcsfs's request method `GCS_TRIES` tries (pauses of about 1 and 2 s). gcsfs fixes
+    the count when its class is defined (a decorator argument, not an option), so the
+    undecorated method is decorated again, once per process, for every instance (lclm's and
+    Orbax's, made through etils.epath with other options)."""
+    from gcsfs.core import GCSFileSystem
+    from gcsfs.retry import retry_request
+
+    request = GCSFileSystem._request
+    if getattr(request, "_lclm_tries", None) != GCS_TRIES:
+        bounded = retry_request(retries=GCS_TRIES)(request.__wrapped__)
+        bounded._lclm_tries = GCS_TRIES
+        GCSFileSystem._request = bounded
 
 
 def _quiet_emulator_probe() -> None:

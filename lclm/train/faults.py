@@ -68,6 +68,7 @@ class FaultPolicy:
         self._save_tries = 0        # failed tries since then
         self._next_save_try = 0.0   # when the next try is due (time.monotonic())
         self._save_reported = 0.0
+        self._save_error: SaveFailed | None = None   # the last failed try's
         self.last_saved = time.monotonic()
 
     def halt(self, why: str) -> TrainingHalted:
@@ -159,6 +160,10 @@ class FaultPolicy:
             raise self.halt(f"step {step}: parameters or optimizer state are not finite, so "
                             "no checkpoint was written")
         self.last_saved = time.monotonic()
+        if last_chance and self.saves_patience_spent() and self._save_error is not None:
+            # saves have failed for the whole patience: one more try (minutes of the storage
+            # clients' timeouts during an outage) would only delay the stop
+            return self._save_error
         while True:
             try:
                 write()
@@ -170,13 +175,17 @@ class FaultPolicy:
                 self.save_trouble(e)
                 if not last_chance or self.saves_patience_spent():
                     return e
-            time.sleep(max(0.0, self._next_save_try - time.monotonic()))
+            assert self.saves_failing_since is not None   # set by save_trouble
+            time.sleep(max(0.0, min(self._next_save_try,
+                                    self.saves_failing_since + self.patience.seconds)
+                            - time.monotonic()))
 
     def save_trouble(self, error: SaveFailed) -> None:
         """A try of a save failed: logged when saves start failing, then once a minute while
         they fail; the next try is due after a pause."""
         now = time.monotonic()
         self._save_tries += 1
+        self._save_error = error
         self._next_save_try = now + self.patience.pause(self._save_tries)
         if self.saves_failing_since is None:
             self.saves_failing_since = self._save_reported = now
@@ -204,6 +213,7 @@ class FaultPolicy:
                         "tries)", step, seconds_text(time.monotonic() - self.saves_failing_since),
                         self._save_tries)
         self.saves_failing_since, self._save_tries, self._next_save_try = None, 0, 0.0
+        self._save_error = None
 
     def save_failed(self, error: SaveFailed, last_chance: bool) -> None:
         """A save that failed: training goes on and the save is tried again at a later step,
