@@ -57,15 +57,20 @@ GATE_RULER_DEFAULTS = dict(tasks="niah_single_1,niah_multikey_1,vt", samples=10,
                            chat=None, batch_size=None)
 
 
+def _check_dict(value, complete: bool, keys: tuple[str, ...], what: str, example: str) -> None:
+    """`value` is a dict (`complete`: with what it needs) of `keys` only: else a one-line
+    ConfigError naming `what` and an `example`."""
+    if not isinstance(value, dict) or not complete:
+        raise ConfigError(f"{what}={value!r} is not a dict such as {example}")
+    unknown = sorted(set(value) - set(keys))
+    if unknown:
+        raise ConfigError(f"{what} key {unknown[0]!r} is unknown; it has {', '.join(keys)}")
+
+
 def check_gate(gate, where: str) -> dict:
     """`gate` as written in a stage record, checked: a one-line ConfigError naming `where`."""
-    if not isinstance(gate, dict) or not gate:
-        raise ConfigError(f"{where}: gate={gate!r} is not a dict such as "
-                          "dict(short_loss=0.02, on_fail='stop')")
-    unknown = sorted(set(gate) - set(GATE_KEYS))
-    if unknown:
-        raise ConfigError(f"{where}: gate key {unknown[0]!r} is unknown; a gate has "
-                          f"{', '.join(GATE_KEYS)}")
+    _check_dict(gate, bool(gate), GATE_KEYS, f"{where}: gate",
+                "dict(short_loss=0.02, on_fail='stop')")
     if "short_loss" not in gate and "ruler" not in gate:
         raise ConfigError(f"{where}: the gate names nothing to reach; set short_loss (e.g. "
                           "0.02: the short-length held-out loss at most 2% above the "
@@ -85,13 +90,9 @@ def check_gate(gate, where: str) -> dict:
 def _check_gate_ruler(spec, where: str) -> None:
     """A gate's `ruler` dict: its keys and their types (task names are checked with the
     tokenizer at start: lclm.train.stages)."""
-    if not isinstance(spec, dict) or "min_score" not in spec:
-        raise ConfigError(f"{where}: gate ruler={spec!r} is not a dict such as "
-                          "dict(min_score=80, tasks='niah_single_1,vt', samples=10)")
-    unknown = sorted(set(spec) - set(GATE_RULER_KEYS))
-    if unknown:
-        raise ConfigError(f"{where}: gate ruler key {unknown[0]!r} is unknown; it has "
-                          f"{', '.join(GATE_RULER_KEYS)}")
+    _check_dict(spec, isinstance(spec, dict) and "min_score" in spec, GATE_RULER_KEYS,
+                f"{where}: gate ruler", "dict(min_score=80, tasks='niah_single_1,vt', "
+                "samples=10)")
     score = spec["min_score"]
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0 <= score <= 100:
         raise ConfigError(f"{where}: gate ruler min_score={score!r} must be a percentage "
