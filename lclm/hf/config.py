@@ -14,8 +14,8 @@ import math
 from lclm import storage
 from lclm.config import ModelConfig
 from lclm.config.model import yarn_mscale
-from lclm.hf.errors import HFFormatError
 from lclm.families import FAMILIES, Family, by_model_type, get_family
+from lclm.hf.errors import HFFormatError
 
 # float16 checkpoints are computed in float32
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}

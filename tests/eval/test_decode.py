@@ -9,8 +9,8 @@ import pytest
 
 from lclm.config import AttentionConfig, ModelConfig
 from lclm.eval.decode import greedy_generate, last_layout_index, pad_front, prefill
-from lclm.models.decoder import forward, init_params
 from lclm.families import FAMILIES
+from lclm.models.decoder import forward, init_params
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
 from lclm.train.state import shard_params

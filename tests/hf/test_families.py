@@ -17,8 +17,8 @@ from support import torch_and_transformers
 
 from lclm import hf
 from lclm.config import AttentionConfig
-from lclm.models.decoder import forward
 from lclm.families import FAMILIES
+from lclm.models.decoder import forward
 from lclm.ops.context_parallel import STRATEGIES, ring_size
 from lclm.ops.layout import from_layout, to_layout
 from lclm.parallel import make_mesh

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from lclm.config import AttentionConfig, ModelConfig
-from lclm.models.decoder import forward, init_params, loss_terms
 from lclm.families import FAMILIES
+from lclm.models.decoder import forward, init_params, loss_terms
 from lclm.ops.context_parallel import STRATEGIES, ring_size
 from lclm.ops.layout import batch_to_layout, from_layout, to_layout
 from lclm.parallel import make_mesh

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from lclm.families import FAMILIES
 from lclm.models.decoder import (
     AttentionConfig,
     ModelConfig,
@@ -17,7 +18,6 @@ from lclm.models.decoder import (
     loss_terms,
     param_table,
 )
-from lclm.families import FAMILIES
 from lclm.models.nnx_decoder import DecoderModule, flax_axis_rules, from_params, to_params
 from lclm.parallel import make_mesh
 from lclm.train.state import param_shardings

@@ -2,8 +2,8 @@
 10): the local GCS server behind a proxy that is switched off (tests/support_outage.py), for
 longer than the storage clients retry by themselves (a few seconds: lclm bounds their
 retries). Within `storage_patience_seconds` the run rides it out and loses nothing; past it
-the run stops with exit 3 in one line, and a resume loses nothing that was saved. Either way the console
-shows lclm's lines, not the clients' tracebacks and chatter."""
+the run stops with exit 3 in one line, and a resume loses nothing that was saved. Either way
+the console shows lclm's lines, not the clients' tracebacks and chatter."""
 
 import os
 import re
