@@ -100,7 +100,7 @@ def test_the_cli_prints_the_continuation(run, capsys):
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--step", "7"], "checkpoints/7 not found"),
+    (["--step", "7"], "has no checkpoint step 7 (saved: [0])"),
     (["--max-new-tokens", "4086"], "the prompt's 11 tokens and --max-new-tokens=4086 pass the "
      "model's 4096 positions"),
     (["--prompt", "fox " * 5000], "pass the model's 4096 positions"),

@@ -86,7 +86,8 @@ def test_a_training_mesh_larger_than_the_machine_is_told_generates_own_flags(sta
     assert r.returncode == 2, r.stderr[-3000:]
     err = r.stderr.strip().splitlines()[-1]
     assert err == ("error: the mesh {'dp': 1, 'fsdp': 1, 'tp': 1, 'sp': 2} (stage1_128 step "
-                   "1's training mesh) needs 2 devices but this machine has 1; pass "
+                   "1's training mesh) needs 2 devices but lclm simulates 1 CPU device on this "
+                   f"machine ({os.cpu_count()} cores; at most 16 are simulated on any); pass "
                    "--dp/--fsdp/--tp/--sp sizes whose product is at most 1 (e.g. --sp 1); the "
                    "parameters load onto any mesh"), err
     assert "config.mesh" not in r.stderr and "Traceback" not in r.stderr
