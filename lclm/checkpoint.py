@@ -55,19 +55,25 @@ def _as_dict(state) -> dict:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
 
-# tensorstore's tries of one GCS request while Orbax writes or reads arrays (its own: 32, with
-# pauses doubling to 32 s): during an outage a failed save's writes went on for minutes, and
-# the interpreter, at exit, waited for Orbax's threads that wait for them. A few seconds, as
-# for gcsfs (storage.GCS_TRIES): `storage_patience_seconds` decides how long a run waits.
-_TENSORSTORE_GCS_RETRIES = {"max_retries": 3, "initial_delay": "1s", "max_delay": "2s"}
+# tensorstore's tries of one request to a bucket while Orbax writes or reads arrays (its own for
+# GCS: 32, with pauses doubling to 32 s): during an outage a failed save's writes went on for
+# minutes, and the interpreter, at exit, waited for Orbax's threads that wait for them. A few
+# seconds, as for gcsfs (storage.GCS_TRIES): `storage_patience_seconds` decides how long a run
+# waits.
+_TENSORSTORE_RETRIES = {"max_retries": 3, "initial_delay": "1s", "max_delay": "2s"}
 
 
-def _bound_tensorstore_retries() -> None:
-    """Put `_TENSORSTORE_GCS_RETRIES` into the tensorstore contexts Orbax makes (Orbax builds
-    each from these module-level dicts and offers no option for it)."""
+def _prepare_orbax() -> None:
+    """Before a checkpoint manager's handlers make their tensorstore contexts: bound their
+    retries (`_TENSORSTORE_RETRIES`, under each scheme's `tensorstore_retries` resource, put
+    into the module-level dicts Orbax builds each context from: it offers no option for it),
+    and show storage failures in one line (`_quiet_storage_tracebacks`)."""
     for context in (tensorstore_utils._BASE_TS_CONTEXT,
                     tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
-        context["gcs_request_retries"] = dict(_TENSORSTORE_GCS_RETRIES)
+        for entry in storage.SCHEMES.values():
+            if entry.tensorstore_retries:
+                context[entry.tensorstore_retries] = dict(_TENSORSTORE_RETRIES)
+    _quiet_storage_tracebacks()
 
 
 def _reader(workdir: str):
@@ -79,15 +85,14 @@ def _reader(workdir: str):
             raise FileNotFoundError(f"{workdir!r} does not exist; pass the workdir of an "
                                     "lclm run")
         raise FileNotFoundError(f"no checkpoints in {workdir!r} (expected {directory})")
+    _prepare_orbax()   # a damaged step's failed reads: one line, as for saves
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler()}
-    _quiet_storage_tracebacks()   # a damaged step's failed reads: one line, as for saves
-    _bound_tensorstore_retries()
     return ocp.CheckpointManager(directory, item_handlers=handlers,
                                  options=ocp.CheckpointManagerOptions(create=False))
 
 
-def read_config(workdir: str, step: int | None = None) -> tuple[int, dict]:
+def saved_config(workdir: str, step: int | None = None) -> tuple[int, dict]:
     """(step, the config saved with it) of checkpoint `step` or the latest one of `workdir`."""
     manager = _reader(workdir)
     try:
@@ -141,7 +146,7 @@ def read_checkpoint(workdir: str, step: int | None,
                                 f"{sorted(steps)})")
 
     def read(s: int):
-        config = read_config(workdir, s)[1]
+        config = saved_config(workdir, s)[1]
         return config, load(s, config)
 
     def damaged(s: int, why: str) -> None:
@@ -183,10 +188,14 @@ def path_problem(workdir: str) -> str | None:
     than GCS, or a '[' or ']' in the path (Orbax finds the files each process wrote with glob
     patterns that contain the path, so a character class would make every checkpoint written
     there unreadable)."""
-    if storage.scheme(workdir) not in (None, "gs"):
-        return (f"is on {storage.scheme(workdir)}://, where Orbax (0.12, lclm's checkpoint "
-                "writer) cannot keep checkpoints: it writes arrays to gs:// or a file path; use "
-                "a gs:// workdir, or mount the bucket (e.g. mountpoint-s3) and give its path")
+    name = storage.scheme(workdir)
+    entry = storage.SCHEMES.get(name or "")
+    if name is not None and not (entry and entry.checkpoints):
+        kept = storage.listing(lambda s: s.checkpoints)
+        mount = f" (e.g. {entry.mount})" if entry else ""
+        return (f"is on {name}://, where Orbax (0.12, lclm's checkpoint writer) cannot keep "
+                f"checkpoints: it writes arrays to {kept} or a file path; use a {kept} "
+                f"workdir, or mount the bucket{mount} and give its path")
     if "[" in workdir or "]" in workdir:
         return ("contains '[' or ']', which Orbax's file matching reads as a pattern: "
                 "checkpoints written there could not be read back; rename it")
@@ -272,11 +281,14 @@ class _LateCallbacksIgnored:
         self.previous(unraisable)
 
 
-# the storage clients' loggers and those of their modules that log on their own: a logger's
-# filters see only the records logged on it, not those its children pass up
-_CLIENT_LOGGERS = ("gcsfs", "fsspec")
-_CLIENT_CHILDREN = ("gcsfs.credentials", "gcsfs.zonal_file", "fsspec.asyn", "fsspec.caching",
-                    "fsspec.prefetcher", "fsspec.generic", "fsspec.mapping")
+# the loggers of the storage clients Orbax goes through (fsspec's and those of the schemes it
+# keeps checkpoints on) and those of their modules that log on their own: a logger's filters
+# see only the records logged on it, not those its children pass up
+_CLIENT_LOGGERS = (*(s.client for s in storage.SCHEMES.values() if s.checkpoints), "fsspec")
+_CLIENT_CHILDREN = (*(name for s in storage.SCHEMES.values() if s.checkpoints
+                      for name in s.loggers),
+                    "fsspec.asyn", "fsspec.caching", "fsspec.prefetcher", "fsspec.generic",
+                    "fsspec.mapping")
 
 
 def _quiet_storage_tracebacks() -> None:
@@ -313,10 +325,9 @@ class Checkpoints:
             # the step directory is created before `save` returns, so an unwritable or full
             # disk fails the save call itself instead of a background thread waiting minutes
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
-        _bound_tensorstore_retries()   # before the handlers make their contexts
+        _prepare_orbax()
         handlers = {"state": ocp.StandardCheckpointHandler(),
                     "data": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
-        _quiet_storage_tracebacks()
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=handlers)
         self._pending: int | None = None   # step of the asynchronous save in flight

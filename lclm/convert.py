@@ -38,8 +38,8 @@ from lclm.checkpoint import (
     Checkpoints,
     path_problem,
     read_checkpoint,
-    read_config,
     read_params,
+    saved_config,
 )
 from lclm.cli import run_cli
 from lclm.config import ModelConfig, base_config
@@ -170,7 +170,7 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None,
     stages = checkpointed_stages(workdir) if read != workdir else []
     seq_lens = []
     for stage in stages:  # every stage up to the exported one trained its sequence length
-        seq_lens.append(read_config(stage)[1].get("data", {}).get("seq_len", 0))
+        seq_lens.append(saved_config(stage)[1].get("data", {}).get("seq_len", 0))
     if stages:
         print(f"{workdir}: staged run; exporting its last stage with a checkpoint, "
               f"{storage.basename(read)}")

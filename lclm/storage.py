@@ -5,7 +5,9 @@ A Cloud TPU pod slice has no shared filesystem, so its runs keep their workdirs 
 Local paths keep their own code (atomic renames, `O_APPEND`, hard links: lclm.files,
 lclm.train.lock); object-store paths go through fsspec's clients (gcsfs, s3fs), which read
 the variables the cloud SDKs read (`STORAGE_EMULATOR_HOST`, `AWS_ENDPOINT_URL`, credentials).
-Orbax writes checkpoint arrays through tensorstore (`TENSORSTORE_GCS_HTTP_URL`).
+Orbax writes checkpoint arrays through tensorstore (`TENSORSTORE_GCS_HTTP_URL`). What lclm
+does by scheme (its client, conditional writes, whether checkpoints can be kept there) is one
+entry of `SCHEMES`.
 
 Object stores have no rename and no append; a single object write is atomic (readers see
 the old object or the new one), which is what `write_bytes` relies on. Conditional writes
@@ -16,15 +18,59 @@ what the workdir lease (lclm.train.object_lock) is built on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import posixpath
 import tempfile
+import types
+from collections.abc import Callable
+from typing import Any
 
 from lclm.errors import StartupError
 
-# scheme -> (the fsspec client's module, the pip package that brings it)
-CLIENTS = {"gs": ("gcsfs", "gcsfs"), "s3": ("s3fs", "s3fs")}
+# how a missing client is installed: lclm's extra that lists every scheme's package
 INSTALL = "pip install 'lclm[cloud]'"
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """An object store lclm reads and writes: an entry of `SCHEMES` (the end of this module),
+    which every choice by a path's scheme asks."""
+
+    name: str   # 'gs' of 'gs://bucket/x', also fsspec's name of the protocol
+    client: str   # the module of fsspec's client, imported to find whether it is installed
+    package: str   # the pip package that brings `client` (lclm's 'cloud' extra lists it)
+    # an object's `Version` from the client's info (`fs.info`)
+    version: Callable[[dict], Version]
+    # write an object only if it is at `Version` (None: only if there is none), its new
+    # version; raises the client's precondition error when refused. None: the store offers
+    # no conditional writes, and so no workdir lease (lclm.train.object_lock)
+    put_if: Callable[[Any, str, bytes, Version | None], Version] | None
+    # a tool that mounts such a bucket as a local path (for what lclm cannot do there)
+    mount: str
+    # whether Orbax (0.12, lclm's checkpoint writer, through tensorstore) keeps checkpoints
+    # there (lclm.checkpoint.path_problem)
+    checkpoints: bool = False
+    # the tensorstore context resource that bounds its driver's retries of one request (for
+    # Orbax's reads and writes of checkpoint arrays)
+    tensorstore_retries: str | None = None
+    # `cat_file` keywords that read the object at the version of the client's info
+    read_at: Callable[[dict], dict] = lambda info: {}
+    # run before the client is imported (variables it reads once, at import)
+    before_import: Callable[[], None] = lambda: None
+    # run after it is imported: bound its retries of one request, so that lclm's
+    # `storage_patience_seconds`, not the client, decides how long a run waits for a bucket
+    bound_retries: Callable[[], None] = lambda: None
+    # the client's modules that log failed requests with tracebacks on their own, besides
+    # its top logger (named as `client`): a logger's filters see only the records logged on it
+    loggers: tuple[str, ...] = ()
+
+
+def listing(where: Callable[[Scheme], bool] = lambda s: True, last: str = "") -> str:
+    """The schemes that `where` accepts as a message names them ('gs:// or s3://'), `last`
+    after them ('gs://, s3:// or a local or mounted path')."""
+    items = [f"{s.name}://" for s in SCHEMES.values() if where(s)] + ([last] if last else [])
+    return " or ".join(filter(None, (", ".join(items[:-1]), items[-1])))
 
 
 def scheme(path: str) -> str | None:
@@ -39,53 +85,26 @@ def is_remote(path: str) -> bool:
 
 def client_problem(path: str) -> str | None:
     """Why `path`'s scheme cannot be used here (unknown, or its client is not installed);
-    None for a local path or a usable scheme."""
+    None for a local path or a usable scheme (whose client is then imported and set up)."""
     s = scheme(path)
     if s is None:
         return None
-    if s not in CLIENTS:
-        return (f"uses {s}://, which lclm does not read or write; use gs://, s3:// or a local "
-                "or mounted path")
-    module, package = CLIENTS[s]
-    _quiet_emulator_probe()   # gcsfs picks its filesystem class when it is imported
+    if s not in SCHEMES:
+        return (f"uses {s}://, which lclm does not read or write; use "
+                f"{listing(last='a local or mounted path')}")
+    entry = SCHEMES[s]
     try:
-        __import__(module)
+        _import_client(entry)
     except ImportError:
-        return f"is on {s}://, which needs the {package} package: {INSTALL}"
-    if s == "gs":
-        _bound_gcs_retries()
+        return f"is on {s}://, which needs the {entry.package} package: {INSTALL}"
     return None
 
 
-# tries of one request by gcsfs (its own: 6, about 33 s of pauses): a blip of a few seconds is
-# ridden out by the client, anything longer by lclm's `storage_patience_seconds`, which decides
-# when a run stops (with the client's 6 tries, every request of a stop during an outage cost
-# 33 s, and a run past its patience took minutes to stop)
-GCS_TRIES = 3
-
-
-def _bound_gcs_retries() -> None:
-    """Give gcsfs's request method `GCS_TRIES` tries (pauses of about 1 and 2 s). gcsfs fixes
-    the count when its class is defined (a decorator argument, not an option), so the
-    undecorated method is decorated again, once per process, for every instance (lclm's and
-    Orbax's, made through etils.epath with other options)."""
-    from gcsfs.core import GCSFileSystem
-    from gcsfs.retry import retry_request
-
-    request = GCSFileSystem._request
-    if getattr(request, "_lclm_tries", None) != GCS_TRIES:
-        bounded = retry_request(retries=GCS_TRIES)(request.__wrapped__)
-        bounded._lclm_tries = GCS_TRIES
-        GCSFileSystem._request = bounded
-
-
-def _quiet_emulator_probe() -> None:
-    """gcsfs asks each bucket over gRPC whether it is a zonal bucket; a local GCS server
-    serves no gRPC and every probe waits 60 s before falling back (and logs a warning per
-    call). Only with an emulator, and before gcsfs is imported: it reads the variable once,
-    to choose its filesystem class."""
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+def _import_client(entry: Scheme) -> None:
+    """The one place a scheme's client is imported, and set up around its import."""
+    entry.before_import()
+    __import__(entry.client)
+    entry.bound_retries()
 
 
 def filesystem(path: str):
@@ -309,9 +328,10 @@ class Version:
 
 def stat(path: str) -> tuple[bytes, Version] | None:
     """An object's contents and version, or None if there is no such object. The contents
-    are read at the version looked up: an object replaced in between is looked up again
-    (not reported missing)."""
+    are read at the version looked up where the store can (GCS): an object replaced in
+    between is looked up again (not reported missing)."""
     fs, p = filesystem(path)
+    entry = SCHEMES[scheme(path) or ""]
     for _ in range(5):
         fs.invalidate_cache(p)
         try:
@@ -319,18 +339,11 @@ def stat(path: str) -> tuple[bytes, Version] | None:
         except FileNotFoundError:
             return None
         try:
-            data = fs.cat_file(p, **({"generation": info["generation"]}
-                                     if scheme(path) == "gs" else {}))
+            data = fs.cat_file(p, **entry.read_at(info))
         except FileNotFoundError:   # replaced (or removed) since `info`: look again
             continue
-        return data, _version(scheme(path), info)
+        return data, entry.version(info)
     return None
-
-
-def _version(s: str | None, info: dict) -> Version:
-    if s == "gs":
-        return Version(str(info["generation"]), info["mtime"].timestamp())
-    return Version(str(info["ETag"]), info["LastModified"].timestamp())
 
 
 def _precondition_failed(error: BaseException) -> bool:
@@ -357,27 +370,75 @@ def replace_if(path: str, data: bytes, version: Version) -> Version | None:
 
 def _conditional_put(path: str, data: bytes, version: Version | None) -> Version | None:
     fs, p = filesystem(path)
-    s = scheme(path)
+    entry = SCHEMES.get(scheme(path) or "")
+    if entry is None or entry.put_if is None:
+        raise StartupError(f"{path!r}: conditional writes need "
+                           f"{listing(lambda s: s.put_if is not None)}")
     try:
-        if s == "gs":
-            from fsspec.asyn import sync
-
-            info = sync(fs.loop, _gcs_put, fs, p, data, "0" if version is None else version.tag)
-            return _version(s, fs._process_object(p.split("/", 1)[0], info))
-        if s == "s3":
-            from fsspec.asyn import sync
-
-            bucket, key = p.split("/", 1)
-            condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version.tag}
-            reply = sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key,
-                         Body=data, **condition)
-            fs.invalidate_cache(p)
-            return Version(str(reply["ETag"]), _s3_time(fs, p, str(reply["ETag"])))
+        return entry.put_if(fs, p, data, version)
     except Exception as e:   # noqa: BLE001 (each client has its own error types)
         if _precondition_failed(e) or isinstance(e, FileNotFoundError):
             return None
         raise
-    raise StartupError(f"{path!r}: conditional writes need gs:// or s3://")
+
+
+# -- the clients' quirks ------------------------------------------------------------------------
+
+# tries of one request by gcsfs (its own: 6, about 33 s of pauses): a blip of a few seconds is
+# ridden out by the client, anything longer by lclm's `storage_patience_seconds`, which decides
+# when a run stops (with the client's 6 tries, every request of a stop during an outage cost
+# 33 s, and a run past its patience took minutes to stop)
+GCS_TRIES = 3
+
+
+def _bound_gcs_retries() -> None:
+    """Give gcsfs's request method `GCS_TRIES` tries (pauses of about 1 and 2 s). gcsfs fixes
+    the count when its class is defined (a decorator argument, not an option), so the
+    undecorated method is decorated again, once per process, for every instance (lclm's and
+    Orbax's, made through etils.epath with other options)."""
+    from gcsfs.core import GCSFileSystem
+    from gcsfs.retry import retry_request
+
+    request = GCSFileSystem._request
+    if getattr(request, "_lclm_tries", None) != GCS_TRIES:
+        bounded = retry_request(retries=GCS_TRIES)(request.__wrapped__)
+        bounded._lclm_tries = GCS_TRIES
+        GCSFileSystem._request = bounded
+
+
+def _quiet_emulator_probe() -> None:
+    """gcsfs asks each bucket over gRPC whether it is a zonal bucket; a local GCS server
+    serves no gRPC and every probe waits 60 s before falling back (and logs a warning per
+    call). Only with an emulator, and before gcsfs is imported: it reads the variable once,
+    to choose its filesystem class."""
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+def _gcs_version(info: dict) -> Version:
+    return Version(str(info["generation"]), info["mtime"].timestamp())
+
+
+def _s3_version(info: dict) -> Version:
+    return Version(str(info["ETag"]), info["LastModified"].timestamp())
+
+
+def _gcs_put_if(fs, path: str, data: bytes, version: Version | None) -> Version:
+    from fsspec.asyn import sync
+
+    info = sync(fs.loop, _gcs_put, fs, path, data, "0" if version is None else version.tag)
+    return _gcs_version(fs._process_object(path.split("/", 1)[0], info))
+
+
+def _s3_put_if(fs, path: str, data: bytes, version: Version | None) -> Version:
+    from fsspec.asyn import sync
+
+    bucket, key = path.split("/", 1)
+    condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version.tag}
+    reply = sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data,
+                 **condition)
+    fs.invalidate_cache(path)
+    return Version(str(reply["ETag"]), _s3_time(fs, path, str(reply["ETag"])))
 
 
 def _s3_time(fs, path: str, etag: str) -> float:
@@ -408,3 +469,20 @@ async def _gcs_put(fs, path: str, data: bytes, generation: str) -> dict:
                          data=body, json_out=True)
     fs.invalidate_cache(path)
     return out
+
+
+# -- the schemes --------------------------------------------------------------------------------
+
+# Adding a store is one entry here (with its client's quirks above, if it has any): the
+# messages that name the schemes lclm reads, writes conditionally or keeps checkpoints on are
+# made from it, and lclm's 'cloud' extra (pyproject.toml) lists its package.
+SCHEMES = types.MappingProxyType({s.name: s for s in (
+    Scheme("gs", client="gcsfs", package="gcsfs", version=_gcs_version, put_if=_gcs_put_if,
+           mount="gcsfuse", checkpoints=True, tensorstore_retries="gcs_request_retries",
+           read_at=lambda info: {"generation": info["generation"]},
+           before_import=_quiet_emulator_probe, bound_retries=_bound_gcs_retries,
+           loggers=("gcsfs.credentials", "gcsfs.zonal_file")),
+    # Orbax 0.12 writes arrays to GCS and file paths only
+    Scheme("s3", client="s3fs", package="s3fs", version=_s3_version, put_if=_s3_put_if,
+           mount="mountpoint-s3"),
+)})

@@ -14,7 +14,7 @@ import pytest
 from support import DEMO_TOKENIZER
 
 from lclm import hf, storage
-from lclm.checkpoint import read_config
+from lclm.checkpoint import saved_config
 from lclm.config import ModelConfig
 from lclm.convert import main as convert
 from lclm.eval import line_retrieval, perplexity
@@ -68,7 +68,7 @@ def test_from_hf_on_gcs_converts_as_the_local_directory(gcs, sources, tmp_path):
     remote = storage.join(gcs.bucket(), "llama")
     storage.upload(source, remote)
     assert convert(["--from-hf", remote, "--to-checkpoint", str(tmp_path / "run")]) == 0
-    saved = read_config(str(tmp_path / "run"))[1]
+    saved = saved_config(str(tmp_path / "run"))[1]
     assert saved["data"]["tokenizer"] == storage.join(remote, "tokenizer.model")
     # exported back (its tokenizer read from the bucket): what the local source's run exports
     assert convert(["--from-checkpoint", str(tmp_path / "run"), "--to-hf",

@@ -18,8 +18,8 @@ from lclm.checkpoint import (
     Checkpoints,
     ShapeMismatch,
     first_line,
-    read_config,
     read_state_items,
+    saved_config,
 )
 from lclm.config.model import ModelConfig
 from lclm.errors import StartupError
@@ -61,7 +61,7 @@ def apply_checkpoint_fields(config) -> None:
     and, where `model.rope_scaling` is 'auto', the RoPE scaling it trained with."""
     source = config.model.init_from_checkpoint
     try:
-        _, saved = read_config(source)
+        _, saved = saved_config(source)
     except FileNotFoundError:
         raise
     except Exception as e:  # noqa: BLE001  (a damaged config item)

@@ -198,7 +198,7 @@ def test_bad_rope_and_token_fields_stop_the_run_in_one_line(tmp_path, field, val
 
 
 def test_training_from_hf_then_export_states_what_was_trained(tmp_path, capsys, monkeypatch):
-    from lclm.checkpoint import Checkpoints, read_config, read_params
+    from lclm.checkpoint import Checkpoints, read_params, saved_config
     from lclm.config import load_config
     from lclm.convert import main
     from lclm.data.tokenizer import Tokenizer
@@ -263,7 +263,7 @@ def test_training_from_hf_then_export_states_what_was_trained(tmp_path, capsys, 
 
     # transformers' logits of the export are lclm's of the trained parameters
     workdir = str(tmp_path / "run" / "stage0_64")
-    step, saved = read_config(workdir)
+    step, saved = saved_config(workdir)
     c = ModelConfig(**{k: v for k, v in saved["model"].items() if k in vars(ModelConfig())})
     assert (c.rope_theta, c.rope_scaling) == (20000.0, "llama3")
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

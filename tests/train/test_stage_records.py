@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from support import ROOT, small_train_config
 
-from lclm.checkpoint import Checkpoints, read_config
+from lclm.checkpoint import Checkpoints, saved_config
 from lclm.cli import config_from_argv, config_text
 from lclm.config import ModelConfig, load_config
 from lclm.config.stages import keys_set_by_stages, stage_configs
@@ -145,7 +145,7 @@ def test_a_staged_run_of_records_trains_each_stage_as_set_and_resumes(tmp_path):
     assert _state(s1) == (3, 6, 3)
     assert _state(s2) == (2, 2, 2)
     # each stage ran with its own config (as saved with its checkpoints)
-    saved = [read_config(s.workdir)[1] for s in (s0, s1, s2)]
+    saved = [saved_config(s.workdir)[1] for s in (s0, s1, s2)]
     assert [x["data"]["document_mask"] for x in saved] == [True, False, False]
     assert [x["attention"]["strategy"] for x in saved] == ["ring", "all_gather", "ulysses"]
     assert [x["model"]["rope_scaling"] for x in saved] == ["auto", "auto", "linear"]
