@@ -34,10 +34,9 @@ from lclm.families import FAMILIES
 
 # the device mesh's axes, outermost first (lclm.parallel.mesh builds the mesh in this order)
 MESH_AXES = ("dp", "fsdp", "tp", "sp")
-# kinds of data.path entries (lclm.data.loader reads each; line_retrieval and ruler are
-# synthetic, generated: lclm/data/line_retrieval.py, lclm/data/ruler.py; code and
-# code-heldout read directories of packages as documents, the held-out ~5% of packages
-# apart: lclm/data/code.py)
+# kinds of data.path entries: the names of the registry lclm.data.sources.KINDS, which holds
+# each kind's reader (the config is read below the data layer, so the names are repeated
+# here; tests/data/test_kinds.py checks that they agree)
 SOURCE_KINDS = ("text", "sharegpt", "tokenized", "line_retrieval", "ruler", "code",
                 "code-heldout")
 MIXTURE_UNITS = ("tokens", "documents")

@@ -21,10 +21,14 @@ the same as long as DIR does not change: installing packages into DIR renumbers 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import threading
 
+from lclm.data.documents import TextDocuments
+from lclm.data.kind import DIRECTORY, Kind, Reading
+from lclm.data.records import DataError
 from lclm.data.stats import SourceStats
 
 # Python sources, stubs and Cython, and the prose beside them. C/C++ files are left out: in a
@@ -36,9 +40,7 @@ SKIPPED_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages", "node
 MAX_FILE_BYTES = 1 << 20   # larger files are generated or data (The Stack drops > 1 MB too)
 MAX_DOCUMENT_BYTES = 8 << 20   # ~2M LLaMA tokens; bounds the cost of reading one document
 HELDOUT_SHARE = 0.05
-
-# the source kinds this module reads (data.path `code:DIR`, `code-heldout:DIR`)
-CODE_KINDS = ("code", "code-heldout")
+_PACKAGES = "a directory of packages (e.g. a site-packages)"   # what DIR is, as messages say
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +161,8 @@ class CodeRecords:
 
     def __init__(self, root: str, heldout: bool, stats: SourceStats):
         if not os.path.isdir(root):
-            raise FileNotFoundError(f"no directory at {root!r}; a code source reads a "
-                                    "directory of packages (e.g. a site-packages)")
+            raise FileNotFoundError(f"no directory at {root!r}; a code source reads "
+                                    f"{_PACKAGES}")
         self.root, self.stats = root, stats
         self.documents = list_documents(root, heldout, stats)
         self._bad: set[str] = set()
@@ -185,3 +187,18 @@ class CodeRecords:
             if path not in self._bad:
                 self._bad.add(path)
                 self.stats.skip(os.path.join(self.root, path), why)
+
+
+def open_packages(heldout: bool, root: str, tokenizer, reading: Reading) -> TextDocuments:
+    """The documents of `code:` DIR (`code-heldout:` DIR when `heldout`), one a package."""
+    packages = CodeRecords(root, heldout, reading.stats)
+    if not len(packages):
+        kind, split = ("code-heldout", "held-out ") if heldout else ("code", "")
+        raise DataError(f"{kind}:{root} holds no {split}package with "
+                        f"{'/'.join(EXTENSIONS)} files")
+    return TextDocuments(packages, "text", tokenizer)
+
+
+KINDS = (Kind("code", functools.partial(open_packages, False), DIRECTORY, path_help=_PACKAGES),
+         Kind("code-heldout", functools.partial(open_packages, True), DIRECTORY,
+              path_help=_PACKAGES))

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from lclm.config.syntax import format_tokens, parse_tokens
-from lclm.data.sources import DataError, TokenizedDocuments
+from lclm.data.prepared import TokenizedDocuments
+from lclm.data.records import DataError
 from lclm.errors import ConfigError
 
 

@@ -29,14 +29,12 @@ from typing import Any
 import numpy as np
 
 from lclm.data.chat import ChatTemplate, render
+from lclm.data.kind import OPTIONS, Kind
 
 # The user turn is the document, the assistant turn the answer after a space (as in the
 # lines): no system text, no role markers (the question itself says what is asked).
 TEMPLATE = ChatTemplate(begin="{bos}", system_format="{system}", user_format="{text}",
                         assistant_prefix="", assistant_format=" {text}{eos}")
-
-KIND = "line_retrieval"  # the data source kind: `line_retrieval:OPTIONS` in data.path
-
 
 @dataclasses.dataclass(frozen=True)
 class LineFormat:
@@ -238,7 +236,7 @@ def spec_of_config(data_config) -> Spec | None:
     """The `Spec` of the first line_retrieval source of a (saved) `config.data`, if any."""
     for entry in str(data_config.get("path", "")).split(","):
         kind, sep, rest = entry.strip().partition(":")
-        if sep and kind == KIND:
+        if sep and kind == KIND.name:
             return Spec.parse(rest.rsplit("@", 1)[0])
     return None
 
@@ -246,6 +244,11 @@ def spec_of_config(data_config) -> Spec | None:
 def chance_accuracy(digits: int) -> float:
     """Accuracy of guessing a uniformly random `digits`-digit value."""
     return 1.0 / (9 * 10 ** (digits - 1))
+
+
+# the data source kind `line_retrieval:OPTIONS` (generated documents: records are not read)
+KIND = Kind("line_retrieval", lambda options, tokenizer, _: open_source(options, tokenizer),
+            OPTIONS)
 
 
 __all__ = ["Example", "FORMATS", "KIND", "LineFormat", "LineRetrievalDocuments", "Spec",

@@ -31,11 +31,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from lclm import storage
-from lclm.config.schema import SOURCE_KINDS
 from lclm.data.balance import attention_work, balance_permutation
 from lclm.data.filters import BUCKETS, LengthFilter, LengthRules, parse_options, statistics
 from lclm.data.packing import ROW_KEYS, Packer
-from lclm.data.sources import DataError, open_documents
+from lclm.data.sources import KINDS, DataError, open_documents
 from lclm.data.stats import SourceStats
 from lclm.data.stream import DocumentStream, EpochOrders, Mixture
 from lclm.errors import ConfigError
@@ -78,7 +77,7 @@ def _entry(entry: str, default_kind: str, key: str) -> SourceEntry:
     is, so '@' or '?' in a file name is not read as a weight or options."""
     kind, rest = default_kind, entry
     head, sep, tail = entry.partition(":")
-    if sep and head in SOURCE_KINDS:
+    if sep and head in KINDS:
         kind, rest = head, tail
     if _local_path(rest):
         return SourceEntry(kind, rest, 1.0)

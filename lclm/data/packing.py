@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from lclm.data.sources import DataError
+from lclm.data.records import DataError
 
 ROW_KEYS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
 

@@ -34,7 +34,8 @@ import numpy as np
 from lclm import logs, storage
 from lclm.cli import run_cli
 from lclm.data.chat import TEMPLATE_NAMES
-from lclm.data.sources import TOKENIZED_META, offsets_digest, open_documents
+from lclm.data.prepared import TOKENIZED_META, offsets_digest
+from lclm.data.sources import KINDS, open_documents
 from lclm.data.stats import SourceStats
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
@@ -137,7 +138,8 @@ def _remove_leftovers(out: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Pre-tokenise a corpus for lclm.")
-    ap.add_argument("--source", choices=("text", "sharegpt"), required=True)
+    ap.add_argument("--source", choices=[k.name for k in KINDS.values() if k.prepare],
+                    required=True)
     ap.add_argument("--input", required=True, help="file, directory, glob or hub:NAME")
     ap.add_argument("--tokenizer", required=True, help="SentencePiece .model, HuggingFace "
                                                        "tokenizer.json or a directory holding one")

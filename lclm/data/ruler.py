@@ -51,9 +51,9 @@ import numpy as np
 from scipy.special import zeta
 
 from lclm.data.chat import get_template
+from lclm.data.kind import OPTIONS, Kind
 from lclm.data.line_retrieval import filler_id
 
-KIND = "ruler"            # the data source kind: `ruler:OPTIONS` in data.path
 EVAL, TRAIN = 0, 1        # the seed streams of evaluation prompts and training documents
 MARK = "\ue000RULER\ue001"  # stands for the user text when a chat template is split
 
@@ -603,3 +603,7 @@ class RulerDocuments:
 def open_source(options: str, tokenizer) -> RulerDocuments:
     """The document set of a `ruler:OPTIONS` entry of `config.data.path`."""
     return RulerDocuments(Spec.parse(options), tokenizer)
+
+
+# the data source kind `ruler:OPTIONS` (generated documents: records are not read)
+KIND = Kind("ruler", lambda options, tokenizer, _: open_source(options, tokenizer), OPTIONS)

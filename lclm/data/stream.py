@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from lclm.data.filters import LengthFilter
-from lclm.data.sources import DataError
+from lclm.data.records import DataError
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:

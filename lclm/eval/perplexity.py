@@ -50,9 +50,11 @@ from collections.abc import Callable
 import numpy as np
 
 from lclm.config.syntax import format_tokens
-from lclm.data.code import CODE_KINDS
+from lclm.data.kind import DIRECTORY
 from lclm.data.loader import SourceEntry, parse_sources
-from lclm.data.sources import is_tokenized_dir, open_documents, resolve_files
+from lclm.data.prepared import is_tokenized_dir
+from lclm.data.records import resolve_files
+from lclm.data.sources import get_kind, open_documents
 from lclm.data.stats import SourceStats
 from lclm.errors import StartupError
 from lclm.eval import report
@@ -313,7 +315,7 @@ def data_source(flag: str, text: str) -> SourceEntry:
         raise StartupError(f"{flag} {text!r} names {len(entries)} sources; evaluate one at a "
                            "time")
     (entry,) = entries
-    if entry.kind in CODE_KINDS:
+    if get_kind(entry.kind).path == DIRECTORY:
         if not os.path.isdir(entry.path):
             raise StartupError(f"{flag} {text!r}: {entry.path!r} is not a directory")
     elif not is_tokenized_dir(entry.path):

@@ -16,9 +16,10 @@ from lclm.config.model import AttentionConfig, ModelConfig
 from lclm.config.schema import MESH_AXES, check_fields
 from lclm.config.stages import validation_lengths
 from lclm.data.chat import TEMPLATE_NAMES
-from lclm.data.code import CODE_KINDS
+from lclm.data.kind import DIRECTORY, OPTIONS
 from lclm.data.loader import parse_sources
-from lclm.data.sources import names_data
+from lclm.data.records import names_data
+from lclm.data.sources import get_kind
 from lclm.errors import ConfigError
 from lclm.ops.context_parallel import get_strategy, kernel_block, ring_size
 from lclm.ops.context_parallel.rounds import kv_repeats
@@ -140,13 +141,14 @@ def check_data(config) -> None:
         if not path:
             continue
         for kind, source, *_ in parse_sources(path, config.data.source, key):
-            # synthetic sources hold options, not paths; hub datasets are found by `datasets`
-            if kind == "line_retrieval" or source.startswith("hub:"):
+            what = get_kind(kind)
+            # hub datasets are found by `datasets`
+            if what.path == OPTIONS or source.startswith("hub:"):
                 continue
-            if kind in CODE_KINDS:   # read with os: local directories only
+            if what.path == DIRECTORY:
                 if not os.path.isdir(source):
                     _fail(f"config.{key}: {kind}:{source!r} is not a local directory; point "
-                          "it at a directory of packages (e.g. a site-packages)")
+                          f"it at {what.path_help}")
                 continue
             problem = storage.client_problem(source)
             if problem:

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from support import DEMO_TOKENIZER, ROOT
 
-from lclm.data import sources
+from lclm.data import records as record_readers
 from lclm.data.sources import DataError, open_documents
 from lclm.data.stats import SourceStats
 from lclm.data.synthetic import conversations
@@ -112,11 +112,11 @@ def test_parquet_beside_json_lines_is_read_whole(tmp_path, tok):
 def test_row_groups_beyond_the_cache_are_decoded_again_with_one_warning(
         tmp_path, tok, monkeypatch, caplog):
     path = write_columnar(tmp_path / "files", pa.table({"text": TEXTS}))["parquet"]
-    records = sources.ColumnarRecords(sources.resolve_files(path), ["text"], path)
+    records = record_readers.ColumnarRecords(record_readers.resolve_files(path), ["text"], path)
     assert [r["text"] for r in records] == TEXTS
-    monkeypatch.setattr(sources, "PARQUET_CACHE_BYTES", 1)  # keeps only the last row group
-    records = sources.ColumnarRecords(sources.resolve_files(path), ["text"], path)
-    with caplog.at_level(logging.WARNING, "lclm.data.sources"):
+    monkeypatch.setattr(record_readers, "PARQUET_CACHE_BYTES", 1)  # keeps only the last row group
+    records = record_readers.ColumnarRecords(record_readers.resolve_files(path), ["text"], path)
+    with caplog.at_level(logging.WARNING, "lclm.data.records"):
         for _ in range(2):
             assert [records[i]["text"] for i in (19, 0, 7, 18, 3)] == [
                 TEXTS[i] for i in (19, 0, 7, 18, 3)]

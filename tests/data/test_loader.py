@@ -14,7 +14,7 @@ from lclm.data.loader import (
     host_block,
     parse_sources,
 )
-from lclm.data.sources import DataError, resolve_files
+from lclm.data.records import DataError, resolve_files
 from lclm.data.stream import DocumentStream, EpochOrders
 from lclm.data.synthetic import conversations
 from lclm.data.tokenizer import Tokenizer

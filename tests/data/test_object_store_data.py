@@ -15,7 +15,8 @@ from lclm import storage
 from lclm.config import load_config
 from lclm.data.loader import HostBatches
 from lclm.data.prepare import OUTPUTS, main
-from lclm.data.sources import TOKENIZED_META, TokenizedDocuments, open_documents
+from lclm.data.prepared import TOKENIZED_META, TokenizedDocuments
+from lclm.data.sources import open_documents
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 from lclm.parallel import make_mesh

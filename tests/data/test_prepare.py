@@ -12,7 +12,8 @@ from support import DEMO_TOKENIZER
 
 from lclm.data import prepare as prepare_module
 from lclm.data.prepare import OUTPUTS, prepare
-from lclm.data.sources import TOKENIZED_META, DataError, open_documents
+from lclm.data.prepared import TOKENIZED_META
+from lclm.data.sources import DataError, open_documents
 from lclm.data.tokenizer import Tokenizer
 
 
