@@ -52,14 +52,14 @@ class FaultPolicy:
 
     `checkpoints`: where the last good checkpoint is read from (for the halting message);
     `max_bad_steps`: non-finite steps in a row before the run stops; `every_seconds`: saves
-    by time (0: none); `log_every` and `multi`: with several processes a time-based save is
-    decided by process 0 at logging steps and broadcast (their clocks differ)."""
+    by time (0: none); `multi`: with several processes a time-based save is decided by
+    process 0 and broadcast (their clocks differ), at the steps the cadence names."""
 
     def __init__(self, checkpoints: Checkpoints, patience: WritePatience, max_bad_steps: int,
-                 every_seconds: float, log_every: int, multi: bool):
+                 every_seconds: float, multi: bool):
         self.checkpoints, self.patience = checkpoints, patience
         self.max_bad_steps, self.every_seconds = max_bad_steps, every_seconds
-        self.log_every, self.multi = log_every, multi
+        self.multi = multi
         self.bad_in_a_row = self.skipped_steps = 0
         self.failing_since: float | None = None   # when metrics writes started failing
         self.failing_from = 0                      # the first logged step whose write failed
@@ -227,9 +227,10 @@ class FaultPolicy:
                             f"(storage_patience_seconds={self.patience.seconds:g})"
                             if since else ""))
 
-    def due_by_time(self, step: int) -> bool:
-        """Whether a time-based save is due at `step` (every process gets the same answer)."""
-        if not self.every_seconds or (self.multi and step % self.log_every):
+    def due_by_time(self) -> bool:
+        """Whether a time-based save is due (every process gets the same answer: with several,
+        call it at the same steps on each, `StepPlan.by_time`)."""
+        if not self.every_seconds:
             return False
         due = time.monotonic() - self.last_saved >= self.every_seconds
         if self.multi:

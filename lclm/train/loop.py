@@ -29,6 +29,7 @@ from lclm.hardware import peak_flops
 from lclm.models.decoder import init_params, param_count
 from lclm.parallel.distributed import any_process, check_same_config
 from lclm.parallel.mesh import make_mesh
+from lclm.train.cadence import Cadence
 from lclm.train.checks import attention_line, check_data, validate
 from lclm.train.faults import FaultPolicy, WritePatience
 from lclm.train.init_weights import (
@@ -295,8 +296,9 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
         val_losses = _validation(config, mesh, tokenizer, model, attention,
                                  state_sharding.params)
 
-        total = config.train.steps
-        first = int(state.step) + 1
+        multi = jax.process_count() > 1
+        cadence = Cadence.of(config, int(state.step) + 1, stop_after, multi)
+        first, total = cadence.first, cadence.total
         tokens_per_step = config.data.batch_size * config.data.seq_len
         flops = flops_per_token(model, config.data.seq_len) * tokens_per_step
         peak = peak_flops(devices[0].device_kind)
@@ -304,14 +306,14 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
             with _written_at_start(storage.join(config.workdir, "metrics.jsonl")):
                 logger = MetricsLogger(config.workdir, wandb_run(config, first - 1),
                                        resume_step=first - 1)
-        if first > total and is_main:
+        if cadence.trained and is_main:
             log.info("%s is already trained to step %d (train.steps); nothing to do: raise "
                      "train.steps to train on", config.workdir, total)
-        progress = (Progress(total, first) if is_main and config.log.progress and first <= total
-                    else None)
-        if is_main and progress is None and first <= total:   # the bar says it where there is one
+        progress = (Progress(total, first) if is_main and config.log.progress
+                    and not cadence.trained else None)
+        if is_main and progress is None and not cadence.trained:   # else the bar says it
             log.info("compiling the training step (step %d of %d)", first, total)
-        if val_losses is not None and config.validation.at_start and first == 1:
+        if cadence.validates_at_start:
             # the first weights' held-out loss (validation.at_start): every process computes
             start = dict(step=0, **_val_fields(config, val_losses(state.params)))
             if logger:
@@ -323,12 +325,11 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
         # notice of JAX's distributed runtime, which agrees on a step at which every process
         # saves (reached_preemption_sync_point) without a collective per step; SIGINT keeps
         # its default (the run stops; it resumes from its last checkpoint).
-        multi = jax.process_count() > 1
         if threading.current_thread() is threading.main_thread() and not multi:
             previous_handlers = {sig: signal.signal(sig, lambda *_: preempted.set())
                                  for sig in (signal.SIGTERM, signal.SIGINT)}
         faults = FaultPolicy(checkpoints, patience, config.train.max_bad_steps,
-                             60 * config.checkpoint.every_minutes, config.log.every, multi)
+                             60 * config.checkpoint.every_minutes, multi)
 
         # Simulated CPU devices: one step in flight at a time. Overlapping multi-device CPU
         # programs were seen to stall XLA's in-process collective rendezvous on 2-core
@@ -336,10 +337,9 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
         # dispatch.
         sync_each_step = devices[0].platform == "cpu"
         t0, since = time.perf_counter(), first - 1
-        last = total if stop_after is None else min(total, stop_after)
         unchecked = None   # (step, skipped flag) read one step late: the host never waits
         resave = False     # an asynchronous save failed: save the current step instead
-        for step in range(first, last + 1):
+        for step in cadence.steps():
             state, metrics = step_fn(state, next(batches))
             if sync_each_step:
                 jax.block_until_ready(metrics)
@@ -359,25 +359,21 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                 resave = True
             if multi and multihost_utils.reached_preemption_sync_point(step):
                 preempted.set()
-            validating = val_losses is not None and (step % config.validation.every == 0
-                                                   or step == last)
-            logging_step = (step % config.log.every == 0 or step in (first, last)
-                            or preempted.is_set() or validating)
-            if multi and logging_step:   # every process saves, or none
+            plan = cadence.at(step, preempted.is_set())
+            if multi and plan.log:   # every process saves, or none
                 resave = any_process(resave)
             # a failed save is tried again once its pause is over (with several processes, as
-            # process 0's clock says, at a logged step)
-            retry = resave and (logging_step or not multi)
+            # process 0's clock says)
+            retry = resave and plan.retry
             if retry:
                 retry = (any_process(jax.process_index() == 0 and faults.retry_due()) if multi
                          else faults.retry_due())
-            saving = (checkpoints.due(step) or faults.due_by_time(step) or step == total
-                      or preempted.is_set() or retry)
+            saving = plan.save or (plan.by_time and faults.due_by_time()) or retry
             stopping = None   # why the run stops after saving this step
-            if (saving or logging_step) and unchecked is not None:
+            if (saving or plan.log) and unchecked is not None:
                 faults.check_step(*unchecked)   # the host waits for this step now anyway
                 unchecked = None
-            if logging_step:
+            if plan.log:
                 metrics = jax.device_get(metrics)
                 now = time.perf_counter()
                 seconds = (now - t0) / (step - since)
@@ -387,7 +383,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                               mfu=(flops / seconds / (peak * len(devices))) if peak else None,
                               skipped_steps=faults.skipped_steps)
                 first_logged = first_logged or now
-                if validating:   # not counted in the next steps' time
+                if plan.validate:   # not counted in the next steps' time
                     record.update(_val_fields(config, val_losses(state.params)))
                     now = time.perf_counter()
                 t0, since = now, step
@@ -414,7 +410,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
             if saving:
                 # the final, preemption and stopping saves are the last chance: written to the
                 # end (and retried) before the run reports; so is the retry of a failed save
-                last_chance = step == total or preempted.is_set() or stopping is not None
+                last_chance = plan.last_chance or stopping is not None
                 error = faults.save(
                     step, functools.partial(checkpoints.save, step, state, batches.state(),
                                             saved_config),
@@ -427,7 +423,7 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
                     faults.save_failed(error, last_chance)
             if stopping is not None:
                 raise faults.halt(stopping)
-            if preempted.is_set():
+            if plan.stop:
                 log.warning("stopped after step %d on a termination signal (checkpoint saved)",
                             step)
                 break
