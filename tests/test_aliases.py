@@ -15,7 +15,7 @@ from support import DEMO_TOKENIZER, ROOT
 from lclm import hf
 from lclm.config import ModelConfig
 from lclm.eval import generate as new_generate
-from lclm.models import decoder, nnx_decoder
+from lclm.models import decoder
 from lclm.models.decoder import init_params
 
 MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64,
@@ -80,6 +80,8 @@ def test_llama_config_from_lclm_config_warns_and_is_model_config():
 
 
 def test_lclm_models_nnx_llama_is_the_nnx_decoder():
+    pytest.importorskip("flax", reason="the NNX view needs the optional flax (lclm[nnx])")
+    nnx_decoder = importlib.import_module("lclm.models.nnx_decoder")
     with pytest.warns(DeprecationWarning, match="now lclm.models.nnx_decoder"):
         nnx_llama = _fresh_import("lclm.models.nnx_llama")
     assert nnx_llama.LlamaModule is nnx_decoder.DecoderModule

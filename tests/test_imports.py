@@ -85,6 +85,16 @@ def test_no_import_cycles():
     assert [m for m in graph if m in reaches(m)] == []
 
 
+# flax is the optional [nnx] extra: only the NNX view (and its old name) may import it
+def test_only_the_nnx_view_imports_flax():
+    importers = {name for name, tree in _modules() for node in ast.walk(tree)
+                 if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "flax"
+                                                          for a in node.names))
+                 or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0]
+                     == "flax")}
+    assert importers == {"lclm.models.nnx_decoder"}
+
+
 # `python -m lclm.train` runs the program that moved out of lclm.train: the same one-line error
 # and status as train.py
 def test_python_m_lclm_train_runs_the_training_program(tmp_path):

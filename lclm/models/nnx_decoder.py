@@ -11,12 +11,18 @@ parameter PartitionSpecs. Flax's rules do not see shapes, though: where a mesh a
 divide a dimension (1 kv head with tp=2, an odd vocabulary) lclm replicates that dimension
 and flax does not. To place a module exactly as lclm does, shard the tree:
 `from_params(c, shard_params(c, to_params(module), mesh))`.
+
+Flax is an optional dependency (`pip install "lclm[nnx]"`): nothing else in lclm imports it.
 """
 
 from __future__ import annotations
 
 import jax
-from flax import nnx
+
+try:
+    from flax import nnx
+except ImportError as e:  # one line that names the fix, not a chain of import frames
+    raise ImportError("lclm.models.nnx_decoder needs flax: pip install 'lclm[nnx]'") from e
 
 from lclm.models import decoder
 from lclm.models.decoder import AttentionConfig, ModelConfig

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from lclm.families import FAMILIES
 from lclm.models.decoder import (
@@ -18,9 +17,17 @@ from lclm.models.decoder import (
     loss_terms,
     param_table,
 )
-from lclm.models.nnx_decoder import DecoderModule, flax_axis_rules, from_params, to_params
 from lclm.parallel import make_mesh
 from lclm.train.state import param_shardings
+
+# flax is the optional [nnx] extra (the test extra installs it)
+nnx = pytest.importorskip("flax.nnx", reason="the NNX view needs the optional flax (lclm[nnx])")
+from lclm.models.nnx_decoder import (  # noqa: E402
+    DecoderModule,
+    flax_axis_rules,
+    from_params,
+    to_params,
+)
 
 # every sharded dimension divides by its mesh axes on the (fsdp=2, tp=2, sp=2) mesh, where
 # flax's shape-blind rules and lclm's agree
