@@ -42,7 +42,7 @@ def test_each_entry_agrees_with_the_code_that_uses_it(entry):
         extra = tomllib.load(f)["project"]["optional-dependencies"]["cloud"]
     assert any(r.startswith(f"{entry.package}>=") for r in extra), extra
     assert storage.client_problem(f"{entry.name}://b/x") is None   # installed here
-    assert checkpoint.path_problem(f"{entry.name}://b/run") is None or not entry.checkpoints
+    assert (checkpoint.path_problem(f"{entry.name}://b/run") is None) == entry.checkpoints
     if entry.checkpoints:
         # a run's workdir there is leased with conditional writes (lclm.train.object_lock)
         assert entry.put_if is not None
