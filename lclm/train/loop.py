@@ -16,7 +16,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from lclm import storage
-from lclm.checkpoint import Checkpoints, SaveFailed, ShapeMismatch
+from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.config.model import AttentionConfig, ModelConfig
 from lclm.config.secrets import public_config
 from lclm.config.stages import validation_lengths
@@ -26,18 +26,13 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError, StartupError
 from lclm.files import write_json
 from lclm.hardware import peak_flops
-from lclm.models.decoder import init_params, param_count
+from lclm.models.decoder import param_count
 from lclm.parallel.distributed import any_process, check_same_config
 from lclm.parallel.mesh import make_mesh
 from lclm.train.cadence import Cadence
 from lclm.train.checks import attention_line, check_data, validate
 from lclm.train.faults import FaultPolicy, WritePatience
-from lclm.train.init_weights import (
-    apply_checkpoint_fields,
-    apply_hf_shapes,
-    load_checkpoint_state,
-    load_hf_params,
-)
+from lclm.train.first_weights import first_state, take_model_fields
 from lclm.train.lock import WorkdirLock
 from lclm.train.metrics import (
     MetricsFailed,
@@ -48,8 +43,7 @@ from lclm.train.metrics import (
     wandb_run,
 )
 from lclm.train.object_lock import workdir_lock
-from lclm.train.resume import allowed_keys, check_resume, tokenizer_fingerprint
-from lclm.train.state import TrainState, init_state
+from lclm.train.resume import tokenizer_fingerprint
 from lclm.train.step import all_finite, jit_eval_loss, jit_train_step, make_optimizer
 
 log = logging.getLogger(__name__)
@@ -63,10 +57,7 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     Storage faults are ridden out for `config.storage_patience_seconds` (`WritePatience`).
     """
     devices = jax.devices()
-    if config.model.init_from_hf:
-        apply_hf_shapes(config)
-    elif config.model.init_from_checkpoint:
-        apply_checkpoint_fields(config)
+    take_model_fields(config)
     sizes = validate(config, len(devices))
     check_data(config)   # before the model: a missing file is found in seconds
     if jax.process_count() > 1:
@@ -113,52 +104,6 @@ def _remove_workdir(workdir: str) -> None:
         storage.remove_tree(workdir)
     except Exception as e:  # noqa: BLE001  (the run's own error is the one to report)
         log.warning("could not remove the new workdir %s (%s)", workdir, e)
-
-
-def _check_resume(config, checkpoints: Checkpoints, saved_config: dict,
-                  model: ModelConfig) -> tuple[int, bool] | None:
-    """(step, whether the data pipeline restarts) of the latest checkpoint whose saved config
-    this run's (`saved_config`) may resume (`lclm.train.resume`) and whose parameter shapes
-    (its metadata) are `model`'s (its abstract parameters); None where the workdir has no
-    checkpoint with a readable config. A refusal (ConfigError, ShapeMismatch) is raised
-    before the model is initialised (a large one takes minutes and most of the memory) and
-    before config.json, which describes the workdir's checkpoints, is rewritten."""
-    latest = checkpoints.latest_config()
-    if latest is None:
-        return None
-    step, saved = latest
-    restart_data = check_resume(saved, saved_config, allowed_keys(config), step)
-    try:   # an allowed change (checkpoint.allow_changed) may still change a shape
-        checkpoints.check_shapes(step, jax.eval_shape(functools.partial(init_params, model),
-                                                      jax.random.key(0)))
-    except ShapeMismatch:
-        raise
-    except Exception as e:  # noqa: BLE001  (damaged metadata: the restore sets the step aside)
-        log.debug("shapes of checkpoint step %d not checked before the restore (%s)", step, e)
-    return step, restart_data
-
-
-def _restore_or_init(config, checkpoints: Checkpoints, state: TrainState, model, mesh,
-                     saved_config: dict, resume: tuple[int, bool] | None):
-    """(state, data state) to start from: the workdir's latest readable checkpoint (`resume`:
-    what `_check_resume` found), else the configured initial weights (another run's
-    checkpoint, HF weights, or the fresh init)."""
-    if checkpoints.latest_step() is not None:
-        state, data_state = checkpoints.restore(state)
-        checked, restart_data = resume if resume is not None else (None, False)
-        restored = checkpoints.latest_step()   # the steps found damaged are set aside by now
-        if restored is not None and restored != checked:
-            # damage sent the restore to another step than the one checked: its own config
-            # decides (an allowed change of the data order may lie between the two)
-            saved = checkpoints.saved_config(restored)
-            restart_data = saved is not None and check_resume(
-                saved, saved_config, allowed_keys(config), restored)
-        return state, None if restart_data else data_state
-    if config.model.init_from_checkpoint:
-        state = load_checkpoint_state(config, state)
-    elif config.model.init_from_hf:
-        state = state._replace(params=load_hf_params(config, model, mesh))
-    return state, None
 
 
 def _validation(config, mesh, tokenizer, model, attention, param_sharding):
@@ -275,11 +220,9 @@ def _run(config, sizes, mesh, model, attention, tokenizer, stop_after,
     batches = logger = None
     previous_handlers = {}
     try:
-        resume = _check_resume(config, checkpoints, saved_config, model)
         optimizer = make_optimizer(config.train)
-        state = init_state(model, optimizer, mesh, config.seed)
-        state, data_state = _restore_or_init(config, checkpoints, state, model, mesh,
-                                             saved_config, resume)
+        state, data_state = first_state(config, checkpoints, model, mesh, optimizer,
+                                        saved_config)
         if is_main:   # only once the run is accepted: config.json describes the checkpoints
             config_path = storage.join(config.workdir, "config.json")
             with _written_at_start(config_path):

@@ -1,0 +1,119 @@
+"""Where a run's first state comes from, decided here and nowhere else:
+
+1. this workdir's latest readable checkpoint: the run resumes (its config checked against the
+   checkpoint's by `lclm.train.resume`, the parameter shapes against its metadata, before
+   anything is initialised);
+2. else another lclm run's latest checkpoint (`model.init_from_checkpoint`);
+3. else a HuggingFace directory (`model.init_from_hf`), both read by `lclm.train.init_weights`;
+4. else the fresh initialisation from `seed`.
+
+The model fields a source of weights fixes (shapes, token ids, RoPE scaling) are taken into the
+config before it is checked against the devices (`take_model_fields`); the state itself once
+the workdir is the run's (`first_state`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+
+from lclm.checkpoint import Checkpoints, ShapeMismatch
+from lclm.config.model import ModelConfig
+from lclm.models.decoder import init_params
+from lclm.train.init_weights import (
+    apply_checkpoint_fields,
+    apply_hf_shapes,
+    load_checkpoint_state,
+    load_hf_params,
+)
+from lclm.train.resume import allowed_keys, check_resume
+from lclm.train.state import TrainState, init_state
+
+log = logging.getLogger(__name__)
+
+RESUME, OTHER_RUN, HUGGINGFACE, FRESH = "resume", "another run", "huggingface", "fresh"
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where the first state comes from: `kind` (RESUME, OTHER_RUN, HUGGINGFACE or FRESH); for
+    a resume the `step` whose config was checked (None where no step's config could be read:
+    the restore sets the damaged steps aside) and whether the data pipeline starts afresh
+    (`restart_data`: an allowed change of the data order, or a converted checkpoint)."""
+
+    kind: str
+    step: int | None = None
+    restart_data: bool = False
+
+
+def take_model_fields(config) -> None:
+    """Take into `config.model` the fields its source of weights determines: a HuggingFace
+    directory's (`init_weights.apply_hf_shapes`) or another run's (`apply_checkpoint_fields`).
+    Before the config is checked: a resume is then compared with the config it will train."""
+    if config.model.init_from_hf:
+        apply_hf_shapes(config)
+    elif config.model.init_from_checkpoint:
+        apply_checkpoint_fields(config)
+
+
+def origin(config, checkpoints: Checkpoints, saved_config: dict, model: ModelConfig) -> Origin:
+    """Where the first state of the run `config` (its config as checkpoints save it:
+    `saved_config`) comes from, `checkpoints` being its workdir's. A resume this config may not
+    make (ConfigError, `lclm.train.resume`) or whose parameter shapes are not `model`'s
+    (ShapeMismatch, from the checkpoint's metadata) is refused here, before the model is
+    initialised (a large one takes minutes and most of the memory) and before config.json,
+    which describes the workdir's checkpoints, is rewritten."""
+    if checkpoints.latest_step() is not None:
+        latest = checkpoints.latest_config()
+        if latest is None:
+            return Origin(RESUME)
+        step, saved = latest
+        restart_data = check_resume(saved, saved_config, allowed_keys(config), step)
+        try:   # an allowed change (checkpoint.allow_changed) may still change a shape
+            checkpoints.check_shapes(step, jax.eval_shape(functools.partial(init_params, model),
+                                                          jax.random.key(0)))
+        except ShapeMismatch:
+            raise
+        except Exception as e:  # noqa: BLE001  (damaged metadata: the restore sets the step aside)
+            log.debug("shapes of checkpoint step %d not checked before the restore (%s)", step,
+                      e)
+        return Origin(RESUME, step, restart_data)
+    if config.model.init_from_checkpoint:
+        return Origin(OTHER_RUN)
+    if config.model.init_from_hf:
+        return Origin(HUGGINGFACE)
+    return Origin(FRESH)
+
+
+def first_state(config, checkpoints: Checkpoints, model: ModelConfig, mesh, optimizer,
+                saved_config: dict) -> tuple[TrainState, dict | None]:
+    """(state, data state) the run starts from, placed on `mesh` (`origin` decides where from;
+    the data state is None where the data pipeline starts at its beginning)."""
+    source = origin(config, checkpoints, saved_config, model)
+    state = init_state(model, optimizer, mesh, config.seed)
+    if source.kind == RESUME:
+        return _resume(config, checkpoints, state, saved_config, source)
+    if source.kind == OTHER_RUN:
+        state = load_checkpoint_state(config, state)
+    elif source.kind == HUGGINGFACE:
+        state = state._replace(params=load_hf_params(config, model, mesh))
+    return state, None
+
+
+def _resume(config, checkpoints: Checkpoints, template: TrainState, saved_config: dict,
+            checked: Origin) -> tuple[TrainState, dict | None]:
+    """The workdir's latest readable checkpoint, placed like `template`, and its data state
+    unless the data pipeline starts afresh."""
+    state, data_state = checkpoints.restore(template)
+    restart_data = checked.restart_data
+    restored = checkpoints.latest_step()   # the steps found damaged are set aside by now
+    if restored is not None and restored != checked.step:
+        # damage sent the restore to another step than the one checked: its own config
+        # decides (an allowed change of the data order may lie between the two)
+        saved = checkpoints.saved_config(restored)
+        restart_data = saved is not None and check_resume(saved, saved_config,
+                                                          allowed_keys(config), restored)
+    return state, None if restart_data else data_state

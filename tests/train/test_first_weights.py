@@ -1,0 +1,80 @@
+"""Where a run's first state comes from (lclm.train.first_weights.origin): the workdir's own
+checkpoint before any configured source, a resume the config may not make refused before the
+model is initialised. A checkpoint of a tiny model is written directly (no training)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from support import small_train_config
+
+from lclm.checkpoint import Checkpoints, ShapeMismatch
+from lclm.config.model import ModelConfig
+from lclm.config.secrets import public_config
+from lclm.errors import ConfigError
+from lclm.models.decoder import init_params
+from lclm.train.first_weights import (
+    FRESH,
+    HUGGINGFACE,
+    OTHER_RUN,
+    RESUME,
+    Origin,
+    origin,
+)
+from lclm.train.state import TrainState
+from lclm.train.step import make_optimizer
+
+
+def _config(workdir, **model):
+    config = small_train_config(workdir, mesh=dict(fsdp=1, sp=1), attention={})
+    config.model.update(model)
+    return config
+
+
+def _origin(config):
+    checkpoints = Checkpoints(config.workdir, every=0, keep=3)
+    try:
+        return origin(config, checkpoints, public_config(config),
+                      ModelConfig.from_config(config.model))
+    finally:
+        checkpoints.close()
+
+
+@pytest.fixture(scope="module")
+def saved_at_3(tmp_path_factory):
+    """A workdir with one checkpoint, step 3, of the small config's model."""
+    config = _config(tmp_path_factory.mktemp("run"))
+    model = ModelConfig.from_config(config.model)
+    params = init_params(model, jax.random.key(0))
+    state = TrainState(jnp.int32(3), params, make_optimizer(config.train).init(params))
+    checkpoints = Checkpoints(config.workdir, every=0, keep=3)
+    try:
+        checkpoints.save(3, state, None, public_config(config))
+        checkpoints.wait()
+    finally:
+        checkpoints.close()
+    return config.workdir
+
+
+def test_without_a_checkpoint_the_config_names_the_source(tmp_path):
+    assert _origin(_config(tmp_path)) == Origin(FRESH)
+    assert _origin(_config(tmp_path, init_from_hf="/models/llama")) == Origin(HUGGINGFACE)
+    assert _origin(_config(tmp_path, init_from_checkpoint="/runs/a")) == Origin(OTHER_RUN)
+
+
+def test_the_workdirs_own_checkpoint_comes_before_a_configured_source(saved_at_3):
+    assert _origin(_config(saved_at_3)) == Origin(RESUME, 3, restart_data=False)
+    assert _origin(_config(saved_at_3, init_from_hf="/models/llama")) == Origin(RESUME, 3)
+
+
+def test_a_resume_the_config_may_not_make_is_refused_before_the_model_is_built(saved_at_3):
+    config = _config(saved_at_3)
+    config.data.seq_len = 32
+    with pytest.raises(ConfigError, match="data.seq_len 64 -> 32"):
+        _origin(config)
+    config.checkpoint.allow_changed = "data.seq_len"   # allowed: the data order restarts
+    assert _origin(config) == Origin(RESUME, 3, restart_data=True)
+
+    wider = _config(saved_at_3, dim=96, ffn_dim=192)
+    wider.checkpoint.allow_changed = "model.dim,model.ffn_dim"
+    with pytest.raises(ShapeMismatch, match="the model expects"):
+        _origin(wider)
