@@ -44,7 +44,7 @@ def _errors(strategy, layout, mesh_kw, ulysses, heads, kv_heads, segments, seed)
     import numpy as np
 
     from lclm.config import AttentionConfig
-    from lclm.ops.context_parallel import context_parallel_attention, ring_size
+    from lclm.ops.context_parallel import context_parallel_attention, layout_shards
     from lclm.ops.kernels.reference import dense_attention
     from lclm.ops.layout import from_layout, to_layout
     from lclm.parallel import make_mesh
@@ -58,7 +58,7 @@ def _errors(strategy, layout, mesh_kw, ulysses, heads, kv_heads, segments, seed)
     want = (want_o, *vjp(jnp.asarray(do)))
 
     mesh = make_mesh(**mesh_kw)
-    n = ring_size(AttentionConfig(strategy=strategy, ulysses=ulysses), mesh.shape["sp"])
+    n = layout_shards(AttentionConfig(strategy=strategy, ulysses=ulysses), mesh.shape["sp"])
     lay = lambda x: None if x is None else to_layout(jnp.asarray(x), layout, n)
     attend = jax.jit(lambda q, k, v: context_parallel_attention(
         q, k, v, mesh=mesh, strategy=strategy, layout=layout, segment_ids=lay(seg), q_chunk=8,
@@ -123,12 +123,12 @@ def balance(strategy: str, layout: str, n: int, ulysses: int, seq_len: int, tile
     whole sequence on heads / n heads per device (one round); usp runs a ring of n / ulysses on
     heads / ulysses heads."""
     from lclm.config import AttentionConfig
-    from lclm.ops.context_parallel import ring_size
+    from lclm.ops.context_parallel import layout_shards
     from lclm.ops.context_parallel.ring import tile_schedule
 
     ideal = tile_schedule("contiguous", 1, seq_len, tile, tile)[0, 0] * heads / n
     # a ring of `ring` members, each sp / ring devices splitting its heads by all-to-alls
-    ring = ring_size(AttentionConfig(strategy=strategy, ulysses=ulysses), n)
+    ring = layout_shards(AttentionConfig(strategy=strategy, ulysses=ulysses), n)
     per_device = heads * ring / n
     counts = tile_schedule(layout if ring > 1 else "contiguous", ring, seq_len, tile, tile)
     return float(ideal / (counts.max(axis=1).sum() * per_device))

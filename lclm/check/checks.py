@@ -28,7 +28,7 @@ from lclm.check.setup import Run
 from lclm.data.loader import batch_sharding
 from lclm.eval.token_loss import token_losses
 from lclm.models.decoder import loss_terms
-from lclm.ops.context_parallel import ring_size
+from lclm.ops.context_parallel import layout_shards
 from lclm.ops.layout import batch_to_layout, from_layout
 from lclm.parallel.mesh import make_mesh
 from lclm.train.state import param_shardings
@@ -55,7 +55,8 @@ class Result:
 def _on_mesh(run: Run, mesh, rows: dict) -> dict:
     """`[B, T]` rows in original order -> the batch training feeds `mesh`: in the layout of
     its ring, sharded as the loader shards it."""
-    laid = batch_to_layout(rows, run.attention.layout, ring_size(run.attention, mesh.shape["sp"]))
+    shards = layout_shards(run.attention, mesh.shape["sp"])
+    laid = batch_to_layout(rows, run.attention.layout, shards)
     return {k: jax.device_put(np.asarray(v, np.int32), batch_sharding(mesh))
             for k, v in laid.items()}
 
@@ -90,7 +91,7 @@ def losses_by_token(run: Run, rows: dict) -> np.ndarray:
     mesh = run.mesh
     fn = jax.jit(functools.partial(token_losses, run.model, run.attention, mesh))
     losses = np.asarray(jax.device_get(fn(run.params, _on_mesh(run, mesh, rows))), np.float32)
-    return from_layout(losses, run.attention.layout, ring_size(run.attention, mesh.shape["sp"]),
+    return from_layout(losses, run.attention.layout, layout_shards(run.attention, mesh.shape["sp"]),
                        axis=1)
 
 

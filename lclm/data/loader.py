@@ -38,7 +38,7 @@ from lclm.data.sources import KINDS, DataError, open_documents
 from lclm.data.stats import SourceStats
 from lclm.data.stream import DocumentStream, EpochOrders, Mixture
 from lclm.errors import ConfigError
-from lclm.ops.context_parallel import ring_size
+from lclm.ops.context_parallel import layout_shards
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel.mesh import logical_spec
 
@@ -222,7 +222,7 @@ class HostBatches:
         d = config.data
         # the layout's shards: the ring's members (usp: sp / ulysses)
         self.layout = config.attention.layout
-        self.shards = ring_size(config.attention, mesh.shape["sp"])
+        self.shards = layout_shards(config.attention, mesh.shape["sp"])
         self.sharding = batch_sharding(mesh)
         self.global_shape = (d.batch_size, d.seq_len)
         self.rows, self.seq = host_block(self.sharding, self.global_shape)

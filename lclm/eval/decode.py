@@ -35,7 +35,7 @@ from jax import lax
 from lclm.config import AttentionConfig, ModelConfig
 from lclm.data.loader import batch_sharding
 from lclm.models import decoder
-from lclm.ops.context_parallel import kernel_block, ring_size
+from lclm.ops.context_parallel import kernel_block, layout_shards
 from lclm.ops.ffn import swiglu
 from lclm.ops.layout import batch_to_layout, to_layout
 
@@ -147,7 +147,7 @@ def padded_length(n: int, sp: int, ffn_chunk: int, attention: AttentionConfig) -
     divides and whose attention runs (`kernel_block`: a ring shard, half of one with zigzag,
     the whole sequence under ulysses) the attention chunks divide, each chunk capped at what
     it tiles as the ring and blockwise ops cap it."""
-    a, ring = attention, ring_size(attention, sp)
+    a, ring = attention, layout_shards(attention, sp)
 
     def fits(p: int) -> bool:
         if a.layout == "zigzag" and ring > 1 and (p // ring) % 2:
@@ -232,7 +232,7 @@ def generate(c: ModelConfig, a: AttentionConfig, params, tokens, positions, segm
     see `padded_length`) and B the mesh's batch axes. Decoded token s sits at position
     positions[:, -1] + 1 + s.
     """
-    sp = 1 if mesh is None else ring_size(a, mesh.shape["sp"])   # the layout's shards
+    sp = 1 if mesh is None else layout_shards(a, mesh.shape["sp"])   # the layout's shards
     layout = a.layout if mesh is not None else "contiguous"
     batch = dict(tokens=tokens, positions=positions, segment_ids=segment_ids)
     batch = {k: np.asarray(v, np.int32) for k, v in batch_to_layout(batch, layout, sp).items()}

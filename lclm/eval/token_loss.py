@@ -20,7 +20,7 @@ from lclm.config import AttentionConfig, ModelConfig
 from lclm.data.loader import batch_sharding
 from lclm.models import decoder
 from lclm.ops.chunking import merge_chunks, split_chunks
-from lclm.ops.context_parallel import ring_size
+from lclm.ops.context_parallel import layout_shards
 from lclm.ops.layout import batch_to_layout, from_layout
 from lclm.ops.loss import losses_of_hidden
 from lclm.parallel.mesh import logical_sharding
@@ -61,7 +61,7 @@ def losses_in_order(c: ModelConfig, a: AttentionConfig, mesh, params, rows: dict
     `decode.padded_length`). The rows are put into the attention's layout for the mesh's
     ring, run, and the losses put back: what the mesh and strategy change is only the
     order in which the devices hold the tokens."""
-    ring = 1 if mesh is None else ring_size(a, mesh.shape["sp"])  # the layout's shards
+    ring = 1 if mesh is None else layout_shards(a, mesh.shape["sp"])  # the layout's shards
     layout = a.layout if mesh is not None else "contiguous"
     batch = {k: np.asarray(v, np.int32) for k, v in batch_to_layout(rows, layout, ring).items()}
     if mesh is not None:

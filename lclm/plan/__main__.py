@@ -33,7 +33,7 @@ from lclm.config import mesh_device_count
 from lclm.config.stages import CHAINING, stage_changes, stage_configs
 from lclm.data.balance import one_vs_many
 from lclm.errors import ConfigError, StartupError
-from lclm.ops.context_parallel import STRATEGIES, ring_size
+from lclm.ops.context_parallel import STRATEGIES, layout_shards
 from lclm.plan import aot, strategies
 from lclm.plan.memory import DEVICES, Plan, estimate, gib, report
 
@@ -175,7 +175,7 @@ def _balance_line(config) -> str:
     seq, a = config.data.seq_len, config.attention
     if not config.data.document_mask:
         return "attention work: no document masks, every row the same"
-    shards = ring_size(a, config.mesh.sp)
+    shards = layout_shards(a, config.mesh.sp)
     rows, within = one_vs_many(seq, a.layout, shards)
     return (f"attention work: a row of one {seq:,}-token document costs {rows:.1f}x a row of "
             f"1,024-token documents on its busiest of {shards} sp device(s) ({a.layout}; "

@@ -21,7 +21,7 @@ from lclm.data.loader import parse_sources
 from lclm.data.records import names_data
 from lclm.data.sources import get_kind
 from lclm.errors import ConfigError
-from lclm.ops.context_parallel import get_strategy, kernel_block, ring_size
+from lclm.ops.context_parallel import get_strategy, kernel_block, layout_shards
 from lclm.ops.context_parallel.rounds import kv_repeats
 from lclm.ops.kernels import choose_kernel, get_kernel, platform_family
 from lclm.parallel.mesh import fit_mesh, resolve_mesh_shape
@@ -82,7 +82,7 @@ def validate(config, device_count: int) -> dict[str, int]:
               f"use a multiple of {sp}")
     local = d.seq_len // sp
     # the layout's shards: the ring's members (usp: sp / ulysses, a shard cut over its group)
-    ring = ring_size(attention, sp)
+    ring = layout_shards(attention, sp)
     shard, what = d.seq_len // ring, "mesh.sp" if ring == sp else "mesh.sp / attention.ulysses"
     # zigzag: each shard holds two runs of consecutive positions; tiles stay inside one
     runs = 2 if a.layout == "zigzag" and ring > 1 else 1
@@ -180,5 +180,5 @@ def attention_line(config, model: ModelConfig, sp: int, platform: str) -> str:
     a = AttentionConfig.from_config(config.attention)
     strategy = "" if a.strategy == "ring" else f", {a.strategy} strategy"
     if a.ulysses > 1:
-        strategy += f" (ulysses {a.ulysses} x ring {ring_size(a, sp)})"
+        strategy += f" (ulysses {a.ulysses} x ring {layout_shards(a, sp)})"
     return f"{kernel}{chosen}, {a.layout} layout{strategy}"

@@ -19,7 +19,7 @@ from lclm import hf
 from lclm.config import AttentionConfig
 from lclm.families import FAMILIES
 from lclm.models.decoder import forward
-from lclm.ops.context_parallel import STRATEGIES, ring_size
+from lclm.ops.context_parallel import STRATEGIES, layout_shards
 from lclm.ops.layout import from_layout, to_layout
 from lclm.parallel import make_mesh
 from lclm.train.state import shard_params
@@ -139,7 +139,7 @@ def test_a_family_equals_transformers_under_every_strategy_on_four_sp_devices(tm
     for strategy in STRATEGIES:
         attention = AttentionConfig(strategy=strategy, q_chunk=4, kv_chunk=4,
                                     ulysses=2 if strategy == "usp" else 1)
-        n = ring_size(attention, 4)
+        n = layout_shards(attention, 4)
         positions = to_layout(np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape),
                               attention.layout, n)
         run = jax.jit(lambda p, tok, pos, a=attention: forward(c, p, tok, pos, mesh=mesh,

@@ -21,7 +21,7 @@ from lclm import hf
 from lclm.config import AttentionConfig
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.decoder import forward
-from lclm.ops.context_parallel import STRATEGIES, ring_size
+from lclm.ops.context_parallel import STRATEGIES, layout_shards
 from lclm.ops.layout import from_layout, to_layout
 from lclm.parallel import make_mesh
 from lclm.train.state import shard_params
@@ -118,7 +118,7 @@ def test_logits_equal_transformers_on_one_device_and_under_every_strategy(ours, 
         attention = AttentionConfig(strategy=strategy, q_chunk=21, kv_chunk=21,
                                     ulysses=3 if strategy == "usp" else 1)
         mesh = make_mesh(sp=sp)
-        n = ring_size(attention, sp)
+        n = layout_shards(attention, sp)
         positions = to_layout(np.arange(LENGTH, dtype=np.int32)[None], attention.layout, n)
         run = jax.jit(lambda p, t, pos, a=attention, m=mesh: forward(c, p, t, pos, mesh=m,
                                                                       attention=a))

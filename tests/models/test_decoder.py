@@ -12,7 +12,7 @@ import pytest
 from lclm.config import AttentionConfig, ModelConfig
 from lclm.families import FAMILIES
 from lclm.models.decoder import forward, init_params, loss_terms
-from lclm.ops.context_parallel import STRATEGIES, ring_size
+from lclm.ops.context_parallel import STRATEGIES, layout_shards
 from lclm.ops.layout import batch_to_layout, from_layout, to_layout
 from lclm.parallel import make_mesh
 from lclm.train.state import shard_params
@@ -35,7 +35,7 @@ def _batch(seed, b=4, t=32):
 def _loss_and_grads(cfg, params, batch, mesh, layout, strategy="ring"):
     attn = AttentionConfig(layout=layout, q_chunk=4, kv_chunk=4, strategy=strategy,
                            ulysses=2 if strategy == "usp" else 1)
-    n = 1 if mesh is None else ring_size(attn, mesh.shape["sp"])
+    n = 1 if mesh is None else layout_shards(attn, mesh.shape["sp"])
     batch = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, layout, n)
     if mesh is not None:
         params = shard_params(cfg, params, mesh)
@@ -179,7 +179,7 @@ def test_attention_remat_keeps_the_ring_output_and_never_reruns_the_ring(scan):
 def _collectives(cfg, attn, params, batch, mesh, op: str) -> list[str]:
     """The result types of every `op` (e.g. all-to-all) in the compiled gradient program."""
     batch = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, attn.layout,
-                            ring_size(attn, mesh.shape["sp"]))
+                            layout_shards(attn, mesh.shape["sp"]))
 
     def mean_loss(p):
         total, count = loss_terms(cfg, p, batch, mesh=mesh, attention=attn)

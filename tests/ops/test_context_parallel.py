@@ -17,7 +17,7 @@ from bench.strategies import collectives, gradient_program
 from lclm.config import AttentionConfig, ModelConfig
 from lclm.models.decoder import init_params, loss_terms
 from lclm.ops import kernels
-from lclm.ops.context_parallel import STRATEGIES, context_parallel_attention, ring_size
+from lclm.ops.context_parallel import STRATEGIES, context_parallel_attention, layout_shards
 from lclm.ops.kernels.range_kernel import range_kernel
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
@@ -86,7 +86,7 @@ def test_model_loss_and_grads_do_not_depend_on_the_strategy():
     for strategy in STRATEGIES:
         attn = AttentionConfig(layout=layout, q_chunk=4, kv_chunk=4, strategy=strategy,
                                ulysses=2 if strategy == "usp" else 1)
-        laid = batch_to_layout(batch, layout, ring_size(attn, 4))   # as the loader lays it
+        laid = batch_to_layout(batch, layout, layout_shards(attn, 4))   # as the loader lays it
         mean = lambda p, attn=attn, laid=laid: jnp.divide(*loss_terms(CFG, p, laid, mesh=mesh,
                                                                       attention=attn))
         runs[strategy] = jax.jit(jax.value_and_grad(mean))(params)

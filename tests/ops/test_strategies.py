@@ -19,7 +19,7 @@ from support import ROOT
 from test_ring_attention import _close, _inputs, _reference
 
 from lclm.config import AttentionConfig
-from lclm.ops.context_parallel import STRATEGIES, context_parallel_attention, ring_size
+from lclm.ops.context_parallel import STRATEGIES, context_parallel_attention, layout_shards
 from lclm.ops.kernels import KERNELS, get_kernel
 from lclm.ops.layout import from_layout, to_layout
 from lclm.parallel import make_mesh
@@ -43,7 +43,7 @@ def check(strategy, layout, mesh_kw, h, hkv, segments, impl="blockwise", chunk=8
     if ulysses is None:
         ulysses = _degree(strategy, h, sizes["tp"], sizes["sp"])
     # the layout's shards: the ring's members (usp: sp / ulysses, each cut over its group)
-    n = ring_size(AttentionConfig(strategy=strategy, ulysses=ulysses), sizes["sp"])
+    n = layout_shards(AttentionConfig(strategy=strategy, ulysses=ulysses), sizes["sp"])
     lay = lambda x: None if x is None else to_layout(jnp.asarray(x), layout, n)
 
     def f(q, k, v):

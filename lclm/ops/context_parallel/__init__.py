@@ -29,11 +29,11 @@ def get_strategy(name: str) -> Strategy:
                          f"{tuple(STRATEGIES)}") from None
 
 
-def ring_size(attention, sp: int) -> int:
+def layout_shards(attention, sp: int) -> int:
     """The shards the token layout splits a sequence into when `attention` (an
     `AttentionConfig` or `config.attention`) runs over `sp` devices: sp, or sp / ulysses
     under usp (each shard cut over its group)."""
-    return get_strategy(attention.strategy).ring_size(sp, attention.ulysses)
+    return get_strategy(attention.strategy).layout_shards(sp, attention.ulysses)
 
 
 def kernel_block(attention, sp: int, seq_len: int) -> int:
@@ -52,4 +52,4 @@ def context_parallel_attention(q, k, v, *, mesh, strategy="ring", ulysses=1, **k
 
 
 __all__ = ["STRATEGIES", "Strategy", "context_parallel_attention", "get_strategy",
-           "kernel_block", "local_attention", "ring_attention", "ring_size"]
+           "kernel_block", "local_attention", "ring_attention", "layout_shards"]

@@ -9,7 +9,7 @@ is a `Strategy` with
   ulysses)`: the attention of global arrays (shapes and result as
   `lclm.ops.context_parallel.ring.ring_attention`'s), differentiable, keeping the forward's
   output and log-sum-exp under `rounds.SAVED_NAMES` for remat='attention';
-- `ring_size(sp, ulysses)`: the shards the token layout splits a sequence into;
+- `layout_shards(sp, ulysses)`: the shards the token layout splits a sequence into;
 - `kernel_block(layout, sp, seq_len, ulysses)`: the run of consecutive positions a kernel's
   tiles stay inside (`Kernel.limits`' `block`);
 - `limits(heads, tp, sp, ulysses)`: why it cannot run these heads on this mesh (None: it
@@ -124,12 +124,12 @@ class Strategy:
     def attention(self, q, k, v, *, mesh, ulysses: int = 1, **kwargs):
         raise NotImplementedError
 
-    def ring_size(self, sp: int, ulysses: int) -> int:
+    def layout_shards(self, sp: int, ulysses: int) -> int:
         del ulysses
         return sp
 
     def kernel_block(self, layout: str, sp: int, seq_len: int, ulysses: int) -> int:
-        return tile_run(layout, self.ring_size(sp, ulysses), seq_len)
+        return tile_run(layout, self.layout_shards(sp, ulysses), seq_len)
 
     def limits(self, *, heads: int, tp: int, sp: int, ulysses: int) -> str | None:
         del heads, tp, sp

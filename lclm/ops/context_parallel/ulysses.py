@@ -12,7 +12,7 @@
 - usp: `mesh.sp` = r ring members x u (`attention.ulysses`) consecutive devices. The
   attention's shard_map sees sp split into two named axes of the same devices ('sp': r,
   'ulysses': u inner, so a Ulysses group is a node's neighbours); the sequence is laid out
-  for a ring of r (`ring_size`) and each ring shard cut contiguously over its group, so the
+  for a ring of r (`layout_shards`) and each ring shard cut contiguously over its group, so the
   all-to-all over 'ulysses' rebuilds exactly one ring shard (layout order) with heads/u
   heads, and the ring's own shard_map body runs on it over 'sp' unchanged.
 
@@ -170,7 +170,7 @@ class USP(Strategy):
     def attention(self, q, k, v, *, mesh, ulysses=1, **kwargs):
         return usp_attention(q, k, v, mesh=mesh, ulysses=ulysses, **kwargs)
 
-    def ring_size(self, sp: int, ulysses: int) -> int:
+    def layout_shards(self, sp: int, ulysses: int) -> int:
         return sp // ulysses
 
     def limits(self, *, heads: int, tp: int, sp: int, ulysses: int) -> str | None:
