@@ -11,11 +11,14 @@ import logging
 import time
 from collections.abc import Callable
 
+import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.errors import TrainingHalted
+from lclm.parallel.distributed import any_process
+from lclm.train.cadence import StepPlan
 from lclm.train.metrics import MetricsFailed
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,8 @@ class FaultPolicy:
         self.max_bad_steps, self.every_seconds = max_bad_steps, every_seconds
         self.multi = multi
         self.bad_in_a_row = self.skipped_steps = 0
+        self._unchecked: tuple[int, jax.Array] | None = None   # (step, its skipped flag)
+        self.unsaved = False   # a save failed: a later step is saved in its place
         self.failing_since: float | None = None   # when metrics writes started failing
         self.failing_from = 0                      # the first logged step whose write failed
         self._reported = 0.0
@@ -79,6 +84,19 @@ class FaultPolicy:
         return TrainingHalted(f"{why}; last good checkpoint: {where}")
 
     # -- non-finite steps: their updates are skipped inside the step; here they are counted
+
+    def step_ran(self, step: int, skipped: jax.Array) -> None:
+        """`step` ran (`skipped`: its flag, on device): the previous step's flag is checked,
+        this one's later, so that the host never waits for the step in flight."""
+        self.check_pending()
+        self._unchecked = (step, skipped)
+
+    def check_pending(self) -> None:
+        """Check the flag of the last step run now (the host waits for it anyway: it saves
+        or logs that step, or the run ends)."""
+        if self._unchecked is not None:
+            self.check_step(*self._unchecked)
+            self._unchecked = None
 
     def check_step(self, step: int, skipped) -> None:
         """Count a non-finite step; stop after `max_bad_steps` in a row."""
@@ -148,6 +166,51 @@ class FaultPolicy:
                 "the records since are in the log")
 
     # -- checkpoint saves: retried for `patience.seconds` since the first failure
+
+    def poll_saves(self) -> None:
+        """After every step: report the asynchronous save that finished since, or failed (its
+        step's state is gone: a later one is saved in its place, `unsaved`)."""
+        try:
+            saved = self.checkpoints.poll()
+            if saved is not None:
+                self.save_written(saved)
+        except SaveFailed as e:
+            self.save_trouble(e)
+            self.save_failed(e, last_chance=False)
+            self.unsaved = True
+
+    def retry_now(self, plan: StepPlan) -> bool:
+        """Whether a failed save is tried again at the step of `plan`: at a step the cadence
+        allows, once the pause after the last try is over (with several processes they first
+        agree at a logged step whether any has one to retry: every process saves, or none;
+        process 0's clock decides)."""
+        if self.multi and plan.log:
+            self.unsaved = any_process(self.unsaved)
+        if not (self.unsaved and plan.retry):
+            return False
+        if self.multi:
+            return any_process(jax.process_index() == 0 and self.retry_due())
+        return self.retry_due()
+
+    def save_step(self, step: int, write: Callable[[], None], finite: bool, wait: bool,
+                  last_chance: bool, stopping: str | None) -> None:
+        """`save` a step the loop saves; `stopping`: why the run stops after it (raised as
+        `TrainingHalted`, with the save's failure if it failed). A failed save is tried again
+        at a later step (`unsaved`) unless that was its last chance (`save_failed`)."""
+        error = self.save(step, write, finite=finite, wait=wait, last_chance=last_chance)
+        self.unsaved = error is not None
+        if stopping is not None:
+            raise self.halt(stopping if error is None else f"{stopping}; {error}")
+        if error is not None:
+            self.save_failed(error, last_chance)
+
+    def wait_for_saves(self) -> None:
+        """At the end of the run: the save in flight (where `stop_after` ended the loop)
+        written to the end; the run stops if it fails (no later chance)."""
+        try:
+            self.checkpoints.wait()
+        except SaveFailed as e:
+            self.save_failed(e, last_chance=True)
 
     def save(self, step: int, write: Callable[[], None], finite: bool, wait: bool,
              last_chance: bool = False) -> SaveFailed | None:

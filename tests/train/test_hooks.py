@@ -1,0 +1,120 @@
+"""What a logged step does besides saving (lclm.train.hooks), hook by hook and without a model:
+held-out losses, the records' throughput, metrics.jsonl, the console, and the order the loop
+calls them in."""
+
+import json
+import logging
+import os
+import time
+
+import jax
+import pytest
+from support import small_train_config
+
+from lclm.checkpoint import Checkpoints
+from lclm.config.model import ModelConfig
+from lclm.train.cadence import Cadence
+from lclm.train.faults import FaultPolicy, WritePatience
+from lclm.train.hooks import (
+    Console,
+    Hook,
+    MetricsWriter,
+    Throughput,
+    Validation,
+    log_record,
+    summary,
+)
+from lclm.train.lock import WorkdirLock
+from lclm.train.metrics import MetricsLogger
+from lclm.train.state import TrainState
+
+_METRICS = dict(loss=2.5, lr=1e-3, grad_norm=0.5)
+
+
+class _Stops(Hook):
+    def __init__(self, why, seen):
+        self.why, self.seen = why, seen
+
+    def on_log(self, record, state, plan):
+        self.seen.append((self.why, dict(record)))
+        record[f"by {self.why}"] = True
+        return self.why
+
+
+def test_every_hook_sees_the_record_as_the_earlier_ones_left_it_and_the_first_stop_wins():
+    seen = []
+    plan = Cadence(first=1, last=4, total=4, log_every=1).at(2)
+    record = dict(step=2)
+    assert log_record([_Stops("a", seen), Hook(), _Stops("b", seen)], record, None,
+                      plan) == "a"
+    assert seen == [("a", dict(step=2)), ("b", {"step": 2, "by a": True})]
+
+
+def test_validation_adds_held_out_losses_at_the_steps_the_cadence_validates():
+    cadence = Cadence(first=1, last=6, total=6, log_every=1, validate_every=3)
+    one = Validation(64, lambda params: {64: 2.0})
+    several = Validation(64, lambda params: {32: 1.5, 64: 2.0})
+    state = TrainState(2, {}, None)   # the losses above read no parameters
+    records = {s: dict(step=s) for s in (2, 3)}
+    for step, record in records.items():
+        one.on_log(record, state, cadence.at(step))
+    assert records == {2: dict(step=2), 3: dict(step=3, val_loss=2.0)}
+    assert several.fields(None) == {"val_loss": 2.0, "val_loss@32": 1.5, "val_loss@64": 2.0}
+
+
+def test_throughput_counts_the_steps_since_the_last_logged_one_and_restarts_after_validation(
+        tmp_path):
+    config = small_train_config(tmp_path, mesh={}, attention={})
+    clock = Throughput(config, ModelConfig.from_config(config.model), jax.devices(), 1)
+    plan = Cadence(first=1, last=8, total=8, log_every=4).at(4)
+    first = clock.record(1, _METRICS, skipped_steps=0)
+    clock.on_log(first, None, plan)
+    time.sleep(0.3)   # steps 2 to 4
+    record = clock.record(4, _METRICS, skipped_steps=1)
+    assert record["step_time"] >= 0.1   # the mean over 3 steps
+    assert record["step_time"] * record["tokens_per_sec"] == pytest.approx(4 * 64)  # batch x len
+    assert (record["loss"], record["skipped_steps"], record["mfu"]) == (2.5, 1, None)   # CPU
+    time.sleep(0.3)   # validation: a hook before the clock in the loop's list
+    clock.on_log(record, None, plan)
+    assert clock.record(5, _METRICS, 0)["step_time"] < 0.3
+    line = clock.summary([first, record])
+    assert line.startswith("trained steps 1-4 in ") and "loss 2.5000 -> 2.5000" in line
+    assert "tokens/s after compilation" in line
+
+
+def test_metrics_writer_writes_each_record_and_the_summary_names_the_outputs(tmp_path):
+    lock = WorkdirLock(str(tmp_path))
+    lock.acquire()
+    checkpoints = Checkpoints(str(tmp_path), every=0, keep=1)
+    try:
+        faults = FaultPolicy(checkpoints, WritePatience(5), max_bad_steps=3, every_seconds=0,
+                             multi=False)
+        logger = MetricsLogger(str(tmp_path))
+        writer = MetricsWriter(logger, lock, faults, multi=False)
+        plan = Cadence(first=1, last=2, total=2, log_every=1).at(1)
+        assert writer.on_log(dict(step=1, loss=float("nan")), None, plan) is None
+        config = small_train_config(tmp_path, mesh={}, attention={})
+        clock = Throughput(config, ModelConfig.from_config(config.model), jax.devices(), 1)
+        lines = summary([clock.record(1, _METRICS, 0)], clock, checkpoints, logger)
+        logger.close()
+    finally:
+        checkpoints.close()
+        lock.release()
+    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+        assert [json.loads(line) for line in f] == [dict(step=1, loss=None)]
+    assert lines[1:] == ["final checkpoint: none", f"metrics: {tmp_path}/metrics.jsonl"]
+    assert summary([], clock, checkpoints, logger) == []
+
+
+def test_console_without_progress_logs_compiling_and_the_summary(tmp_path, caplog):
+    config = small_train_config(tmp_path, mesh={}, attention={})
+    with caplog.at_level(logging.INFO, logger="lclm.train.hooks"):
+        console = Console(config, Cadence(first=3, last=8, total=8, log_every=1))
+        console.on_step(3)
+        console.on_end(["trained steps 3-8", "final checkpoint: none"])
+        Console(config, Cadence(first=9, last=8, total=8, log_every=1))
+    assert [r.getMessage() for r in caplog.records] == [
+        "compiling the training step (step 3 of 8)", "trained steps 3-8",
+        "final checkpoint: none",
+        f"{tmp_path} is already trained to step 8 (train.steps); nothing to do: raise "
+        "train.steps to train on"]
