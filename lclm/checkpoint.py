@@ -309,15 +309,14 @@ def _quiet_storage_tracebacks() -> None:
 
 
 class Checkpoints:
-    """The run's checkpoint directory (`every=0`: only final and preemption saves).
+    """The run's checkpoint directory (when to save is the loop's `Cadence`).
 
     Faults: a step that cannot be read is moved aside to `<workdir>/checkpoints_damaged/`
     (never deleted) and the previous one is used, so the run can save that step again. A save
     that fails is reported by `poll` (called every step) or `close` as `SaveFailed`.
     """
 
-    def __init__(self, workdir: str, every: int, keep: int):
-        self.every = every
+    def __init__(self, workdir: str, keep: int):
         self.directory = storage.absolute(storage.join(workdir, "checkpoints"))
         self.damaged = storage.join(storage.dirname(self.directory), "checkpoints_damaged")
         options = ocp.CheckpointManagerOptions(
@@ -422,9 +421,6 @@ class Checkpoints:
         raise StartupError(f"no readable checkpoint in {self.directory} (damaged ones are in "
                            f"{self.damaged}); run again to start from scratch, or use a new "
                            "workdir")
-
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
 
     def save(self, step: int, state, data_state: dict | None, config: dict) -> None:
         """Start an asynchronous save of `step` (returns once the arrays are copied);

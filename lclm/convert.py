@@ -141,7 +141,7 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
             storage.makedirs(workdir)
             lock = workdir_lock(workdir, config.workdir_lease_minutes)  # as training does
             lock.acquire()
-        checkpoints = Checkpoints(workdir, every=0, keep=3)
+        checkpoints = Checkpoints(workdir, keep=3)
         try:
             held = checkpoints.latest_step()
             if held is not None:   # saved while the weights were read

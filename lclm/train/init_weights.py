@@ -90,7 +90,7 @@ def load_checkpoint_state(config, template: TrainState) -> TrainState:
     items = {"params": template.params, **({"opt_state": template.opt_state} if carry else {})}
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             items)
-    checkpoints = Checkpoints(source, every=0, keep=1)
+    checkpoints = Checkpoints(source, keep=1)
     error, restored = None, None
     try:
         step = checkpoints.latest_step()

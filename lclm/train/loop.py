@@ -134,7 +134,7 @@ def _run(config, setup: _Setup, stop_after: int | None) -> list[dict]:
     log.info("mesh %s on %d %s devices; model %.2fM params; attention %s", setup.sizes,
              len(devices), devices[0].platform, param_count(model) / 1e6,
              attention_line(config, model, setup.sizes["sp"], devices[0].platform))
-    checkpoints = Checkpoints(config.workdir, config.checkpoint.every, config.checkpoint.keep)
+    checkpoints = Checkpoints(config.workdir, keep=config.checkpoint.keep)
     batches = logger = termination = None
     try:
         optimizer = make_optimizer(config.train)

@@ -70,7 +70,7 @@ def check_ruler_gates(configs: list, records: list[dict],
 
 
 def _saved_step(workdir: str) -> int | None:
-    checkpoints = Checkpoints(workdir, every=0, keep=1)
+    checkpoints = Checkpoints(workdir, keep=1)
     try:
         return checkpoints.latest_step()
     finally:
@@ -80,7 +80,7 @@ def _saved_step(workdir: str) -> int | None:
 def _set_aside_final(workdir: str, damaged: SourceDamaged) -> None:
     """Move a finished stage's unreadable final checkpoint aside, as a resume would, so that
     the stage resumes from its previous good step and saves its final step again."""
-    checkpoints = Checkpoints(workdir, every=0, keep=1)
+    checkpoints = Checkpoints(workdir, keep=1)
     try:
         step = damaged.step if damaged.step is not None else checkpoints.latest_step()
         if step is not None:

@@ -34,7 +34,7 @@ def _restore(config):
     mesh = make_mesh(**sizes)
     model = ModelConfig.from_config(config.model)
     template = init_state(model, make_optimizer(config.train), mesh, seed=99)
-    state, data = Checkpoints(config.workdir, 0, 3).restore(template)
+    state, data = Checkpoints(config.workdir, keep=3).restore(template)
     return mesh, model, state, data
 
 

@@ -598,7 +598,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, caplog):
     config.train.steps = 1
     template = init_state(ModelConfig.from_config(config.model), make_optimizer(config.train),
                           make_mesh(fsdp=2, sp=2), seed=7)
-    checkpoints = Checkpoints(config.workdir, 0, 9)
+    checkpoints = Checkpoints(config.workdir, keep=9)
     first = checkpoints.manager.restore(1)["state"]["params"]
     state, _ = checkpoints.restore(template)
     checkpoints.close()

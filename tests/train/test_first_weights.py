@@ -31,7 +31,7 @@ def _config(workdir, **model):
 
 
 def _origin(config):
-    checkpoints = Checkpoints(config.workdir, every=0, keep=3)
+    checkpoints = Checkpoints(config.workdir, keep=3)
     try:
         return origin(config, checkpoints, public_config(config),
                       ModelConfig.from_config(config.model))
@@ -46,7 +46,7 @@ def saved_at_3(tmp_path_factory):
     model = ModelConfig.from_config(config.model)
     params = init_params(model, jax.random.key(0))
     state = TrainState(jnp.int32(3), params, make_optimizer(config.train).init(params))
-    checkpoints = Checkpoints(config.workdir, every=0, keep=3)
+    checkpoints = Checkpoints(config.workdir, keep=3)
     try:
         checkpoints.save(3, state, None, public_config(config))
         checkpoints.wait()

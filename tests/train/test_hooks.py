@@ -85,7 +85,7 @@ def test_throughput_counts_the_steps_since_the_last_logged_one_and_restarts_afte
 def test_metrics_writer_writes_each_record_and_the_summary_names_the_outputs(tmp_path):
     lock = WorkdirLock(str(tmp_path))
     lock.acquire()
-    checkpoints = Checkpoints(str(tmp_path), every=0, keep=1)
+    checkpoints = Checkpoints(str(tmp_path), keep=1)
     try:
         faults = FaultPolicy(checkpoints, WritePatience(5), max_bad_steps=3, every_seconds=0,
                              multi=False)

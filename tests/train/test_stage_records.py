@@ -122,7 +122,7 @@ def _state(config):
     model = ModelConfig.from_config(config.model)
     optimizer = make_optimizer(config.train)
     template = init_state(model, optimizer, make_mesh(), seed=0)
-    checkpoints = Checkpoints(config.workdir, every=0, keep=1)
+    checkpoints = Checkpoints(config.workdir, keep=1)
     state, _ = checkpoints.restore(template)
     checkpoints.close()
     (adam,) = [x for x in jax.tree.leaves(
