@@ -170,8 +170,8 @@ def _measure_all(args, server: GcsServer | None) -> int:
     from lclm.config.secrets import public_config
     from lclm.models.decoder import param_count
     from lclm.parallel.mesh import make_mesh
-    from lclm.train.state import init_state
-    from lclm.train.step import make_optimizer
+    from lclm.training.state import init_state
+    from lclm.training.step import make_optimizer
 
     mesh = make_mesh(fsdp=8)
     directory = storage.absolute(args.dir) if args.dir else tempfile.mkdtemp(

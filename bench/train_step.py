@@ -13,7 +13,7 @@ per length, the plain single-device step of `bench.baseline` (cuDNN attention on
 same model with no layer remat, with `dots` saved and with full remat; the fastest of those
 that fits is the baseline, and every row shows its tokens/s as a ratio to it. MFU is lclm's:
 6N + 6 L T D FLOPs per token, causal attention counted as half the square
-(`lclm.train.metrics.flops_per_token`); on a CPU there is no peak to divide by, and the table
+(`lclm.training.metrics.flops_per_token`); on a CPU there is no peak to divide by, and the table
 says so: CPU numbers are not a performance result. `--isolate` runs every row in its own
 process (the baseline's three variants share one), so an out-of-memory row is reported as
 OOM and each row's peak memory is its own (a process's peak counter never goes down).
@@ -151,7 +151,7 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
     import jax
 
     from lclm.hardware import peak_flops
-    from lclm.train.metrics import flops_per_token
+    from lclm.training.metrics import flops_per_token
 
     record, compiled, (model, sizes, state, batch) = compile_row(
         config, model_patch=model_patch, baseline=baseline)
@@ -185,7 +185,7 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
 
     from lclm.models.decoder import param_count
     from lclm.plan import aot
-    from lclm.train.checks import attention_kernel
+    from lclm.training.checks import attention_kernel
 
     target = (devices or jax.devices())[0]
     if baseline:
@@ -219,9 +219,9 @@ def _build(config, devices=None):
     from lclm.data.loader import batch_sharding
     from lclm.parallel.mesh import make_mesh
     from lclm.plan import aot
-    from lclm.train.checks import validate
-    from lclm.train.state import init_state
-    from lclm.train.step import make_optimizer, make_train_step
+    from lclm.training.checks import validate
+    from lclm.training.state import init_state
+    from lclm.training.step import make_optimizer, make_train_step
 
     described = devices is not None
     devices = devices or jax.devices()
@@ -251,8 +251,8 @@ def _build_baseline(config, remat: str, devices=None):
     from lclm.config import ModelConfig
     from lclm.errors import ConfigError
     from lclm.plan import aot
-    from lclm.train.checks import validate
-    from lclm.train.step import make_optimizer
+    from lclm.training.checks import validate
+    from lclm.training.step import make_optimizer
 
     described = devices is not None
     devices = devices or jax.devices()
@@ -280,7 +280,7 @@ def _timed_steps(compiled, state, batch, warmup: int, steps: int):
     """(seconds per step over `steps` >= 1 timed steps, the last step's metrics)."""
     import jax
 
-    sync_each = jax.devices()[0].platform == "cpu"  # see sync_each_step in lclm.train.loop
+    sync_each = jax.devices()[0].platform == "cpu"  # see sync_each_step in lclm.training.loop
     for _ in range(warmup):
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)

@@ -2,7 +2,7 @@
 
 Saves every `checkpoint.every` steps (asynchronously: training continues while tensorstore
 writes), keeps the last `checkpoint.keep`, and always saves the final step (and on SIGTERM
-/ SIGINT, see `lclm.train.loop`). Each process writes its own shards. A checkpoint holds
+/ SIGINT, see `lclm.training.loop`). Each process writes its own shards. A checkpoint holds
 `state` (step, params, optimizer state), `data` (every process's data-pipeline state) and
 `config` (secrets removed).
 

@@ -51,11 +51,11 @@ from lclm.files import check_input, check_output, output_problem
 from lclm.hf import gguf
 from lclm.models.decoder import param_count, param_shapes, rope_scale
 from lclm.parallel import make_mesh
-from lclm.train.object_lock import workdir_lock
-from lclm.train.resume import CONVERTED_FROM, tokenizer_fingerprint
-from lclm.train.state import TrainState, param_shardings, state_shardings
-from lclm.train.step import make_optimizer
-from lclm.train.workdirs import (
+from lclm.training.object_lock import workdir_lock
+from lclm.training.resume import CONVERTED_FROM, tokenizer_fingerprint
+from lclm.training.state import TrainState, param_shardings, state_shardings
+from lclm.training.step import make_optimizer
+from lclm.training.workdirs import (
     checkpointed_stages,
     saved_steps,
     stage_dirs,
@@ -115,7 +115,7 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
     """Write the weights of HuggingFace directory `hf_dir` as step 0 of a run in `workdir`,
     with a fresh optimizer state. The saved config records the conversion (`identity`: the
     source and the fingerprint of its tokenizer), so that a run with its own config trains
-    from it (lclm.train.resume compares only what the weights fix)."""
+    from it (lclm.training.resume compares only what the weights fix)."""
     _check_checkpoint_target(workdir)
     config = base_config()
     lock = None

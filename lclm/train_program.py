@@ -6,7 +6,7 @@
     python train.py --config configs/demo.py --print-config   (the config a run gets; no run)
 
 A config with `stages.list` (or `stages.schedule`) runs its stages one after another
-(lclm.train.stages); the same command resumes an interrupted staged run. Any config field
+(lclm.training.stages); the same command resumes an interrupted staged run. Any config field
 can be overridden with --config.<path>=<value>; `--help` lists every field with its default.
 When the mesh needs more devices than the machine has, they are simulated on the CPU. A bad
 config or input stops the run at start with one line `error: ...` and exit status 2; a run
@@ -26,8 +26,8 @@ from lclm.config.stages import stage_configs
 from lclm.eval.ruler import score_gate
 from lclm.parallel import distributed
 from lclm.parallel.devices import allow_gpu_host_memory, request_cpu_devices
-from lclm.train.loop import train
-from lclm.train.stages import run_stages
+from lclm.training.loop import train
+from lclm.training.stages import run_stages
 
 
 def run(config) -> None:

@@ -15,7 +15,7 @@ from lclm.config import load_config
 from lclm.models import decoder
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.context_parallel.ring import Ring
-from lclm.train.loop import train
+from lclm.training.loop import train
 
 TARGET = 256   # the faults' target length (short: 128)
 

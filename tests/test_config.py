@@ -15,7 +15,7 @@ from lclm.config.model import LAYOUTS
 from lclm.data.loader import SourceEntry, parse_sources
 from lclm.errors import ConfigError
 from lclm.ops import layout
-from lclm.train.checks import check_data, validate
+from lclm.training.checks import check_data, validate
 
 
 def _load(name):
@@ -48,7 +48,7 @@ def test_shipped_configs_validate(name, devices, sizes):
 ])
 def test_staged_recipes_hold_tokens_per_step_and_validate(name, devices, seq_lens, batches, sps):
     from lclm.config.stages import stage_configs
-    from lclm.train.stages import validate_stages
+    from lclm.training.stages import validate_stages
     config = _load(name)
     validate_stages(config, devices)
     stages = stage_configs(config)
@@ -79,7 +79,7 @@ def test_stages_after_the_first_fine_tune_at_extend_lr():
     ("1000:1e6:3", "tokens_per_batch=4096 is not a multiple of stage 0's seq_len=1000"),
 ])
 def test_bad_stage_schedules_fail_at_start(schedule, needle):
-    from lclm.train.stages import validate_stages
+    from lclm.training.stages import validate_stages
     config = _load("demo_stages.py")
     config.stages.schedule = schedule
     with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]")):

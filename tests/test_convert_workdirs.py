@@ -12,8 +12,8 @@ from lclm import hf, storage
 from lclm.config import ModelConfig
 from lclm.convert import main
 from lclm.models.decoder import init_params
-from lclm.train.lock import WorkdirLock
-from lclm.train.object_lock import ObjectLock, workdir_lock
+from lclm.training.lock import WorkdirLock
+from lclm.training.object_lock import ObjectLock, workdir_lock
 
 MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
                     dtype="float32", bos_id=-1, eos_ids=())

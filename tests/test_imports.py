@@ -1,13 +1,12 @@
 """lclm's import graph runs one way: errors -> hardware (what a chip is) -> platforms (the
 probe that chooses JAX's platform) -> storage -> files -> the model families' declarations
 (lclm.families: no JAX, read by the config's presets and choices) -> config -> logs/cli ->
-ops -> parallel -> models -> hf -> data -> checkpoint -> train -> eval -> generate -> the
+ops -> parallel -> models -> hf -> data -> checkpoint -> training -> eval -> generate -> the
 training program (lclm.train_program, whose stage gates score RULER with evaluation's code) ->
-its launcher for `python -m lclm.train` (lclm.train.__main__: Python looks for it in that
-package; the one module of lclm.train above the program) -> the checker, planner and
-converter CLIs. No module imports a higher layer, none imports lclm inside a function (the
-old way to dodge a cycle), and so there are no cycles. Read from the source (AST), nothing is
-imported."""
+its launcher for `python -m lclm.train` (the package lclm.train holds only that launcher) ->
+the checker, planner and converter CLIs. No module imports a higher layer, none imports lclm
+inside a function (the old way to dodge a cycle), and so there are no cycles. Read from the
+source (AST), nothing is imported."""
 
 import ast
 import os
@@ -20,8 +19,8 @@ from support import ROOT
 LAYERS = ["lclm.errors", "lclm.hardware", "lclm.platforms", "lclm.storage", "lclm.files",
           "lclm.families", "lclm.config",
           "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel", "lclm.models", "lclm.hf",
-          "lclm.data", "lclm.checkpoint", "lclm.train", "lclm.eval", "lclm.generate",
-          "lclm.train_program", "lclm.train.__main__", "lclm.check", "lclm.plan", "lclm.convert"]
+          "lclm.data", "lclm.checkpoint", "lclm.training", "lclm.eval", "lclm.generate",
+          "lclm.train_program", "lclm.train", "lclm.check", "lclm.plan", "lclm.convert"]
 
 
 def _layer(module: str) -> int | None:

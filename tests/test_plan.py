@@ -10,8 +10,8 @@ from lclm.config import ModelConfig, load_config
 from lclm.parallel import make_mesh
 from lclm.plan.__main__ import main
 from lclm.plan.memory import estimate
-from lclm.train.state import init_state
-from lclm.train.step import make_optimizer
+from lclm.training.state import init_state
+from lclm.training.step import make_optimizer
 
 
 @pytest.mark.parametrize("mesh", [dict(fsdp=2, sp=4), dict(tp=2, sp=4), dict(dp=2, fsdp=4)])

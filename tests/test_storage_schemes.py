@@ -44,7 +44,7 @@ def test_each_entry_agrees_with_the_code_that_uses_it(entry):
     assert storage.client_problem(f"{entry.name}://b/x") is None   # installed here
     assert (checkpoint.path_problem(f"{entry.name}://b/run") is None) == entry.checkpoints
     if entry.checkpoints:
-        # a run's workdir there is leased with conditional writes (lclm.train.object_lock)
+        # a run's workdir there is leased with conditional writes (lclm.training.object_lock)
         assert entry.put_if is not None
         # a resource tensorstore knows (an unknown one is refused), put into Orbax's contexts
         assert entry.tensorstore_retries is not None

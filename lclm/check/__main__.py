@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         args, config = parse_cli(parser, argv)
-        # before JAX starts its backends (importing it does not), as lclm.train does
+        # before JAX starts its backends (importing it does not), as the training program does
         stages = stage_configs(config) or [config]
         request_cpu_devices(min(max(mesh_device_count(c) or SIMULATED_DEVICES for c in stages),
                                 SIMULATED_DEVICES))

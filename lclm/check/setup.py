@@ -24,10 +24,10 @@ from lclm.eval.model import restore_params
 from lclm.models.decoder import init_params, param_count
 from lclm.ops.context_parallel import get_strategy
 from lclm.parallel.mesh import make_mesh
-from lclm.train.checks import check_data, validate
-from lclm.train.init_weights import apply_checkpoint_fields, apply_hf_shapes, load_hf_params
-from lclm.train.state import param_shardings
-from lclm.train.workdirs import has_checkpoint, saved_steps
+from lclm.training.checks import check_data, validate
+from lclm.training.init_weights import apply_checkpoint_fields, apply_hf_shapes, load_hf_params
+from lclm.training.state import param_shardings
+from lclm.training.workdirs import has_checkpoint, saved_steps
 
 MAX_ROWS = 2            # batch rows a check runs (the data axis of the shrunk mesh)
 SHORT_FRACTION = 8      # the short length is about 1/8 of the target ...

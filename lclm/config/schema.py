@@ -6,7 +6,7 @@ Config files (`configs/*.py`) define `get_config()` returning `base_config()` wi
 changed (`apply_preset` fills a real model shape). `config.model` and `config.attention` are
 `ModelConfig`/`AttentionConfig` (lclm.config.model), the one model schema. Every CLI's
 `--help` lists `SECTIONS` (`lclm.cli.config_help`). The checks that need other components
-(the mesh, kernels, strategies, data) are `lclm.train.checks.validate`'s. No JAX here:
+(the mesh, kernels, strategies, data) are `lclm.training.checks.validate`'s. No JAX here:
 train.py reads the config before JAX starts.
 """
 
@@ -57,12 +57,12 @@ class Run:
                            "(a local path, gs:// or s3://)")
     workdir_lease_minutes: float = setting(
         10.0, "the workdir lock is a lease its run renews; one not renewed for this long (a "
-        "dead host, a requeued job) may be taken over by the next run (lclm.train.lock)",
+        "dead host, a requeued job) may be taken over by the next run (lclm.training.lock)",
         rule=FINITE_POSITIVE)
     storage_patience_seconds: float = setting(
         300.0, "how long checkpoint saves and metrics writes may keep failing (a full disk, an "
         "unreachable bucket) while they are retried; then the run stops (exit 3), what it "
-        "saved intact (lclm.train.faults)", rule=FINITE_NON_NEGATIVE)
+        "saved intact (lclm.training.faults)", rule=FINITE_NON_NEGATIVE)
     seed: int = setting(0, "of the first weights and the data order")
 
 
@@ -170,7 +170,7 @@ class Checkpoint:
     allow_changed: str = setting("", "comma-separated config keys a resume may change from the "
                                  "config its checkpoints were written with (e.g. "
                                  "\"data.batch_size\"); the change is logged. See "
-                                 "lclm.train.resume")
+                                 "lclm.training.resume")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +192,7 @@ class Validation:
 
 @dataclasses.dataclass(frozen=True)
 class Stages:
-    """Staged context extension (lclm.config.stages: what a stage may set; lclm.train.stages
+    """Staged context extension (lclm.config.stages: what a stage may set; lclm.training.stages
     runs them)"""
     list: tuple = setting((), "the stages, each a dict of the config fields it changes "
                           "(nested by section, e.g. dict(data=dict(seq_len='64k', path=...), "

@@ -28,8 +28,8 @@ from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.layout import LAYOUTS
 from lclm.parallel.devices import available, request_cpu_devices
 from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
-from lclm.train.state import param_shardings
-from lclm.train.workdirs import workdir_to_read
+from lclm.training.state import param_shardings
+from lclm.training.workdirs import workdir_to_read
 
 
 @dataclasses.dataclass
@@ -116,7 +116,7 @@ def restore_params(workdir: str, step: int, model_config, mesh) -> dict:
 
 
 def load_checkpoint(args, workdir: str) -> tuple[Model, dict]:
-    """The model of the lclm run in `workdir` (what `lclm.train.workdirs.workdir_to_read`
+    """The model of the lclm run in `workdir` (what `lclm.training.workdirs.workdir_to_read`
     finds for `--checkpoint`) at `--step`, or at its latest readable step (a damaged one is
     named and the previous one read: `lclm.checkpoint.read_checkpoint`); returns (Model, the
     saved config)."""

@@ -29,7 +29,7 @@ from lclm.config.syntax import format_tokens, parse_lengths
 from lclm.errors import StartupError
 from lclm.eval.model import Model, add_model_arguments
 from lclm.files import check_input, output_problem, replacing, write_json
-from lclm.train.resume import CONVERTED_FROM
+from lclm.training.resume import CONVERTED_FROM
 
 log = logging.getLogger(__name__)
 

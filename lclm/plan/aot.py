@@ -42,9 +42,9 @@ from lclm.hardware import BY_NAME, GPUS, TPUS, planner_device
 from lclm.ops.kernels import compiling_for
 from lclm.parallel.mesh import make_mesh
 from lclm.platforms import cuda_plugin, nvidia_gpu_attached, tpu_attached
-from lclm.train.checks import validate
-from lclm.train.state import init_state, state_shardings
-from lclm.train.step import jit_train_step, make_optimizer
+from lclm.training.checks import validate
+from lclm.training.state import init_state, state_shardings
+from lclm.training.step import jit_train_step, make_optimizer
 
 KNOWN = ("v4-N, v5p-N (TensorCores), v5e-N, v6e-N (chips); h100:N (N GPUs on one node), "
          "h100:MxN (M nodes of N), h200:..., a100:... (80 GB)")

@@ -22,7 +22,7 @@ from lclm.ops.context_parallel import get_strategy
 from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
 from lclm.plan.strategies import attention_step
-from lclm.train.checks import attention_kernel, validate
+from lclm.training.checks import attention_kernel, validate
 
 # planner device name -> (peak FLOP/s, one-way link GB/s, HBM GiB): lclm.hardware's table
 DEVICES = planner_devices()

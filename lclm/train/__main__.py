@@ -1,7 +1,6 @@
 """`python -m lclm.train`: the training program, lclm/train_program.py (also `lclm-train` and
-`python train.py`). The one file of this package above lclm.eval: Python runs
-`python -m lclm.train` from here, and the program it starts scores its stage gates' RULER
-subsets with evaluation's code (tests/test_imports.py ranks this launcher above the program)."""
+`python train.py`). This package holds only the launcher, so it stands above the program (whose
+stage gates score RULER with evaluation's code); the training library is `lclm.training`."""
 
 import sys
 

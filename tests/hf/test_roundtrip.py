@@ -103,7 +103,7 @@ def test_training_starts_from_hf_weights_with_the_configured_rope_theta(tmp_path
     from lclm.data.tokenizer import Tokenizer
     from lclm.models.decoder import loss_terms
     from lclm.parallel import make_mesh
-    from lclm.train.loop import train
+    from lclm.training.loop import train
 
     cfg = transformers.LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -15,7 +15,7 @@ from lclm.models.decoder import forward, init_params, loss_terms
 from lclm.ops.context_parallel import STRATEGIES, layout_shards
 from lclm.ops.layout import batch_to_layout, from_layout, to_layout
 from lclm.parallel import make_mesh
-from lclm.train.state import shard_params
+from lclm.training.state import shard_params
 
 CFG = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
                   rope_theta=5000.0, dtype="float32", ffn_chunk=8, loss_chunk=4)

@@ -95,7 +95,7 @@ def test_ring_refuses_a_kernel_that_cannot_serve_before_tracing_it():
 def test_the_trainer_names_its_kernel_and_refuses_one_the_platform_cannot_run():
     from lclm.config import ModelConfig, base_config
     from lclm.errors import ConfigError
-    from lclm.train.checks import attention_kernel
+    from lclm.training.checks import attention_kernel
 
     c = base_config()
     c.model.update(dim=512, n_heads=4, n_kv_heads=4)     # head dim 128

@@ -1,8 +1,8 @@
-"""What each step of a run does (lclm.train.cadence): the loop's decisions by step number,
+"""What each step of a run does (lclm.training.cadence): the loop's decisions by step number,
 tested without devices or a model."""
 
 from lclm.config.schema import base_config
-from lclm.train.cadence import Cadence
+from lclm.training.cadence import Cadence
 
 
 def _where(cadence, what, terminated=()):

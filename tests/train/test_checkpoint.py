@@ -17,9 +17,9 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.models.decoder import loss_terms
 from lclm.ops.layout import batch_to_layout, from_layout
 from lclm.parallel import make_mesh
-from lclm.train.loop import train
-from lclm.train.state import init_state
-from lclm.train.step import make_optimizer
+from lclm.training.loop import train
+from lclm.training.state import init_state
+from lclm.training.step import make_optimizer
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 

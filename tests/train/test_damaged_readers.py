@@ -13,7 +13,7 @@ from support import DAMAGE, damage_checkpoint, small_train_config
 
 from lclm.convert import main as convert
 from lclm.eval.generate import main as generate
-from lclm.train.loop import train
+from lclm.training.loop import train
 
 pytestmark = pytest.mark.slow   # trains a model
 

@@ -25,11 +25,11 @@ from lclm.config import ModelConfig, load_config
 from lclm.errors import ConfigError, TrainingHalted
 from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
-from lclm.train.lock import WorkdirBusy, WorkdirLock
-from lclm.train.loop import train
-from lclm.train.metrics import truncate_metrics
-from lclm.train.state import init_state
-from lclm.train.step import make_optimizer
+from lclm.training.lock import WorkdirBusy, WorkdirLock
+from lclm.training.loop import train
+from lclm.training.metrics import truncate_metrics
+from lclm.training.state import init_state
+from lclm.training.step import make_optimizer
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
@@ -474,7 +474,7 @@ def test_an_asynchronous_save_that_fails_is_retried_soon_at_a_later_step(tmp_pat
 def test_a_second_run_on_a_live_workdir_is_refused(tmp_path):
     workdir = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from lclm.train.lock import WorkdirLock; "
+        [sys.executable, "-c", "import sys, time; from lclm.training.lock import WorkdirLock; "
          f"WorkdirLock({str(workdir)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     try:

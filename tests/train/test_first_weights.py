@@ -1,4 +1,4 @@
-"""Where a run's first state comes from (lclm.train.first_weights.origin): the workdir's own
+"""Where a run's first state comes from (lclm.training.first_weights.origin): the workdir's own
 checkpoint before any configured source, a resume the config may not make refused before the
 model is initialised. A checkpoint of a tiny model is written directly (no training)."""
 
@@ -12,7 +12,7 @@ from lclm.config.model import ModelConfig
 from lclm.config.secrets import public_config
 from lclm.errors import ConfigError
 from lclm.models.decoder import init_params
-from lclm.train.first_weights import (
+from lclm.training.first_weights import (
     FRESH,
     HUGGINGFACE,
     OTHER_RUN,
@@ -20,8 +20,8 @@ from lclm.train.first_weights import (
     Origin,
     origin,
 )
-from lclm.train.state import TrainState
-from lclm.train.step import make_optimizer
+from lclm.training.state import TrainState
+from lclm.training.step import make_optimizer
 
 
 def _config(workdir, **model):

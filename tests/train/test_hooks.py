@@ -1,4 +1,4 @@
-"""What a logged step does besides saving (lclm.train.hooks), hook by hook and without a model:
+"""What a logged step does besides saving (lclm.training.hooks), hook by hook and without a model:
 held-out losses, the records' throughput, metrics.jsonl, the console, and the order the loop
 calls them in."""
 
@@ -13,9 +13,9 @@ from support import small_train_config
 
 from lclm.checkpoint import Checkpoints
 from lclm.config.model import ModelConfig
-from lclm.train.cadence import Cadence
-from lclm.train.faults import FaultPolicy, WritePatience
-from lclm.train.hooks import (
+from lclm.training.cadence import Cadence
+from lclm.training.faults import FaultPolicy, WritePatience
+from lclm.training.hooks import (
     Console,
     Hook,
     MetricsWriter,
@@ -24,9 +24,9 @@ from lclm.train.hooks import (
     log_record,
     summary,
 )
-from lclm.train.lock import WorkdirLock
-from lclm.train.metrics import MetricsLogger
-from lclm.train.state import TrainState
+from lclm.training.lock import WorkdirLock
+from lclm.training.metrics import MetricsLogger
+from lclm.training.state import TrainState
 
 _METRICS = dict(loss=2.5, lr=1e-3, grad_norm=0.5)
 
@@ -108,7 +108,7 @@ def test_metrics_writer_writes_each_record_and_the_summary_names_the_outputs(tmp
 
 def test_console_without_progress_logs_compiling_and_the_summary(tmp_path, caplog):
     config = small_train_config(tmp_path, mesh={}, attention={})
-    with caplog.at_level(logging.INFO, logger="lclm.train.hooks"):
+    with caplog.at_level(logging.INFO, logger="lclm.training.hooks"):
         console = Console(config, Cadence(first=3, last=8, total=8, log_every=1))
         console.on_step(3)
         console.on_end(["trained steps 3-8", "final checkpoint: none"])

@@ -12,8 +12,8 @@ from support import DEMO_CONFIG
 from lclm.config import MESH_AXES, AttentionConfig, ModelConfig, apply_preset, load_config
 from lclm.data.loader import batch_sharding
 from lclm.parallel import make_mesh
-from lclm.train.state import init_state, state_shardings
-from lclm.train.step import make_optimizer, make_train_step
+from lclm.training.state import init_state, state_shardings
+from lclm.training.step import make_optimizer, make_train_step
 
 
 def _demo(c):

@@ -17,9 +17,9 @@ from lclm.config import ModelConfig, load_config
 from lclm.config.stages import keys_set_by_stages, stage_configs
 from lclm.errors import ConfigError
 from lclm.parallel import make_mesh
-from lclm.train.stages import run_stages
-from lclm.train.state import init_state
-from lclm.train.step import applied_updates, make_optimizer
+from lclm.training.stages import run_stages
+from lclm.training.state import init_state
+from lclm.training.step import applied_updates, make_optimizer
 
 DEMO = os.path.join(ROOT, "data", "demo")
 
@@ -189,7 +189,7 @@ def test_prolong_recipe_states_prolongs_numbers():
     train_512K.sh: lengths, theta, lr, steps, tokens per step, warm-up (10%), the optimizer
     carried, and each stage's token shares (code / books / short)."""
     from lclm.data.loader import parse_sources
-    from lclm.train.stages import validate_stages
+    from lclm.training.stages import validate_stages
     c = _recipe("prolong_llama3_8b_512k")
     s64, s512 = validate_stages(c, 64)
     assert [(s.data.seq_len, s.model.rope_theta, s.train.lr, s.train.steps, s.train.warmup)
@@ -216,7 +216,7 @@ def test_prolong_recipe_states_prolongs_numbers():
 
 def test_fu_and_ultralong_recipes_state_their_numbers():
     from lclm.data.loader import parse_sources
-    from lclm.train.checks import validate
+    from lclm.training.checks import validate
     fu = _recipe("fu_llama2_7b_80k")
     validate(fu, 32)
     entries = parse_sources(fu.data.path, fu.data.source)

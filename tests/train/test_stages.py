@@ -16,11 +16,11 @@ from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError
 from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
-from lclm.train.init_weights import SourceDamaged
-from lclm.train.loop import train
-from lclm.train.stages import run_stages
-from lclm.train.state import init_state
-from lclm.train.step import make_optimizer
+from lclm.training.init_weights import SourceDamaged
+from lclm.training.loop import train
+from lclm.training.stages import run_stages
+from lclm.training.state import init_state
+from lclm.training.step import make_optimizer
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 

@@ -17,9 +17,9 @@ from lclm.config.secrets import public_config
 from lclm.data.loader import batch_sharding
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
-from lclm.train.loop import train
-from lclm.train.state import init_state
-from lclm.train.step import make_optimizer, make_train_step
+from lclm.training.loop import train
+from lclm.training.state import init_state
+from lclm.training.step import make_optimizer, make_train_step
 
 
 def demo_config(tmp_path, **changes):
@@ -72,7 +72,7 @@ def test_secrets_never_reach_saved_config():
 
 
 def test_wandb_resumes_its_run_and_keeps_secret_command_lines_out(tmp_path, monkeypatch):
-    from lclm.train.metrics import wandb_run
+    from lclm.training.metrics import wandb_run
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setattr(sys, "argv", ["train.py", "--config.log.wandb_api_key=SECRETVALUE"])
     config = demo_config(tmp_path, log__wandb=True)
@@ -157,7 +157,7 @@ class _Terminal(io.StringIO):
 
 
 def test_console_says_compiling_then_counts_eta_from_compiled_steps():
-    from lclm.train.metrics import Progress
+    from lclm.training.metrics import Progress
     plain = io.StringIO()   # CI, SLURM logs: plain lines
     progress = Progress(100, 1, stream=plain)
     for step in range(1, 11):

@@ -17,10 +17,10 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 from lclm.models.decoder import loss_terms
 from lclm.parallel import make_mesh
-from lclm.train.checks import validate
-from lclm.train.loop import train
-from lclm.train.state import init_state
-from lclm.train.step import make_optimizer
+from lclm.training.checks import validate
+from lclm.training.loop import train
+from lclm.training.state import init_state
+from lclm.training.step import make_optimizer
 
 pytestmark = pytest.mark.slow  # trains a model
 

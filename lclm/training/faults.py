@@ -18,8 +18,8 @@ from jax.experimental import multihost_utils
 from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.errors import TrainingHalted
 from lclm.parallel.distributed import any_process
-from lclm.train.cadence import StepPlan
-from lclm.train.metrics import MetricsFailed
+from lclm.training.cadence import StepPlan
+from lclm.training.metrics import MetricsFailed
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from lclm.config import AttentionConfig, ModelConfig
 from lclm.data.loader import batch_sharding
 from lclm.models.decoder import BIASES, loss_terms
 from lclm.parallel.mesh import logical_sharding
-from lclm.train.state import TrainState
+from lclm.training.state import TrainState
 
 
 def lr_schedule(train_config) -> optax.Schedule:

@@ -29,11 +29,11 @@ from lclm.files import write_json
 from lclm.models.decoder import param_count
 from lclm.parallel.distributed import check_same_config
 from lclm.parallel.mesh import make_mesh
-from lclm.train.cadence import Cadence
-from lclm.train.checks import attention_line, check_data, validate
-from lclm.train.faults import FaultPolicy, WritePatience
-from lclm.train.first_weights import first_state, take_model_fields
-from lclm.train.hooks import (
+from lclm.training.cadence import Cadence
+from lclm.training.checks import attention_line, check_data, validate
+from lclm.training.faults import FaultPolicy, WritePatience
+from lclm.training.first_weights import first_state, take_model_fields
+from lclm.training.hooks import (
     Console,
     Hook,
     MetricsWriter,
@@ -42,12 +42,12 @@ from lclm.train.hooks import (
     log_record,
     summary,
 )
-from lclm.train.lock import WorkdirLock
-from lclm.train.metrics import MetricsFailed, MetricsLogger, read_metrics, wandb_run
-from lclm.train.object_lock import workdir_lock
-from lclm.train.resume import tokenizer_fingerprint
-from lclm.train.state import TrainState
-from lclm.train.step import all_finite, jit_train_step, make_optimizer
+from lclm.training.lock import WorkdirLock
+from lclm.training.metrics import MetricsFailed, MetricsLogger, read_metrics, wandb_run
+from lclm.training.object_lock import workdir_lock
+from lclm.training.resume import tokenizer_fingerprint
+from lclm.training.state import TrainState
+from lclm.training.step import all_finite, jit_train_step, make_optimizer
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """Where a run's first state comes from, decided here and nowhere else:
 
 1. this workdir's latest readable checkpoint: the run resumes (its config checked against the
-   checkpoint's by `lclm.train.resume`, the parameter shapes against its metadata, before
+   checkpoint's by `lclm.training.resume`, the parameter shapes against its metadata, before
    anything is initialised);
 2. else another lclm run's latest checkpoint (`model.init_from_checkpoint`);
-3. else a HuggingFace directory (`model.init_from_hf`), both read by `lclm.train.init_weights`;
+3. else a HuggingFace directory (`model.init_from_hf`), both read by `lclm.training.init_weights`;
 4. else the fresh initialisation from `seed`.
 
 The model fields a source of weights fixes (shapes, token ids, RoPE scaling) are taken into the
@@ -23,14 +23,14 @@ import jax
 from lclm.checkpoint import Checkpoints, ShapeMismatch
 from lclm.config.model import ModelConfig
 from lclm.models.decoder import init_params
-from lclm.train.init_weights import (
+from lclm.training.init_weights import (
     apply_checkpoint_fields,
     apply_hf_shapes,
     load_checkpoint_state,
     load_hf_params,
 )
-from lclm.train.resume import allowed_keys, check_resume
-from lclm.train.state import TrainState, init_state
+from lclm.training.resume import allowed_keys, check_resume
+from lclm.training.state import TrainState, init_state
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def take_model_fields(config) -> None:
 def origin(config, checkpoints: Checkpoints, saved_config: dict, model: ModelConfig) -> Origin:
     """Where the first state of the run `config` (its config as checkpoints save it:
     `saved_config`) comes from, `checkpoints` being its workdir's. A resume this config may not
-    make (ConfigError, `lclm.train.resume`) or whose parameter shapes are not `model`'s
+    make (ConfigError, `lclm.training.resume`) or whose parameter shapes are not `model`'s
     (ShapeMismatch, from the checkpoint's metadata) is refused here, before the model is
     initialised (a large one takes minutes and most of the memory) and before config.json,
     which describes the workdir's checkpoints, is rewritten."""

@@ -29,7 +29,7 @@ from lclm import storage
 from lclm.config.stages import gate_ruler, validation_lengths
 from lclm.errors import ConfigError
 from lclm.files import write_json
-from lclm.train.metrics import read_metrics
+from lclm.training.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def evaluate(config, gate: dict, name: str, score_ruler: ScoreRuler | None = Non
     if spec is not None:
         if score_ruler is None:
             raise ConfigError(f"stage {name}'s gate scores RULER, which the training program "
-                              "(python train.py) does; lclm.train.stages.run_stages was called "
+                              "(python train.py) does; lclm.training.stages.run_stages was called "
                               "without score_ruler")
         parts.append(_ruler_part(config, spec, score_ruler))
     for _, _, more in parts:

@@ -22,12 +22,12 @@ from lclm.data.sources import DataError, open_documents
 from lclm.errors import ConfigError
 from lclm.hardware import peak_flops
 from lclm.parallel.distributed import any_process
-from lclm.train.cadence import Cadence, StepPlan
-from lclm.train.faults import FaultPolicy
-from lclm.train.lock import WorkdirLock
-from lclm.train.metrics import MetricsFailed, MetricsLogger, Progress, flops_per_token
-from lclm.train.state import TrainState
-from lclm.train.step import jit_eval_loss
+from lclm.training.cadence import Cadence, StepPlan
+from lclm.training.faults import FaultPolicy
+from lclm.training.lock import WorkdirLock
+from lclm.training.metrics import MetricsFailed, MetricsLogger, Progress, flops_per_token
+from lclm.training.state import TrainState
+from lclm.training.step import jit_eval_loss
 
 log = logging.getLogger(__name__)
 

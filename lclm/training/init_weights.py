@@ -24,8 +24,8 @@ from lclm.checkpoint import (
 from lclm.config.model import ModelConfig
 from lclm.errors import StartupError
 from lclm.parallel.distributed import any_process
-from lclm.train.state import TrainState, param_shardings
-from lclm.train.step import restart_schedule
+from lclm.training.state import TrainState, param_shardings
+from lclm.training.step import restart_schedule
 
 log = logging.getLogger(__name__)
 

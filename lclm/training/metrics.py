@@ -139,7 +139,7 @@ class MetricsLogger:
     after its last checkpoint) are dropped before the re-run steps are logged. A write that
     fails (a full disk, a storage hiccup) leaves the file as it was and raises `MetricsFailed`;
     its records are held in memory and written with the next `log`, `flush` or `close` (the
-    run's policy, `lclm.train.faults.WritePatience`, decides how long to keep trying).
+    run's policy, `lclm.training.faults.WritePatience`, decides how long to keep trying).
     """
 
     def __init__(self, workdir: str, wandb_run=None, resume_step: int = 0):

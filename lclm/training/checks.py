@@ -25,8 +25,8 @@ from lclm.ops.context_parallel import get_strategy, kernel_block, layout_shards
 from lclm.ops.context_parallel.rounds import kv_repeats
 from lclm.ops.kernels import choose_kernel, get_kernel, platform_family
 from lclm.parallel.mesh import fit_mesh, resolve_mesh_shape
-from lclm.train.resume import allowed_keys
-from lclm.train.workdirs import check_workdir
+from lclm.training.resume import allowed_keys
+from lclm.training.workdirs import check_workdir
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from lclm.config.stages import gate_ruler, stage_configs, stage_name, stage_reco
 from lclm.data import ruler
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError, TrainingHalted
-from lclm.train import gates
-from lclm.train.checks import validate
-from lclm.train.init_weights import SourceDamaged, apply_hf_shapes
-from lclm.train.loop import train
+from lclm.training import gates
+from lclm.training.checks import validate
+from lclm.training.init_weights import SourceDamaged, apply_hf_shapes
+from lclm.training.loop import train
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def run_stages(config, stop_after: int | None = None,
     and stops there as a crash would (steps since the stage's last checkpoint are lost); the
     next call resumes. A stage whose predecessor's final checkpoint turns out damaged when it
     starts sends the run back to that predecessor, which resumes from its previous good step.
-    `score_ruler` scores the gates' RULER subsets (lclm.train.gates).
+    `score_ruler` scores the gates' RULER subsets (lclm.training.gates).
     """
     if config.model.init_from_hf:
         apply_hf_shapes(config)  # every stage validates against the real model shape

@@ -1,0 +1,1 @@
+"""Training: the loop, step, state, stages, cadence, first weights, faults, metrics, locks."""
