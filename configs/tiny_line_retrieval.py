@@ -33,9 +33,10 @@ def get_config():
     c.workdir = "runs/tiny_line_retrieval"
     c.mesh.update(dp=1, fsdp=1, tp=1, sp=4)
     c.model.update(vocab_size=512, dim=128, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=256,
-                   rope_theta=10000.0, dtype="float32", remat="none", ffn_chunk=16,
-                   loss_chunk=16)
-    c.attention.update(layout="striped", q_chunk=16, kv_chunk=16)
+                   rope_theta=10000.0, dtype="float32", remat="none", ffn_chunk=32,
+                   loss_chunk=32)
+    # chunks of 32: stage 1's 32 tokens per device in one block (8% faster than 16, same losses)
+    c.attention.update(layout="striped", q_chunk=32, kv_chunk=32)
     c.data.update(tokenizer=os.path.join(ROOT, "data", "demo", "tokenizer.model"),
                   seq_len=64, batch_size=64)
     # one document per row: 85% at the stage's length, 15% at half of it (the previous
@@ -56,7 +57,10 @@ def get_config():
     # 128 tokens too slowly (0.72 after 800 steps, seed 0), at 3e-3 no better (0.85);
     # without the half-length documents stage 0's 3e-3 wiped what stage 0 had learned (0.30 at 128
     # tokens, 0.18 at 64; docs/evaluation.md)
-    c.stages.update(schedule="64:1e4:450, 128:1e4:900", tokens_per_batch=4096, extend_lr=2e-3)
+    # stage 0 at 700 steps: at 450 its cosine had decayed before seed 3 left the plateau at
+    # chance (val_loss 0.42 at step 450, then 89.5% / 50% after stage 1); with 700 the same
+    # seed is at 0.057 by step 450. lr 6e-3 instead stayed at chance for 450 steps.
+    c.stages.update(schedule="64:1e4:700, 128:1e4:900", tokens_per_batch=4096, extend_lr=2e-3)
     c.log.every = 50
     c.checkpoint.every = 200
     return c
