@@ -80,7 +80,7 @@ from bench.train_step import ModelRun, TrainSpec
 from lclm import logs
 from lclm.cli import run_cli
 from lclm.errors import StartupError
-from lclm.files import check_output
+from lclm.writes import check_output
 
 # part (also the Suite's field name) -> its module in bench/, which writes <module>.md/.png
 PARTS = {"correctness": "correctness", "attention": "attention", "striped": "striped_sim",

@@ -31,7 +31,7 @@ from typing import NamedTuple
 from bench import int_list
 from bench.report import Table, default_out_dir, error_status, fmt, stamp, try_plot
 from lclm.cli import run_cli
-from lclm.files import check_output
+from lclm.writes import check_output
 
 FWD_BWD_FACTOR = 3.5
 

@@ -39,7 +39,7 @@ from lclm.cli import run_cli
 from lclm.data.balance import attention_work, balance_permutation, bin_loads
 from lclm.data.packing import Packer
 from lclm.data.tokenizer import Tokenizer
-from lclm.files import check_output
+from lclm.writes import check_output
 
 TOKENIZER = os.path.join(ROOT, "data", "demo", "tokenizer.model")
 # LLaMA-2-7B: a (query, key) pair costs 4 d FLOPs (QK^T and PV), a token 2 (4 d^2 + 3 d f) in

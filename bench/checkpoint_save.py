@@ -42,7 +42,7 @@ from bench.gcs_server import GCS_PACKAGE, GcsServer
 from bench.report import Table
 from lclm import storage
 from lclm.cli import run_cli
-from lclm.files import check_output
+from lclm.writes import check_output
 
 HEADER = ["target", "model", "params", "saved", "state GB", "blocking s", "whole save s",
           "save GB/s", "restore s", "restore GB/s"]

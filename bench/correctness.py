@@ -29,7 +29,7 @@ import sys
 
 from bench.report import Table, default_out_dir, error_status, fmt, stamp
 from lclm.cli import run_cli
-from lclm.files import check_output
+from lclm.writes import check_output
 
 # name -> (layout, ring size n, this device, the devices whose K/V blocks it sees, segments,
 # GQA)

@@ -25,7 +25,7 @@ from bench.gcs_server import GcsServer
 from bench.report import emit_table
 from lclm import storage
 from lclm.cli import run_cli
-from lclm.files import check_output
+from lclm.writes import check_output
 
 
 def main(argv=None) -> int:

@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default="lclm")
     ap.add_argument("--seq", type=int, default=0)
     from lclm.cli import parse_cli, run_cli
-    from lclm.files import check_output
+    from lclm.writes import check_output
 
     def body():
         # a bad config fails here, not in every probe (which measure the file's fields, not

@@ -26,8 +26,8 @@ import sys
 
 from bench.report import Table, default_out_dir, stamp
 from lclm.cli import run_cli
-from lclm.files import check_output
 from lclm.ops.context_parallel import STRATEGIES
+from lclm.writes import check_output
 
 LAYOUTS = ("striped", "zigzag", "contiguous")  # lclm.config.schema.LAYOUTS in the columns' order
 # (label, mesh sizes, usp's Ulysses degree)

@@ -39,7 +39,7 @@ import sys
 from bench import int_list
 from bench.report import Table, default_out_dir, fmt, stamp, try_plot
 from lclm.cli import run_cli
-from lclm.files import check_output
+from lclm.writes import check_output
 
 LAYOUTS = ("contiguous", "striped", "zigzag")
 

@@ -521,8 +521,8 @@ def main(argv=None):
     from bench.isolate import launcher_process
     from lclm.cli import parse_cli, run_cli
     from lclm.config import mesh_device_count
-    from lclm.files import check_output
     from lclm.parallel.devices import allow_gpu_host_memory, request_cpu_devices
+    from lclm.writes import check_output
 
     def body():
         args, base = parse_cli(ap, argv, runs_stages=False)  # a schedule's stages do not run

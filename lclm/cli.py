@@ -25,7 +25,7 @@ from ml_collections import config_flags
 
 from lclm.config import schema
 from lclm.config.fields import fields_of
-from lclm.config.files import field, flat_items, load_config
+from lclm.config.loading import field, flat_items, load_config
 from lclm.config.secrets import public_config
 from lclm.config.stages import keys_set_by_stages, stage_lines
 from lclm.errors import ConfigError, StartupError, TrainingHalted

@@ -47,7 +47,6 @@ from lclm.config.fields import from_saved
 from lclm.config.secrets import public_config
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
-from lclm.files import check_input, check_output, output_problem
 from lclm.hf import gguf
 from lclm.models.decoder import param_count, param_shapes, rope_scale
 from lclm.parallel import make_mesh
@@ -61,6 +60,7 @@ from lclm.training.workdirs import (
     stage_dirs,
     workdir_to_read,
 )
+from lclm.writes import check_input, check_output, output_problem
 
 
 def _local_mesh():

@@ -2,7 +2,7 @@
 data file, an HF directory, an output folder) may be `gs://bucket/...` or `s3://bucket/...`.
 
 A Cloud TPU pod slice has no shared filesystem, so its runs keep their workdirs in a bucket.
-Local paths keep their own code (atomic renames, `O_APPEND`, hard links: lclm.files,
+Local paths keep their own code (atomic renames, `O_APPEND`, hard links: lclm.writes,
 lclm.training.lock); object-store paths go through fsspec's clients (gcsfs, s3fs), which read
 the variables the cloud SDKs read (`STORAGE_EMULATOR_HOST`, `AWS_ENDPOINT_URL`, credentials).
 Orbax writes checkpoint arrays through tensorstore (`TENSORSTORE_GCS_HTTP_URL`). What lclm

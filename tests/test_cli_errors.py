@@ -274,7 +274,7 @@ def _train(*args, cwd=ROOT):
 
 def test_train_help_lists_every_config_field_with_its_default_and_help():
     from lclm.config import base_config
-    from lclm.config.files import flat_items
+    from lclm.config.loading import flat_items
     r = _train("--help")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Train a LLaMA, Qwen or Mistral model with striped ring attention.")

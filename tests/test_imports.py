@@ -16,7 +16,7 @@ import sys
 
 from support import ROOT
 
-LAYERS = ["lclm.errors", "lclm.hardware", "lclm.platforms", "lclm.storage", "lclm.files",
+LAYERS = ["lclm.errors", "lclm.hardware", "lclm.platforms", "lclm.storage", "lclm.writes",
           "lclm.families", "lclm.config",
           "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel", "lclm.models", "lclm.hf",
           "lclm.data", "lclm.checkpoint", "lclm.training", "lclm.eval", "lclm.generate",

@@ -7,7 +7,7 @@ dataclass, presets, single-field checks), `model` (ModelConfig, AttentionConfig)
 
 import warnings
 
-from lclm.config.files import load_config
+from lclm.config.loading import load_config
 from lclm.config.model import AttentionConfig, ModelConfig
 from lclm.config.schema import (
     MESH_AXES,

@@ -27,7 +27,7 @@ from lclm.config.fields import (
     fields_of,
     setting,
 )
-from lclm.config.files import field
+from lclm.config.loading import field
 from lclm.config.model import ROPE_SCALINGS, AttentionConfig, ModelConfig
 from lclm.errors import ConfigError
 from lclm.families import FAMILIES

@@ -29,7 +29,7 @@ import math
 from typing import Any
 
 from lclm import storage
-from lclm.config.files import field, flat_items, set_field
+from lclm.config.loading import field, flat_items, set_field
 from lclm.config.schema import STAGE_OPTIMIZER
 from lclm.config.secrets import public_config
 from lclm.config.syntax import parse_schedule, parse_tokens

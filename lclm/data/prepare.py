@@ -39,7 +39,7 @@ from lclm.data.sources import KINDS, open_documents
 from lclm.data.stats import SourceStats
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
-from lclm.files import check_input, check_output, replacing
+from lclm.writes import check_input, check_output, replacing
 
 # Renamed into place in this order once all are written: the metadata last, so that it
 # never names data that is not there yet, and offsets.bin first, so that a reader that opens
@@ -128,7 +128,7 @@ def _staged(out: str):
 
 
 def _remove_leftovers(out: str) -> None:
-    """Temporary files of a prepare killed before it renamed them (lclm.files.replacing names
+    """Temporary files of a prepare killed before it renamed them (lclm.writes.replacing names
     them .NAME.*.tmp; one that fails cleanly removes its own)."""
     for name in OUTPUTS:
         for path in glob.glob(os.path.join(glob.escape(out), f".{name}.*.tmp")):

@@ -42,7 +42,7 @@ from lclm.cli import run_cli
 from lclm.data.chat import TEMPLATE_NAMES, get_template
 from lclm.errors import ConfigError, StartupError
 from lclm.eval.decode import Pick, generate, greedy, pad_front, padded_length, sampler
-from lclm.eval.model import Model, add_model_arguments, answer_text, load_model
+from lclm.eval.model import LoadedModel, add_model_arguments, answer_text, load_model
 from lclm.eval.retrieval import stop_ids
 from lclm.training.resume import CONVERTED_FROM
 
@@ -58,7 +58,7 @@ def prompt_ids(tokenizer, text: str, chat: str | None = None) -> list[int]:
     return get_template(chat, tokenizer).render_prompt([("user", text)], tokenizer).tolist()
 
 
-def max_positions(model: Model, saved: dict | None) -> int:
+def max_positions(model: LoadedModel, saved: dict | None) -> int:
     """Positions the model was made for: its max_position_embeddings, or the data.seq_len of
     a checkpoint's run where that is longer (a converted checkpoint has trained nothing)."""
     converted = saved is not None and CONVERTED_FROM in saved.get("identity", {})
@@ -66,7 +66,7 @@ def max_positions(model: Model, saved: dict | None) -> int:
     return max(model.config.max_position_embeddings, trained)
 
 
-def continuation(model: Model, ids: list[int], max_new: int, pick: Pick = greedy,
+def continuation(model: LoadedModel, ids: list[int], max_new: int, pick: Pick = greedy,
                  stop: int | None = None) -> np.ndarray:
     """The ids `[n <= max_new]` int32 that follow prompt `ids`, each chosen by `pick`, up to
     and including the first EOS or `stop` (decoding ends there)."""

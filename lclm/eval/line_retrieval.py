@@ -36,7 +36,7 @@ import numpy as np
 
 from lclm.data.line_retrieval import Spec, build_example, line_format, spec_of_config
 from lclm.eval import report, retrieval
-from lclm.eval.model import Model, load_model
+from lclm.eval.model import LoadedModel, load_model
 
 TASK = "line_retrieval"
 
@@ -67,7 +67,7 @@ def items(tokenizer, length: int, n_bins: int, samples: int, fmt, seed: int):
 _cell = retrieval.cell
 
 
-def evaluate(model: Model, lengths, *, samples: int, n_bins: int, fmt, seed: int = 0,
+def evaluate(model: LoadedModel, lengths, *, samples: int, n_bins: int, fmt, seed: int = 0,
              batch_size: int | None = None, max_new: int | None = None) -> dict:
     """Accuracy per (length, depth bin): {'cells': [...], 'samples': [...]} (one record per
     prompt: asked line, depth, expected and generated answer)."""

@@ -22,7 +22,6 @@ from lclm.config.fields import from_saved
 from lclm.config.model import ROPE_SCALINGS
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
-from lclm.files import check_input
 from lclm.models.decoder import param_shapes
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.layout import LAYOUTS
@@ -30,10 +29,11 @@ from lclm.parallel.devices import available, request_cpu_devices
 from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
 from lclm.training.state import param_shardings
 from lclm.training.workdirs import workdir_to_read
+from lclm.writes import check_input
 
 
 @dataclasses.dataclass
-class Model:
+class LoadedModel:
     """What evaluation needs: configs, parameters placed on `mesh`, tokenizer, description."""
     config: ModelConfig
     attention: AttentionConfig
@@ -74,8 +74,8 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
                          "max_position_embeddings, the context it was trained at)")
 
 
-def load_model(args) -> tuple[Model, dict | None]:
-    """(the Model the flags of `add_model_arguments` name, the checkpoint's saved config or
+def load_model(args) -> tuple[LoadedModel, dict | None]:
+    """(the LoadedModel the flags of `add_model_arguments` name, the checkpoint's saved config or
     None for --hf). Call before JAX starts: the mesh's devices are simulated on a CPU."""
     check_input("--hf", args.hf)
     workdir = workdir_to_read(args.checkpoint) if args.checkpoint else None
@@ -84,7 +84,7 @@ def load_model(args) -> tuple[Model, dict | None]:
     return _rescaled(model, args), saved
 
 
-def _rescaled(model: Model, args) -> Model:
+def _rescaled(model: LoadedModel, args) -> LoadedModel:
     """`model` with the RoPE scaling of --rope-scaling / --rope-factor /
     --rope-original-max-positions (the weights are the same: RoPE has no parameters)."""
     changes = {k: v for k, v in (
@@ -115,10 +115,10 @@ def restore_params(workdir: str, step: int, model_config, mesh) -> dict:
     return read_params(workdir, step, abstract)
 
 
-def load_checkpoint(args, workdir: str) -> tuple[Model, dict]:
+def load_checkpoint(args, workdir: str) -> tuple[LoadedModel, dict]:
     """The model of the lclm run in `workdir` (what `lclm.training.workdirs.workdir_to_read`
     finds for `--checkpoint`) at `--step`, or at its latest readable step (a damaged one is
-    named and the previous one read: `lclm.checkpoint.read_checkpoint`); returns (Model, the
+    named and the previous one read: `lclm.checkpoint.read_checkpoint`); returns (LoadedModel, the
     saved config)."""
     def name(step: int) -> str:
         return f"{storage.basename(storage.absolute(workdir))} step {step}"
@@ -132,10 +132,10 @@ def load_checkpoint(args, workdir: str) -> tuple[Model, dict]:
     attention = _attention(from_saved(AttentionConfig, saved["attention"]), args)
     tokenizer = Tokenizer(args.tokenizer or saved["data"]["tokenizer"])
     tokenizer.check_fits(model_config.vocab_size)
-    return Model(model_config, attention, params, mesh, tokenizer, name(step)), saved
+    return LoadedModel(model_config, attention, params, mesh, tokenizer, name(step)), saved
 
 
-def load_hf(args) -> Model:
+def load_hf(args) -> LoadedModel:
     """A HuggingFace model directory (safetensors; local, gs:// or s3://, read from a local
     copy) with its tokenizer (tokenizer.json or tokenizer.model in the directory, or
     --tokenizer)."""
@@ -147,7 +147,7 @@ def load_hf(args) -> Model:
         # each device reads its own block of the weights: the model is never whole on one
         model_config, params = hf.load(local, shardings=param_shardings(model_config, mesh))
     attention = _attention(AttentionConfig(), args)
-    return Model(model_config, attention, params, mesh, tokenizer,
+    return LoadedModel(model_config, attention, params, mesh, tokenizer,
                  storage.basename(storage.absolute(args.hf)))
 
 

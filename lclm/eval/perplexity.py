@@ -59,10 +59,10 @@ from lclm.data.stats import SourceStats
 from lclm.errors import StartupError
 from lclm.eval import report
 from lclm.eval.decode import padded_length
-from lclm.eval.model import Model, load_model
+from lclm.eval.model import LoadedModel, load_model
 from lclm.eval.retrieval import batch_rows
 from lclm.eval.token_loss import losses_in_order
-from lclm.files import check_input
+from lclm.writes import check_input
 
 TASK = "perplexity"
 # long held-out documents that every machine with Python has (see the module's docstring)
@@ -118,7 +118,7 @@ def rows_of(windows_: np.ndarray, row_len: int) -> dict:
     return dict(tokens=tokens, targets=targets, positions=positions, segment_ids=segments)
 
 
-def row_length(model: Model, length: int) -> int:
+def row_length(model: LoadedModel, length: int) -> int:
     """The smallest row length >= `length` that the mesh's `sp`, the attention and FFN
     chunks (`decode.padded_length`) and the loss chunk divide."""
     sp = model.mesh.shape["sp"]
@@ -148,7 +148,7 @@ def bucket_losses(losses: np.ndarray, mask: np.ndarray, n_buckets: int) -> list[
     return out
 
 
-def position_losses(model: Model, windows_: np.ndarray, batch_size: int) -> np.ndarray:
+def position_losses(model: LoadedModel, windows_: np.ndarray, batch_size: int) -> np.ndarray:
     """Float32 losses `[n, L]` in original order of windows `[n, L+1]`, `batch_size` rows
     per forward (the last batch filled up with copies of its last window)."""
     length = windows_.shape[1] - 1
@@ -184,7 +184,7 @@ def no_document_line(entry: dict) -> str:
             f"longest holds {entry['longest']})")
 
 
-def evaluate(model: Model, docs, lengths: list[int], *, n_buckets: int, max_docs: int,
+def evaluate(model: LoadedModel, docs, lengths: list[int], *, n_buckets: int, max_docs: int,
              batch_size: int | None = None,
              measured: Callable[[dict], None] | None = None) -> dict:
     """{'lengths': [per length: documents, skipped, the longest skipped, loss, perplexity,

@@ -27,9 +27,9 @@ from lclm import logs, storage
 from lclm.cli import run_cli
 from lclm.config.syntax import format_tokens, parse_lengths
 from lclm.errors import StartupError
-from lclm.eval.model import Model, add_model_arguments
-from lclm.files import check_input, output_problem, replacing, write_json
+from lclm.eval.model import LoadedModel, add_model_arguments
 from lclm.training.resume import CONVERTED_FROM
+from lclm.writes import check_input, output_problem, replacing, write_json
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def explicit_lengths(args) -> list[int] | None:
     return lengths
 
 
-def trained_length(model: Model, saved: dict | None) -> int:
+def trained_length(model: LoadedModel, saved: dict | None) -> int:
     """The context the model was trained at: its checkpoint's data.seq_len, else (a
     HuggingFace model, or a checkpoint converted from one: it trained nothing) the model's
     max_position_embeddings."""
@@ -104,7 +104,7 @@ def trained_length(model: Model, saved: dict | None) -> int:
     return model.config.max_position_embeddings
 
 
-def task_lengths(given: list[int] | None, model: Model, saved: dict | None) -> list[int]:
+def task_lengths(given: list[int] | None, model: LoadedModel, saved: dict | None) -> list[int]:
     """`given` (`explicit_lengths`), else the trained length x1, x2 and x4."""
     if given:
         return given
@@ -115,7 +115,7 @@ def task_lengths(given: list[int] | None, model: Model, saved: dict | None) -> l
     return lengths
 
 
-def model_meta(model: Model) -> dict:
+def model_meta(model: LoadedModel) -> dict:
     """What every report records of the model it measured and how it ran."""
     return dict(model=model.name, mesh=dict(model.mesh.shape), layout=model.attention.layout,
                 strategy=model.attention.strategy)

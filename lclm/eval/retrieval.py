@@ -20,7 +20,7 @@ import numpy as np
 from lclm.data.line_retrieval import parse_answer
 from lclm.eval import report
 from lclm.eval.decode import greedy_generate, pad_front, padded_length
-from lclm.eval.model import Model, answer_text
+from lclm.eval.model import LoadedModel, answer_text
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class Item:
     info: dict = dataclasses.field(default_factory=dict)
 
 
-def generate_answers(model: Model, prompts: list[np.ndarray], max_new: int,
+def generate_answers(model: LoadedModel, prompts: list[np.ndarray], max_new: int,
                      batch_size: int, stop: int | None = None) -> tuple[list[str], int]:
     """Greedy answers (text up to EOS, or the first `stop` id) of token prompts, `batch_size`
     rows per prefill, and the padded length all rows shared. The last batch is filled up with
@@ -60,7 +60,7 @@ def stop_ids(tokenizer, stop: int | None = None) -> tuple[int, ...]:
     return tuple(i for i in (tokenizer.eos_id, stop) if i is not None and i >= 0)
 
 
-def batch_rows(model: Model, batch_size: int | None) -> int:
+def batch_rows(model: LoadedModel, batch_size: int | None) -> int:
     """`batch_size` (default 1) rounded up to a multiple of the mesh's batch axes."""
     rows = model.mesh.shape["dp"] * model.mesh.shape["fsdp"]
     return rows * max(1, -(-(batch_size or 1) // rows))
@@ -76,7 +76,7 @@ def cell(records: list[dict], length: int, b: int, n_bins: int) -> dict:
                 padded_to=mine[0]["padded_to"])
 
 
-def evaluate(model: Model, lengths: list[int], items_of: Callable[[int], list[Item]], *,
+def evaluate(model: LoadedModel, lengths: list[int], items_of: Callable[[int], list[Item]], *,
              n_bins: int, max_new: int, batch_size: int | None = None,
              parse: Callable[[str], str | None] = parse_answer) -> dict:
     """Accuracy per (length, depth bin): {'cells': [...], 'samples': [...]}, one sample
@@ -128,7 +128,7 @@ def depth_in_bin(rng, b: int, n_bins: int) -> float:
     return (b + float(rng.random())) / n_bins
 
 
-def run_grid(args, task: str, model: Model, lengths: list[int],
+def run_grid(args, task: str, model: LoadedModel, lengths: list[int],
              items_of: Callable[[int], list[Item]], meta: dict, title: str,
              trained: int | None = None) -> int:
     """Evaluate, print the table and write `OUT/<task>.{md,json,png}` (see `report`);

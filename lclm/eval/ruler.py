@@ -39,7 +39,7 @@ from lclm.config.syntax import format_tokens, parse_lengths
 from lclm.data import ruler
 from lclm.errors import ConfigError, StartupError
 from lclm.eval import report, retrieval
-from lclm.eval.model import Model, load_model
+from lclm.eval.model import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _summary(scores: dict[str, dict[int, float]], records: list[dict], made: dic
                 samples=records)
 
 
-def evaluate(model: Model, form: ruler.Form, made: dict, *, batch_size: int | None = None,
+def evaluate(model: LoadedModel, form: ruler.Form, made: dict, *, batch_size: int | None = None,
              measured: Callable[[dict], None] | None = None) -> dict:
     """Scores {task: {length: percent}}, the average per length and one record per prompt.
     One log line per (length, task) reports progress, and `measured(result so far)` follows

@@ -17,8 +17,8 @@ from lclm.hf.config import (
                             read_config,
                             rope_to_hf,
 )
+from lclm.hf.directories import local_copy
 from lclm.hf.errors import HFFormatError
-from lclm.hf.files import local_copy
 from lclm.hf.tokenizer import TOKENIZER_FILES, save_tokenizer, sentencepiece_to_hf
 from lclm.hf.weights import exporting, hf_shapes, load, save
 

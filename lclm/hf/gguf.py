@@ -27,9 +27,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from lclm.config import ModelConfig
 from lclm.families import get_family
-from lclm.files import replacing, write_json
 from lclm.hf.errors import HFFormatError
 from lclm.hf.weights import hf_shapes, save
+from lclm.writes import replacing, write_json
 
 # GGUF's name of a block's tensor -> lclm's layer parameter
 _LAYER_TENSORS = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",

@@ -9,8 +9,8 @@ from google.protobuf.message import DecodeError
 from sentencepiece import sentencepiece_model_pb2
 
 from lclm.config import ModelConfig
-from lclm.files import replacing, write_json
 from lclm.hf.errors import HFFormatError
+from lclm.writes import replacing, write_json
 
 # what an export holds of a tokenizer
 # chat_template.jinja: where transformers 5 keeps a tokenizer's chat template

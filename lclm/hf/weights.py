@@ -31,11 +31,11 @@ from safetensors import SafetensorError, safe_open
 from lclm import storage
 from lclm.config import ModelConfig
 from lclm.families import get_family
-from lclm.files import write_json
 from lclm.hf.config import config_to_hf, read_config
+from lclm.hf.directories import local_copy, make_dir, world_readable
 from lclm.hf.errors import HFFormatError
-from lclm.hf.files import local_copy, make_dir, world_readable
 from lclm.models.decoder import param_shapes
+from lclm.writes import write_json
 
 _LAYER = "model.layers.{i}."
 _INDEX = "model.safetensors.index.json"

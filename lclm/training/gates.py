@@ -28,8 +28,8 @@ from typing import NamedTuple
 from lclm import storage
 from lclm.config.stages import gate_ruler, validation_lengths
 from lclm.errors import ConfigError
-from lclm.files import write_json
 from lclm.training.metrics import read_metrics
+from lclm.writes import write_json
 
 log = logging.getLogger(__name__)
 

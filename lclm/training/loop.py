@@ -25,7 +25,6 @@ from lclm.config.secrets import public_config
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError, StartupError
-from lclm.files import write_json
 from lclm.models.decoder import param_count
 from lclm.parallel.distributed import check_same_config
 from lclm.parallel.mesh import make_mesh
@@ -48,6 +47,7 @@ from lclm.training.object_lock import workdir_lock
 from lclm.training.resume import tokenizer_fingerprint
 from lclm.training.state import TrainState
 from lclm.training.step import all_finite, jit_train_step, make_optimizer
+from lclm.writes import write_json
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from lclm import storage
 from lclm.config import ModelConfig
 from lclm.config.secrets import is_secret, public_config
 from lclm.config.syntax import format_tokens
-from lclm.files import replacing
 from lclm.models.decoder import param_count
+from lclm.writes import replacing
 
 log = logging.getLogger(__name__)
 

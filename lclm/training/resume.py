@@ -28,7 +28,7 @@ import hashlib
 import json
 import logging
 
-from lclm.config.files import field
+from lclm.config.loading import field
 from lclm.errors import ConfigError
 from lclm.hf.config import SCALING_FIELDS, SOURCE_FIELDS
 

@@ -17,7 +17,7 @@ import tempfile
 from lclm import storage
 from lclm.checkpoint import COMMITTED, path_problem
 from lclm.errors import ConfigError, StartupError
-from lclm.files import output_problem
+from lclm.writes import output_problem
 
 STAGE_DIR = re.compile(r"stage(\d+)_(\d+)")
 

@@ -129,11 +129,11 @@ def test_generate_stops_at_eos(params):
     from types import SimpleNamespace
 
     from lclm.eval.generate import continuation
-    from lclm.eval.model import Model
+    from lclm.eval.model import LoadedModel
 
     mesh = make_mesh(fsdp=1, sp=1)
     prompt = list(range(3, 40))
-    model = Model(MODEL, ATTENTION, shard_params(MODEL, params, mesh), mesh,
+    model = LoadedModel(MODEL, ATTENTION, shard_params(MODEL, params, mesh), mesh,
                   SimpleNamespace(eos_id=None), "test")
     full = continuation(model, prompt, 12)
     assert len(full) == 12

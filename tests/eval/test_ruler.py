@@ -22,7 +22,7 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.eval import retrieval
 from lclm.eval import ruler as ruler_eval
 from lclm.eval.__main__ import main as eval_main
-from lclm.eval.model import Model
+from lclm.eval.model import LoadedModel
 from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
 from lclm.training.state import shard_params
@@ -161,7 +161,7 @@ def test_answers_are_the_same_on_one_device_and_on_a_mesh(demo, monkeypatch):
                                 (2, 4, dict(strategy="all_gather", layout="zigzag")),
                                 (2, 4, dict(strategy="ulysses"))]:
         mesh = make_mesh(fsdp=fsdp, sp=sp)
-        model = Model(MODEL, AttentionConfig(q_chunk=8, kv_chunk=8, **attention),
+        model = LoadedModel(MODEL, AttentionConfig(q_chunk=8, kv_chunk=8, **attention),
                       shard_params(MODEL, params, mesh), mesh, demo, f"{fsdp}x{sp}")
         result = ruler_eval.evaluate(model, form, made)
         results.append([(r["task"], r["output"], r["score"]) for r in result["samples"]])

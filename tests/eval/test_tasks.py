@@ -15,7 +15,7 @@ from lclm.config import AttentionConfig, ModelConfig
 from lclm.data.tokenizer import Tokenizer
 from lclm.eval import needle, passkey, perplexity, retrieval
 from lclm.eval.__main__ import main as eval_main
-from lclm.eval.model import Model
+from lclm.eval.model import LoadedModel
 from lclm.models.decoder import init_params, loss_terms
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
@@ -38,7 +38,7 @@ def params():
 def on_mesh(params, sp, tokenizer=None, fsdp=1, **attention):
     a = AttentionConfig(q_chunk=8, kv_chunk=8, **attention)
     mesh = make_mesh(fsdp=fsdp, sp=sp)
-    return Model(MODEL, a, shard_params(MODEL, params, mesh), mesh, tokenizer, f"sp{sp}")
+    return LoadedModel(MODEL, a, shard_params(MODEL, params, mesh), mesh, tokenizer, f"sp{sp}")
 
 
 # -- perplexity ----------------------------------------------------------------------------
@@ -209,7 +209,7 @@ def test_passkey_and_needle_answer_alike_on_one_device_and_a_ring(tokenizer, wid
     outs = []
     for sp in (1, 4):
         mesh = make_mesh(sp=sp)
-        model = Model(wide, AttentionConfig(q_chunk=8, kv_chunk=8), shard_params(
+        model = LoadedModel(wide, AttentionConfig(q_chunk=8, kv_chunk=8), shard_params(
             wide, wide_params, mesh), mesh, tokenizer, f"sp{sp}")
         outs.append(answers(model, prompts))
     assert outs[0] == outs[1]
@@ -224,7 +224,7 @@ def test_a_correct_answer_is_scored_as_one(tokenizer, monkeypatch):
     monkeypatch.setattr(retrieval, "generate_answers",
                         lambda model, prompts, *a: ([by_prompt.get(tuple(p), " 7") for p in
                                                      prompts], 104))
-    fake = Model(MODEL, AttentionConfig(), None, make_mesh(), tokenizer, "fake")
+    fake = LoadedModel(MODEL, AttentionConfig(), None, make_mesh(), tokenizer, "fake")
     result = retrieval.evaluate(fake, [200], lambda n: items, n_bins=2, max_new=6)
     assert [c["accuracy"] for c in result["cells"]] == [1.0, 1.0]
     result = retrieval.evaluate(fake, [200], lambda n: items[:1] + [

@@ -1,4 +1,4 @@
-"""lclm.files' start-up checks of the paths a CLI names: what `output_problem` refuses (object
+"""lclm.writes' start-up checks of the paths a CLI names: what `output_problem` refuses (object
 storage, a file where a folder goes, a folder where a file goes, a parent that cannot be
 written) and that it creates nothing when it finds no problem."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from lclm import storage
 from lclm.errors import StartupError
-from lclm.files import check_input, check_output, input_problem, output_problem
+from lclm.writes import check_input, check_output, input_problem, output_problem
 
 
 @contextlib.contextmanager
