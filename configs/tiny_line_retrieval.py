@@ -58,8 +58,9 @@ def get_config():
     # without the half-length documents stage 0's 3e-3 wiped what stage 0 had learned (0.30 at 128
     # tokens, 0.18 at 64; docs/evaluation.md)
     # stage 0 at 700 steps: at 450 its cosine had decayed before seed 3 left the plateau at
-    # chance (val_loss 0.42 at step 450, then 89.5% / 50% after stage 1); with 700 the same
-    # seed is at 0.057 by step 450. lr 6e-3 instead stayed at chance for 450 steps.
+    # chance (val_loss 0.42 at step 450, then 89.5% / 50% after stage 1); at 700 seed 3 scores
+    # 100% / 100%, but seed 2 88% at 128 tokens (docs/evaluation.md: not yet every seed).
+    # lr 6e-3 instead stayed at chance for 450 steps.
     c.stages.update(schedule="64:1e4:700, 128:1e4:900", tokens_per_batch=4096, extend_lr=2e-3)
     c.log.every = 50
     c.checkpoint.every = 200
