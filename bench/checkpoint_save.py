@@ -81,7 +81,7 @@ def _save(workdir: str, state, config) -> dict:
     from lclm.checkpoint import Checkpoints
 
     _remove(workdir)
-    ckpt = Checkpoints(workdir, every=1, keep=2)
+    ckpt = Checkpoints(workdir, keep=2)
     try:
         for step in (1, 2):
             t0 = time.perf_counter()
@@ -101,7 +101,7 @@ def _restore(workdir: str, template, sums: list[int]) -> dict:
 
     from lclm.checkpoint import Checkpoints
 
-    reader = Checkpoints(workdir, every=1, keep=2)
+    reader = Checkpoints(workdir, keep=2)
     try:
         t0 = time.perf_counter()
         restored, _ = reader.restore(template)

@@ -280,7 +280,7 @@ def _timed_steps(compiled, state, batch, warmup: int, steps: int):
     """(seconds per step over `steps` >= 1 timed steps, the last step's metrics)."""
     import jax
 
-    sync_each = jax.devices()[0].platform == "cpu"  # see sync_each_step in lclm.training.loop
+    sync_each = jax.devices()[0].platform == "cpu"  # see _Loop.sync in lclm.training.loop
     for _ in range(warmup):
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)

@@ -20,7 +20,7 @@ import sentencepiece as spm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lclm.data.synthetic import conversations, corpus  # noqa: E402
-from lclm.files import replacing  # noqa: E402
+from lclm.writes import replacing  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "demo")
 

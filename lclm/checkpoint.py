@@ -1,8 +1,9 @@
 """Orbax checkpoints of the train state in `<workdir>/checkpoints`, and resume.
 
-Saves every `checkpoint.every` steps (asynchronously: training continues while tensorstore
-writes), keeps the last `checkpoint.keep`, and always saves the final step (and on SIGTERM
-/ SIGINT, see `lclm.training.loop`). Each process writes its own shards. A checkpoint holds
+Saves asynchronously (training continues while tensorstore writes) and keeps the last
+`checkpoint.keep`; which steps are saved (every `checkpoint.every`, the final step, on
+SIGTERM / SIGINT) is `lclm.training.cadence`'s, saves by time and retries are
+`lclm.training.faults`'. Each process writes its own shards. A checkpoint holds
 `state` (step, params, optimizer state), `data` (every process's data-pipeline state) and
 `config` (secrets removed).
 
@@ -184,10 +185,10 @@ def read_state_items(workdir: str, step: int, abstract: dict) -> dict:
 
 
 def path_problem(workdir: str) -> str | None:
-    """Why checkpoints cannot be kept under `workdir` (None: they can): an object store other
-    than GCS, or a '[' or ']' in the path (Orbax finds the files each process wrote with glob
-    patterns that contain the path, so a character class would make every checkpoint written
-    there unreadable)."""
+    """Why checkpoints cannot be kept under `workdir` (None: they can): an object store whose
+    `storage.SCHEMES` entry keeps no checkpoints, or a '[' or ']' in the path (Orbax finds
+    the files each process wrote with glob patterns that contain the path, so a character
+    class would make every checkpoint written there unreadable)."""
     name = storage.scheme(workdir)
     entry = storage.SCHEMES.get(name or "")
     if name is not None and not (entry and entry.checkpoints):
@@ -309,7 +310,8 @@ def _quiet_storage_tracebacks() -> None:
 
 
 class Checkpoints:
-    """The run's checkpoint directory (when to save is the loop's `Cadence`).
+    """The run's checkpoint directory (when to save: `lclm.training.cadence`, and
+    `lclm.training.faults` for saves by time and retries).
 
     Faults: a step that cannot be read is moved aside to `<workdir>/checkpoints_damaged/`
     (never deleted) and the previous one is used, so the run can save that step again. A save
@@ -442,7 +444,7 @@ class Checkpoints:
         soon as it has failed (cheap: a flag test while it is still writing)."""
         if self._pending is not None and not self.manager.is_saving_in_progress():
             self.wait()
-        # also a save that the next one waited for (with `every=1`, most of them)
+        # also a save that the next one waited for (with `checkpoint.every=1`, most of them)
         done, self._completed = self._completed, None
         return done
 

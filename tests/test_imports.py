@@ -1,5 +1,5 @@
 """lclm's import graph runs one way: errors -> hardware (what a chip is) -> platforms (the
-probe that chooses JAX's platform) -> storage -> files -> the model families' declarations
+probe that chooses JAX's platform) -> storage -> writes -> the model families' declarations
 (lclm.families: no JAX, read by the config's presets and choices) -> config -> logs/cli ->
 ops -> parallel -> models -> hf -> data -> checkpoint -> training -> eval -> generate -> the
 training program (lclm.train_program, whose stage gates score RULER with evaluation's code) ->
@@ -84,7 +84,7 @@ def test_no_import_cycles():
     assert [m for m in graph if m in reaches(m)] == []
 
 
-# flax is the optional [nnx] extra: only the NNX view (and its old name) may import it
+# flax is the optional [nnx] extra: only the NNX view imports it (its old name imports the view)
 def test_only_the_nnx_view_imports_flax():
     importers = {name for name, tree in _modules() for node in ast.walk(tree)
                  if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "flax"

@@ -1,7 +1,7 @@
 """The one typed configuration of lclm (JAX-free): `base_config()` and the presets a config
 file starts from, the model schema, `load_config` for files. Submodules: `fields` (how a
 field declares its type, default, help, names and range), `schema` (every section as a typed
-dataclass, presets, single-field checks), `model` (ModelConfig, AttentionConfig), `files`
+dataclass, presets, single-field checks), `model` (ModelConfig, AttentionConfig), `loading`
 (config files and dotted keys), `syntax` (token counts, lengths, stage schedules), `stages`
 (the config of every stage of a schedule)."""
 

@@ -220,7 +220,7 @@ class HostBatches:
         the run that saved them). `prefetch`: host batches prepared ahead by a background
         thread (0: none, batches are built when asked for)."""
         d = config.data
-        # the layout's shards: the ring's members (usp: sp / ulysses)
+        # the layout's shards (sp; usp: sp / ulysses)
         self.layout = config.attention.layout
         self.shards = layout_shards(config.attention, mesh.shape["sp"])
         self.sharding = batch_sharding(mesh)

@@ -21,8 +21,8 @@ import jax
 
 try:
     from flax import nnx
-except ImportError as e:  # one line that names the fix, not a chain of import frames
-    raise ImportError("lclm.models.nnx_decoder needs flax: pip install 'lclm[nnx]'") from e
+except ImportError:  # one line that names the fix, not a chain of import frames
+    raise ImportError("lclm.models.nnx_decoder needs flax: pip install 'lclm[nnx]'") from None
 
 from lclm.models import decoder
 from lclm.models.decoder import AttentionConfig, ModelConfig

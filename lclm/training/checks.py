@@ -81,14 +81,14 @@ def validate(config, device_count: int) -> dict[str, int]:
         _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp={sp}; "
               f"use a multiple of {sp}")
     local = d.seq_len // sp
-    # the layout's shards: the ring's members (usp: sp / ulysses, a shard cut over its group)
-    ring = layout_shards(attention, sp)
-    shard, what = d.seq_len // ring, "mesh.sp" if ring == sp else "mesh.sp / attention.ulysses"
+    # the layout's shards (sp; usp: sp / ulysses, a shard cut over its group)
+    shards = layout_shards(attention, sp)
+    shard, what = d.seq_len // shards, "mesh.sp" if shards == sp else "mesh.sp / attention.ulysses"
     # zigzag: each shard holds two runs of consecutive positions; tiles stay inside one
-    runs = 2 if a.layout == "zigzag" and ring > 1 else 1
+    runs = 2 if a.layout == "zigzag" and shards > 1 else 1
     if shard % runs:
-        _fail(f"data.seq_len={d.seq_len} is not divisible by 2 x {what} = {2 * ring}, as "
-              f"attention.layout='zigzag' needs; use a multiple of {2 * ring}")
+        _fail(f"data.seq_len={d.seq_len} is not divisible by 2 x {what} = {2 * shards}, as "
+              f"attention.layout='zigzag' needs; use a multiple of {2 * shards}")
     # the run of positions the kernel's tiles stay inside (ulysses: the whole sequence)
     run = kernel_block(attention, sp, d.seq_len)
     for key in ("q_chunk", "kv_chunk"):
@@ -101,7 +101,7 @@ def validate(config, device_count: int) -> dict[str, int]:
         else:
             twice = f"2 x {what}" if runs == 2 else what
             _fail(f"data.seq_len={d.seq_len} is not divisible by {twice} x attention.{key} = "
-                  f"{runs * ring} x {chunk}; use a multiple of {runs * ring * chunk}")
+                  f"{runs * shards} x {chunk}; use a multiple of {runs * shards * chunk}")
     for key in ("ffn_chunk", "loss_chunk"):
         chunk = min(m[key], local)
         if local % chunk:

@@ -70,7 +70,7 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_used(
     config = _config(workdir)
     template = init_state(ModelConfig.from_config(config.model), make_optimizer(config.train),
                           make_mesh(fsdp=2, sp=2), seed=7)
-    checkpoints = Checkpoints(str(workdir), every=2, keep=3)
+    checkpoints = Checkpoints(str(workdir), keep=3)
     with caplog.at_level(logging.ERROR):
         state, data = checkpoints.restore(template)
     checkpoints.close()

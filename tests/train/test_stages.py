@@ -54,7 +54,7 @@ def _final_params(config):
     last = stage_configs(config)[-1]
     model = ModelConfig.from_config(last.model)
     template = init_state(model, make_optimizer(last.train), make_mesh(), seed=0)
-    checkpoints = Checkpoints(last.workdir, every=0, keep=1)
+    checkpoints = Checkpoints(last.workdir, keep=1)
     state, _ = checkpoints.restore(template)
     checkpoints.close()
     return int(state.step), jax.device_get(state.params)
@@ -119,7 +119,7 @@ def test_interrupted_staged_run_resumes_to_the_same_weights(tmp_path, caplog):
 def test_a_staged_run_refuses_a_workdir_that_holds_a_single_runs_checkpoints(tmp_path):
     hf_dir, _ = _tiny_hf(tmp_path)
     c = _recipe(tmp_path, "run", hf_dir)
-    single = Checkpoints(c.workdir, every=0, keep=1)   # a plain run's (or a conversion's) step
+    single = Checkpoints(c.workdir, keep=1)   # a plain run's (or a conversion's) step
     model = ModelConfig.from_config(stage_configs(c)[0].model)
     state = init_state(model, make_optimizer(c.train), make_mesh(), seed=0)
     single.save(0, state, None, {})
