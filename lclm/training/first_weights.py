@@ -52,7 +52,10 @@ class Origin:
 def take_model_fields(config) -> None:
     """Take into `config.model` the fields its source of weights determines: a HuggingFace
     directory's (`init_weights.apply_hf_shapes`) or another run's (`apply_checkpoint_fields`).
-    Before the config is checked: a resume is then compared with the config it will train."""
+    Before the config is checked: a resume is then compared with the config it will train.
+    HuggingFace first, unlike `origin`: a later stage of a run started from HuggingFace keeps
+    its `init_from_hf` beside the previous stage's `init_from_checkpoint`, and takes its fields
+    from the HuggingFace directory but its weights from that checkpoint."""
     if config.model.init_from_hf:
         apply_hf_shapes(config)
     elif config.model.init_from_checkpoint:
