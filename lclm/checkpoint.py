@@ -344,12 +344,12 @@ class Checkpoints:
         initialised (a step whose config is damaged is skipped here, as `restore` will skip
         it)."""
         for step in sorted(self.manager.all_steps(), reverse=True):
-            config = self.saved_config(step)
+            config = self.config_at(step)
             if config is not None:
                 return step, config
         return None
 
-    def saved_config(self, step: int) -> dict | None:
+    def config_at(self, step: int) -> dict | None:
         """The config saved with `step`, or None where it cannot be read (damage is
         `restore`'s business: it sets the step aside)."""
         try:

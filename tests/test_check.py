@@ -5,17 +5,25 @@ The real SmolLM2 with its own RoPE theta passes check 1 (skipped where it is abs
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from support import DEMO_CONFIG, ROOT, real_model_dir, small_train_config
 
 from lclm.check.__main__ import chosen_stages, main
 from lclm.check.checks import document_check, judge_lengths, length_check, strategy_check
-from lclm.check.setup import check_mesh, prepare
-from lclm.config import load_config
+from lclm.check.setup import check_mesh, initial_params, prepare
+from lclm.checkpoint import Checkpoints
+from lclm.config import ModelConfig, load_config
+from lclm.config.secrets import public_config
 from lclm.models import decoder
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.context_parallel.ring import Ring
+from lclm.parallel.mesh import make_mesh
 from lclm.training.loop import train
+from lclm.training.state import TrainState
+from lclm.training.step import make_optimizer
 
 TARGET = 256   # the faults' target length (short: 128)
 
@@ -120,6 +128,28 @@ def test_staged_config_checks_last_then_first():
     stages = chosen_stages(load_config(f"{ROOT}/configs/demo_stages.py"))
     assert [(label, s.data.seq_len) for label, s in stages] == [
         ("stage 3/3 (512 tokens)", 512), ("stage 1/3 (128 tokens)", 128)]
+
+
+def test_a_stage_after_a_huggingface_one_checks_the_previous_stages_weights(tmp_path):
+    """A later stage of a run started from HuggingFace keeps `init_from_hf` beside the previous
+    stage's `init_from_checkpoint`: training loads the checkpoint, and so must the check
+    (the HF path here does not exist: reading it would fail)."""
+    saved = small_train_config(tmp_path / "stage0", mesh=dict(fsdp=1, sp=1), attention={})
+    model = ModelConfig.from_config(saved.model)
+    params = decoder.init_params(model, jax.random.key(7))
+    state = TrainState(jnp.int32(2), params, make_optimizer(saved.train).init(params))
+    checkpoints = Checkpoints(saved.workdir, keep=1)
+    try:
+        checkpoints.save(2, state, None, public_config(saved))
+        checkpoints.wait()
+    finally:
+        checkpoints.close()
+    stage = small_train_config(tmp_path / "stage1", mesh=dict(fsdp=1, sp=1), attention={})
+    stage.model.update(init_from_hf=str(tmp_path / "no-such-hf-dir"),
+                       init_from_checkpoint=saved.workdir)
+    loaded = initial_params(stage, model, make_mesh(devices=jax.devices()[:1]))
+    for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_real_model_passes_length_check():

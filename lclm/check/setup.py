@@ -25,7 +25,13 @@ from lclm.models.decoder import init_params, param_count
 from lclm.ops.context_parallel import get_strategy
 from lclm.parallel.mesh import make_mesh
 from lclm.training.checks import check_data, validate
-from lclm.training.init_weights import apply_checkpoint_fields, apply_hf_shapes, load_hf_params
+from lclm.training.first_weights import (
+    HUGGINGFACE,
+    OTHER_RUN,
+    configured_source,
+    take_model_fields,
+)
+from lclm.training.init_weights import load_hf_params
 from lclm.training.state import param_shardings
 from lclm.training.workdirs import has_checkpoint, saved_steps
 
@@ -146,10 +152,7 @@ def prepare(stage, first, length: int | None) -> Run:
     itself) on this machine's devices, capped at `length` tokens."""
     devices = jax.devices()
     c, weights = weights_source(stage, first)
-    if c.model.init_from_hf:
-        apply_hf_shapes(c)
-    elif c.model.init_from_checkpoint:
-        apply_checkpoint_fields(c)
+    take_model_fields(c)
     c, notes = run_config(c, length, len(devices))
     model = ModelConfig.from_config(c.model)
     if param_count(model) > LARGE_MODEL and devices[0].platform == "cpu":
@@ -165,10 +168,12 @@ def prepare(stage, first, length: int | None) -> Run:
 
 def initial_params(config, model: ModelConfig, mesh) -> dict:
     """The weights training would start from, placed on `mesh`: HF weights, the latest
-    checkpoint of another run, or the seeded random init."""
-    if config.model.init_from_hf:
+    checkpoint of another run, or the seeded random init (chosen as training chooses:
+    `first_weights.configured_source`)."""
+    source_kind = configured_source(config)
+    if source_kind == HUGGINGFACE:
         return load_hf_params(config, model, mesh)
-    if config.model.init_from_checkpoint:
+    if source_kind == OTHER_RUN:
         source = config.model.init_from_checkpoint
         steps = saved_steps(source)
         if not steps:

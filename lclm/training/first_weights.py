@@ -84,11 +84,19 @@ def origin(config, checkpoints: Checkpoints, saved_config: dict, model: ModelCon
             log.debug("shapes of checkpoint step %d not checked before the restore (%s)", step,
                       e)
         return Origin(RESUME, step, restart_data)
+    return Origin(configured_source(config))
+
+
+def configured_source(config) -> str:
+    """OTHER_RUN, HUGGINGFACE or FRESH: where the weights of a run that does not resume come
+    from. Another run first: a later stage of a run started from HuggingFace keeps its
+    `init_from_hf` beside the previous stage's `init_from_checkpoint`. The pre-flight check
+    (`lclm.check.setup.initial_params`) asks here too, so both load the same weights."""
     if config.model.init_from_checkpoint:
-        return Origin(OTHER_RUN)
+        return OTHER_RUN
     if config.model.init_from_hf:
-        return Origin(HUGGINGFACE)
-    return Origin(FRESH)
+        return HUGGINGFACE
+    return FRESH
 
 
 def first_state(config, checkpoints: Checkpoints, model: ModelConfig, mesh, optimizer,
@@ -116,7 +124,7 @@ def _resume(config, checkpoints: Checkpoints, template: TrainState, saved_config
     if restored is not None and restored != checked.step:
         # damage sent the restore to another step than the one checked: its own config
         # decides (an allowed change of the data order may lie between the two)
-        saved = checkpoints.saved_config(restored)
+        saved = checkpoints.config_at(restored)
         restart_data = saved is not None and check_resume(saved, saved_config,
                                                           allowed_keys(config), restored)
     return state, None if restart_data else data_state
