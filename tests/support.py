@@ -42,6 +42,31 @@ def small_train_config(workdir, *, mesh: dict, attention: dict, train: dict | No
     return c
 
 
+def save_initial_checkpoint(config, step: int, seed: int = 0) -> dict:
+    """Write `config`'s model, freshly initialised from `seed`, as checkpoint `step` of its
+    workdir (no training); its parameters."""
+    # imported here: importing support (the paths, the config) does not start JAX
+    import jax
+    import jax.numpy as jnp
+
+    from lclm.checkpoint import Checkpoints
+    from lclm.config.model import ModelConfig
+    from lclm.config.secrets import public_config
+    from lclm.models.decoder import init_params
+    from lclm.training.state import TrainState
+    from lclm.training.step import make_optimizer
+
+    params = init_params(ModelConfig.from_config(config.model), jax.random.key(seed))
+    state = TrainState(jnp.int32(step), params, make_optimizer(config.train).init(params))
+    checkpoints = Checkpoints(config.workdir, keep=3)
+    try:
+        checkpoints.save(step, state, None, public_config(config))
+        checkpoints.wait()
+    finally:
+        checkpoints.close()
+    return params
+
+
 def chunk_files(step_dir):
     """The array data files of a checkpoint step directory."""
     return [f for f in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)

@@ -6,24 +6,25 @@ The real SmolLM2 with its own RoPE theta passes check 1 (skipped where it is abs
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import DEMO_CONFIG, ROOT, real_model_dir, small_train_config
+from support import (
+    DEMO_CONFIG,
+    ROOT,
+    real_model_dir,
+    save_initial_checkpoint,
+    small_train_config,
+)
 
 from lclm.check.__main__ import chosen_stages, main
 from lclm.check.checks import document_check, judge_lengths, length_check, strategy_check
 from lclm.check.setup import check_mesh, initial_params, prepare
-from lclm.checkpoint import Checkpoints
 from lclm.config import ModelConfig, load_config
-from lclm.config.secrets import public_config
 from lclm.models import decoder
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.context_parallel.ring import Ring
 from lclm.parallel.mesh import make_mesh
 from lclm.training.loop import train
-from lclm.training.state import TrainState
-from lclm.training.step import make_optimizer
 
 TARGET = 256   # the faults' target length (short: 128)
 
@@ -135,15 +136,8 @@ def test_a_stage_after_a_huggingface_one_checks_the_previous_stages_weights(tmp_
     stage's `init_from_checkpoint`: training loads the checkpoint, and so must the check
     (the HF path here does not exist: reading it would fail)."""
     saved = small_train_config(tmp_path / "stage0", mesh=dict(fsdp=1, sp=1), attention={})
+    params = save_initial_checkpoint(saved, step=2, seed=7)
     model = ModelConfig.from_config(saved.model)
-    params = decoder.init_params(model, jax.random.key(7))
-    state = TrainState(jnp.int32(2), params, make_optimizer(saved.train).init(params))
-    checkpoints = Checkpoints(saved.workdir, keep=1)
-    try:
-        checkpoints.save(2, state, None, public_config(saved))
-        checkpoints.wait()
-    finally:
-        checkpoints.close()
     stage = small_train_config(tmp_path / "stage1", mesh=dict(fsdp=1, sp=1), attention={})
     stage.model.update(init_from_hf=str(tmp_path / "no-such-hf-dir"),
                        init_from_checkpoint=saved.workdir)

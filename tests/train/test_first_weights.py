@@ -2,16 +2,13 @@
 checkpoint before any configured source, a resume the config may not make refused before the
 model is initialised. A checkpoint of a tiny model is written directly (no training)."""
 
-import jax
-import jax.numpy as jnp
 import pytest
-from support import small_train_config
+from support import save_initial_checkpoint, small_train_config
 
 from lclm.checkpoint import Checkpoints, ShapeMismatch
 from lclm.config.model import ModelConfig
 from lclm.config.secrets import public_config
 from lclm.errors import ConfigError
-from lclm.models.decoder import init_params
 from lclm.training.first_weights import (
     FRESH,
     HUGGINGFACE,
@@ -20,8 +17,6 @@ from lclm.training.first_weights import (
     Origin,
     origin,
 )
-from lclm.training.state import TrainState
-from lclm.training.step import make_optimizer
 
 
 def _config(workdir, **model):
@@ -43,15 +38,7 @@ def _origin(config):
 def saved_at_3(tmp_path_factory):
     """A workdir with one checkpoint, step 3, of the small config's model."""
     config = _config(tmp_path_factory.mktemp("run"))
-    model = ModelConfig.from_config(config.model)
-    params = init_params(model, jax.random.key(0))
-    state = TrainState(jnp.int32(3), params, make_optimizer(config.train).init(params))
-    checkpoints = Checkpoints(config.workdir, keep=3)
-    try:
-        checkpoints.save(3, state, None, public_config(config))
-        checkpoints.wait()
-    finally:
-        checkpoints.close()
+    save_initial_checkpoint(config, step=3)
     return config.workdir
 
 
