@@ -139,10 +139,10 @@ def weights_source(stage, first) -> tuple[ConfigDict, str]:
 
 
 def _source_words(config) -> str:
-    m = config.model
-    if m.init_from_checkpoint:
+    m, kind = config.model, configured_source(config)
+    if kind == OTHER_RUN:
         return f"checkpoint {m.init_from_checkpoint}"
-    if m.init_from_hf:
+    if kind == HUGGINGFACE:
         return f"HF {m.init_from_hf}"
     return f"random init (seed {config.seed}): untrained"
 
@@ -167,8 +167,8 @@ def prepare(stage, first, length: int | None) -> Run:
 
 
 def initial_params(config, model: ModelConfig, mesh) -> dict:
-    """The weights training would start from, placed on `mesh`: HF weights, the latest
-    checkpoint of another run, or the seeded random init (chosen as training chooses:
+    """The weights training would start from, placed on `mesh`: the latest checkpoint of
+    another run, HF weights, or the seeded random init (chosen as training chooses:
     `first_weights.configured_source`)."""
     source_kind = configured_source(config)
     if source_kind == HUGGINGFACE:
