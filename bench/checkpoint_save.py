@@ -42,6 +42,7 @@ from bench.gcs_server import GCS_PACKAGE, GcsServer
 from bench.report import Table
 from lclm import storage
 from lclm.cli import run_cli
+from lclm.config.run_config import run_config
 from lclm.writes import check_output
 
 HEADER = ["target", "model", "params", "saved", "state GB", "blocking s", "whole save s",
@@ -199,7 +200,7 @@ def _measure_all(args, server: GcsServer | None) -> int:
         if params_only:
             apply_preset(config, name)
         model = ModelConfig.from_config(config.model)
-        state = init_state(model, make_optimizer(config.train), mesh, seed=0)
+        state = init_state(model, make_optimizer(run_config(config).train), mesh, seed=0)
         if params_only:
             state = state._replace(opt_state={})
         jax.block_until_ready(state)

@@ -25,6 +25,7 @@ from bench.gcs_server import GcsServer
 from bench.report import emit_table
 from lclm import storage
 from lclm.cli import run_cli
+from lclm.config.run_config import run_config
 from lclm.writes import check_output
 
 
@@ -109,7 +110,7 @@ def _measure(args, demo, tokenizer_path, tok, mesh, tmp, bucket):
         config = load_config(os.path.join(ROOT, "configs", "demo.py"))
         config.data.update(path=path, seq_len=args.seq, batch_size=args.batch)
         # no prefetch thread: time the producer's own work synchronously (= one core)
-        loader = HostBatches(config, mesh, tok, prefetch=0)
+        loader = HostBatches(run_config(config), mesh, tok, prefetch=0)
         loader.next_host_batch()  # warm-up: file reading / opening happened in the constructor
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.batches):

@@ -33,6 +33,7 @@ from bench import int_list, repo_path
 from bench.isolate import emit_record, run_child
 from bench.report import MFU_NOTE, Table, error_status, fmt, stamp, try_plot
 from lclm.config import MESH_AXES
+from lclm.config.run_config import run_config
 from lclm.ops.kernels import KERNELS
 
 
@@ -229,7 +230,7 @@ def _build(config, devices=None):
     mesh = make_mesh(**sizes, devices=devices[:math.prod(sizes.values())])
     model = ModelConfig.from_config(config.model)
     attention = AttentionConfig.from_config(config.attention)
-    optimizer = make_optimizer(config.train)
+    optimizer = make_optimizer(run_config(config).train)
     d = config.data
     if described:
         state = aot.abstract_state(model, optimizer, mesh)
@@ -238,8 +239,8 @@ def _build(config, devices=None):
         state = init_state(model, optimizer, mesh, config.seed)
         batch = synthetic_batch(model.vocab_size, d.batch_size, d.seq_len, attention.layout,
                                 sizes["sp"], mesh)
-    return model, sizes, state, batch, make_train_step(model, attention, config.train, mesh,
-                                                       optimizer)
+    return model, sizes, state, batch, make_train_step(model, attention,
+                                                       run_config(config).train, mesh, optimizer)
 
 
 def _build_baseline(config, remat: str, devices=None):
@@ -261,7 +262,7 @@ def _build_baseline(config, remat: str, devices=None):
         raise ConfigError(f"the baseline runs on one device, not the mesh {sizes}; "
                           "set --config.mesh.dp/fsdp/tp/sp=1")
     model = ModelConfig.from_config(config.model)
-    optimizer = make_optimizer(config.train)
+    optimizer = make_optimizer(run_config(config).train)
     d = config.data
     if described:
         where = jax.sharding.SingleDeviceSharding(devices[0])

@@ -44,6 +44,7 @@ from lclm.checkpoint import (
 from lclm.cli import run_cli
 from lclm.config import ModelConfig, base_config
 from lclm.config.fields import from_saved
+from lclm.config.run_config import run_config
 from lclm.config.secrets import public_config
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
@@ -123,7 +124,7 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
         lock = workdir_lock(workdir, config.workdir_lease_minutes)
         lock.acquire()
     try:
-        optimizer = make_optimizer(config.train)
+        optimizer = make_optimizer(run_config(config).train)
         with hf.local_copy(hf_dir) as local:
             model = hf.read_config(local)
             where = state_shardings(model, optimizer, _local_mesh())

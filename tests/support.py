@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 
 from lclm.config import load_config
+from lclm.config.run_config import run_config
 from lclm.data.packing import Packer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +58,8 @@ def save_initial_checkpoint(config, step: int, seed: int = 0) -> dict:
     from lclm.training.step import make_optimizer
 
     params = init_params(ModelConfig.from_config(config.model), jax.random.key(seed))
-    state = TrainState(jnp.int32(step), params, make_optimizer(config.train).init(params))
+    optimizer = make_optimizer(run_config(config).train)
+    state = TrainState(jnp.int32(step), params, optimizer.init(params))
     checkpoints = Checkpoints(config.workdir, keep=3)
     try:
         checkpoints.save(step, state, None, public_config(config))

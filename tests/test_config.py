@@ -12,6 +12,8 @@ from support import DEMO_CONFIG, DEMO_TOKENIZER, ROOT
 from lclm.config import AttentionConfig, ModelConfig, base_config, load_config
 from lclm.config.fields import from_saved
 from lclm.config.model import LAYOUTS
+from lclm.config.run_config import run_config
+from lclm.config.schema import Train
 from lclm.data.loader import SourceEntry, parse_sources
 from lclm.errors import ConfigError
 from lclm.ops import layout
@@ -395,3 +397,17 @@ def test_a_saved_config_section_keeps_the_fields_its_dataclass_declares():
     assert from_saved(ModelConfig, saved) == ModelConfig(n_layers=3)
     assert from_saved(AttentionConfig, {"strategy": "all_gather", "gone": 0}) == AttentionConfig(
         strategy="all_gather")
+
+
+def test_the_typed_sections_of_a_config_hold_its_values_with_references_resolved():
+    # the tiny line-retrieval config's data.path and validation.path follow data.seq_len
+    # through FieldReferences: the typed tree holds the values they resolve to
+    config = _load("tiny_line_retrieval.py")
+    config.data.seq_len = 128
+    sections = run_config(config)
+    assert sections.to_dict() == config.to_dict()
+    assert isinstance(sections.train, Train) and isinstance(sections.attention, AttentionConfig)
+    assert sections.run.workdir == config.workdir == "runs/tiny_line_retrieval"
+    assert "tokens=128" in sections.data.path and "tokens=64;pad_to=128" in sections.data.path
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sections.train.lr = 1.0  # type: ignore[misc]

@@ -12,6 +12,7 @@ import pytest
 from support import DEMO_CONFIG, ROOT
 
 from lclm.config import load_config
+from lclm.config.run_config import run_config
 from lclm.data.loader import HostBatches, SourceEntry, parse_sources
 from lclm.data.tokenizer import Tokenizer
 from lclm.parallel import make_mesh
@@ -43,7 +44,7 @@ def test_the_demo_on_sharegpt_chats_passes_the_checks_and_reads_its_held_out_tex
     # the held-out batches as the run reads them: validation.path in data.path's place
     held_out = copy.deepcopy(config)
     held_out.data.path = config.validation.path
-    reader = HostBatches(held_out, make_mesh(**sizes), Tokenizer(config.data.tokenizer),
+    reader = HostBatches(run_config(held_out), make_mesh(**sizes), Tokenizer(config.data.tokenizer),
                          prefetch=0)
     try:
         batch = next(reader)

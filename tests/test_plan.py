@@ -7,6 +7,7 @@ import pytest
 from support import DEMO_CONFIG, ROOT
 
 from lclm.config import ModelConfig, load_config
+from lclm.config.run_config import run_config
 from lclm.parallel import make_mesh
 from lclm.plan.__main__ import main
 from lclm.plan.memory import estimate
@@ -20,7 +21,7 @@ def test_parameter_and_optimizer_bytes_match_the_sharded_state(mesh):
     config.mesh.update(dict(dp=1, fsdp=1, tp=1, sp=1) | mesh)
     plan = estimate(config, 8)
     model = ModelConfig.from_config(config.model)
-    state = init_state(model, make_optimizer(config.train), make_mesh(**mesh), seed=0)
+    state = init_state(model, make_optimizer(run_config(config).train), make_mesh(**mesh), seed=0)
     on_device0 = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
                                   if x.ndim > 0)
     assert plan.params == pytest.approx(on_device0(state.params), rel=1e-6)

@@ -17,6 +17,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from lclm.config import MESH_AXES, AttentionConfig, ModelConfig
+from lclm.config.run_config import run_config
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
@@ -92,7 +93,7 @@ def short_length(config, length: int, available: int) -> int:
             short *= 2
 
 
-def run_config(config, length: int | None, available: int) -> tuple[ConfigDict, list[str]]:
+def config_for_check(config, length: int | None, available: int) -> tuple[ConfigDict, list[str]]:
     """(`config` as the check runs it, notes on what differs): the target length capped at
     `length`, the shrunk mesh, `MAX_ROWS` rows at most, no accumulation or validation, a
     scratch workdir (nothing is written); validated like a training start."""
@@ -153,7 +154,7 @@ def prepare(stage, first, length: int | None) -> Run:
     devices = jax.devices()
     c, weights = weights_source(stage, first)
     take_model_fields(c)
-    c, notes = run_config(c, length, len(devices))
+    c, notes = config_for_check(c, length, len(devices))
     model = ModelConfig.from_config(c.model)
     if param_count(model) > LARGE_MODEL and devices[0].platform == "cpu":
         notes.append(f"{param_count(model) / 1e9:.1f}B parameters on CPUs: slow (minutes to "
@@ -187,7 +188,7 @@ def first_rows(config, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     """The first batch of the config's data (`[B, L]` arrays, original token order): what
     the run's first step trains on, read by the trainer's own loader."""
     one = make_mesh(devices=jax.devices()[:1])   # one shard: the layout is the original order
-    reader = HostBatches(config, one, tokenizer, prefetch=0)
+    reader = HostBatches(run_config(config), one, tokenizer, prefetch=0)
     try:
         return reader.next_host_batch()
     finally:

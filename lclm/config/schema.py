@@ -41,6 +41,7 @@ SOURCE_KINDS = ("text", "sharegpt", "tokenized", "line_retrieval", "ruler", "cod
                 "code-heldout")
 MIXTURE_UNITS = ("tokens", "documents")
 LR_DECAYS = ("cosine", "linear", "constant")
+WANDB_MODES = ("online", "offline", "disabled", "shared")  # wandb.init's modes
 # what a stage after the first does with its predecessor's optimizer state
 STAGE_OPTIMIZER = ("carry", "fresh")
 
@@ -154,7 +155,8 @@ class Log:
     every: int = setting(10, "steps between metric lines", rule=AT_LEAST_1)
     wandb: bool = setting(False, "also log to Weights & Biases")
     wandb_project: str = setting("lclm")
-    wandb_mode: str = setting("online", "wandb's mode (online, offline, disabled)")
+    wandb_mode: str = setting("online", "wandb's mode (the environment's WANDB_MODE wins)",
+                              choices=WANDB_MODES)
     progress: bool = setting(True, "a progress line between metric lines")
 
 

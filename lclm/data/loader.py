@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from lclm import storage
+from lclm.config.run_config import RunConfig
 from lclm.data.balance import attention_work, balance_permutation
 from lclm.data.filters import BUCKETS, LengthFilter, LengthRules, parse_options, statistics
 from lclm.data.packing import ROW_KEYS, Packer
@@ -215,11 +216,12 @@ class _Slot:
 class HostBatches:
     """Endless global batches `{key: jax.Array [batch, seq]}` for `config` on `mesh`."""
 
-    def __init__(self, config, mesh, tokenizer, state=None, prefetch: int = 2):
-        """`state`: what `state()` returned, or a list of such states (one per process of
-        the run that saved them). `prefetch`: host batches prepared ahead by a background
-        thread (0: none, batches are built when asked for)."""
-        d = config.data
+    def __init__(self, config: RunConfig, mesh, tokenizer, state=None, prefetch: int = 2):
+        """`config`: the run's sections (it reads data, attention, the seed and
+        train.grad_accum). `state`: what `state()` returned, or a list of such states (one
+        per process of the run that saved them). `prefetch`: host batches prepared ahead by a
+        background thread (0: none, batches are built when asked for)."""
+        d, seed = config.data, config.run.seed
         # the layout's shards (sp; usp: sp / ulysses)
         self.layout = config.attention.layout
         self.shards = layout_shards(config.attention, mesh.shape["sp"])
@@ -236,10 +238,10 @@ class HostBatches:
                                 f"needs at least {d.batch_size}: each of the data.batch_size="
                                 f"{d.batch_size} batch rows reads its own share; use more data "
                                 "or a smaller data.batch_size")
-            self.sources.append(_Source(entry, docs, EpochOrders(len(docs), config.seed * 1009 + i),
-                                        LengthFilter(docs, entry.options, config.seed, i)))
+            self.sources.append(_Source(entry, docs, EpochOrders(len(docs), seed * 1009 + i),
+                                        LengthFilter(docs, entry.options, seed, i)))
         self.unit = d.mixture_unit
-        self.slots = {r: _Slot(self.sources, self.unit, config.seed, r, d.batch_size,
+        self.slots = {r: _Slot(self.sources, self.unit, seed, r, d.batch_size,
                                d.seq_len, d.reset_positions)
                       for r in range(self.rows.start, self.rows.stop)}
         self._statistics: dict | None = None

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from lclm.config import AttentionConfig, ModelConfig
+from lclm.config.run_config import run_config
 from lclm.data.loader import batch_sharding
 from lclm.errors import ConfigError
 from lclm.hardware import BY_NAME, GPUS, TPUS, planner_device
@@ -284,11 +285,12 @@ def compile_step(config, devices) -> Compiled:
     sizes = validate(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices[:math.prod(sizes.values())])
     model = ModelConfig.from_config(config.model)
-    optimizer = make_optimizer(config.train)
+    optimizer = make_optimizer(run_config(config).train)
     state = abstract_state(model, optimizer, mesh)
     batch = abstract_batch(config.data.batch_size, config.data.seq_len, batch_sharding(mesh))
-    step = jit_train_step(model, AttentionConfig.from_config(config.attention), config.train,
-                          mesh, optimizer, state_shardings(model, optimizer, mesh),
+    step = jit_train_step(model, AttentionConfig.from_config(config.attention),
+                          run_config(config).train, mesh, optimizer,
+                          state_shardings(model, optimizer, mesh),
                           document_mask=config.data.document_mask)
     started = time.perf_counter()
     with lowering_for(devices[0]):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from lclm.config.run_config import RunConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
@@ -51,7 +53,8 @@ class Cadence:
     multi: bool = False
 
     @classmethod
-    def of(cls, config, first: int, stop_after: int | None, multi: bool) -> Cadence:
+    def of(cls, config: RunConfig, first: int, stop_after: int | None, multi: bool
+           ) -> Cadence:
         """The cadence of `config` (its train, log, validation and checkpoint sections) for a
         run that trains from step `first`."""
         total = config.train.steps

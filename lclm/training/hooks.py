@@ -16,6 +16,8 @@ import jax
 
 from lclm import storage
 from lclm.checkpoint import Checkpoints
+from lclm.config.run_config import RunConfig, run_config
+from lclm.config.schema import Data
 from lclm.config.stages import validation_lengths
 from lclm.data.loader import HostBatches, parse_sources
 from lclm.data.sources import DataError, open_documents
@@ -78,7 +80,7 @@ class Validation(Hook):
             held_out.data.seq_len = length
             held_out.data.path = held_out.validation.path
             try:
-                reader = HostBatches(held_out, mesh, tokenizer, prefetch=0)
+                reader = HostBatches(run_config(held_out), mesh, tokenizer, prefetch=0)
             except DataError:
                 _check_validation_size(config, tokenizer)   # the loader's advice is for training
                 raise
@@ -137,9 +139,9 @@ class Throughput(Hook):
     the steps since the previous logged one. Its `on_log` restarts that clock: the hooks
     before it in the list (validation) are not counted in the next steps' time."""
 
-    def __init__(self, config, model, devices: Sequence[jax.Device], first_step: int):
-        self.tokens_per_step = config.data.batch_size * config.data.seq_len
-        self.flops_per_step = flops_per_token(model, config.data.seq_len) * self.tokens_per_step
+    def __init__(self, data: Data, model, devices: Sequence[jax.Device], first_step: int):
+        self.tokens_per_step = data.batch_size * data.seq_len
+        self.flops_per_step = flops_per_token(model, data.seq_len) * self.tokens_per_step
         self.peak, self.devices = peak_flops(devices[0].device_kind), len(devices)
         self.started = time.perf_counter()
         self.first_logged: float | None = None   # compilation excluded from the summary's rate
@@ -223,11 +225,11 @@ class Console(Hook):
     """Process 0's console: "compiling" until the first step is done, then with
     `log.progress` a progress bar or line (`metrics.Progress`), else the log; the summary."""
 
-    def __init__(self, config, cadence: Cadence):
+    def __init__(self, config: RunConfig, cadence: Cadence):
         self.progress = None
         if cadence.trained:
             log.info("%s is already trained to step %d (train.steps); nothing to do: raise "
-                     "train.steps to train on", config.workdir, cadence.total)
+                     "train.steps to train on", config.run.workdir, cadence.total)
         elif config.log.progress:   # it says "compiling" itself
             self.progress = Progress(cadence.total, cadence.first)
         else:

@@ -20,7 +20,8 @@ from jax.sharding import Mesh
 
 from lclm import storage
 from lclm.checkpoint import Checkpoints, SaveFailed
-from lclm.config.model import AttentionConfig, ModelConfig
+from lclm.config.model import ModelConfig
+from lclm.config.run_config import RunConfig, run_config
 from lclm.config.secrets import public_config
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
@@ -54,13 +55,13 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class _Setup:
-    """What `train` made before it took the workdir: the mesh (`sizes`: its axes), the model,
-    the attention, the tokenizer, and the workdir's lock."""
+    """What `train` made before it took the workdir: the checked config's typed sections, the
+    mesh (`sizes`: its axes), the model, the tokenizer, and the workdir's lock."""
 
+    sections: RunConfig
     sizes: dict[str, int]
     mesh: Mesh
     model: ModelConfig
-    attention: AttentionConfig
     tokenizer: Tokenizer
     lock: WorkdirLock
 
@@ -83,22 +84,23 @@ def train(config, stop_after: int | None = None) -> list[dict]:
                               f"{jax.process_count()} processes; with several processes the "
                               "mesh must use all devices (use -1 for one axis)")
         check_same_config(json.dumps(public_config(config), sort_keys=True))
+    sections = run_config(config)
     mesh = make_mesh(**sizes, devices=devices)
-    model = ModelConfig.from_config(config.model)
-    attention = AttentionConfig.from_config(config.attention)
-    tokenizer = Tokenizer(config.data.tokenizer)
+    model = ModelConfig.from_config(config.model)   # resolved (the section keeps 'auto')
+    tokenizer = Tokenizer(sections.data.tokenizer)
     tokenizer.check_fits(model.vocab_size)
-    fresh = not storage.exists(config.workdir)
-    lock = workdir_lock(config.workdir, config.workdir_lease_minutes)  # before any write there
+    workdir = sections.run.workdir
+    fresh = not storage.exists(workdir)
+    lock = workdir_lock(workdir, sections.run.workdir_lease_minutes)  # before any write there
     lock.acquire()
     try:
-        return _run(config, _Setup(sizes, mesh, model, attention, tokenizer, lock), stop_after)
+        return _run(config, _Setup(sections, sizes, mesh, model, tokenizer, lock), stop_after)
     except BaseException:
         lock.release()
-        if fresh and jax.process_index() == 0 and not _trained(config.workdir):
+        if fresh and jax.process_index() == 0 and not _trained(workdir):
             # a run that fails before its first step (its data, a compile error) leaves no
             # workdir of its own behind: nothing in it was worth keeping
-            _remove_workdir(config.workdir)
+            _remove_workdir(workdir)
         raise
     finally:
         lock.release()
@@ -124,7 +126,7 @@ def _remove_workdir(workdir: str) -> None:
 def _run(config, setup: _Setup, stop_after: int | None) -> list[dict]:
     """Train from the first state to the cadence's last step; whatever it opened is closed
     however it ends."""
-    mesh, model, tokenizer = setup.mesh, setup.model, setup.tokenizer
+    mesh, model, tokenizer, run = setup.mesh, setup.model, setup.tokenizer, setup.sections
     is_main, multi = jax.process_index() == 0, jax.process_count() > 1
     # config.json and every checkpoint get this; `identity` tells a resume what the tokenizer
     # was even when its file has moved
@@ -134,38 +136,37 @@ def _run(config, setup: _Setup, stop_after: int | None) -> list[dict]:
     log.info("mesh %s on %d %s devices; model %.2fM params; attention %s", setup.sizes,
              len(devices), devices[0].platform, param_count(model) / 1e6,
              attention_line(config, model, setup.sizes["sp"], devices[0].platform))
-    checkpoints = Checkpoints(config.workdir, keep=config.checkpoint.keep)
+    checkpoints = Checkpoints(run.run.workdir, keep=run.checkpoint.keep)
     batches = logger = termination = None
     try:
-        optimizer = make_optimizer(config.train)
+        optimizer = make_optimizer(run.train)
         state, data_state = first_state(config, checkpoints, model, mesh, optimizer,
                                         saved_config)
         if is_main:   # only once the run is accepted: config.json describes the checkpoints
-            _write_at_start(config, "config.json", saved_config)
+            _write_at_start(run.run.workdir, "config.json", saved_config)
         state_sharding = jax.tree.map(lambda x: x.sharding, state)
-        step_fn = jit_train_step(model, setup.attention, config.train, mesh, optimizer,
-                                 state_sharding, document_mask=config.data.document_mask)
-        batches = HostBatches(config, mesh, tokenizer, state=data_state)
+        step_fn = jit_train_step(model, run.attention, run.train, mesh, optimizer,
+                                 state_sharding, document_mask=run.data.document_mask)
+        batches = HostBatches(run, mesh, tokenizer, state=data_state)
         if is_main:   # what the run trains on: tokens per length bucket and source, the mixture
-            _write_at_start(config, "data_statistics.json", batches.statistics())
-        validation = Validation.of(config, mesh, tokenizer, model, setup.attention,
+            _write_at_start(run.run.workdir, "data_statistics.json", batches.statistics())
+        validation = Validation.of(config, mesh, tokenizer, model, run.attention,
                                    state_sharding.params)
-        cadence = Cadence.of(config, int(state.step) + 1, stop_after, multi)
+        cadence = Cadence.of(run, int(state.step) + 1, stop_after, multi)
         if is_main:
-            with _written_at_start(storage.join(config.workdir, "metrics.jsonl")):
-                logger = MetricsLogger(config.workdir, wandb_run(config, cadence.first - 1),
+            with _written_at_start(storage.join(run.run.workdir, "metrics.jsonl")):
+                logger = MetricsLogger(run.run.workdir, wandb_run(run, cadence.first - 1),
                                        resume_step=cadence.first - 1)
-        console = Console(config, cadence) if is_main else None
+        console = Console(run, cadence) if is_main else None
         if validation is not None and cadence.validates_at_start:
             # the first weights' held-out loss (a step-0 record): every process computes it
             start = dict(step=0, **validation.fields(state.params))
             if logger:
                 logger.log(start)
         termination = _Termination(multi)
-        faults = FaultPolicy(checkpoints, WritePatience(config.storage_patience_seconds),
-                             config.train.max_bad_steps, 60 * config.checkpoint.every_minutes,
-                             multi)
-        throughput = Throughput(config, model, devices, cadence.first)
+        faults = FaultPolicy(checkpoints, WritePatience(run.run.storage_patience_seconds),
+                             run.train.max_bad_steps, 60 * run.checkpoint.every_minutes, multi)
+        throughput = Throughput(run.data, model, devices, cadence.first)
         writer = MetricsWriter(logger, setup.lock, faults, multi)
         # in this order: the clock restarts after validation, the console shows what was written
         hooks: list[Hook] = [h for h in (validation, throughput, writer, console) if h]
@@ -287,9 +288,9 @@ def _close(termination: _Termination | None, batches: HostBatches | None,
             log.error("%s; they are: %s", e, " ".join(line.strip() for line in logger.held()))
 
 
-def _write_at_start(config, name: str, value) -> None:
-    """`value` as JSON to `name` in the workdir, before the run trains."""
-    path = storage.join(config.workdir, name)
+def _write_at_start(workdir: str, name: str, value) -> None:
+    """`value` as JSON to `name` in `workdir`, before the run trains."""
+    path = storage.join(workdir, name)
     with _written_at_start(path):
         write_json(path, value)
 

@@ -11,11 +11,13 @@ import shutil
 import sys
 import time
 import uuid
+from typing import Any
 
 import jax
 
 from lclm import storage
 from lclm.config import ModelConfig
+from lclm.config.run_config import RunConfig
 from lclm.config.secrets import is_secret, public_config
 from lclm.config.syntax import format_tokens
 from lclm.models.decoder import param_count
@@ -289,14 +291,15 @@ class Progress:
             print(line, file=self.stream, flush=True)
 
 
-def wandb_run(config, resume_step: int):
+def wandb_run(config: RunConfig, resume_step: int):
     """The wandb run of this workdir: the same run id across resumes (`<workdir>/wandb_id`),
     so a resumed run continues its run instead of starting a second one."""
     if not config.log.wandb or jax.process_index() != 0:
         return None
     import wandb  # 0.4 s to import: only runs that log to wandb pay it
-    mode = os.environ.get("WANDB_MODE", config.log.wandb_mode)  # the environment wins
-    id_path = storage.join(config.workdir, "wandb_id")
+    # the environment wins; wandb checks its value (log.wandb_mode is checked at start)
+    mode: Any = os.environ.get("WANDB_MODE", config.log.wandb_mode)
+    id_path = storage.join(config.run.workdir, "wandb_id")
     if storage.isfile(id_path):
         run_id = storage.read_text(id_path).strip()
     else:
@@ -312,7 +315,7 @@ def wandb_run(config, resume_step: int):
                  "has for re-run steps; metrics.jsonl holds the re-run ones)", run_id,
                  resume_step)
     # wandb keeps its own files in a local folder: its default (./wandb) for a bucket workdir
-    local = None if storage.is_remote(config.workdir) else config.workdir
+    local = None if storage.is_remote(config.run.workdir) else config.run.workdir
     return wandb.init(project=config.log.wandb_project, mode=mode, dir=local,
                       config=public_config(config), id=run_id, resume="allow",
                       settings=settings)

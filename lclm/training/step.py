@@ -12,18 +12,19 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lclm.config import AttentionConfig, ModelConfig
+from lclm.config.schema import Train
 from lclm.data.loader import batch_sharding
 from lclm.models.decoder import BIASES, loss_terms
 from lclm.parallel.mesh import logical_sharding
 from lclm.training.state import TrainState
 
 
-def lr_schedule(train_config) -> optax.Schedule:
+def lr_schedule(train: Train) -> optax.Schedule:
     """The learning rate of the update after `count` applied ones: linear warmup reaching
     `lr` at update `warmup`, then `decay` ('cosine' or 'linear' to `lr * min_lr_ratio` at
     update `steps`, or 'constant' at `lr`). The first update already gets `lr / warmup` (a
     warmup from 0 would waste step 1)."""
-    t = train_config
+    t = train
     decay_steps = max(t.steps, t.warmup + 1) - t.warmup
     end = t.lr * t.min_lr_ratio
     warm = optax.linear_schedule(0.0, t.lr, t.warmup) if t.warmup else optax.constant_schedule(t.lr)
@@ -54,10 +55,10 @@ def restart_schedule(opt_state):
                         if _is_schedule(x) else x, opt_state, is_leaf=_is_schedule)
 
 
-def make_optimizer(train_config) -> optax.GradientTransformation:
+def make_optimizer(train: Train) -> optax.GradientTransformation:
     """AdamW (no decay on norm weights or biases, as transformers' Trainer) after global-norm
     clipping."""
-    t = train_config
+    t = train
     decays = lambda path, _: ("norm" not in jax.tree_util.keystr(path)
                               and getattr(path[-1], "key", None) not in BIASES)
     decay_mask = lambda params: jax.tree_util.tree_map_with_path(decays, params)
@@ -78,7 +79,7 @@ def _micro_batches(batch, accum: int, mesh):
     return jax.tree.map(split, batch)
 
 
-def make_train_step(model: ModelConfig, attention: AttentionConfig, train_config, mesh,
+def make_train_step(model: ModelConfig, attention: AttentionConfig, train: Train, mesh,
                     optimizer: optax.GradientTransformation, document_mask: bool = True):
     """`step(state, batch) -> (state, metrics)`, not yet jitted.
 
@@ -87,8 +88,8 @@ def make_train_step(model: ModelConfig, attention: AttentionConfig, train_config
     loss or gradient norm is not finite leaves params and optimizer state unchanged (the
     step counter still advances: its batch is consumed) and reports `skipped=1`.
     """
-    accum = train_config.grad_accum
-    schedule = lr_schedule(train_config)
+    accum = train.grad_accum
+    schedule = lr_schedule(train)
     terms = functools.partial(loss_terms, model, mesh=mesh, attention=attention,
                               document_mask=document_mask)
 
@@ -120,13 +121,13 @@ def make_train_step(model: ModelConfig, attention: AttentionConfig, train_config
     return step
 
 
-def jit_train_step(model: ModelConfig, attention: AttentionConfig, train_config, mesh,
+def jit_train_step(model: ModelConfig, attention: AttentionConfig, train: Train, mesh,
                    optimizer: optax.GradientTransformation, state_sharding,
                    document_mask: bool = True):
     """The step train.py runs, jitted: `step(state, batch) -> (state, metrics)` with the state
     in `state_sharding` (donated, updated in place), batch rows as the loader shards them and
     replicated metrics. `lclm.plan.aot` compiles this very function for a TPU slice."""
-    return jax.jit(make_train_step(model, attention, train_config, mesh, optimizer,
+    return jax.jit(make_train_step(model, attention, train, mesh, optimizer,
                                    document_mask=document_mask),
                    in_shardings=(state_sharding, batch_sharding(mesh)),
                    out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())),

@@ -8,6 +8,7 @@ from support import small_train_config
 
 from bench.balance import measure, step_segments
 from lclm.config.model import AttentionConfig, ModelConfig
+from lclm.config.run_config import run_config
 from lclm.data.balance import attention_work, balance_permutation, imbalance, one_vs_many
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
@@ -109,15 +110,15 @@ def test_balancing_leaves_the_loss_of_a_step_unchanged(tmp_path):
     config.data.update(batch_size=8, seq_len=128)
     mesh = make_mesh(fsdp=4, sp=2)
     model = ModelConfig.from_config(config.model)
-    optimizer = make_optimizer(config.train)
+    optimizer = make_optimizer(run_config(config).train)
     state = init_state(model, optimizer, mesh, seed=3)
     step = jax.jit(make_train_step(model, AttentionConfig.from_config(config.attention),
-                                   config.train, mesh, optimizer))
+                                   run_config(config).train, mesh, optimizer))
     tokenizer = Tokenizer(config.data.tokenizer)
     results = {}
     for balance in (False, True):
         config.data.balance = balance
-        loader = HostBatches(config, mesh, tokenizer, prefetch=0)
+        loader = HostBatches(run_config(config), mesh, tokenizer, prefetch=0)
         batch = next(loader)
         loader.close()
         results[balance] = (jax.device_get(batch["tokens"]), step(state, batch)[1])

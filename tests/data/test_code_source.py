@@ -8,6 +8,7 @@ import pytest
 from support import DEMO_CONFIG, DEMO_TOKENIZER
 
 from lclm.config import load_config
+from lclm.config.run_config import run_config
 from lclm.config.schema import SOURCE_KINDS
 from lclm.data import code
 from lclm.data.filters import LengthRules
@@ -155,7 +156,8 @@ def test_the_standard_library_gives_rows_and_documents_of_64k_tokens(monkeypatch
     config = load_config(DEMO_CONFIG)
     config.data.update(path=f"code:{sysconfig.get_paths()['stdlib']}", seq_len=4096,
                        batch_size=2, balance=False)
-    loader = HostBatches(config, make_mesh(fsdp=2, sp=4), Tokenizer(DEMO_TOKENIZER), prefetch=0)
+    loader = HostBatches(run_config(config), make_mesh(fsdp=2, sp=4), Tokenizer(DEMO_TOKENIZER),
+                         prefetch=0)
     batch = loader.next_host_batch()
     assert batch["tokens"].shape == (2, 4096) and batch["loss_mask"].sum() > 0
     (source,) = loader.statistics(sample=24)["sources"]

@@ -7,6 +7,7 @@ import pytest
 from support import DEMO_CONFIG, DEMO_CORPUS
 
 from lclm.config import load_config
+from lclm.config.run_config import run_config
 from lclm.data.loader import (
     HostBatches,
     SourceEntry,
@@ -35,7 +36,7 @@ def _config(tmp_path, layout="striped"):
 
 def _split(config, mesh, tok, rows, state=None):
     """A loader that builds only `rows` of the batch, as one of several processes would."""
-    part = HostBatches(config, mesh, tok, prefetch=0)
+    part = HostBatches(run_config(config), mesh, tok, prefetch=0)
     part.rows = rows
     part.slots = {r: part.slots[r] for r in range(rows.start, rows.stop)}
     if state is not None:
@@ -93,7 +94,7 @@ def test_rows_do_not_depend_on_how_processes_split_the_batch(tmp_path):
     config.data.balance = False   # balancing reorders only each process's own rows
     tok = Tokenizer(config.data.tokenizer)
     mesh = make_mesh(fsdp=2, sp=4)
-    whole = HostBatches(config, mesh, tok, prefetch=0)
+    whole = HostBatches(run_config(config), mesh, tok, prefetch=0)
     want = [whole.next_host_batch() for _ in range(3)]
     halves = []
     for rows in (slice(0, 2), slice(2, 4)):  # what host_block gives each of two processes
@@ -115,15 +116,15 @@ def test_resume_yields_exactly_the_following_batches(tmp_path, layout):
     config = _config(tmp_path, layout)
     tok = Tokenizer(config.data.tokenizer)
     mesh = make_mesh(fsdp=2, sp=4)
-    loader = HostBatches(config, mesh, tok)
+    loader = HostBatches(run_config(config), mesh, tok)
     batches = [_host(next(loader), layout, 4) for _ in range(6)]
     loader.close()
-    first = HostBatches(config, mesh, tok)
+    first = HostBatches(run_config(config), mesh, tok)
     for _ in range(3):
         next(first)
     state = json.loads(json.dumps(first.state()))  # it must survive JSON
     first.close()
-    resumed = HostBatches(config, mesh, tok, state=state)
+    resumed = HostBatches(run_config(config), mesh, tok, state=state)
     for want in batches[3:]:
         got = _host(next(resumed), layout, 4)
         for k in want:
@@ -136,7 +137,7 @@ def test_batches_are_global_arrays_in_layout_order_with_both_sources(tmp_path):
     config = _config(tmp_path)
     tok = Tokenizer(config.data.tokenizer)
     mesh = make_mesh(fsdp=2, sp=4)
-    loader = HostBatches(config, mesh, tok)
+    loader = HostBatches(run_config(config), mesh, tok)
     batch = next(loader)
     assert batch["tokens"].shape == (4, 64)
     assert batch["tokens"].sharding.is_equivalent_to(batch_sharding(mesh), 2)
@@ -156,7 +157,7 @@ def test_state_saved_by_two_processes_resumes_on_one(tmp_path):
     config.data.balance = False   # balancing reorders only each process's own rows
     tok = Tokenizer(config.data.tokenizer)
     mesh = make_mesh(fsdp=2, sp=4)
-    whole = HostBatches(config, mesh, tok, prefetch=0)
+    whole = HostBatches(run_config(config), mesh, tok, prefetch=0)
     want = [whole.next_host_batch() for _ in range(7)][4:]
     states = []
     for rows in (slice(0, 2), slice(2, 4)):
@@ -164,7 +165,7 @@ def test_state_saved_by_two_processes_resumes_on_one(tmp_path):
         for _ in range(4):
             part.next_host_batch()
         states.append(json.loads(json.dumps(part._snapshot())))
-    resumed = HostBatches(config, mesh, tok, state=states, prefetch=0)
+    resumed = HostBatches(run_config(config), mesh, tok, state=states, prefetch=0)
     halves = [_split(config, mesh, tok, rows, states) for rows in (slice(0, 1), slice(1, 4))]
     for w in want:
         got = resumed.next_host_batch()
@@ -180,16 +181,16 @@ def test_source_smaller_than_the_batch_fails_at_start(tmp_path):
     small.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(3)))
     config.data.path = f"{small},{config.data.path}"
     with pytest.raises(DataError, match=f"{small} has 3 usable records but needs at least 4"):
-        HostBatches(config, make_mesh(fsdp=2, sp=4), Tokenizer(config.data.tokenizer))
+        HostBatches(run_config(config), make_mesh(fsdp=2, sp=4), Tokenizer(config.data.tokenizer))
 
 
 def test_old_data_state_with_pending_tokens_fails_in_one_line(tmp_path):
     config = _config(tmp_path)
     tok = Tokenizer(config.data.tokenizer)
     mesh = make_mesh(fsdp=2, sp=4)
-    state = HostBatches(config, mesh, tok, prefetch=0)._snapshot()
+    state = HostBatches(run_config(config), mesh, tok, prefetch=0)._snapshot()
     for slot in state["slots"].values():  # what lclm saved before states were positions
         slot["packer"] = dict(tokens=[1, 5], loss=[0, 1], doc=[0, 0], pos=[0, 1], next_doc=1)
     with pytest.raises(DataError, match="saved by an older lclm") as e:
-        HostBatches(config, mesh, tok, state=state, prefetch=0)
+        HostBatches(run_config(config), mesh, tok, state=state, prefetch=0)
     assert "\n" not in str(e.value)

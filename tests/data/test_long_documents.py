@@ -9,6 +9,7 @@ import pytest
 from support import DEMO_CONFIG, DEMO_CORPUS, DEMO_TOKENIZER
 
 from lclm.config import load_config
+from lclm.config.run_config import run_config
 from lclm.data.filters import LengthFilter, LengthRules, parse_options
 from lclm.data.loader import HostBatches, SourceEntry, parse_sources
 from lclm.data.prepare import prepare
@@ -169,27 +170,28 @@ def test_loader_with_options_resumes_exactly(tmp_path):
     config = _config(path)
     tok = Tokenizer(config.data.tokenizer)
     mesh = make_mesh(fsdp=2, sp=4)
-    loader = HostBatches(config, mesh, tok, prefetch=0)
+    loader = HostBatches(run_config(config), mesh, tok, prefetch=0)
     want = [loader.next_host_batch() for _ in range(8)][5:]
-    first = HostBatches(config, mesh, tok, prefetch=0)
+    first = HostBatches(run_config(config), mesh, tok, prefetch=0)
     for _ in range(5):
         first.next_host_batch()
     state = json.loads(json.dumps(first._snapshot()))
-    resumed = HostBatches(config, mesh, tok, state=state, prefetch=0)
+    resumed = HostBatches(run_config(config), mesh, tok, state=state, prefetch=0)
     for w in want:
         got = resumed.next_host_batch()
         for k in w:
             np.testing.assert_array_equal(got[k], w[k])
     config.data.mixture_unit = "documents"
     with pytest.raises(DataError, match="set data.mixture_unit=tokens"):
-        HostBatches(config, mesh, tok, state=state, prefetch=0)
+        HostBatches(run_config(config), mesh, tok, state=state, prefetch=0)
 
 
 def test_statistics_count_pre_tokenised_sources_exactly_and_sample_others(tmp_path):
     prepared = str(tmp_path / "prepared")
     prepare("text", DEMO_CORPUS, DEMO_TOKENIZER, prepared)
     config = _config(f"tokenized:{prepared}@3?min_tokens=120,{DEMO_CORPUS}@1", "documents")
-    loader = HostBatches(config, make_mesh(fsdp=2, sp=4), Tokenizer(DEMO_TOKENIZER), prefetch=0)
+    loader = HostBatches(run_config(config), make_mesh(fsdp=2, sp=4), Tokenizer(DEMO_TOKENIZER),
+                         prefetch=0)
     exact, sampled = loader.statistics(sample=500)["sources"]
     lengths = np.array([len(loader.sources[0].docs[i][0]) for i in range(3000)])
     assert not exact["estimated"] and exact["options"] == "min_tokens=120"
@@ -260,7 +262,7 @@ def test_a_length_filter_keeps_each_sources_token_share_on_real_code(tmp_path):
             f"{src['small']}@0.2")
     config = _config(path, seq_len=8192, batch_size=2)
     tok = Tokenizer(DEMO_TOKENIZER)
-    loader = HostBatches(config, make_mesh(fsdp=2, sp=4), tok, prefetch=0)
+    loader = HostBatches(run_config(config), make_mesh(fsdp=2, sp=4), tok, prefetch=0)
     shares = _token_shares(loader, tok, 48, list(weights))
     np.testing.assert_allclose(shares, list(weights.values()), atol=0.03)
     stats = loader.statistics(sample=150)

@@ -13,6 +13,7 @@ from support import DEMO_CONFIG, DEMO_TOKENIZER
 
 from lclm import storage
 from lclm.config import load_config
+from lclm.config.run_config import run_config
 from lclm.data.loader import HostBatches
 from lclm.data.prepare import OUTPUTS, main
 from lclm.data.prepared import TOKENIZED_META, TokenizedDocuments
@@ -140,7 +141,8 @@ def _batches(data_path: str, n: int) -> list:
     config = load_config(DEMO_CONFIG)
     config.data.update(path=data_path, seq_len=32, batch_size=4)
     check_data(config)   # every source found (a prefix, a glob: looked up in the bucket)
-    loader = HostBatches(config, make_mesh(fsdp=2, sp=2), Tokenizer(DEMO_TOKENIZER), prefetch=0)
+    loader = HostBatches(run_config(config), make_mesh(fsdp=2, sp=2), Tokenizer(DEMO_TOKENIZER),
+                         prefetch=0)
     return [loader.next_host_batch() for _ in range(n)]
 
 

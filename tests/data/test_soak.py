@@ -7,6 +7,7 @@ import numpy as np
 from support import DEMO_CONFIG, DEMO_CORPUS
 
 from lclm.config import load_config
+from lclm.config.run_config import run_config
 from lclm.data.loader import HostBatches
 from lclm.data.stream import DocumentStream, EpochOrders, epoch_order
 from lclm.data.synthetic import conversations
@@ -63,7 +64,7 @@ def test_soak_skewed_lengths_two_sources_many_readers(tmp_path):
     config = _config(f"{tmp_path}/skew.jsonl@0.8,sharegpt:{tmp_path}/chats.jsonl@0.2",
                      seq_len, batch_size)
     tok, mesh = Tokenizer(config.data.tokenizer), make_mesh(fsdp=2, sp=4)
-    loader = HostBatches(config, mesh, tok, prefetch=0)
+    loader = HostBatches(run_config(config), mesh, tok, prefetch=0)
     mid, spread = None, 0
     for i in range(2000):
         batch = loader.next_host_batch()
@@ -77,7 +78,7 @@ def test_soak_skewed_lengths_two_sources_many_readers(tmp_path):
     assert spread >= 10  # readers were many epochs apart
     assert loader.stats.skipped == 3  # two text lines, one conversation: once each
     assert len(json.dumps(mid)) < 300 * batch_size
-    resumed = HostBatches(config, mesh, tok, state=mid, prefetch=0)
+    resumed = HostBatches(run_config(config), mesh, tok, state=mid, prefetch=0)
     for want in after_mid:
         got = resumed.next_host_batch()
         for k in want:
@@ -93,7 +94,7 @@ def test_state_stays_small_with_very_long_documents(tmp_path):
                                                    for t in long_docs) + "\n")
     config = _config(str(tmp_path / "long.jsonl"), 64, 4)
     tok, mesh = Tokenizer(config.data.tokenizer), make_mesh(fsdp=2, sp=4)
-    loader = HostBatches(config, mesh, tok, prefetch=0)
+    loader = HostBatches(run_config(config), mesh, tok, prefetch=0)
     for _ in range(5):
         loader.next_host_batch()
     state = json.loads(json.dumps(loader._snapshot()))
@@ -101,7 +102,7 @@ def test_state_stays_small_with_very_long_documents(tmp_path):
     assert all(s["packer"]["documents"] == 1 and s["packer"]["consumed"] > 0
                for s in state["slots"].values())  # a long document is pending everywhere
     want = [loader.next_host_batch() for _ in range(3)]
-    resumed = HostBatches(config, mesh, tok, state=state, prefetch=0)
+    resumed = HostBatches(run_config(config), mesh, tok, state=state, prefetch=0)
     for w in want:
         got = resumed.next_host_batch()
         for k in w:

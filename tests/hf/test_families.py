@@ -17,6 +17,7 @@ from support import torch_and_transformers
 
 from lclm import hf
 from lclm.config import AttentionConfig
+from lclm.config.run_config import run_config
 from lclm.families import FAMILIES
 from lclm.models.decoder import forward
 from lclm.ops.context_parallel import STRATEGIES, layout_shards
@@ -223,7 +224,7 @@ def test_a_family_trains_from_its_hf_weights_and_exports_what_transformers_reads
 
     c, params = hf.load(str(tmp_path / "hf"), rope_theta=config.model.rope_theta)
     mesh = make_mesh(fsdp=2, sp=4)
-    loader = HostBatches(config, mesh, Tokenizer(config.data.tokenizer))
+    loader = HostBatches(run_config(config), mesh, Tokenizer(config.data.tokenizer))
     batch = next(loader)
     loader.close()
     attention = AttentionConfig.from_config(config.attention)

@@ -9,6 +9,7 @@ import pytest
 from support import torch_and_transformers
 
 from lclm import hf
+from lclm.config.run_config import run_config
 from lclm.models.decoder import forward
 
 torch, transformers = torch_and_transformers()
@@ -124,7 +125,7 @@ def test_training_starts_from_hf_weights_with_the_configured_rope_theta(tmp_path
 
     c, params = hf.load(str(tmp_path / "hf"), rope_theta=1e6)
     mesh = make_mesh(fsdp=2, sp=4)
-    loader = HostBatches(config, mesh, Tokenizer(config.data.tokenizer))
+    loader = HostBatches(run_config(config), mesh, Tokenizer(config.data.tokenizer))
     batch = next(loader)
     loader.close()
     attn = AttentionConfig.from_config(config.attention)

@@ -10,6 +10,7 @@ import math
 import re
 import sys
 
+from lclm.config.run_config import run_config
 from lclm.parallel.devices import request_cpu_devices
 
 CASE = sys.argv[1]
@@ -44,12 +45,12 @@ def run(case: str) -> float:
                    dtype="float32", ffn_chunk=int(chunk), loss_chunk=int(chunk))
     c.attention.update(layout=layout, q_chunk=int(chunk), kv_chunk=int(chunk))
     model = ModelConfig.from_config(c.model)
-    optimizer = make_optimizer(c.train)
+    optimizer = make_optimizer(run_config(c).train)
     state = init_state(model, optimizer, mesh, 0)
     where = jax.tree.map(lambda x: x.sharding, state)
     rows = batch_sharding(mesh)
-    step = jax.jit(make_train_step(model, AttentionConfig.from_config(c.attention), c.train,
-                                   mesh, optimizer),
+    step = jax.jit(make_train_step(model, AttentionConfig.from_config(c.attention),
+                                   run_config(c).train, mesh, optimizer),
                    in_shardings=(where, rows),
                    out_shardings=(where, NamedSharding(mesh, PartitionSpec())),
                    donate_argnums=0)

@@ -1,6 +1,7 @@
 """What each step of a run does (lclm.training.cadence): the loop's decisions by step number,
 tested without devices or a model."""
 
+from lclm.config.run_config import run_config
 from lclm.config.schema import base_config
 from lclm.training.cadence import Cadence
 
@@ -65,9 +66,9 @@ def test_of_reads_the_train_log_validation_and_checkpoint_sections():
     config = base_config()
     config.train.steps, config.log.every, config.checkpoint.every = 50, 5, 20
     config.validation.update(path="", every=7, at_start=True)
-    assert Cadence.of(config, first=11, stop_after=30, multi=True) == Cadence(
+    assert Cadence.of(run_config(config), first=11, stop_after=30, multi=True) == Cadence(
         first=11, last=30, total=50, log_every=5, validate_every=0, save_every=20,
         validate_at_start=True, multi=True)
     config.validation.path = "held_out.jsonl"
-    c = Cadence.of(config, first=1, stop_after=None, multi=False)
+    c = Cadence.of(run_config(config), first=1, stop_after=None, multi=False)
     assert (c.last, c.validate_every) == (50, 7)

@@ -12,6 +12,7 @@ from support import small_train_config
 
 from lclm.checkpoint import Checkpoints
 from lclm.config import MESH_AXES, AttentionConfig, ModelConfig
+from lclm.config.run_config import run_config
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.decoder import loss_terms
@@ -33,7 +34,7 @@ def _restore(config):
     sizes = {k: config.mesh[k] for k in MESH_AXES}
     mesh = make_mesh(**sizes)
     model = ModelConfig.from_config(config.model)
-    template = init_state(model, make_optimizer(config.train), mesh, seed=99)
+    template = init_state(model, make_optimizer(run_config(config).train), mesh, seed=99)
     state, data = Checkpoints(config.workdir, keep=3).restore(template)
     return mesh, model, state, data
 
@@ -50,7 +51,8 @@ def test_checkpoint_restores_on_another_mesh_layout_and_scan_setting(tmp_path):
     config = _config(tmp_path / "run")
     train(config)
     # a fixed batch in original order
-    loader = HostBatches(config, make_mesh(fsdp=2, sp=4), Tokenizer(config.data.tokenizer))
+    loader = HostBatches(run_config(config), make_mesh(fsdp=2, sp=4),
+                         Tokenizer(config.data.tokenizer))
     batch = {k: from_layout(np.asarray(v), "striped", 4) for k, v in next(loader).items()}
     loader.close()
     mesh, model, state, data = _restore(config)

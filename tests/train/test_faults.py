@@ -22,6 +22,7 @@ from support import DAMAGE, DEMO_CONFIG, ROOT, damage_checkpoint, small_train_co
 from lclm import hf
 from lclm.checkpoint import Checkpoints
 from lclm.config import ModelConfig, load_config
+from lclm.config.run_config import run_config
 from lclm.errors import ConfigError, TrainingHalted
 from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
@@ -68,8 +69,9 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_used(
     shutil.copytree(finished_run, workdir)
     damage_checkpoint(str(workdir / "checkpoints" / "4"), kind)
     config = _config(workdir)
-    template = init_state(ModelConfig.from_config(config.model), make_optimizer(config.train),
-                          make_mesh(fsdp=2, sp=2), seed=7)
+    template = init_state(ModelConfig.from_config(config.model),
+                          make_optimizer(run_config(config).train), make_mesh(fsdp=2, sp=2),
+                          seed=7)
     checkpoints = Checkpoints(str(workdir), keep=3)
     with caplog.at_level(logging.ERROR):
         state, data = checkpoints.restore(template)
@@ -596,8 +598,9 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, caplog):
     assert records[0]["loss"] is not None and records[1]["loss"] is None
     # skipped updates left the parameters of step 1 untouched: every checkpoint has them
     config.train.steps = 1
-    template = init_state(ModelConfig.from_config(config.model), make_optimizer(config.train),
-                          make_mesh(fsdp=2, sp=2), seed=7)
+    template = init_state(ModelConfig.from_config(config.model),
+                          make_optimizer(run_config(config).train), make_mesh(fsdp=2, sp=2),
+                          seed=7)
     checkpoints = Checkpoints(config.workdir, keep=9)
     first = checkpoints.manager.restore(1)["state"]["params"]
     state, _ = checkpoints.restore(template)

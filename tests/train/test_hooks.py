@@ -13,6 +13,7 @@ from support import small_train_config
 
 from lclm.checkpoint import Checkpoints
 from lclm.config.model import ModelConfig
+from lclm.config.run_config import run_config
 from lclm.training.cadence import Cadence
 from lclm.training.faults import FaultPolicy, WritePatience
 from lclm.training.hooks import (
@@ -65,7 +66,8 @@ def test_validation_adds_held_out_losses_at_the_steps_the_cadence_validates():
 def test_throughput_counts_the_steps_since_the_last_logged_one_and_restarts_after_validation(
         tmp_path):
     config = small_train_config(tmp_path, mesh={}, attention={})
-    clock = Throughput(config, ModelConfig.from_config(config.model), jax.devices(), 1)
+    clock = Throughput(run_config(config).data, ModelConfig.from_config(config.model),
+                       jax.devices(), 1)
     plan = Cadence(first=1, last=8, total=8, log_every=4).at(4)
     first = clock.record(1, _METRICS, skipped_steps=0)
     clock.on_log(first, None, plan)
@@ -94,7 +96,8 @@ def test_metrics_writer_writes_each_record_and_the_summary_names_the_outputs(tmp
         plan = Cadence(first=1, last=2, total=2, log_every=1).at(1)
         assert writer.on_log(dict(step=1, loss=float("nan")), None, plan) is None
         config = small_train_config(tmp_path, mesh={}, attention={})
-        clock = Throughput(config, ModelConfig.from_config(config.model), jax.devices(), 1)
+        clock = Throughput(run_config(config).data, ModelConfig.from_config(config.model),
+                           jax.devices(), 1)
         lines = summary([clock.record(1, _METRICS, 0)], clock, checkpoints, logger)
         logger.close()
     finally:
@@ -109,10 +112,10 @@ def test_metrics_writer_writes_each_record_and_the_summary_names_the_outputs(tmp
 def test_console_without_progress_logs_compiling_and_the_summary(tmp_path, caplog):
     config = small_train_config(tmp_path, mesh={}, attention={})
     with caplog.at_level(logging.INFO, logger="lclm.training.hooks"):
-        console = Console(config, Cadence(first=3, last=8, total=8, log_every=1))
+        console = Console(run_config(config), Cadence(first=3, last=8, total=8, log_every=1))
         console.on_step(3)
         console.on_end(["trained steps 3-8", "final checkpoint: none"])
-        Console(config, Cadence(first=9, last=8, total=8, log_every=1))
+        Console(run_config(config), Cadence(first=9, last=8, total=8, log_every=1))
     assert [r.getMessage() for r in caplog.records] == [
         "compiling the training step (step 3 of 8)", "trained steps 3-8",
         "final checkpoint: none",

@@ -16,6 +16,7 @@ from support import DEMO_CONFIG, DEMO_TOKENIZER, ROOT
 
 from lclm import convert, hf
 from lclm.config import MESH_AXES, AttentionConfig, ModelConfig, load_config
+from lclm.config.run_config import run_config
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.models.decoder import init_params, loss_terms
@@ -48,7 +49,7 @@ def _first_batch_loss(params) -> float:
     """configs/demo.py's loss on its first batch with `params`, on the demo's mesh."""
     config = load_config(DEMO_CONFIG)
     mesh = make_mesh(**{a: config.mesh[a] for a in MESH_AXES})
-    loader = HostBatches(config, mesh, Tokenizer(config.data.tokenizer))
+    loader = HostBatches(run_config(config), mesh, Tokenizer(config.data.tokenizer))
     batch = next(loader)
     loader.close()
     model = ModelConfig.from_config(config.model)

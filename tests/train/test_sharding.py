@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from support import DEMO_CONFIG
 
 from lclm.config import MESH_AXES, AttentionConfig, ModelConfig, apply_preset, load_config
+from lclm.config.run_config import run_config
 from lclm.data.loader import batch_sharding
 from lclm.parallel import make_mesh
 from lclm.training.state import init_state, state_shardings
@@ -34,7 +35,7 @@ def test_the_train_step_compiles_without_full_rematerialization(shape, capfd):
     c = shape(load_config(DEMO_CONFIG))
     mesh = make_mesh(**{k: c.mesh[k] for k in MESH_AXES})
     model = ModelConfig.from_config(c.model)
-    optimizer = make_optimizer(c.train)
+    optimizer = make_optimizer(run_config(c).train)
     where = state_shardings(model, optimizer, mesh)
     shapes = jax.eval_shape(lambda: init_state(model, optimizer, mesh, 0))
     state = jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
@@ -44,8 +45,8 @@ def test_the_train_step_compiles_without_full_rematerialization(shape, capfd):
                                      jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=rows)
              for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
-    step = jax.jit(make_train_step(model, AttentionConfig.from_config(c.attention), c.train,
-                                   mesh, optimizer),
+    step = jax.jit(make_train_step(model, AttentionConfig.from_config(c.attention),
+                                   run_config(c).train, mesh, optimizer),
                    in_shardings=(where, rows),
                    out_shardings=(where, NamedSharding(mesh, PartitionSpec())))
     capfd.readouterr()

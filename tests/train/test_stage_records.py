@@ -14,6 +14,7 @@ from support import ROOT, small_train_config
 from lclm.checkpoint import Checkpoints, saved_config
 from lclm.cli import config_from_argv, config_text
 from lclm.config import ModelConfig, load_config
+from lclm.config.run_config import run_config
 from lclm.config.stages import keys_set_by_stages, stage_configs
 from lclm.errors import ConfigError
 from lclm.parallel import make_mesh
@@ -120,7 +121,7 @@ def test_a_command_line_override_of_a_field_a_stage_sets_is_refused(tmp_path):
 def _state(config):
     """(step, Adam's count, the schedule's count) of a stage's latest checkpoint."""
     model = ModelConfig.from_config(config.model)
-    optimizer = make_optimizer(config.train)
+    optimizer = make_optimizer(run_config(config).train)
     template = init_state(model, optimizer, make_mesh(), seed=0)
     checkpoints = Checkpoints(config.workdir, keep=1)
     state, _ = checkpoints.restore(template)

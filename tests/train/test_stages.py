@@ -12,6 +12,7 @@ from support import ROOT, damage_checkpoint
 from lclm import hf
 from lclm.checkpoint import Checkpoints
 from lclm.config import ModelConfig, load_config
+from lclm.config.run_config import run_config
 from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError
 from lclm.models.decoder import init_params
@@ -53,7 +54,7 @@ def _final_params(config):
     """Final parameters of the last stage, restored on one device."""
     last = stage_configs(config)[-1]
     model = ModelConfig.from_config(last.model)
-    template = init_state(model, make_optimizer(last.train), make_mesh(), seed=0)
+    template = init_state(model, make_optimizer(run_config(last).train), make_mesh(), seed=0)
     checkpoints = Checkpoints(last.workdir, keep=1)
     state, _ = checkpoints.restore(template)
     checkpoints.close()
@@ -121,7 +122,7 @@ def test_a_staged_run_refuses_a_workdir_that_holds_a_single_runs_checkpoints(tmp
     c = _recipe(tmp_path, "run", hf_dir)
     single = Checkpoints(c.workdir, keep=1)   # a plain run's (or a conversion's) step
     model = ModelConfig.from_config(stage_configs(c)[0].model)
-    state = init_state(model, make_optimizer(c.train), make_mesh(), seed=0)
+    state = init_state(model, make_optimizer(run_config(c).train), make_mesh(), seed=0)
     single.save(0, state, None, {})
     single.close()
     with pytest.raises(ConfigError, match=r"holds the checkpoints of a single run or a "

@@ -13,6 +13,7 @@ import pytest
 from support import DEMO_CONFIG
 
 from lclm.config import AttentionConfig, ModelConfig, load_config
+from lclm.config.run_config import run_config
 from lclm.config.secrets import public_config
 from lclm.data.loader import batch_sharding
 from lclm.ops.layout import batch_to_layout
@@ -78,7 +79,7 @@ def test_wandb_resumes_its_run_and_keeps_secret_command_lines_out(tmp_path, monk
     config = demo_config(tmp_path, log__wandb=True)
     os.makedirs(config.workdir)
     for resume_step in (0, 8):   # a first start, then a resume in the same workdir
-        wandb_run(config, resume_step).finish()
+        wandb_run(run_config(config), resume_step).finish()
     runs = sorted(os.listdir(os.path.join(config.workdir, "wandb")))
     runs = [r for r in runs if r.startswith("offline-run-")]
     run_id = open(os.path.join(config.workdir, "wandb_id")).read()
@@ -111,9 +112,9 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, layout):
     results = []
     for accum in (1, 4):
         config.train.grad_accum = accum
-        optimizer = make_optimizer(config.train)
+        optimizer = make_optimizer(run_config(config).train)
         state = init_state(model, optimizer, mesh, seed=3)
-        step = jax.jit(make_train_step(model, attention, config.train, mesh, optimizer))
+        step = jax.jit(make_train_step(model, attention, run_config(config).train, mesh, optimizer))
         state, metrics = step(state, batch)
         results.append((metrics, jax.device_get(state.params)))
     (m1, p1), (m4, p4) = results

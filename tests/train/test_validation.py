@@ -11,6 +11,7 @@ from support import DEMO_CORPUS, small_train_config
 
 from lclm.checkpoint import read_params
 from lclm.config import AttentionConfig, ModelConfig, base_config
+from lclm.config.run_config import run_config
 from lclm.config.stages import stage_configs, validation_lengths
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
@@ -47,7 +48,7 @@ def test_val_loss_is_the_loss_of_the_saved_parameters_on_the_held_out_batches(tm
     # the final val_loss is what the final parameters score on the held-out batches
     mesh = make_mesh(**mesh_sizes)
     model = ModelConfig.from_config(config.model)
-    template = init_state(model, make_optimizer(config.train), mesh, seed=0)
+    template = init_state(model, make_optimizer(run_config(config).train), mesh, seed=0)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             template.params)
     params = read_params(str(tmp_path / "run"), 5, abstract)
@@ -55,7 +56,7 @@ def test_val_loss_is_the_loss_of_the_saved_parameters_on_the_held_out_batches(tm
     expected = {}
     for length in (32, 64, 128):
         config.data.seq_len = length
-        reader = HostBatches(config, mesh, Tokenizer(config.data.tokenizer), prefetch=0)
+        reader = HostBatches(run_config(config), mesh, Tokenizer(config.data.tokenizer), prefetch=0)
         total = count = 0.0
         for _ in range(2):
             batch = next(reader)

@@ -1,0 +1,62 @@
+"""A checked config as a frozen tree of its typed sections (`RunConfig`): what the training
+loop hands its components, each the sections it reads, so that mypy checks every field they
+read. ml_collections stays where it earns its place: config files, `--config.a.b=V`
+overrides, FieldReferences and stages; `run_config` is taken once a stage's config is final
+and checked. No JAX here."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lclm.config.model import AttentionConfig
+from lclm.config.schema import (
+    SECTIONS,
+    Checkpoint,
+    Data,
+    Log,
+    Mesh,
+    Model,
+    Run,
+    Stages,
+    Train,
+    Validation,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every section of one run's (or one stage's) config; `run` holds the top-level fields
+    (workdir, seed, ...)."""
+
+    run: Run
+    mesh: Mesh
+    model: Model
+    attention: AttentionConfig
+    data: Data
+    train: Train
+    log: Log
+    checkpoint: Checkpoint
+    validation: Validation
+    stages: Stages
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain dict of the config it was made from (top-level fields at the top, as
+        `ConfigDict.to_dict`; what `secrets.public_config` cleans)."""
+        out: dict[str, Any] = dataclasses.asdict(self.run)
+        for name in SECTIONS:
+            if name:
+                out[name] = dataclasses.asdict(getattr(self, name))
+        return out
+
+
+def run_config(config) -> RunConfig:
+    """The typed tree of a checked `ml_collections` config (references resolved). Each
+    section takes the fields it declares; a field the config lacks keeps its default."""
+    values = config.to_dict()
+    sections: dict[str, Any] = {}
+    for name, section in SECTIONS.items():
+        node = values if not name else values.get(name, {})
+        names = {f.name for f in dataclasses.fields(section)}
+        sections[name or "run"] = section(**{k: v for k, v in node.items() if k in names})
+    return RunConfig(**sections)
