@@ -10,8 +10,11 @@ Per seed S: `python train.py --config configs/tiny_line_retrieval.py --config.se
 RUNS/seedS/stage1_128 --lengths 64,128 --samples 40 --out RUNS/seedS/eval` (5 depth bins x 40
 = 200 prompts per length, chance 1/9). A seed whose evaluation is already in RUNS is read, not
 run again, so an interrupted sweep goes on where it stopped (its times are then the first
-run's, kept in RUNS/seedS/times.json). Each row is written to `--out` as it is measured. The
-target (issue 61): >= 90% at both lengths on every seed, each run under 10 minutes on 2 cores.
+run's, kept in RUNS/seedS/times.json). A stage already trained in RUNS/seedS (an earlier
+sweep's, of the same config) is not trained again: the times then cover the later stages
+only, and the row says which stages were reused. Each row is written to `--out` as it is
+measured. The target (issue 61): >= 90% at both lengths on every seed, each run under 10
+minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def run_seed(seed: int, runs: str, samples: int) -> dict:
     if not (os.path.exists(os.path.join(eval_dir, "line_retrieval.json"))
             and os.path.exists(times_path)):
         os.makedirs(workdir, exist_ok=True)
+        reused = sorted(d for d in os.listdir(workdir) if d.startswith("stage"))
         wall, cpu = _timed([sys.executable, "train.py", "--config", CONFIG,
                             f"--config.seed={seed}", f"--config.workdir={workdir}"],
                            os.path.join(workdir, "train.log"))
@@ -81,7 +85,7 @@ def run_seed(seed: int, runs: str, samples: int) -> dict:
                 ",".join(map(str, LENGTHS)), "--samples", str(samples), "--out", eval_dir],
                os.path.join(workdir, "eval.log"))
         with open(times_path, "w") as f:
-            json.dump(dict(train_wall_s=wall, train_cpu_s=cpu), f)
+            json.dump(dict(train_wall_s=wall, train_cpu_s=cpu, reused=reused), f)
     with open(times_path) as f:
         times = json.load(f)
     return dict(seed=seed, **times, **{f"at_{n}": a for n, a in accuracies(eval_dir).items()})
@@ -109,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         r = run_seed(seed, args.runs, args.samples)
         ok = all(r[f"at_{n}"] >= TARGET for n in LENGTHS)
         rows.append(ok)
-        wall = r["train_wall_s"]
+        wall, cpu = r["train_wall_s"], r["train_cpu_s"]
+        reused = f" ({', '.join(r['reused'])} reused)" if r.get("reused") else ""
         table.add((seed, f"{r['at_64']:.1%}", f"{r['at_128']:.1%}",
-                   f"{int(wall // 60)} min {int(wall % 60)} s", f"{r['train_cpu_s']:.0f} s",
-                   "yes" if ok else "NO"))
+                   f"{int(wall // 60)} min {int(wall % 60)} s{reused}",
+                   "n/a" if cpu is None else f"{cpu:.0f} s", "yes" if ok else "NO"))
     table.note(f"{sum(rows)} of {len(rows)} seeds reach {TARGET:.0%} at both lengths.")
     return 0 if all(rows) else 1
 

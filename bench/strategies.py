@@ -44,7 +44,7 @@ def _errors(strategy, layout, mesh_kw, ulysses, heads, kv_heads, segments, seed)
     import numpy as np
 
     from lclm.config import AttentionConfig
-    from lclm.ops.context_parallel import context_parallel_attention, layout_shards
+    from lclm.ops.context_parallel import context_parallel_attention, strategy_of
     from lclm.ops.kernels.reference import dense_attention
     from lclm.ops.layout import from_layout, to_layout
     from lclm.parallel import make_mesh
@@ -58,11 +58,12 @@ def _errors(strategy, layout, mesh_kw, ulysses, heads, kv_heads, segments, seed)
     want = (want_o, *vjp(jnp.asarray(do)))
 
     mesh = make_mesh(**mesh_kw)
-    n = layout_shards(AttentionConfig(strategy=strategy, ulysses=ulysses), mesh.shape["sp"])
+    chosen = strategy_of(AttentionConfig(strategy=strategy, ulysses=ulysses))
+    n = chosen.layout_shards(mesh.shape["sp"])
     lay = lambda x: None if x is None else to_layout(jnp.asarray(x), layout, n)
     attend = jax.jit(lambda q, k, v: context_parallel_attention(
-        q, k, v, mesh=mesh, strategy=strategy, layout=layout, segment_ids=lay(seg), q_chunk=8,
-        kv_chunk=8, impl="blockwise", ulysses=ulysses))
+        q, k, v, mesh=mesh, strategy=chosen, layout=layout, segment_ids=lay(seg), q_chunk=8,
+        kv_chunk=8, impl="blockwise"))
     got_o, vjp = jax.vjp(attend, lay(q), lay(k), lay(v))
     got = (got_o, *vjp(lay(do)))
     return [float(jnp.max(jnp.abs(from_layout(g, layout, n) - w)) / jnp.max(jnp.abs(w)))
@@ -78,16 +79,18 @@ def gradient_program(strategy: str, ulysses: int = 1):
     import jax
     import jax.numpy as jnp
 
-    from lclm.ops.context_parallel import context_parallel_attention
+    from lclm.config import AttentionConfig
+    from lclm.ops.context_parallel import context_parallel_attention, strategy_of
     from lclm.parallel import make_mesh
 
     mesh = make_mesh(sp=4)
+    chosen = strategy_of(AttentionConfig(strategy=strategy, ulysses=ulysses))
     q, k = jnp.ones((2, 64, 4, 16), jnp.bfloat16), jnp.ones((2, 64, 2, 16), jnp.bfloat16)
     seg = jnp.ones((2, 64), jnp.int32)
 
     def loss(q, k, v, seg):
-        o = context_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, segment_ids=seg,
-                                       q_chunk=8, kv_chunk=8, impl="blockwise", ulysses=ulysses)
+        o = context_parallel_attention(q, k, v, mesh=mesh, strategy=chosen, segment_ids=seg,
+                                       q_chunk=8, kv_chunk=8, impl="blockwise")
         return o.astype(jnp.float32).sum()
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg)
@@ -159,7 +162,7 @@ def _run(args) -> int:
     worst = 0.0
     for strategy in STRATEGIES:
         for label, mesh_kw, ulysses in (QUICK_MESHES if args.quick else MESHES):
-            u = ulysses if strategy == "usp" else 1
+            u = ulysses if "ulysses" in STRATEGIES[strategy].options else 1
             errors, cases = [0.0] * 4, 0
             for layout in LAYOUTS:
                 for segments in (False, True):

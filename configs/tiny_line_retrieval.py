@@ -11,10 +11,11 @@ Documents are exactly their length in tokens ("line 1: 7. line 2: 3. ... Tell me
 one-digit numbers (chance is 1/9) and digits that are single tokens of the demo tokenizer.
 From scratch, this model learns retrieval among the 5 lines of a 64-token document within a
 few hundred steps but not among the 10 lines of 128 tokens, so the run starts at 64 tokens
-and then extends the context (`stages.schedule`, each stage from the previous one's weights,
-`{workdir}/stage{i}_{seq_len}`). Each stage trains on documents of its length, one per row,
-and 15% at half of it, the previous stage's length (filled to the row's length after their
-answer): without them stage 1 forgot what stage 0 learned (docs/evaluation.md). Held-out
+and then extends the context (`stages.list`, each stage from the previous one's weights,
+`{workdir}/stage{i}_{seq_len}`), with weight decay 1.0 in the extension stage. Each stage
+trains on documents of its length, one per row, and 15% at half of it, the previous stage's
+length (filled to the row's length after their answer): without them stage 1 forgot what
+stage 0 learned (docs/evaluation.md). Held-out
 documents are validated at every stage's length so far (val_loss@64, val_loss@128 in
 metrics.jsonl).
 """
@@ -52,16 +53,20 @@ def get_config():
     # val_loss@64 and val_loss@128 show the gain at 128 and whether 64 was forgotten
     c.validation.update(path=ml_collections.FieldReference(source.format(seed=99))
                         + seq_len.to_str(), every=200, batches=1, lengths="stages")
-    c.train.update(steps=800, lr=3e-3, warmup=50, weight_decay=0.0)
-    # stage 1 fine-tunes stage 0's weights with a fresh optimizer, at 2e-3: at 1e-3 it learned
-    # 128 tokens too slowly (0.72 after 800 steps, seed 0), at 3e-3 no better (0.85);
-    # without the half-length documents stage 0's 3e-3 wiped what stage 0 had learned (0.30 at 128
-    # tokens, 0.18 at 64; docs/evaluation.md)
-    # stage 0 at 700 steps: at 450 its cosine had decayed before seed 3 left the plateau at
-    # chance (val_loss 0.42 at step 450, then 89.5% / 50% after stage 1); at 700 seed 3 scores
-    # 100% / 100%, but seed 2 88% at 128 tokens (docs/evaluation.md: not yet every seed).
-    # lr 6e-3 instead stayed at chance for 450 steps.
-    c.stages.update(schedule="64:1e4:700, 128:1e4:900", tokens_per_batch=4096, extend_lr=2e-3)
+    c.train.update(lr=3e-3, warmup=50, weight_decay=0.0)
+    # Stage 0 at 700 steps: at 450 its cosine had decayed before seed 3 left the plateau at
+    # chance (val_loss 0.42 at step 450); lr 6e-3 instead stayed at chance for 450 steps.
+    # Stage 1 fine-tunes stage 0's weights (and Adam's moments) at 2e-3: at 1e-3 it learned 128
+    # tokens too slowly (0.72 after 800 steps, seed 0), at 3e-3 no better (0.85). Its weight
+    # decay of 1.0 is what makes every seed find the exact solution: without it seeds 1 and 3
+    # reached val_loss 0.000 at 128 tokens but seeds 0 and 2 stayed at 0.09 and 0.05 (92% and
+    # 88%: they missed line numbers 64-token documents never show); with it both reach 100%
+    # (docs/evaluation.md, the seed sweep).
+    c.stages.update(tokens_per_batch=4096, list=(
+        dict(data=dict(seq_len=64), model=dict(rope_theta=1e4), train=dict(steps=700)),
+        dict(data=dict(seq_len=128), model=dict(rope_theta=1e4),
+             train=dict(steps=900, lr=2e-3, weight_decay=1.0)),
+    ))
     c.log.every = 50
     c.checkpoint.every = 200
     return c

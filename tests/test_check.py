@@ -93,9 +93,8 @@ class MislaidRing(Ring):
     """A planted layout bug: the ring takes the striped shards for contiguous ones, so its
     causal masks let tokens see later ones."""
 
-    def attention(self, q, k, v, *, mesh, ulysses=1, **kwargs):
-        return super().attention(q, k, v, mesh=mesh, ulysses=ulysses,
-                                 **kwargs | dict(layout="contiguous"))
+    def attention(self, q, k, v, *, mesh, **kwargs):
+        return super().attention(q, k, v, mesh=mesh, **kwargs | dict(layout="contiguous"))
 
 
 def test_strategy_fault_fails(monkeypatch):

@@ -9,7 +9,7 @@ from support import ROOT
 from lclm.config import load_config
 from lclm.config.model import REMAT, REMAT_POLICIES
 from lclm.models import decoder
-from lclm.ops.context_parallel import STRATEGIES, get_strategy
+from lclm.ops.context_parallel import STRATEGIES, strategy_of
 from lclm.ops.context_parallel.contract import Step
 from lclm.plan.memory import estimate
 from lclm.plan.strategies import attention_step
@@ -31,7 +31,7 @@ def test_the_planner_charges_what_the_strategy_states(strategy, ulysses):
     plan = estimate(c, 32, "tpu-v4")
     step = attention_step(c, plan.mesh, flops=0.0, fast_gbs=0.0, slow_gbs=0.0,
                           devices_per_node=8)
-    assert plan.ring == pytest.approx(get_strategy(strategy).buffers(step, ulysses))
+    assert plan.ring == pytest.approx(strategy_of(c.attention).buffers(step))
 
 
 def test_all_gather_and_ulysses_are_not_charged_the_rings_buffers():

@@ -23,7 +23,7 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 from lclm.eval.model import restore_params
 from lclm.models.decoder import init_params, param_count
-from lclm.ops.context_parallel import get_strategy
+from lclm.ops.context_parallel import strategy_of
 from lclm.parallel.mesh import make_mesh
 from lclm.training.checks import check_data, validate
 from lclm.training.first_weights import (
@@ -67,8 +67,8 @@ def check_mesh(config, available: int) -> dict[str, int]:
     m, a = config.mesh, config.attention
     heads = config.model.n_heads
     want = {k: (available if m[k] == -1 else m[k]) for k in MESH_AXES}
-    fits = lambda sp, tp: (sp * tp <= available and get_strategy(a.strategy).limits(
-        heads=heads, tp=tp, sp=sp, ulysses=a.ulysses) is None)
+    fits = lambda sp, tp: (sp * tp <= available and strategy_of(a).limits(
+        heads=heads, tp=tp, sp=sp) is None)
     sp = max((d for d in divisors(want["sp"]) if fits(d, 1)), default=1)
     tp = max(d for d in divisors(want["tp"]) if fits(sp, d))
     data_axis = "fsdp" if want["fsdp"] > 1 else "dp"
@@ -140,7 +140,7 @@ def weights_source(stage, first) -> tuple[ConfigDict, str]:
 
 
 def _source_words(config) -> str:
-    m, kind = config.model, configured_source(config)
+    m, kind = config.model, configured_source(config.model)
     if kind == OTHER_RUN:
         return f"checkpoint {m.init_from_checkpoint}"
     if kind == HUGGINGFACE:
@@ -171,9 +171,9 @@ def initial_params(config, model: ModelConfig, mesh) -> dict:
     """The weights training would start from, placed on `mesh`: the latest checkpoint of
     another run, HF weights, or the seeded random init (chosen as training chooses:
     `first_weights.configured_source`)."""
-    source_kind = configured_source(config)
+    source_kind = configured_source(config.model)
     if source_kind == HUGGINGFACE:
-        return load_hf_params(config, model, mesh)
+        return load_hf_params(config.model.init_from_hf, model, mesh)
     if source_kind == OTHER_RUN:
         source = config.model.init_from_checkpoint
         steps = saved_steps(source)

@@ -28,7 +28,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lclm.config.model import REMAT, ROPE_SCALINGS, AttentionConfig, ModelConfig, yarn_mscale
 from lclm.families import get_family
-from lclm.ops.context_parallel import context_parallel_attention, local_attention
+from lclm.ops.context_parallel import (
+    context_parallel_attention,
+    local_attention,
+    strategy_of,
+)
 from lclm.ops.context_parallel.rounds import SAVED_NAMES
 from lclm.ops.ffn import blockwise_ffn
 from lclm.ops.loss import blockwise_cross_entropy
@@ -249,8 +253,8 @@ def layer_with_kv(c: ModelConfig, a: AttentionConfig, mesh, x, p, rope, segment_
     def attend(q, k, v):
         if mesh is None:
             return local_attention(q, k, v, **chunks), k, v
-        return context_parallel_attention(q, k, v, mesh=mesh, strategy=a.strategy,
-                                          layout=a.layout, ulysses=a.ulysses, **chunks), k, v
+        return context_parallel_attention(q, k, v, mesh=mesh, strategy=strategy_of(a),
+                                          layout=a.layout, **chunks), k, v
 
     def feed_forward(h, stored, _):
         # the stored (float32) weights, cast inside the op: their gradients are summed over

@@ -18,7 +18,7 @@ from lclm.config import ModelConfig
 from lclm.config.model import DTYPE_BYTES, REMAT
 from lclm.hardware import planner_devices
 from lclm.models.decoder import is_param_entry, param_table
-from lclm.ops.context_parallel import get_strategy
+from lclm.ops.context_parallel import strategy_of
 from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
 from lclm.plan.strategies import attention_step
@@ -135,7 +135,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     # dK/dV accumulators travelling); over one device nothing crosses, nothing is held
     step = attention_step(config, sizes, flops=0.0, fast_gbs=0.0, slow_gbs=0.0,
                           devices_per_node=sp)   # (the links do not change what it holds)
-    ring = get_strategy(a.strategy).buffers(step, a.ulysses) if sp > 1 else 0.0
+    ring = strategy_of(a).buffers(step) if sp > 1 else 0.0
     host = 0.0
     if remat.host and platform == "gpu":
         host, per_layer_saved = per_layer_saved * m.n_layers, per_layer_saved

@@ -12,6 +12,7 @@ import logging
 import os
 
 from lclm import storage
+from lclm.config.loading import field
 from lclm.config.model import AttentionConfig, ModelConfig
 from lclm.config.schema import MESH_AXES, check_fields
 from lclm.config.stages import validation_lengths
@@ -21,7 +22,7 @@ from lclm.data.loader import parse_sources
 from lclm.data.records import names_data
 from lclm.data.sources import get_kind
 from lclm.errors import ConfigError
-from lclm.ops.context_parallel import get_strategy, kernel_block, layout_shards
+from lclm.ops.context_parallel import kernel_block, layout_shards, option_problem, strategy_of
 from lclm.ops.context_parallel.rounds import kv_repeats
 from lclm.ops.kernels import choose_kernel, get_kernel, platform_family
 from lclm.parallel.mesh import fit_mesh, resolve_mesh_shape
@@ -44,7 +45,8 @@ def validate(config, device_count: int) -> dict[str, int]:
     check_fields(config)
     attention = AttentionConfig.from_config(a)
     check_workdir(config.workdir)
-    allowed_keys(config)
+    for key in allowed_keys(config.checkpoint.allow_changed):
+        field(config, key)   # one line naming the unknown key
     try:
         asked = {k: config.mesh[k] for k in MESH_AXES}
         fitted = asked if not config.mesh.fit or -1 in asked.values() else fit_mesh(
@@ -71,7 +73,7 @@ def validate(config, device_count: int) -> dict[str, int]:
     except ValueError:
         _fail(f"model.n_kv_heads={m.n_kv_heads} cannot be split over mesh.tp={tp}; "
               "pick a tp that divides or is a multiple of n_kv_heads")
-    why = get_strategy(a.strategy).limits(heads=m.n_heads, tp=tp, sp=sp, ulysses=a.ulysses)
+    why = option_problem(a) or strategy_of(a).limits(heads=m.n_heads, tp=tp, sp=sp)
     if why is not None:
         _fail(why)
     if m.ffn_dim % tp:
@@ -178,7 +180,5 @@ def attention_line(config, model: ModelConfig, sp: int, platform: str) -> str:
     kernel = attention_kernel(config, model, sp, platform)
     chosen = f" (auto on {platform_family(platform)})" if config.attention.impl == "auto" else ""
     a = AttentionConfig.from_config(config.attention)
-    strategy = "" if a.strategy == "ring" else f", {a.strategy} strategy"
-    if a.ulysses > 1:
-        strategy += f" (ulysses {a.ulysses} x ring {layout_shards(a, sp)})"
+    strategy = "" if a.strategy == "ring" else f", {strategy_of(a).label(sp)} strategy"
     return f"{kernel}{chosen}, {a.layout} layout{strategy}"

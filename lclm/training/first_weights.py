@@ -22,6 +22,8 @@ import jax
 
 from lclm.checkpoint import Checkpoints, ShapeMismatch
 from lclm.config.model import ModelConfig
+from lclm.config.run_config import RunConfig
+from lclm.config.schema import Model
 from lclm.models.decoder import init_params
 from lclm.training.init_weights import (
     apply_checkpoint_fields,
@@ -62,7 +64,8 @@ def take_model_fields(config) -> None:
         apply_checkpoint_fields(config)
 
 
-def origin(config, checkpoints: Checkpoints, saved_config: dict, model: ModelConfig) -> Origin:
+def origin(config: RunConfig, checkpoints: Checkpoints, saved_config: dict, model: ModelConfig
+           ) -> Origin:
     """Where the first state of the run `config` (its config as checkpoints save it:
     `saved_config`) comes from, `checkpoints` being its workdir's. A resume this config may not
     make (ConfigError, `lclm.training.resume`) or whose parameter shapes are not `model`'s
@@ -74,7 +77,8 @@ def origin(config, checkpoints: Checkpoints, saved_config: dict, model: ModelCon
         if latest is None:
             return Origin(RESUME)
         step, saved = latest
-        restart_data = check_resume(saved, saved_config, allowed_keys(config), step)
+        restart_data = check_resume(saved, saved_config,
+                                    allowed_keys(config.checkpoint.allow_changed), step)
         try:   # an allowed change (checkpoint.allow_changed) may still change a shape
             checkpoints.check_shapes(step, jax.eval_shape(functools.partial(init_params, model),
                                                           jax.random.key(0)))
@@ -84,38 +88,40 @@ def origin(config, checkpoints: Checkpoints, saved_config: dict, model: ModelCon
             log.debug("shapes of checkpoint step %d not checked before the restore (%s)", step,
                       e)
         return Origin(RESUME, step, restart_data)
-    return Origin(configured_source(config))
+    return Origin(configured_source(config.model))
 
 
-def configured_source(config) -> str:
+def configured_source(model: Model) -> str:
     """OTHER_RUN, HUGGINGFACE or FRESH: where the weights of a run that does not resume come
-    from. Another run first: a later stage of a run started from HuggingFace keeps its
-    `init_from_hf` beside the previous stage's `init_from_checkpoint`. The pre-flight check
-    (`lclm.check.setup.initial_params`) asks here too, so both load the same weights."""
-    if config.model.init_from_checkpoint:
+    from, by its `model` section. Another run first: a later stage of a run started from
+    HuggingFace keeps its `init_from_hf` beside the previous stage's `init_from_checkpoint`.
+    The pre-flight check (`lclm.check.setup.initial_params`) asks here too, so both load the
+    same weights."""
+    if model.init_from_checkpoint:
         return OTHER_RUN
-    if config.model.init_from_hf:
+    if model.init_from_hf:
         return HUGGINGFACE
     return FRESH
 
 
-def first_state(config, checkpoints: Checkpoints, model: ModelConfig, mesh, optimizer,
-                saved_config: dict) -> tuple[TrainState, dict | None]:
+def first_state(config: RunConfig, checkpoints: Checkpoints, model: ModelConfig, mesh,
+                optimizer, saved_config: dict) -> tuple[TrainState, dict | None]:
     """(state, data state) the run starts from, placed on `mesh` (`origin` decides where from;
     the data state is None where the data pipeline starts at its beginning)."""
     source = origin(config, checkpoints, saved_config, model)
-    state = init_state(model, optimizer, mesh, config.seed)
+    state = init_state(model, optimizer, mesh, config.run.seed)
     if source.kind == RESUME:
         return _resume(config, checkpoints, state, saved_config, source)
     if source.kind == OTHER_RUN:
-        state = load_checkpoint_state(config, state)
+        state = load_checkpoint_state(config.model.init_from_checkpoint,
+                                      config.train.optimizer_from_checkpoint, state)
     elif source.kind == HUGGINGFACE:
-        state = state._replace(params=load_hf_params(config, model, mesh))
+        state = state._replace(params=load_hf_params(config.model.init_from_hf, model, mesh))
     return state, None
 
 
-def _resume(config, checkpoints: Checkpoints, template: TrainState, saved_config: dict,
-            checked: Origin) -> tuple[TrainState, dict | None]:
+def _resume(config: RunConfig, checkpoints: Checkpoints, template: TrainState,
+            saved_config: dict, checked: Origin) -> tuple[TrainState, dict | None]:
     """The workdir's latest readable checkpoint, placed like `template`, and its data state
     unless the data pipeline starts afresh."""
     state, data_state = checkpoints.restore(template)
@@ -125,6 +131,6 @@ def _resume(config, checkpoints: Checkpoints, template: TrainState, saved_config
         # damage sent the restore to another step than the one checked: its own config
         # decides (an allowed change of the data order may lie between the two)
         saved = checkpoints.config_at(restored)
-        restart_data = saved is not None and check_resume(saved, saved_config,
-                                                          allowed_keys(config), restored)
+        restart_data = saved is not None and check_resume(
+            saved, saved_config, allowed_keys(config.checkpoint.allow_changed), restored)
     return state, None if restart_data else data_state

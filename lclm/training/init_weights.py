@@ -70,23 +70,22 @@ def apply_checkpoint_fields(config) -> None:
                                         rope_scaling=config.model.rope_scaling == "auto"))
 
 
-def load_hf_params(config, model: ModelConfig, mesh):
-    """`init_from_hf` weights in the run's param dtype and shardings."""
+def load_hf_params(source: str, model: ModelConfig, mesh):
+    """The weights of the HuggingFace directory `source` (`model.init_from_hf`) in the run's
+    param dtype and shardings."""
     # each device's block is read from the files and placed where it belongs: the model is
     # never whole on one device nor on the host (13B in float32 is 52 GB)
-    _, params = hf.load(config.model.init_from_hf, shardings=param_shardings(model, mesh),
-                        dtype=model.param_dtype)
-    log.info("initialised from %s (rope_theta %g)", config.model.init_from_hf, model.rope_theta)
+    _, params = hf.load(source, shardings=param_shardings(model, mesh), dtype=model.param_dtype)
+    log.info("initialised from %s (rope_theta %g)", source, model.rope_theta)
     return params
 
 
-def load_checkpoint_state(config, template: TrainState) -> TrainState:
-    """`template` with the latest parameters of the lclm run in `init_from_checkpoint`, and,
-    where `train.optimizer_from_checkpoint`, its optimizer state with the learning-rate
-    schedule started again (Adam's moments and step count carry on: its bias correction
-    stays that of a warmed-up optimizer). Placed like `template`."""
-    source = config.model.init_from_checkpoint
-    carry = config.train.optimizer_from_checkpoint
+def load_checkpoint_state(source: str, carry: bool, template: TrainState) -> TrainState:
+    """`template` with the latest parameters of the lclm run in `source`
+    (`model.init_from_checkpoint`), and, where `carry` (`train.optimizer_from_checkpoint`),
+    its optimizer state with the learning-rate schedule started again (Adam's moments and
+    step count carry on: its bias correction stays that of a warmed-up optimizer). Placed
+    like `template`."""
     items = {"params": template.params, **({"opt_state": template.opt_state} if carry else {})}
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             items)

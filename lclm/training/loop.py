@@ -140,7 +140,7 @@ def _run(config, setup: _Setup, stop_after: int | None) -> list[dict]:
     batches = logger = termination = None
     try:
         optimizer = make_optimizer(run.train)
-        state, data_state = first_state(config, checkpoints, model, mesh, optimizer,
+        state, data_state = first_state(run, checkpoints, model, mesh, optimizer,
                                         saved_config)
         if is_main:   # only once the run is accepted: config.json describes the checkpoints
             _write_at_start(run.run.workdir, "config.json", saved_config)

@@ -23,7 +23,7 @@ def tiny_config(tmp_path):
     c.attention.update(q_chunk=32, kv_chunk=32)
     c.data.update(path="line_retrieval:tokens=128;digits=2;seed=1", seq_len=128, batch_size=4)
     c.train.update(steps=2, warmup=1)
-    c.stages.schedule = ""  # one short run, not the config's context-extension stages
+    c.stages.list = ()  # one short run, not the config's context-extension stages
     c.log.update(every=1, progress=False)
     c.checkpoint.update(every=0)
     return c

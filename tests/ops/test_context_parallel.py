@@ -18,6 +18,7 @@ from lclm.config import AttentionConfig, ModelConfig
 from lclm.models.decoder import init_params, loss_terms
 from lclm.ops import kernels
 from lclm.ops.context_parallel import STRATEGIES, context_parallel_attention, layout_shards
+from lclm.ops.context_parallel.ulysses import USP
 from lclm.ops.kernels.range_kernel import range_kernel
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
@@ -61,9 +62,9 @@ def test_ulysses_needs_query_heads_divisible_by_sp():
     with pytest.raises(ValueError, match="unknown attention strategy 'mesh'"):
         context_parallel_attention(q, q, q, mesh=make_mesh(sp=2), strategy="mesh")
     with pytest.raises(ValueError, match="4 query heads per tp shard over ulysses=8"):
-        context_parallel_attention(q, q, q, mesh=make_mesh(sp=8), strategy="usp", ulysses=8)
+        context_parallel_attention(q, q, q, mesh=make_mesh(sp=8), strategy=USP(ulysses=8))
     with pytest.raises(ValueError, match="ulysses=3 does not divide sp=8"):
-        context_parallel_attention(q, q, q, mesh=make_mesh(sp=8), strategy="usp", ulysses=3)
+        context_parallel_attention(q, q, q, mesh=make_mesh(sp=8), strategy=USP(ulysses=3))
 
 
 CFG = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,

@@ -19,16 +19,22 @@ from support import ROOT
 from test_ring_attention import _close, _inputs, _reference
 
 from lclm.config import AttentionConfig
-from lclm.ops.context_parallel import STRATEGIES, context_parallel_attention, layout_shards
+from lclm.ops.context_parallel import STRATEGIES, context_parallel_attention, strategy_of
 from lclm.ops.kernels import KERNELS, get_kernel
 from lclm.ops.layout import from_layout, to_layout
 from lclm.parallel import make_mesh
 
 
+def _with_degree(strategy: str, ulysses: int):
+    """`strategy` holding Ulysses degree `ulysses` where that is an option of its own (usp)."""
+    own = "ulysses" in STRATEGIES[strategy].options
+    return strategy_of(AttentionConfig(strategy=strategy, ulysses=ulysses if own else 1))
+
+
 def _degree(strategy: str, heads: int, tp: int, sp: int) -> int:
     """The Ulysses degree to test `strategy` at: 2 where its limits take it, else 1."""
-    limits = STRATEGIES[strategy].limits
-    return next(u for u in (2, 1) if limits(heads=heads, tp=tp, sp=sp, ulysses=u) is None)
+    return next(u for u in (2, 1)
+                if _with_degree(strategy, u).limits(heads=heads, tp=tp, sp=sp) is None)
 
 
 def check(strategy, layout, mesh_kw, h, hkv, segments, impl="blockwise", chunk=8, batch=2,
@@ -43,13 +49,14 @@ def check(strategy, layout, mesh_kw, h, hkv, segments, impl="blockwise", chunk=8
     if ulysses is None:
         ulysses = _degree(strategy, h, sizes["tp"], sizes["sp"])
     # the layout's shards: the ring's members (usp: sp / ulysses, each cut over its group)
-    n = layout_shards(AttentionConfig(strategy=strategy, ulysses=ulysses), sizes["sp"])
+    chosen = _with_degree(strategy, ulysses)
+    n = chosen.layout_shards(sizes["sp"])
     lay = lambda x: None if x is None else to_layout(jnp.asarray(x), layout, n)
 
     def f(q, k, v):
-        return context_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, layout=layout,
+        return context_parallel_attention(q, k, v, mesh=mesh, strategy=chosen, layout=layout,
                                           segment_ids=lay(seg), q_chunk=chunk, kv_chunk=chunk,
-                                          impl=impl, ulysses=ulysses)
+                                          impl=impl)
 
     out, vjp = jax.vjp(jax.jit(f), lay(q), lay(k), lay(v))
     for got, w in zip((out, *vjp(lay(do))), want):  # o, dq, dk, dv
@@ -138,12 +145,13 @@ def test_limits_refuse_at_start_what_the_attention_refuses(strategy):
         mesh = make_mesh(tp=tp, sp=sp)
         q = jax.ShapeDtypeStruct((2, 8 * sp, heads, 16), jnp.float32)
         kv = jax.ShapeDtypeStruct((2, 8 * sp, kv_heads, 16), jnp.float32)
-        why = STRATEGIES[strategy].limits(heads=heads, tp=tp, sp=sp, ulysses=ulysses)
+        chosen = _with_degree(strategy, ulysses)
+        why = chosen.limits(heads=heads, tp=tp, sp=sp)
         allowed += why is None
         try:
-            jax.eval_shape(lambda q, k, v, mesh=mesh, u=ulysses: context_parallel_attention(
-                q, k, v, mesh=mesh, strategy=strategy, ulysses=u, q_chunk=8, kv_chunk=8,
-                impl="blockwise", layout="contiguous"), q, kv, kv)
+            jax.eval_shape(lambda q, k, v, mesh=mesh, s=chosen: context_parallel_attention(
+                q, k, v, mesh=mesh, strategy=s, q_chunk=8, kv_chunk=8, impl="blockwise",
+                layout="contiguous"), q, kv, kv)
         except ValueError as e:
             assert why is not None, (heads, kv_heads, tp, sp, ulysses, str(e))
     assert allowed >= 2

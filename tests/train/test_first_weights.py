@@ -7,6 +7,7 @@ from support import save_initial_checkpoint, small_train_config
 
 from lclm.checkpoint import Checkpoints, ShapeMismatch
 from lclm.config.model import ModelConfig
+from lclm.config.run_config import run_config
 from lclm.config.secrets import public_config
 from lclm.errors import ConfigError
 from lclm.training.first_weights import (
@@ -28,7 +29,7 @@ def _config(workdir, **model):
 def _origin(config):
     checkpoints = Checkpoints(config.workdir, keep=3)
     try:
-        return origin(config, checkpoints, public_config(config),
+        return origin(run_config(config), checkpoints, public_config(config),
                       ModelConfig.from_config(config.model))
     finally:
         checkpoints.close()

@@ -22,6 +22,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
 
 
 def get_strategy(name: str) -> Strategy:
+    """The registered strategy `name`, its options at their defaults."""
     try:
         return STRATEGIES[name]
     except KeyError:
@@ -29,27 +30,48 @@ def get_strategy(name: str) -> Strategy:
                          f"{tuple(STRATEGIES)}") from None
 
 
+def strategy_of(attention) -> Strategy:
+    """The strategy `attention` (an `AttentionConfig` or `config.attention`) names, holding
+    its own options' values (usp: its Ulysses degree)."""
+    return get_strategy(attention.strategy).configured(attention)
+
+
+def option_problem(attention) -> str | None:
+    """Why `attention` sets an option of a strategy it does not run (None: it sets none), one
+    line naming the fix."""
+    own = get_strategy(attention.strategy).options
+    for other in STRATEGIES.values():
+        for option in other.options:
+            value, default = getattr(attention, option), getattr(other, option)
+            if option not in own and value != default:
+                what = other.option_words.get(option, f"an option of '{other.name}'")
+                return (f"attention.{option}={value!r} is {what}; set attention.strategy="
+                        f"'{other.name}' or leave attention.{option}={default!r}")
+    return None
+
+
 def layout_shards(attention, sp: int) -> int:
     """The shards the token layout splits a sequence into when `attention` (an
     `AttentionConfig` or `config.attention`) runs over `sp` devices: sp, or sp / ulysses
     under usp (each shard cut over its group)."""
-    return get_strategy(attention.strategy).layout_shards(sp, attention.ulysses)
+    return strategy_of(attention).layout_shards(sp)
 
 
 def kernel_block(attention, sp: int, seq_len: int) -> int:
     """The run of consecutive positions a kernel's tiles stay inside (`Kernel.limits`'
     `block`) when `attention` runs over `sp` devices: a ring shard's (half of it with zigzag)
     or the whole sequence's (ulysses: original order)."""
-    return get_strategy(attention.strategy).kernel_block(attention.layout, sp, seq_len,
-                                                         attention.ulysses)
+    return strategy_of(attention).kernel_block(attention.layout, sp, seq_len)
 
 
-def context_parallel_attention(q, k, v, *, mesh, strategy="ring", ulysses=1, **kwargs):
-    """Attention of global arrays whose sequence axis is sharded over `sp`, by `strategy`
-    (a name in `STRATEGIES`; `ulysses`: usp's Ulysses degree); `kwargs` and the result as
-    `ring_attention`'s."""
-    return get_strategy(strategy).attention(q, k, v, mesh=mesh, ulysses=ulysses, **kwargs)
+def context_parallel_attention(q, k, v, *, mesh, strategy: str | Strategy = "ring", **kwargs):
+    """Attention of global arrays whose sequence axis is sharded over `sp`, by `strategy` (a
+    `Strategy`, e.g. `strategy_of(attention)`, or a name in `STRATEGIES`: its options at
+    their defaults); `kwargs` and the result as `ring_attention`'s."""
+    chosen = get_strategy(strategy) if isinstance(strategy, str) else strategy
+    return chosen.attention(q, k, v, mesh=mesh, **kwargs)
 
 
 __all__ = ["STRATEGIES", "Strategy", "context_parallel_attention", "get_strategy",
-           "kernel_block", "local_attention", "ring_attention", "layout_shards"]
+           "kernel_block", "local_attention", "ring_attention", "layout_shards",
+           "option_problem", "strategy_of"]

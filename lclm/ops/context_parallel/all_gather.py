@@ -9,6 +9,7 @@ kept), accumulates dK/dV of the whole sequence in float32 and reduce-scatters th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -116,6 +117,7 @@ def all_gather_attention(q, k, v, *, mesh, layout="striped", causal=True, segmen
                    segment_ids)
 
 
+@dataclasses.dataclass(frozen=True)
 class AllGather(Strategy):
     """K/V gathered once forward and once backward (again where remat re-runs the forward),
     the float32 dK/dV reduce-scattered. The gather waits for the layer's K/V projection and
@@ -123,11 +125,10 @@ class AllGather(Strategy):
     ones, and memory for the whole sequence's K/V (n kv) plus its float32 gradient."""
     name = "all_gather"
 
-    def attention(self, q, k, v, *, mesh, ulysses=1, **kwargs):
-        del ulysses
+    def attention(self, q, k, v, *, mesh, **kwargs):
         return all_gather_attention(q, k, v, mesh=mesh, **kwargs)
 
-    def buffers(self, step: Step, ulysses: int) -> float:
+    def buffers(self, step: Step) -> float:
         """The whole sequence's K/V and their float32 gradient."""
         return step.n * step.kv * (1 + 4 / step.dtype_bytes)
 
@@ -135,7 +136,7 @@ class AllGather(Strategy):
         n, b = step.n, step.dtype_bytes
         sent = (2 + 4 / b + (1 if step.recompute else 0)) * (n - 1) * step.kv
         return StrategyCost(self.name, f"all-gather {n}", {step.ring_link: sent * step.per_step},
-                            sent / (step.ring_gbs * 1e9) * step.per_step, self.buffers(step, 1))
+                            sent / (step.ring_gbs * 1e9) * step.per_step, self.buffers(step))
 
 
 STRATEGY = AllGather()

@@ -5,22 +5,26 @@ A *strategy* decides what crosses the `sp` devices when attention runs over a se
 over them (the layout, `lclm.ops.layout`, still decides which tokens each device holds). It
 is a `Strategy` with
 
-- `attention(q, k, v, *, mesh, layout, causal, segment_ids, q_chunk, kv_chunk, impl,
-  ulysses)`: the attention of global arrays (shapes and result as
+- `options`: the `attention` fields that are its own (usp: `ulysses`, its Ulysses degree),
+  and `configured(attention)`: the strategy holding their values (the registry holds each
+  strategy with its options' defaults); a run that sets another strategy's option is refused
+  at start (`option_problem`);
+- `attention(q, k, v, *, mesh, layout, causal, segment_ids, q_chunk, kv_chunk, impl)`: the
+  attention of global arrays (shapes and result as
   `lclm.ops.context_parallel.ring.ring_attention`'s), differentiable, keeping the forward's
   output and log-sum-exp under `rounds.SAVED_NAMES` for remat='attention';
-- `layout_shards(sp, ulysses)`: the shards the token layout splits a sequence into;
-- `kernel_block(layout, sp, seq_len, ulysses)`: the run of consecutive positions a kernel's
-  tiles stay inside (`Kernel.limits`' `block`);
-- `limits(heads, tp, sp, ulysses)`: why it cannot run these heads on this mesh (None: it
-  can), one line naming the config keys to change (start-up validation);
-- `buffers(step, ulysses)`: the bytes a device holds for one layer's attention beyond q, k,
-  v and o (the planner's memory model, `lclm.plan`, charges them);
+- `layout_shards(sp)`: the shards the token layout splits a sequence into;
+- `kernel_block(layout, sp, seq_len)`: the run of consecutive positions a kernel's tiles stay
+  inside (`Kernel.limits`' `block`);
+- `limits(heads, tp, sp)`: why it cannot run these heads on this mesh (None: it can), one
+  line naming the config keys to change (start-up validation);
+- `label(sp)`: how the start-up log names it over `sp` devices;
+- `buffers(step)`: the bytes a device holds for one layer's attention beyond q, k, v and o
+  (the planner's memory model, `lclm.plan`, charges them);
 - `cost(step)`: per device and training step, the bytes it sends over each kind of link,
   the seconds the attention waits for them and the memory it adds (`buffers`; `lclm.plan
   --strategies`).
 
-`ulysses` is `attention.ulysses`, usp's Ulysses degree; every other strategy takes only 1.
 A new strategy is a module with a `Strategy` subclass, a line in `lclm.ops.context_parallel`'s
 registry and its tests (`tests/ops/test_strategies.py` runs every registered one).
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 
 from lclm.config.model import REMAT
 from lclm.ops.context_parallel.rounds import tile_run
@@ -116,31 +121,41 @@ def all_to_all_bytes(step: Step, u: int) -> tuple[float, float, str]:
     return moved * (u - 1) / u, 2 * step.q + kv, note
 
 
+@dataclasses.dataclass(frozen=True)
 class Strategy:
     """A context-parallel strategy (see the module docstring for the contract). The defaults
-    are those of a strategy that splits the sequence over all of sp in the layout's order."""
-    name: str = ""
+    are those of a strategy that splits the sequence over all of sp in the layout's order and
+    has no options of its own. A subclass with options declares them as dataclass fields
+    named as their `attention` fields, with the same defaults, and lists them in `options`."""
+    name: typing.ClassVar[str] = ""
+    options: typing.ClassVar[tuple[str, ...]] = ()
+    # what each option is, in the words of the message that refuses it under another strategy
+    option_words: typing.ClassVar[dict[str, str]] = {}
 
-    def attention(self, q, k, v, *, mesh, ulysses: int = 1, **kwargs):
+    def configured(self, attention) -> Strategy:
+        """This strategy with its options' values in `attention` (an `AttentionConfig` or
+        `config.attention`)."""
+        return dataclasses.replace(self, **{o: getattr(attention, o) for o in self.options})
+
+    def attention(self, q, k, v, *, mesh, **kwargs):
         raise NotImplementedError
 
-    def layout_shards(self, sp: int, ulysses: int) -> int:
-        del ulysses
+    def layout_shards(self, sp: int) -> int:
         return sp
 
-    def kernel_block(self, layout: str, sp: int, seq_len: int, ulysses: int) -> int:
-        return tile_run(layout, self.layout_shards(sp, ulysses), seq_len)
+    def kernel_block(self, layout: str, sp: int, seq_len: int) -> int:
+        return tile_run(layout, self.layout_shards(sp), seq_len)
 
-    def limits(self, *, heads: int, tp: int, sp: int, ulysses: int) -> str | None:
+    def limits(self, *, heads: int, tp: int, sp: int) -> str | None:
         del heads, tp, sp
-        if ulysses != 1:
-            return (f"attention.ulysses={ulysses} is usp's Ulysses degree; set "
-                    "attention.strategy='usp' or leave attention.ulysses=1")
         return None
 
-    def buffers(self, step: Step, ulysses: int) -> float:
-        """Bytes a device holds for one layer's attention beyond q, k, v and o, with usp's
-        Ulysses degree `ulysses` (1 for every other strategy)."""
+    def label(self, sp: int) -> str:
+        del sp
+        return self.name
+
+    def buffers(self, step: Step) -> float:
+        """Bytes a device holds for one layer's attention beyond q, k, v and o."""
         raise NotImplementedError
 
     def cost(self, step: Step) -> StrategyCost:

@@ -20,6 +20,7 @@ and usp run inside their all-to-alls.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -184,6 +185,7 @@ def tile_schedule(layout: str, n: int, seq_len: int, q_chunk: int, kv_chunk: int
     return counts
 
 
+@dataclasses.dataclass(frozen=True)
 class Ring(Strategy):
     """K/V blocks round the ring: n - 1 hops forward; in the backward K/V travel again and the
     float32 dK/dV accumulators n hops home (K/V once more where remat re-runs the forward).
@@ -191,11 +193,10 @@ class Ring(Strategy):
     one block's transfer."""
     name = "ring"
 
-    def attention(self, q, k, v, *, mesh, ulysses=1, **kwargs):
-        del ulysses
+    def attention(self, q, k, v, *, mesh, **kwargs):
         return ring_attention(q, k, v, mesh=mesh, **kwargs)
 
-    def buffers(self, step: Step, ulysses: int) -> float:
+    def buffers(self, step: Step) -> float:
         return ring_buffers(step)
 
     def cost(self, step: Step) -> StrategyCost:
@@ -203,7 +204,7 @@ class Ring(Strategy):
         return StrategyCost(self.name, f"ring {n}",
                             {step.ring_link: ring_bytes(step, n - 1) * step.per_step},
                             ring_exposed_s(step, n - 1, step.pair_flops) * step.per_step,
-                            self.buffers(step, 1))
+                            self.buffers(step))
 
 
 STRATEGY = Ring()

@@ -121,6 +121,7 @@ def usp_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=N
                    usp_mesh(mesh, ulysses), q, k, v, segment_ids, seq_axes=(SP, ULYSSES))
 
 
+@dataclasses.dataclass(frozen=True)
 class Ulysses(Strategy):
     """All-to-alls move q, k, v in and o out (forward), do in and dq, dk, dv out (backward),
     and q, k, v in again under every remat policy but 'none', each sending (n - 1)/n of its
@@ -129,21 +130,20 @@ class Ulysses(Strategy):
     them). The query heads per device must divide by n."""
     name = "ulysses"
 
-    def attention(self, q, k, v, *, mesh, ulysses=1, **kwargs):
-        del ulysses
+    def attention(self, q, k, v, *, mesh, **kwargs):
         return ulysses_attention(q, k, v, mesh=mesh, **kwargs)
 
-    def kernel_block(self, layout: str, sp: int, seq_len: int, ulysses: int) -> int:
+    def kernel_block(self, layout: str, sp: int, seq_len: int) -> int:
         return seq_len   # the whole sequence, in original order
 
-    def limits(self, *, heads: int, tp: int, sp: int, ulysses: int) -> str | None:
+    def limits(self, *, heads: int, tp: int, sp: int) -> str | None:
         if heads % (tp * sp):
             return (f"attention.strategy='ulysses' splits the model.n_heads={heads} query "
                     f"heads over mesh.tp x mesh.sp = {tp * sp}: not divisible; use 'usp' with "
                     "attention.ulysses dividing them, 'ring' or 'all_gather'")
-        return super().limits(heads=heads, tp=tp, sp=sp, ulysses=ulysses)
+        return None
 
-    def buffers(self, step: Step, ulysses: int) -> float:
+    def buffers(self, step: Step) -> float:
         return all_to_all_bytes(step, step.n)[1]
 
     def cost(self, step: Step) -> StrategyCost:
@@ -161,19 +161,29 @@ class Ulysses(Strategy):
         return StrategyCost(self.name, f"ulysses {n}", split, exposed * per_step, buffers, note)
 
 
+@dataclasses.dataclass(frozen=True)
 class USP(Strategy):
     """Ulysses over the u devices of a node (fast links) and the ring over the r = n / u
     nodes (slow links): the ring's hops carry the same kv bytes but only r - 1 of them cross
-    nodes. The planner prices the largest u the heads and a node allow."""
+    nodes. `ulysses` is u (`attention.ulysses`); the planner prices the largest u the heads
+    and a node allow."""
     name = "usp"
+    options = ("ulysses",)
+    option_words = {"ulysses": "usp's Ulysses degree"}
+    ulysses: int = 1
 
-    def attention(self, q, k, v, *, mesh, ulysses=1, **kwargs):
-        return usp_attention(q, k, v, mesh=mesh, ulysses=ulysses, **kwargs)
+    def attention(self, q, k, v, *, mesh, **kwargs):
+        return usp_attention(q, k, v, mesh=mesh, ulysses=self.ulysses, **kwargs)
 
-    def layout_shards(self, sp: int, ulysses: int) -> int:
-        return sp // ulysses
+    def layout_shards(self, sp: int) -> int:
+        return sp // self.ulysses
 
-    def limits(self, *, heads: int, tp: int, sp: int, ulysses: int) -> str | None:
+    def label(self, sp: int) -> str:
+        return (f"{self.name} (ulysses {self.ulysses} x ring {self.layout_shards(sp)})"
+                if self.ulysses > 1 else self.name)
+
+    def limits(self, *, heads: int, tp: int, sp: int) -> str | None:
+        ulysses = self.ulysses
         if sp % ulysses:
             return (f"attention.ulysses={ulysses} does not divide mesh.sp={sp}; usp runs "
                     "Ulysses over groups of that many sp devices and the ring across the groups")
@@ -183,9 +193,10 @@ class USP(Strategy):
                     "smaller attention.ulysses")
         return None
 
-    def buffers(self, step: Step, ulysses: int) -> float:
+    def buffers(self, step: Step) -> float:
         """The all-to-alls' over each group of `ulysses` devices and the ring's across the
         groups (either alone where the other has one member, as `cost` prices it)."""
+        ulysses = self.ulysses
         groups = step.n // ulysses
         return ((all_to_all_bytes(step, ulysses)[1] if ulysses > 1 else 0.0)
                 + (ring_buffers(step) if groups > 1 else 0.0))
@@ -211,7 +222,7 @@ class USP(Strategy):
         sent[link] = sent.get(link, 0.0) + ring_bytes(step, r - 1) * per_step
         return StrategyCost(self.name, split, sent,
                             (a2a / (step.fast_gbs * 1e9) + ring_exposed) * per_step,
-                            self.buffers(step, u),
+                            dataclasses.replace(self, ulysses=u).buffers(step),
                             ", ".join(filter(None, [f"attention.ulysses={u}", note])))
 
 
