@@ -184,6 +184,7 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
 
     import jax
 
+    from lclm.config import AttentionConfig
     from lclm.models.decoder import param_count
     from lclm.plan import aot
     from lclm.training.checks import attention_kernel
@@ -194,7 +195,8 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
         kernel = BASELINE
     else:
         model, sizes, state, batch, step = _build(config, devices)
-        kernel = attention_kernel(config, model, sizes["sp"], target.platform)
+        kernel = attention_kernel(AttentionConfig.from_config(config.attention),
+                                  config.data.seq_len, model, sizes["sp"], target.platform)
     record = dict(params=param_count(model), seq=config.data.seq_len,
                   impl=kernel, layout="-" if baseline else config.attention.layout,
                   remat=baseline or config.model.remat,

@@ -14,7 +14,7 @@ import math
 
 import jax
 
-from lclm.config import ModelConfig
+from lclm.config import AttentionConfig, ModelConfig
 from lclm.config.model import DTYPE_BYTES, REMAT
 from lclm.hardware import planner_devices
 from lclm.models.decoder import is_param_entry, param_table
@@ -92,7 +92,8 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     ring_out = batch_local * t * heads_local * (m.head_dim * cbytes + 4)
     kv_local = max(kv_dim // tp, m.head_dim)
     platform = "tpu" if (device or "").startswith("tpu") else "gpu" if device else None
-    kernel = attention_kernel(config, m, sp, platform) if platform else None
+    kernel = (attention_kernel(AttentionConfig.from_config(config.attention),
+                               config.data.seq_len, m, sp, platform) if platform else None)
     # a fused kernel keeps its score tiles in VMEM / shared memory, the blockwise kernel in HBM
     fused = kernel not in (None, "blockwise")
     # the working set on top of what is saved: the larger of one layer's (its q, o, k, v, the

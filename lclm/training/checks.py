@@ -162,23 +162,23 @@ def check_data(config) -> None:
                   f".jsonl/.json/.txt/.parquet/.arrow file, a directory or a glob{comma}")
 
 
-def attention_kernel(config, model: ModelConfig, sp: int, platform: str) -> str:
-    """The kernel the ring will run (`attention.impl`, 'auto' resolved); an explicit kernel
-    that cannot run on this platform is a config error here, at start, not a traceback
-    inside the step."""
-    a = config.attention
+def attention_kernel(a: AttentionConfig, seq_len: int, model: ModelConfig, sp: int,
+                     platform: str) -> str:
+    """The kernel the attention `a` of sequences of `seq_len` will run (`attention.impl`,
+    'auto' resolved); an explicit kernel that cannot run on this platform is a config error
+    here, at start, not a traceback inside the step."""
     try:
         return choose_kernel(a.impl, head_dim=model.head_dim, q_chunk=a.q_chunk,
                              kv_chunk=a.kv_chunk, platform=platform, dtype=model.dtype,
-                             block=kernel_block(AttentionConfig.from_config(a), sp,
-                                                config.data.seq_len))
+                             block=kernel_block(a, sp, seq_len))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def attention_line(config, model: ModelConfig, sp: int, platform: str) -> str:
-    kernel = attention_kernel(config, model, sp, platform)
-    chosen = f" (auto on {platform_family(platform)})" if config.attention.impl == "auto" else ""
-    a = AttentionConfig.from_config(config.attention)
+def attention_line(a: AttentionConfig, seq_len: int, model: ModelConfig, sp: int,
+                   platform: str) -> str:
+    """The start-up log's words for the attention: kernel, layout and strategy."""
+    kernel = attention_kernel(a, seq_len, model, sp, platform)
+    chosen = f" (auto on {platform_family(platform)})" if a.impl == "auto" else ""
     strategy = "" if a.strategy == "ring" else f", {strategy_of(a).label(sp)} strategy"
     return f"{kernel}{chosen}, {a.layout} layout{strategy}"

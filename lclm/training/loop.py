@@ -135,7 +135,8 @@ def _run(config, setup: _Setup, stop_after: int | None) -> list[dict]:
     devices = list(mesh.devices.flat)
     log.info("mesh %s on %d %s devices; model %.2fM params; attention %s", setup.sizes,
              len(devices), devices[0].platform, param_count(model) / 1e6,
-             attention_line(config, model, setup.sizes["sp"], devices[0].platform))
+             attention_line(run.attention, run.data.seq_len, model, setup.sizes["sp"],
+                            devices[0].platform))
     checkpoints = Checkpoints(run.run.workdir, keep=run.checkpoint.keep)
     batches = logger = termination = None
     try:

@@ -93,19 +93,22 @@ def test_ring_refuses_a_kernel_that_cannot_serve_before_tracing_it():
 
 
 def test_the_trainer_names_its_kernel_and_refuses_one_the_platform_cannot_run():
-    from lclm.config import ModelConfig, base_config
+    from lclm.config import AttentionConfig, ModelConfig, base_config
     from lclm.errors import ConfigError
     from lclm.training.checks import attention_kernel
+
+    kernel = lambda c, model, sp, platform: attention_kernel(
+        AttentionConfig.from_config(c.attention), c.data.seq_len, model, sp, platform)
 
     c = base_config()
     c.model.update(dim=512, n_heads=4, n_kv_heads=4)     # head dim 128
     c.data.seq_len, c.attention.q_chunk, c.attention.kv_chunk = 8192, 64, 64
     model = ModelConfig.from_config(c.model)
-    assert attention_kernel(c, model, 4, "cpu") == "blockwise"
-    assert attention_kernel(c, model, 4, "cuda") == "pallas_gpu"
-    assert attention_kernel(c, model, 4, "tpu") == "pallas_tpu"  # it sizes its own tiles
+    assert kernel(c, model, 4, "cpu") == "blockwise"
+    assert kernel(c, model, 4, "cuda") == "pallas_gpu"
+    assert kernel(c, model, 4, "tpu") == "pallas_tpu"  # it sizes its own tiles
     c.data.seq_len = 4 * 1088  # local blocks of 1088 tokens: no 128-multiple tile divides them
-    assert attention_kernel(c, model, 4, "tpu") == "blockwise"
+    assert kernel(c, model, 4, "tpu") == "blockwise"
     c.attention.impl = "pallas_tpu"
     with pytest.raises(ConfigError, match="block of 1088 tokens must be a multiple of 128"):
-        attention_kernel(c, model, 4, "tpu")
+        kernel(c, model, 4, "tpu")
