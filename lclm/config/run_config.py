@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from lclm.config.fields import from_saved
 from lclm.config.model import AttentionConfig
 from lclm.config.schema import (
     SECTIONS,
@@ -54,9 +55,6 @@ def run_config(config) -> RunConfig:
     """The typed tree of a checked `ml_collections` config (references resolved). Each
     section takes the fields it declares; a field the config lacks keeps its default."""
     values = config.to_dict()
-    sections: dict[str, Any] = {}
-    for name, section in SECTIONS.items():
-        node = values if not name else values.get(name, {})
-        names = {f.name for f in dataclasses.fields(section)}
-        sections[name or "run"] = section(**{k: v for k, v in node.items() if k in names})
-    return RunConfig(**sections)
+    return RunConfig(**{name or "run": from_saved(section, values if not name
+                                                  else values.get(name, {}))
+                        for name, section in SECTIONS.items()})

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-from lclm.config import AttentionConfig, ModelConfig
+from lclm.config import ModelConfig
 from lclm.config.run_config import run_config
 from lclm.data.loader import batch_sharding
 from lclm.errors import ConfigError
@@ -284,14 +284,13 @@ def compile_step(config, devices) -> Compiled:
 
     sizes = validate(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices[:math.prod(sizes.values())])
-    model = ModelConfig.from_config(config.model)
-    optimizer = make_optimizer(run_config(config).train)
+    model, run = ModelConfig.from_config(config.model), run_config(config)
+    optimizer = make_optimizer(run.train)
     state = abstract_state(model, optimizer, mesh)
-    batch = abstract_batch(config.data.batch_size, config.data.seq_len, batch_sharding(mesh))
-    step = jit_train_step(model, AttentionConfig.from_config(config.attention),
-                          run_config(config).train, mesh, optimizer,
+    batch = abstract_batch(run.data.batch_size, run.data.seq_len, batch_sharding(mesh))
+    step = jit_train_step(model, run.attention, run.train, mesh, optimizer,
                           state_shardings(model, optimizer, mesh),
-                          document_mask=config.data.document_mask)
+                          document_mask=run.data.document_mask)
     started = time.perf_counter()
     with lowering_for(devices[0]):
         lowered = step.lower(state, batch)
