@@ -123,16 +123,6 @@ def synthetic_batch(vocab_size: int, batch_size: int, seq: int, layout: str, sp:
     return {k: jax.device_put(np.ascontiguousarray(v), where) for k, v in batch.items()}
 
 
-def _xla_bytes(compiled) -> int | None:
-    """XLA's own estimate of the step's device memory (arguments + outputs + temporaries,
-    less donated buffers), or None where the backend gives none."""
-    stats = compiled.memory_analysis()
-    if stats is None:
-        return None
-    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
-            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
-
-
 BASELINE = "baseline"  # the kernel column's name for `bench.baseline`'s rows
 
 
@@ -153,10 +143,11 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
 
     from lclm.hardware import peak_flops
     from lclm.training.metrics import flops_per_token
+    from lclm.training.remat_choice import compiled_bytes
 
     record, compiled, (model, sizes, state, batch) = compile_row(
         config, model_patch=model_patch, baseline=baseline)
-    estimate = _xla_bytes(compiled)
+    estimate = compiled_bytes(compiled)
     if budget_bytes is not None and estimate is not None and estimate > budget_bytes:
         return dict(record, status="over budget")
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit") if baseline else None
@@ -188,6 +179,7 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
     from lclm.models.decoder import param_count
     from lclm.plan import aot
     from lclm.training.checks import attention_kernel
+    from lclm.training.remat_choice import compiled_bytes
 
     target = (devices or jax.devices())[0]
     if baseline:
@@ -207,7 +199,7 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
         lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
     compiled = lowered.compile()
     record["compile_s"] = time.perf_counter() - t0
-    estimate = _xla_bytes(compiled)
+    estimate = compiled_bytes(compiled)
     record["xla_gib"] = None if estimate is None else estimate / 2 ** 30
     return record, compiled, (model, sizes, state, batch)
 
@@ -219,7 +211,7 @@ def _build(config, devices=None):
     import jax
 
     from lclm.config import AttentionConfig, ModelConfig
-    from lclm.data.loader import batch_sharding
+    from lclm.data.loader import abstract_batch, batch_sharding
     from lclm.parallel.mesh import make_mesh
     from lclm.plan import aot
     from lclm.training.checks import validate
@@ -236,7 +228,7 @@ def _build(config, devices=None):
     d = config.data
     if described:
         state = aot.abstract_state(model, optimizer, mesh)
-        batch = aot.abstract_batch(d.batch_size, d.seq_len, batch_sharding(mesh))
+        batch = abstract_batch(d.batch_size, d.seq_len, batch_sharding(mesh))
     else:
         state = init_state(model, optimizer, mesh, config.seed)
         batch = synthetic_batch(model.vocab_size, d.batch_size, d.seq_len, attention.layout,
@@ -252,8 +244,8 @@ def _build_baseline(config, remat: str, devices=None):
 
     from bench import baseline
     from lclm.config import ModelConfig
+    from lclm.data.loader import abstract_batch
     from lclm.errors import ConfigError
-    from lclm.plan import aot
     from lclm.training.checks import validate
     from lclm.training.step import make_optimizer
 
@@ -271,7 +263,7 @@ def _build_baseline(config, remat: str, devices=None):
         shapes = jax.eval_shape(lambda: baseline.init_state(model, optimizer, config.seed))
         state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
                              shapes)
-        batch = aot.abstract_batch(d.batch_size, d.seq_len, where)
+        batch = abstract_batch(d.batch_size, d.seq_len, where)
     else:
         state = baseline.init_state(model, optimizer, config.seed)
         batch = synthetic_batch(model.vocab_size, d.batch_size, d.seq_len, "contiguous", 1,

@@ -20,6 +20,7 @@ from lclm.check.__main__ import chosen_stages, main
 from lclm.check.checks import document_check, judge_lengths, length_check, strategy_check
 from lclm.check.setup import check_mesh, initial_params, prepare
 from lclm.config import ModelConfig, load_config
+from lclm.config.run_config import run_config
 from lclm.models import decoder
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.context_parallel.ring import Ring
@@ -112,8 +113,9 @@ def test_document_fault_fails(monkeypatch):
                         healthy(c, a, mesh, x, p, rope, None))
     result = document_check(run)
     assert not result.ok and "CHANGED: tokens attend across document boundaries" in result.text
-    off = dataclasses.replace(run, config=run.config.copy_and_resolve_references())
-    off.config.data.document_mask = False
+    sections = run.sections
+    off = dataclasses.replace(run, sections=dataclasses.replace(
+        sections, data=dataclasses.replace(sections.data, document_mask=False)))
     assert "by design" in document_check(off).line()
 
 
@@ -140,7 +142,7 @@ def test_a_stage_after_a_huggingface_one_checks_the_previous_stages_weights(tmp_
     stage = small_train_config(tmp_path / "stage1", mesh=dict(fsdp=1, sp=1), attention={})
     stage.model.update(init_from_hf=str(tmp_path / "no-such-hf-dir"),
                        init_from_checkpoint=saved.workdir)
-    loaded = initial_params(stage, model, make_mesh(devices=jax.devices()[:1]))
+    loaded = initial_params(run_config(stage), model, make_mesh(devices=jax.devices()[:1]))
     for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

@@ -8,6 +8,7 @@ from support import ROOT
 
 from lclm.config import load_config
 from lclm.config.model import REMAT, REMAT_POLICIES
+from lclm.config.run_config import run_config
 from lclm.models import decoder
 from lclm.ops.context_parallel import STRATEGIES, strategy_of
 from lclm.ops.context_parallel.contract import Step
@@ -29,7 +30,7 @@ def _seven_b(strategy: str, ulysses: int = 1):
 def test_the_planner_charges_what_the_strategy_states(strategy, ulysses):
     c = _seven_b(strategy, ulysses)
     plan = estimate(c, 32, "tpu-v4")
-    step = attention_step(c, plan.mesh, flops=0.0, fast_gbs=0.0, slow_gbs=0.0,
+    step = attention_step(run_config(c), plan.mesh, flops=0.0, fast_gbs=0.0, slow_gbs=0.0,
                           devices_per_node=8)
     assert plan.ring == pytest.approx(strategy_of(c.attention).buffers(step))
 

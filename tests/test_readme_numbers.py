@@ -8,6 +8,7 @@ import re
 from support import ROOT
 
 from lclm.config import load_config
+from lclm.config.run_config import run_config
 from lclm.config.stages import stage_configs
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.plan import aot
@@ -77,7 +78,7 @@ def test_the_readme_strategy_table_quotes_the_planner():
         c.data.update(seq_len=262144, batch_size=4)
         sizes = dict(dp=1, fsdp=int(fsdp or 1), tp=1, sp=int(sp))
         flops, fast, slow, per_node, _ = _links(device, 8)
-        costs = {x.strategy: x for x in compare(c, sizes, flops, fast, slow, per_node)}
+        costs = {x.strategy: x for x in compare(run_config(c), sizes, flops, fast, slow, per_node)}
         for name, cell in zip(STRATEGIES, cells.split(" | ")):
             if cell.startswith("= Ulysses"):  # the planner's usp row says so, with Ulysses' figures
                 assert name == "usp" and costs[name].note.startswith("= ulysses here")
@@ -120,7 +121,8 @@ def test_the_scaling_doc_strategy_table_quotes_the_planner():
         stage = stage_configs(c)[0]
         plan = estimate(stage, devices, device)
         flops, fast, slow, per_node, _ = _links(device, 8)
-        costs = {x.strategy: x for x in compare(stage, plan.mesh, flops, fast, slow, per_node)}
+        costs = {x.strategy: x for x in compare(run_config(stage), plan.mesh, flops, fast,
+                                                 slow, per_node)}
         assert len(cells) == len(STRATEGIES)
         for name, cell in zip(STRATEGIES, cells):
             cost, where = costs[name], (device, sp, name, cell)
@@ -172,6 +174,7 @@ def test_the_scaling_doc_compile_table_names_the_recipe_meshes_and_plans():
     last = stage_configs(c)[-1]
     plan = estimate(last, target.devices, "tpu-v4")
     flops, fast, slow, per_node, _ = _links("tpu-v4", 8)
-    costs = {x.strategy: x for x in compare(last, plan.mesh, flops, fast, slow, per_node)}
+    costs = {x.strategy: x for x in compare(run_config(last), plan.mesh, flops, fast, slow,
+                                             per_node)}
     assert quoted == tuple(f"{(plan.total - plan.ring + costs[s].memory) / 2**30:.1f}"
                            for s in ("ring", "all_gather", "ulysses"))

@@ -55,24 +55,25 @@ class Result:
 def _on_mesh(run: Run, mesh, rows: dict) -> dict:
     """`[B, T]` rows in original order -> the batch training feeds `mesh`: in the layout of
     its ring, sharded as the loader shards it."""
-    shards = layout_shards(run.attention, mesh.shape["sp"])
-    laid = batch_to_layout(rows, run.attention.layout, shards)
+    shards = layout_shards(run.sections.attention, mesh.shape["sp"])
+    laid = batch_to_layout(rows, run.sections.attention.layout, shards)
     return {k: jax.device_put(np.asarray(v, np.int32), batch_sharding(mesh))
             for k, v in laid.items()}
 
 
 def mean_loss(run: Run, rows: dict) -> float:
     """The train step's loss (no update) of `rows` on the run's mesh and strategy."""
-    fn = jit_eval_loss(run.model, run.attention, run.mesh, param_shardings(run.model, run.mesh),
-                       document_mask=run.config.data.document_mask)
+    fn = jit_eval_loss(run.model, run.sections.attention, run.mesh,
+                       param_shardings(run.model, run.mesh),
+                       document_mask=run.sections.data.document_mask)
     total, count = jax.device_get(fn(run.params, _on_mesh(run, run.mesh, rows)))
     return float(total) / max(float(count), 1.0)
 
 
 def loss_and_grad_norm(run: Run, mesh, params) -> tuple[float, float]:
     """(loss, global gradient norm) of the run's rows on `mesh` (`params` placed on it)."""
-    terms = functools.partial(loss_terms, run.model, mesh=mesh, attention=run.attention,
-                              document_mask=run.config.data.document_mask)
+    terms = functools.partial(loss_terms, run.model, mesh=mesh, attention=run.sections.attention,
+                              document_mask=run.sections.data.document_mask)
 
     def mean(p, batch):
         total, count = terms(p, batch)
@@ -89,10 +90,10 @@ def loss_and_grad_norm(run: Run, mesh, params) -> tuple[float, float]:
 def losses_by_token(run: Run, rows: dict) -> np.ndarray:
     """Float32 per-token losses `[B, L]` in original order, on the run's mesh and strategy."""
     mesh = run.mesh
-    fn = jax.jit(functools.partial(token_losses, run.model, run.attention, mesh))
+    fn = jax.jit(functools.partial(token_losses, run.model, run.sections.attention, mesh))
     losses = np.asarray(jax.device_get(fn(run.params, _on_mesh(run, mesh, rows))), np.float32)
-    return from_layout(losses, run.attention.layout, layout_shards(run.attention, mesh.shape["sp"]),
-                       axis=1)
+    a = run.sections.attention
+    return from_layout(losses, a.layout, layout_shards(a, mesh.shape["sp"]), axis=1)
 
 
 def judge_lengths(long: float, short: float, ln_v: float) -> tuple[bool, str]:
@@ -117,7 +118,7 @@ def judge_lengths(long: float, short: float, ln_v: float) -> tuple[bool, str]:
 
 def length_check(run: Run) -> Result:
     """Check 1: the first step's loss at L and at S on the same rows (their first S tokens)."""
-    length, short = run.config.data.seq_len, run.short
+    length, short = run.sections.data.seq_len, run.short
     long_loss = mean_loss(run, run.rows)
     short_loss = mean_loss(run, {k: v[:, :short] for k, v in run.rows.items()})
     ln_v = math.log(run.model.vocab_size)
@@ -128,7 +129,7 @@ def length_check(run: Run) -> Result:
 
 def strategy_check(run: Run) -> Result:
     """Check 2: loss and gradient norm on the run's mesh against one device (sp=1)."""
-    a, sizes = run.attention, dict(run.mesh.shape)
+    a, sizes = run.sections.attention, dict(run.mesh.shape)
     what = (f"{a.strategy} strategy, {a.layout} layout, mesh "
             + " ".join(f"{k}={v}" for k, v in sizes.items()))
     if run.mesh.size == 1:
@@ -166,9 +167,9 @@ def packed_row(rows: dict) -> tuple[int, dict, str]:
 
 def document_check(run: Run) -> Result:
     """Check 3: new tokens in one packed document change no other document's token losses."""
-    a, sp = run.attention, run.mesh.shape["sp"]
+    a, sp = run.sections.attention, run.mesh.shape["sp"]
     what = f"document mask ({a.strategy} strategy, {a.layout} layout, sp={sp})"
-    if not run.config.data.document_mask:
+    if not run.sections.data.document_mask:
         return Result(True, f"{what.split(' (')[0]}: off (data.document_mask=False): packed "
                             "documents attend to each other by design (separators only)")
     i, rows, words = packed_row(run.rows)

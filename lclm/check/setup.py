@@ -16,8 +16,8 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
-from lclm.config import MESH_AXES, AttentionConfig, ModelConfig
-from lclm.config.run_config import run_config
+from lclm.config import MESH_AXES, ModelConfig
+from lclm.config.run_config import RunConfig, run_config
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
@@ -45,9 +45,8 @@ LARGE_MODEL = 1e9       # parameters above which a check on CPUs is announced as
 @dataclasses.dataclass
 class Run:
     """One stage as the check runs it."""
-    config: ConfigDict                  # the stage's config at length L, shrunk mesh, B rows
+    sections: RunConfig                 # the stage's config at length L, shrunk mesh, B rows
     model: ModelConfig
-    attention: AttentionConfig
     mesh: jax.sharding.Mesh             # the shrunk mesh (the configured strategy runs on it)
     params: dict                        # placed on `mesh`
     rows: dict[str, np.ndarray]         # `[B, L]` tokens/targets/loss_mask/positions/segment_ids
@@ -134,18 +133,18 @@ def weights_source(stage, first) -> tuple[ConfigDict, str]:
     if source and stage is not first and not has_checkpoint(source):
         c.model.update(init_from_hf=first.model.init_from_hf,
                        init_from_checkpoint=first.model.init_from_checkpoint)
-        what = _source_words(c)
+        what = _source_words(run_config(c))
         return c, f"{what} (the previous stage's checkpoint {source} does not exist yet)"
-    return c, _source_words(c)
+    return c, _source_words(run_config(c))
 
 
-def _source_words(config) -> str:
-    m, kind = config.model, configured_source(config.model)
+def _source_words(run: RunConfig) -> str:
+    m, kind = run.model, configured_source(run.model)
     if kind == OTHER_RUN:
         return f"checkpoint {m.init_from_checkpoint}"
     if kind == HUGGINGFACE:
         return f"HF {m.init_from_hf}"
-    return f"random init (seed {config.seed}): untrained"
+    return f"random init (seed {run.run.seed}): untrained"
 
 
 def prepare(stage, first, length: int | None) -> Run:
@@ -155,40 +154,41 @@ def prepare(stage, first, length: int | None) -> Run:
     c, weights = weights_source(stage, first)
     take_model_fields(c)
     c, notes = config_for_check(c, length, len(devices))
-    model = ModelConfig.from_config(c.model)
+    sections = run_config(c)
+    model = sections.model.resolved()
     if param_count(model) > LARGE_MODEL and devices[0].platform == "cpu":
         notes.append(f"{param_count(model) / 1e9:.1f}B parameters on CPUs: slow (minutes to "
                      "hours); --length caps the target length")
     mesh = make_mesh(**{k: c.mesh[k] for k in MESH_AXES}, devices=devices)
-    tokenizer = Tokenizer(c.data.tokenizer)
+    tokenizer = Tokenizer(sections.data.tokenizer)
     tokenizer.check_fits(model.vocab_size)
-    return Run(c, model, AttentionConfig.from_config(c.attention), mesh,
-               initial_params(c, model, mesh), first_rows(c, tokenizer),
-               short_length(c, c.data.seq_len, len(devices)), weights, notes)
+    return Run(sections, model, mesh, initial_params(sections, model, mesh),
+               first_rows(sections, tokenizer), short_length(c, c.data.seq_len, len(devices)),
+               weights, notes)
 
 
-def initial_params(config, model: ModelConfig, mesh) -> dict:
+def initial_params(run: RunConfig, model: ModelConfig, mesh) -> dict:
     """The weights training would start from, placed on `mesh`: the latest checkpoint of
     another run, HF weights, or the seeded random init (chosen as training chooses:
     `first_weights.configured_source`)."""
-    source_kind = configured_source(config.model)
+    source_kind = configured_source(run.model)
     if source_kind == HUGGINGFACE:
-        return load_hf_params(config.model.init_from_hf, model, mesh)
+        return load_hf_params(run.model.init_from_hf, model, mesh)
     if source_kind == OTHER_RUN:
-        source = config.model.init_from_checkpoint
+        source = run.model.init_from_checkpoint
         steps = saved_steps(source)
         if not steps:
             raise FileNotFoundError(f"model.init_from_checkpoint={source!r} has no checkpoint")
         return restore_params(source, steps[-1], model, mesh)
-    params = init_params(model, jax.random.key(config.seed))
+    params = init_params(model, jax.random.key(run.run.seed))
     return jax.device_put(params, param_shardings(model, mesh))
 
 
-def first_rows(config, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
-    """The first batch of the config's data (`[B, L]` arrays, original token order): what
+def first_rows(run: RunConfig, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
+    """The first batch of the run's data (`[B, L]` arrays, original token order): what
     the run's first step trains on, read by the trainer's own loader."""
     one = make_mesh(devices=jax.devices()[:1])   # one shard: the layout is the original order
-    reader = HostBatches(run_config(config), one, tokenizer, prefetch=0)
+    reader = HostBatches(run, one, tokenizer, prefetch=0)
     try:
         return reader.next_host_batch()
     finally:

@@ -49,6 +49,10 @@ REMAT = {"none": Remat(everything=True), "full": Remat(),
          "offload": Remat(attention_residuals=True, host=True),
          "dots": Remat(matmuls=True), "dots_no_batch": Remat(matmuls=True)}
 REMAT_POLICIES = tuple(REMAT)
+# model.remat='auto' (lclm.training.remat_choice) is resolved where a train step is compiled; a
+# program that compiles none (evaluation, conversion, the planner without a device) reads it as
+# this policy
+REMAT_AUTO_FALLBACK = "attention"
 # the RoPE scalings lclm.models.decoder computes; model.rope_scaling also takes "auto"
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 # token layouts over the sp devices (lclm.ops.layout)
@@ -141,6 +145,8 @@ class ModelConfig:
         object.__setattr__(self, "eos_ids", ids)
         if self.rope_scaling == "auto":
             object.__setattr__(self, "rope_scaling", "none")
+        if self.remat == "auto":
+            object.__setattr__(self, "remat", REMAT_AUTO_FALLBACK)
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 

@@ -6,6 +6,7 @@ and checked. No JAX here."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -23,6 +24,7 @@ from lclm.config.schema import (
     Train,
     Validation,
 )
+from lclm.config.stages import validation_lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,3 +60,19 @@ def run_config(config) -> RunConfig:
     return RunConfig(**{name or "run": from_saved(section, values if not name
                                                   else values.get(name, {}))
                         for name, section in SECTIONS.items()})
+
+
+def held_out_runs(config) -> dict[int, RunConfig]:
+    """What the held-out loss reads at each of the run's validation lengths: the run's
+    sections with `data.seq_len` that length and `data.path` its `validation.path` (copied
+    with their references, so that a path that follows `data.seq_len` follows it here);
+    {} without validation data."""
+    if not config.validation.path:
+        return {}
+    runs = {}
+    for length in validation_lengths(config.data.seq_len, config.validation.lengths):
+        held_out = copy.deepcopy(config)
+        held_out.data.seq_len = length
+        held_out.data.path = held_out.validation.path
+        runs[length] = run_config(held_out)
+    return runs

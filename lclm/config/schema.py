@@ -25,10 +25,11 @@ from lclm.config.fields import (
     FINITE_POSITIVE,
     FRACTION,
     fields_of,
+    from_saved,
     setting,
 )
 from lclm.config.loading import field
-from lclm.config.model import ROPE_SCALINGS, AttentionConfig, ModelConfig
+from lclm.config.model import REMAT_POLICIES, ROPE_SCALINGS, AttentionConfig, ModelConfig
 from lclm.errors import ConfigError
 from lclm.families import FAMILIES
 
@@ -87,6 +88,11 @@ class Model(ModelConfig):
     rope_scaling: str = setting("auto", "the init_from_hf source's scaling ('auto'; none "
                                 "without a source), or one of these",
                                 choices=("auto", *ROPE_SCALINGS))
+    remat: str = setting("attention", "what the backward recomputes: 'attention' keeps the "
+                         "attention's output (the ring runs once), 'full' keeps only layer "
+                         "inputs, 'offload' moves them to host memory, 'none' keeps all; "
+                         "'auto': per stage, the first of none, attention, full, offload whose "
+                         "compiled step fits the device", choices=("auto", *REMAT_POLICIES))
     init_from_hf: str = setting("", "a HuggingFace directory of a family lclm knows: its "
                                 "shapes and weights start the run (model.rope_theta still "
                                 "applies: long-context recipes raise it)")
@@ -95,7 +101,12 @@ class Model(ModelConfig):
                                         "stages with it")
 
     def __post_init__(self):
-        """The section keeps 'auto' (ModelConfig resolves it when a run reads its model)."""
+        """The section keeps 'auto' (ModelConfig resolves rope_scaling when a run reads its
+        model; the training loop chooses the remat policy, lclm.training.remat_choice)."""
+
+    def resolved(self) -> ModelConfig:
+        """The model a run builds from this section ('auto' resolved)."""
+        return from_saved(ModelConfig, dataclasses.asdict(self))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -316,17 +316,17 @@ def stage_lines(config) -> list[str]:
     return lines
 
 
-def validation_lengths(config) -> list[int]:
-    """The sequence lengths the held-out loss is measured at: `data.seq_len` and those of
-    `validation.lengths` ('stages' outside a schedule is the run's own length), ascending.
-    A bad entry is a ConfigError naming the key."""
-    lengths = {config.data.seq_len}
-    for item in filter(None, (i.strip() for i in config.validation.lengths.split(","))):
+def validation_lengths(seq_len: int, lengths: str) -> list[int]:
+    """The sequence lengths the held-out loss is measured at: `seq_len` (`data.seq_len`) and
+    those of `lengths` (`validation.lengths`; 'stages' outside a schedule is the run's own
+    length), ascending. A bad entry is a ConfigError naming the key."""
+    found = {seq_len}
+    for item in filter(None, (i.strip() for i in lengths.split(","))):
         if item == STAGES:
             continue
         try:
-            lengths.add(parse_tokens(item))
+            found.add(parse_tokens(item))
         except ValueError as e:
-            raise ConfigError(f"validation.lengths={config.validation.lengths!r}: {e}, or "
+            raise ConfigError(f"validation.lengths={lengths!r}: {e}, or "
                               f"'{STAGES}' (this stage's and every earlier stage's)") from None
-    return sorted(lengths)
+    return sorted(found)

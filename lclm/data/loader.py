@@ -51,6 +51,15 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(("batch", "seq")))
 
 
+def abstract_batch(batch_size: int, seq_len: int, sharding) -> dict:
+    """A batch's arrays `[batch, seq]` as the train step takes them, placed by `sharding`
+    (shapes and dtypes only: what a step is compiled against)."""
+    return {k: jax.ShapeDtypeStruct((batch_size, seq_len),
+                                    np.float32 if k == "loss_mask" else np.int32,
+                                    sharding=sharding)
+            for k in ROW_KEYS}
+
+
 def _local_path(path: str) -> bool:
     """Whether `path` is an existing local path. Object-store paths are not looked up: parsing
     is also the planner's syntax check, which must not need a bucket's credentials (so there

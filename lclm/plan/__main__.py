@@ -30,12 +30,14 @@ import sys
 from lclm import logs
 from lclm.cli import parse_cli, run_cli
 from lclm.config import mesh_device_count
+from lclm.config.run_config import RunConfig, run_config
 from lclm.config.stages import CHAINING, stage_changes, stage_configs
 from lclm.data.balance import one_vs_many
 from lclm.errors import ConfigError, StartupError
 from lclm.ops.context_parallel import STRATEGIES, layout_shards
 from lclm.plan import aot, strategies
 from lclm.plan.memory import DEVICES, Plan, estimate, gib, report
+from lclm.training.remat_choice import overflow
 
 
 def _plans(config, args) -> tuple[list, list[Plan]]:
@@ -87,7 +89,7 @@ def _compile_stages(config, args) -> int:
         except StartupError:
             raise
         except Exception as e:  # noqa: BLE001  (XLA reports overflows as compile errors)
-            kind = aot.overflow(e)
+            kind = overflow(e)
             if kind is None:
                 raise
             failed.append(f"stage {i} (seq_len {c.data.seq_len:,}): {kind} overflow on "
@@ -130,7 +132,7 @@ def _strategies(runs, plans, args) -> int:
         print("| strategy | split | GB sent in a node | GB sent between nodes | exposed s | "
               "GiB per device | note |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
-        costs = strategies.compare(c, plan.mesh, flops, fast, slow, per_node)
+        costs = strategies.compare(run_config(c), plan.mesh, flops, fast, slow, per_node)
         for cost in sorted(costs, key=lambda x: (bool(x.note.endswith("cannot run")),
                                                  x.exposed_s,
                                                  x.sent.get("between nodes", 0.0))):
@@ -170,17 +172,17 @@ def main(argv=None) -> int:
     return run_cli(lambda: _run(ap, argv))
 
 
-def _balance_line(config) -> str:
+def _balance_line(run: RunConfig) -> str:
     """How unequal rows of this stage's length can be in attention work (lclm.data.balance)."""
-    seq, a = config.data.seq_len, config.attention
-    if not config.data.document_mask:
+    seq, a = run.data.seq_len, run.attention
+    if not run.data.document_mask:
         return "attention work: no document masks, every row the same"
-    shards = layout_shards(a, config.mesh.sp)
+    shards = layout_shards(a, run.mesh.sp)
     rows, within = one_vs_many(seq, a.layout, shards)
     return (f"attention work: a row of one {seq:,}-token document costs {rows:.1f}x a row of "
             f"1,024-token documents on its busiest of {shards} sp device(s) ({a.layout}; "
             f"{within:.2f}x the mean device, which no row order changes); data.balance="
-            f"{config.data.balance} {'evens' if config.data.balance else 'leaves'} rows "
+            f"{run.data.balance} {'evens' if run.data.balance else 'leaves'} rows "
             "over devices and micro-batches")
 
 
@@ -196,7 +198,7 @@ def _run(ap: argparse.ArgumentParser, argv) -> int:
             print(f"\n== stage {i}: seq_len {c.data.seq_len:,}, rope_theta {c.model.rope_theta:g}, "
                   f"{c.train.steps} steps of {c.data.batch_size} sequences")
         print(report(plan, args.device))
-        print(_balance_line(c))
+        print(_balance_line(run_config(c)))
         if plan.device_memory and plan.total > plan.device_memory and c.model.remat != "offload":
             offload = c.copy_and_resolve_references()
             offload.model.remat = "offload"

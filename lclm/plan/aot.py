@@ -32,12 +32,11 @@ import re
 import time
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import topologies
 
 from lclm.config import ModelConfig
 from lclm.config.run_config import run_config
-from lclm.data.loader import batch_sharding
+from lclm.data.loader import abstract_batch, batch_sharding
 from lclm.errors import ConfigError
 from lclm.hardware import BY_NAME, GPUS, TPUS, planner_device
 from lclm.ops.kernels import compiling_for
@@ -238,14 +237,6 @@ def abstract_state(model: ModelConfig, optimizer, mesh):
                         shapes, state_shardings(model, optimizer, mesh))
 
 
-def abstract_batch(batch_size: int, seq_len: int, sharding) -> dict:
-    """A batch's arrays `[batch, seq]` as train.py's step takes them, placed by `sharding`."""
-    return {k: jax.ShapeDtypeStruct((batch_size, seq_len),
-                                    jnp.float32 if k == "loss_mask" else jnp.int32,
-                                    sharding=sharding)
-            for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
-
-
 @contextlib.contextmanager
 def lowering_for(device):
     """Within: programs are traced and lowered for `device` (a described TPU or GPU), not the
@@ -332,16 +323,3 @@ def collectives(text: str) -> dict[str, int]:
         if n:
             counts[kind] = n
     return counts
-
-
-def overflow(error: Exception) -> str | None:
-    """'HBM' or 'VMEM' when a compile error is a memory overflow, else None."""
-    text = str(error).lower()
-    # "Ran out of memory in memory space vmem" (v4), "CompileTimeScopedVmemOom" (v5p),
-    # "CompileTimeHbmOom", "Ran out of memory on HBM ... exceeds available HBM"
-    for kind in ("vmem", "hbm"):
-        if f"{kind}oom" in text or "ran out of memory" in text and kind in text:
-            return kind.upper()
-    if "exceeds the memory capacity" in text:
-        return "HBM"
-    return None

@@ -9,13 +9,14 @@ Attention, Table 2: c = FLOPS / bandwidth). `estimate` computes it, `report` pri
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
 import jax
 
-from lclm.config import AttentionConfig, ModelConfig
 from lclm.config.model import DTYPE_BYTES, REMAT
+from lclm.config.run_config import run_config
 from lclm.hardware import planner_devices
 from lclm.models.decoder import is_param_entry, param_table
 from lclm.ops.context_parallel import strategy_of
@@ -23,6 +24,7 @@ from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
 from lclm.plan.strategies import attention_step
 from lclm.training.checks import attention_kernel, validate
+from lclm.training.remat_choice import AUTO, AUTO_ORDER
 
 # planner device name -> (peak FLOP/s, one-way link GB/s, HBM GiB): lclm.hardware's table
 DEVICES = planner_devices()
@@ -47,6 +49,7 @@ class Plan:
     min_block: float | None
     device_memory: float | None
     host_activations: float = 0.0  # remat='offload': what the layers keep, in host memory
+    remat: str = ""                # the policy planned ('auto' resolved)
 
     @property
     def total(self) -> float:
@@ -60,10 +63,23 @@ class _MeshShape:
 
 
 def estimate(config, device_count: int, device: str | None = None) -> Plan:
-    """Per-device memory estimate (bytes) of `config` on `device_count` devices."""
-
+    """Per-device memory estimate (bytes) of `config` (one stage) on `device_count` devices.
+    `model.remat='auto'` is planned as the run chooses it (`lclm.training.remat_choice`), by
+    these estimates instead of compiles: the first of `AUTO_ORDER` that fits `device`'s
+    memory (the last where none does); with no device, as `REMAT_AUTO_FALLBACK`."""
+    if config.model.remat == AUTO and device in DEVICES:
+        plan = None
+        for policy in AUTO_ORDER:
+            c = copy.deepcopy(config)
+            c.model.remat = policy
+            plan = estimate(c, device_count, device)
+            if plan.device_memory is not None and plan.total <= plan.device_memory:
+                break
+        assert plan is not None
+        return plan
     sizes = validate(config, device_count)
-    m = ModelConfig.from_config(config.model)
+    run = run_config(config)
+    m = run.model.resolved()
     mesh = _MeshShape(sizes)
     pbytes, cbytes = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.dtype]
     remat = REMAT[m.remat]
@@ -80,9 +96,9 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
 
     table = param_table(m)
     local_params = sum(shard(e) for e in jax.tree.leaves(table, is_leaf=is_param_entry))
-    d, a = config.data, config.attention
+    d, a = run.data, run.attention
     sp, tp = sizes["sp"], sizes["tp"]
-    batch_local = d.batch_size // config.train.grad_accum // (sizes["dp"] * sizes["fsdp"])
+    batch_local = d.batch_size // run.train.grad_accum // (sizes["dp"] * sizes["fsdp"])
     t = d.seq_len // sp
     kv_dim = m.n_kv_heads * m.head_dim
     heads_local = m.n_heads // tp
@@ -92,8 +108,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     ring_out = batch_local * t * heads_local * (m.head_dim * cbytes + 4)
     kv_local = max(kv_dim // tp, m.head_dim)
     platform = "tpu" if (device or "").startswith("tpu") else "gpu" if device else None
-    kernel = (attention_kernel(AttentionConfig.from_config(config.attention),
-                               config.data.seq_len, m, sp, platform) if platform else None)
+    kernel = attention_kernel(a, d.seq_len, m, sp, platform) if platform else None
     # a fused kernel keeps its score tiles in VMEM / shared memory, the blockwise kernel in HBM
     fused = kernel not in (None, "blockwise")
     # the working set on top of what is saved: the larger of one layer's (its q, o, k, v, the
@@ -112,7 +127,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
             * (_GPU["loss_copies"] if platform == "gpu" else 2))
     # measured, not derived: with every layer's residuals on the device XLA's peak holds both
     # working sets, with them offloaded it holds the larger (XLA:TPU, 7B stages on a v4-64)
-    inside = max(layer, loss) if remat.host else layer + loss
+    inside: float = max(layer, loss) if remat.host else layer + loss
     if remat.everything or remat.matmuls:  # no remat: everything of every layer is kept, and
         # the feed-forward keeps its chunks' gate and up projections (lclm.ops.ffn
         # save_hidden); the matmul policies are charged as much, an upper bound (nothing
@@ -134,7 +149,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     residual = batch_local * t * m.dim * 4 * 2
     # what the strategy holds for the attention (the ring: K/V in flight and the float32
     # dK/dV accumulators travelling); over one device nothing crosses, nothing is held
-    step = attention_step(config, sizes, flops=0.0, fast_gbs=0.0, slow_gbs=0.0,
+    step = attention_step(run, sizes, flops=0.0, fast_gbs=0.0, slow_gbs=0.0,
                           devices_per_node=sp)   # (the links do not change what it holds)
     ring = strategy_of(a).buffers(step) if sp > 1 else 0.0
     host = 0.0
@@ -172,7 +187,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
                 optimizer=2 * local_params * pbytes, activations_per_layer=per_layer_saved,
                 activations=activations, ring=ring, tokens_per_step=d.batch_size * d.seq_len,
                 local_tokens=t, min_block=min_block, device_memory=device_memory,
-                host_activations=host)
+                host_activations=host, remat=m.remat)
 
 
 def gib(x: float) -> str:
@@ -181,7 +196,8 @@ def gib(x: float) -> str:
 
 def report(plan: Plan, device: str | None) -> str:
     with_unit = lambda x: f"{gib(x)} GiB"
-    rows = [("mesh", str(plan.mesh)), ("tokens per step", f"{plan.tokens_per_step:,}"),
+    rows = [("mesh", str(plan.mesh)), ("remat policy", plan.remat),
+            ("tokens per step", f"{plan.tokens_per_step:,}"),
             ("tokens per device (sequence block)", f"{plan.local_tokens:,}"),
             ("parameters", with_unit(plan.params)), ("gradients (float32)", with_unit(plan.grads)),
             ("optimizer state (AdamW)", with_unit(plan.optimizer)),

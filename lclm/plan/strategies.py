@@ -16,24 +16,24 @@ over it and those of different nodes over the family's `-ib` link (400 Gb/s Infi
 
 from __future__ import annotations
 
-from lclm.config import ModelConfig
 from lclm.config.model import DTYPE_BYTES
+from lclm.config.run_config import RunConfig
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.context_parallel.contract import Step, StrategyCost
 
 __all__ = ["StrategyCost", "attention_step", "compare"]
 
 
-def attention_step(config, sizes: dict[str, int], *, flops: float, fast_gbs: float,
+def attention_step(run: RunConfig, sizes: dict[str, int], *, flops: float, fast_gbs: float,
                    slow_gbs: float, devices_per_node: int) -> Step:
-    """What a strategy is priced from (`Step`) for `config` (one stage) on a mesh of `sizes`,
+    """What a strategy is priced from (`Step`) for `run` (one stage) on a mesh of `sizes`,
     devices of `flops` peak FLOP/s, links of `fast_gbs` inside a node of `devices_per_node`
     devices and `slow_gbs` between nodes (GB/s, one way)."""
-    m = ModelConfig.from_config(config.model)
+    m = run.model.resolved()
     n, tp = sizes["sp"], sizes["tp"]
-    micro = config.train.grad_accum
-    batch = config.data.batch_size // micro // (sizes["dp"] * sizes["fsdp"])
-    t, b = config.data.seq_len // n, DTYPE_BYTES[m.dtype]
+    micro = run.train.grad_accum
+    batch = run.data.batch_size // micro // (sizes["dp"] * sizes["fsdp"])
+    t, b = run.data.seq_len // n, DTYPE_BYTES[m.dtype]
     heads, kv_heads = m.n_heads // tp, max(m.n_kv_heads // tp, 1)
     # QK^T and PV: 4 t^2 dh FLOPs per head forward, about 2.5 times that backward; causal
     # pairs are half masked on average (striped/zigzag balance them)
@@ -45,10 +45,10 @@ def attention_step(config, sizes: dict[str, int], *, flops: float, fast_gbs: flo
                 devices_per_node=devices_per_node)
 
 
-def compare(config, sizes: dict[str, int], flops: float, fast_gbs: float,
+def compare(run: RunConfig, sizes: dict[str, int], flops: float, fast_gbs: float,
             slow_gbs: float, devices_per_node: int) -> list[StrategyCost]:
-    """The costs of every registered strategy for `config` (one stage) on a mesh of `sizes`
+    """The costs of every registered strategy for `run` (one stage) on a mesh of `sizes`
     and links (`attention_step`'s arguments)."""
-    step = attention_step(config, sizes, flops=flops, fast_gbs=fast_gbs, slow_gbs=slow_gbs,
+    step = attention_step(run, sizes, flops=flops, fast_gbs=fast_gbs, slow_gbs=slow_gbs,
                           devices_per_node=devices_per_node)
     return [strategy.cost(step) for strategy in STRATEGIES.values()]

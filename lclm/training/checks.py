@@ -123,7 +123,7 @@ def validate(config, device_count: int) -> dict[str, int]:
     if micro % (dp * fsdp):
         _fail(f"micro-batch data.batch_size/train.grad_accum={micro} is not divisible by "
               f"mesh.dp x mesh.fsdp = {dp * fsdp}; change the batch size or the mesh")
-    for length in validation_lengths(config):
+    for length in validation_lengths(d.seq_len, config.validation.lengths):
         if length != d.seq_len and config.validation.path:
             # a held-out batch at another length must split over the mesh as training's does
             held_out = copy.deepcopy(config)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from lclm import storage
+from lclm.config.run_config import RunConfig
 from lclm.config.stages import gate_ruler, validation_lengths
 from lclm.errors import ConfigError
 from lclm.training.metrics import read_metrics
@@ -50,27 +51,28 @@ def _short_loss(record: dict, length: int, own_length: int) -> float | None:
     return value
 
 
-def _short_loss_part(config, limit: float) -> tuple[bool | None, str, dict]:
+def _short_loss_part(stage: RunConfig, limit: float) -> tuple[bool | None, str, dict]:
     """(passed or None where it could not be measured, its line, its gate.json fields)."""
-    length = validation_lengths(config)[0]
-    records = read_metrics(config.workdir)
-    start = next((_short_loss(r, length, config.data.seq_len) for r in records
-                  if r.get("step") == 0), None)
+    own = stage.data.seq_len
+    length = validation_lengths(own, stage.validation.lengths)[0]
+    records = read_metrics(stage.run.workdir)
+    start = next((_short_loss(r, length, own) for r in records if r.get("step") == 0), None)
     end = next((v for r in reversed(records)
-                if r.get("step", 0) > 0
-                and (v := _short_loss(r, length, config.data.seq_len)) is not None), None)
+                if r.get("step", 0) > 0 and (v := _short_loss(r, length, own)) is not None),
+               None)
     fields = dict(length=length, start=start, end=end)
     if start is None or end is None:
         return None, (f"no held-out loss at {length} tokens "
                       f"{'at its start' if start is None else 'at its end'} in "
-                      f"{config.workdir}/metrics.jsonl"), fields
+                      f"{stage.run.workdir}/metrics.jsonl"), fields
     change = end / start - 1
     return change <= limit, (f"val_loss@{length} {start:.4f} -> {end:.4f} ({change:+.1%}, "
                              f"limit {limit:+.1%})"), fields
 
 
-def _ruler_part(config, spec: dict, score_ruler: ScoreRuler) -> tuple[bool, str, dict]:
-    result = score_ruler(config.workdir, spec)
+def _ruler_part(stage: RunConfig, spec: dict, score_ruler: ScoreRuler
+                ) -> tuple[bool, str, dict]:
+    result = score_ruler(stage.run.workdir, spec)
     score = result["average"][spec["length"]]
     return score >= spec["min_score"], (
         f"RULER {spec['tasks']} at {spec['length']} tokens {score:.1f} (min "
@@ -78,21 +80,22 @@ def _ruler_part(config, spec: dict, score_ruler: ScoreRuler) -> tuple[bool, str,
         ruler=dict(spec, scores=result["scores"], average=score))
 
 
-def evaluate(config, gate: dict, name: str, score_ruler: ScoreRuler | None = None) -> Verdict:
-    """The verdict of a finished stage's `gate` (`config`: the stage's config): its held-out
+def evaluate(stage: RunConfig, gate: dict, name: str,
+             score_ruler: ScoreRuler | None = None) -> Verdict:
+    """The verdict of a finished `stage`'s `gate` (its config's sections): its held-out
     losses read from its metrics.jsonl, its RULER subset scored by `score_ruler`; written to
     its gate.json."""
     parts = []
     fields: dict = {}
     if "short_loss" in gate:
-        parts.append(_short_loss_part(config, gate["short_loss"]))
-    spec = gate_ruler(gate, config.data.seq_len)
+        parts.append(_short_loss_part(stage, gate["short_loss"]))
+    spec = gate_ruler(gate, stage.data.seq_len)
     if spec is not None:
         if score_ruler is None:
             raise ConfigError(f"stage {name}'s gate scores RULER, which the training program "
                               "(python train.py) does; lclm.training.stages.run_stages was called "
                               "without score_ruler")
-        parts.append(_ruler_part(config, spec, score_ruler))
+        parts.append(_ruler_part(stage, spec, score_ruler))
     for _, _, more in parts:
         fields.update(more)
     passed = all(p is True for p, _, _ in parts)
@@ -100,7 +103,7 @@ def evaluate(config, gate: dict, name: str, score_ruler: ScoreRuler | None = Non
         f"{text}: {'passed' if p else 'FAILED'}" if p is not None else text
         for p, text, _ in parts)
     verdict = Verdict(passed, line, gate.get("on_fail", "stop") == "stop")
-    write_json(storage.join(config.workdir, "gate.json"),
+    write_json(storage.join(stage.run.workdir, "gate.json"),
                dict(gate=gate, **fields, passed=verdict.passed, line=verdict.line))
     (log.info if verdict.passed else log.warning)("%s", verdict.line)
     return verdict

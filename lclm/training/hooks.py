@@ -6,7 +6,6 @@ and wandb with the check that the workdir is still the run's (`MetricsWriter`), 
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -16,9 +15,8 @@ import jax
 
 from lclm import storage
 from lclm.checkpoint import Checkpoints
-from lclm.config.run_config import RunConfig, run_config
+from lclm.config.run_config import RunConfig
 from lclm.config.schema import Data
-from lclm.config.stages import validation_lengths
 from lclm.data.loader import HostBatches, parse_sources
 from lclm.data.sources import DataError, open_documents
 from lclm.errors import ConfigError
@@ -66,30 +64,27 @@ class Validation(Hook):
         self.seq_len, self.losses = seq_len, losses
 
     @classmethod
-    def of(cls, config, mesh, tokenizer, model, attention, param_sharding) -> Validation | None:
+    def of(cls, run: RunConfig, held_out: dict[int, RunConfig], mesh, tokenizer, model,
+           param_sharding) -> Validation | None:
         """The mean loss over the first `validation.batches` batches of `validation.path` at
-        each of `validation_lengths(config)` (read once, so every evaluation sees the same
-        tokens; `data.batch_size` rows of each length), or None when the run has no
-        validation data."""
-        v = config.validation
-        if not v.path:
+        each length of `held_out` (`config.run_config.held_out_runs`: read once, so every
+        evaluation sees the same tokens; `data.batch_size` rows of each length), or None
+        when the run has no validation data."""
+        if not held_out:
             return None
         batches_of = {}
-        for length in validation_lengths(config):
-            held_out = copy.deepcopy(config)   # references kept: a path may follow seq_len
-            held_out.data.seq_len = length
-            held_out.data.path = held_out.validation.path
+        for length, sections in held_out.items():
             try:
-                reader = HostBatches(run_config(held_out), mesh, tokenizer, prefetch=0)
+                reader = HostBatches(sections, mesh, tokenizer, prefetch=0)
             except DataError:
-                _check_validation_size(config, tokenizer)   # the loader's advice is for training
+                _check_validation_size(run, tokenizer)   # the loader's advice is for training
                 raise
             try:
-                batches_of[length] = [next(reader) for _ in range(v.batches)]
+                batches_of[length] = [next(reader) for _ in range(run.validation.batches)]
             finally:
                 reader.close()
-        loss_fn = jit_eval_loss(model, attention, mesh, param_sharding,   # one program per length
-                                document_mask=config.data.document_mask)
+        loss_fn = jit_eval_loss(model, run.attention, mesh, param_sharding,  # a program a length
+                                document_mask=run.data.document_mask)
 
         def losses(params) -> dict[int, float]:
             means = {}
@@ -99,7 +94,7 @@ class Validation(Hook):
                                  / max(float(sum(c for _, c in sums)), 1.0))
             return means
 
-        return cls(config.data.seq_len, losses)
+        return cls(run.data.seq_len, losses)
 
     def fields(self, params) -> dict:
         """A record's held-out losses under `params` (every process computes them)."""
@@ -115,12 +110,12 @@ class Validation(Hook):
         return None
 
 
-def _check_validation_size(config, tokenizer) -> None:
+def _check_validation_size(run: RunConfig, tokenizer) -> None:
     """A ConfigError naming the validation keys when a source of `validation.path` holds
     fewer records than a batch has rows (each row reads its own records, as in training):
     the fix is more held-out data, not another `data.batch_size`, which would change the
     training run."""
-    v, d = config.validation, config.data
+    v, d = run.validation, run.data
     for kind, path, *_ in parse_sources(v.path, d.source, "validation.path"):
         found = len(open_documents(kind, path, tokenizer, text_field=d.text_field,
                                    chat_template=d.chat_template))

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from lclm import storage
 from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.config.model import ModelConfig
-from lclm.config.run_config import RunConfig, run_config
+from lclm.config.run_config import RunConfig, held_out_runs, run_config
 from lclm.config.secrets import public_config
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
@@ -45,9 +45,10 @@ from lclm.training.hooks import (
 from lclm.training.lock import WorkdirLock
 from lclm.training.metrics import MetricsFailed, MetricsLogger, read_metrics, wandb_run
 from lclm.training.object_lock import workdir_lock
+from lclm.training.remat_choice import train_step
 from lclm.training.resume import tokenizer_fingerprint
 from lclm.training.state import TrainState
-from lclm.training.step import all_finite, jit_train_step, make_optimizer
+from lclm.training.step import all_finite, make_optimizer
 from lclm.writes import write_json
 
 log = logging.getLogger(__name__)
@@ -55,10 +56,14 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class _Setup:
-    """What `train` made before it took the workdir: the checked config's typed sections, the
-    mesh (`sizes`: its axes), the model, the tokenizer, and the workdir's lock."""
+    """What `train` made before it took the workdir: the checked config's typed sections (and
+    those the held-out loss reads, per length), the config that config.json and every
+    checkpoint get, the mesh (`sizes`: its axes), the model, the tokenizer, and the workdir's
+    lock."""
 
     sections: RunConfig
+    held_out: dict[int, RunConfig]
+    saved_config: dict
     sizes: dict[str, int]
     mesh: Mesh
     model: ModelConfig
@@ -86,15 +91,19 @@ def train(config, stop_after: int | None = None) -> list[dict]:
         check_same_config(json.dumps(public_config(config), sort_keys=True))
     sections = run_config(config)
     mesh = make_mesh(**sizes, devices=devices)
-    model = ModelConfig.from_config(config.model)   # resolved (the section keeps 'auto')
+    model = sections.model.resolved()
     tokenizer = Tokenizer(sections.data.tokenizer)
     tokenizer.check_fits(model.vocab_size)
+    # `identity` tells a resume what the tokenizer was even when its file has moved
+    saved_config = dict(public_config(config),
+                        identity=dict(tokenizer=tokenizer_fingerprint(tokenizer)))
     workdir = sections.run.workdir
     fresh = not storage.exists(workdir)
     lock = workdir_lock(workdir, sections.run.workdir_lease_minutes)  # before any write there
     lock.acquire()
     try:
-        return _run(config, _Setup(sections, sizes, mesh, model, tokenizer, lock), stop_after)
+        return _run(_Setup(sections, held_out_runs(config), saved_config, sizes, mesh, model,
+                           tokenizer, lock), stop_after)
     except BaseException:
         lock.release()
         if fresh and jax.process_index() == 0 and not _trained(workdir):
@@ -123,15 +132,12 @@ def _remove_workdir(workdir: str) -> None:
         log.warning("could not remove the new workdir %s (%s)", workdir, e)
 
 
-def _run(config, setup: _Setup, stop_after: int | None) -> list[dict]:
+def _run(setup: _Setup, stop_after: int | None) -> list[dict]:
     """Train from the first state to the cadence's last step; whatever it opened is closed
     however it ends."""
     mesh, model, tokenizer, run = setup.mesh, setup.model, setup.tokenizer, setup.sections
+    saved_config = setup.saved_config
     is_main, multi = jax.process_index() == 0, jax.process_count() > 1
-    # config.json and every checkpoint get this; `identity` tells a resume what the tokenizer
-    # was even when its file has moved
-    saved_config = dict(public_config(config),
-                        identity=dict(tokenizer=tokenizer_fingerprint(tokenizer)))
     devices = list(mesh.devices.flat)
     log.info("mesh %s on %d %s devices; model %.2fM params; attention %s", setup.sizes,
              len(devices), devices[0].platform, param_count(model) / 1e6,
@@ -146,12 +152,14 @@ def _run(config, setup: _Setup, stop_after: int | None) -> list[dict]:
         if is_main:   # only once the run is accepted: config.json describes the checkpoints
             _write_at_start(run.run.workdir, "config.json", saved_config)
         state_sharding = jax.tree.map(lambda x: x.sharding, state)
-        step_fn = jit_train_step(model, run.attention, run.train, mesh, optimizer,
-                                 state_sharding, document_mask=run.data.document_mask)
+        model, step_fn, remat_line = train_step(run, model, mesh, optimizer, state,
+                                                state_sharding)
+        if remat_line:
+            log.info("%s", remat_line)
         batches = HostBatches(run, mesh, tokenizer, state=data_state)
         if is_main:   # what the run trains on: tokens per length bucket and source, the mixture
             _write_at_start(run.run.workdir, "data_statistics.json", batches.statistics())
-        validation = Validation.of(config, mesh, tokenizer, model, run.attention,
+        validation = Validation.of(run, setup.held_out, mesh, tokenizer, model,
                                    state_sharding.params)
         cadence = Cadence.of(run, int(state.step) + 1, stop_after, multi)
         if is_main:

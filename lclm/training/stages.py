@@ -20,6 +20,7 @@ import jax
 
 from lclm import storage
 from lclm.checkpoint import Checkpoints
+from lclm.config.run_config import run_config
 from lclm.config.stages import gate_ruler, stage_configs, stage_name, stage_records
 from lclm.data import ruler
 from lclm.data.tokenizer import Tokenizer
@@ -159,7 +160,8 @@ def _pass_gate(config, record: dict, index: int, score_ruler: gates.ScoreRuler |
     (exit 3) before the next stage: re-running evaluates it again."""
     if "gate" not in record:
         return
-    verdict = gates.evaluate(config, record["gate"], stage_name(record, index), score_ruler)
+    verdict = gates.evaluate(run_config(config), record["gate"], stage_name(record, index),
+                             score_ruler)
     if not verdict.passed and verdict.stop:
         raise TrainingHalted(f"{verdict.line}; the next stage did not start (train this one "
                              "longer, loosen its gate, or set its gate's on_fail='warn'), "

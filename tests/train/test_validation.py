@@ -80,14 +80,16 @@ def test_validation_lengths_resolve_per_stage_and_a_length_the_mesh_cannot_split
     config.stages.schedule = "128:1e4:5, 256:1e5:5, 512:1e6:5"
     config.validation.lengths = "stages, 1k"
     # each stage validates at its own length and every earlier one's (forgetting shows)
-    assert [validation_lengths(c) for c in stage_configs(config)] == [
+    assert [validation_lengths(c.data.seq_len, c.validation.lengths)
+            for c in stage_configs(config)] == [
         [128, 1024], [128, 256, 1024], [128, 256, 512, 1024]]
     config.stages.schedule = ""
     config.data.seq_len = 64
-    assert validation_lengths(config) == [64, 1024]   # 'stages' outside a schedule: its own
+    # 'stages' outside a schedule: its own
+    assert validation_lengths(64, config.validation.lengths) == [64, 1024]
     config.validation.lengths = "2x"
     with pytest.raises(ConfigError, match=r"^validation.lengths='2x': bad length '2x'"):
-        validation_lengths(config)
+        validation_lengths(64, config.validation.lengths)
 
     config = small_train_config(tmp_path / "run2", mesh=dict(dp=1, fsdp=2, tp=1, sp=2),
                                 attention=dict(q_chunk=16, kv_chunk=16))
