@@ -19,7 +19,7 @@ from support import DEMO_CONFIG, ROOT
 from lclm import hardware
 from lclm.config import load_config
 from lclm.errors import ConfigError
-from lclm.ops.kernels import choose_kernel, compiling_for, target_device, tokamax_gpu
+from lclm.ops.kernels import choose_kernel, compiling_for, recording, target_device, tokamax_gpu
 from lclm.plan import aot
 from lclm.plan.memory import estimate
 
@@ -29,6 +29,8 @@ needs_cuda_plugin = pytest.mark.skipif(
     not HAVE_CUDA_PLUGIN,
     reason="compiling for a GPU without one needs JAX's CUDA plugin and ptxas (lclm[gpu-aot])")
 HAVE_TOKAMAX = importlib.util.find_spec("tokamax") is not None
+needs_tokamax = pytest.mark.skipif(
+    not HAVE_TOKAMAX, reason="tokamax is not installed (lclm[gpu-aot] has it on Python >= 3.12)")
 
 # conftest's JAX_PLATFORMS=cpu comes after jax's import (lclm.parallel imports it), so jax's
 # config may not have it: without it the first backend start tries the CUDA plugin's GPU, and
@@ -104,6 +106,20 @@ def test_kernels_see_the_target_device_not_the_host(monkeypatch):
     assert choose_kernel("auto", platform="gpu", device=_gpu("9.0"), **shapes) == "cudnn_gpu"
 
 
+def test_a_recording_keeps_what_auto_passed_over_and_why(monkeypatch):
+    """What `plan --compile` prints beside the kernels it compiled: on an A100 auto passes
+    over the Hopper kernels, saying why; nothing is recorded outside `recording`."""
+    monkeypatch.setattr(tokamax_gpu, "available", lambda: True)
+    shapes = dict(head_dim=128, q_chunk=512, kv_chunk=512, block=4096, dtype="bfloat16")
+    with recording() as record:
+        assert choose_kernel("auto", platform="gpu", device=_gpu("8.0"), **shapes) == "pallas_gpu"
+        choose_kernel("auto", platform="gpu", device=_gpu("9.0"), **shapes)
+        choose_kernel("tokamax_gpu", platform="gpu", device=_gpu("9.0"), **shapes)
+    assert list(record.passed_over) == ["cudnn_gpu", "tokamax_gpu"]
+    assert all("Hopper" in why for why in record.passed_over.values())
+    assert record.kernels == []  # choosing is not lowering
+
+
 def _python(*args, hide=()):
     """A fresh Python (without the simulated devices' XLA_FLAGS) in the repository root."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
@@ -138,13 +154,66 @@ def _small(**overrides):
 def test_ring_kernels_compile_for_an_h100_without_callbacks(impl):
     """The ring at sp=4, forward and backward, compiled for h100:4: the kernels are Triton
     (pallas_gpu: forward, dK/dV and dQ) or Mosaic GPU (tokamax_gpu) custom calls compiled to
-    sm_90a, and nothing runs on the host (interpret mode would be callbacks)."""
+    sm_90a, and nothing runs on the host (interpret mode would be callbacks); the compile
+    names the kernel it lowered."""
     if impl == "tokamax_gpu" and not HAVE_TOKAMAX:
-        pytest.skip("tokamax is not installed (it needs Python >= 3.12: lclm[cuda])")
+        pytest.skip("tokamax is not installed (lclm[gpu-aot] has it on Python >= 3.12)")
     config = _small(**{"attention.impl": impl, "mesh.sp": 4, "mesh.fsdp": 1})
     compiled = aot.compile_step(config, aot.target_devices(aot.target("h100:4")))
     assert compiled.kernels >= 3 and compiled.callbacks == 0
     assert compiled.collectives > 0 and compiled.total > 0
+    assert compiled.attention.kernels == [f"{impl} (ring)"]
+    assert compiled.attention.passed_over == {}
+
+
+@needs_cuda_plugin
+def test_plan_names_the_kernel_auto_compiled_for_a_ring_of_h100s():
+    """`plan --compile h100:4` at sp=4 with auto: what a cluster with lclm[cuda] runs there,
+    tokamax's ring passes (cudnn_gpu's, as auto names them); where tokamax cannot be installed
+    (Python 3.11) pallas_gpu, and one line saying which kernels auto passed over and why."""
+    small = [f"--config.{key}={value}" for key, value in SMALL.items()]
+    done = _python("--config", DEMO_CONFIG, "--compile", "h100:4", *small, "--config.mesh.sp=4",
+                   "--config.mesh.fsdp=1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert next(x for x in lines if x.startswith("| stage |")).endswith("| attention kernel |")
+    row = [c.strip() for c in next(x for x in lines if x.startswith("| 0 |")).strip("|").split("|")]
+    notes = [x for x in lines if x.startswith("stage 0: attention.impl='auto' passed over")]
+    if HAVE_TOKAMAX:
+        assert row[-1] == "tokamax_gpu (ring)" and notes == [], (row, notes)
+    else:
+        assert row[-1] == "pallas_gpu (ring)", row
+        assert notes == ["stage 0: attention.impl='auto' passed over cudnn_gpu, tokamax_gpu "
+                         f"(tokamax is not installed: {tokamax_gpu.INSTALL})"], notes
+
+
+@needs_cuda_plugin
+@pytest.mark.skipif(HAVE_TOKAMAX, reason="tokamax is installed: it compiles (test above)")
+def test_without_tokamax_an_explicit_tokamax_compile_says_so_in_one_line():
+    small = [f"--config.{key}={value}" for key, value in SMALL.items()]
+    done = _python("--config", DEMO_CONFIG, "--compile", "h100:4", *small,
+                   "--config.attention.impl=tokamax_gpu", "--config.mesh.fsdp=1")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert [line for line in done.stderr.splitlines() if "tokamax" in line] == [
+        "error: attention.impl='tokamax_gpu' cannot serve this model: tokamax is not installed: "
+        f"{tokamax_gpu.INSTALL}; attention.impl='auto' picks a kernel that can"]
+
+
+@needs_cuda_plugin
+@needs_tokamax
+def test_one_h100_compiles_cudnn_with_the_ring_as_its_fallback(monkeypatch):
+    """sp=1 with auto: cuDNN's calls (plain causal, packed documents) and tokamax's ring for
+    rows of more documents, the switch a real H100 runs; compiled deviceless because jax's
+    cuDNN checks read the described H100 (`cudnn_gpu.checks_for`), not the absent local GPU.
+    remat='full': 'attention' keeps the ring's named residuals, so it asks for the ring."""
+    texts = []
+    count = aot.kernel_calls
+    monkeypatch.setattr(aot, "kernel_calls", lambda text: texts.append(text) or count(text))
+    config = _small(**{"mesh.sp": 1, "mesh.fsdp": 1, "model.remat": "full"})
+    compiled = aot.compile_step(config, aot.target_devices(aot.target("h100:1")))
+    assert compiled.attention.kernels == ["cudnn_gpu", "tokamax_gpu (ring)"]
+    assert compiled.callbacks == 0 and compiled.conditionals > 0
+    assert "__cudnn$fmha" in texts[0] and "mosaic_gpu" in texts[0]
 
 
 @needs_cuda_plugin

@@ -17,9 +17,11 @@ analysis (and the measured peak after one step where the device reports it).
 `--compile TARGET` compiles every stage's train step ahead of time, on this machine, for a TPU
 slice (libtpu, no TPU) or for GPUs (`h100:4x8`: JAX's CUDA plugin, no GPU; lclm.plan.aot): compile
 time, XLA's per-device memory against the chip's HBM (GPUs: against `aot.gpu_budget`, HBM
-less what XLA does not count) and the fused kernels in the program, beside the planner's
-estimate. Exit 0 when every stage compiles and fits, 3 when one does not (one line per stage:
-what overflowed and what to change), 2 for a bad config or a missing compiler.
+less what XLA does not count), the fused kernels in the program and the attention kernels
+lowered into it (with the faster ones `attention.impl='auto'` passed over, and why), beside
+the planner's estimate. Exit 0 when every stage compiles and fits, 3 when one does not (one
+line per stage: what overflowed and what to change), 2 for a bad config or a missing
+compiler.
 """
 
 from __future__ import annotations
@@ -76,9 +78,11 @@ def _compile_stages(config, args) -> int:
     kernels = "kernels" if gpu else "Mosaic kernels"
     of = "budget" if gpu else "HBM"
     print(f"| stage | seq_len | compile s | arguments GiB | temporaries GiB | outputs GiB | "
-          f"total GiB | {of} used | {kernels} | planner GiB | host GiB (planner) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    failed = []
+          f"total GiB | {of} used | {kernels} | planner GiB | host GiB (planner) | "
+          "attention kernel |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    failed: list[str] = []
+    passed_over: dict[str, list[int]] = {}  # what auto passed over, and why -> those stages
     for i, c in enumerate(runs):
         # the planner's kernel is the one the compile picks: both for the target's device
         with aot.compiling_for(devices[0]):
@@ -95,7 +99,7 @@ def _compile_stages(config, args) -> int:
             failed.append(f"stage {i} (seq_len {c.data.seq_len:,}): {kind} overflow on "
                           f"{target.name}; {_FIXES[kind]}")
             print(f"| {i} | {c.data.seq_len:,} | - | - | - | - | {kind} overflow | - | - | "
-                  f"{gib(planned)} | - |", flush=True)
+                  f"{gib(planned)} | - | - |", flush=True)
             continue
         used = r.total / budget
         if used > 1:
@@ -105,10 +109,25 @@ def _compile_stages(config, args) -> int:
         host_cell = f"{gib(r.host)} ({gib(host)})" if r.host else f"- ({gib(host)})"
         print(f"| {i} | {c.data.seq_len:,} | {r.seconds:,.0f} | {gib(r.arguments)} | "
               f"{gib(r.temporaries)} | {gib(r.outputs)} | {gib(r.total)} | {100 * used:.0f}% | "
-              f"{r.kernels} | {gib(planned)} | {host_cell} |", flush=True)
+              f"{r.kernels} | {gib(planned)} | {host_cell} | "
+              f"{', '.join(r.attention.kernels) or '-'} |", flush=True)
+        if r.attention.passed_over:
+            passed_over.setdefault(_passed_over(r.attention.passed_over), []).append(i)
+    for why, stages in passed_over.items():
+        which = f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
+        print(f"{which}: attention.impl='auto' passed over {why}")
     for line in failed:
         print(f"error: {line}", file=sys.stderr)
     return 3 if failed else 0
+
+
+def _passed_over(why: dict[str, str]) -> str:
+    """'cudnn_gpu, tokamax_gpu (tokamax is not installed: ...)': kernels with the same reason
+    together, in the order `auto` tried them."""
+    names: dict[str, list[str]] = {}
+    for name, reason in why.items():
+        names.setdefault(reason, []).append(name)
+    return "; ".join(f"{', '.join(n)} ({reason})" for reason, n in names.items())
 
 
 def _links(device: str, per_node: int) -> tuple[float, float, float, int, str]:

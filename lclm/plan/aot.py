@@ -39,7 +39,7 @@ from lclm.config.run_config import run_config
 from lclm.data.loader import abstract_batch, batch_sharding
 from lclm.errors import ConfigError
 from lclm.hardware import BY_NAME, GPUS, TPUS, planner_device
-from lclm.ops.kernels import compiling_for
+from lclm.ops.kernels import Lowered, compiling_for, recording
 from lclm.parallel.mesh import make_mesh
 from lclm.platforms import cuda_plugin, nvidia_gpu_attached, tpu_attached
 from lclm.training.checks import validate
@@ -224,6 +224,8 @@ class Compiled:
     conditionals: int = 0  # conditional ops (a host sync each on XLA:GPU), in the program text
     collectives: int = 0   # collective ops in the program text (one in a loop body counts once)
     host: int = 0          # host-memory bytes (remat='offload'), where XLA reports them
+    # the attention kernels lowered, as the kernels' code noted them (`compile_step`)
+    attention: Lowered = dataclasses.field(default_factory=Lowered)
 
     @property
     def total(self) -> int:
@@ -242,13 +244,19 @@ def lowering_for(device):
     """Within: programs are traced and lowered for `device` (a described TPU or GPU), not the
     host's CPU. `compiling_for` tells impl='auto' and the kernels' limits what the device is
     (compute capability); on GPUs tokamax's ops also look at the default device while they
-    lower. Only around the lowering: a compile under another default device fails ("no
-    attribute 'local_devices'")."""
+    lower, and jax's cuDNN checks read it (`cudnn_gpu.checks_for`). Only around the lowering:
+    a compile under another default device fails ("no attribute 'local_devices'")."""
     gpu = device.platform in ("gpu", "cuda", "rocm")
     absl = logging.getLogger("absl")
     absl.addFilter(_no_autotuning_notes)
     try:
-        with compiling_for(device), jax.default_device(device) if gpu else contextlib.nullcontext():
+        with contextlib.ExitStack() as within:
+            within.enter_context(compiling_for(device))
+            if gpu:  # GPU kernels' modules load only where GPUs are compiled for
+                from lclm.ops.kernels import cudnn_gpu
+
+                within.enter_context(jax.default_device(device))
+                within.enter_context(cudnn_gpu.checks_for(device))
             yield
     finally:
         absl.removeFilter(_no_autotuning_notes)
@@ -283,10 +291,11 @@ def compile_step(config, devices) -> Compiled:
                           state_shardings(model, optimizer, mesh),
                           document_mask=run.data.document_mask)
     started = time.perf_counter()
-    with lowering_for(devices[0]):
+    with lowering_for(devices[0]), recording() as attention:
         lowered = step.lower(state, batch)
     compiled = lowered.compile()
-    return analyse(compiled, time.perf_counter() - started)
+    return dataclasses.replace(analyse(compiled, time.perf_counter() - started),
+                               attention=attention)
 
 
 def _no_autotuning_notes(record: logging.LogRecord) -> bool:

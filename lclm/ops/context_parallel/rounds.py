@@ -23,7 +23,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from lclm.ops.kernels import choose_kernel, get_kernel
+from lclm.ops.kernels import choose_kernel, get_kernel, lowered
 from lclm.ops.layout import LAYOUTS, original_positions
 
 SP = "sp"
@@ -96,6 +96,7 @@ def setup(s: Settings, q, which: str):
     """(`rounds -> kernel pass` for the call site that runs those rounds, this device's
     query positions, `r -> the key positions of round r`). `which`: 'forward' or 'backward'."""
     kernel = get_kernel(s.impl)
+    lowered(f"{kernel.passes or s.impl} (ring)")
     # a zigzag shard is two runs of consecutive positions: tiles stay inside one, so that
     # every tile is entirely visible or entirely hidden in all but the diagonal blocks
     run = tile_run(s.layout, s.n, q.shape[1] * s.n)

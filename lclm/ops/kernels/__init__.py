@@ -11,12 +11,16 @@ A fused kernel's module is imported the first time its name is asked for (`get_k
 `choose_kernel`), so a run loads only the backends it may use: 'auto' asks its candidates
 in order and stops at the first that serves, which keeps GPU code off TPUs and tokamax (the
 package) unimported unless 'tokamax_gpu' is named or picked on a GPU.
+
+`recording` lists what the programs lowered within it call, as the code that lowers the
+kernels notes it (`lowered`), for ahead-of-time compiles to name (`lclm.plan.aot`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import importlib
 
 from lclm.ops.kernels import blockwise
@@ -64,6 +68,38 @@ def target_device():
     return device
 
 
+@dataclasses.dataclass
+class Lowered:
+    """The attention kernels of the programs lowered within `recording`: `kernels` in order of
+    first use, each named by the registry name and the part it serves ('tokamax_gpu (ring)': a
+    ring's block-pair passes, of however many rounds; 'cudnn_gpu': one device's whole
+    sequence in one call), and `passed_over`: the kernels `attention.impl='auto'` tried
+    before the one it chose, with why each could not serve (its `Kernel.limits`)."""
+    kernels: list[str] = dataclasses.field(default_factory=list)
+    passed_over: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+_RECORD: contextvars.ContextVar = contextvars.ContextVar("lclm_kernel_record", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """Within: the `Lowered` yielded gathers the kernels the programs traced call."""
+    record = Lowered()
+    token = _RECORD.set(record)
+    try:
+        yield record
+    finally:
+        _RECORD.reset(token)
+
+
+def lowered(name: str) -> None:
+    """Note, where `recording`, that the program being traced calls the kernel `name`."""
+    record = _RECORD.get()
+    if record is not None and name not in record.kernels:
+        record.kernels.append(name)
+
+
 def platform_family(platform: str) -> str:
     """jax's platform name -> the key of `AUTO` ('cuda'/'rocm' are GPUs)."""
     return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
@@ -93,8 +129,15 @@ def choose_kernel(impl: str, *, head_dim: int, q_chunk: int, kv_chunk: int, bloc
     shapes = dict(head_dim=head_dim, q_chunk=q_chunk, kv_chunk=kv_chunk, block=block,
                   platform=platform, dtype=dtype)
     if impl == "auto":
-        return next(name for name in AUTO.get(platform, ("blockwise",))
-                    if get_kernel(name).limits(**shapes) is None)
+        record = _RECORD.get()
+
+        def serves(name: str) -> bool:
+            why = get_kernel(name).limits(**shapes)
+            if why is not None and record is not None:
+                record.passed_over.setdefault(name, why)
+            return why is None
+
+        return next(name for name in AUTO.get(platform, ("blockwise",)) if serves(name))
     why = get_kernel(impl).limits(**shapes)
     if why is not None:
         raise ValueError(f"attention.impl={impl!r} cannot run here: {why} "

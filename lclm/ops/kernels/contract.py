@@ -60,13 +60,18 @@ class Kernel(NamedTuple):
 
     `whole`: optional, attention of one device's whole sequence where the ring has one
     member, with its own VJP: `whole(q, k, v, segment_ids, *, causal, fallback) -> o` in q's
-    dtype (original order; `fallback()` gives the ring's result where it cannot serve)."""
+    dtype (original order; `fallback()` gives the ring's result where it cannot serve).
+
+    `passes`: the registry name of the kernel whose block-pair passes these are, where they
+    are another kernel's (cudnn_gpu's are tokamax_gpu's): what a compile names as the ring's
+    kernel (`lclm.ops.kernels.recording`)."""
     forward: Callable
     backward: Callable
     limits: Callable[..., str | None] = serves_any
     takes_platform: bool = False
     compute_dtype_rounds: bool = False
     whole: Callable | None = None
+    passes: str | None = None
 
 
 def tile_visible(q_pos, k_pos, q_seg, k_seg, causal: bool):

@@ -20,21 +20,25 @@ statistics included, whichever branch runs: with remat='none' the step holds mor
 tokamax_gpu's (bench/results/gpu-lease-h200).
 
 In a ring (sp > 1) the block-pair passes are tokamax's (`tokamax_gpu`), unchanged. Under
-ahead-of-time compilation for a described GPU (`lclm.plan.aot`), jax's cuDNN checks read the
-local GPU, which is absent, and reject the packed layout: there the ring's kernel is compiled.
-The residuals are cuDNN's own, not the ring's named ones: under remat='attention' and
-'offload', which keep those, the model asks for the ring (`rounds.Settings.whole`).
+ahead-of-time compilation for a described GPU (`lclm.plan.aot`), jax's cuDNN checks would read
+the local GPU, which is absent (and reject the packed layout as pre-Hopper): within
+`checks_for` they read the described one's compute capability, so the switch compiled there
+is the one a real GPU runs. The residuals are cuDNN's own, not the ring's named ones: under
+remat='attention' and 'offload', which keep those, the model asks for the ring
+(`rounds.Settings.whole`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lclm.ops.kernels import target_device, tokamax_gpu
+from lclm.ops.kernels import lowered, target_device, tokamax_gpu
 
 # Documents per row that go to cuDNN's packed call; rows with more fall back to the ring
 MAX_DOCUMENTS = 32
@@ -86,11 +90,39 @@ def _fused():
     return fused_attention_stablehlo
 
 
-def _on_local_gpu() -> bool:
-    """Whether the program is built for a GPU of this process (jax's cuDNN checks read the
-    local GPU's compute capability; a described one of an AOT compile has none here)."""
+# The described GPU that jax's cuDNN checks read within `checks_for`
+_DESCRIBED: contextvars.ContextVar = contextvars.ContextVar("lclm_cudnn_described", default=None)
+
+
+def _version(capability: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in capability.split("."))
+
+
+@contextlib.contextmanager
+def checks_for(device):
+    """Within: jax's cuDNN checks (head dim, packed layout: Hopper or newer) read the compute
+    capability of `device`, a described GPU of an ahead-of-time compile, not a local GPU's.
+    They run whenever jax traces cuDNN's forward rule, which under a gradient of scanned
+    layers is after `whole` has returned: hence a context around the whole lowering."""
+    fa = _fused()
+    own = fa.check_compute_capability, fa.is_cuda_compute_capability_equal
+    have = _version(device.compute_capability)
+    fa.check_compute_capability = lambda capability: have >= _version(capability)
+    fa.is_cuda_compute_capability_equal = lambda capability: have == _version(capability)
+    token = _DESCRIBED.set(device)
+    try:
+        yield
+    finally:
+        _DESCRIBED.reset(token)
+        fa.check_compute_capability, fa.is_cuda_compute_capability_equal = own
+
+
+def _on_gpu() -> bool:
+    """Whether the program is built for a GPU jax's cuDNN checks can read: one of this
+    process, or the described one of `checks_for`."""
     device = target_device()
-    return device.platform in ("gpu", "cuda") and device in jax.local_devices()
+    return device.platform in ("gpu", "cuda") and (device in jax.local_devices()
+                                                   or device is _DESCRIBED.get())
 
 
 def _causal(q, k, v):
@@ -113,9 +145,11 @@ def whole(q, k, v, segment_ids, *, causal: bool, fallback):
 
     q `[b, t, h, d]`, k/v `[b, t, kv_heads, d]`, segment_ids `[b, t]` or None; returns
     `[b, t, h, d]` in q's dtype. `fallback()`: the ring's result, used where cuDNN does not
-    serve (non-causal, no local GPU, rows of more than `MAX_DOCUMENTS` documents)."""
-    if not causal or not _on_local_gpu():
+    serve (non-causal, no GPU to check against, rows of more than `MAX_DOCUMENTS`
+    documents)."""
+    if not causal or not _on_gpu():
         return fallback()
+    lowered("cudnn_gpu")
     if segment_ids is None:
         return _causal(q, k, v)
     return lax.switch(call_index(segment_ids), [lambda: _causal(q, k, v),
@@ -123,4 +157,4 @@ def whole(q, k, v, segment_ids, *, causal: bool, fallback):
                                                 fallback])
 
 
-KERNEL = tokamax_gpu.KERNEL._replace(whole=whole)
+KERNEL = tokamax_gpu.KERNEL._replace(whole=whole, passes="tokamax_gpu")

@@ -8,10 +8,11 @@ the two calls into lclm's block-pair kernel (round classes, shifted strict round
 documents as k_start).
 
 The classes used are tokamax's private modules (`tokamax._src.ops.attention`), read from the
-0.0.17 release: the version is pinned in the `[cuda]` extra and this adapter is to be checked
-on every upgrade (`python -m bench.correctness` on the GPU). tokamax needs Python >= 3.12,
-and its Mosaic GPU kernels run on Hopper (sm90) and Blackwell GPUs only. Precision: the
-forward's output comes back in the input dtype (bf16); the ring merges rounds in float32.
+0.0.17 release: the version is pinned in the `[cuda]` and `[gpu-aot]` extras and this
+adapter is to be checked on every upgrade (`python -m bench.correctness` on the GPU). tokamax
+needs Python >= 3.12, and its Mosaic GPU kernels run on Hopper (sm90) and Blackwell GPUs
+only. Precision: the forward's output comes back in the input dtype (bf16); the ring merges
+rounds in float32.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import jax.numpy as jnp
 from lclm.ops.kernels import target_device
 from lclm.ops.kernels.range_kernel import range_kernel
 
-INSTALL = "pip install 'lclm[cuda]' on Python >= 3.12 (tokamax)"
+INSTALL = ("pip install 'lclm[cuda]' on Python >= 3.12 (tokamax; 'lclm[gpu-aot]' to compile for "
+           "GPUs without one)")
 
 
 def available() -> bool:

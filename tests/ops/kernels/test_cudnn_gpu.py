@@ -3,6 +3,8 @@ step picks plain causal, packed or the ring by documents per row, and a ring of 
 hands a kernel's whole-sequence attention the work. cuDNN's own calls need a GPU: they were
 checked against float32 dense attention on an H200 (bench/results/gpu-lease-h200)."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,7 +66,7 @@ def test_whole_attention_equals_dense_in_every_branch(monkeypatch, docs, branch)
         jax.debug.callback(lambda: ran.append(name))
         return out
 
-    monkeypatch.setattr(cudnn_gpu, "_on_local_gpu", lambda: True)
+    monkeypatch.setattr(cudnn_gpu, "_on_gpu", lambda: True)
     monkeypatch.setattr(cudnn_gpu, "_causal",
                         lambda q, k, v: tagged("causal", dense_attention(q, k, v)))
     monkeypatch.setattr(cudnn_gpu, "_packed", lambda q, k, v, seg: tagged(
@@ -90,12 +92,24 @@ def test_whole_attention_equals_dense_in_every_branch(monkeypatch, docs, branch)
 
 
 @pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="a GPU is attached")
-def test_off_a_local_gpu_whole_attention_is_the_rings():
-    """On this CPU, as in an ahead-of-time compile for a described GPU, cuDNN is not called."""
-    assert not cudnn_gpu._on_local_gpu()
+def test_cudnn_is_called_where_its_checks_read_the_gpu_built_for(monkeypatch):
+    """On this CPU, and for a described GPU that jax's cuDNN checks cannot read, whole
+    attention is the ring's; within `checks_for` (an ahead-of-time compile: lclm.plan.aot) it
+    is cuDNN's, noted as lowered, and the checks read the described GPU until it ends."""
+    monkeypatch.setattr(cudnn_gpu, "_causal", lambda q, k, v: "cuDNN's")
     q, k, v, _ = _inputs()
-    out = cudnn_gpu.whole(q, k, v, None, causal=True, fallback=lambda: "the ring's")
-    assert out == "the ring's"
+    whole = lambda: cudnn_gpu.whole(q, k, v, None, causal=True, fallback=lambda: "the ring's")
+    fa = cudnn_gpu._fused()
+    h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
+                                 compute_capability="9.0")
+    assert whole() == "the ring's"
+    with kernels.compiling_for(h100), kernels.recording() as record:
+        assert whole() == "the ring's" and record.kernels == []
+        with cudnn_gpu.checks_for(h100):
+            assert whole() == "cuDNN's" and record.kernels == ["cudnn_gpu"]
+            assert fa.check_compute_capability("9.0") and not fa.check_compute_capability("10.0")
+            assert fa.is_cuda_compute_capability_equal("9.0")
+    assert not fa.check_compute_capability("9.0")  # jax's own again: no local GPU
 
 
 @pytest.fixture
