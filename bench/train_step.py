@@ -170,16 +170,30 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
     """(the row's record: params, seq, impl, layout, remat, mesh, compile_s, xla_gib; the
     compiled step; (model config, mesh sizes, state, batch)) for `measure` (see there). On
     described `devices` (`lclm.plan.aot.target_devices`: `--compile-only`) the step is lowered for
-    them with an abstract state and batch, and only compiled."""
+    them with an abstract state and batch, and only compiled. `model.remat='auto'` is chosen
+    as training chooses it (`lclm.training.remat_choice`): against the device's budget, and
+    on described devices against none (its first candidate); the record's remat says what it
+    chose, e.g. 'auto: none'."""
     import contextlib
 
     import jax
+
+    from lclm.training.remat_choice import AUTO, choose, compiled_bytes, device_budget
+
+    if not baseline and config.model.remat == AUTO:
+        def compile_policy(policy: str):
+            c = config.copy_and_resolve_references()
+            c.model.remat = policy
+            row = compile_row(c, devices=devices, model_patch=model_patch)
+            return row, compiled_bytes(row[1])
+        choice = choose(compile_policy, None if devices else device_budget(jax.devices()[0]))
+        record, compiled, built = choice.compiled
+        return dict(record, remat=f"auto: {choice.policy}"), compiled, built
 
     from lclm.config import AttentionConfig
     from lclm.models.decoder import param_count
     from lclm.plan import aot
     from lclm.training.checks import attention_kernel
-    from lclm.training.remat_choice import compiled_bytes
 
     target = (devices or jax.devices())[0]
     if baseline:

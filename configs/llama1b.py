@@ -1,7 +1,11 @@
 """LLaMA-3.2-1B shapes (1.24B params) at 32K tokens on one device (sp=1) or a few.
 
-One H100, or one TPU v5p chip: `python -m lclm.plan --config configs/llama1b.py --compile
-v5p-2` (36 GiB of 95; a v4 chip's 32 GiB is too small unsharded: 35.8 GiB).
+One H100, or one TPU v5p chip. `model.remat='auto'`: the least recomputation whose compiled
+step fits the device (lclm.training.remat_choice). Compiled without the hardware
+(`python -m lclm.plan --config configs/llama1b.py --compile v5p-2`, or `h100:1` with
+lclm[gpu-aot]; jax 0.10.2, 2026-11-28): on a v5p chip 'none' (73.57 GiB of 95); on an H100
+'attention' at 32K (24.76 GiB of the 58.3 GiB budget at JAX's default memory fraction; 'none'
+needs 62.37) and 'none' at 8K (30.39 GiB).
 """
 
 from lclm.config import apply_preset, base_config
@@ -11,7 +15,7 @@ def get_config():
     c = apply_preset(base_config(), "llama3_1b")
     c.workdir = "runs/llama1b"
     c.mesh.update(dp=1, fsdp=-1, tp=1, sp=1)
-    c.model.update(dtype="bfloat16", remat="attention", ffn_chunk=4096, loss_chunk=4096)
+    c.model.update(dtype="bfloat16", remat="auto", ffn_chunk=4096, loss_chunk=4096)
     c.attention.update(q_chunk=1024, kv_chunk=1024)
     c.data.update(seq_len=32768, batch_size=1)
     c.train.update(steps=1000, lr=3e-4, warmup=100)

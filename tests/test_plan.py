@@ -85,6 +85,23 @@ def test_offload_moves_the_saved_layers_to_host_memory():
 def test_plan_suggests_offload_when_the_run_does_not_fit(capsys):
     assert main(["--config", os.path.join(ROOT, "configs", "llama1b.py"), "--devices", "1",
                  "--config.mesh.fsdp=1", "--config.data.seq_len=524288",
+                 "--config.model.remat=attention",
                  "--device", "h100-nvlink"]) == 0
     out = capsys.readouterr().out
     assert "does not fit; with model.remat='offload'" in out and "in host memory" in out
+
+
+def test_the_planner_plans_auto_as_the_compiles_chose():
+    """model.remat='auto' planned by the estimates, against the GPU pool JAX makes (58.3 GiB of
+    an H100) or a v5p chip's HBM: LLaMA-3.2-1B as `plan --compile` chose by compiling it
+    (2026-11-28): 'none' at 8K on an H100 (XLA 30.39 GiB), 'attention' at 32K (none: 62.37),
+    'none' at 32K on a v5p chip (73.57 of 95)."""
+    def planned(seq_len, device):
+        config = load_config(os.path.join(ROOT, "configs", "llama1b.py"))
+        config.data.seq_len = seq_len
+        return estimate(config, 1, device).remat
+    assert planned(8192, "h100-nvlink") == "none"
+    assert planned(32768, "h100-nvlink") == "attention"
+    assert planned(32768, "tpu-v5p") == "none"
+    config = load_config(os.path.join(ROOT, "configs", "llama1b.py"))
+    assert estimate(config, 1).remat == "attention"   # no device: the fallback

@@ -83,13 +83,10 @@ def _compile_stages(config, args) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     failed: list[str] = []
     passed_over: dict[str, list[int]] = {}  # what auto passed over, and why -> those stages
+    chosen: list[str] = []   # model.remat='auto': each stage's choice, one line
     for i, c in enumerate(runs):
-        # the planner's kernel is the one the compile picks: both for the target's device
-        with aot.compiling_for(devices[0]):
-            plan = estimate(c, target.devices, device)
-        planned, host = plan.total, plan.host_activations
         try:
-            r = aot.compile_step(c, devices)
+            r = aot.compile_step(c, devices, budget)
         except StartupError:
             raise
         except Exception as e:  # noqa: BLE001  (XLA reports overflows as compile errors)
@@ -99,8 +96,14 @@ def _compile_stages(config, args) -> int:
             failed.append(f"stage {i} (seq_len {c.data.seq_len:,}): {kind} overflow on "
                           f"{target.name}; {_FIXES[kind]}")
             print(f"| {i} | {c.data.seq_len:,} | - | - | - | - | {kind} overflow | - | - | "
-                  f"{gib(planned)} | - | - |", flush=True)
+                  f"{gib(_planned(c, target, devices, device).total)} | - | - |", flush=True)
             continue
+        if r.remat_choice:
+            chosen.append(f"stage {i}: {r.remat_choice}")
+            c = c.copy_and_resolve_references()
+            c.model.remat = r.remat   # the planner beside the policy compiled
+        plan = _planned(c, target, devices, device)
+        planned, host = plan.total, plan.host_activations
         used = r.total / budget
         if used > 1:
             failed.append(f"stage {i} (seq_len {c.data.seq_len:,}): {gib(r.total)} GiB of "
@@ -116,9 +119,18 @@ def _compile_stages(config, args) -> int:
     for why, stages in passed_over.items():
         which = f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
         print(f"{which}: attention.impl='auto' passed over {why}")
+    for line in chosen:
+        print(line)
     for line in failed:
         print(f"error: {line}", file=sys.stderr)
     return 3 if failed else 0
+
+
+def _planned(config, target, devices, device: str | None) -> Plan:
+    """The planner's estimate of one stage on `target` (its kernel the one the compile picks:
+    both for the target's device)."""
+    with aot.compiling_for(devices[0]):
+        return estimate(config, target.devices, device)
 
 
 def _passed_over(why: dict[str, str]) -> str:

@@ -39,10 +39,12 @@ from lclm.config.run_config import run_config
 from lclm.data.loader import abstract_batch, batch_sharding
 from lclm.errors import ConfigError
 from lclm.hardware import BY_NAME, GPUS, TPUS, planner_device
-from lclm.ops.kernels import Lowered, compiling_for, recording
+from lclm.ops.kernels import Lowered, compiling_for, cudnn_gpu, recording
 from lclm.parallel.mesh import make_mesh
 from lclm.platforms import cuda_plugin, nvidia_gpu_attached, tpu_attached
 from lclm.training.checks import validate
+from lclm.training.remat_choice import AUTO, choose
+from lclm.training.remat_choice import gpu_budget as gpu_pool_budget
 from lclm.training.state import init_state, state_shardings
 from lclm.training.step import jit_train_step, make_optimizer
 
@@ -182,34 +184,11 @@ def _gpu_devices(target: Target):
     return list(topology.devices)
 
 
-# XLA:GPU compiles a program that is over HBM (its scheduler only logs it), so the fit is
-# decided against this budget: what JAX's allocator may take (XLA_PYTHON_CLIENT_MEM_FRACTION
-# of the memory, 0.75 by JAX's default, read here as the run would read it; at most HBM less
-# GPU_OUTSIDE_POOL, what lives outside the pool: the CUDA context (~0.5 GiB) and NCCL's
-# buffers (channels x peers x 4 MiB, 1-2 GiB on a 32-GPU mesh)), less GPU_ALLOWANCE inside it
-# for what memory_analysis does not count: cuBLAS/cuDNN workspaces (deviceless compiles size no
-# cuDNN plan and autotune no GEMM) and the allocator's fragmentation.
-GPU_OUTSIDE_POOL = 3 * 2**30
-GPU_ALLOWANCE = 2**30
-_JAX_DEFAULT_FRACTION = 0.75
-
-
 def gpu_budget(target: Target) -> tuple[int, str]:
-    """(bytes per GPU the step's program may take, how that was derived, one line)."""
-    raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    try:
-        fraction = float(raw) if raw else _JAX_DEFAULT_FRACTION
-    except ValueError:
-        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r} is not a number") from None
-    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
-        fraction = 1.0  # no pool: only what lives outside it is set aside
-    pool = min(fraction * target.hbm_bytes, target.hbm_bytes - GPU_OUTSIDE_POOL)
-    budget = int(pool - GPU_ALLOWANCE)
-    how = (f"{budget / 2**30:.2f} GiB: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction:g} of "
-           f"{target.hbm_bytes / 2**30:.2f} GiB (at most HBM - {GPU_OUTSIDE_POOL / 2**30:g} GiB "
-           f"for the CUDA context and NCCL), less {GPU_ALLOWANCE / 2**30:g} GiB for "
-           "workspaces and fragmentation")
-    return budget, how
+    """(bytes per GPU the step's program may take, how that was derived, one line): XLA:GPU
+    compiles a program that is over HBM (its scheduler only logs it), so the fit is decided
+    against this (`remat_choice.gpu_budget`)."""
+    return gpu_pool_budget(target.hbm_bytes)
 
 
 @dataclasses.dataclass
@@ -226,6 +205,8 @@ class Compiled:
     host: int = 0          # host-memory bytes (remat='offload'), where XLA reports them
     # the attention kernels lowered, as the kernels' code noted them (`compile_step`)
     attention: Lowered = dataclasses.field(default_factory=Lowered)
+    remat: str = ""        # the remat policy compiled
+    remat_choice: str = ""  # model.remat='auto': what it chose and why, one line
 
     @property
     def total(self) -> int:
@@ -252,9 +233,7 @@ def lowering_for(device):
     try:
         with contextlib.ExitStack() as within:
             within.enter_context(compiling_for(device))
-            if gpu:  # GPU kernels' modules load only where GPUs are compiled for
-                from lclm.ops.kernels import cudnn_gpu
-
+            if gpu:
                 within.enter_context(jax.default_device(device))
                 within.enter_context(cudnn_gpu.checks_for(device))
             yield
@@ -276,26 +255,38 @@ def analyse(compiled, seconds: float) -> Compiled:
                     conditionals(text), sum(collectives(text).values()), host)
 
 
-def compile_step(config, devices) -> Compiled:
+def compile_step(config, devices, budget: int | None = None) -> Compiled:
     """Lower and compile the train step train.py builds for `config` on `devices` (abstract
-    state and batch in their real shardings; nothing is allocated). A compile error (HBM or
-    VMEM overflow among them) propagates."""
+    state and batch in their real shardings; nothing is allocated). `model.remat='auto'` is
+    chosen as a run chooses it (`lclm.training.remat_choice`), against `budget` bytes per
+    device (None: its first candidate). A compile error (HBM or VMEM overflow among them)
+    propagates."""
 
     sizes = validate(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices[:math.prod(sizes.values())])
-    model, run = ModelConfig.from_config(config.model), run_config(config)
-    optimizer = make_optimizer(run.train)
+    run = run_config(config)
+    model, optimizer = run.model.resolved(), make_optimizer(run.train)
+    # outside the lowering's context (a described device runs nothing); no policy changes them
     state = abstract_state(model, optimizer, mesh)
     batch = abstract_batch(run.data.batch_size, run.data.seq_len, batch_sharding(mesh))
-    step = jit_train_step(model, run.attention, run.train, mesh, optimizer,
-                          state_shardings(model, optimizer, mesh),
-                          document_mask=run.data.document_mask)
-    started = time.perf_counter()
-    with lowering_for(devices[0]), recording() as attention:
-        lowered = step.lower(state, batch)
-    compiled = lowered.compile()
-    return dataclasses.replace(analyse(compiled, time.perf_counter() - started),
-                               attention=attention)
+
+    def compile_policy(policy: str) -> tuple[Compiled, int]:
+        m = dataclasses.replace(model, remat=policy)
+        step = jit_train_step(m, run.attention, run.train, mesh, optimizer,
+                              state_shardings(m, optimizer, mesh),
+                              document_mask=run.data.document_mask)
+        started = time.perf_counter()
+        with lowering_for(devices[0]), recording() as attention:
+            lowered = step.lower(state, batch)
+        compiled = dataclasses.replace(analyse(lowered.compile(), time.perf_counter() - started),
+                                       attention=attention, remat=policy)
+        return compiled, compiled.total
+
+    if run.model.remat != AUTO:
+        return compile_policy(model.remat)[0]
+    choice = choose(compile_policy, budget)
+    assert isinstance(choice.compiled, Compiled)
+    return dataclasses.replace(choice.compiled, remat_choice=choice.line())
 
 
 def _no_autotuning_notes(record: logging.LogRecord) -> bool:

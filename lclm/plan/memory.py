@@ -24,7 +24,7 @@ from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
 from lclm.plan.strategies import attention_step
 from lclm.training.checks import attention_kernel, validate
-from lclm.training.remat_choice import AUTO, AUTO_ORDER
+from lclm.training.remat_choice import AUTO, AUTO_ORDER, gpu_budget
 
 # planner device name -> (peak FLOP/s, one-way link GB/s, HBM GiB): lclm.hardware's table
 DEVICES = planner_devices()
@@ -33,6 +33,9 @@ _BACKWARD_F32 = 3  # float32 arrays the size of q (and of k) live in the attenti
 # of the recipes for H100s (docs/scaling.md): the loss chunk's float32 logits once, not twice,
 # and no bulk cast of the weights to the compute dtype (XLA:GPU fuses the casts into the GEMMs)
 _GPU = {"backward_f32": _BACKWARD_F32, "loss_copies": 1, "weight_cast": False}
+# model.remat='auto' planned: a policy is taken where its estimate is within this share of the
+# budget, as the estimates of 'none' run up to 14% under XLA's (a run decides by compiling)
+_AUTO_SHARE = 0.85
 
 
 @dataclasses.dataclass
@@ -65,15 +68,19 @@ class _MeshShape:
 def estimate(config, device_count: int, device: str | None = None) -> Plan:
     """Per-device memory estimate (bytes) of `config` (one stage) on `device_count` devices.
     `model.remat='auto'` is planned as the run chooses it (`lclm.training.remat_choice`), by
-    these estimates instead of compiles: the first of `AUTO_ORDER` that fits `device`'s
-    memory (the last where none does); with no device, as `REMAT_AUTO_FALLBACK`."""
+    these estimates instead of compiles: the first of `AUTO_ORDER` whose estimate is within
+    `_AUTO_SHARE` of `device`'s memory (a GPU's: the pool JAX makes there, `gpu_budget`; the
+    last where none is); with no device, as `REMAT_AUTO_FALLBACK`."""
     if config.model.remat == AUTO and device in DEVICES:
         plan = None
         for policy in AUTO_ORDER:
             c = copy.deepcopy(config)
             c.model.remat = policy
             plan = estimate(c, device_count, device)
-            if plan.device_memory is not None and plan.total <= plan.device_memory:
+            assert plan.device_memory is not None   # a known device
+            budget = (plan.device_memory if device.startswith("tpu")
+                      else gpu_budget(plan.device_memory)[0])
+            if plan.total <= _AUTO_SHARE * budget:
                 break
         assert plan is not None
         return plan
@@ -128,11 +135,24 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     # measured, not derived: with every layer's residuals on the device XLA's peak holds both
     # working sets, with them offloaded it holds the larger (XLA:TPU, 7B stages on a v4-64)
     inside: float = max(layer, loss) if remat.host else layer + loss
-    if remat.everything or remat.matmuls:  # no remat: everything of every layer is kept, and
-        # the feed-forward keeps its chunks' gate and up projections (lclm.ops.ffn
-        # save_hidden); the matmul policies are charged as much, an upper bound (nothing
-        # measured says how much of a layer they keep)
-        per_layer_saved = carry * 4 + inside + 2 * batch_local * t * (m.ffn_dim // tp) * cbytes
+    q_dim, ffn_local = heads_local * m.head_dim, m.ffn_dim // tp
+    if remat.everything:
+        # no remat: every value a layer computes, per token: six of width dim (its input, both
+        # norms' outputs, the attention's output projection, the residual after it, the
+        # feed-forward's output), q, k, v and the rotated q and k, the attention's output and
+        # log-sum-exp, and the feed-forward chunks' gate and up projections (lclm.ops.ffn
+        # save_hidden); the working set once, not per layer (charging it per layer was 2x
+        # XLA's figure: LLaMA-3.2-1B 66.3 against 30.4 GiB at 8K on an H100, 153 against 74 at
+        # 32K on a v5p chip; now -2%, -14%; 4 layers of width 256 at 4K on a CPU, -7%)
+        per_layer_saved = (batch_local * t * (6 * m.dim + 2 * q_dim + 3 * kv_local
+                                              + 2 * ffn_local) * cbytes + ring_out)
+    elif remat.matmuls:
+        # the layer input and the outputs of its weight matmuls outside the fused ops: q, k, v
+        # and the attention's output projection (the feed-forward and a fused attention kernel
+        # are custom ops whose insides these policies do not see; under the blockwise kernel
+        # 'dots' also keeps its score tiles, which this leaves out). dots_no_batch on a CPU
+        # (as above): -11% of XLA's total, where charging it as 'none' was +138%
+        per_layer_saved = carry * 2 + batch_local * t * (q_dim + 2 * kv_local) * cbytes
     elif remat.attention_residuals:
         per_layer_saved = carry + ring_out
     else:

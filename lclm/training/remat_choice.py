@@ -29,9 +29,16 @@ from lclm.training.step import jit_train_step
 
 AUTO = "auto"
 AUTO_ORDER = ("none", "attention", "full", "offload")
-# what the memory analysis does not count on a GPU: cuBLAS/cuDNN workspaces and the
-# allocator's fragmentation (lclm.plan.aot.gpu_budget sets the same aside for a described GPU)
+# A GPU's budget is what JAX's allocator may take (XLA_PYTHON_CLIENT_MEM_FRACTION of the
+# memory, 0.75 by JAX's default; at most HBM less GPU_OUTSIDE_POOL, what lives outside the
+# pool: the CUDA context (~0.5 GiB) and NCCL's buffers (channels x peers x 4 MiB, 1-2 GiB on a
+# 32-GPU mesh)), less GPU_ALLOWANCE inside it for what memory_analysis does not count:
+# cuBLAS/cuDNN workspaces (deviceless compiles size no cuDNN plan and autotune no GEMM) and the
+# allocator's fragmentation. An attached GPU states its pool (`bytes_limit`); a described one
+# (lclm.plan.aot) and the planner's are derived from HBM as JAX would size the pool.
+GPU_OUTSIDE_POOL = 3 * 2**30
 GPU_ALLOWANCE = 2**30
+_JAX_DEFAULT_FRACTION = 0.75
 _CPU_SHARE = 0.75   # of the host's memory, where a CPU device states no limit of its own
 OVERFLOW = -1       # a candidate's need where the compiler refused it for memory
 
@@ -44,6 +51,25 @@ def compiled_bytes(compiled) -> int | None:
         return None
     return (stats.argument_size_in_bytes + stats.output_size_in_bytes
             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def gpu_budget(hbm_bytes: float) -> tuple[int, str]:
+    """(bytes per GPU of `hbm_bytes` a step's program may take, how that was derived, one
+    line), with the pool JAX would make there (its environment read as a run reads it)."""
+    raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    try:
+        fraction = float(raw) if raw else _JAX_DEFAULT_FRACTION
+    except ValueError:
+        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r} is not a number") from None
+    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
+        fraction = 1.0  # no pool: only what lives outside it is set aside
+    pool = min(fraction * hbm_bytes, hbm_bytes - GPU_OUTSIDE_POOL)
+    budget = int(pool - GPU_ALLOWANCE)
+    how = (f"{budget / 2**30:.2f} GiB: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction:g} of "
+           f"{hbm_bytes / 2**30:.2f} GiB (at most HBM - {GPU_OUTSIDE_POOL / 2**30:g} GiB "
+           f"for the CUDA context and NCCL), less {GPU_ALLOWANCE / 2**30:g} GiB for "
+           "workspaces and fragmentation")
+    return budget, how
 
 
 def device_budget(device: jax.Device) -> int | None:
@@ -104,22 +130,24 @@ def overflow(error: Exception) -> str | None:
     return None
 
 
-def choose(compile_policy: Callable[[str], object], budget: int | None) -> Choice:
-    """The first policy of `AUTO_ORDER` whose program (`compile_policy(policy)`, a compiled
-    JAX program) needs at most `budget` bytes (None: the first compiles and is taken). A
+def choose(compile_policy: Callable[[str], tuple[object, int | None]],
+           budget: int | None) -> Choice:
+    """The first policy of `AUTO_ORDER` whose program needs at most `budget` bytes (None: the
+    first that compiles is taken); `compile_policy(policy)` -> (the compiled program, the
+    bytes it needs or None where the backend does not say). A
     compile error that is a memory `overflow` (XLA:TPU refuses a program over HBM) counts as
     not fitting; any other propagates. None fits: a ConfigError naming
     the fixes."""
     needed: dict[str, int | None] = {}
     for policy in AUTO_ORDER:
         try:
-            compiled = compile_policy(policy)
+            compiled, need = compile_policy(policy)
         except Exception as e:
             if overflow(e) is None:
                 raise
             needed[policy] = OVERFLOW
             continue
-        needed[policy] = need = compiled_bytes(compiled)
+        needed[policy] = need
         if budget is None or need is None or need <= budget:
             return Choice(policy, compiled, needed, budget)
     tried = "; ".join(f"{p} needs {_amount(b)}" for p, b in needed.items())
@@ -146,7 +174,8 @@ def train_step(run: RunConfig, model: ModelConfig, mesh, optimizer, state, state
     def compile_policy(policy: str):
         m = dataclasses.replace(model, remat=policy)
         steps[policy] = m, jitted(m)
-        return steps[policy][1].lower(state, batch).compile()
+        compiled = steps[policy][1].lower(state, batch).compile()
+        return compiled, compiled_bytes(compiled)
 
     choice = choose(compile_policy, device_budget(mesh.devices.flat[0]))
     chosen, step = steps[choice.policy]

@@ -20,7 +20,7 @@ import jax
 
 from lclm import storage
 from lclm.checkpoint import Checkpoints
-from lclm.config.run_config import run_config
+from lclm.config.run_config import RunConfig, run_config
 from lclm.config.stages import gate_ruler, stage_configs, stage_name, stage_records
 from lclm.data import ruler
 from lclm.data.tokenizer import Tokenizer
@@ -116,28 +116,29 @@ def run_stages(config, stop_after: int | None = None,
             f"model.init_from_checkpoint={config.workdir!r}")
     results: list[list[dict]] = []
     sent_back: set[int] = set()   # stages already resumed for a damaged final checkpoint
+    stages = [run_config(c) for c in configs]   # what is read here; `train` takes the config
     i = 0
     while i < len(configs):
-        c = configs[i]
-        steps_before = sum(s.train.steps for s in configs[:i])  # of all the earlier stages
-        done = _saved_step(c.workdir)
-        if done is not None and done >= c.train.steps:
-            log.info("stage %d (seq_len %d) already finished at step %d", i, c.data.seq_len, done)
-            _pass_gate(c, records[i], i, score_ruler)
+        c, s = configs[i], stages[i]
+        steps_before = sum(t.train.steps for t in stages[:i])  # of all the earlier stages
+        done = _saved_step(s.run.workdir)
+        if done is not None and done >= s.train.steps:
+            log.info("stage %d (seq_len %d) already finished at step %d", i, s.data.seq_len, done)
+            _pass_gate(s, records[i], i, score_ruler)
             i += 1
             continue
         log.info("stage %d: seq_len %d, rope_theta %g (scaling %s), %d steps of %d sequences "
-                 "at lr %g, %s optimizer, data %s, in %s", i, c.data.seq_len,
-                 c.model.rope_theta, c.model.rope_scaling, c.train.steps, c.data.batch_size,
-                 c.train.lr, "carried" if c.train.optimizer_from_checkpoint and i else "fresh",
-                 c.data.path, c.workdir)
+                 "at lr %g, %s optimizer, data %s, in %s", i, s.data.seq_len,
+                 s.model.rope_theta, s.model.rope_scaling, s.train.steps, s.data.batch_size,
+                 s.train.lr, "carried" if s.train.optimizer_from_checkpoint and i else "fresh",
+                 s.data.path, s.run.workdir)
         if stop_after is not None and stop_after <= steps_before:
             break
         try:
             results.append(train(c, stop_after=None if stop_after is None
                                  else stop_after - steps_before))
         except SourceDamaged as damaged:
-            if i == 0 or damaged.workdir != configs[i - 1].workdir or i - 1 in sent_back:
+            if i == 0 or damaged.workdir != stages[i - 1].run.workdir or i - 1 in sent_back:
                 raise   # the user's init_from_checkpoint, or storage that damages it again
             sent_back.add(i - 1)
             _set_aside_final(damaged.workdir, damaged)
@@ -145,23 +146,23 @@ def run_stages(config, stop_after: int | None = None,
                         "previous good step (or its start) before stage %d", i - 1, i - 1, i)
             i -= 1
             continue
-        reached = _saved_step(c.workdir)
-        if reached is None or reached < c.train.steps:
+        reached = _saved_step(s.run.workdir)
+        if reached is None or reached < s.train.steps:
             log.warning("stage %d stopped at step %s of %d; run the same command to resume",
-                        i, reached, c.train.steps)
+                        i, reached, s.train.steps)
             break
-        _pass_gate(c, records[i], i, score_ruler)
+        _pass_gate(s, records[i], i, score_ruler)
         i += 1
     return results
 
 
-def _pass_gate(config, record: dict, index: int, score_ruler: gates.ScoreRuler | None) -> None:
+def _pass_gate(stage: RunConfig, record: dict, index: int,
+               score_ruler: gates.ScoreRuler | None) -> None:
     """Evaluate a finished stage's gate, if it has one; a failed 'stop' gate halts the run
     (exit 3) before the next stage: re-running evaluates it again."""
     if "gate" not in record:
         return
-    verdict = gates.evaluate(run_config(config), record["gate"], stage_name(record, index),
-                             score_ruler)
+    verdict = gates.evaluate(stage, record["gate"], stage_name(record, index), score_ruler)
     if not verdict.passed and verdict.stop:
         raise TrainingHalted(f"{verdict.line}; the next stage did not start (train this one "
                              "longer, loosen its gate, or set its gate's on_fail='warn'), "
