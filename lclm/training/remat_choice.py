@@ -134,10 +134,9 @@ def choose(compile_policy: Callable[[str], tuple[object, int | None]],
            budget: int | None) -> Choice:
     """The first policy of `AUTO_ORDER` whose program needs at most `budget` bytes (None: the
     first that compiles is taken); `compile_policy(policy)` -> (the compiled program, the
-    bytes it needs or None where the backend does not say). A
-    compile error that is a memory `overflow` (XLA:TPU refuses a program over HBM) counts as
-    not fitting; any other propagates. None fits: a ConfigError naming
-    the fixes."""
+    bytes it needs or None where the backend does not say). A compile error that is a memory
+    `overflow` (XLA:TPU refuses a program over HBM) counts as not fitting; any other
+    propagates. None fits: a ConfigError naming the fixes."""
     needed: dict[str, int | None] = {}
     for policy in AUTO_ORDER:
         try:
