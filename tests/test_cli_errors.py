@@ -284,7 +284,8 @@ def test_train_help_lists_every_config_field_with_its_default_and_help():
     assert "  checkpoint.every=0\n      steps between saves; must be >= 0 (0: no saves by step " \
         "count)\n" in r.stdout
     assert "  model.remat='attention'\n" in r.stdout
-    assert "one of none, full, attention, offload, dots, dots_no_batch\n" in r.stdout
+    assert "compiled step fits the device; one of auto, none, full, attention, offload, dots,\n" \
+        "      dots_no_batch\n" in r.stdout
     assert "  # Staged context extension (lclm.config.stages: what a stage may set;" in r.stdout
 
 
