@@ -49,6 +49,9 @@ REMAT = {"none": Remat(everything=True), "full": Remat(),
          "offload": Remat(attention_residuals=True, host=True),
          "dots": Remat(matmuls=True), "dots_no_batch": Remat(matmuls=True)}
 REMAT_POLICIES = tuple(REMAT)
+REMAT_HELP = ("what the backward recomputes: 'attention' keeps the attention's output (the ring "
+              "runs once), 'full' keeps only layer inputs, 'offload' moves them to host memory, "
+              "'none' keeps all")
 # model.remat='auto' (lclm.training.remat_choice) is resolved where a train step is compiled; a
 # program that compiles none (evaluation, conversion, the planner without a device) reads it as
 # this policy
@@ -98,10 +101,7 @@ class ModelConfig:
     param_dtype: str = setting("float32", "dtype of the parameters and optimizer state",
                                choices=DTYPES)
     scan_layers: bool = setting(True, "the layers as one lax.scan (one layer compiled)")
-    remat: str = setting("attention", "what the backward recomputes: 'attention' keeps the "
-                         "attention's output (the ring runs once), 'full' keeps only layer "
-                         "inputs, 'offload' moves them to host memory, 'none' keeps all",
-                         choices=REMAT_POLICIES)
+    remat: str = setting("attention", REMAT_HELP, choices=REMAT_POLICIES)
     ffn_chunk: int = setting(2048, "tokens per blockwise feed-forward chunk (per sp shard)",
                              rule=AT_LEAST_1)
     loss_chunk: int = setting(2048, "tokens per blockwise cross-entropy chunk (per sp shard)",

@@ -29,7 +29,13 @@ from lclm.config.fields import (
     setting,
 )
 from lclm.config.loading import field
-from lclm.config.model import REMAT_POLICIES, ROPE_SCALINGS, AttentionConfig, ModelConfig
+from lclm.config.model import (
+    REMAT_HELP,
+    REMAT_POLICIES,
+    ROPE_SCALINGS,
+    AttentionConfig,
+    ModelConfig,
+)
 from lclm.errors import ConfigError
 from lclm.families import FAMILIES
 
@@ -88,11 +94,9 @@ class Model(ModelConfig):
     rope_scaling: str = setting("auto", "the init_from_hf source's scaling ('auto'; none "
                                 "without a source), or one of these",
                                 choices=("auto", *ROPE_SCALINGS))
-    remat: str = setting("attention", "what the backward recomputes: 'attention' keeps the "
-                         "attention's output (the ring runs once), 'full' keeps only layer "
-                         "inputs, 'offload' moves them to host memory, 'none' keeps all; "
-                         "'auto': per stage, the first of none, attention, full, offload whose "
-                         "compiled step fits the device", choices=("auto", *REMAT_POLICIES))
+    remat: str = setting("attention", f"{REMAT_HELP}; 'auto': per stage, the first of none, "
+                         "attention, full, offload whose compiled step fits the device",
+                         choices=("auto", *REMAT_POLICIES))
     init_from_hf: str = setting("", "a HuggingFace directory of a family lclm knows: its "
                                 "shapes and weights start the run (model.rope_theta still "
                                 "applies: long-context recipes raise it)")

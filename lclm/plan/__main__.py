@@ -230,7 +230,7 @@ def _run(ap: argparse.ArgumentParser, argv) -> int:
                   f"{c.train.steps} steps of {c.data.batch_size} sequences")
         print(report(plan, args.device))
         print(_balance_line(run_config(c)))
-        if plan.device_memory and plan.total > plan.device_memory and c.model.remat != "offload":
+        if plan.device_memory and plan.total > plan.device_memory and plan.remat != "offload":
             offload = c.copy_and_resolve_references()
             offload.model.remat = "offload"
             count = args.devices or mesh_device_count(offload)

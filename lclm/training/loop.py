@@ -82,21 +82,21 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     take_model_fields(config)   # the source of its weights fixes the model's shapes
     sizes = validate(config, len(devices))
     check_data(config)   # before the model: a missing file is found in seconds
+    public = public_config(config)
     if jax.process_count() > 1:
         used = math.prod(sizes.values())
         if used != len(devices):
             raise ConfigError(f"mesh {sizes} uses {used} of the {len(devices)} devices of "
                               f"{jax.process_count()} processes; with several processes the "
                               "mesh must use all devices (use -1 for one axis)")
-        check_same_config(json.dumps(public_config(config), sort_keys=True))
+        check_same_config(json.dumps(public, sort_keys=True))
     sections = run_config(config)
     mesh = make_mesh(**sizes, devices=devices)
     model = sections.model.resolved()
     tokenizer = Tokenizer(sections.data.tokenizer)
     tokenizer.check_fits(model.vocab_size)
     # `identity` tells a resume what the tokenizer was even when its file has moved
-    saved_config = dict(public_config(config),
-                        identity=dict(tokenizer=tokenizer_fingerprint(tokenizer)))
+    saved_config = dict(public, identity=dict(tokenizer=tokenizer_fingerprint(tokenizer)))
     workdir = sections.run.workdir
     fresh = not storage.exists(workdir)
     lock = workdir_lock(workdir, sections.run.workdir_lease_minutes)  # before any write there
