@@ -20,7 +20,8 @@ LAYERS = ["lclm.errors", "lclm.hardware", "lclm.platforms", "lclm.storage", "lcl
           "lclm.families", "lclm.config",
           "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel", "lclm.models", "lclm.hf",
           "lclm.data", "lclm.checkpoint", "lclm.training", "lclm.eval", "lclm.generate",
-          "lclm.train_program", "lclm.train", "lclm.check", "lclm.plan", "lclm.convert"]
+          "lclm.train_program", "lclm.train", "lclm.extend", "lclm.check", "lclm.plan",
+          "lclm.convert"]
 
 
 def _layer(module: str) -> int | None:

@@ -16,11 +16,13 @@ from lclm.config.schema import (
     SECTIONS,
     Checkpoint,
     Data,
+    Extension,
     Log,
     Mesh,
     Model,
     Run,
     Stages,
+    Targets,
     Train,
     Validation,
 )
@@ -42,6 +44,8 @@ class RunConfig:
     checkpoint: Checkpoint
     validation: Validation
     stages: Stages
+    extension: Extension
+    targets: Targets
 
     def to_dict(self) -> dict[str, Any]:
         """The plain dict of the config it was made from (top-level fields at the top, as

@@ -231,11 +231,65 @@ class Stages:
                              "may set its own", choices=STAGE_OPTIMIZER)
 
 
+@dataclasses.dataclass(frozen=True)
+class Extension:
+    """What `python -m lclm.extend` measures of a staged context extension, before training
+    and after (lclm.extend): loss by position on held-out long documents, passkey by depth, a
+    RULER subset, the short-context loss, and the starting weights with YaRN at inference"""
+    data: str = setting("", "held-out long documents, one source in the data.path syntax "
+                        "(e.g. code-heldout:DIR); empty: validation.path")
+    lengths: str = setting("stages", "lengths of the loss by position, e.g. \"2k,8k,64k\"; "
+                           "'stages': short_length, the starting weights' trained length and "
+                           "every stage's seq_len")
+    documents: int = setting(8, "held-out documents per length; a length with fewer long "
+                             "enough is refused before anything trains", rule=AT_LEAST_1)
+    buckets: int = setting(64, "equal position ranges of each length's loss (targets' ranges "
+                           "fall on their edges)", rule=AT_LEAST_1)
+    short_length: str = setting("2k", "the short-context loss's length (what the model kept)")
+    passkey_samples: int = setting(2, "passkey prompts per depth bin", rule=AT_LEAST_1)
+    passkey_depths: int = setting(5, "passkey depth bins", rule=AT_LEAST_1)
+    ruler_tasks: str = setting("niah_single_1,niah_multikey_1,vt,fwe", "the RULER subset "
+                               "(lclm.data.ruler.TASKS, comma-separated); empty: none")
+    ruler_samples: int = setting(4, "RULER prompts per task", rule=AT_LEAST_1)
+    ruler_chat: bool = setting(False, "RULER prompts as a user turn of the tokenizer's chat "
+                               "template (an instruct model)")
+    yarn: bool = setting(True, "also the starting weights with YaRN at inference, scaled from "
+                         "their trained length to the final one (what training must beat)")
+    device: str = setting("", "the accelerator the time plan is for (lclm.hardware: h100, "
+                          "h200, a100, v5p, ...); empty: this machine's first device (a CPU's "
+                          "matmul speed is measured)")
+    mfu: float = setting(0.3, "the share of the device's peak FLOP/s the time plan assumes "
+                         "for steps and forwards", rule=FRACTION)
+    compile_seconds: float = setting(30.0, "the time plan's seconds per program compiled "
+                                     "(plan --compile prints the compile times)",
+                                     rule=FINITE_NON_NEGATIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """What a context extension must reach, judged by `python -m lclm.extend` on its report
+    (met, not met, or not measured); a negative value is not judged"""
+    far_near: float = setting(1.0, "after training, at the final length: the mean loss over "
+                              "far_positions at most this x the mean over near_positions")
+    near_positions: str = setting("", "START:END token positions, e.g. 4k:8k; empty: the "
+                                  "second half of the starting weights' trained length")
+    far_positions: str = setting("", "START:END, e.g. 32k:64k; empty: the second half of the "
+                                 "final length")
+    passkey: float = setting(0.9, "after training: passkey accuracy at the final length at "
+                             "least this in every depth bin")
+    short_loss: float = setting(0.02, "after training: the loss at extension.short_length at "
+                                "most (1 + this) x the starting weights'")
+    ruler: float = setting(-1.0, "after training: RULER's average over extension.ruler_tasks "
+                           "at the final length at least this (percent)")
+    beat_yarn: bool = setting(True, "after training: the loss at the final length below the "
+                              "starting weights' with YaRN at inference (extension.yarn)")
+
+
 # section name -> its dataclass, in --help's order ("" holds the top-level fields)
 SECTIONS: dict[str, type] = {
     "": Run, "mesh": Mesh, "model": Model, "attention": AttentionConfig, "data": Data,
     "train": Train, "log": Log, "checkpoint": Checkpoint, "validation": Validation,
-    "stages": Stages}
+    "stages": Stages, "extension": Extension, "targets": Targets}
 
 
 def base_config() -> ml_collections.ConfigDict:

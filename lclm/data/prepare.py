@@ -65,16 +65,18 @@ def prepare(source: str, input_path: str, tokenizer_path: str, out: str,
     docs = open_documents(source, input_path, tokenizer, text_field=text_field,
                           chat_template=chat_template, stats=stats)
     if not storage.is_remote(out):
-        return _write(docs, out, source, input_path, tokenizer, stats)
+        return write_prepared(docs, out, source, input_path, tokenizer, stats)
     with tempfile.TemporaryDirectory(prefix="lclm-prepare-") as local:
-        meta = _write(docs, local, source, input_path, tokenizer, stats)
+        meta = write_prepared(docs, local, source, input_path, tokenizer, stats)
         for name in OUTPUTS:   # in the order of the renames, and for the same reasons
             storage.upload(os.path.join(local, name), storage.join(out, name))
     return meta
 
 
-def _write(docs, out: str, source: str, input_path: str, tokenizer, stats: SourceStats) -> dict:
-    """`docs` written into the local folder `out`; returns the metadata written."""
+def write_prepared(docs, out: str, source: str, input_path: str, tokenizer,
+                   stats: SourceStats) -> dict:
+    """`docs` (any sequence of (ids, loss flags) or None) written into the local folder `out`
+    as a prepared directory; returns the metadata written."""
     try:
         os.makedirs(out, exist_ok=True)
         _remove_leftovers(out)

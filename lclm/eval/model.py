@@ -19,7 +19,7 @@ from lclm import hf, storage
 from lclm.checkpoint import read_checkpoint, read_params
 from lclm.config import MESH_AXES, AttentionConfig, ModelConfig
 from lclm.config.fields import from_saved
-from lclm.config.model import ROPE_SCALINGS
+from lclm.config.model import DTYPES, ROPE_SCALINGS
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import StartupError
 from lclm.models.decoder import param_shapes
@@ -63,6 +63,10 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
                     help="attention.strategy of the prefill (default: the checkpoint's)")
     ap.add_argument("--ulysses", type=int, default=None,
                     help="attention.ulysses, usp's Ulysses degree (default: the checkpoint's)")
+    ap.add_argument("--dtype", choices=DTYPES, default=None,
+                    help="compute dtype (default: the checkpoint's; with --hf the config's "
+                         "torch_dtype): two models compared at the same one differ only in "
+                         "their weights")
     ap.add_argument("--rope-scaling", choices=ROPE_SCALINGS, default=None,
                     help="RoPE scaling at inference, over the model's own (default: the "
                          "model's): e.g. yarn with --rope-factor 4 reads 4x the trained context "
@@ -81,7 +85,14 @@ def load_model(args) -> tuple[LoadedModel, dict | None]:
     workdir = workdir_to_read(args.checkpoint) if args.checkpoint else None
     request_cpu_devices(_requested_devices(args, workdir))  # no effect once JAX has started
     model, saved = load_checkpoint(args, workdir) if workdir else (load_hf(args), None)
-    return _rescaled(model, args), saved
+    return _rescaled(_computed_in(model, getattr(args, "dtype", None)), args), saved
+
+
+def _computed_in(model: LoadedModel, dtype: str | None) -> LoadedModel:
+    """`model` computing in `dtype` (None: as it is); its parameters keep theirs."""
+    if dtype is None or dtype == model.config.dtype:
+        return model
+    return dataclasses.replace(model, config=dataclasses.replace(model.config, dtype=dtype))
 
 
 def _rescaled(model: LoadedModel, args) -> LoadedModel:

@@ -28,6 +28,8 @@ import hashlib
 import json
 import logging
 
+from lclm.config.fields import fields_of
+from lclm.config.schema import Extension, Targets
 from lclm.errors import ConfigError
 from lclm.hf.config import SCALING_FIELDS, SOURCE_FIELDS
 
@@ -51,7 +53,10 @@ _FREE = (
     "stages.schedule", "stages.tokens_per_batch", "stages.extend_lr", "stages.list",
     "stages.optimizer", "train.optimizer_from_checkpoint",
     # which device trains which row of a step: the rows themselves and the loss are the same
-    "data.balance")
+    "data.balance",
+    # what lclm.extend measures and judges once the training is done
+    *(f"{name}.{f.name}" for name, section in (("extension", Extension), ("targets", Targets))
+      for f in fields_of(section)))
 _SCHEDULE = ("train.steps", "train.lr", "train.warmup", "train.decay", "train.min_lr_ratio",
              "train.clip",
              "train.weight_decay", "train.b1", "train.b2")
