@@ -7,15 +7,29 @@ sorted path order, each as a header line `# <path relative to DIR>` and then its
 file directly in DIR (`json.py`, `LICENSE.txt`) is a short document of its own. A package of
 more than `MAX_DOCUMENT_BYTES` continues in the next document, cut between files.
 
-`code-heldout:DIR` reads only the held-out packages: those whose name hashes below
-`HELDOUT_SHARE` (about 5%), a pure function of the name, so a package (with the top-level
-modules of its name) is on one side only, whatever DIR holds beside it.
+`code-heldout:DIR` reads the held-out split, made for evaluation by length: enough long
+held-out documents at every length evaluated, none sharing a file with `code:DIR`, which
+reads all the other files. The candidates ("units") are the packages, each cut between files
+into parts of at most 704, 352 and 176 KiB in turn (`PART_BYTES`; a package under 704 KiB is
+one part), so that a long package offers units of every long size, and the files directly in
+DIR. Units fall into the size bands of `HELDOUT_BANDS`; in each band the units whose first
+path has the lowest SHA-256 are held out, the band's count of them but never more than half
+the band, so that training keeps units of every size too. Each held-out unit is one
+document (at most 704 KiB, or a single file of at most `MAX_FILE_BYTES`); `code:DIR` reads
+each package's other files as above. A file directly in DIR named after a package (`json.py`
+beside `json/`) is held out with that package's first part.
+
+The split is a pure function of DIR's listing: the paths (relative to DIR) of the files read,
+as chosen below, and their sizes in bytes; not their contents, times, DIR's own path or the
+tokenizer. Adding, removing or resizing a file can move units between parts and bands, and
+so change the split: compare a model's numbers on the same DIR.
 
 Left out: caches and install metadata (`SKIPPED_DIRS`, `*.dist-info`, `*.egg-info`, hidden
 names), files larger than `MAX_FILE_BYTES`, symlinks that leave DIR, binary and non-UTF-8
 files; all but the first are counted once in the source's `SourceStats` (the size and the
-symlink when the source is opened, the content when the file is first read). Document i is
-the same as long as DIR does not change: installing packages into DIR renumbers them.
+symlink when the source is opened, by both splits as each lists all of DIR; the content when
+the file is first read). Document i is the same as long as DIR does not change: installing
+packages into DIR renumbers them.
 """
 
 from __future__ import annotations
@@ -39,8 +53,22 @@ EXTENSIONS = (".py", ".pyi", ".pyx", ".pxd", ".md", ".rst", ".txt")
 SKIPPED_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages", "node_modules"})
 MAX_FILE_BYTES = 1 << 20   # larger files are generated or data (The Stack drops > 1 MB too)
 MAX_DOCUMENT_BYTES = 8 << 20   # ~2M LLaMA tokens; bounds the cost of reading one document
-HELDOUT_SHARE = 0.05
+# The held-out split's size bands: (least bytes, units held out). Evaluation at L tokens reads
+# documents of L + 1 (perplexity --documents 16 of each length, validation a batch); at 5
+# bytes a token, above the 4.5 of SmolLM2's tokenizer on the stdlib's most prose-like long
+# packages (3.4 on the whole stdlib), a unit of 640, 320, 160, 40 or 10 KiB holds over 128K,
+# 64K, 32K, 8K or 2K tokens. So a DIR with twice these counts in every band has at least 4
+# held-out documents over 128K tokens, 8 over 64K and 16 over 32K, 8K and 2K; the short bands
+# keep short documents in validation.
+HELDOUT_BANDS = ((640 << 10, 4), (320 << 10, 4), (160 << 10, 8), (40 << 10, 4), (10 << 10, 4),
+                 (0, 4))
+# A package's parts for the split, cut in turn at a tenth above the three long bands' least
+# sizes: so the long packages (the stdlib's `test` is over half of it) give units to each long
+# band, and a held-out document is not much longer than its band needs.
+PART_BYTES = (704 << 10, 352 << 10, 176 << 10)
 _PACKAGES = "a directory of packages (e.g. a site-packages)"   # what DIR is, as messages say
+
+Files = list[tuple[str, int]]   # (path relative to DIR, bytes) in path order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +79,12 @@ class CodeDocument:
     files: tuple[str, ...]
 
 
-def is_heldout(name: str) -> bool:
-    """Whether package `name` is in the held-out split: its SHA-256 as a number in [0, 1)
-    is below HELDOUT_SHARE (not Python's `hash`, which changes between processes)."""
-    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).digest()
-    return int.from_bytes(digest[:8], "big") < HELDOUT_SHARE * 2.0 ** 64
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """An entry of the root: a package directory's files, or a file directly in the root."""
+    name: str
+    files: Files
+    directory: bool
 
 
 def _skipped_dir(name: str) -> bool:
@@ -100,41 +129,93 @@ class _Walker:
         return sorted(found, key=lambda f: f[0].split(os.sep))
 
 
-def _parts(name: str, files: list[tuple[str, int]]) -> list[CodeDocument]:
-    """A package's files `[(path, bytes)]` as documents of at most MAX_DOCUMENT_BYTES each
-    (cut between files; a package under the limit is one document)."""
-    parts: list[list[str]] = [[]]
+def _cut(files: Files, limits: tuple[int, ...]) -> list[Files]:
+    """`files` cut between files into parts, the i-th of at most `limits[i % len(limits)]`
+    bytes (a larger file alone); none for no files."""
+    parts: list[Files] = [[]]
     size = 0
     for path, n in files:
-        if parts[-1] and size + n > MAX_DOCUMENT_BYTES:
+        if parts[-1] and size + n > limits[(len(parts) - 1) % len(limits)]:
             parts.append([])
             size = 0
-        parts[-1].append(path)
+        parts[-1].append((path, n))
         size += n
-    return [CodeDocument(name, tuple(p)) for p in parts if p]
+    return [p for p in parts if p]
 
 
-def list_documents(root: str, heldout: bool, stats: SourceStats) -> list[CodeDocument]:
-    """The documents of `root` in one split (`heldout`: the held-out packages, else the
-    others), in the order of the root's sorted entries."""
+def _digest(path: str) -> bytes:
+    """SHA-256 of `path` (not Python's `hash`, which changes between processes)."""
+    return hashlib.sha256(path.encode("utf-8", "surrogateescape")).digest()
+
+
+def _heldout_units(units: list[Files]) -> set[str]:
+    """The first paths of the held-out units: in each band of HELDOUT_BANDS, the units of
+    the lowest `_digest` of their first path, the band's count of them but at most half."""
+    bands: list[list[str]] = [[] for _ in HELDOUT_BANDS]
+    for unit in units:
+        size = sum(n for _, n in unit)
+        band = next(i for i, (least, _) in enumerate(HELDOUT_BANDS) if size >= least)
+        bands[band].append(unit[0][0])
+    held: set[str] = set()
+    for (_, count), firsts in zip(HELDOUT_BANDS, bands, strict=True):
+        held.update(sorted(firsts, key=_digest)[:min(count, len(firsts) // 2)])
+    return held
+
+
+def _document(name: str, files: Files) -> CodeDocument:
+    return CodeDocument(name, tuple(path for path, _ in files))
+
+
+def _split(entries: list[_Entry]) -> tuple[list[CodeDocument], list[CodeDocument]]:
+    """(training documents, held-out documents) of the root's `entries`, each in their order:
+    the held-out units (packages' parts of PART_BYTES, files directly in the root) one
+    document each, and every package's other files cut at MAX_DOCUMENT_BYTES."""
+    parts = {e.name: _cut(e.files, PART_BYTES) for e in entries if e.directory and e.files}
+    units = [p for e in entries if e.directory for p in parts.get(e.name, [])]
+    units += [e.files for e in entries if not e.directory and e.name not in parts]
+    held = _heldout_units(units)
+    train: list[CodeDocument] = []
+    heldout: list[CodeDocument] = []
+    for e in entries:
+        if not e.directory:   # with its package's first part, if it is named after one
+            first = parts[e.name][0] if e.name in parts else e.files
+            (heldout if first[0][0] in held else train).append(_document(e.name, e.files))
+            continue
+        package = parts.get(e.name, [])
+        heldout += [_document(e.name, p) for p in package if p[0][0] in held]
+        rest = [f for p in package if p[0][0] not in held for f in p]
+        train += [_document(e.name, p) for p in _cut(rest, (MAX_DOCUMENT_BYTES,))]
+    return train, heldout
+
+
+def _entries(root: str, stats: SourceStats) -> list[_Entry]:
+    """The package directories and files directly in `root`, in the order of its sorted
+    entries, with their chosen files; the files left out for their size or a symlink out
+    of the root are counted in `stats`."""
     walker = _Walker(root, stats)
     with os.scandir(root) as listing:
-        entries = sorted(listing, key=lambda e: e.name)
-    documents = []
-    for entry in entries:
+        found = sorted(listing, key=lambda e: e.name)
+    entries = []
+    for entry in found:
         if entry.is_dir():
-            if _skipped_dir(entry.name) or is_heldout(entry.name) != heldout:
+            if _skipped_dir(entry.name):
                 continue
             if _inside(entry.path, walker.real):
-                documents += _parts(entry.name, walker.package(entry.path))
+                entries.append(_Entry(entry.name, walker.package(entry.path), True))
             else:
                 stats.skip(entry.path, "a symlink out of the source's directory")
             continue
         name = entry.name.split(".", 1)[0] or entry.name   # json.py goes with json/
-        if (entry.is_file() and is_heldout(name) == heldout
-                and (chosen := walker.chosen(entry.path)) is not None):
-            documents.append(CodeDocument(name, (chosen[0],)))
-    return documents
+        if entry.is_file() and (chosen := walker.chosen(entry.path)) is not None:
+            entries.append(_Entry(name, [chosen], False))
+    return entries
+
+
+def list_documents(root: str, heldout: bool, stats: SourceStats) -> list[CodeDocument]:
+    """The documents of `root` in one split (`heldout`: the held-out split, else training),
+    in the order of the root's sorted entries."""
+    train, held = _split(_entries(root, stats))
+    return held if heldout else train
 
 
 def _read(path: str) -> tuple[str | None, str]:
