@@ -163,6 +163,7 @@ def _heldout_units(units: list[Files]) -> set[str]:
 
 
 def _document(name: str, files: Files) -> CodeDocument:
+    """The document of package `name` holding `files` (their sizes dropped)."""
     return CodeDocument(name, tuple(path for path, _ in files))
 
 
