@@ -6,9 +6,11 @@ and check what a misconfigured long-context run gets wrong first.
 One line per check, `ok` or `FAIL` with the numbers and what to fix: (1) the first step's
 loss at the target length against a short one (broken positions start near ln V), (2) the
 configured mesh and attention strategy against one device (sp=1), (3) no token attends
-across a packed document's boundary. A staged config is checked at its last (longest) and
-first stage. The mesh shrinks to the devices there are (simulated CPU devices where there is
-no accelerator), keeping sp where they allow; `--length N` caps the target length (the
+across a packed document's boundary; and for a staged extension from trained weights, that
+its held-out data holds enough documents at every length `python -m lclm.extend` measures.
+A staged config is checked at its last (longest) and first stage. The mesh shrinks to the
+devices there are (simulated CPU devices where there is no accelerator), keeping sp where
+they allow; `--length N` caps the target length (the
 output says so). Exit status 0 when every check passes, 1 when one fails, 2 for bad input.
 """
 
@@ -25,6 +27,7 @@ from lclm.cli import parse_cli, run_cli
 from lclm.config import mesh_device_count
 from lclm.config.stages import stage_configs
 from lclm.config.syntax import parse_tokens
+from lclm.extend.heldout import is_extension, preflight
 from lclm.parallel.devices import request_cpu_devices
 
 SIMULATED_DEVICES = 8   # at most, where no accelerator is: enough for sp=4 x 2 rows
@@ -47,6 +50,10 @@ def run_checks(config, length: int | None, out=print) -> int:
     stages = chosen_stages(config)
     first = stage_configs(config)[0] if len(stages) > 1 else stages[0][1]
     failed = 0
+    if is_extension(config):   # what python -m lclm.extend will measure it on
+        ok, line = preflight(config)
+        failed += not ok
+        out(line)
     for label, stage in stages:
         run = prepare(stage, first, length)
         out(f"{label + ': ' if label else ''}weights {run.weights}"

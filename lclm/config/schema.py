@@ -246,6 +246,10 @@ class Extension:
     buckets: int = setting(64, "equal position ranges of each length's loss (targets' ranges "
                            "fall on their edges)", rule=AT_LEAST_1)
     short_length: str = setting("2k", "the short-context loss's length (what the model kept)")
+    trained_length: int = setting(0, "the context the starting weights count as trained at "
+                                  "(the near positions' and YaRN's origin; a rehearsal below "
+                                  "the model's own context lowers it)", rule=AT_LEAST_0,
+                                  note="0: the starting weights' own")
     passkey_samples: int = setting(2, "passkey prompts per depth bin", rule=AT_LEAST_1)
     passkey_depths: int = setting(5, "passkey depth bins", rule=AT_LEAST_1)
     ruler_tasks: str = setting("niah_single_1,niah_multikey_1,vt,fwe", "the RULER subset "

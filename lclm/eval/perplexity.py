@@ -49,6 +49,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lclm.config import AttentionConfig, ModelConfig
 from lclm.config.syntax import format_tokens
 from lclm.data.kind import DIRECTORY
 from lclm.data.loader import SourceEntry, parse_sources
@@ -118,13 +119,12 @@ def rows_of(windows_: np.ndarray, row_len: int) -> dict:
     return dict(tokens=tokens, targets=targets, positions=positions, segment_ids=segments)
 
 
-def row_length(model: LoadedModel, length: int) -> int:
+def row_length(c: ModelConfig, a: AttentionConfig, sp: int, length: int) -> int:
     """The smallest row length >= `length` that the mesh's `sp`, the attention and FFN
     chunks (`decode.padded_length`) and the loss chunk divide."""
-    sp = model.mesh.shape["sp"]
-    p = padded_length(length, sp, model.config.ffn_chunk, model.attention)
-    while (p // sp) % min(model.config.loss_chunk, p // sp):
-        p = padded_length(p + 1, sp, model.config.ffn_chunk, model.attention)
+    p = padded_length(length, sp, c.ffn_chunk, a)
+    while (p // sp) % min(c.loss_chunk, p // sp):
+        p = padded_length(p + 1, sp, c.ffn_chunk, a)
     return p
 
 
@@ -152,7 +152,7 @@ def position_losses(model: LoadedModel, windows_: np.ndarray, batch_size: int) -
     """Float32 losses `[n, L]` in original order of windows `[n, L+1]`, `batch_size` rows
     per forward (the last batch filled up with copies of its last window)."""
     length = windows_.shape[1] - 1
-    row_len = row_length(model, length)
+    row_len = row_length(model.config, model.attention, model.mesh.shape["sp"], length)
     out = []
     for start in range(0, len(windows_), batch_size):
         group = windows_[start:start + batch_size]

@@ -18,8 +18,12 @@ subset after and before, and each earlier stage's weights at its length. Each ev
 The report, OUT/extension.{md,json,png} (OUT: the workdir's extension/ by default), is written
 after every part: before and after side by side, and the verdict on each of the config's
 targets (`targets` section: met, not met, not measured). Re-running the command skips the
-parts that are done (an interrupted stage resumes from its checkpoint); a part whose expected
-time no longer fits the budget's remainder is skipped, so a cut run still ends with its report.
+parts that are done (an interrupted stage resumes from its checkpoint). With a budget, the
+parts are taken in order while their expected times fit; the rest are left for the next run
+of the same command (a device lent for a few minutes at a time runs the extension in two
+calls), and a budget that cannot hold the main question (before, the training, after at the
+final length) is refused in one line; a part whose expected time no longer fits what is left
+of the budget while it runs is left too, so a cut run still ends with its report.
 
 Exit status: 0 every target met, 1 one not met or not measured, 2 bad input at start, 3 the
 training stopped before its last stage's end (a gate, non-finite steps, storage).
@@ -50,6 +54,7 @@ from lclm.eval.__main__ import TASKS
 from lclm.eval.ruler import score_gate
 from lclm.extend import heldout, report
 from lclm.extend.plan import (
+    MAIN_QUESTION,
     TRAIN,
     Lengths,
     Part,
@@ -136,10 +141,9 @@ class Extension:
         ext = self.first.extension
         tokenizer = Tokenizer(self.first.data.tokenizer)
         _check_ruler(self.first, tokenizer, self.lengths.final)
-        source = heldout.heldout_source(self.first)
         started = time.perf_counter()
-        held = heldout.count(source, tokenizer, list(self.lengths.perplexity), ext.documents,
-                             self.first.data.text_field)
+        _, held = heldout.counted(self.config)
+        source = held.source
         print(f"held-out documents of {source} ({held.read} read, the longest "
               f"{held.longest:,} tokens; {time.perf_counter() - started:.0f} s):")
         for line in held.lines():
@@ -153,39 +157,47 @@ class Extension:
         self.counts = held.counts
 
     def plan(self, budget_minutes: float | None) -> float:
-        """Each part's expected seconds (0 for what is done), printed; the total, refused
-        over the budget."""
+        """Each part's expected seconds (0 for what is done), printed. Within a budget the
+        parts are taken in order while they fit; those that do not are left for the next run
+        of the command. A budget that does not hold the main question (the parts up to the
+        trained weights' loss at the final length) is refused in one line."""
         previous = self._previous_status()
         rate = device_rate(self.last, mesh_device_count(self.config) or len(jax.devices()))
+        budget = math.inf if budget_minutes is None else 60 * budget_minutes
         print(f"time plan on {rate.how}:")
-        total = 0.0
-        for part in self.parts:
+        total, taken = 0.0, 0.0
+        for i, part in enumerate(self.parts):
             if self._done(part):
                 self.status[part.key] = dict(previous.get(part.key, {}), status="done")
                 print(f"  {part.what}: done")
                 continue
-            if part.task == TRAIN:
-                seconds, how = 0.0, []
-                for s in self.stages:
-                    t, h = expected_seconds(part, self.first, s, rate, self.counts)
-                    seconds += t
-                    how.append(f"{format_tokens(s.data.seq_len)}: {h}")
-                how_text = "; ".join(how)
-            else:
-                seconds, how_text = expected_seconds(part, self.first, self.last, rate,
-                                                     self.counts)
-            self.status[part.key] = dict(expected=round(seconds, 1), how=how_text,
-                                         status="to run")
+            seconds, how = self._expected(part, rate)
             total += seconds
-            print(f"  {part.what}: {seconds / 60:.1f} min ({how_text})")
-        print(f"  in all: {total / 60:.1f} min")
-        if budget_minutes is not None and total > 60 * budget_minutes:
-            raise ConfigError(
-                f"the plan takes an expected {total / 60:.1f} min, over --budget-minutes "
-                f"{budget_minutes:g}: train fewer steps (train.steps, per stage), measure less "
-                "(extension.documents, extension.passkey_samples, extension.ruler_tasks) or "
-                "allow more minutes")
+            fits = taken + seconds <= budget
+            if fits:
+                taken += seconds
+            elif i < MAIN_QUESTION:
+                raise ConfigError(
+                    f"--budget-minutes {budget_minutes:g} does not hold the main question: "
+                    f"{part.what} would end at an expected {(taken + seconds) / 60:.1f} min; "
+                    "train fewer steps (train.steps, per stage), measure fewer documents "
+                    "(extension.documents) or allow more minutes")
+            self.status[part.key] = dict(expected=round(seconds, 1), how=how,
+                                         status="to run" if fits else "left for the next run")
+            print(f"  {part.what}: {seconds / 60:.1f} min ({how})"
+                  + ("" if fits else ": past the budget, left for the next run"))
+        print(f"  in all: {total / 60:.1f} min; within the budget: {taken / 60:.1f} min")
         return total
+
+    def _expected(self, part: Part, rate) -> tuple[float, str]:
+        if part.task != TRAIN:
+            return expected_seconds(part, self.first, self.last, rate, self.counts)
+        seconds, how = 0.0, []
+        for s in self.stages:
+            t, h = expected_seconds(part, self.first, s, rate, self.counts)
+            seconds += t
+            how.append(f"{format_tokens(s.data.seq_len)}: {h}")
+        return seconds, "; ".join(how)
 
     def _previous_status(self) -> dict[str, dict]:
         path = storage.join(self.out, "extension.json")
@@ -209,12 +221,12 @@ class Extension:
         started = time.monotonic()
         for part in self.parts:
             state = self.status[part.key]
-            if state["status"] == "done":
+            if state["status"] in ("done", "left for the next run"):
                 continue
             left = (math.inf if budget_minutes is None
                     else 60 * budget_minutes - (time.monotonic() - started))
             if state["expected"] > left:
-                state["status"] = "skipped: the budget's remainder is shorter"
+                state["status"] = "left for the next run: the budget's remainder is shorter"
             elif part.task != TRAIN and part.workdir and not _trained(self.stages):
                 state["status"] = "not run: the training did not finish"
             else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from lclm.config.run_config import RunConfig
+from lclm.config.stages import stage_configs
 from lclm.config.syntax import format_tokens
 from lclm.data.prepare import write_prepared
 from lclm.data.sources import open_documents
@@ -24,6 +25,7 @@ from lclm.data.stats import SourceStats
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 from lclm.eval.perplexity import data_source
+from lclm.extend.plan import Lengths, extension_lengths, stage_runs, starting_length
 
 # documents read at most when counting: a held-out set is a few hundred documents; a large
 # one is only counted up to here
@@ -79,6 +81,39 @@ def count(source: str, tokenizer: Tokenizer, lengths: list[int], needed: int,
         if wanted:
             kept.append((tokens[:top], loss[:top]))
     return HeldOut(source, counts, read, longest, kept, stats.skipped)
+
+
+def counted(config) -> tuple[Lengths, HeldOut]:
+    """The lengths of the extension `config` describes and its held-out documents counted at
+    each (a config that cannot be measured is one line)."""
+    stages = stage_runs(config)
+    first = stages[0]
+    lengths = extension_lengths(first, stages, starting_length(first))
+    held = count(heldout_source(first), Tokenizer(first.data.tokenizer),
+                 list(lengths.perplexity), first.extension.documents, first.data.text_field)
+    return lengths, held
+
+
+def is_extension(config) -> bool:
+    """Whether `config` is one `python -m lclm.extend` measures: stages from trained weights,
+    with held-out data."""
+    model = config.model
+    return bool(stage_configs(config) and (model.init_from_hf or model.init_from_checkpoint)
+                and (config.extension.data or config.validation.path))
+
+
+def preflight(config) -> tuple[bool, str]:
+    """(passed, one line) of `python -m lclm.check`: enough held-out documents at every length
+    the extension measures."""
+    try:
+        _, held = counted(config)
+        check_counts(held, config.extension.documents)
+    except ConfigError as e:
+        return False, f"FAIL held-out documents for python -m lclm.extend: {e}"
+    counts = ", ".join(f"{format_tokens(n)} {c}" for n, c in held.counts.items())
+    return True, (f"ok   held-out documents for python -m lclm.extend in {held.source}, per "
+                  f"length (at least extension.documents={config.extension.documents}): "
+                  f"{counts}")
 
 
 def check_counts(held: HeldOut, needed: int) -> None:

@@ -17,14 +17,25 @@ import dataclasses
 
 from lclm import hf
 from lclm.checkpoint import saved_config
-from lclm.config.run_config import RunConfig
+from lclm.config import AttentionConfig, ModelConfig
+from lclm.config.fields import from_saved
+from lclm.config.run_config import RunConfig, run_config
+from lclm.config.stages import stage_configs
 from lclm.config.syntax import format_tokens, parse_lengths, parse_tokens
+from lclm.data import ruler
 from lclm.errors import ConfigError
+from lclm.eval.decode import padded_length
+from lclm.eval.perplexity import row_length
 from lclm.training.resume import CONVERTED_FROM
 from lclm.training.workdirs import workdir_to_read
 
 BEFORE, YARN, AFTER = "before", "yarn", "after"   # the models measured, besides stage i
 TRAIN = "train"
+# tokens a passkey prompt decodes: lclm.eval.passkey's 5 digits + 4 (a space, EOS, slack)
+PASSKEY_NEW_TOKENS = 9
+# parts()'s first parts answer the main question: the loss at the final length before, the
+# training, the loss there after
+MAIN_QUESTION = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +65,19 @@ class Part:
         return f"{self.task} {self.model}" + (f" at {at}" if at else "")
 
 
+def stage_runs(config) -> list[RunConfig]:
+    """The typed config of every stage (a single run: the config's own)."""
+    return [run_config(c) for c in stage_configs(config) or [config]]
+
+
 def starting_length(run: RunConfig) -> int:
-    """The context the starting weights were trained at: an HF model's
+    """The context the starting weights were trained at (extension.trained_length, else
+    read from them): an HF model's
     max_position_embeddings, a run's data.seq_len (a converted checkpoint's
     max_position_embeddings); a run from scratch has none to extend (one line)."""
     model = run.model
+    if run.extension.trained_length:
+        return run.extension.trained_length
     if model.init_from_hf:
         return hf.read_config(model.init_from_hf).max_position_embeddings
     if not model.init_from_checkpoint:
@@ -153,6 +172,7 @@ def eval_argv(part: Part, first: RunConfig, last: RunConfig, lengths: Lengths, o
     argv = [*source, "--dtype", last.model.dtype,
             *(f"--{axis}={getattr(last.mesh, axis)}" for axis in ("dp", "fsdp", "tp", "sp")),
             "--layout", last.attention.layout, "--strategy", last.attention.strategy,
+            "--ulysses", str(last.attention.ulysses),
             "--q-chunk", str(last.attention.q_chunk), "--kv-chunk", str(last.attention.kv_chunk),
             "--lengths", ",".join(map(str, part.lengths)), "--out", out]
     if part.model == YARN:
@@ -168,3 +188,77 @@ def eval_argv(part: Part, first: RunConfig, last: RunConfig, lengths: Lengths, o
         if ext.ruler_chat:
             argv += ["--chat", "tokenizer"]
     return argv
+
+
+# -- the programs the evaluation parts compile (for `python -m lclm.plan --compile`) --------
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A program an evaluation part compiles: `kind` 'forward' (perplexity's token losses) or
+    'decode' (a prefill and its decode step, `max_new` slots) of `model` and `attention`
+    over `rows` rows of `row` tokens."""
+    what: str
+    kind: str
+    model: ModelConfig
+    attention: AttentionConfig
+    rows: int
+    row: int
+    max_new: int = 0
+
+
+def eval_models(first: RunConfig, last: RunConfig, lengths: Lengths
+                ) -> dict[str, tuple[ModelConfig, AttentionConfig]]:
+    """The model and attention each evaluated model runs with (`eval_argv`'s flags as
+    lclm.eval.model applies them): the last stage's compute dtype and attention for all."""
+    a = last.attention
+
+    def tiled(attention: AttentionConfig) -> AttentionConfig:
+        return dataclasses.replace(attention, layout=a.layout, strategy=a.strategy,
+                                   ulysses=a.ulysses, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk)
+
+    after = dataclasses.replace(last.model.resolved(), dtype=last.model.dtype)
+    if first.model.init_from_hf:
+        before = dataclasses.replace(hf.read_config(first.model.init_from_hf),
+                                     dtype=last.model.dtype)
+        before_attention = tiled(AttentionConfig())
+    else:
+        _, saved = saved_config(workdir_to_read(first.model.init_from_checkpoint,
+                                                "model.init_from_checkpoint"))
+        before = dataclasses.replace(from_saved(ModelConfig, saved["model"]),
+                                     dtype=last.model.dtype)
+        before_attention = tiled(from_saved(AttentionConfig, saved["attention"]))
+    yarn = dataclasses.replace(before, rope_scaling="yarn",
+                               rope_factor=lengths.final / lengths.trained,
+                               rope_original_max_positions=lengths.trained)
+    return {BEFORE: (before, before_attention), YARN: (yarn, before_attention),
+            AFTER: (after, tiled(a))}
+
+
+def eval_programs(first: RunConfig, last: RunConfig, lengths: Lengths,
+                  all_parts: list[Part]) -> list[Program]:
+    """Every distinct program the evaluation parts of `all_parts` compile (an earlier
+    stage's weights have the last stage's shapes and tiles: its programs are AFTER's)."""
+    models = eval_models(first, last, lengths)
+    sp, rows = last.mesh.sp, last.mesh.dp * last.mesh.fsdp
+    found: dict[tuple, Program] = {}
+    for part in all_parts:
+        if part.task == TRAIN:
+            continue
+        model, attention = models.get(part.model, models[AFTER])
+        for n in part.lengths:
+            if part.task == "perplexity":
+                shapes = [("forward", row_length(model, attention, sp, n), 0)]
+            elif part.task == "passkey":
+                shapes = [("decode", padded_length(n, sp, model.ffn_chunk, attention),
+                           PASSKEY_NEW_TOKENS)]
+            else:
+                budgets = {ruler.TASKS[t.strip()].budget
+                           for t in first.extension.ruler_tasks.split(",") if t.strip()}
+                shapes = [("decode", padded_length(n - b, sp, model.ffn_chunk, attention), b)
+                          for b in sorted(budgets)]
+            for kind, row, max_new in shapes:
+                key = (kind, model, attention, row, max_new)
+                if key not in found:
+                    found[key] = Program(f"{part.task} {part.model} at {format_tokens(n)}",
+                                         kind, model, attention, rows, row, max_new)
+    return list(found.values())

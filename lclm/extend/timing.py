@@ -21,7 +21,7 @@ from lclm.config.run_config import RunConfig
 from lclm.config.stages import validation_lengths
 from lclm.data.ruler import TASKS as RULER_TASKS
 from lclm.errors import ConfigError
-from lclm.extend.plan import TRAIN, Part
+from lclm.extend.plan import PASSKEY_NEW_TOKENS, TRAIN, Part
 from lclm.hardware import BY_NAME, peak_flops
 from lclm.models.decoder import param_count
 from lclm.training.metrics import flops_per_token, read_metrics
@@ -32,7 +32,6 @@ SAVE_BYTES_PER_SECOND = 0.12e9
 LOAD_BYTES_PER_SECOND = 0.4e9
 # a decoding step's fixed cost (a launch of every layer, the host's loop), beside its FLOPs
 DECODE_STEP_SECONDS = 0.01
-PASSKEY_NEW_TOKENS = 9   # lclm.eval.passkey's default: 5 digits + 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,12 +31,15 @@ import sys
 
 from lclm import logs
 from lclm.cli import parse_cli, run_cli
-from lclm.config import mesh_device_count
+from lclm.config import MESH_AXES, mesh_device_count
 from lclm.config.run_config import RunConfig, run_config
 from lclm.config.stages import CHAINING, stage_changes, stage_configs
 from lclm.data.balance import one_vs_many
 from lclm.errors import ConfigError, StartupError
+from lclm.extend.heldout import is_extension
+from lclm.extend.plan import eval_programs, extension_lengths, parts, stage_runs, starting_length
 from lclm.ops.context_parallel import STRATEGIES, layout_shards
+from lclm.parallel.mesh import make_mesh
 from lclm.plan import aot, strategies
 from lclm.plan.memory import DEVICES, Plan, estimate, gib, report
 from lclm.training.remat_choice import overflow
@@ -121,9 +124,40 @@ def _compile_stages(config, args) -> int:
         print(f"{which}: attention.impl='auto' passed over {why}")
     for line in chosen:
         print(line)
+    if is_extension(config):
+        failed += _compile_evaluations(config, devices, budget, target.name, gpu)
     for line in failed:
         print(f"error: {line}", file=sys.stderr)
     return 3 if failed else 0
+
+
+def _compile_evaluations(config, devices, budget: int, target: str, gpu: bool) -> list[str]:
+    """The programs `python -m lclm.extend` evaluates with (lclm.extend.plan.eval_programs),
+    compiled for the target and measured against the same budget; the lines that do not fit."""
+    stages = stage_runs(config)
+    first, last = stages[0], stages[-1]
+    lengths = extension_lengths(first, stages, starting_length(first))
+    programs = eval_programs(first, last, lengths, parts(first, stages, lengths))
+    mesh = make_mesh(**{a: getattr(last.mesh, a) for a in MESH_AXES},
+                     devices=devices[:mesh_device_count(config) or len(devices)])
+    of = "budget" if gpu else "HBM"
+    print(f"\nthe evaluation programs of python -m lclm.extend ({len(programs)}):")
+    print(f"| program | kind | rows x tokens | compile s | total GiB | {of} used | attention "
+          "kernel |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    failed = []
+    for p in programs:
+        r = aot.compile_eval(p.kind, p.model, p.attention, mesh, p.rows, p.row, p.max_new)
+        used = r.total / budget
+        if used > 1:
+            failed.append(f"{p.what} ({p.kind}, {p.rows} x {p.row:,} tokens): {gib(r.total)} "
+                          f"GiB of {gib(budget)} GiB {of} on {target}; lower "
+                          "extension.documents' rows or shard more (mesh.sp)")
+        kind = p.kind + (f", {p.max_new} new" if p.max_new else "")
+        print(f"| {p.what} | {kind} | {p.rows} x {p.row:,} | {r.seconds:,.0f} | "
+              f"{gib(r.total)} | {100 * used:.0f}% | "
+              f"{', '.join(r.attention.kernels) or '-'} |", flush=True)
+    return failed
 
 
 def _planned(config, target, devices, device: str | None) -> Plan:

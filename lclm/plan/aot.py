@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.resources
 import logging
 import math
@@ -33,19 +34,23 @@ import time
 
 import jax
 from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lclm.config import ModelConfig
 from lclm.config.run_config import run_config
 from lclm.data.loader import abstract_batch, batch_sharding
 from lclm.errors import ConfigError
+from lclm.eval.decode import decode_step, prefill
+from lclm.eval.token_loss import token_losses
 from lclm.hardware import BY_NAME, GPUS, TPUS, planner_device
+from lclm.models.decoder import param_shapes
 from lclm.ops.kernels import Lowered, compiling_for, cudnn_gpu, recording
 from lclm.parallel.mesh import make_mesh
 from lclm.platforms import cuda_plugin, nvidia_gpu_attached, tpu_attached
 from lclm.training.checks import validate
 from lclm.training.remat_choice import AUTO, choose
 from lclm.training.remat_choice import gpu_budget as gpu_pool_budget
-from lclm.training.state import init_state, state_shardings
+from lclm.training.state import init_state, param_shardings, state_shardings
 from lclm.training.step import jit_train_step, make_optimizer
 
 KNOWN = ("v4-N, v5p-N (TensorCores), v5e-N, v6e-N (chips); h100:N (N GPUs on one node), "
@@ -287,6 +292,43 @@ def compile_step(config, devices, budget: int | None = None) -> Compiled:
     choice = choose(compile_policy, budget)
     assert isinstance(choice.compiled, Compiled)
     return dataclasses.replace(choice.compiled, remat_choice=choice.line())
+
+
+def compile_eval(kind: str, model: ModelConfig, attention, mesh, rows: int, row: int,
+                 max_new: int = 0) -> Compiled:
+    """Lower and compile an evaluation program on `mesh` (over described devices): 'forward',
+    perplexity's token losses (`lclm.eval.token_loss`) over `[rows, row]`, or 'decode', the
+    prefill of `[rows, row]` prompts with `max_new` decode slots and one decode step
+    (`lclm.eval.decode`), both with the parameters in their training shardings. Memory and
+    counts are the larger program's (the prefill's); seconds both."""
+    params = jax.tree.map(
+        lambda shape, sharding: jax.ShapeDtypeStruct(shape, jax.numpy.dtype(model.param_dtype),
+                                                     sharding=sharding),
+        param_shapes(model), param_shardings(model, mesh), is_leaf=lambda x: isinstance(x, tuple))
+    tokens = jax.ShapeDtypeStruct((rows, row), jax.numpy.int32, sharding=batch_sharding(mesh))
+    started = time.perf_counter()
+    with lowering_for(mesh.devices.flat[0]), recording() as attention_calls:
+        if kind == "forward":
+            batch = dict(tokens=tokens, targets=tokens, positions=tokens, segment_ids=tokens)
+            lowered = jax.jit(functools.partial(token_losses, model, attention, mesh)).lower(
+                params, batch)
+            return dataclasses.replace(analyse(lowered.compile(), time.perf_counter() - started),
+                                       attention=attention_calls)
+        run_prefill = jax.jit(functools.partial(prefill, model, attention, mesh=mesh,
+                                                max_new=max_new, last=row - 1))
+        compiled = run_prefill.lower(params, tokens, tokens, tokens).compile()
+        _, cache = jax.eval_shape(run_prefill, params, tokens, tokens, tokens)
+        _, cache_shardings = compiled.output_shardings
+        cache = jax.tree.map(lambda x, w: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=w),
+                             cache, cache_shardings)
+        one = jax.ShapeDtypeStruct((rows,), jax.numpy.int32,
+                                   sharding=NamedSharding(mesh, PartitionSpec()))
+        step = jax.ShapeDtypeStruct((), jax.numpy.int32,
+                                    sharding=NamedSharding(mesh, PartitionSpec()))
+        jax.jit(functools.partial(decode_step, model, mesh=mesh)).lower(
+            params, cache, one, one, step).compile()
+    return dataclasses.replace(analyse(compiled, time.perf_counter() - started),
+                               attention=attention_calls)
 
 
 def _no_autotuning_notes(record: logging.LogRecord) -> bool:
