@@ -20,15 +20,17 @@ haystack is Python's reference documentation as every Python ships it (`pydoc_da
 sentence by sentence from its start, repeated where a prompt needs more (as RULER repeats the
 essays). Word keys come from the word lists below, not `wonderwords`.
 
-Exact length. A prompt is BOS (where the tokenizer adds one), the chat text before the user
-turn (chat form), the task's instruction, the context, the question, the chat text after the
-user turn, and RULER's answer prefix ("... The special magic number for KEY mentioned in the
-provided text is"). Each piece and each context unit (a sentence, a needle, a list item) is
-tokenised on its own and the ids are joined (as the passkey task does), so the context is
-filled with whole units while the next fits and then with the first tokens of one more:
-the prompt has exactly `length - budget` tokens, `budget` being RULER's tokens_to_generate
-of the task (128 for niah, 30 vt, 120 cwe, 50 fwe). Nothing is ever truncated; a length too
-short for a task's fixed text is a one-line ValueError.
+Exact length, one piece. A prompt is BOS (where the tokenizer adds one), then one text: the
+chat text before the user turn (chat form), the task's instruction, the context, the question,
+the chat text after the user turn, and RULER's answer prefix ("... The special magic number
+for KEY mentioned in the provided text is"). The text is tokenised in one piece, as RULER
+tokenises it (pieces tokenised apart would carry a SentencePiece model's dummy-prefix '▁'
+each), with the most whole context units (a sentence, a needle, a list item, a coded word)
+that fit; the first ids of the units after them, as the one-piece tokenisation of the text
+with them has them, fill the rest at the context's end (the one place where the ids are not
+the text's own). So the prompt has exactly `length - budget` tokens, `budget` being RULER's
+tokens_to_generate of the task (128 for niah, 30 vt, 120 cwe, 50 fwe). Nothing is ever
+truncated; a length too short for a task's fixed text is a one-line ValueError.
 
 Seeds. A sample is a pure function of (tokenizer, form, task, length, seed, index, stream):
 its numpy Generator is seeded with [stream, seed, crc32(task), length, index], where the
@@ -55,7 +57,8 @@ from lclm.data.kind import OPTIONS, Kind
 from lclm.data.line_retrieval import filler_id
 
 EVAL, TRAIN = 0, 1        # the seed streams of evaluation prompts and training documents
-MARK = "\ue000RULER\ue001"  # stands for the user text when a chat template is split
+# stand for the turns' text when a chat template is split
+MARKS = tuple(f"\ue000RULER{i}\ue001" for i in range(3))
 
 NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
          "again.")
@@ -145,39 +148,56 @@ TASKS: dict[str, Task] = {
 @dataclasses.dataclass(frozen=True)
 class Form:
     """How task text becomes prompt ids: `bos` first, the chat text `before` and `after` the
-    user turn ('' for base models), and `end_id`, the token that closes an answer (EOS, or
-    the chat template's reply end)."""
+    user turn ('' for base models), `between` an answered example's reply and the next user
+    text (the chat text that closes the reply and opens the next user turn; RULER's '\\n' in
+    the base form), and `end_id`, the token that closes an answer (EOS, or the chat
+    template's reply end)."""
     bos: tuple[int, ...]
     before: str
     after: str
+    between: str
     end_id: int
 
 
 @dataclasses.dataclass
 class Sample:
     """One prompt: `tokens` `[length - budget]` int32, the answers it asks for (RULER's
-    references) and `target`, the answer written out (what training documents teach)."""
+    references), `target`, the answer written out (what training documents teach), and
+    `target_ids`, its ids where the prompt's text and `target` are tokenised in one piece,
+    which replace the prompt's last `joined` ids (0, but where the one piece joins the
+    prompt's end to the target's start: vt's answer prefix ends with a space, which joins
+    the first name)."""
     tokens: np.ndarray
     answers: list[str]
     target: str
+    target_ids: list[int]
+    joined: int
 
 
 def prompt_form(tokenizer, chat: str | None = None) -> Form:
     """RULER's base form (`chat` None: BOS where the tokenizer adds one, then the text), or
     the user turn of the chat template `chat` ('tokenizer': the one the tokenizer ships),
-    whose assistant header the answer prefix follows. ValueError (one line) for a template
-    that is not the tokenizer's or does not write the user text as given."""
+    whose assistant header the answer prefix follows; `between` from the template's text of
+    a second exchange. ValueError (one line) for a template that is not the tokenizer's or
+    does not write the turns' text as given."""
     if chat is None:
-        return Form((tokenizer.bos_id,) * tokenizer.add_bos, "", "", tokenizer.eos_id)
+        return Form((tokenizer.bos_id,) * tokenizer.add_bos, "", "", "\n", tokenizer.eos_id)
     if chat != "tokenizer":
         raise ValueError(f"chat={chat!r}: RULER prompts use the tokenizer's own chat template "
                          "('tokenizer') or none")
     template = get_template(chat, tokenizer)
-    text = template.text([("user", MARK)], prompt=True)
-    if text.count(MARK) != 1:
+    user, reply, again = MARKS
+    one = template.text([("user", user)], prompt=True)
+    if one.count(user) != 1:
         raise ValueError("the tokenizer's chat template does not write the user text as given")
-    before, after = text.split(MARK)
-    return Form((), before, after, int(template.reply_end_id(tokenizer)))
+    before, after = one.split(user)
+    two = template.text([("user", user), ("assistant", reply), ("user", again)], prompt=True)
+    first = before + user + after + reply
+    if not (two.startswith(first) and two.endswith(again + after) and two.count(again) == 1):
+        raise ValueError("the tokenizer's chat template does not write a second exchange "
+                         "after the first as given (RULER's cwe example takes one)")
+    return Form((), before, after, two[len(first):two.index(again)],
+                int(template.reply_end_id(tokenizer)))
 
 
 def sample(task: str, tokenizer, form: Form, length: int, seed: int, index: int,
@@ -187,43 +207,105 @@ def sample(task: str, tokenizer, form: Form, length: int, seed: int, index: int,
     rng = np.random.default_rng([stream, seed, zlib.crc32(task.encode()), length, index])
     n_prompt = length - spec.budget
     try:
-        return _BUILDERS[type(spec)](spec, rng, tokenizer, form, n_prompt, length)
+        tokens, tail, answers, target = _BUILDERS[type(spec)](spec, rng, tokenizer, form,
+                                                              n_prompt, length)
     except _TooShort:
         raise ValueError(f"a {task} prompt does not fit in {length} tokens ({spec.budget} of "
                          f"them for the answer); use a longer length") from None
+    joined, target_ids = _continued(tokenizer, tail[0] + form.after + tail[1], target)
+    return Sample(tokens, answers, target, target_ids, joined)
 
 
 # -- assembling a prompt --------------------------------------------------------------------
+
+# what a task's builder gives: (ids, (question, answer prefix), answers, target)
+_Built = tuple[np.ndarray, tuple[str, str], list[str], str]
 
 class _TooShort(Exception):
     """The fixed text alone fills the prompt: no room for a context."""
 
 
-def _assemble(tokenizer, form: Form, head: str, tail: tuple[str, str], n_prompt: int,
-              context: Callable[[int], list[list[int]]]) -> np.ndarray:
-    """Ids `[n_prompt]`: BOS, chat text before + `head`, the `context(n)` units (n ids in all),
-    `tail` (question and answer prefix, the chat text after the user turn between them)."""
-    question, prefix = tail
-    start = list(form.bos) + tokenizer.encode(form.before + head)
-    end = tokenizer.encode(question + form.after + prefix)
-    n = n_prompt - len(start) - len(end)
-    if n < 1:
+def _shared(a: list[int], b: list[int]) -> int:
+    """How many first ids `a` and `b` have in common."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _most(size: Callable[[int], int], n: int, most: int | None = None) -> int:
+    """The largest k in [0, most] with size(k) <= n (0 where none is), `size` increasing in
+    k and near linear (the token count of k context units). Each step aims along the line
+    through the last two sizes measured at n, or at 8 times the last size where that is
+    less (a rate from a few units is rough, and a probe far past n costs a whole long
+    tokenisation), inside the bracket found so far; k doubles while the sizes are equal."""
+    a, size_a = 0, size(0)
+    if size_a > n:
+        return 0
+    lo, hi = 0, None if most is None else most + 1  # size(lo) <= n < size(hi)
+    k = 1
+    while hi is None or hi - lo > 1:
+        k = max(k, lo + 1) if hi is None else min(max(k, lo + 1), hi - 1)
+        s = size(k)
+        lo, hi = (k, hi) if s <= n else (lo, k)
+        step = (min(n, 8 * s) - s) * (k - a) // (s - size_a) if s != size_a else k
+        a, size_a, k = k, s, k + step
+    return lo
+
+
+def _whole(spans: list[tuple[int, int]], end: int) -> int:
+    """How many first tokens (character `spans`) lie wholly in the text's first `end`
+    characters."""
+    return next((i for i, (_, stop) in enumerate(spans) if stop > end), len(spans))
+
+
+def _cut(tokenizer, left: str, right: str, more: Iterator[str], n: int) -> list[int]:
+    """`n` ids: `left + right` tokenised in one piece, with the first ids of the text that
+    `more` yields inserted where `left` ends: those that the one-piece tokenisation of left +
+    that text + right gives it. A token that holds the end of `left` and what follows it
+    (LLaMA-3's '.\\n') comes first on both sides of the cut: one character twice, where
+    leaving it out would drop the newline before the question."""
+    ids, spans = tokenizer.encode_with_offsets(left + right)
+    gap = n - len(ids)
+    if gap < 0:
         raise _TooShort
-    units = context(n)
-    return np.asarray(start + list(itertools.chain.from_iterable(units)) + end, np.int32)
+    extra = ""
+    inserted: list[int] = []
+    for piece in more:
+        if len(inserted) >= gap:
+            break
+        extra += piece
+        if len(tokenizer.encode(extra)) < gap:  # (tokenised alone: about as many ids)
+            continue
+        longer, longer_spans = tokenizer.encode_with_offsets(left + extra + right)
+        start = _whole(longer_spans, len(left))
+        inserted = longer[start:start + len(longer) - len(ids)]
+    if len(inserted) < gap:
+        raise _TooShort  # only finite texts end
+    at = _whole(spans, len(left))
+    return ids[:at] + inserted[:gap] + ids[at:]
 
 
-def _fill(units: Iterator[list[int]], n: int) -> list[list[int]]:
-    """Units from `units` holding exactly `n` ids: whole ones while the next fits, then the
-    first ids of one more."""
-    out, have = [], 0
-    for unit in units:
-        if have + len(unit) >= n:
-            out.append(unit[:n - have])
-            return out
-        out.append(unit)
-        have += len(unit)
-    raise _TooShort  # only finite streams end
+def _prompt(tokenizer, form: Form, n_prompt: int, head: str, tail: tuple[str, str],
+            context: Callable[[int], str], more: Callable[[int], Iterator[str]],
+            most: int | None = None) -> tuple[np.ndarray, int]:
+    """(ids `[n_prompt]`, k): BOS, then the chat text before + `head` + `context(k)` +
+    `tail` (question and answer prefix, the chat text after the user turn between them)
+    tokenised in one piece, k the most context units (at most `most`) that fit, and the
+    first ids of the text `more(k)` yields (the units after those) at the context's end to
+    fill the rest."""
+    question, prefix = tail
+    right = question + form.after + prefix
+    n = n_prompt - len(form.bos)
+    k = _most(lambda k: len(tokenizer.encode(form.before + head + context(k) + right)), n,
+              most)
+    ids = _cut(tokenizer, form.before + head + context(k), right, more(k), n)
+    return np.asarray(list(form.bos) + ids, np.int32), k
+
+
+def _continued(tokenizer, end: str, target: str) -> tuple[int, list[int]]:
+    """(how many of the prompt's last ids the target replaces, the target's ids) where the
+    prompt's `end` (its text after the context) and `target` are tokenised in one piece."""
+    alone, joined = tokenizer.encode(end), tokenizer.encode(end + target)
+    shared = _shared(alone, joined)
+    return len(alone) - shared, joined[shared:]
 
 
 def _insert(units: list, inserts: list, positions) -> list:
@@ -239,30 +321,27 @@ def _insert(units: list, inserts: list, positions) -> list:
     return out
 
 
-def _positions(rng, n_units: int, k: int, essay: bool) -> np.ndarray:
-    """Sorted places of k inserts among n_units units: at RULER's DEPTHS in real text (distinct
-    depths), else uniformly among the units (distinct where there are enough)."""
+def _positions(rng, count: int, essay: bool) -> Callable[[int], list[int]]:
+    """Where `count` inserts go among k units (sorted): at RULER's DEPTHS of real text
+    (distinct depths), else at uniform fractions of the units; drawn once for every k."""
     if essay:
-        return np.sort((n_units * rng.choice(DEPTHS, k, replace=False)) // 100)
-    return np.sort(rng.choice(n_units + 1, k, replace=n_units + 1 < k))
+        depths = rng.choice(DEPTHS, count, replace=False)
+        return lambda k: sorted(k * depths // 100)
+    fractions = rng.random(count)
+    return lambda k: sorted((fractions * k).astype(int))
 
 
-def _haystack_with(units: Iterator[list[int]], inserts: list[list[int]], n: int, rng,
-                   essay: bool = False) -> list[list[int]]:
-    """`n` ids: haystack units with the `inserts` (needles, chain lines) placed among them."""
-    room = n - sum(map(len, inserts))
-    if room < 1:
-        raise _TooShort
-    hay = _fill(units, room)
-    return _insert(hay, inserts, _positions(rng, len(hay), len(inserts), essay))
+def _haystack(tokenizer, form: Form, n_prompt: int, head: str, tail: tuple[str, str],
+              sep: str, unit: Callable[[int], str], inserts: list[str],
+              where: Callable[[int], list[int]]) -> np.ndarray:
+    """A prompt whose context is the haystack unit(0), unit(1), ... joined by `sep`, with
+    the `inserts` (needles, chain lines) placed where(k) among k units."""
+    context = lambda k: sep.join(_insert([unit(i) for i in range(k)], inserts, where(k)))
+    more = lambda k: (sep + unit(i) for i in itertools.count(k))
+    return _prompt(tokenizer, form, n_prompt, head, tail, context, more)[0]
 
 
 # -- haystacks --------------------------------------------------------------------------------
-
-def _noise(tokenizer, sep: str = "\n") -> Iterator[list[int]]:
-    unit = tokenizer.encode(sep + NOISE)
-    return itertools.repeat(unit)
-
 
 @functools.lru_cache(maxsize=1)
 def _essay_sentences() -> tuple[str, ...]:
@@ -274,13 +353,9 @@ def _essay_sentences() -> tuple[str, ...]:
     return tuple(re.split(r"(?<=[.!?]) (?=[A-Z])", text))
 
 
-@functools.lru_cache(maxsize=4)
-def _essay_units(tokenizer) -> tuple[list[int], ...]:
-    return tuple(tokenizer.encode_batch([" " + s for s in _essay_sentences()]))
-
-
-def _essay(tokenizer) -> Iterator[list[int]]:
-    return itertools.cycle(_essay_units(tokenizer))
+def _essay(i: int) -> str:
+    sentences = _essay_sentences()
+    return sentences[i % len(sentences)]
 
 
 # -- needle in a haystack ---------------------------------------------------------------------
@@ -302,12 +377,19 @@ def _needle(kind: str, key: str, value: str) -> str:
     return f"One of the special magic {kind} for {key} is: {value}."
 
 
-def _distractors(rng, spec: Niah, tokenizer, keys: set[str]) -> Iterator[list[int]]:
-    """Needles with other keys: the haystack of niah_multikey_2/3."""
-    while True:
-        key = _random(rng, spec.key)
-        if key not in keys:
-            yield tokenizer.encode("\n" + _needle(spec.value, key, _random(rng, spec.value)))
+def _distractors(seed: int, spec: Niah, keys: set[str]) -> Callable[[int], str]:
+    """unit(i): the i-th needle with another key (the haystack of niah_multikey_2/3), drawn
+    once from its own generator."""
+    rng = np.random.default_rng(seed)
+    made: list[str] = []
+
+    def unit(i: int) -> str:
+        while len(made) <= i:
+            key = _random(rng, spec.key)
+            if key not in keys:
+                made.append(_needle(spec.value, key, _random(rng, spec.value)))
+        return made[i]
+    return unit
 
 
 def _niah_text(spec: Niah, query: str) -> tuple[str, tuple[str, str]]:
@@ -317,18 +399,18 @@ def _niah_text(spec: Niah, query: str) -> tuple[str, tuple[str, str]]:
     if spec.n_queries * spec.n_values == 1:
         kind = kind[:-1]
         head = (f"A special magic {kind} is hidden within the following text. Make sure to "
-                f"memorize it. I will quiz you about the {kind} afterwards.")
+                f"memorize it. I will quiz you about the {kind} afterwards.\n")
         return head, (f"\nWhat is the special magic {kind} for {query} mentioned in the "
                       "provided text?",
                       f" The special magic {kind} for {query} mentioned in the provided text is")
     head = (f"Some special magic {kind} are hidden within the following text. Make sure to "
-            f"memorize it. I will quiz you about the {kind} afterwards.")
+            f"memorize it. I will quiz you about the {kind} afterwards.\n")
     return head, (f"\nWhat are all the special magic {kind} for {query} mentioned in the "
                   "provided text?",
                   f" The special magic {kind} for {query} mentioned in the provided text are")
 
 
-def _niah(spec: Niah, rng, tokenizer, form: Form, n_prompt: int, length: int) -> Sample:
+def _niah(spec: Niah, rng, tokenizer, form: Form, n_prompt: int, length: int) -> _Built:
     n_keys = max(spec.n_keys, spec.n_queries)
     keys: list[str] = []
     while len(keys) < n_keys:
@@ -343,20 +425,22 @@ def _niah(spec: Niah, rng, tokenizer, form: Form, n_prompt: int, length: int) ->
     names = [keys[i] for i in asked]
     query = names[0] if len(names) == 1 else ", ".join(names[:-1]) + ", and " + names[-1]
     head, tail = _niah_text(spec, query)
-    sep = " " if spec.haystack == "essay" else "\n"
-    inserts = [tokenizer.encode(sep + s) for s in needles]
-    hay = {"noise": lambda: _noise(tokenizer),
-           "essay": lambda: _essay(tokenizer),
-           "needle": lambda: _distractors(rng, spec, tokenizer, set(keys))}[spec.haystack]()
-    tokens = _assemble(tokenizer, form, head, tail, n_prompt,
-                       lambda n: _haystack_with(hay, inserts, n, rng,
-                                                spec.haystack == "essay"))
-    return Sample(tokens, answers, " " + ", ".join(answers) + ".")
+    essay = spec.haystack == "essay"
+    where = _positions(rng, len(needles), essay)
+    if spec.haystack == "needle":
+        unit = _distractors(int(rng.integers(2 ** 31)), spec, set(keys))
+    else:
+        unit = _essay if essay else lambda i: NOISE
+    # RULER joins real text's sentences with a space, other haystacks' with a newline
+    tokens = _haystack(tokenizer, form, n_prompt, head, tail, " " if essay else "\n", unit,
+                       needles, where)
+    return tokens, tail, answers, " " + ", ".join(answers) + "."
 
 
 # -- variable tracking -----------------------------------------------------------------------
 
-VT_HEAD = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n"
+VT_HEAD = ("Memorize and track the chain(s) of variable assignment hidden in the following "
+           "text.\n\n")
 VT_QUESTION = ("\nQuestion: Find all variables that are assigned the value {value} in the text "
                "above.")
 VT_PREFIX = (" Answer: According to the chain(s) of variable assignment in the text above, {n} "
@@ -381,44 +465,49 @@ def _vt_example(spec: VariableTracking, rng, tokenizer, n_prompt: int) -> str:
     question, the answer prefix and the answer, in at most `icl_tokens` tokens (a quarter
     of shorter prompts, so that most of a prompt stays its task's)."""
     names, value, lines = _chain(rng, spec.hops)
-    positions = rng.random(len(lines))
+    where = _positions(rng, len(lines), essay=False)
 
     def text(k: int) -> str:
-        units = _insert([NOISE] * k, lines, np.sort((positions * (k + 1)).astype(int)))
-        return (VT_HEAD + "\n" + "\n".join(units) + VT_QUESTION.format(value=value)
-                + VT_PREFIX.format(n=len(names), value=value) + " ".join(names) + "\n")
+        return (VT_HEAD + "\n".join(_insert([NOISE] * k, lines, where(k)))
+                + VT_QUESTION.format(value=value) + VT_PREFIX.format(n=len(names), value=value)
+                + " ".join(names) + "\n")
 
     limit = min(spec.icl_tokens, n_prompt // 4)
-    per = len(tokenizer.encode("\n" + NOISE))
-    k = max((limit - len(tokenizer.encode(text(0)))) // per, 0)
-    return text(k)
+    return text(_most(lambda k: len(tokenizer.encode(text(k))), limit))
 
 
 def _vt(spec: VariableTracking, rng, tokenizer, form: Form, n_prompt: int,
-        length: int) -> Sample:
+        length: int) -> _Built:
     example = _vt_example(spec, rng, tokenizer, n_prompt)
     names, value, lines = _chain(rng, spec.hops)
-    inserts = [tokenizer.encode("\n" + line) for line in lines]
     tail = (VT_QUESTION.format(value=value), VT_PREFIX.format(n=len(names), value=value))
-    tokens = _assemble(tokenizer, form, example + VT_HEAD, tail, n_prompt,
-                       lambda n: _haystack_with(_noise(tokenizer), inserts, n, rng))
-    return Sample(tokens, names, " ".join(names))
+    tokens = _haystack(tokenizer, form, n_prompt, example + VT_HEAD, tail, "\n",
+                       lambda i: NOISE, lines, _positions(rng, len(lines), essay=False))
+    return tokens, tail, names, " ".join(names)
 
 
 # -- common words ------------------------------------------------------------------------------
 
 CWE_HEAD = ("Below is a numbered list of words. In these words, some appear more often than "
-            "others. Memorize the ones that appear most often.")
+            "others. Memorize the ones that appear most often.\n")
 CWE_QUESTION = "\nQuestion: What are the 10 most common words in the above list?"
 CWE_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
 
 
-def _word_pool(rng) -> list[str]:
-    """Words in a random order: single words first, adjective-noun pairs once those run out."""
+def _word_pool(rng, n_common: int) -> list[str]:
+    """Words in a random order, single words first and adjective-noun pairs once those run
+    out; the first `n_common` (the answers) are single words that no other word in the pool
+    holds, nor one another (RULER's string_match_all credits an answer found anywhere in the
+    prediction: a listed 'bold', or past ~16K 'kind-acorn', would earn 'old' or 'kind')."""
     singles = sorted(set(ADJECTIVES + NOUNS + VERBS))
     pairs = [f"{a}-{n}" for a in ADJECTIVES for n in NOUNS]
-    return ([singles[i] for i in rng.permutation(len(singles))]
-            + [pairs[i] for i in rng.permutation(len(pairs))])
+    order = ([singles[i] for i in rng.permutation(len(singles))]
+             + [pairs[i] for i in rng.permutation(len(pairs))])
+    answers: list[str] = []
+    for word in order[:len(singles)]:
+        if len(answers) < n_common and not any(word in a or a in word for a in answers):
+            answers.append(word)
+    return answers + [w for w in order if not any(a in w for a in answers)]
 
 
 def _word_list(words: list[str], n_common: int, n_uncommon: int, freq: tuple[int, int],
@@ -430,50 +519,41 @@ def _word_list(words: list[str], n_common: int, n_uncommon: int, freq: tuple[int
     return items
 
 
-def _numbered(words: list[str], start: int = 1) -> list[str]:
-    return [f" {i}. {w}" for i, w in enumerate(words, start)]
+def _numbered(words: list[str], start: int = 1) -> str:
+    """RULER's numbered list: '1. apple 2. pear'."""
+    return " ".join(f"{i}. {w}" for i, w in enumerate(words, start))
 
 
-def _cwe_context(tokenizer, words: list[str], spec: CommonWords, freq: tuple[int, int],
-                 seed: int, n: int) -> list[list[int]]:
-    """`n` ids of a numbered list: as many uncommon words as fit (a binary search over their
-    number), then once-only words, the last of them cut to fill the gap."""
-    def items(k: int) -> list[list[int]]:
-        return tokenizer.encode_batch(_numbered(_word_list(words, spec.n_common, k, freq,
-                                                           seed)))
-
-    lo, hi = 0, min(len(words) - spec.n_common, n // freq[1])  # an item has >= 1 id
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if sum(map(len, items(mid))) <= n else (lo, mid - 1)
-    units = items(lo)
-    if sum(map(len, units)) > n:
-        raise _TooShort
-    spare = words[spec.n_common + lo:]  # never in the list: each appears once below
-    more = iter(tokenizer.encode(s) for s in _numbered(spare, len(units) + 1))
-    return _fill(itertools.chain(units, more), n)
-
-
-def _cwe(spec: CommonWords, rng, tokenizer, form: Form, n_prompt: int, length: int) -> Sample:
+def _cwe(spec: CommonWords, rng, tokenizer, form: Form, n_prompt: int, length: int) -> _Built:
     short = length < 4096  # RULER's smaller repetitions and example below 4K
     freq = (6, 1) if short else (spec.freq_common, spec.freq_uncommon)
-    example_words = _word_pool(rng)[:20 if short else 40]
+    example_words = _word_pool(rng, spec.n_common)[:20 if short else 40]
     example_list = _word_list(example_words, spec.n_common, len(example_words) - spec.n_common,
                               (3, 1) if short else (10, 3), int(rng.integers(2 ** 31)))
-    example = (CWE_HEAD + "\n" + "".join(_numbered(example_list)).lstrip() + CWE_QUESTION
-               + CWE_PREFIX + "".join(_numbered(example_words[:spec.n_common])) + "\n")
-    words = _word_pool(rng)
+    # the example is an exchange of its own, answered, as RULER writes it
+    example = (CWE_HEAD + _numbered(example_list) + CWE_QUESTION + form.after + CWE_PREFIX
+               + " " + _numbered(example_words[:spec.n_common]) + form.between)
+    words = _word_pool(rng, spec.n_common)
     seed = int(rng.integers(2 ** 31))
     answers = words[:spec.n_common]
-    tokens = _assemble(tokenizer, form, example + CWE_HEAD, (CWE_QUESTION, CWE_PREFIX),
-                       n_prompt, lambda n: _cwe_context(tokenizer, words, spec, freq, seed, n))
-    return Sample(tokens, answers, "".join(_numbered(answers)))
+
+    def listed(k: int) -> int:
+        return spec.n_common * freq[0] + k * freq[1]
+
+    def more(k: int) -> Iterator[str]:  # once-only words: never among the most common
+        return (f" {i}. {w}" for i, w in enumerate(words[spec.n_common + k:], listed(k) + 1))
+
+    tokens, _ = _prompt(tokenizer, form, n_prompt, example + CWE_HEAD,
+                        (CWE_QUESTION, CWE_PREFIX),
+                        lambda k: _numbered(_word_list(words, spec.n_common, k, freq, seed)),
+                        more, most=len(words) - spec.n_common)
+    return tokens, (CWE_QUESTION, CWE_PREFIX), answers, " " + _numbered(answers)
 
 
 # -- frequent words ----------------------------------------------------------------------------
 
 FWE_HEAD = ("Read the following coded text and track the frequency of each coded word. Find "
-            "the three most frequently appeared coded words.")
+            "the three most frequently appeared coded words. ")
 FWE_QUESTION = ("\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
                 "What are the three most frequently appeared words in the above coded text?")
 FWE_PREFIX = (" Answer: According to the coded text above, the three most frequently appeared "
@@ -491,38 +571,32 @@ def _coded_vocab(rng, size: int, word_len: int) -> list[str]:
     return ["..."] + words[1:]
 
 
-def _fwe_context(tokenizer, vocab: list[str], alpha: float, rng, n: int) -> list[list[int]]:
-    """`n` ids of words drawn by counts floor(m k^-alpha / zeta(alpha)) for rank k (the
-    largest m that fits), shuffled, then the noise word until `n` is filled."""
-    ids = tokenizer.encode_batch([" " + w for w in vocab])
-    sizes = np.asarray([len(i) for i in ids])
+def _fwe(spec: FrequentWords, rng, tokenizer, form: Form, n_prompt: int,
+         length: int) -> _Built:
+    """Words drawn by counts floor(m k^-alpha / zeta(alpha)) for rank k (the largest m that
+    fits), shuffled, then the noise word to fill the prompt."""
+    vocab = _coded_vocab(rng, max(n_prompt // 50, 5), spec.word_len)
+    seed = int(rng.integers(2 ** 31))
     ranks = np.arange(1, len(vocab) + 1, dtype=np.float64)
 
     def counts(m: int) -> np.ndarray:
-        return (m * ranks ** -alpha / zeta(alpha)).astype(int)
+        return (m * ranks ** -spec.alpha / zeta(spec.alpha)).astype(int)
 
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if int(counts(mid) @ sizes) <= n else (lo, mid - 1)
-    c = counts(lo)
+    def context(m: int) -> str:
+        drawn = np.repeat(np.arange(len(vocab)), counts(m))
+        return " ".join(vocab[i] for i in np.random.default_rng(seed).permutation(drawn))
+
+    tail = (FWE_QUESTION, FWE_PREFIX)
+    tokens, m = _prompt(tokenizer, form, n_prompt, FWE_HEAD, tail, context,
+                        lambda m: itertools.repeat(" ..."))
+    c = counts(m)
     if not c[3] > c[4]:  # the three asked words must be the most frequent, unambiguously
         raise _TooShort
-    order = np.repeat(np.arange(len(vocab)), c)
-    rng.shuffle(order)
-    return _fill(itertools.chain((ids[i] for i in order), itertools.repeat(ids[0])), n)
-
-
-def _fwe(spec: FrequentWords, rng, tokenizer, form: Form, n_prompt: int,
-         length: int) -> Sample:
-    vocab = _coded_vocab(rng, max(n_prompt // 50, 5), spec.word_len)
-    tokens = _assemble(tokenizer, form, FWE_HEAD, (FWE_QUESTION, FWE_PREFIX), n_prompt,
-                       lambda n: _fwe_context(tokenizer, vocab, spec.alpha, rng, n))
     answers = vocab[1:4]
-    return Sample(tokens, answers, " " + " ".join(answers))
+    return tokens, tail, answers, " " + " ".join(answers)
 
 
-_BUILDERS: dict[type, Callable[..., Sample]] = {
+_BUILDERS: dict[type, Callable[..., _Built]] = {
     Niah: _niah, VariableTracking: _vt, CommonWords: _cwe, FrequentWords: _fwe}
 
 
@@ -583,19 +657,21 @@ class RulerDocuments:
         return self._document(self.tasks[i % len(self.tasks)], i // len(self.tasks))
 
     def _document(self, task: str, index: int):
-        """Prompt, answer and its end token (the loss), filler: `tokens` ids. An answer
-        longer than the task's budget (a small vocabulary spells names letter by letter)
-        takes a shorter prompt: a sample drawn for that length."""
+        """Prompt, answer (the prompt's text and the answer in one piece) and its end token
+        (the loss), filler: `tokens` ids. An answer longer than the task's budget (a small
+        vocabulary spells names letter by letter) takes a shorter prompt: a sample drawn
+        for that length."""
         length = self.spec.tokens
         while True:
             s = sample(task, self.tokenizer, self.form, length, self.spec.seed, index, TRAIN)
-            answer = self.tokenizer.encode(s.target) + [self.form.end_id]
-            gap = self.spec.tokens - len(s.tokens) - len(answer)
+            prompt = s.tokens[:len(s.tokens) - s.joined]
+            answer = s.target_ids + [self.form.end_id]
+            gap = self.spec.tokens - len(prompt) - len(answer)
             if gap >= 0:
                 break
             length += gap
-        tokens = np.concatenate([s.tokens, answer, np.full(gap, self.filler)]).astype(np.int32)
-        loss = np.concatenate([np.zeros(len(s.tokens)), np.ones(len(answer)),
+        tokens = np.concatenate([prompt, answer, np.full(gap, self.filler)]).astype(np.int32)
+        loss = np.concatenate([np.zeros(len(prompt)), np.ones(len(answer)),
                                np.zeros(gap)]).astype(np.int8)
         return tokens, loss
 
