@@ -158,16 +158,19 @@ def _table(found: list[dict]) -> str:
     """The statistics as lines: per source, one epoch's draws and tokens ('~': estimated
     from a sample), its tokens' shares by document length, its share of the run."""
     labels = [label for label, _, _ in BUCKETS]
+    # each source named whole (kind, path, options), the column as wide as the longest
+    names = [f"{f['kind']}:{f['path']}" + (f"?{f['options']}" if f["options"] else "")
+             for f in found]
+    width = max([len("source"), *map(len, names)])
     lines = ["one epoch per source under its options; tokens by document length; share of "
              "the tokens trained on (~: estimated from a sample)",
-             f"{'source':<44} {'documents':>11} {'tokens':>15} "
+             f"{'source':<{width}} {'documents':>11} {'tokens':>15} "
              + " ".join(f"{label:>7}" for label in labels) + f" {'share':>7}"]
-    for f in found:
-        name = f"{f['kind']}:{f['path']}" + (f"?{f['options']}" if f["options"] else "")
+    for name, f in zip(names, found):
         mark = "~" if f["estimated"] else " "
         cells = " ".join(f"{100 * f['buckets'][label]['tokens'] / max(f['tokens'], 1):6.1f}%"
                          for label in labels)
-        lines.append(f"{name[-44:]:<44} {mark}{f['documents']:>10,} {mark}{f['tokens']:>14,} "
+        lines.append(f"{name:<{width}} {mark}{f['documents']:>10,} {mark}{f['tokens']:>14,} "
                      f"{cells} {100 * f['share']:6.1f}%")
     return "\n".join(lines)
 
