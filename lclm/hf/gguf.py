@@ -39,8 +39,10 @@ _LAYER_TENSORS = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "att
 _CONTROL, _USER_DEFINED = 3, 4
 # the text splits a byte-level vocabulary was learned with (`tokenizer.ggml.pre`) that lclm
 # reproduces: GPT-2's expression, which llama.cpp's "smollm" (as SmolLM2's own tokenizer.json)
-# runs after cutting digits apart; transformers' GGUF loader leaves them whole, to the same
-# tokens for SmolLM2, whose merges never join a digit
+# runs after cutting digits apart. transformers' GGUF loader (5.24) does not cut them apart,
+# and its tokens differ where two or more whitespace characters come before a digit: GPT-2's
+# expression then leaves the last of them alone ("conventions:\n\n1." is ... 42 198 198 33
+# there, '\n' '\n' '1'; ... 42 1116 33 here, '\n\n' '1', as the model and llama.cpp split it)
 _SPLIT_DIGITS = {"default": False, "gpt2": False, "smollm": True}
 
 
