@@ -5,6 +5,7 @@ The names, the shipped GPU descriptions, the budget and the kernel choice by tar
 tested everywhere; the compiles need JAX's CUDA plugin with ptxas (`lclm[gpu-aot]`) and skip,
 saying so, where it is missing."""
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -18,8 +19,10 @@ from support import DEMO_CONFIG, ROOT
 
 from lclm import hardware
 from lclm.config import load_config
+from lclm.config.run_config import run_config
 from lclm.errors import ConfigError
 from lclm.ops.kernels import choose_kernel, compiling_for, recording, target_device, tokamax_gpu
+from lclm.parallel.mesh import make_mesh
 from lclm.plan import aot
 from lclm.plan.memory import estimate
 
@@ -301,3 +304,19 @@ def test_bench_compile_only_compiles_every_program_with_its_kernels(tmp_path):
         if "pallas_gpu" in name or "cuDNN" in name or name.startswith("lclm"):
             assert kernels > 0, (name, kernels)
     assert sum(name.startswith("baseline") for name in programs) == 3
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("kind,max_new", [("forward", 0), ("decode", 9)])
+def test_evaluation_programs_compile_for_an_h100(kind, max_new):
+    """What `python -m lclm.extend` evaluates with, compiled as `plan --compile` compiles it
+    for an extension: perplexity's token losses and a passkey's prefill with its decode step,
+    the small model on a ring of 2 H100s, with fused attention and no host callbacks."""
+    run = run_config(_small(**{"mesh.sp": 2, "mesh.fsdp": 1}))
+    model = dataclasses.replace(run.model.resolved(), ffn_chunk=256, loss_chunk=256)
+    devices = aot.target_devices(aot.target("h100:2"))
+    mesh = make_mesh(dp=1, fsdp=1, tp=1, sp=2, devices=devices)
+    compiled = aot.compile_eval(kind, model, run.attention, mesh, rows=1, row=1024,
+                                max_new=max_new)
+    assert compiled.kernels >= 1 and compiled.callbacks == 0 and compiled.total > 0
+    assert compiled.attention.kernels

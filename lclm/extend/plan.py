@@ -234,17 +234,21 @@ def eval_models(first: RunConfig, last: RunConfig, lengths: Lengths
             AFTER: (after, tiled(a))}
 
 
-def eval_programs(first: RunConfig, last: RunConfig, lengths: Lengths,
+def eval_programs(stages: list[RunConfig], lengths: Lengths,
                   all_parts: list[Part]) -> list[Program]:
-    """Every distinct program the evaluation parts of `all_parts` compile (an earlier
-    stage's weights have the last stage's shapes and tiles: its programs are AFTER's)."""
+    """Every distinct program the evaluation parts of `all_parts` compile (an earlier stage's
+    weights run with their own RoPE, and the last stage's dtype and tiles)."""
+    first, last = stages[0], stages[-1]
     models = eval_models(first, last, lengths)
+    for i, stage in enumerate(stages[:-1]):
+        models[f"stage {i}"] = (dataclasses.replace(stage.model.resolved(),
+                                                    dtype=last.model.dtype), models[AFTER][1])
     sp, rows = last.mesh.sp, last.mesh.dp * last.mesh.fsdp
     found: dict[tuple, Program] = {}
     for part in all_parts:
         if part.task == TRAIN:
             continue
-        model, attention = models.get(part.model, models[AFTER])
+        model, attention = models[part.model]
         for n in part.lengths:
             if part.task == "perplexity":
                 shapes = [("forward", row_length(model, attention, sp, n), 0)]

@@ -32,6 +32,10 @@ SAVE_BYTES_PER_SECOND = 0.12e9
 LOAD_BYTES_PER_SECOND = 0.4e9
 # a decoding step's fixed cost (a launch of every layer, the host's loop), beside its FLOPs
 DECODE_STEP_SECONDS = 0.01
+# a stage's start before its first step, beside loading and compiling: the loader's statistics
+# tokenise up to 200 documents per source on one core (the stdlib's code documents with
+# SmolLM2's tokenizer: 68-92 s on this project's 2-core machine with other work beside it)
+STAGE_START_SECONDS = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +110,8 @@ def _train(stage: RunConfig, rate: Rate, compile_s: float) -> tuple[float, str]:
         lengths = validation_lengths(data.seq_len, stage.validation.lengths)
         held_out = times * sum(stage.validation.batches * data.batch_size * _forward(model, n)
                                / rate.flops for n in lengths) + compile_s * len(lengths)
-    seconds = (_load(model) + compile_s + left * step + saves * state / SAVE_BYTES_PER_SECOND
-               + held_out)
+    seconds = (STAGE_START_SECONDS + _load(model) + compile_s + left * step
+               + saves * state / SAVE_BYTES_PER_SECOND + held_out)
     return seconds, f"{left} steps of {step:.2f} s ({how}), {saves} saves"
 
 
@@ -134,9 +138,10 @@ def expected_seconds(part: Part, first: RunConfig, stage: RunConfig | None, rate
             how.append(f"{prompts} prompts")
         else:
             tasks = [t.strip() for t in ext.ruler_tasks.split(",") if t.strip()]
-            for task in tasks:
-                budget = RULER_TASKS[task].budget
-                seconds += 2 * compile_s + ext.ruler_samples * (
-                    _forward(model, n) / rate.flops + budget * _decode(model, n, rate))
+            budgets = [RULER_TASKS[task].budget for task in tasks]
+            # one prefill and one decode program per answer budget (tasks share them)
+            seconds += 2 * compile_s * len(set(budgets)) + sum(
+                ext.ruler_samples * (_forward(model, n) / rate.flops
+                                     + budget * _decode(model, n, rate)) for budget in budgets)
             how.append(f"{len(tasks)} tasks x {ext.ruler_samples} prompts")
     return seconds, ", ".join(how)

@@ -137,7 +137,7 @@ def _compile_evaluations(config, devices, budget: int, target: str, gpu: bool) -
     stages = stage_runs(config)
     first, last = stages[0], stages[-1]
     lengths = extension_lengths(first, stages, starting_length(first))
-    programs = eval_programs(first, last, lengths, parts(first, stages, lengths))
+    programs = eval_programs(stages, lengths, parts(first, stages, lengths))
     mesh = make_mesh(**{a: getattr(last.mesh, a) for a in MESH_AXES},
                      devices=devices[:mesh_device_count(config) or len(devices)])
     of = "budget" if gpu else "HBM"

@@ -12,10 +12,21 @@ import pytest
 from support import DEMO_CORPUS, DEMO_TOKENIZER, save_initial_checkpoint
 
 from lclm.check.__main__ import main as check_main
-from lclm.config import base_config
+from lclm.config import base_config, load_config
 from lclm.config.schema import Targets
 from lclm.extend.__main__ import main
-from lclm.extend.plan import AFTER, BEFORE, YARN, Lengths, Part
+from lclm.extend.plan import (
+    AFTER,
+    BEFORE,
+    YARN,
+    Lengths,
+    Part,
+    eval_programs,
+    extension_lengths,
+    parts,
+    stage_runs,
+    starting_length,
+)
 from lclm.extend.targets import Measured, judge
 
 CONFIG = '''
@@ -168,3 +179,23 @@ def test_a_part_not_measured_is_never_met():
     verdicts = judge(Targets(ruler=50.0), LENGTHS, Measured(PARTS, {}))
     assert [v.met for v in verdicts] == [None] * 5
     assert all(v.word == "not measured" for v in verdicts)
+
+
+def test_the_programs_plan_compiles_are_those_the_parts_run(extension):
+    """`plan --compile` compiles one program per model, kind and row length the evaluation
+    parts run: every perplexity length of the starting weights and the trained ones, YaRN's
+    and the earlier stage's (its own RoPE) at their lengths, and a passkey prefill + decode
+    step for each of before and after."""
+    path, _ = extension
+    config = load_config(path)
+    stages = stage_runs(config)
+    lengths = extension_lengths(stages[0], stages, starting_length(stages[0]))
+    programs = eval_programs(stages, lengths, parts(stages[0], stages, lengths))
+    assert sorted((p.what, p.kind, p.row) for p in programs) == sorted(
+        [(f"perplexity {m} at {n}", "forward", n) for m in ("before", "after")
+         for n in (32, 64, 128, 256)]
+        + [("perplexity yarn at 256", "forward", 256),
+           ("perplexity stage 0 at 128", "forward", 128),
+           ("passkey after at 256", "decode", 256), ("passkey before at 256", "decode", 256)])
+    stage0 = next(p for p in programs if p.what.startswith("perplexity stage 0"))
+    assert stage0.model.rope_theta == 10000.0 and lengths.trained == 64
