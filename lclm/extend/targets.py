@@ -93,9 +93,13 @@ def judge(targets: Targets, lengths: Lengths, m: Measured) -> list[Verdict]:
                                            "measured"))
         else:
             ratio = far / near
+            was_far = m.range_loss(BEFORE, final, lengths.far)
+            was_near = m.range_loss(BEFORE, final, lengths.near)
+            was = (f"; the starting weights {was_far / was_near:.3f}"
+                   if was_far is not None and was_near else "")
             out.append(Verdict(name, ratio <= targets.far_near,
                                f"{far:.4f} / {near:.4f} = {ratio:.3f} (at most "
-                               f"{targets.far_near:g})"))
+                               f"{targets.far_near:g}){was}"))
     if targets.passkey >= 0:
         acc = m.passkey(AFTER, final)
         name = f"passkey at {format_tokens(final)}, every depth"
@@ -124,6 +128,8 @@ def judge(targets: Targets, lengths: Lengths, m: Measured) -> list[Verdict]:
         if yarn is None or after is None:
             out.append(Verdict(name, None, "not measured"))
         else:
+            before = m.loss(BEFORE, final)
+            plain = "" if before is None else f" ({before:.4f} with neither)"
             out.append(Verdict(name, after < yarn and math.isfinite(after),
-                               f"{after:.4f} trained vs {yarn:.4f} with YaRN"))
+                               f"{after:.4f} trained vs {yarn:.4f} with YaRN{plain}"))
     return out
