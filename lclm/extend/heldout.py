@@ -89,8 +89,10 @@ def counted(config) -> tuple[Lengths, HeldOut]:
     stages = stage_runs(config)
     first = stages[0]
     lengths = extension_lengths(first, stages, starting_length(first))
-    held = count(heldout_source(first), Tokenizer(first.data.tokenizer),
-                 list(lengths.perplexity), first.extension.documents, first.data.text_field)
+    # each earlier stage's weights are measured at its own length too
+    measured = sorted(set(lengths.perplexity) | {s.data.seq_len for s in stages})
+    held = count(heldout_source(first), Tokenizer(first.data.tokenizer), measured,
+                 first.extension.documents, first.data.text_field)
     return lengths, held
 
 
