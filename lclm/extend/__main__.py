@@ -130,6 +130,7 @@ class Extension:
         self.out = out or storage.join(config.workdir, "extension")
         self.command = command
         self.parts = parts(self.first, self.stages, self.lengths)
+        self.rate = device_rate(self.last, mesh_device_count(config) or len(jax.devices()))
         self.status: dict[str, dict] = {}
         self.reports: dict[str, dict] = {}
         self.halted = ""
@@ -162,7 +163,7 @@ class Extension:
         of the command. A budget that does not hold the main question (the parts up to the
         trained weights' loss at the final length) is refused in one line."""
         previous = self._previous_status()
-        rate = device_rate(self.last, mesh_device_count(self.config) or len(jax.devices()))
+        rate = self.rate
         budget = math.inf if budget_minutes is None else 60 * budget_minutes
         print(f"time plan on {rate.how}:")
         total, taken = 0.0, 0.0
@@ -225,7 +226,9 @@ class Extension:
                 continue
             left = (math.inf if budget_minutes is None
                     else 60 * budget_minutes - (time.monotonic() - started))
-            if state["expected"] > left:
+            if self.halted:   # a gate, a preemption: what stopped the training stops the run
+                state["status"] = "not run: the training stopped"
+            elif state["expected"] > left:
                 state["status"] = "left for the next run: the budget's remainder is shorter"
             elif part.task != TRAIN and part.workdir and not _trained(self.stages):
                 state["status"] = "not run: the training did not finish"
