@@ -281,6 +281,7 @@ def open_packages(heldout: bool, root: str, tokenizer, reading: Reading) -> Text
     return TextDocuments(packages, "text", tokenizer)
 
 
-KINDS = (Kind("code", functools.partial(open_packages, False), DIRECTORY, path_help=_PACKAGES),
-         Kind("code-heldout", functools.partial(open_packages, True), DIRECTORY,
+KINDS = (Kind("code", functools.partial(open_packages, False), DIRECTORY, prepare=True,
+              path_help=_PACKAGES),
+         Kind("code-heldout", functools.partial(open_packages, True), DIRECTORY, prepare=True,
               path_help=_PACKAGES))

@@ -38,14 +38,15 @@ class _RecordDocuments:
 
 
 class TextDocuments(_RecordDocuments):
-    """Plain documents: BOS + text + EOS, every token a target."""
+    """Plain documents: BOS + text + EOS, every token a target; a long text is tokenised in
+    pieces on the tokenizer's threads where that gives the same ids (`Tokenizer.encode_long`)."""
 
     def __init__(self, records: Records, text_field: str, tokenizer):
         self.records, self.field, self.tokenizer = records, text_field, tokenizer
 
     def document(self, record) -> tuple[np.ndarray, np.ndarray]:
         tok = self.tokenizer
-        ids = [tok.bos_id] * tok.add_bos + tok.encode(record[self.field]) + [tok.eos_id]
+        ids = [tok.bos_id] * tok.add_bos + tok.encode_long(record[self.field]) + [tok.eos_id]
         tokens = np.asarray(ids, np.int32)
         loss = np.ones(len(ids), np.int8)
         loss[0] = 0  # the document's first token (BOS): nothing predicts it

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from lclm.config.syntax import format_tokens, parse_tokens
+from lclm.data.ahead import read_many
 from lclm.data.prepared import TokenizedDocuments
 from lclm.data.records import DataError
 from lclm.errors import ConfigError
@@ -128,9 +129,11 @@ class DocumentLengths:
         self.known[i] = 0 if doc is None else len(doc[0])
 
     def measure(self, indices: np.ndarray) -> np.ndarray:
-        """The lengths `[k]` of documents `indices` `[k]`, reading those not yet known."""
-        for i in indices[self.known[indices] < 0]:
-            self.note(int(i), self.docs[int(i)])
+        """The lengths `[k]` of documents `indices` `[k]`, reading those not yet known (in
+        parallel where the documents are read ahead: `lclm.data.ahead`)."""
+        unknown = indices[self.known[indices] < 0]
+        for i, doc in zip(unknown, read_many(self.docs, unknown)):
+            self.note(int(i), doc)
         return self.known[indices]
 
 
@@ -139,12 +142,14 @@ class LengthFilter:
 
     `read(i, epoch, copy)` is document i as its `copy`-th draw of `epoch` (0: the original,
     >= 1: a copy of a long document), or None where the options (or a malformed record)
-    leave that draw out.
+    leave that draw out. `lengths`: those of `docs`, where another source reads the same
+    documents (each is measured once); else its own.
     """
 
-    def __init__(self, docs, rules: LengthRules, seed: int, source: int):
+    def __init__(self, docs, rules: LengthRules, seed: int, source: int,
+                 lengths: DocumentLengths | None = None):
         self.docs, self.rules, self.seed, self.source = docs, rules, seed, source
-        self.lengths = DocumentLengths(docs)
+        self.lengths = DocumentLengths(docs) if lengths is None else lengths
         self.copies = rules.copies
 
     def keep(self, indices: np.ndarray, lengths: np.ndarray, epoch: int,
@@ -178,6 +183,12 @@ class LengthFilter:
         if not self.keep(np.array([i]), self.lengths.known[i:i + 1], epoch, copy)[0]:
             return None
         return self.docs[i] if doc is None else doc
+
+    def may_keep(self, i: int, epoch: int, copy: int) -> bool:
+        """Whether `read(i, epoch, copy)` may give the document: False only where its
+        length is known and the options leave that draw out."""
+        length = self.lengths.known[i:i + 1]
+        return bool(length[0] < 0 or self.keep(np.array([i]), length, epoch, copy)[0])
 
     def check_keepable(self, indices: np.ndarray, name: str) -> None:
         """A DataError naming `name` when no document of `indices` (all measured) could ever

@@ -18,6 +18,7 @@ documents again (document i of a source is always the same) and skips the consum
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import queue
@@ -32,9 +33,19 @@ from jax.sharding import NamedSharding
 
 from lclm import storage
 from lclm.config.run_config import RunConfig
+from lclm.data.ahead import Ahead
 from lclm.data.balance import attention_work, balance_permutation
-from lclm.data.filters import BUCKETS, LengthFilter, LengthRules, parse_options, statistics
+from lclm.data.filters import (
+    BUCKETS,
+    DocumentLengths,
+    LengthFilter,
+    LengthRules,
+    parse_options,
+    statistics,
+)
+from lclm.data.kind import Documents
 from lclm.data.packing import ROW_KEYS, Packer
+from lclm.data.prepared import TokenizedDocuments
 from lclm.data.sources import KINDS, DataError, open_documents
 from lclm.data.stats import SourceStats
 from lclm.data.stream import DocumentStream, EpochOrders, Mixture
@@ -178,7 +189,7 @@ def _table(found: list[dict]) -> str:
 class _Source(NamedTuple):
     """An opened data.path entry, shared by the slots."""
     entry: SourceEntry
-    docs: object   # a random-access document set (lclm.data.sources.open_documents)
+    docs: object   # a random-access document set (open_documents), read ahead unless prepared
     orders: EpochOrders
     filter: LengthFilter
 
@@ -202,6 +213,11 @@ class _Slot:
                                unit=unit)
         self.packer = Packer(seq_len, reset_positions)
         self._origins: collections.deque[dict] = collections.deque()  # of pending documents
+
+    def upcoming(self, batches: int) -> list[list[int]]:
+        """Per source, the documents its reader draws next, soonest first: twice as many as
+        it drew per batch over `batches` batches, and two more (what to read ahead)."""
+        return [s.upcoming(2 + -(-2 * s.drawn // max(batches, 1))) for s in self.mixture.streams]
 
     def _draw(self) -> tuple[np.ndarray, np.ndarray]:
         self._origins.append(self.mixture.state())
@@ -242,16 +258,25 @@ class HostBatches:
         self.rows, self.seq = host_block(self.sharding, self.global_shape)
         self.stats = SourceStats()
         self.sources: list[_Source] = []
+        # entries of one kind and path (a mixture of one source's lengths) share its
+        # documents, their lengths as measured and the threads that read them ahead
+        opened: dict[tuple[str, str], tuple[Documents, DocumentLengths]] = {}
         for i, entry in enumerate(parse_sources(d.path, d.source)):
-            docs = open_documents(entry.kind, entry.path, tokenizer, text_field=d.text_field,
-                                  chat_template=d.chat_template, stats=self.stats)
+            if (entry.kind, entry.path) not in opened:
+                docs = open_documents(entry.kind, entry.path, tokenizer,
+                                      text_field=d.text_field, chat_template=d.chat_template,
+                                      stats=self.stats)
+                if not isinstance(docs, TokenizedDocuments):   # read in microseconds
+                    docs = Ahead(docs)
+                opened[entry.kind, entry.path] = docs, DocumentLengths(docs)
+            docs, lengths = opened[entry.kind, entry.path]
             if len(docs) < d.batch_size:
                 raise DataError(f"data source {entry.path} has {len(docs)} usable records but "
                                 f"needs at least {d.batch_size}: each of the data.batch_size="
                                 f"{d.batch_size} batch rows reads its own share; use more data "
                                 "or a smaller data.batch_size")
             self.sources.append(_Source(entry, docs, EpochOrders(len(docs), seed * 1009 + i),
-                                        LengthFilter(docs, entry.options, seed, i)))
+                                        LengthFilter(docs, entry.options, seed, i, lengths)))
         self.unit = d.mixture_unit
         self.slots = {r: _Slot(self.sources, self.unit, seed, r, d.batch_size,
                                d.seq_len, d.reset_positions)
@@ -267,6 +292,8 @@ class HostBatches:
         self.document_mask = d.document_mask
         if state is not None:
             self.restore(state)
+        self._built = 0   # batches built by this object: how fast its readers draw
+        self._read_ahead()
         self._state = self._snapshot()
         self._logged_skips = 0
         self._stop = threading.Event()
@@ -317,7 +344,22 @@ class HostBatches:
             batch = {k: v[order] for k, v in batch.items()}
         batch = batch_to_layout(batch, self.layout, self.shards)
         self.batches += 1
+        self._built += 1
+        self._read_ahead()
         return {k: np.ascontiguousarray(v[:, self.seq]) for k, v in batch.items()}
+
+    def _read_ahead(self) -> None:
+        """Start reading the documents that the next batches draw, on each source's threads
+        (`lclm.data.ahead`): every slot's next one first, then every slot's second, ..."""
+        upcoming = [slot.upcoming(self._built) for slot in self.slots.values()]
+        wanted: dict[int, tuple[Ahead, list[list[int]]]] = {}   # by id: sources share them
+        for j, source in enumerate(self.sources):
+            if isinstance(source.docs, Ahead):
+                wanted.setdefault(id(source.docs), (source.docs, []))[1].extend(
+                    u[j] for u in upcoming)
+        for docs, lists in wanted.values():
+            docs.want(i for depth in itertools.zip_longest(*lists) for i in depth
+                      if i is not None)
 
     def _produce(self) -> None:
         try:
@@ -375,3 +417,6 @@ class HostBatches:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        for source in self.sources:   # a shared one twice: closing is idempotent
+            if isinstance(source.docs, Ahead):
+                source.docs.close()

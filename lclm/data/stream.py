@@ -66,6 +66,7 @@ class DocumentStream:
         self.epoch, self.index = 0, 0
         self.last: int | None = None   # the document drawn last, where copies may follow it
         self.skipped = 0   # draws left out in a row
+        self.drawn = 0   # documents handed out by this object (not state: for reading ahead)
         self._share_epoch: int | None = None
         self._share: np.ndarray | None = None
 
@@ -80,9 +81,9 @@ class DocumentStream:
         assert self._share is not None  # made above for the current epoch
         return self._share
 
-    def _document(self, share: np.ndarray) -> tuple[int, int]:
-        """(document, copy) of draw `index` of the epoch."""
-        position, copy = divmod(self.index, self.copies)
+    def _document(self, share: np.ndarray, index: int) -> tuple[int, int]:
+        """(document, copy) of draw `index` of the epoch of `share`."""
+        position, copy = divmod(index, self.copies)
         shift = max(1, len(share) // self.copies)
         return int(share[(position + copy * shift) % len(share)]), copy
 
@@ -107,16 +108,32 @@ class DocumentStream:
             if self.index >= len(share) * self.copies:
                 self.epoch, self.index = self.epoch + 1, 0
                 continue
-            i, copy = self._document(share)
+            i, copy = self._document(share, self.index)
             doc = self._read(i, copy)
             self.index += 1
             if doc is None:
                 self._left_out(share)
                 continue
             self.skipped = 0
+            self.drawn += 1
             if self.copies > 1:
                 self.last = i
             return doc
+
+    def upcoming(self, k: int) -> list[int]:
+        """The documents of this reader's next `k` draws, in order, less those that its
+        options already leave out (their length is known): what to read ahead. A draw
+        listed may still be left out."""
+        epoch, index, share, found = self.epoch, self.index, self._my_share(), []
+        for _ in range(k):
+            if index >= len(share) * self.copies:
+                epoch, index = epoch + 1, 0
+                share = self.orders.get(epoch)[self.shard::self.num_shards]
+            i, copy = self._document(share, index)
+            index += 1
+            if self.rules is None or self.rules.may_keep(i, epoch, copy):
+                found.append(i)
+        return found
 
     def state(self) -> dict:
         state: dict = dict(epoch=self.epoch, index=self.index)

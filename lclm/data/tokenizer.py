@@ -5,7 +5,9 @@
 holding `tokenizer.json` (preferred) or `tokenizer.model`, and either may be on gs:// or
 s3:// (read whole through lclm.storage). Both kinds give:
 
-- `encode(text)` ids without BOS/EOS; `encode_with_offsets(text)` the same ids and each
+- `encode(text)` ids without BOS/EOS; `encode_long(text)` the same ids, a long text
+  tokenised in pieces on the tokenizer's own threads where that gives the same ids (below);
+  `encode_batch(texts)` the ids of each text; `encode_with_offsets(text)` the same ids and each
   token's (start, end) character span in `text` (a token made by the tokenizer itself, like
   SentencePiece's leading '▁' or the first bytes of a byte-fallback character, has an empty
   span at the character it precedes); `decode(ids)` text, special tokens left out.
@@ -20,11 +22,23 @@ the `tokenizer_config.json` and `special_tokens_map.json` beside it (the latter 
 name a token, as in `transformers`), and `add_bos` from `add_bos_token` there or, when that is
 absent, from whether `tokenizer.json`'s post-processor puts BOS first. Special tokens written
 in the text (say '<|eot_id|>') are encoded as those tokens, as `transformers` does.
+
+A long text is cut into pieces of about `PIECE_CHARS` characters, encoded at once by the
+`tokenizers` library's threads (its batch calls release the GIL and share the pieces out),
+where that gives exactly the ids of the whole: a byte-level BPE whose pre-tokenizer is made
+of ByteLevel without a prefix space, Digits and regex Splits (GPT-2's, LLaMA-3's, Qwen's,
+SmolLM2's), no normaliser, and no added token holding a line break. The cuts fall after a
+line break that follows a non-blank character and before another non-blank one: none of
+those pre-tokenizers makes a pre-token that spans such a point, and BPE merges only inside
+pre-tokens. A SentencePiece model, or a tokenizer.json with a Metaspace pre-tokenizer (its
+'▁' prefix would start every piece), encodes a text whole.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 
 import sentencepiece as spm
 
@@ -35,6 +49,15 @@ from lclm.errors import ConfigError
 HF_FILE, SP_FILE = "tokenizer.json", "tokenizer.model"
 HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # later files win
 _NEITHER = f"is not a SentencePiece model or a HuggingFace {HF_FILE}"
+# a long text's pieces (see the module's docstring): long enough that a piece's own cost
+# dwarfs a batch call's, short enough that a code document of 8 MiB makes ~130 of them
+PIECE_CHARS = 1 << 16
+# where a piece may end: after a line break that follows a non-blank character, before a
+# non-blank character
+_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+# the pre-tokenizers whose pre-tokens never span such a point (ByteLevel's only without a
+# prefix space, which would begin every piece)
+_CUTTABLE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Digits", "Split"})
 _SET = (f"set config.data.tokenizer to a SentencePiece .model file, a {HF_FILE} or a "
         "directory holding one")
 
@@ -62,6 +85,28 @@ def _is_json(file: str) -> bool:
         return f.read(64).lstrip()[:1] == b"{"  # a SentencePiece model starts with 0x0a
 
 
+def pieces(text: str, size: int) -> list[str]:
+    """`text` cut at `_CUT` points into pieces of at least `size` characters (the last may
+    be shorter, and a text without such points stays whole); they join to `text`."""
+    found, start = [], 0
+    while len(text) - start > size and (cut := _CUT.search(text, start + size)) is not None:
+        found.append(text[start:cut.start()])
+        start = cut.start()
+    return [*found, text[start:]]
+
+
+def _cuttable(config: dict) -> bool:
+    """Whether a tokenizer.json's `config` encodes a text cut by `pieces` into exactly the
+    ids of the whole (see the module's docstring)."""
+    pre = config.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    return (config.get("normalizer") is None and config.get("model", {}).get("type") == "BPE"
+            and any(p.get("type") == "ByteLevel" for p in parts)
+            and all(p.get("type") in _CUTTABLE_PRE_TOKENIZERS
+                    and not p.get("add_prefix_space", False) for p in parts)
+            and not any("\n" in t.get("content", "") for t in config.get("added_tokens", [])))
+
+
 class Tokenizer:
     """`Tokenizer(path)` is a `SentencePieceTokenizer` or an `HFTokenizer`, by content."""
 
@@ -85,6 +130,11 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+    def encode_long(self, text: str) -> list[int]:
+        """`encode(text)`, on the tokenizer's threads and in pieces where it can (see the
+        module's docstring)."""
+        return self.encode(text)
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         raise NotImplementedError
@@ -175,8 +225,9 @@ class HFTokenizer(Tokenizer):
                               "`tokenizers` package; pip install tokenizers") from None
         self.path = path
         file = _resolve(path)
+        text = storage.read_text(file)
         try:
-            self._tok = tokenizers.Tokenizer.from_str(storage.read_text(file))
+            self._tok = tokenizers.Tokenizer.from_str(text)
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
             raise ConfigError(f"tokenizer {path!r} {_NEITHER} (tokenizers: {_line(e)}); "
                               f"{_SET}") from None
@@ -210,6 +261,7 @@ class HFTokenizer(Tokenizer):
         # caller), and without it no offsets are trimmed
         self._tok.post_processor = None
         self.chat_template = self._chat_template(file, settings)
+        self._cuttable = _cuttable(json.loads(text))
         # asked once per rendered chat: the added tokens' table is built once here
         self._special = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items()
                                   if t.special)
@@ -246,7 +298,13 @@ class HFTokenizer(Tokenizer):
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        # the same ids as encode_batch, without the offsets' bookkeeping (~1.6x faster)
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def encode_long(self, text: str) -> list[int]:
+        # a batch call even for one piece: it releases the GIL while it encodes
+        return list(itertools.chain.from_iterable(
+            self.encode_batch(pieces(text, PIECE_CHARS) if self._cuttable else [text])))
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         e = self._tok.encode(text, add_special_tokens=False)

@@ -68,11 +68,11 @@ def test_the_start_up_check_asks_what_a_kinds_path_is(tmp_path):
 def test_prepare_takes_the_kinds_the_registry_says_and_they_read_its_output(tmp_path, capsys,
                                                                            tok):
     preparable = [name for name, kind in KINDS.items() if kind.prepare]
-    assert preparable == ["text", "sharegpt"]
+    assert preparable == ["text", "sharegpt", "code", "code-heldout"]
     with pytest.raises(SystemExit):
         prepare_main(["--source", "ruler", "--input", "x", "--tokenizer", DEMO_TOKENIZER,
                       "--out", str(tmp_path / "out")])
-    assert "invalid choice: 'ruler' (choose from 'text', 'sharegpt')" in capsys.readouterr().err
+    assert "invalid choice: 'ruler' (choose from 'text', 'sharegpt', 'code', 'code-heldout')" in capsys.readouterr().err
     corpus = tmp_path / "a.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(3)))
     prepare("text", str(corpus), DEMO_TOKENIZER, str(tmp_path / "out"))

@@ -1,0 +1,124 @@
+"""Tokenising off the step's path (issue 77 item 1): long texts in pieces that give the ids
+of the whole, documents read ahead on threads without changing a batch, shared sources
+measured once, and `code:` sources pre-tokenised by prepare."""
+
+import json
+import re
+import sysconfig
+
+import numpy as np
+from support import DEMO_CONFIG, DEMO_TOKENIZER, real_model_dir
+
+from lclm.config import load_config
+from lclm.config.run_config import run_config
+from lclm.data import code, tokenizer
+from lclm.data.ahead import Ahead
+from lclm.data.loader import HostBatches
+from lclm.data.prepare import prepare
+from lclm.data.sources import open_documents
+from lclm.data.stats import SourceStats
+from lclm.data.tokenizer import Tokenizer, pieces
+from lclm.parallel import make_mesh
+
+STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _stdlib_texts(chars: int) -> list[str]:
+    """Whole stdlib code documents, about `chars` characters of them (the largest first)."""
+    records = code.CodeRecords(STDLIB, False, SourceStats())
+    texts = sorted((r["text"] for r in map(records.__getitem__, range(len(records))) if r),
+                   key=len)
+    chosen = [t for t in texts if len(t) < chars // 2][-4:]
+    return chosen + [t for t in texts if len(t) < 40_000][-8:]
+
+
+def test_pieces_join_to_the_text_and_are_cut_between_lines():
+    text = "a = 1\n    b\nc)\n\n# x\n" * 2000 + "tail without a cut" * 300
+    found = pieces(text, 1000)
+    assert "".join(found) == text and len(found) > 20
+    for piece in found[1:]:
+        assert re.match(r"\S", piece)   # starts on a non-blank character after "\S\n"
+    for before, after in zip(found, found[1:]):
+        assert re.search(r"\S\n$", before) and len(before) >= 1000, (before[-5:], after[:5])
+    assert pieces("x" * 5000, 1000) == ["x" * 5000]   # no cut point: whole
+
+
+def test_smollm2_encodes_code_in_pieces_to_the_ids_of_the_whole(monkeypatch):
+    tok = Tokenizer(real_model_dir())
+    assert tok._cuttable
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 2048)   # many cuts in a few documents
+    for text in _stdlib_texts(600_000):
+        assert tok.encode_long(text) == tok.encode(text)
+
+
+def test_a_llama3_style_split_encodes_in_pieces_to_the_ids_of_the_whole(hf_dir, monkeypatch):
+    tok = Tokenizer(str(hf_dir))
+    assert tok._cuttable
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 512)
+    odd = "x = f(a)  \n\tb\n\n\n  c;\r\nd\u00e9j\u00e0 \u4e2d\n1234\n<|eot_id|>\ny " * 200
+    for text in [odd, *_stdlib_texts(100_000)]:
+        assert tok.encode_long(text) == tok.encode(text)
+
+
+def test_tokenizers_that_a_cut_would_change_encode_whole(make_hf_tokenizer, tmp_path):
+    """A prefix space (ByteLevel's, or Metaspace's '▁') would begin every piece."""
+    path = make_hf_tokenizer(tmp_path / "tok") / "tokenizer.json"
+    config = json.loads(path.read_text())
+    assert tokenizer._cuttable(config)
+    config["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = True
+    assert not tokenizer._cuttable(config)
+    config["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581",
+                               "prepend_scheme": "first", "split": False}
+    assert not tokenizer._cuttable(config)
+
+
+def test_documents_read_ahead_are_those_read_directly():
+    docs = open_documents("code", f"{STDLIB}/json", Tokenizer(DEMO_TOKENIZER))
+    ahead = Ahead(docs, workers=2)
+    try:
+        ahead.want([2, 0])
+        ahead.want([0, 1])   # 2 forgotten
+        assert list(ahead._reads) == [0, 1]
+        for i in (0, 1, 2):
+            assert all(np.array_equal(a, b) for a, b in zip(ahead[i], docs[i]))
+        assert not ahead._reads
+        many = list(ahead.read_many(range(len(docs))))
+        assert all(np.array_equal(m[0], docs[i][0]) for i, m in enumerate(many))
+    finally:
+        ahead.close()
+
+
+def _code_loader(path, prefetch=0):
+    config = load_config(DEMO_CONFIG)
+    config.data.update(path=path, seq_len=2048, batch_size=2, balance=False)
+    return HostBatches(run_config(config), make_mesh(fsdp=2, sp=4), Tokenizer(DEMO_TOKENIZER),
+                       prefetch=prefetch)
+
+
+def test_reading_ahead_changes_no_batch_and_shared_sources_measure_once(monkeypatch):
+    mixture = f"code:{STDLIB}/email@0.7?min_tokens=2k,code:{STDLIB}/email@0.3?max_tokens=8k"
+    ahead = _code_loader(mixture, prefetch=2)
+    try:
+        first, second = ahead.sources
+        assert first.docs is second.docs and first.filter.lengths is second.filter.lengths
+        got = [{k: np.asarray(v) for k, v in next(ahead).items()} for _ in range(8)]
+    finally:
+        ahead.close()
+    monkeypatch.setattr(Ahead, "want", lambda self, indices: None)   # every read on the spot
+    direct = _code_loader(mixture)
+    try:
+        for batch in got:
+            expected = next(direct)
+            assert all(np.array_equal(batch[k], np.asarray(expected[k])) for k in batch)
+    finally:
+        direct.close()
+
+
+def test_prepare_pre_tokenises_a_code_source_into_its_own_documents(tmp_path):
+    tok = Tokenizer(DEMO_TOKENIZER)
+    meta = prepare("code", f"{STDLIB}/json", DEMO_TOKENIZER, str(tmp_path / "json"))
+    docs = open_documents("code", f"{STDLIB}/json", tok)
+    prepared = open_documents("tokenized", str(tmp_path / "json"), tok)
+    assert meta["documents"] == len(docs) == len(prepared)
+    for i in range(len(docs)):
+        assert all(np.array_equal(a, b) for a, b in zip(prepared[i], docs[i]))
