@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-import re
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -62,13 +62,22 @@ def _as_dict(state) -> dict:
 # seconds, as for gcsfs (storage.GCS_TRIES): `storage_patience_seconds` decides how long a run
 # waits.
 _TENSORSTORE_RETRIES = {"max_retries": 3, "initial_delay": "1s", "max_delay": "2s"}
+# how long one of its requests waits for the store (storage.REQUEST_SECONDS): to connect, and
+# with less than a byte a second moving either way. Variables its HTTP transport reads when
+# it is first used (the process's first checkpoint read or write on a bucket)
+_TENSORSTORE_WAITS = {"TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": storage.REQUEST_SECONDS,
+                      "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": storage.REQUEST_SECONDS,
+                      "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": 1}
 
 
 def _prepare_orbax() -> None:
     """Before a checkpoint manager's handlers make their tensorstore contexts: bound their
     retries (`_TENSORSTORE_RETRIES`, under each scheme's `tensorstore_retries` resource, put
-    into the module-level dicts Orbax builds each context from: it offers no option for it),
-    and show storage failures in one line (`_quiet_storage_tracebacks`)."""
+    into the module-level dicts Orbax builds each context from: it offers no option for it)
+    and their waits (`_TENSORSTORE_WAITS`, unless the environment sets them), and show
+    storage failures in one line (`_quiet_storage_tracebacks`)."""
+    for name, value in _TENSORSTORE_WAITS.items():
+        os.environ.setdefault(name, str(value))
     for context in (tensorstore_utils._BASE_TS_CONTEXT,
                     tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
         for entry in storage.SCHEMES.values():
@@ -208,56 +217,20 @@ class ShapeMismatch(StartupError):
 
 
 class SaveFailed(RuntimeError):
-    """A checkpoint save did not complete; the checkpoints before it are intact."""
+    """A checkpoint save did not complete; the checkpoints before it are intact. `began`: when
+    the failed save was started (`time.monotonic()`): a save that waited on a silent store
+    was failing from then."""
+
+    def __init__(self, message: str, began: float):
+        super().__init__(message)
+        self.began = began
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:
     """A one-line summary of an exception (tensorstore errors run to dozens of lines)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text[:limit]
-
-
-# tensorstore reports a failed read or write (a full disk, a file gone) as a ValueError whose
-# text starts with the status code
-_STORAGE_STATUS = re.compile(r"(RESOURCE_EXHAUSTED|NOT_FOUND|PERMISSION_DENIED|UNAVAILABLE|"
-                             r"OUT_OF_RANGE|DATA_LOSS|ABORTED|DEADLINE_EXCEEDED|FAILED_PRECONDITION|"
-                             r"CANCELLED|UNKNOWN|INTERNAL): ")
-
-
-def is_io_error(e: BaseException | None) -> bool:
-    """Whether `e`, or an exception it was raised from or while handling, is a storage
-    error: an OSError, or tensorstore's wrapping of one."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) or _STORAGE_STATUS.match(str(e)):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-class _OneLineStorageErrors(logging.Filter):
-    """Orbax's save threads each log a failed write (one full disk: half a dozen records with
-    tracebacks, an unreachable bucket: one per thread of the save), asyncio and the storage
-    clients (gcsfs, fsspec: '_request out of retries', 'Consumer caught an error', for every
-    request while a bucket is unreachable) report the same failures again with 50-line
-    tracebacks, while lclm reports the failure itself in one line (`SaveFailed`, a failed
-    metrics write): such records are not shown, only kept in one line at DEBUG under lclm's
-    logger. So is the record of a failed save's thread that Orbax leaves running and that
-    finds the interpreter shutting down at exit. Errors that are not storage errors keep
-    their tracebacks."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if error is None:
-            return True
-        if not (is_io_error(error) or (isinstance(error, RuntimeError) and
-                                       "cannot schedule new futures after" in str(error))):
-            return True
-        if record.name != "asyncio":   # asyncio's repeat Orbax's unawaited tasks at exit
-            message = (record.getMessage().strip().splitlines() or [""])[0]
-            log.debug("%s: %s (%s)", record.name, message, first_line(error))
-        return False
+    if not str(e).strip():
+        return storage.error_text(e)
+    return str(e).strip().splitlines()[0][:limit]
 
 
 class _LateCallbacksIgnored:
@@ -295,10 +268,7 @@ _CLIENT_CHILDREN = (*(name for s in storage.SCHEMES.values() if s.checkpoints
 def _quiet_storage_tracebacks() -> None:
     # Orbax logs through absl, whose records (like asyncio's and the storage clients') reach
     # lclm's handlers
-    for name in ("absl", "asyncio", *_CLIENT_LOGGERS, *_CLIENT_CHILDREN):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _OneLineStorageErrors) for f in logger.filters):
-            logger.addFilter(_OneLineStorageErrors())
+    storage.quiet_tracebacks(("absl", "asyncio", *_CLIENT_LOGGERS, *_CLIENT_CHILDREN))
     for name in _CLIENT_LOGGERS:
         # their informational records (fsspec's 'AdaptiveReadaheadCache enabled', five per
         # save or restore) are not shown; a level someone set on purpose is kept
@@ -332,6 +302,7 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=handlers)
         self._pending: int | None = None   # step of the asynchronous save in flight
+        self._began = time.monotonic()     # when the save in flight (or the last one) began
         self._completed: int | None = None   # a save completed since `poll` last said so
         self._abandoned: set[int] = set()   # failed saves whose partial files may remain
 
@@ -429,6 +400,7 @@ class Checkpoints:
         `data_state` is None where no data has been read (a converted checkpoint).
         Raises `SaveFailed` if the previous save or this one cannot be written."""
         self.wait()
+        self._began = time.monotonic()
         self._remove_partial()   # again: writes still in flight at a failure may have left some
         data = {"processes": gather_json(data_state)}
         try:
@@ -462,9 +434,10 @@ class Checkpoints:
         """Delete what failed saves wrote: it would keep a full disk full for the retry, and on
         GCS a step's partial objects sit under the step's own name (a local save writes under
         a temporary name and renames it; a GCS save marks the end with a commit object).
-        Done at the next save or at close, not when the save fails: storage that fails a save
-        usually fails this too (an unreachable bucket), and the run decides by its patience,
-        not by waiting on cleanup. Storage that still fails is tried again the next time."""
+        Done at the next save or, on a local disk, at close, not when the save fails: storage
+        that fails a save usually fails this too (an unreachable bucket), and the run decides
+        by its patience, not by waiting on cleanup. Storage that still fails is tried again
+        the next time."""
         if not self._abandoned:
             return
         if jax.process_index() == 0:
@@ -495,10 +468,13 @@ class Checkpoints:
     def _failed(self, step, error: BaseException) -> SaveFailed:
         if step is not None:
             self._abandoned.add(step)
+        # an earlier save completed but not yet reported: not news once a later one failed
+        self._completed = None
         self._reload()   # Orbax, not reloaded, raises the failed save again at every later one
         intact = [s for s in self.manager.all_steps() if s != step]
         return SaveFailed(f"checkpoint step {step} could not be saved to {self.directory} "
-                          f"({first_line(error)}); intact checkpoints: {intact or 'none'}")
+                          f"({first_line(error)}); intact checkpoints: {intact or 'none'}",
+                          began=self._began)
 
     def close(self) -> None:
         """Wait for the save in flight and release the manager; `SaveFailed` if a save failed.
@@ -510,11 +486,15 @@ class Checkpoints:
             self.wait()
         except SaveFailed as e:
             failed = e
-        self._remove_partial()
+        if not storage.is_remote(self.directory):
+            # a full disk is freed at once; a step on a store that failed to save it has no
+            # commit object (never read as a checkpoint) and the store is likely still
+            # failing: the run's end does not wait on it
+            self._remove_partial()
         try:
             self.manager.close()
         except Exception as e:  # noqa: BLE001
             failed = failed or SaveFailed(f"a checkpoint save to {self.directory} failed "
-                                          f"({first_line(e)})")
+                                          f"({first_line(e)})", began=self._began)
         if failed is not None:
             raise failed

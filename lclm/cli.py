@@ -23,6 +23,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from lclm import storage
 from lclm.config import schema
 from lclm.config.fields import fields_of
 from lclm.config.loading import field, flat_items, load_config
@@ -38,7 +39,8 @@ def run_cli(body: Callable[[], int | None],
             input_errors: tuple[type[BaseException], ...] = ()) -> int:
     """`body()`'s exit status (None: 0). A StartupError, a missing file or one of
     `input_errors` (what else means bad input to this CLI, e.g. ValueError for a program
-    whose inputs are parsed by libraries) is `error: ...` on stderr and status 2; a
+    whose inputs are parsed by libraries) is `error: ...` on stderr and status 2, and so is
+    storage that cannot be reached (an OSError: the storage clients' errors are ones); a
     TrainingHalted is `error: ...` and status 3. JAX's platforms are chosen first
     (`keep_jax_off_an_absent_tpu`): `body` may start its backends."""
     keep_jax_off_an_absent_tpu()
@@ -47,6 +49,10 @@ def run_cli(body: Callable[[], int | None],
         return body() or 0
     except bad_input as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:   # storage that cannot be reached (a bucket, a network filesystem)
+        print(f"error: {storage.error_text(e)}; check the path, this machine's access to it "
+              "and its network", file=sys.stderr)
         return 2
     except TrainingHalted as e:
         print(f"error: {e}", file=sys.stderr)

@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import posixpath
+import re
 import tempfile
 import types
 from collections.abc import Callable
 from typing import Any
 
 from lclm.errors import StartupError
+
+log = logging.getLogger(__name__)
 
 # how a missing client is installed: lclm's extra that lists every scheme's package
 INSTALL = "pip install 'lclm[cloud]'"
@@ -58,9 +62,10 @@ class Scheme:
     read_at: Callable[[dict], dict] = lambda info: {}
     # run before the client is imported (variables it reads once, at import)
     before_import: Callable[[], None] = lambda: None
-    # run after it is imported: bound its retries of one request, so that lclm's
-    # `storage_patience_seconds`, not the client, decides how long a run waits for a bucket
-    bound_retries: Callable[[], None] = lambda: None
+    # run after it is imported: bound its retries of one request and how long one try waits
+    # for the store (`REQUEST_SECONDS`), so that lclm's `storage_patience_seconds`, not the
+    # client, decides how long a run waits for a bucket
+    bound_requests: Callable[[], None] = lambda: None
     # the client's modules that log failed requests with tracebacks on their own, besides
     # its top logger (named as `client`): a logger's filters see only the records logged on it
     loggers: tuple[str, ...] = ()
@@ -104,7 +109,10 @@ def _import_client(entry: Scheme) -> None:
     """The one place a scheme's client is imported, and set up around its import."""
     entry.before_import()
     __import__(entry.client)
-    entry.bound_retries()
+    entry.bound_requests()
+    # from the first request on: a bucket unreachable at start is one line, not the client's
+    # traceback of each request (its logger's filters see only the records logged on it)
+    quiet_tracebacks((entry.client, *entry.loggers, "fsspec", "fsspec.asyn"))
 
 
 def filesystem(path: str):
@@ -189,13 +197,26 @@ def read_text(path: str) -> str:
     return read_bytes(path).decode("utf-8")
 
 
-def write_bytes(path: str, data: bytes) -> None:
-    """`path` replaced by `data` whole: readers see the old contents or the new ones."""
+def write_bytes(path: str, data: bytes, within: float | None = None) -> None:
+    """`path` replaced by `data` whole: readers see the old contents or the new ones.
+    `within`: seconds an object-store write may take in all (its request and the client's
+    tries of it) before it is given up (`TimeoutError`); None: as long as the client's own
+    bounds let it."""
     if not is_remote(path):
         _replace_local(path, data)
         return
     fs, p = filesystem(path)
-    fs.pipe_file(p, data)
+    fs.pipe_file(p, data, timeout=within)   # fsspec's bound of the whole call
+
+
+def error_text(error: BaseException) -> str:
+    """A storage client's error in one line (a timeout has no message of its own)."""
+    text = " ".join(str(error).split())[:200]
+    # fsspec turns every timeout (of a try: `REQUEST_SECONDS`, or of a whole write lclm bounds
+    # by as much) into its own, without a message
+    if isinstance(error, TimeoutError) and not text:
+        return f"no answer from the store within {REQUEST_SECONDS} s"
+    return text or type(error).__name__
 
 
 def _replace_local(path: str, data: bytes) -> None:
@@ -306,6 +327,59 @@ def upload(local: str, path: str) -> None:
         fs.put_file(local, p)
 
 
+# -- errors ---------------------------------------------------------------------------------
+
+# tensorstore reports a failed read or write (a full disk, a file gone) as a ValueError whose
+# text starts with the status code
+_STORAGE_STATUS = re.compile(r"(RESOURCE_EXHAUSTED|NOT_FOUND|PERMISSION_DENIED|UNAVAILABLE|"
+                             r"OUT_OF_RANGE|DATA_LOSS|ABORTED|DEADLINE_EXCEEDED|FAILED_PRECONDITION|"
+                             r"CANCELLED|UNKNOWN|INTERNAL): ")
+
+
+def is_io_error(e: BaseException | None) -> bool:
+    """Whether `e`, or an exception it was raised from or while handling, is a storage
+    error: an OSError, or tensorstore's wrapping of one."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) or _STORAGE_STATUS.match(str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class OneLineStorageErrors(logging.Filter):
+    """Orbax's save threads each log a failed write (one full disk: half a dozen records with
+    tracebacks, an unreachable bucket: one per thread of the save), asyncio and the storage
+    clients (gcsfs, fsspec: '_request out of retries', 'Consumer caught an error', for every
+    request while a bucket is unreachable) report the same failures again with 50-line
+    tracebacks, while lclm reports the failure itself in one line (`SaveFailed`, a failed
+    metrics write, a one-line error at start): such records are not shown, only kept in one
+    line at DEBUG under lclm's logger. So is the record of a failed save's thread that Orbax
+    leaves running and that finds the interpreter shutting down at exit. Errors that are not
+    storage errors keep their tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None:
+            return True
+        if not (is_io_error(error) or (isinstance(error, RuntimeError) and
+                                       "cannot schedule new futures after" in str(error))):
+            return True
+        if record.name != "asyncio":   # asyncio's repeat Orbax's unawaited tasks at exit
+            message = (record.getMessage().strip().splitlines() or [""])[0]
+            log.debug("%s: %s (%s)", record.name, message, error_text(error))
+        return False
+
+
+def quiet_tracebacks(names) -> None:
+    """The loggers `names` show storage errors in one line (`OneLineStorageErrors`)."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, OneLineStorageErrors) for f in logger.filters):
+            logger.addFilter(OneLineStorageErrors())
+
+
 # -- conditional writes (the workdir lease) ---------------------------------------------------
 
 
@@ -390,20 +464,53 @@ def _conditional_put(path: str, data: bytes, version: Version | None) -> Version
 # 33 s, and a run past its patience took minutes to stop)
 GCS_TRIES = 3
 
+# how long one try of a request may wait for the store: to connect, or for the next byte of
+# its answer (a transfer that moves on is never cut). The clients' own: forever (gcsfs,
+# tensorstore), so a bucket that accepts connections and never answers (a stalled proxy, a
+# black-holed route) hung a run, its SIGTERM and its exit (Python waits for Orbax's save
+# threads). A real store's first byte comes within a second or two.
+REQUEST_SECONDS = 10
 
-def _bound_gcs_retries() -> None:
-    """Give gcsfs's request method `GCS_TRIES` tries (pauses of about 1 and 2 s). gcsfs fixes
-    the count when its class is defined (a decorator argument, not an option), so the
-    undecorated method is decorated again, once per process, for every instance (lclm's and
-    Orbax's, made through etils.epath with other options)."""
+
+def _bound_gcs_requests() -> None:
+    """Give gcsfs's request method `GCS_TRIES` tries (pauses of about 1 and 2 s), and each try
+    `REQUEST_SECONDS` to connect and between the bytes of the answer. gcsfs fixes the count
+    when its class is defined (a decorator argument, not an option), so the undecorated method
+    is decorated again, once per process; the wait is an option (`requests_timeout`), given to
+    every instance (lclm's and Orbax's, made through etils.epath with other options) as
+    fsspec's configured default for the protocol."""
+    import aiohttp
+    import fsspec.config
     from gcsfs.core import GCSFileSystem
     from gcsfs.retry import retry_request
 
     request = GCSFileSystem._request
     if getattr(request, "_lclm_tries", None) != GCS_TRIES:
-        bounded = retry_request(retries=GCS_TRIES)(request.__wrapped__)
+        bounded = retry_request(retries=GCS_TRIES)(_unanswered_not_retried(request.__wrapped__))
         bounded._lclm_tries = GCS_TRIES
         GCSFileSystem._request = bounded
+    wait = aiohttp.ClientTimeout(sock_connect=REQUEST_SECONDS, sock_read=REQUEST_SECONDS)
+    for protocol in GCSFileSystem.protocol:
+        fsspec.config.conf.setdefault(protocol, {}).setdefault("requests_timeout", wait)
+
+
+def _unanswered_not_retried(request):
+    """gcsfs's undecorated request method, whose try that the store left unanswered for
+    `REQUEST_SECONDS` is not tried again by gcsfs (a store that stays silent would cost each
+    request three times that): the run's patience decides when to try again. A refused or
+    cut connection is still retried (seconds)."""
+    import functools
+
+    import aiohttp
+
+    @functools.wraps(request)
+    async def once_if_unanswered(*args, **kwargs):
+        try:
+            return await request(*args, **kwargs)
+        except aiohttp.ServerTimeoutError as e:   # a ClientError: gcsfs would retry it
+            raise TimeoutError(f"no answer from the store within {REQUEST_SECONDS} s") from e
+
+    return once_if_unanswered
 
 
 def _quiet_emulator_probe() -> None:
@@ -480,7 +587,7 @@ SCHEMES = types.MappingProxyType({s.name: s for s in (
     Scheme("gs", client="gcsfs", package="gcsfs", version=_gcs_version, put_if=_gcs_put_if,
            mount="gcsfuse", checkpoints=True, tensorstore_retries="gcs_request_retries",
            read_at=lambda info: {"generation": info["generation"]},
-           before_import=_quiet_emulator_probe, bound_retries=_bound_gcs_retries,
+           before_import=_quiet_emulator_probe, bound_requests=_bound_gcs_requests,
            loggers=("gcsfs.credentials", "gcsfs.zonal_file")),
     # Orbax 0.12 writes arrays to GCS and file paths only
     Scheme("s3", client="s3fs", package="s3fs", version=_s3_version, put_if=_s3_put_if,

@@ -1,7 +1,9 @@
 """A bucket that can be made unreachable: a TCP proxy in front of the local GCS server
 (tests/storage_servers.py) that a test switches off and on. While it is down, new
 connections are refused and open ones are cut, as when a machine loses its route to the
-storage service; the server itself, and what it holds, is untouched."""
+storage service; while it is silent, connections are accepted and what is sent is read, but
+nothing is ever answered, as behind a stalled proxy or a black-holed route. The server
+itself, and what it holds, is untouched."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import threading
 
 class Outage:
     """A proxy on 127.0.0.1 to the GCS server at `target_url`; `env`: the server's variables
-    pointed at the proxy (for runs started as processes). `down()` and `up()` switch it."""
+    pointed at the proxy (for runs started as processes). `down()`, `silent()` and `up()`
+    switch it."""
 
     def __init__(self, server_env: dict[str, str], target_url: str):
         host, port = target_url.rsplit("//", 1)[1].rsplit(":", 1)
@@ -24,9 +27,14 @@ class Outage:
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
+        self._silent = threading.Event()
         self.up()
 
     def up(self) -> None:
+        """Answered again (connections made while it was silent are cut)."""
+        if self._silent.is_set():   # the connections made meanwhile were never answered
+            self._silent.clear()
+            self._cut_open()
         if self._listener is not None:
             return
         listener = socket.socket()
@@ -45,6 +53,14 @@ class Outage:
         except OSError:
             pass
         listener.close()
+        self._cut_open()
+
+    def silent(self) -> None:
+        """From now on nothing reaches the server and nothing comes back, on open connections
+        and new ones alike, and nothing is closed: a client waits for as long as it waits."""
+        self._silent.set()
+
+    def _cut_open(self) -> None:
         with self._lock:
             for s in self._open:
                 _close(s)
@@ -56,6 +72,11 @@ class Outage:
                 client, _ = listener.accept()
             except OSError:   # closed by `down`
                 return
+            if self._silent.is_set():
+                with self._lock:
+                    self._open.append(client)
+                threading.Thread(target=_swallow, args=(client,), daemon=True).start()
+                continue
             try:
                 server = socket.create_connection(self.target)
             except OSError:
@@ -68,7 +89,8 @@ class Outage:
                     continue
                 self._open += [client, server]
             for a, b in ((client, server), (server, client)):
-                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+                threading.Thread(target=_pipe, args=(a, b, self._silent),
+                                 daemon=True).start()
 
 
 def _close(s: socket.socket) -> None:
@@ -79,11 +101,22 @@ def _close(s: socket.socket) -> None:
     s.close()
 
 
-def _pipe(a: socket.socket, b: socket.socket) -> None:
-    """Copy what `a` receives to `b` until either end closes; then both are shut."""
+def _swallow(s: socket.socket) -> None:
+    """Read what `s` receives, and drop it, until it is closed."""
+    try:
+        while s.recv(65536):
+            pass
+    except OSError:
+        pass
+
+
+def _pipe(a: socket.socket, b: socket.socket, silent: threading.Event) -> None:
+    """Copy what `a` receives to `b` until either end closes (dropped while `silent`); then
+    both are shut."""
     try:
         while data := a.recv(65536):
-            b.sendall(data)
+            if not silent.is_set():
+                b.sendall(data)
     except OSError:
         pass
     finally:

@@ -54,7 +54,7 @@ def test_each_entry_agrees_with_the_code_that_uses_it(entry):
                         tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
             assert context[entry.tensorstore_retries] == checkpoint._TENSORSTORE_RETRIES
         for name in (entry.client, *entry.loggers):
-            assert any(isinstance(f, checkpoint._OneLineStorageErrors)
+            assert any(isinstance(f, storage.OneLineStorageErrors)
                        for f in logging.getLogger(name).filters), name
     else:
         assert entry.mount in checkpoint.path_problem(f"{entry.name}://b/run")

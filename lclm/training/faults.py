@@ -56,11 +56,12 @@ class FaultPolicy:
     `checkpoints`: where the last good checkpoint is read from (for the halting message);
     `max_bad_steps`: non-finite steps in a row before the run stops; `every_seconds`: saves
     by time (0: none); `multi`: with several processes a time-based save is decided by
-    process 0 and broadcast (their clocks differ), at the steps the cadence names."""
+    process 0 and broadcast (their clocks differ), at the steps the cadence names;
+    `metrics`: where the metrics are written (`metrics.metrics_path`), for the messages."""
 
     def __init__(self, checkpoints: Checkpoints, patience: WritePatience, max_bad_steps: int,
-                 every_seconds: float, multi: bool):
-        self.checkpoints, self.patience = checkpoints, patience
+                 every_seconds: float, multi: bool, metrics: str):
+        self.checkpoints, self.patience, self.metrics = checkpoints, patience, metrics
         self.max_bad_steps, self.every_seconds = max_bad_steps, every_seconds
         self.multi = multi
         self.bad_in_a_row = self.skipped_steps = 0
@@ -69,6 +70,8 @@ class FaultPolicy:
         self.failing_since: float | None = None   # when metrics writes started failing
         self.failing_from = 0                      # the first logged step whose write failed
         self._reported = 0.0
+        self._metrics_tries = 0          # failed writes since then
+        self._next_metrics_try = 0.0     # when the held records are tried again
         self.saves_failing_since: float | None = None   # when saves started failing
         self._save_tries = 0        # failed tries since then
         self._next_save_try = 0.0   # when the next try is due (time.monotonic())
@@ -114,13 +117,20 @@ class FaultPolicy:
 
     # -- metrics writes: ridden out for `patience.seconds`, reported at once
 
-    def metrics_failed(self, step: int, error: MetricsFailed) -> bool:
-        """Report a failed metrics.jsonl write (at once, then once a minute while it lasts);
-        True once writes have failed for `patience.seconds`: the run then saves a
-        checkpoint and stops, the held records in the log."""
+    def metrics_due(self) -> bool:
+        """Whether a logged step writes its record (and those held): always while writes
+        succeed; while they fail, once the pause after the last failed try is over, so that
+        an outage does not cost every logged step the storage's time to fail."""
+        return self.failing_since is None or time.monotonic() >= self._next_metrics_try
+
+    def metrics_failed(self, step: int, error: MetricsFailed, began: float) -> None:
+        """Report a failed write of the metrics (at once, then once a minute while it lasts);
+        `began`: when the write was started (`time.monotonic()`), so that the time a request
+        waited on a silent store counts against the patience."""
         now = time.monotonic()
         if self.failing_since is None:
-            self.failing_since, self.failing_from, self._reported = now, step, now
+            self.failing_since, self.failing_from, self._reported = began, step, now
+            self._metrics_tries = 0
             log.error("%s; they are held in memory and written with the next logged step "
                       "that can (the run saves a checkpoint and stops if writes fail for %s)",
                       error, seconds_text(self.patience.seconds))
@@ -128,40 +138,48 @@ class FaultPolicy:
             self._reported = now
             log.error("%s; failing since step %d, %s ago", error, self.failing_from,
                       seconds_text(now - self.failing_since))
-        return now - self.failing_since >= self.patience.seconds
+        self._metrics_tries += 1
+        self._next_metrics_try = now + self.patience.pause(self._metrics_tries)
+
+    def metrics_patience_spent(self) -> bool:
+        """Whether writes of the metrics have failed for `patience.seconds`: the run then saves
+        a checkpoint and stops, the held records in the log."""
+        return (self.failing_since is not None
+                and time.monotonic() - self.failing_since >= self.patience.seconds)
 
     def metrics_written(self, step: int) -> None:
         if self.failing_since is not None:
-            log.warning("metrics.jsonl written again at step %d after %s of failed writes; "
-                        "the records held since step %d are in it", step,
+            log.warning("%s written again at step %d after %s of failed writes; the records "
+                        "held since step %d are in it", self.metrics, step,
                         seconds_text(time.monotonic() - self.failing_since), self.failing_from)
             self.failing_since = None
 
     def flush_metrics(self, flush: Callable[[], None], step: int) -> None:
         """At the end of a run, write the records held back by failed writes (`flush()`
         raises `MetricsFailed`), tried again after each pause while the patience lasts; then
-        the run stops (exit 3) naming the records lost to metrics.jsonl (they are in the
+        the run stops (exit 3) naming the records lost to the metrics (they are in the
         log)."""
-        tries = 0
         while True:
+            began = time.monotonic()
             try:
                 flush()
                 self.metrics_written(step)
                 return
             except MetricsFailed as e:
-                tries += 1
-                since = self.failing_since if self.failing_since is not None else time.monotonic()
-                if time.monotonic() - since >= self.patience.seconds:
+                self.metrics_failed(step, e, began)
+                if self.metrics_patience_spent():
                     raise self.halt(f"{self.metrics_stop_reason(step)} ({e})") from None
-                time.sleep(min(self.patience.pause(tries),
-                               max(0.0, since + self.patience.seconds - time.monotonic())))
+            assert self.failing_since is not None   # set by metrics_failed
+            time.sleep(max(0.0, min(self._next_metrics_try,
+                                    self.failing_since + self.patience.seconds)
+                           - time.monotonic()))
 
     def metrics_stop_reason(self, step: int) -> str:
         """Why the run stops after `step` when its metrics could not be written."""
         if self.failing_since is None:
-            return (f"stopped after step {step}: metrics.jsonl could not be written by "
+            return (f"stopped after step {step}: {self.metrics} could not be written by "
                     "process 0; its log holds the records")
-        return (f"stopped after step {step}: metrics.jsonl could not be written since step "
+        return (f"stopped after step {step}: {self.metrics} could not be written since step "
                 f"{self.failing_from} ({seconds_text(time.monotonic() - self.failing_since)}); "
                 "the records since are in the log")
 
@@ -193,14 +211,19 @@ class FaultPolicy:
         return self.retry_due()
 
     def save_step(self, step: int, write: Callable[[], None], finite: bool, wait: bool,
-                  last_chance: bool, stopping: str | None) -> None:
+                  last_chance: bool, stopping: str | None, terminated: bool = False) -> None:
         """`save` a step the loop saves; `stopping`: why the run stops after it (raised as
         `TrainingHalted`, with the save's failure if it failed). A failed save is tried again
-        at a later step (`unsaved`) unless that was its last chance (`save_failed`)."""
-        error = self.save(step, write, finite=finite, wait=wait, last_chance=last_chance)
+        at a later step (`unsaved`) unless that was its last chance (`save_failed`).
+        `terminated`: the save of a termination signal (a preemption leaves seconds), not
+        tried again, and not tried at all while saves are failing."""
+        error = self.save(step, write, finite=finite, wait=wait, last_chance=last_chance,
+                          once=terminated)
         self.unsaved = error is not None
         if stopping is not None:
             raise self.halt(stopping if error is None else f"{stopping}; {error}")
+        if error is not None and terminated:
+            raise self.halt(f"stopped after step {step} on a termination signal: {error}")
         if error is not None:
             self.save_failed(error, last_chance)
 
@@ -213,19 +236,21 @@ class FaultPolicy:
             self.save_failed(e, last_chance=True)
 
     def save(self, step: int, write: Callable[[], None], finite: bool, wait: bool,
-             last_chance: bool = False) -> SaveFailed | None:
+             last_chance: bool = False, once: bool = False) -> SaveFailed | None:
         """Save `step` with `write()`; with `wait` a save counts only once written to the end.
         `last_chance` (a final, preemption or stopping save): tried again after each pause
         while it fails and the patience lasts; otherwise one try, the next one at a later
-        step (`retry_due`). `finite`: whether the state to save is finite (else the run
-        stops: no checkpoint of it). Returns the last try's failure, or None."""
+        step (`retry_due`). `once`: one try at most, none while saves are failing. `finite`:
+        whether the state to save is finite (else the run stops: no checkpoint of it).
+        Returns the last try's failure, or None."""
         if not finite:
             raise self.halt(f"step {step}: parameters or optimizer state are not finite, so "
                             "no checkpoint was written")
         self.last_saved = time.monotonic()
-        if last_chance and self.saves_patience_spent() and self._save_error is not None:
-            # saves have failed for the whole patience: one more try (minutes of the storage
-            # clients' timeouts during an outage) would only delay the stop
+        if self._save_error is not None and (once or (last_chance
+                                                       and self.saves_patience_spent())):
+            # saves are failing and the run stops: one more try (the storage clients' time to
+            # fail during an outage) would only delay the stop
             return self._save_error
         while True:
             try:
@@ -236,7 +261,7 @@ class FaultPolicy:
                 return None
             except SaveFailed as e:
                 self.save_trouble(e)
-                if not last_chance or self.saves_patience_spent():
+                if not last_chance or once or self.saves_patience_spent():
                     return e
             assert self.saves_failing_since is not None   # set by save_trouble
             time.sleep(max(0.0, min(self._next_save_try,
@@ -250,8 +275,8 @@ class FaultPolicy:
         self._save_tries += 1
         self._save_error = error
         self._next_save_try = now + self.patience.pause(self._save_tries)
-        if self.saves_failing_since is None:
-            self.saves_failing_since = self._save_reported = now
+        if self.saves_failing_since is None:   # since the failed save began (a silent store)
+            self.saves_failing_since, self._save_reported = error.began, now
             log.error("%s; retried for up to %s (storage_patience_seconds), training goes on",
                       error, seconds_text(self.patience.seconds))
         elif now - self._save_reported >= 60:

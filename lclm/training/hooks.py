@@ -191,11 +191,16 @@ class MetricsWriter(Hook):
         step = self.last_step = record["step"]
         give_up = False
         if self.logger:
-            try:
-                self.logger.log(record)
-                self.faults.metrics_written(step)
-            except MetricsFailed as e:
-                give_up = self.faults.metrics_failed(step, e)
+            if self.faults.metrics_due():
+                began = time.monotonic()
+                try:
+                    self.logger.log(record)
+                    self.faults.metrics_written(step)
+                except MetricsFailed as e:
+                    self.faults.metrics_failed(step, e, began)
+            else:   # writes are failing: held until the pause after the last try is over
+                self.logger.log(record, write=False)
+            give_up = self.faults.metrics_patience_spent()
         lost = self.lock.lost()   # None, or why another run now holds the workdir
         if self.multi:   # only process 0 writes metrics and holds the lock
             give_up = any_process(give_up)

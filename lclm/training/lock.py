@@ -279,7 +279,7 @@ class WorkdirLock:
         except Exception as e:  # noqa: BLE001  (OSError here; any client's error in a bucket)
             if not self._failing:
                 log.warning("cannot renew the lease of %s (%s); retrying every %.0f s", self.path,
-                            e, self.renew_every)
+                            storage.error_text(e), self.renew_every)
             self._failing = True
             return None
         if self._failing:
@@ -323,7 +323,8 @@ class WorkdirLock:
             try:
                 self._remove_if_ours()
             except Exception as e:  # noqa: BLE001  (OSError here; any client's error in a bucket)
-                log.warning("could not remove the lock %s (%s)", self.path, e)
+                log.warning("could not remove the lock %s (%s)", self.path,
+                            storage.error_text(e))
         self.held = False
 
     def _remove_if_ours(self) -> None:

@@ -43,7 +43,13 @@ from lclm.training.hooks import (
     summary,
 )
 from lclm.training.lock import WorkdirLock
-from lclm.training.metrics import MetricsFailed, MetricsLogger, read_metrics, wandb_run
+from lclm.training.metrics import (
+    MetricsFailed,
+    MetricsLogger,
+    metrics_path,
+    read_metrics,
+    wandb_run,
+)
 from lclm.training.object_lock import workdir_lock
 from lclm.training.remat_choice import train_step
 from lclm.training.resume import tokenizer_fingerprint
@@ -71,12 +77,16 @@ class _Setup:
     lock: WorkdirLock
 
 
-def train(config, stop_after: int | None = None) -> list[dict]:
+def train(config, stop_after: int | None = None,
+          termination: Termination | None = None) -> list[dict]:
     """Run (or resume) up to `config.train.steps` steps; returns the logged metric records.
 
     `stop_after` ends the run after that step as a crash would (steps since the last
     checkpoint are lost), leaving the schedule and the final step unchanged for the resume.
     Storage faults are ridden out for `config.storage_patience_seconds` (`WritePatience`).
+    `termination`: the caller's handling of termination signals, where it spans more than
+    this run (a staged run's: a signal between two stages stops it there); else the run
+    handles them itself while it trains.
     """
     devices = jax.devices()
     take_model_fields(config)   # the source of its weights fixes the model's shapes
@@ -102,8 +112,11 @@ def train(config, stop_after: int | None = None) -> list[dict]:
     lock = workdir_lock(workdir, sections.run.workdir_lease_minutes)  # before any write there
     lock.acquire()
     try:
-        return _run(_Setup(sections, held_out_runs(config), saved_config, sizes, mesh, model,
-                           tokenizer, lock), stop_after)
+        with contextlib.ExitStack() as stack:
+            if termination is None:
+                termination = stack.enter_context(handled_termination())
+            return _run(_Setup(sections, held_out_runs(config), saved_config, sizes, mesh,
+                               model, tokenizer, lock), stop_after, termination)
     except BaseException:
         lock.release()
         if fresh and jax.process_index() == 0 and not _trained(workdir):
@@ -132,7 +145,7 @@ def _remove_workdir(workdir: str) -> None:
         log.warning("could not remove the new workdir %s (%s)", workdir, e)
 
 
-def _run(setup: _Setup, stop_after: int | None) -> list[dict]:
+def _run(setup: _Setup, stop_after: int | None, termination: Termination) -> list[dict]:
     """Train from the first state to the cadence's last step; whatever it opened is closed
     however it ends."""
     mesh, model, tokenizer, run = setup.mesh, setup.model, setup.tokenizer, setup.sections
@@ -144,7 +157,7 @@ def _run(setup: _Setup, stop_after: int | None) -> list[dict]:
              attention_line(run.attention, run.data.seq_len, model, setup.sizes["sp"],
                             devices[0].platform))
     checkpoints = Checkpoints(run.run.workdir, keep=run.checkpoint.keep)
-    batches = logger = termination = None
+    batches = logger = faults = None
     try:
         optimizer = make_optimizer(run.train)
         state, data_state = first_state(run, checkpoints, model, mesh, optimizer,
@@ -163,7 +176,7 @@ def _run(setup: _Setup, stop_after: int | None) -> list[dict]:
                                    state_sharding.params)
         cadence = Cadence.of(run, int(state.step) + 1, stop_after, multi)
         if is_main:
-            with _written_at_start(storage.join(run.run.workdir, "metrics.jsonl")):
+            with _written_at_start(metrics_path(run.run.workdir)):
                 logger = MetricsLogger(run.run.workdir, wandb_run(run, cadence.first - 1),
                                        resume_step=cadence.first - 1)
         console = Console(run, cadence) if is_main else None
@@ -172,9 +185,9 @@ def _run(setup: _Setup, stop_after: int | None) -> list[dict]:
             start = dict(step=0, **validation.fields(state.params))
             if logger:
                 logger.log(start)
-        termination = _Termination(multi)
         faults = FaultPolicy(checkpoints, WritePatience(run.run.storage_patience_seconds),
-                             run.train.max_bad_steps, 60 * run.checkpoint.every_minutes, multi)
+                             run.train.max_bad_steps, 60 * run.checkpoint.every_minutes, multi,
+                             metrics=metrics_path(run.run.workdir))
         throughput = Throughput(run.data, model, devices, cadence.first)
         writer = MetricsWriter(logger, setup.lock, faults, multi)
         # in this order: the clock restarts after validation, the console shows what was written
@@ -189,7 +202,8 @@ def _run(setup: _Setup, stop_after: int | None) -> list[dict]:
             hook.on_end(lines)
         return records
     finally:
-        _close(termination, batches, checkpoints, logger)
+        _close(batches, checkpoints, logger,
+               write_held=faults is None or faults.failing_since is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +217,7 @@ class _Loop:
     checkpoints: Checkpoints
     saved_config: dict
     cadence: Cadence
-    termination: _Termination
+    termination: Termination
     faults: FaultPolicy
     throughput: Throughput
     hooks: list[Hook]
@@ -244,7 +258,7 @@ def _steps(run: _Loop, state: TrainState) -> list[dict]:
                                                      run.batches.state(), run.saved_config),
                              finite=bool(finite_fn((state.params, state.opt_state))),
                              wait=last_chance or retry, last_chance=last_chance,
-                             stopping=stopping)
+                             stopping=stopping, terminated=plan.stop)
         if plan.stop:
             log.warning("stopped after step %d on a termination signal (checkpoint saved)",
                         step)
@@ -252,11 +266,12 @@ def _steps(run: _Loop, state: TrainState) -> list[dict]:
     return records
 
 
-class _Termination:
+class Termination:
     """Whether the run was asked to stop. One process: SIGTERM/SIGINT save and stop. Several:
     SIGTERM is the preemption notice of JAX's distributed runtime, which agrees on a step at
     which every process saves (reached_preemption_sync_point) without a collective per step;
-    SIGINT keeps its default (the run stops; it resumes from its last checkpoint)."""
+    SIGINT keeps its default (the run stops; it resumes from its last checkpoint). Made by
+    `handled_termination`, for as long as the signals are handled."""
 
     def __init__(self, multi: bool):
         self.multi = multi
@@ -272,18 +287,32 @@ class _Termination:
             self._signalled.set()
         return self._signalled.is_set()
 
+    def signalled(self) -> bool:
+        """Whether this process was signalled, at any time (also after the last step's
+        `at`: during a run's final save and summary)."""
+        return self._signalled.is_set()
+
     def restore(self) -> None:
-        """The signal handlers as they were before the run."""
+        """The signal handlers as they were before."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
 
-def _close(termination: _Termination | None, batches: HostBatches | None,
-           checkpoints: Checkpoints, logger: MetricsLogger | None) -> None:
-    """What a run opened, however it ends: the signal handlers as they were, the data readers
-    stopped, the save in flight written, the held metrics written."""
-    if termination is not None:
+@contextlib.contextmanager
+def handled_termination():
+    """Termination signals handled (`Termination`) inside the block, as before after it."""
+    termination = Termination(jax.process_count() > 1)
+    try:
+        yield termination
+    finally:
         termination.restore()
+
+
+def _close(batches: HostBatches | None, checkpoints: Checkpoints,
+           logger: MetricsLogger | None, write_held: bool) -> None:
+    """What a run opened, however it ends: the data readers stopped, the save in flight
+    written, the held metrics written (unless `write_held` is False: their writes were
+    failing when the run stopped, and are in the log)."""
     if batches is not None:
         batches.close()
     try:
@@ -292,7 +321,7 @@ def _close(termination: _Termination | None, batches: HostBatches | None,
         log.error("%s", e)
     if logger:
         try:
-            logger.close()
+            logger.close(write=write_held)
         except MetricsFailed as e:  # the steps are in the checkpoint: keep their records
             log.error("%s; they are: %s", e, " ".join(line.strip() for line in logger.held()))
 

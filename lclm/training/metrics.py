@@ -66,6 +66,12 @@ def truncate_metrics(path: str, last_step: int) -> int:
 PARTS = "metrics"
 
 
+def metrics_path(workdir: str) -> str:
+    """Where a run in `workdir` writes its metrics: `metrics.jsonl`, or on object storage the
+    folder of its parts."""
+    return storage.join(workdir, PARTS if storage.is_remote(workdir) else "metrics.jsonl")
+
+
 def _part_name(first_step: int, flush: int) -> str:
     return f"{first_step:012d}-{flush:06d}.jsonl"
 
@@ -148,25 +154,27 @@ class MetricsLogger:
         self._remote = storage.is_remote(workdir)
         self._flushes = 0
         self._fd: int | None = None
+        self.path = metrics_path(workdir)
         if self._remote:
-            self.path = storage.join(workdir, PARTS)
             truncate_metric_parts(self.path, resume_step)
         else:
             os.makedirs(workdir, exist_ok=True)
-            self.path = os.path.join(workdir, "metrics.jsonl")
             truncate_metrics(self.path, resume_step)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._held: list[str] = []   # lines not yet written
         self._wandb = wandb_run
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, write: bool = True) -> None:
+        """`record` to wandb and to the records held; with `write`, those are written now
+        (`MetricsFailed`: they stay held)."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in record.items()}
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in clean.items() if k != "step"},
                             step=record["step"])
         self._held.append(json.dumps(clean) + "\n")
-        self.flush()
+        if write:
+            self.flush()
 
     def flush(self) -> None:
         """Write the records held back; `MetricsFailed` (the file as it was) if that fails."""
@@ -184,10 +192,12 @@ class MetricsLogger:
         retried write replaces its own object, never another's."""
         name = _part_name(json.loads(self._held[0])["step"], self._flushes)
         try:
-            storage.write_bytes(storage.join(self.path, name), data)
+            # one try's wait for a silent store, not the client's tries of it: the loop waits
+            storage.write_bytes(storage.join(self.path, name), data,
+                                within=storage.REQUEST_SECONDS)
         except Exception as e:  # noqa: BLE001  (each client has its own error types)
             raise MetricsFailed(f"{self.path}: could not write {len(self._held)} record(s) "
-                                f"({' '.join(str(e).split())[:200]})") from None
+                                f"({storage.error_text(e)})") from None
         self._flushes += 1
 
     def _append(self, fd: int, data: bytes) -> None:
@@ -213,9 +223,12 @@ class MetricsLogger:
         """The JSON lines not written yet."""
         return list(self._held)
 
-    def close(self) -> None:
-        """Write what is held back (`MetricsFailed` if that still fails) and close."""
+    def close(self, write: bool = True) -> None:
+        """Write what is held back (`MetricsFailed` if that still fails; without `write`, it
+        is raised at once) and close."""
         try:
+            if not write and self._held:
+                raise MetricsFailed(f"{self.path}: {len(self._held)} record(s) not written")
             self.flush()
         finally:
             if self._fd is not None:

@@ -28,7 +28,7 @@ from lclm.errors import ConfigError, TrainingHalted
 from lclm.training import gates
 from lclm.training.checks import validate
 from lclm.training.init_weights import SourceDamaged, apply_hf_shapes
-from lclm.training.loop import train
+from lclm.training.loop import Termination, handled_termination, train
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,17 @@ def run_stages(config, stop_after: int | None = None,
     and stops there as a crash would (steps since the stage's last checkpoint are lost); the
     next call resumes. A stage whose predecessor's final checkpoint turns out damaged when it
     starts sends the run back to that predecessor, which resumes from its previous good step.
-    `score_ruler` scores the gates' RULER subsets (lclm.training.gates).
+    `score_ruler` scores the gates' RULER subsets (lclm.training.gates). A termination signal
+    (SIGTERM, SIGINT) stops the run at the step it comes after, its checkpoint saved, however
+    late in a stage it comes (during its final save and summary: the next stage does not
+    start).
     """
+    with handled_termination() as termination:
+        return _run_stages(config, stop_after, score_ruler, termination)
+
+
+def _run_stages(config, stop_after: int | None, score_ruler: gates.ScoreRuler | None,
+                termination: Termination) -> list[list[dict]]:
     if config.model.init_from_hf:
         apply_hf_shapes(config)  # every stage validates against the real model shape
     configs = validate_stages(config, len(jax.devices()))
@@ -119,6 +128,10 @@ def run_stages(config, stop_after: int | None = None,
     stages = [run_config(c) for c in configs]   # what is read here; `train` takes the config
     i = 0
     while i < len(configs):
+        if termination.signalled():
+            log.warning("stopped before stage %d on a termination signal (the checkpoints are "
+                        "saved); run the same command to resume", i)
+            break
         c, s = configs[i], stages[i]
         steps_before = sum(t.train.steps for t in stages[:i])  # of all the earlier stages
         done = _saved_step(s.run.workdir)
@@ -136,7 +149,7 @@ def run_stages(config, stop_after: int | None = None,
             break
         try:
             results.append(train(c, stop_after=None if stop_after is None
-                                 else stop_after - steps_before))
+                                 else stop_after - steps_before, termination=termination))
         except SourceDamaged as damaged:
             if i == 0 or damaged.workdir != stages[i - 1].run.workdir or i - 1 in sent_back:
                 raise   # the user's init_from_checkpoint, or storage that damages it again

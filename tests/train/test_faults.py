@@ -226,9 +226,9 @@ def test_a_failed_final_save_is_retried_before_the_run_stops(two_steps, tmp_path
 
 def test_metrics_that_cannot_be_written_for_a_while_are_held_then_the_run_saves_and_stops(
         two_steps, tmp_path, caplog):
-    """A failed metrics.jsonl write is held and retried at each logged step; once writes have
-    failed for `storage_patience_seconds` the run saves a checkpoint and stops (exit 3)
-    with the held records in the log."""
+    """A failed metrics.jsonl write is held and retried at logged steps (after pauses of 1 s,
+    doubling); once writes have failed for `storage_patience_seconds` the run saves a
+    checkpoint and stops (exit 3) with the held records in the log (named by their path)."""
     workdir = tmp_path / "run"
     shutil.copytree(two_steps, workdir)
     config = _config(workdir, steps=10_000)   # it stops long before
@@ -238,7 +238,8 @@ def test_metrics_that_cannot_be_written_for_a_while_are_held_then_the_run_saves_
             caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
         train(config)
     message = str(e.value)
-    match = re.fullmatch(r"stopped after step (\d+): metrics.jsonl could not be written since "
+    match = re.fullmatch(rf"stopped after step (\d+): {workdir}/metrics.jsonl could not be "
+                         r"written since "
                          r"step 3 \(([\d.]+) s\); the records since are in the log; last good "
                          r"checkpoint: step (\d+) in (.*)", message)
     assert match, message
@@ -248,7 +249,7 @@ def test_metrics_that_cannot_be_written_for_a_while_are_held_then_the_run_saves_
     assert "\n" not in message and "Traceback" not in caplog.text
     # reported at once, not once a logged step; the held records are in the log
     assert caplog.text.count("could not write 1 record(s)") == 1
-    assert f"could not write {stopped - 2} record(s)" in caplog.text
+    assert f"{stopped - 2} record(s) not written" in caplog.text
     for step in range(3, stopped + 1):
         assert f'"step": {step},' in caplog.text
     assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", str(stopped)]
@@ -340,12 +341,12 @@ def test_a_run_that_ends_while_metrics_cannot_be_written_retries_then_names_the_
     assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["2", "4"]
     if fault_seconds is not None:
         assert steps == [1, 2, 3, 4]
-        assert "metrics.jsonl written again at step 4" in caplog.text
+        assert f"{workdir}/metrics.jsonl written again at step 4" in caplog.text
     else:
         assert steps == [1, 2]
         message = str(e.value)
-        assert message.startswith("stopped after step 4: metrics.jsonl could not be written "
-                                  "since step 3 ("), message
+        assert message.startswith(f"stopped after step 4: {workdir}/metrics.jsonl could not "
+                                  "be written since step 3 ("), message
         assert "the records since are in the log" in message and "\n" not in message
         assert '"step": 4,' in caplog.text   # the records: in the log
 

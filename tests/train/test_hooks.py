@@ -90,7 +90,7 @@ def test_metrics_writer_writes_each_record_and_the_summary_names_the_outputs(tmp
     checkpoints = Checkpoints(str(tmp_path), keep=1)
     try:
         faults = FaultPolicy(checkpoints, WritePatience(5), max_bad_steps=3, every_seconds=0,
-                             multi=False)
+                             multi=False, metrics=str(tmp_path / "metrics.jsonl"))
         logger = MetricsLogger(str(tmp_path))
         writer = MetricsWriter(logger, lock, faults, multi=False)
         plan = Cadence(first=1, last=2, total=2, log_every=1).at(1)

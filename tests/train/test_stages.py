@@ -3,6 +3,7 @@ each stage from its predecessor's final weights, resumable in the middle of any 
 
 import logging
 import os
+import signal
 
 import jax
 import numpy as np
@@ -115,6 +116,46 @@ def test_interrupted_staged_run_resumes_to_the_same_weights(tmp_path, caplog):
                                    "checkpoint (step 3) cannot be read (")
     assert "\n" not in str(e.value)
     assert not os.path.exists(os.path.join(stage1, "checkpoints_damaged"))
+
+
+class _SignalAt(logging.Handler):
+    """Sends this process `signum` when a record starting with `text` is logged: a signal
+    that lands at that moment of the run."""
+
+    def __init__(self, text: str, signum: int):
+        super().__init__()
+        self.text, self.signum, self.sent = text, signum, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.sent and record.getMessage().startswith(self.text):
+            self.sent += 1
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_a_stages_summary_stops_the_run_there(tmp_path, caplog, signum):
+    """Issue 76 item 4: a termination signal after a stage's last step was checked, during
+    its summary, once started no later stage; the run stops there (its final checkpoint
+    saved), the handlers are put back, and the same command resumes with stage 1."""
+    hf_dir, _ = _tiny_hf(tmp_path)
+    config = _recipe(tmp_path, "run", hf_dir, schedule="64:1e4:2:2, 128:1e5:2:4")
+    before = signal.getsignal(signum)
+    summary = _SignalAt("trained steps", signum)
+    logging.getLogger("lclm.training.hooks").addHandler(summary)
+    try:
+        with caplog.at_level(logging.WARNING), caplog.at_level(logging.INFO,
+                                                               "lclm.training.hooks"):
+            runs = run_stages(config)
+    finally:
+        logging.getLogger("lclm.training.hooks").removeHandler(summary)
+    assert summary.sent == 1
+    assert [len(r) for r in runs] == [2]
+    assert "stopped before stage 1 on a termination signal" in caplog.text
+    stage0, stage1 = (c.workdir for c in stage_configs(config))
+    assert max(map(int, os.listdir(os.path.join(stage0, "checkpoints")))) == 2
+    assert not os.path.exists(stage1)
+    assert signal.getsignal(signum) is before
+    assert [len(r) for r in run_stages(config)] == [2]   # resumed: stage 1 only
 
 
 def test_a_staged_run_refuses_a_workdir_that_holds_a_single_runs_checkpoints(tmp_path):
