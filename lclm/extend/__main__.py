@@ -68,9 +68,12 @@ from lclm.extend.timing import device_rate, expected_seconds
 from lclm.parallel.devices import allow_gpu_host_memory, request_cpu_devices
 from lclm.training.init_weights import apply_hf_shapes
 from lclm.training.stages import run_stages, validate_stages
+from lclm.writes import write_json
 
 log = logging.getLogger(__name__)
 PROG = "python -m lclm.extend"
+# beside an evaluation part's report: the flags and held-out documents it was measured with
+STAMP = "measured_with.json"
 
 
 def _saved_step(workdir: str) -> int | None:
@@ -88,10 +91,15 @@ def _trained(stages: list[RunConfig]) -> bool:
     return all((_saved_step(s.run.workdir) or 0) >= s.train.steps for s in stages)
 
 
-def _report_of(part: Part, out: str) -> dict | None:
-    """The finished report of an evaluation part (None: not there, or cut short)."""
-    path = storage.join(out, "parts", part.key, f"{part.task}.json")
-    if not storage.isfile(path):
+def _report_of(part: Part, out: str, stamp: dict) -> dict | None:
+    """The finished report of an evaluation part measured as `stamp` says (its flags and
+    held-out documents; None: not there, cut short, or measured otherwise: the config
+    changed since)."""
+    folder = storage.join(out, "parts", part.key)
+    path, flags = storage.join(folder, f"{part.task}.json"), storage.join(folder, STAMP)
+    if not (storage.isfile(path) and storage.isfile(flags)):
+        return None
+    if json.loads(storage.read_text(flags)) != stamp:
         return None
     found = json.loads(storage.read_text(path))
     return found if found.get("complete", True) else None
@@ -153,8 +161,15 @@ class Extension:
         self.held = dict(source=source, counts={str(n): c for n, c in held.counts.items()},
                          read=held.read, longest=held.longest, needed=ext.documents)
         self.heldout_dir = storage.join(self.out, "heldout")
-        if not storage.isdir(self.heldout_dir):
+        # the kept documents are rewritten when what selects them changed
+        self.selection = dict(source=source, tokenizer=self.first.data.tokenizer,
+                              lengths=sorted(held.counts), documents=ext.documents,
+                              kept=len(held.kept))
+        selection = storage.join(self.out, "heldout.json")
+        if not (storage.isdir(self.heldout_dir) and storage.isfile(selection)
+                and json.loads(storage.read_text(selection)) == self.selection):
             heldout.write(held, self.heldout_dir, tokenizer)
+            write_json(selection, self.selection)
         self.counts = held.counts
 
     def plan(self, budget_minutes: float | None) -> float:
@@ -211,10 +226,16 @@ class Extension:
     def _done(self, part: Part) -> bool:
         if part.task == TRAIN:
             return _trained(self.stages)
-        found = _report_of(part, self.out)
+        found = _report_of(part, self.out, self._stamp(part))
         if found is not None:
             self.reports[part.key] = found
         return found is not None
+
+    def _stamp(self, part: Part) -> dict:
+        """What an evaluation part is measured with: its flags and the held-out selection."""
+        return dict(argv=eval_argv(part, self.first, self.last, self.lengths,
+                                   storage.join(self.out, "parts", part.key), self.heldout_dir),
+                    heldout=self.selection)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -259,14 +280,17 @@ class Extension:
                               "same command to resume"
                 return "stopped"
             return "done"
+        stamp = self._stamp(part)
         folder = storage.join(self.out, "parts", part.key)
-        argv = eval_argv(part, self.first, self.last, self.lengths, folder, self.heldout_dir)
+        storage.makedirs(folder)
+        write_json(storage.join(folder, STAMP), stamp)
+        argv = stamp["argv"]
         try:
             code = TASKS[part.task](argv, prog=f"python -m lclm.eval {part.task}")
         except Exception as e:  # noqa: BLE001  (one part's failure, an OOM, leaves the rest)
             log.exception("%s failed", part.what)
             return f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        found = _report_of(part, self.out)
+        found = _report_of(part, self.out, stamp)
         if code or found is None:
             return f"failed (exit status {code})"
         self.reports[part.key] = found

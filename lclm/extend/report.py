@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from lclm import storage
 from lclm.config.syntax import format_tokens
-from lclm.eval.report import pyplot, save_png
+from lclm.eval.report import depth_labels, pyplot, save_png
 from lclm.extend.plan import AFTER, BEFORE, TRAIN, YARN, Lengths, Part
 from lclm.extend.targets import Measured, Verdict
 from lclm.writes import replacing, write_json
@@ -40,8 +40,7 @@ def _cell(x: float | None, digits: int = 4) -> str:
 
 
 def _loss_tables(lengths: Lengths, m: Measured) -> list[str]:
-    heads = [f"{100 * g // COLUMNS}-{100 * (g + 1) // COLUMNS}%" for g in range(COLUMNS)]
-    lines = ["| length | model | documents | " + " | ".join(heads) + " | all |",
+    lines = ["| length | model | documents | " + " | ".join(depth_labels(COLUMNS)) + " | all |",
              "| --- | --- | --- |" + " --- |" * (COLUMNS + 1)]
     for n in lengths.perplexity:
         for model in MODELS:
@@ -60,8 +59,7 @@ def _passkey_table(lengths: Lengths, m: Measured) -> list[str]:
     if not rows:
         return ["not measured"]
     bins = len(rows[0][1])
-    heads = [f"{100 * b // bins}-{100 * (b + 1) // bins}%" for b in range(bins)]
-    lines = [f"| {format_tokens(lengths.final)} | " + " | ".join(heads) + " | all |",
+    lines = [f"| {format_tokens(lengths.final)} | " + " | ".join(depth_labels(bins)) + " | all |",
              "| --- |" + " --- |" * (bins + 1)]
     lines += [f"| {name} | " + " | ".join(f"{a:.2f}" for a in acc)
               + f" | {sum(acc) / len(acc):.2f} |" for name, acc in rows]
@@ -154,8 +152,10 @@ def draw(path: str, title: str, lengths: Lengths, m: Measured) -> None:
         if acc:
             xs = [b + (i - 0.5) * 0.4 for b in range(len(acc))]
             right.bar(xs, acc, width=0.4, label=NAMES[model])
+    bins = len(m.passkey(AFTER, lengths.final) or m.passkey(BEFORE, lengths.final) or [])
+    right.set_xticks(range(bins), depth_labels(bins))
     right.set_ylim(0, 1.05)
-    right.set_xlabel("depth bin")
+    right.set_xlabel("depth of the passkey")
     right.set_ylabel("passkey accuracy")
     right.set_title(f"passkey at {format_tokens(lengths.final)}", fontsize=9)
     if right.get_legend_handles_labels()[0]:
