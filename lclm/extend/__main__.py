@@ -139,9 +139,14 @@ class Extension:
         self.command = command
         self.parts = parts(self.first, self.stages, self.lengths)
         self.rate = device_rate(self.last, mesh_device_count(config) or len(jax.devices()))
+        self.heldout_dir = storage.join(self.out, "heldout")
+        # set by prepare(): the held-out documents' counts, and what selected those kept
+        self.held: dict = {}
+        self.counts: dict[int, int] = {}
+        self.selection: dict = {}
         self.status: dict[str, dict] = {}
         self.reports: dict[str, dict] = {}
-        self.halted = ""
+        self.halted = ""   # why the training stopped, if it did
 
     # -- before anything runs ---------------------------------------------------------------
 
@@ -160,7 +165,6 @@ class Extension:
         heldout.check_counts(held, ext.documents)
         self.held = dict(source=source, counts={str(n): c for n, c in held.counts.items()},
                          read=held.read, longest=held.longest, needed=ext.documents)
-        self.heldout_dir = storage.join(self.out, "heldout")
         # the kept documents are rewritten when what selects them changed
         self.selection = dict(source=source, tokenizer=self.first.data.tokenizer,
                               lengths=sorted(held.counts), documents=ext.documents,

@@ -80,6 +80,13 @@ def _span(span: tuple[int, int]) -> str:
     return f"{format_tokens(span[0]) if span[0] else 0}-{format_tokens(span[1])}"
 
 
+def _at_least(name: str, target: float, measured: tuple[float, str] | None) -> Verdict:
+    """The verdict of a score that must reach `target` ((the score, its words) or None)."""
+    if measured is None:
+        return Verdict(name, None, "not measured")
+    return Verdict(name, measured[0] >= target, f"{measured[1]} (at least {target:g})")
+
+
 def judge(targets: Targets, lengths: Lengths, m: Measured) -> list[Verdict]:
     """One verdict per target the config sets (a negative value, or False, sets none)."""
     out = []
@@ -102,11 +109,10 @@ def judge(targets: Targets, lengths: Lengths, m: Measured) -> list[Verdict]:
                                f"{targets.far_near:g}){was}"))
     if targets.passkey >= 0:
         acc = m.passkey(AFTER, final)
-        name = f"passkey at {format_tokens(final)}, every depth"
-        out.append(Verdict(name, None, "not measured") if acc is None else Verdict(
-            name, min(acc) >= targets.passkey,
-            f"lowest bin {min(acc):.2f}, all {', '.join(f'{a:.2f}' for a in acc)} (at least "
-            f"{targets.passkey:g})"))
+        out.append(_at_least(
+            f"passkey at {format_tokens(final)}, every depth", targets.passkey,
+            None if acc is None else (min(acc), f"lowest bin {min(acc):.2f}, all "
+                                                f"{', '.join(f'{a:.2f}' for a in acc)}")))
     if targets.short_loss >= 0:
         before, after = m.loss(BEFORE, short), m.loss(AFTER, short)
         name = f"loss at {format_tokens(short)} kept"
@@ -119,9 +125,8 @@ def judge(targets: Targets, lengths: Lengths, m: Measured) -> list[Verdict]:
                                f"{targets.short_loss:+.2%})"))
     if targets.ruler >= 0:
         score = m.ruler(AFTER, final)
-        name = f"RULER subset at {format_tokens(final)}"
-        out.append(Verdict(name, None, "not measured") if score is None else Verdict(
-            name, score >= targets.ruler, f"{score:.1f} (at least {targets.ruler:g})"))
+        out.append(_at_least(f"RULER subset at {format_tokens(final)}", targets.ruler,
+                             None if score is None else (score, f"{score:.1f}")))
     if targets.beat_yarn:
         yarn, after = m.loss(YARN, final), m.loss(AFTER, final)
         name = f"loss at {format_tokens(final)} below YaRN's"
