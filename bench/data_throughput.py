@@ -1,14 +1,26 @@
-"""Data pipeline throughput on this machine: tokens/s of the loader's producer (one thread,
-i.e. one core) for on-the-fly tokenize+pack+stripe and for streaming a pre-tokenised corpus.
+"""Data pipeline throughput on this machine: the loader (`HostBatches`: sources, mixture,
+packer, host striping for sp=4, global arrays on 8 simulated devices) tokenising on the fly
+and streaming a pre-tokenised copy of the same sources, beside the tokenizer alone on the
+same documents, in the same run.
 
-    python -m bench.data_throughput [--seq 8192] [--batches 40] [--gcs]
+    python -m bench.data_throughput [--seq 8192] [--batches 40] [--cores N] [--code] [--gcs]
 
-`--gcs` also streams the pre-tokenised corpus from a bucket on a local GCS server
-(bench.gcs_server: an emulator on this machine, so the row measures the ranged requests'
-client path and round trips, not a real bucket's latency).
+Default: the bundled demo corpus (text) and conversations (ShareGPT) with the demo
+tokenizer. `--code`: configs/smollm2_64k.py's mixture, `code:STDLIB@0.75?min_tokens=16k,
+code:STDLIB@0.25?max_tokens=8k`, with `--tokenizer` (default: the real model's,
+checkpoints/smollm2-135m). `--cores N` runs the whole process on N of its cores (its CPU
+affinity, which the loader's reading threads and the tokenizer's own threads follow).
 
-Uses the bundled demo corpus (text) and conversations (ShareGPT), the real `HostBatches`
-(sources, mixture, packer, host striping for sp=4, global arrays on 8 simulated devices).
+Columns: wall and CPU seconds (all threads) of `--batches` batches built one after another
+with nothing else to do (the loader's throughput), tokens per second of each, the loader's
+tokens per CPU-second over the tokenizer's alone (one document a call, on one core: so the
+loader's wall rate with N cores approaches that fraction of N x the tokenizer's rate where
+the work spreads over the cores), and the longest that a training loop waited for a batch
+when it takes `--batches` of them one step apart, a step being the time that `--host-rate`
+tokens/s (default 272K: 8 H100s at 34K tokens/s each) takes for a batch (the loader's
+background thread and reading ahead as in training). `--gcs` also streams the pre-tokenised
+copy from a bucket on a local GCS server (bench.gcs_server: an emulator on this machine, so
+the row measures the ranged requests' client path and round trips, not a real bucket's).
 """
 
 from __future__ import annotations
@@ -17,7 +29,9 @@ import argparse
 import datetime
 import os
 import sys
+import sysconfig
 import tempfile
+import threading
 import time
 
 from bench import ROOT
@@ -28,12 +42,22 @@ from lclm.cli import run_cli
 from lclm.config.run_config import run_config
 from lclm.writes import check_output
 
+# 8 H100s at 34K tokens/s each (issue 77): what one host's loader must feed
+HOST_RATE = 272_000
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--batches", type=int, default=40)
+    ap.add_argument("--cores", type=int, default=0, help="run on this many cores (0: all)")
+    ap.add_argument("--code", action="store_true",
+                    help="the 64K config's code:STDLIB mixture instead of the demo's")
+    ap.add_argument("--tokenizer", default=os.path.join(ROOT, "checkpoints", "smollm2-135m"),
+                    help="with --code: the tokenizer (default: the real model's)")
+    ap.add_argument("--host-rate", type=float, default=HOST_RATE,
+                    help="tokens/s the training loop takes (sets the step of the wait column)")
     ap.add_argument("--gcs", action="store_true",
                     help="also read the pre-tokenised corpus from a bucket on a local GCS server")
     ap.add_argument("--out", default="")
@@ -44,6 +68,8 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     if args.out:  # before the measuring, not after it (the table is written last)
         check_output("--out", args.out, folder=False)
+    if args.cores:   # before any thread exists: every later one inherits it
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
     # started before JAX's threads exist (the server process is forked)
     server = GcsServer() if args.gcs else None
     try:
@@ -53,72 +79,183 @@ def _run(args) -> int:
             server.stop()
 
 
+def _sources(args) -> tuple[str, str, list[tuple[str, str]]]:
+    """(tokenizer path, mixture on the fly, [(kind, path) to pre-tokenise, into <tmp>/<i>])."""
+    if args.code:
+        stdlib = sysconfig.get_paths()["stdlib"]
+        return (args.tokenizer, f"code:{stdlib}@0.75?min_tokens=16k,"
+                f"code:{stdlib}@0.25?max_tokens=8k", [("code", stdlib)])
+    demo = os.path.join(ROOT, "data", "demo")
+    return (os.path.join(demo, "tokenizer.model"),
+            f"{demo}/corpus.jsonl@0.8,sharegpt:{demo}/sharegpt.jsonl@0.2",
+            [("text", f"{demo}/corpus.jsonl"), ("sharegpt", f"{demo}/sharegpt.jsonl")])
+
+
+def _short(mixture: str) -> str:
+    """`mixture` with the stdlib's and the demo folder's paths named, not spelled out."""
+    demo = os.path.join(ROOT, "data", "demo")
+    return mixture.replace(sysconfig.get_paths()["stdlib"], "STDLIB").replace(demo, "demo")
+
+
+def _prepared_mixture(args, root: str) -> str:
+    """The on-the-fly mixture's entries read from the pre-tokenised copies under `root`."""
+    if args.code:
+        return f"tokenized:{root}/0@0.75?min_tokens=16k,tokenized:{root}/0@0.25?max_tokens=8k"
+    return f"tokenized:{root}/0@0.8,tokenized:{root}/1@0.2"
+
+
 def _measure_and_report(args, server: GcsServer | None) -> int:
     from lclm.parallel.devices import request_cpu_devices
     request_cpu_devices(8)
     import jax
 
-    from lclm.data.tokenizer import Tokenizer
+    from lclm.data.ahead import cores
     from lclm.parallel.mesh import make_mesh
 
-    demo = os.path.join(ROOT, "data", "demo")
-    tokenizer_path = os.path.join(demo, "tokenizer.model")
-    tok = Tokenizer(tokenizer_path)
     mesh = make_mesh(fsdp=2, sp=4)
-    # the prepared copies live only as long as the measurement (nothing left in /tmp)
     if server is not None:
         os.environ.update(server.env)
+    # the prepared copies live only as long as the measurement (nothing left in /tmp)
     with tempfile.TemporaryDirectory() as tmp:
         bucket = server.bucket() if server is not None else None
-        rows, prepare_s = _measure(args, demo, tokenizer_path, tok, mesh, tmp, bucket)
+        rows, prepare_s, what = _measure(args, mesh, tmp, bucket)
+    step = args.batch * args.seq / args.host_rate
     emit_table(
-        "Data pipeline throughput (producer thread = 1 core)",
-        [f"device: host CPU ({os.cpu_count()} cores); jax {jax.__version__}; "
-         f"{datetime.date.today().isoformat()}; rows of {args.seq} tokens, batch {args.batch}, "
-         f"striped for sp=4; pre-tokenising both demo sources took {prepare_s:.2f} s; "
-         f"1-minute load average at the end {os.getloadavg()[0]:.1f} (CPU seconds close to the "
-         "wall seconds: the loop had a core to itself)"],
-        ["path", "tokens", "seconds", "CPU seconds", "tokens/s per core"], rows, args.out)
+        "Data pipeline throughput",
+        [f"device: host CPU, {cores()} of {os.cpu_count()} cores given; jax {jax.__version__}; "
+         f"{datetime.date.today().isoformat()}; {what}; rows of {args.seq} tokens, batch "
+         f"{args.batch}, striped for sp=4; pre-tokenising took {prepare_s:.1f} s; a step of "
+         f"{step:.3f} s ({args.host_rate:,.0f} tokens/s) for the wait column; 1-minute load "
+         f"average at the end {os.getloadavg()[0]:.1f} (above the cores given: other work "
+         "shared them, and wall rates are lower than the machine alone would give)"],
+        ["path", "tokens", "seconds", "CPU seconds", "tokens/s", "tokens per CPU-s",
+         "per CPU-s vs tokenizer alone", "longest wait (s)"], rows, args.out)
     return 0
 
 
-def _measure(args, demo, tokenizer_path, tok, mesh, tmp, bucket):
-    """(table rows, seconds to pre-tokenise locally) of each case, prepared copies under
-    `tmp` (and uploaded to `bucket`, a gs:// URL, where one is given)."""
-    from lclm.config import load_config
-    from lclm.data.loader import HostBatches
-    from lclm.data.prepare import prepare
+def _tokenizer_alone(tok, docs_texts: list[str]) -> tuple[int, float, float]:
+    """(tokens, wall s, CPU s) of the tokenizer alone on `docs_texts`, one text a call."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    tokens = sum(len(ids) for text in docs_texts for ids in tok.encode_batch([text]))
+    return tokens, time.perf_counter() - t0, time.process_time() - c0
 
-    t0 = time.perf_counter()
-    prepare("text", os.path.join(demo, "corpus.jsonl"), tokenizer_path, os.path.join(tmp, "text"))
-    prepare("sharegpt", os.path.join(demo, "sharegpt.jsonl"), tokenizer_path,
-            os.path.join(tmp, "chat"))
-    prepare_s = time.perf_counter() - t0
-    cases = {
-        "tokenize+pack+stripe (text 0.8 + sharegpt 0.2)":
-            f"{demo}/corpus.jsonl@0.8,sharegpt:{demo}/sharegpt.jsonl@0.2",
-        "pre-tokenised memmap (same mixture)":
-            f"tokenized:{tmp}/text@0.8,tokenized:{tmp}/chat@0.2",
-    }
-    if bucket is not None:
-        for name in ("text", "chat"):
-            storage.upload(os.path.join(tmp, name), f"{bucket}/{name}")
-        cases["pre-tokenised, ranged reads from a local GCS server (same mixture)"] = (
-            f"tokenized:{bucket}/text@0.8,tokenized:{bucket}/chat@0.2")
-    rows = []
-    for name, path in cases.items():
-        config = load_config(os.path.join(ROOT, "configs", "demo.py"))
-        config.data.update(path=path, seq_len=args.seq, batch_size=args.batch)
-        # no prefetch thread: time the producer's own work synchronously (= one core)
-        loader = HostBatches(run_config(config), mesh, tok, prefetch=0)
+
+def _texts(kind: str, path: str, chars: int) -> list[str]:
+    """About `chars` characters of a source's documents' texts, in a shuffled order."""
+    import numpy as np
+
+    from lclm.data.code import CodeRecords
+    from lclm.data.records import Records, read_records, text_problem
+    from lclm.data.stats import SourceStats
+
+    records: CodeRecords | Records
+    if kind == "code":
+        records = CodeRecords(path, False, SourceStats())
+    else:
+        records = read_records(path, "text", lambda r: text_problem(r, "text"), ("text",),
+                               SourceStats())
+    texts, total = [], 0
+    for i in np.random.default_rng(0).permutation(len(records)):
+        record = records[int(i)]
+        if record is not None and total < chars:
+            texts.append(record["text"])
+            total += len(record["text"])
+    return texts
+
+
+class _Counted:
+    """A document set that counts the tokens of the documents read from it (on any thread):
+    what the loader tokenised, beside what its rows hold."""
+
+    def __init__(self, docs):
+        self.docs, self.tokens, self._lock = docs, 0, threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int):
+        doc = self.docs[i]
+        with self._lock:
+            self.tokens += 0 if doc is None else len(doc[0])
+        return doc
+
+
+def _loader_rows(args, config, mesh, tok, name: str, alone: float) -> list[tuple]:
+    """The table row of one mixture: its throughput, then the waits of a training loop."""
+    import numpy as np
+
+    from lclm.data.ahead import Ahead
+    from lclm.data.loader import HostBatches
+
+    loader = HostBatches(run_config(config), mesh, tok, prefetch=0)
+    counted = {id(s.docs): s.docs for s in loader.sources if isinstance(s.docs, Ahead)}
+    for docs in counted.values():
+        docs.docs = _Counted(docs.docs)
+    try:
         loader.next_host_batch()  # warm-up: file reading / opening happened in the constructor
+        for docs in counted.values():   # (reads under way now count: about as many at the end)
+            docs.docs.tokens = 0
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.batches):
             loader.next_host_batch()
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        tokens = args.batches * args.batch * args.seq
-        rows.append((name, f"{tokens:,}", f"{dt:.2f}", f"{cpu:.2f}", f"{tokens / dt:,.0f}"))
-    return rows, prepare_s
+    finally:
+        loader.close()
+    step = args.batch * args.seq / args.host_rate
+    loader = HostBatches(run_config(config), mesh, tok, prefetch=2)
+    waits = []
+    try:
+        next(loader)   # the first batch comes before the first step's compile: not a wait
+        for _ in range(args.batches):
+            time.sleep(step)
+            t = time.perf_counter()
+            next(loader)
+            waits.append(time.perf_counter() - t)
+    finally:
+        loader.close()
+    tokens = args.batches * args.batch * args.seq
+    read = sum(docs.docs.tokens for docs in counted.values())
+    ratio = (f"{tokens / cpu / alone:.2f} ({read / cpu / alone:.2f} of the {read:,} tokens "
+             "tokenised, whole documents)" if alone else "")
+    return [(name, f"{tokens:,}", f"{dt:.2f}", f"{cpu:.2f}", f"{tokens / dt:,.0f}",
+             f"{tokens / cpu:,.0f}", ratio, f"{max(waits):.3f} (median {np.median(waits):.3f})")]
+
+
+def _measure(args, mesh, tmp, bucket):
+    """(table rows, seconds to pre-tokenise locally, what was read) of each case, prepared
+    copies under `tmp` (and uploaded to `bucket`, a gs:// URL, where one is given)."""
+    from lclm.config import load_config
+    from lclm.data.prepare import prepare
+    from lclm.data.tokenizer import Tokenizer
+
+    tokenizer_path, mixture, to_prepare = _sources(args)
+    tok = Tokenizer(tokenizer_path)
+    texts = _texts(*to_prepare[0], chars=3 << 20 if args.code else 1 << 20)
+    tokens, wall, cpu = _tokenizer_alone(tok, texts)
+    rows = [(f"tokenizer alone ({to_prepare[0][0]} documents, one a call)", f"{tokens:,}",
+             f"{wall:.2f}", f"{cpu:.2f}", f"{tokens / wall:,.0f}", f"{tokens / cpu:,.0f}",
+             "1.00", "")]
+    t0 = time.perf_counter()
+    for i, (kind, path) in enumerate(to_prepare):
+        prepare(kind, path, tokenizer_path, os.path.join(tmp, str(i)))
+    prepare_s = time.perf_counter() - t0
+    cases = {f"tokenize+pack+stripe ({_short(mixture)})": mixture,
+             "pre-tokenised memmap (same mixture)": _prepared_mixture(args, tmp)}
+    if bucket is not None:
+        for i in range(len(to_prepare)):
+            storage.upload(os.path.join(tmp, str(i)), f"{bucket}/{i}")
+        cases["pre-tokenised, ranged reads from a local GCS server (same mixture)"] = (
+            _prepared_mixture(args, bucket))
+    for name, path in cases.items():
+        config = load_config(os.path.join(ROOT, "configs", "demo.py"))
+        config.data.update(path=path, seq_len=args.seq, batch_size=args.batch,
+                           tokenizer=tokenizer_path)
+        config.model.vocab_size = max(config.model.vocab_size, tok.vocab_size)
+        alone = tokens / cpu if name.startswith("tokenize") else 0.0
+        rows += _loader_rows(args, config, mesh, tok, name, alone)
+    what = (f"tokenizer {os.path.relpath(tokenizer_path, ROOT)}; the tokenizer alone on "
+            f"{len(texts)} documents of the first source")
+    return rows, prepare_s, what
 
 
 if __name__ == "__main__":
