@@ -33,9 +33,10 @@ LOAD_BYTES_PER_SECOND = 0.4e9
 # a decoding step's fixed cost (a launch of every layer, the host's loop), beside its FLOPs
 DECODE_STEP_SECONDS = 0.01
 # a stage's start before its first step, beside loading and compiling: the loader's statistics
-# tokenise up to 200 documents per source on one core (the stdlib's code documents with
-# SmolLM2's tokenizer: 68-92 s on this project's 2-core machine with other work beside it)
-STAGE_START_SECONDS = 60.0
+# tokenise up to 200 documents per source (the 64K config's code:STDLIB mixture with SmolLM2's
+# tokenizer: 17.6 s on this project's 2-core machine with other work beside it, 52 s before
+# they were read on the loader's threads) and the first batches are read
+STAGE_START_SECONDS = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
