@@ -4,6 +4,7 @@ fails on a fault planted for it: (1) a model whose loss at the target length is 
 The real SmolLM2 with its own RoPE theta passes check 1 (skipped where it is absent)."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -88,6 +89,24 @@ def test_judge_lengths():
     assert judge_lengths(6.3, 6.3, 6.24) == (True, judge_lengths(6.3, 6.3, 6.24)[1])
     assert "untrained" in judge_lengths(6.3, 6.3, 6.24)[1]
     assert not judge_lengths(float("nan"), 2.2, 10.8)[0]
+
+
+def test_rows_with_no_trained_short_prefix_fail_naming_the_fix(tmp_path):
+    """Chats whose prompts are longer than the target (128 tokens): the window at a chat's
+    start has every target masked. It is skipped, so the check's rows have something to
+    learn (they once all had nothing: the check printed `ok` comparing a loss of 0 with 0),
+    and their first 64 tokens, still prompt, give no short loss: check 1 fails saying so."""
+    chats = tmp_path / "long_prompts.jsonl"
+    chats.write_text("".join(json.dumps({"conversations": [
+        {"from": "human", "value": f"Count the apples. {' '.join(['one apple'] * 60)}. {i}?"},
+        {"from": "gpt", "value": f"{i} apples."}]}) + "\n" for i in range(8)))
+    config = load_config(DEMO_CONFIG, {"data.source": "sharegpt", "data.path": str(chats)})
+    run = prepare(config, config, 128)
+    assert (run.rows["loss_mask"].sum(axis=1) > 0).all()
+    result = length_check(run)
+    assert not result.ok
+    assert "the first 64 tokens of the rows have no trained target" in result.text
+    assert "raise --length" in result.text
 
 
 class MislaidRing(Ring):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lclm.check.setup import Run
+from lclm.check.setup import MIN_SHORT, Run
 from lclm.data.loader import batch_sharding
 from lclm.eval.token_loss import token_losses
 from lclm.models.decoder import loss_terms
@@ -117,10 +117,20 @@ def judge_lengths(long: float, short: float, ln_v: float) -> tuple[bool, str]:
 
 
 def length_check(run: Run) -> Result:
-    """Check 1: the first step's loss at L and at S on the same rows (their first S tokens)."""
+    """Check 1: the first step's loss at L and at S on the same rows (their first S tokens).
+    Rows at L always have a trained target (the packer skips windows with none); their
+    first S tokens may not (a chat's long prompt), and a loss over no target is no loss."""
     length, short = run.sections.data.seq_len, run.short
     long_loss = mean_loss(run, run.rows)
-    short_loss = mean_loss(run, {k: v[:, :short] for k, v in run.rows.items()})
+    short_rows = {k: v[:, :short] for k, v in run.rows.items()}
+    if not short_rows["loss_mask"].any():
+        return Result(False, f"loss at {length} tokens {long_loss:.4f}; the first {short} "
+                             "tokens of the rows have no trained target (every target masked, "
+                             "as a chat's prompt is), so there is no short loss to compare: "
+                             "raise --length where it caps the target (the short length is "
+                             f"about 1/8 of it, at least {MIN_SHORT}) or check on data whose "
+                             f"rows do not start with {short} untrained tokens")
+    short_loss = mean_loss(run, short_rows)
     ln_v = math.log(run.model.vocab_size)
     ok, why = judge_lengths(long_loss, short_loss, ln_v)
     return Result(ok, f"loss at {length} tokens {long_loss:.4f}, at {short} {short_loss:.4f} "

@@ -5,6 +5,10 @@ Each row carries (all `[seq_len]`): `tokens`, `targets` (the next token), `loss_
 document's start, or from the row's start without `reset_positions`), `segment_ids`
 (documents numbered from 1 within the row). A document longer than the rest of a row
 continues in the next row, positions continuing. All in original token order.
+
+A window whose every target is masked (a chat's long prompt, documents of one token) is
+skipped, not emitted: such a row would cost a step and teach nothing. Which windows are
+skipped follows from the documents alone, so a resumed stream skips the same ones.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import numpy as np
 from lclm.data.records import DataError
 
 ROW_KEYS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
+# windows without a trained target in a row after which the data is taken to have none
+MAX_EMPTY_WINDOWS = 1000
 
 
 class Packer:
@@ -38,6 +44,9 @@ class Packer:
         self._next_doc = 0   # document number (increasing) of the next added document
         self._lengths: collections.deque[int] = collections.deque()  # of pending documents
         self._consumed = 0   # tokens of the first pending document already dropped
+        # windows skipped since the last row: not in the state, it only bounds the search
+        # (and the loader saves a state just after a row, where it is 0)
+        self._empty = 0
 
     def add(self, tokens: np.ndarray, loss: np.ndarray) -> None:
         n = len(tokens)
@@ -62,26 +71,43 @@ class Packer:
         self._consumed += n
 
     def pop_row(self) -> dict[str, np.ndarray] | None:
-        """The next complete row, or None until more documents are added. The last input
-        token of a row is also the first of the next row's window (its target needs the
-        following token)."""
+        """The next complete row with at least one trained target, or None until more
+        documents are added. The last input token of a row is also the first of the next
+        row's window (its target needs the following token)."""
+        while self._pending >= self.seq_len + 1:
+            row = self._window()
+            self._advance()
+            if row["loss_mask"].any():
+                self._empty = 0
+                return row
+            self._empty += 1
+            if self._empty >= MAX_EMPTY_WINDOWS:
+                raise DataError(
+                    f"{self._empty} windows of {self.seq_len} tokens in a row have no trained "
+                    "target (every target masked): the data has nothing to learn; check "
+                    "data.path and data.chat_template: records need trained text (a chat's "
+                    "answers, documents of more than one token)")
+        return None
+
+    def _window(self) -> dict[str, np.ndarray]:
+        """The row of the first `seq_len + 1` pending tokens (there are that many)."""
         t = self.seq_len
-        if self._pending < t + 1:
-            return None
         buf = self._merged()
         w = slice(0, t + 1)
         tokens, doc = buf["tokens"][w], buf["doc"][w]
         same = doc[1:] == doc[:-1]
-        row = dict(
+        return dict(
             tokens=tokens[:-1].copy(), targets=tokens[1:].copy(),
             loss_mask=(buf["loss"][w][1:] * same).astype(np.float32),
             positions=(buf["pos"][:t].copy() if self.reset_positions
                        else np.arange(t, dtype=np.int32)),
             segment_ids=(doc[:-1] - doc[0] + 1).astype(np.int32))
-        self._drop(t)
+
+    def _advance(self) -> None:
+        """Move past one row's tokens, forgetting the documents it finished."""
+        self._drop(self.seq_len)
         while self._lengths and self._consumed >= self._lengths[0]:
             self._consumed -= self._lengths.popleft()
-        return row
 
     @property
     def documents(self) -> int:
