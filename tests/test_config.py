@@ -121,6 +121,9 @@ def test_bad_stage_schedules_fail_at_start(schedule, needle):
      "splits the model.n_heads=4 query heads over mesh.tp x mesh.sp = 8: not divisible"),
     (lambda c: c.attention.update(strategy="ulysses", q_chunk=48), 8,
      "data.seq_len=512 is not divisible by attention.q_chunk=48"),
+    (lambda c: c.validation.update(path="", at_start=True), 8,
+     "validation.at_start=True measures the held-out loss before the first step, but "
+     "validation.path is empty"),
 ])
 def test_bad_configs_fail_with_one_line(change, devices, needle):
     c = _load("demo.py")
@@ -299,9 +302,9 @@ def test_overrides_that_no_stage_replaces_are_applied():
                                       "--config.mesh.sp=2", "--config.data.batch_size=4"),
                          "unused")
     assert (c.mesh.sp, c.data.batch_size) == (2, 4)
-    # no schedule left: nothing is replaced
-    c = config_from_argv(_staged_argv("--config.stages.schedule=", "--config.data.seq_len=64"),
-                         "unused")
+    # no schedule left: nothing is replaced (and the stages' batch size is not left set)
+    c = config_from_argv(_staged_argv("--config.stages.schedule=", "--config.data.seq_len=64",
+                                      "--config.stages.tokens_per_batch=0"), "unused")
     assert (c.stages.schedule, c.data.seq_len) == ("", 64)
     # the same fields of an unstaged config, and of a staged one where no stage runs
     assert config_from_argv(_staged_argv("--config.data.seq_len=64", config="demo.py"),

@@ -109,7 +109,7 @@ def config_for_check(config, length: int | None, available: int) -> tuple[Config
     rows = math.prod(sizes[k] for k in ("dp", "fsdp"))
     c.mesh.update(sizes)
     c.data.batch_size, c.train.grad_accum = rows, 1
-    c.validation.update(path="", lengths="")
+    c.validation.update(path="", lengths="", at_start=False)
     c.workdir = tempfile.gettempdir()
     try:
         validate(c, available)

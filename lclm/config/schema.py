@@ -353,6 +353,9 @@ def check_fields(config) -> None:
     m = config.model
     _check_values(config)
     _check_rope_and_ids(m)
+    if config.validation.at_start and not config.validation.path:
+        _fail("validation.at_start=True measures the held-out loss before the first step, but "
+              "validation.path is empty; set validation.path, or validation.at_start=False")
     if m.n_heads % m.n_kv_heads:
         _fail(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
     if m.head_dim and m.head_dim % 2:

@@ -25,12 +25,13 @@ first) is read into the same records.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any
 
 from lclm import storage
 from lclm.config.loading import field, flat_items, set_field
-from lclm.config.schema import STAGE_OPTIMIZER
+from lclm.config.schema import STAGE_OPTIMIZER, Stages
 from lclm.config.secrets import public_config
 from lclm.config.syntax import parse_schedule, parse_tokens
 from lclm.errors import ConfigError
@@ -78,8 +79,10 @@ def check_gate(gate, where: str) -> dict:
                           "average at the stage's length)")
     if "short_loss" in gate:
         fraction = gate["short_loss"]
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or fraction < 0:
-            raise ConfigError(f"{where}: gate short_loss={fraction!r} must be a number >= 0")
+        if (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                or not math.isfinite(fraction) or fraction < 0):   # NaN compares False
+            raise ConfigError(f"{where}: gate short_loss={fraction!r} must be a finite "
+                              "number >= 0")
     if "ruler" in gate:
         _check_gate_ruler(gate["ruler"], where)
     if gate.get("on_fail", "stop") not in ON_FAIL:
@@ -156,6 +159,8 @@ def stage_records(config) -> list[dict[str, Any]]:
     if not listed:
         records: list[dict[str, Any]] = []
         stages = parse_schedule(schedule)
+        if not stages:
+            _check_no_stage_settings(config)
         any_sp = any(stage.sp for stage in stages)
         for i, stage in enumerate(stages):
             record: dict[str, Any] = {"data.seq_len": stage.seq_len,
@@ -201,6 +206,26 @@ def stage_records(config) -> list[dict[str, Any]]:
     return records
 
 
+def _check_no_stage_settings(config) -> None:
+    """A run without stages (an empty `stages.list` reads as none) would ignore the settings
+    that only stages use: one set is a ConfigError rather than a run that looks staged."""
+    unset = Stages()
+    for key in ("tokens_per_batch", "extend_lr", "optimizer"):
+        value, default = config.stages[key], getattr(unset, key)
+        if value != default:
+            raise ConfigError(f"stages.{key}={value!r} is set but the run has no stages "
+                              "(stages.list and stages.schedule are empty); list the stages, "
+                              f"or set stages.{key}={default!r} for a single run")
+
+
+def _unstaged(config):
+    """A copy of `config` with every `stages` field at its default: what a stage's config
+    starts from (a stage is a single run; the stage settings were applied to it)."""
+    base = copy.deepcopy(config)
+    base.stages.update(dataclasses.asdict(Stages()))
+    return base
+
+
 def stage_name(record: dict, index: int) -> str:
     return str(record.get("name") or index)
 
@@ -213,8 +238,7 @@ def stage_configs(config) -> list:
     """One complete training config per stage (chained through `model.init_from_checkpoint`;
     `train.optimizer_from_checkpoint` where the stage carries its predecessor's optimizer)."""
     records = stage_records(config)
-    base = copy.deepcopy(config)
-    base.stages.update(schedule="", list=())
+    base = _unstaged(config)
     tokens_per_batch = config.stages.tokens_per_batch
     warmup = config.train.warmup   # as set, before a short stage clamps it
     configs: list = []
@@ -233,7 +257,13 @@ def stage_configs(config) -> list:
             c.data.batch_size = tokens_per_batch // seq_len
         if "tokens" in record:
             c.train.steps = math.ceil(int(record["tokens"]) / (c.data.batch_size * seq_len))
-        warmup = int(record.get("train.warmup", warmup))
+        if "train.warmup" in record:
+            warmup = int(record["train.warmup"])
+            if warmup and warmup >= c.train.steps:
+                raise ConfigError(f"{where} sets train.warmup={warmup}, not below its "
+                                  f"{c.train.steps} steps: its learning rate would never reach "
+                                  "train.lr; set a shorter warm-up or more steps (or tokens)")
+        # a warm-up the stage inherits is clamped: the stage reaches its peak by its last step
         c.train.warmup = min(warmup, c.train.steps - 1)
         c.workdir = stage_workdir(config, i, seq_len)
         # 'stages' names lengths only the schedule knows: this stage's and the earlier ones'
@@ -299,8 +329,7 @@ def stage_changes(config) -> list[dict[str, Any]]:
     """Per stage, {dotted key: resolved value} of every field where the stage's config
     differs from `config` (secrets left out); [] without stages."""
     configs = stage_configs(config)
-    base = copy.deepcopy(config)
-    base.stages.update(schedule="", list=())
+    base = _unstaged(config)
     flat_base = dict(flat_items(public_config(base)))
     return [{key: value for key, value in flat_items(public_config(c))
              if flat_base.get(key, object()) != value} for c in configs]

@@ -84,6 +84,8 @@ def test_each_field_takes_effect_at_its_stage_and_is_kept_after_it(tmp_path):
     (dict(data=dict(seq_len="64q")), r"data.seq_len='64q' is not a token count"),
     (dict(train=dict(lr="fast")), r"stage 0: train.lr='fast': expected type float"),
     ("64k:1e6:3", r"stages.list\[0\] is str, not a dict"),
+    (dict(train=dict(steps=3, warmup=3)), r"stage 0 sets train.warmup=3, not below its 3 "
+     "steps: its learning rate would never reach train.lr"),
 ])
 def test_a_bad_stage_fails_at_start_in_one_line(tmp_path, stage, needle):
     c = _config(tmp_path / "run")
@@ -94,6 +96,31 @@ def test_a_bad_stage_fails_at_start_in_one_line(tmp_path, stage, needle):
     c.stages.update(list=_stages(), schedule="64:1e4:3")
     with pytest.raises(ConfigError, match="stages.list and config.stages.schedule are both"):
         stage_configs(c)
+
+
+def test_a_warm_up_a_stage_inherits_is_clamped_to_its_steps(tmp_path):
+    c = _config(tmp_path / "run")
+    c.train.warmup = 5
+    c.stages.list = [dict(train=dict(steps=3)), dict(train=dict(steps=10))]
+    assert [s.train.warmup for s in stage_configs(c)] == [2, 5]
+
+
+def test_stage_settings_without_stages_are_refused(tmp_path):
+    """An empty stages.list is no stages: a stage setting left beside it would be ignored."""
+    c = _config(tmp_path / "run")
+    c.stages.update(list=[], tokens_per_batch=4096)
+    with pytest.raises(ConfigError, match=r"stages.tokens_per_batch=4096 is set but the run has "
+                                          r"no stages .*set stages.tokens_per_batch=0 for a"):
+        stage_configs(c)
+    c.stages.update(tokens_per_batch=0, optimizer="fresh")
+    with pytest.raises(ConfigError, match="stages.optimizer='fresh' is set but the run has no"):
+        stage_configs(c)
+    c.stages.optimizer = "carry"
+    assert stage_configs(c) == []
+    # a stage's own config is a single run: the stage settings were applied to it
+    staged = _config(tmp_path / "run")
+    staged.stages.tokens_per_batch = 512
+    assert all(stage_configs(s) == [] for s in stage_configs(staged))
 
 
 def test_print_config_shows_each_stages_resolved_values(tmp_path):
@@ -270,7 +297,9 @@ def test_gates_are_checked_at_start(tmp_path):
         stage_configs(c)
     for gate, needle in ((dict(short_los=0.1), "gate key 'short_los' is unknown"),
                          (dict(on_fail="warn"), "the gate names nothing to reach"),
-                         (dict(short_loss=0.1, on_fail="halt"), "on_fail='halt'")):
+                         (dict(short_loss=0.1, on_fail="halt"), "on_fail='halt'"),
+                         (dict(short_loss=float("nan")), "short_loss=nan must be a finite "
+                                                         "number >= 0")):
         c.stages.list = [dict(train=dict(steps=2), gate=gate)]
         with pytest.raises(ConfigError, match=needle):
             stage_configs(c)
