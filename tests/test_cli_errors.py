@@ -245,7 +245,7 @@ def test_every_console_script_names_a_main_function():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
     assert set(scripts) == {"lclm-train", "lclm-plan", "lclm-convert", "lclm-prepare",
-                            "lclm-eval", "lclm-generate", "lclm-check"}
+                            "lclm-eval", "lclm-generate", "lclm-check", "lclm-extend"}
     for target in scripts.values():
         module, function = target.split(":")
         assert callable(getattr(importlib.import_module(module), function)), target
