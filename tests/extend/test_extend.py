@@ -2,14 +2,17 @@
 (trained length 64) through two stages (128, 256) with striped ring attention over sp=2, every
 evaluation part before and after, the report and its verdicts; a re-run that finds everything
 done; the one-line refusals (too few held-out documents, a budget that cannot hold the main
-question, a from-scratch config); the pre-flight line of `python -m lclm.check`; and the
-verdicts' arithmetic on reports written by hand."""
+question, a from-scratch config); the pre-flight line of `python -m lclm.check`; a
+preemption while it trains; and the verdicts' arithmetic on reports written by hand."""
 
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
-from support import DEMO_CORPUS, DEMO_TOKENIZER, save_initial_checkpoint
+from support import DEMO_CORPUS, DEMO_TOKENIZER, ROOT, save_initial_checkpoint
 
 from lclm.check.__main__ import main as check_main
 from lclm.config import base_config, load_config
@@ -199,3 +202,35 @@ def test_the_programs_plan_compiles_are_those_the_parts_run(extension):
            ("passkey after at 256", "decode", 256), ("passkey before at 256", "decode", 256)])
     stage0 = next(p for p in programs if p.what.startswith("perplexity stage 0"))
     assert stage0.model.rope_theta == 10000.0 and lengths.trained == 64
+
+
+@pytest.mark.slow
+def test_a_preemption_during_the_training_stops_the_run_and_the_next_run_goes_on(extension,
+                                                                                  tmp_path):
+    """SIGTERM while the second stage starts: the stage saves and stops, the run writes its
+    report (the training stopped, nothing after it run) and exits 3; the same command then
+    resumes the training and measures the rest."""
+    path, _ = extension
+    workdir = tmp_path / "run"
+    argv = [sys.executable, "-m", "lclm.extend", "--config", path,
+            f"--config.workdir={workdir}"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "INFO stage 1:" in line:
+            proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=600) == 3, "".join(lines[-30:])
+    report = json.load(open(workdir / "extension" / "extension.json"))
+    status = {p["key"]: p["status"] for p in report["parts"]}
+    assert status["perplexity-before-256"] == "done"
+    assert status["train"].startswith("stopped")
+    assert {s for k, s in status.items() if k not in ("perplexity-before-256", "train")} == {
+        "not run: the training stopped"}
+    assert [v["met"] for v in report["verdicts"]] == [None] * 4   # nothing after: measured
+    again = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode in (0, 1), again.stdout[-3000:] + again.stderr[-3000:]
+    report = json.load(open(workdir / "extension" / "extension.json"))
+    assert [p["status"] for p in report["parts"]] == ["done"] * len(report["parts"])
