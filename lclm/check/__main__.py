@@ -6,12 +6,12 @@ and check what a misconfigured long-context run gets wrong first.
 One line per check, `ok` or `FAIL` with the numbers and what to fix: (1) the first step's
 loss at the target length against a short one (broken positions start near ln V), (2) the
 configured mesh and attention strategy against one device (sp=1), (3) no token attends
-across a packed document's boundary; and for a staged extension from trained weights, that
-its held-out data holds enough documents at every length `python -m lclm.extend` measures.
-A staged config is checked at its last (longest) and first stage. The mesh shrinks to the
-devices there are (simulated CPU devices where there is no accelerator), keeping sp where
-they allow; `--length N` caps the target length (the
-output says so). Exit status 0 when every check passes, 1 when one fails, 2 for bad input.
+across a packed document's boundary; and for a config made for `python -m lclm.extend` (stages
+from trained weights, `extension.data` set), that its held-out data holds enough documents at
+every length the extension measures. A staged config is checked at its last (longest) and
+first stage. The mesh shrinks to the devices there are (simulated CPU devices where there is
+no accelerator), keeping sp where they allow; `--length N` caps the target length (the output
+says so). Exit status 0 when every check passes, 1 when one fails, 2 for bad input.
 """
 
 from __future__ import annotations

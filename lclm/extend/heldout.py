@@ -97,11 +97,12 @@ def counted(config) -> tuple[Lengths, HeldOut]:
 
 
 def is_extension(config) -> bool:
-    """Whether `config` is one `python -m lclm.extend` measures: stages from trained weights,
-    with held-out data."""
+    """Whether `config` is made for `python -m lclm.extend`: stages from trained weights, with
+    its held-out data named (extension.data; a recipe that only validates on some data is not
+    held to the extension's document counts)."""
     model = config.model
     return bool(stage_configs(config) and (model.init_from_hf or model.init_from_checkpoint)
-                and (config.extension.data or config.validation.path))
+                and config.extension.data)
 
 
 def preflight(config) -> tuple[bool, str]:

@@ -49,9 +49,9 @@ def get_config():
                      dict(data=dict(seq_len=256), model=dict(rope_theta=4e4),
                           train=dict(steps=2))]
     c.validation.update(path="text:" + {heldout!r}, every=100, batches=1)
-    c.extension.update(lengths="32,64,128,256", short_length="32", documents=2, buckets=8,
-                       passkey_depths=1, passkey_samples=1, ruler_tasks="",
-                       compile_seconds=1.0)
+    c.extension.update(data="text:" + {heldout!r}, lengths="32,64,128,256",
+                       short_length="32", documents=2, buckets=8, passkey_depths=1,
+                       passkey_samples=1, ruler_tasks="", compile_seconds=1.0)
     c.targets.update(near_positions="32:64", far_positions="128:256", passkey=0.5)
     c.log.update(every=1, progress=False)
     c.checkpoint.update(every=0, keep=1, every_minutes=0.0)
