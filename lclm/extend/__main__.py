@@ -1,13 +1,13 @@
 """One command for a whole context extension, with its before/after verdict.
 
-    python -m lclm.extend --config configs/smollm2_64k.py [--budget-minutes 9] [--out DIR]
+    python -m lclm.extend --config configs/smollm2_64k.py [--budget-minutes 8.5] [--out DIR]
     python -m lclm.extend --config FILE --plan   (the checks and the time plan; nothing runs)
     (also: lclm-extend; every config field can be overridden with --config.<key>=<value>)
 
 Before anything trains it checks the stages (as train.py does), counts the held-out
 documents at every length of the loss by position with the model's own tokenizer (a length
 with fewer than extension.documents is one line), and prints each part's expected time on the
-device (lclm.extend.timing); a plan over --budget-minutes is refused in one line. Then it runs
+device (lclm.extend.timing). Then it runs
 the parts in the order of their value (lclm.extend.plan): the starting weights' loss by
 position at the final length, the training (every stage, gates on, as train.py runs them),
 the trained weights' loss at the final length, passkey after and before, the other lengths
@@ -20,8 +20,8 @@ after every part: before and after side by side, and the verdict on each of the 
 targets (`targets` section: met, not met, not measured). Re-running the command skips the
 parts that are done (an interrupted stage resumes from its checkpoint). With a budget, the
 parts are taken in order while their expected times fit; the rest are left for the next run
-of the same command (a device lent for a few minutes at a time runs the extension in two
-calls), and a budget that cannot hold the main question (before, the training, after at the
+of the same command (a device lent for a few minutes at a time runs the extension in more
+than one call), and a budget that cannot hold the main question (before, the training, after at the
 final length) is refused in one line; a part whose expected time no longer fits what is left
 of the budget while it runs is left too, so a cut run still ends with its report.
 
