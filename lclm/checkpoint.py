@@ -70,6 +70,23 @@ _TENSORSTORE_WAITS = {"TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": storage.REQUES
                       "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": 1}
 
 
+# How the train state's arrays are written (bench/checkpoint_save.py, results in
+# bench/results/checkpoint-speed/): Orbax's default compresses every chunk with zstd, which is
+# CPU-bound: on 2 cores it saved at 0.3-0.4 of what `dd` wrote to the same disk and restored at
+# 0.1-0.3 of a numpy read, for 17-35% fewer bytes (35% on SmolLM2's weights, which come from a
+# 4-bit GGUF). Compression pays only where the host's cores compress faster than its store
+# writes; uncompressed, a save keeps up with the disk (0.55-1.6 of dd) and needs no buffers
+# beyond the arrays' host copy. zarr3 and zarr2 measured alike uncompressed; zarr3 is Orbax's
+# newer format. Restores read the format each step's files record, so steps saved before
+# (zarr2 + zstd) still restore.
+STATE_FORMAT = {"use_zarr3": True, "use_compression": False}
+
+
+def state_handler() -> ocp.PyTreeCheckpointHandler:
+    """The Orbax handler of a checkpoint's `state` item, for saves and restores alike."""
+    return ocp.PyTreeCheckpointHandler(**STATE_FORMAT)
+
+
 def _prepare_orbax() -> None:
     """Before a checkpoint manager's handlers make their tensorstore contexts: bound their
     retries (`_TENSORSTORE_RETRIES`, under each scheme's `tensorstore_retries` resource, put
@@ -96,7 +113,7 @@ def _reader(workdir: str):
                                     "lclm run")
         raise FileNotFoundError(f"no checkpoints in {workdir!r} (expected {directory})")
     _prepare_orbax()   # a damaged step's failed reads: one line, as for saves
-    handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+    handlers = {"state": state_handler(), "data": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(directory, item_handlers=handlers,
                                  options=ocp.CheckpointManagerOptions(create=False))
@@ -297,7 +314,7 @@ class Checkpoints:
             # disk fails the save call itself instead of a background thread waiting minutes
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         _prepare_orbax()
-        handlers = {"state": ocp.StandardCheckpointHandler(),
+        handlers = {"state": state_handler(),
                     "data": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=handlers)
@@ -363,7 +380,10 @@ class Checkpoints:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             _as_dict(template))
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+            state=ocp.args.PyTreeRestore(
+                item=abstract,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)),
+            data=ocp.args.JsonRestore()))
         s = restored["state"]
         return type(template)(s["step"], s["params"], s["opt_state"]), restored["data"]["processes"]
 
@@ -405,7 +425,7 @@ class Checkpoints:
         data = {"processes": gather_json(data_state)}
         try:
             self.manager.save(step, force=True, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_as_dict(state)), data=ocp.args.JsonSave(data),
+                state=ocp.args.PyTreeSave(_as_dict(state)), data=ocp.args.JsonSave(data),
                 config=ocp.args.JsonSave(config)))
         except Exception as e:  # noqa: BLE001  (unwritable directory, disk full...)
             raise self._failed(step, e) from None

@@ -55,15 +55,20 @@ def test_checkpoint_bench_saves_and_restores_on_disk_and_a_local_gcs_server(tmp_
     env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))   # its checkpoints and the server's
     (tmp_path / "tmp").mkdir()
     r = subprocess.run([sys.executable, "-m", "bench.checkpoint_save", "--models", "demo",
-                        "--gcs", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+                        "--formats", "lclm,orbax", "--repeat", "1", "--gcs", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     table = out.read_text()
-    assert "| local | demo |" in table and "| gcs (local server) | demo |" in table
+    assert "| local | demo | lclm |" in table and "| gcs (local server) | demo | orbax |" in table
     assert "local emulator" in table
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
-    assert [row["target"] for row in rows] == ["local", "gcs (local server)"]
+    assert [(row["target"], row["format"]) for row in rows] == [
+        ("local", "lclm"), ("gcs (local server)", "lclm"), ("local", "orbax"),
+        ("gcs (local server)", "orbax")]
     assert all(row["restore_s"] > 0 and row["save_s"] >= row["blocking_s"] for row in rows)
+    # the disk's own speed, measured beside each, and what each step holds on disk
+    assert all(row["dd_gbps"] > 0 and row["numpy_read_gbps"] > 0 and row["disk_bytes"] > 0
+               for row in rows)
     assert list((tmp_path / "tmp").iterdir()) == []   # checkpoints and the server's folder gone
 
 

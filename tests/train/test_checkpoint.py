@@ -1,12 +1,14 @@
 """Layout-free checkpoints: restore on another mesh/layout/scan setting, bad checkpoints."""
 
 import glob
+import json
 import logging
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from support import small_train_config
 
@@ -97,3 +99,52 @@ def test_shape_mismatch_names_the_parameter_and_corrupt_latest_falls_back(tmp_pa
         _, _, state, data = _restore(config)
     assert int(state.step) == 2 and data[0]["batches"] == 2
     assert "checkpoint step 4" in caplog.text
+
+
+def _step_bytes(workdir, step):
+    return sum(os.path.getsize(f) for f in glob.glob(
+        str(workdir / "checkpoints" / str(step) / "state" / "**" / "*"), recursive=True)
+        if os.path.isfile(f))
+
+
+def test_a_step_in_orbaxs_default_format_restores_and_new_steps_are_uncompressed(tmp_path):
+    """Steps saved before lclm chose its array format (Orbax's default, zarr2 chunks compressed
+    with zstd, through the StandardCheckpointHandler lclm used) still resume; a new step is
+    zarr3, uncompressed (never smaller than the arrays), and restores equal too."""
+    workdir = tmp_path / "run"
+    config = _config(workdir)
+    mesh = make_mesh(fsdp=2, sp=4)
+    model = ModelConfig.from_config(config.model)
+    optimizer = make_optimizer(run_config(config).train)
+    state = init_state(model, optimizer, mesh, seed=0)
+    # moments that are not all zeros (zeros compress to nothing either way)
+    state = state._replace(opt_state=jax.tree.map(
+        lambda x: x + 1e-3 if jnp.issubdtype(x.dtype, jnp.floating) else x, state.opt_state))
+    item = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+    earlier = ocp.CheckpointManager(str(workdir / "checkpoints"), item_handlers={
+        "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler()})
+    earlier.save(1, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(item), data=ocp.args.JsonSave({"processes": [{"n": 1}]}),
+        config=ocp.args.JsonSave({})))
+    earlier.close()
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(item))
+    assert _step_bytes(workdir, 1) < 0.95 * nbytes   # compressed
+
+    def same(a, b):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    template = init_state(model, optimizer, mesh, seed=99)
+    ckpt = Checkpoints(str(workdir), keep=3)
+    restored, data = ckpt.restore(template)
+    same(restored, state)
+    assert data == [{"n": 1}]
+    ckpt.save(2, restored, {"n": 2}, {})
+    ckpt.close()
+    with open(workdir / "checkpoints" / "2" / "state" / "_METADATA") as f:
+        assert json.load(f)["use_zarr3"] is True
+    assert _step_bytes(workdir, 2) >= nbytes
+    restored, data = Checkpoints(str(workdir), keep=3).restore(template)
+    same(restored, state)
+    assert data == [{"n": 2}]

@@ -413,8 +413,9 @@ no_unraisable_tracebacks = pytest.mark.filterwarnings(
 
 @no_unraisable_tracebacks
 def test_a_full_disk_fails_the_asynchronous_save_and_is_reported(tmp_path, caplog):
-    # a real filesystem with room for one checkpoint of this model but not two
-    with _small_disk(tmp_path, "1700k") as mount:
+    # a real filesystem with room for one checkpoint of this model (1.8 MB, uncompressed) but
+    # not two
+    with _small_disk(tmp_path, "2600k") as mount:
         workdir = mount / "run"
         with caplog.at_level(logging.ERROR), pytest.raises(TrainingHalted) as e:
             train(_config(workdir, steps=6, patience=1.0))
