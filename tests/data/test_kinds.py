@@ -72,7 +72,10 @@ def test_prepare_takes_the_kinds_the_registry_says_and_they_read_its_output(tmp_
     with pytest.raises(SystemExit):
         prepare_main(["--source", "ruler", "--input", "x", "--tokenizer", DEMO_TOKENIZER,
                       "--out", str(tmp_path / "out")])
-    assert "invalid choice: 'ruler' (choose from 'text', 'sharegpt', 'code', 'code-heldout')" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # argparse quotes the choices on some Python versions and not on others
+    assert "invalid choice: 'ruler'" in err
+    assert all(name in err.split("choose from", 1)[1] for name in preparable)
     corpus = tmp_path / "a.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(3)))
     prepare("text", str(corpus), DEMO_TOKENIZER, str(tmp_path / "out"))
