@@ -14,8 +14,6 @@ the mesh size first). `run_cli` is every CLI's door, so it is where JAX's platfo
 from __future__ import annotations
 
 import argparse
-import copy
-import math
 import re
 import sys
 import textwrap
@@ -30,7 +28,7 @@ from lclm.config import schema
 from lclm.config.fields import fields_of
 from lclm.config.loading import field, flat_items, load_config
 from lclm.config.secrets import public_config
-from lclm.config.stages import keys_set_by_stages, stage_configs, stage_lines
+from lclm.config.stages import keys_set_by_stages, stage_lines
 from lclm.errors import ConfigError, StartupError, TrainingHalted
 from lclm.platforms import keep_jax_off_an_absent_tpu
 
@@ -159,28 +157,9 @@ def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None, default: 
 def config_text(config: ml_collections.ConfigDict) -> str:
     """`key=value` lines (`model.dim=2048`, values as Python writes them) of every field of
     `config` but the secrets, sorted, then each stage's resolved values where they differ
-    (`stages[i].key=value`): what `--print-config` prints. A config, or a stage, that a run
-    would refuse at start for what it says is refused here too (`check_printed`)."""
-    check_printed(config)
+    (`stages[i].key=value`): what `--print-config` prints."""
     return "\n".join([*(f"{key}={value!r}" for key, value in flat_items(public_config(config))),
                       *stage_lines(config)])
-
-
-def check_printed(config: ml_collections.ConfigDict) -> None:
-    """Each stage of `config` (or the config itself) checked as a run checks it at start
-    (`lclm.training.checks.check_config`, a stage named as lclm.training.stages names it),
-    on the devices its mesh asks for (an axis of -1 counted as 1): what a run would refuse
-    whatever the machine. No file is touched and no JAX backend started."""
-    from lclm.training.checks import check_config  # JAX's modules: only for --print-config
-    stages = stage_configs(config)
-    for i, c in enumerate(stages or [config]):
-        devices = math.prod(max(c.mesh[axis], 1) for axis in schema.MESH_AXES)
-        try:
-            check_config(copy.deepcopy(c), devices)
-        except ConfigError as e:
-            if not stages:
-                raise
-            raise ConfigError(f"stage {i} (seq_len {c.data.seq_len}): {e}") from None
 
 
 def config_help() -> str:
