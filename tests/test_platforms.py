@@ -104,6 +104,7 @@ def _cli_args(tmp: str) -> dict[str, list[str]]:
         "lclm.eval.__main__:main": ["passkey", "--hf", missing, "--samples", "0"],
         "lclm.eval.generate:main": ["--hf", missing, "--prompt", " "],
         "lclm.check.__main__:main": ["--config", missing],
+        "lclm.extend.__main__:main": ["--config", missing],
         "lclm.generate:main": ["--hf", missing, "--prompt", " "],
         "bench.__main__:main": ["--suite", "cpu", "--out", DEMO_CONFIG],
     }
