@@ -7,7 +7,8 @@ from __future__ import annotations
 # apikey, wandbApiKey, hf_token, secrets, passwd, credentials, auth_header... lclm's own
 # fields that merely contain one of them are named in _NOT_SECRET (a test keeps it exact).
 _SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential", "auth")
-_NOT_SECRET = frozenset({"tokenizer", "tokens_per_batch"})
+_NOT_SECRET = frozenset({"tokenizer", "tokens_per_batch", "passkey", "passkey_samples",
+                         "passkey_depths"})
 
 
 def is_secret(name: str) -> bool:

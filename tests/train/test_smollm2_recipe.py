@@ -24,7 +24,7 @@ def test_the_recipe_states_its_stages():
     assert [s.data.batch_size * s.data.seq_len for s in (s32, s64)] == [256 * 1024] * 2
     assert s64.train.optimizer_from_checkpoint and s64.model.init_from_checkpoint == s32.workdir
     assert c.model.init_from_hf == "checkpoints/smollm2-135m"
-    assert c.validation.path.startswith("code-heldout:")
+    assert c.extension.data.startswith("code-heldout:")
 
 
 @pytest.mark.slow
