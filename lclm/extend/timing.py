@@ -94,8 +94,9 @@ def _load(model: ModelConfig) -> float:
 def _train(stage: RunConfig, rate: Rate, compile_s: float) -> tuple[float, str]:
     """(seconds, how) of a stage: its steps, one compile, its saves and held-out losses."""
     model, data, train = stage.model.resolved(), stage.data, stage.train
-    measured = [r["step_time"] for r in read_metrics(stage.run.workdir) if "step_time" in r]
-    done = max([r.get("step", 0) for r in read_metrics(stage.run.workdir)], default=0)
+    records = read_metrics(stage.run.workdir)
+    measured = [r["step_time"] for r in records if "step_time" in r]
+    done = max([r.get("step", 0) for r in records], default=0)
     left = max(0, train.steps - done)
     if measured:
         step, how = statistics.median(measured), "its measured steps"
