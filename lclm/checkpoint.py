@@ -245,7 +245,7 @@ class SaveFailed(RuntimeError):
 
 def first_line(e: BaseException, limit: int = 300) -> str:
     """A one-line summary of an exception (tensorstore errors run to dozens of lines)."""
-    if not str(e).strip():
+    if storage.timed_out(e) or not str(e).strip():
         return storage.error_text(e)
     return str(e).strip().splitlines()[0][:limit]
 

@@ -211,12 +211,26 @@ def write_bytes(path: str, data: bytes, within: float | None = None) -> None:
 
 def error_text(error: BaseException) -> str:
     """A storage client's error in one line (a timeout has no message of its own)."""
-    text = " ".join(str(error).split())[:200]
-    # fsspec turns every timeout (of a try: `REQUEST_SECONDS`, or of a whole write lclm bounds
-    # by as much) into its own, without a message
-    if isinstance(error, TimeoutError) and not text:
+    # every wait on the store is bounded by REQUEST_SECONDS (a try, or a whole write lclm
+    # bounds by as much), and each client words its timeout its own way or not at all (fsspec:
+    # no message; aiohttp: "Timeout on reading data from socket"; Orbax re-raises one as
+    # "ChainedFuture completed 0/1 futures but timed out after 9.98 seconds")
+    if timed_out(error):
         return f"no answer from the store within {REQUEST_SECONDS} s"
+    text = " ".join(str(error).split())[:200]
     return text or type(error).__name__
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from, is a timeout."""
+    seen: BaseException | None = error
+    for _ in range(16):   # a chain is short; a cycle is not followed for ever
+        if seen is None:
+            return False
+        if isinstance(seen, TimeoutError):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def _replace_local(path: str, data: bytes) -> None:

@@ -63,3 +63,29 @@ def test_unknown_scheme_and_missing_client(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_gcsfs)
     with pytest.raises(StartupError, match=r"needs the gcsfs package: pip install 'lclm\[cloud\]'"):
         storage.filesystem("gs://b/x")
+
+
+def test_a_save_that_timed_out_on_the_store_says_so_in_the_stores_words():
+    """A request the store left unanswered reaches a save's stop line in the words of whichever
+    client waited: Orbax's "ChainedFuture completed 0/1 futures but timed out after 9.98
+    seconds" (CI, stop 79), aiohttp's "Timeout on reading data from socket" (here, the next
+    run). Each is told as the store's timeout."""
+    import concurrent.futures
+
+    from orbax.checkpoint._src.futures.future import ChainedFuture
+
+    from lclm.checkpoint import first_line
+    from lclm.storage import REQUEST_SECONDS
+
+    unanswered = concurrent.futures.Future()
+    unanswered.set_exception(TimeoutError(f"no answer from the store within {REQUEST_SECONDS} s"))
+    with pytest.raises(TimeoutError) as orbax_error:
+        ChainedFuture([unanswered], cb=lambda: None).result(timeout=60)
+    assert "ChainedFuture" in str(orbax_error.value)
+    assert first_line(orbax_error.value) == f"no answer from the store within {REQUEST_SECONDS} s"
+    assert first_line(TimeoutError()) == f"no answer from the store within {REQUEST_SECONDS} s"
+    import aiohttp  # gcsfs's client: its own words for a socket that stays silent
+
+    silent = aiohttp.ServerTimeoutError("Timeout on reading data from socket")
+    assert first_line(silent) == f"no answer from the store within {REQUEST_SECONDS} s"
+    assert first_line(ValueError("a\nb")) == "a"

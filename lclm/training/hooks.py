@@ -131,8 +131,11 @@ def _check_validation_size(run: RunConfig, tokenizer) -> None:
 
 class Throughput(Hook):
     """A logged step's record: its metrics, and tokens/s, step time and MFU as the mean over
-    the steps since the previous logged one. Its `on_log` restarts that clock: the hooks
-    before it in the list (validation) are not counted in the next steps' time."""
+    the steps since the previous logged one, with where the loop waited in that time: for
+    its batches (`data_wait_time`) and on saves (`save_block_time`), seconds per step; the
+    first record also has the compile time of the step (`compile_time`). Its `on_log`
+    restarts that clock: the hooks before it in the list (validation) are not counted in the
+    next steps' time."""
 
     def __init__(self, data: Data, model, devices: Sequence[jax.Device], first_step: int):
         self.tokens_per_step = data.batch_size * data.seq_len
@@ -141,22 +144,52 @@ class Throughput(Hook):
         self.started = time.perf_counter()
         self.first_logged: float | None = None   # compilation excluded from the summary's rate
         self._t0, self._since = self.started, first_step - 1
+        self.compile_seconds: float | None = None
+        self.waits = {"data": 0.0, "save": 0.0}   # seconds, since the run's first step
+        self._waits_then = dict(self.waits)        # ... at the previous record
+
+    def compiled(self, seconds: float) -> None:
+        """The first call of the step took `seconds`: tracing and compiling it (and with
+        `_Loop.sync`, running it)."""
+        self.compile_seconds = seconds
+
+    def waited(self, what: str, seconds: float) -> None:
+        """The loop waited `seconds` for a batch (`what`='data') or on a save ('save')."""
+        self.waits[what] += seconds
 
     def record(self, step: int, metrics: dict, skipped_steps: int) -> dict:
         """`step`'s record from its `metrics` (on the host)."""
         now = time.perf_counter()
-        seconds = (now - self._t0) / (step - self._since)
+        steps = step - self._since
+        seconds = (now - self._t0) / steps
+        record = dict(step=step, loss=float(metrics["loss"]), lr=float(metrics["lr"]),
+                      grad_norm=float(metrics["grad_norm"]),
+                      tokens_per_sec=self.tokens_per_step / seconds, step_time=seconds,
+                      mfu=((self.flops_per_step / seconds / (self.peak * self.devices))
+                           if self.peak else None),
+                      skipped_steps=skipped_steps,
+                      data_wait_time=(self.waits["data"] - self._waits_then["data"]) / steps,
+                      save_block_time=(self.waits["save"] - self._waits_then["save"]) / steps)
+        if self.first_logged is None and self.compile_seconds is not None:
+            record["compile_time"] = self.compile_seconds
         self.first_logged = self.first_logged or now
-        return dict(step=step, loss=float(metrics["loss"]), lr=float(metrics["lr"]),
-                    grad_norm=float(metrics["grad_norm"]),
-                    tokens_per_sec=self.tokens_per_step / seconds, step_time=seconds,
-                    mfu=((self.flops_per_step / seconds / (self.peak * self.devices))
-                         if self.peak else None),
-                    skipped_steps=skipped_steps)
+        return record
 
     def on_log(self, record: dict, state: TrainState, plan: StepPlan) -> str | None:
         self._t0, self._since = time.perf_counter(), record["step"]
+        self._waits_then = dict(self.waits)
         return None
+
+    def where_time_went(self) -> str:
+        """The summary's line of what held the run back: the compile, the data, the saves
+        (shares of the time since the first step)."""
+        total = max(time.perf_counter() - self.started, 1e-9)
+        parts = [] if self.compile_seconds is None else [
+            f"compiling the step {self.compile_seconds:,.1f} s"]
+        parts += [f"{label} {self.waits[what]:,.1f} s ({100 * self.waits[what] / total:.1f}%)"
+                  for what, label in (("data", "waiting for data"),
+                                      ("save", "blocked by saves"))]
+        return f"time: {total:,.0f} s from the first step; " + ", ".join(parts)
 
     def summary(self, records: list[dict]) -> str:
         """What the run trained, in how long, and its throughput after the first logged
@@ -260,7 +293,7 @@ def summary(records: list[dict], throughput: Throughput, checkpoints: Checkpoint
     if not records:
         return []
     latest = checkpoints.latest_step()
-    lines = [throughput.summary(records),
+    lines = [throughput.summary(records), throughput.where_time_went(),
              "final checkpoint: " + (storage.join(checkpoints.directory, str(latest))
                                      if latest is not None else "none")]
     return lines + (logger.outputs() if logger is not None else [])

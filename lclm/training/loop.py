@@ -12,6 +12,7 @@ import logging
 import math
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import jax
@@ -232,10 +233,17 @@ def _steps(run: _Loop, state: TrainState) -> list[dict]:
     cadence, faults, hooks = run.cadence, run.faults, run.hooks
     finite_fn = jax.jit(all_finite)
     records: list[dict] = []
+    throughput = run.throughput
     for step in cadence.steps():
-        state, metrics = run.step_fn(state, next(run.batches))
+        began = time.perf_counter()
+        batch = next(run.batches)
+        fed = time.perf_counter()
+        throughput.waited("data", fed - began)
+        state, metrics = run.step_fn(state, batch)
         if run.sync:
             jax.block_until_ready(metrics)
+        if throughput.compile_seconds is None:   # the first call traced and compiled the step
+            throughput.compiled(time.perf_counter() - fed)
         for hook in hooks:
             hook.on_step(step)
         faults.step_ran(step, metrics["skipped"])   # the previous step's flag is checked
@@ -247,18 +255,20 @@ def _steps(run: _Loop, state: TrainState) -> list[dict]:
         if saving or plan.log:
             faults.check_pending()   # the host waits for this step now anyway
         if plan.log:
-            records.append(run.throughput.record(step, jax.device_get(metrics),
+            records.append(throughput.record(step, jax.device_get(metrics),
                                                  faults.skipped_steps))
             stopping = log_record(hooks, records[-1], state, plan)
         if saving or stopping is not None:
             # the final, termination and stopping saves are the last chance: written to the
             # end (and retried) before the run reports; so is the retry of a failed save
             last_chance = plan.last_chance or stopping is not None
+            began = time.perf_counter()
             faults.save_step(step, functools.partial(run.checkpoints.save, step, state,
                                                      run.batches.state(), run.saved_config),
                              finite=bool(finite_fn((state.params, state.opt_state))),
                              wait=last_chance or retry, last_chance=last_chance,
                              stopping=stopping, terminated=plan.stop)
+            throughput.waited("save", time.perf_counter() - began)
         if plan.stop:
             log.warning("stopped after step %d on a termination signal (checkpoint saved)",
                         step)

@@ -286,6 +286,11 @@ class Progress:
             fields["MFU"] = f"{100 * record['mfu']:.1f}%"
         if record.get("skipped_steps"):
             fields["skipped"] = str(record["skipped_steps"])
+        # what held the steps back, where it is worth a look: a share of the step time
+        for key, label in (("data_wait_time", "data wait"), ("save_block_time", "save")):
+            share = (record.get(key) or 0.0) / max(record["step_time"], 1e-9)
+            if share >= 0.01:
+                fields[label] = f"{100 * share:.0f}%"
         if self.bar is not None:
             self.bar.set_postfix(fields, refresh=True)
             return

@@ -22,7 +22,9 @@ def test_the_rehearsal_writes_its_report_and_verdicts(tmp_path):
          f"--config.workdir={workdir}", f"--config.model.init_from_hf={model}",
          f"--config.data.tokenizer={model}", "--config.extension.documents=1",
          "--config.extension.lengths=256,2k", "--config.extension.ruler_tasks=vt",
-         "--config.extension.passkey_depths=1", "--budget-minutes=40"],
+         "--config.extension.passkey_depths=1", "--config.stages.list=()",
+         "--config.stages.schedule=1k:4e5:1,2k:8e5:1", "--config.stages.tokens_per_batch=2048",
+         "--budget-minutes=40"],
         cwd=ROOT, capture_output=True, text=True, timeout=2400)
     assert done.returncode in (0, 1), done.stderr[-3000:]
     report = json.load(open(workdir / "extension" / "extension.json"))

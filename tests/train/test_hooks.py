@@ -84,6 +84,47 @@ def test_throughput_counts_the_steps_since_the_last_logged_one_and_restarts_afte
     assert "tokens/s after compilation" in line
 
 
+def test_throughput_says_how_long_the_steps_waited_for_data_and_saves_and_the_compile(
+        tmp_path):
+    """Issue 77 item 4: each record holds the mean wait per step for data and on saves since
+    the previous record, the first one the compile; the summary says what each cost in all."""
+    config = small_train_config(tmp_path, mesh={}, attention={})
+    clock = Throughput(run_config(config).data, ModelConfig.from_config(config.model),
+                       jax.devices(), 1)
+    plan = Cadence(first=1, last=8, total=8, log_every=4).at(4)
+    clock.waited("data", 0.5)
+    clock.compiled(12.0)
+    first = clock.record(1, _METRICS, 0)
+    assert (first["compile_time"], first["data_wait_time"], first["save_block_time"]) == (
+        12.0, 0.5, 0.0)
+    clock.on_log(first, None, plan)
+    for _ in range(3):   # steps 2 to 4: one waits for data, the last one's save blocks
+        clock.waited("data", 0.1)
+    clock.waited("save", 0.6)
+    record = clock.record(4, _METRICS, 0)
+    assert "compile_time" not in record
+    assert record["data_wait_time"] == pytest.approx(0.1)
+    assert record["save_block_time"] == pytest.approx(0.2)
+    line = clock.where_time_went()
+    assert line.startswith("time: ") and "compiling the step 12.0 s" in line
+    assert "waiting for data 0.8 s (" in line and "blocked by saves 0.6 s (" in line
+
+
+def test_the_console_shows_what_held_the_steps_back_where_it_is_a_share_worth_a_look():
+    import io
+
+    from lclm.training.metrics import Progress
+
+    out = io.StringIO()
+    progress = Progress(8, 1, stream=out)
+    base = dict(step=4, loss=2.5, lr=1e-3, tokens_per_sec=100.0, step_time=1.0)
+    progress.update(dict(base, data_wait_time=0.25, save_block_time=0.001))
+    progress.update(dict(base, step=8, data_wait_time=0.0, save_block_time=0.5))
+    lines = out.getvalue().splitlines()
+    assert "data wait 25%" in lines[-2] and "save" not in lines[-2]
+    assert "save 50%" in lines[-1] and "data wait" not in lines[-1]
+
+
 def test_metrics_writer_writes_each_record_and_the_summary_names_the_outputs(tmp_path):
     lock = WorkdirLock(str(tmp_path))
     lock.acquire()
@@ -105,7 +146,8 @@ def test_metrics_writer_writes_each_record_and_the_summary_names_the_outputs(tmp
         lock.release()
     with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
         assert [json.loads(line) for line in f] == [dict(step=1, loss=None)]
-    assert lines[1:] == ["final checkpoint: none", f"metrics: {tmp_path}/metrics.jsonl"]
+    assert lines[1].startswith("time: ")
+    assert lines[2:] == ["final checkpoint: none", f"metrics: {tmp_path}/metrics.jsonl"]
     assert summary([], clock, checkpoints, logger) == []
 
 
