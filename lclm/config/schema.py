@@ -72,6 +72,11 @@ class Run:
         "unreachable bucket) while they are retried; then the run stops (exit 3), what it "
         "saved intact (lclm.training.faults)", rule=FINITE_NON_NEGATIVE)
     seed: int = setting(0, "of the first weights and the data order")
+    compile_cache: str = setting(
+        "~/.cache/lclm/jax", "JAX's persistent compilation cache: a restart, resume or later "
+        "stage of the same shapes loads the compiled step instead of compiling it again ('' "
+        "turns it off; JAX_COMPILATION_CACHE_DIR wins; its programs are run, so keep it in a "
+        "folder only you write: lclm.training.compile_cache)")
 
 
 @dataclasses.dataclass(frozen=True)

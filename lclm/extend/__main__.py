@@ -66,6 +66,7 @@ from lclm.extend.plan import (
 from lclm.extend.targets import Measured, judge
 from lclm.extend.timing import device_rate, expected_seconds
 from lclm.parallel.devices import allow_gpu_host_memory, request_cpu_devices
+from lclm.training.compile_cache import use_compile_cache
 from lclm.training.init_weights import apply_hf_shapes
 from lclm.training.stages import run_stages, validate_stages
 from lclm.writes import write_json
@@ -245,6 +246,8 @@ class Extension:
 
     def run(self, budget_minutes: float | None) -> int:
         started = time.monotonic()
+        # the evaluations before the training, and their programs after it, compile once
+        use_compile_cache(self.first.run.compile_cache)
         for part in self.parts:
             state = self.status[part.key]
             if state["status"] in ("done", "left for the next run"):

@@ -32,6 +32,7 @@ from lclm.parallel.distributed import check_same_config
 from lclm.parallel.mesh import make_mesh
 from lclm.training.cadence import Cadence
 from lclm.training.checks import attention_line, check_data, validate
+from lclm.training.compile_cache import use_compile_cache
 from lclm.training.faults import FaultPolicy, WritePatience
 from lclm.training.first_weights import first_state, take_model_fields
 from lclm.training.hooks import (
@@ -102,6 +103,7 @@ def train(config, stop_after: int | None = None,
                               "mesh must use all devices (use -1 for one axis)")
         check_same_config(json.dumps(public, sort_keys=True))
     sections = run_config(config)
+    use_compile_cache(sections.run.compile_cache)
     mesh = make_mesh(**sizes, devices=devices)
     model = sections.model.resolved()
     tokenizer = Tokenizer(sections.data.tokenizer)

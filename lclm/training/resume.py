@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 FREE, SCHEDULE, DATA_ORDER, MODEL = "free", "schedule", "data order", "model"
 
 _FREE = (
-    "workdir", "workdir_lease_minutes", "storage_patience_seconds", "attention.impl",
+    "workdir", "workdir_lease_minutes", "storage_patience_seconds", "compile_cache",
+    "attention.impl",
     "attention.layout", "attention.q_chunk", "attention.kv_chunk", "attention.strategy",
     "attention.ulysses", "mesh.dp", "mesh.fsdp",
     "mesh.tp", "mesh.sp", "mesh.fit", "checkpoint.every",
