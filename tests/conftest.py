@@ -38,5 +38,13 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files that hold slow tests first, each file's tests kept together (its fixtures are
+    set up once per worker): with `-n 2` the long tests, most of them in tests/train/
+    (collected last), would otherwise run alone at the end while the other worker idles."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 # the `gcs` and `s3` fixtures: local object-storage servers (tests/storage_servers.py)
 pytest_plugins = ["storage_servers"]
