@@ -131,11 +131,7 @@ class Suite:
                                    **{p: getattr(self, p).quick() for p in self.parts()})
 
 
-GPU = Suite(
-    correctness=CorrectnessSpec(),
-    attention=AttentionSpec(),
-    striped=StripedSpec(),
-    train=TrainSpec(models=(
+GPU_TRAIN = TrainSpec(models=(
         ModelRun("configs/llama1b.py", (8192, 16384, 32768, 65536, 131072), ONE_DEVICE),
         ModelRun("configs/striped_attention_1b.py", (8192, 16384, 32768, 65536, 131072),
                  ONE_DEVICE),
@@ -145,7 +141,12 @@ GPU = Suite(
                   "--config.model.param_dtype=bfloat16"),
                  note="one device, batch 1, bfloat16 parameters and AdamW moments "
                       "(float32 ones alone need 108 GB)"),
-    ), steps=3, warmup=1),
+    ), steps=3, warmup=1)
+GPU = Suite(
+    correctness=CorrectnessSpec(),
+    attention=AttentionSpec(),
+    striped=StripedSpec(),
+    train=GPU_TRAIN,
     # a probe near the limit runs one step at ~1M tokens: minutes, not seconds
     max_context=MaxContextSpec(start=8192, cap=2 ** 21, resolution=32768, timeout=3600),
     toy=False, separate_parts=True, needs_gpu=True)
@@ -159,11 +160,11 @@ SUITES = {
     # at 8K/32K against the fastest plain cuDNN step; every part cut by a budget and a kill
     "gpu-lease": dataclasses.replace(
         GPU.quick(),
-        correctness=dataclasses.replace(GPU.correctness.quick(),
+        correctness=dataclasses.replace(CorrectnessSpec().quick(),
                                         impls=("cudnn_gpu", "tokamax_gpu"), budget_s=90.0),
-        attention=dataclasses.replace(GPU.attention.quick(), impls=("tokamax_gpu",),
+        attention=dataclasses.replace(AttentionSpec().quick(), impls=("tokamax_gpu",),
                                       budget_s=90.0),
-        train=dataclasses.replace(GPU.train.quick(), budget_s=170.0, timeout=200.0),
+        train=dataclasses.replace(GPU_TRAIN.quick(), budget_s=170.0, timeout=200.0),
         default_parts=("correctness", "attention", "train"),
         part_timeout={"correctness": 130.0, "attention": 130.0, "train": 270.0,
                       "striped": 270.0, "max_context": 270.0}),

@@ -26,7 +26,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from bench import int_list
 from bench.report import Table, default_out_dir, error_status, fmt, stamp, try_plot
@@ -83,7 +83,8 @@ def _kernel_platform(name: str) -> str | None:
 
 
 # the shapes the suites time (LLaMA head dims, 1K tiles, long blocks): for the kernels' limits
-_SUITE_SHAPES = dict(head_dim=128, q_chunk=1024, kv_chunk=1024, block=32768, dtype="bfloat16")
+_SUITE_SHAPES: dict[str, Any] = dict(head_dim=128, q_chunk=1024, kv_chunk=1024, block=32768,
+                                     dtype="bfloat16")
 
 
 def usable_kernels(platform: str) -> tuple[list[str], list[str]]:
@@ -279,7 +280,7 @@ def versus(results: list[dict], reference: str = CUDNN) -> list[float | None]:
 def _plot(results: list[dict], out_dir: str, toy: bool) -> str:
     from bench.plots import Panel, save_lines
 
-    panels = {}
+    panels: dict[tuple, Panel] = {}
     for r in results:
         for key, label in (("fwd_tflops", "forward"), ("fwd_bwd_tflops", "forward+backward")):
             panel = panels.setdefault((r["heads"], r["head_dim"], key), Panel(

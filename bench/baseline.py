@@ -16,6 +16,8 @@ process, in the order of `REMATS`, along which memory grows) and compares lclm's
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -42,7 +44,7 @@ def fastest_that_fits(records: list[dict]) -> dict | None:
     return min(ran, key=lambda r: r["step_s"], default=None)
 
 
-def attention_implementation() -> str | None:
+def attention_implementation() -> Literal["cudnn"] | None:
     """cuDNN on GPUs (failing loudly if it cannot run, rather than timing XLA's fallback);
     XLA's default elsewhere. The GPU is the one the program is built for (`compiling_for`'s
     described GPU in `--compile-only`), not necessarily this host's."""

@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from typing import Any
 
 from bench.report import Table, default_out_dir, error_status, fmt, stamp
 from lclm.cli import run_cli
@@ -282,7 +283,8 @@ def run(spec: CorrectnessSpec, out_dir: str, toy: bool = False, on_row=None) -> 
                      "say so).")
     path = os.path.join(out_dir, "correctness.md")
     table = Table("Kernel correctness against a float32 dense reference", notes, HEADER, path)
-    cache, bad = {}, []
+    cache: dict = {}
+    bad: list[dict] = []
     for impl in kernels:
         whole = WHOLE_CASES if get_kernel(impl).whole is not None else {}
         # a kernel whose block-pair passes are another checked kernel's (cudnn_gpu's are
@@ -293,7 +295,7 @@ def run(spec: CorrectnessSpec, out_dir: str, toy: bool = False, on_row=None) -> 
             for case in (*({} if shared and whole else CASES), *whole):
                 t0 = time.perf_counter()
                 if budget.spent():
-                    r = dict(status=budget.skipped())
+                    r: dict[str, Any] = dict(status=budget.skipped())
                 else:
                     try:
                         r = (check_whole(impl, case, head_dim, spec) if case in whole

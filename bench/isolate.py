@@ -61,10 +61,13 @@ def run_child(module: str, argv: list[str], timeout: float,
     import tempfile
     import threading
 
-    records, output = [], []
+    records: list[dict] = []
+    output: list[str] = []
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=subprocess.PIPE,
                                 stderr=err, text=True, env=child_env(), cwd=ROOT)
+        assert proc.stdout is not None   # stdout=PIPE
+        stdout = proc.stdout
         expired = threading.Event()
 
         def kill():
@@ -74,7 +77,7 @@ def run_child(module: str, argv: list[str], timeout: float,
         timer = threading.Timer(timeout, kill)
         timer.start()
         try:
-            for line in proc.stdout:
+            for line in stdout:
                 if line.startswith(PREFIX):
                     record = json.loads(line[len(PREFIX):])
                     records.append(record)
@@ -89,7 +92,7 @@ def run_child(module: str, argv: list[str], timeout: float,
             if proc.poll() is None:  # on_record raised: do not leave the child running
                 proc.kill()
                 proc.wait()
-            proc.stdout.close()
+            stdout.close()
         err.seek(0)
         stderr = err.read()
     if expired.is_set():

@@ -86,8 +86,9 @@ def covered(events: list[dict]) -> float:
 
 def summarise(events: list[dict], steps: int, wall_ms: float) -> str:
     """Markdown: device time per step by kind and the 25 kernels that took the longest."""
-    by_kind, by_name, calls = (collections.Counter(), collections.Counter(),
-                               collections.Counter())
+    by_kind: collections.Counter[str] = collections.Counter()
+    by_name: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
     for e in events:
         by_kind[kind_of(e["name"])] += e["dur"]
         by_name[e["name"]] += e["dur"]
@@ -132,7 +133,7 @@ def profile(config, out_dir: str, *, steps: int, baseline: str | None,
         if not kernels:  # named unlike a GPU's streams: keep the raw trace to read elsewhere
             shutil.copy(path, os.path.join(out_dir, f"trace-{name}.json.gz"))
     # the device's threads only: host threads nest their events, so their sums mean nothing
-    per_thread = collections.Counter()
+    per_thread: collections.Counter[str] = collections.Counter()
     for e in complete:
         if "GPU" in e["thread"].split(" / ")[0]:
             per_thread[e["thread"]] += e["dur"]

@@ -120,7 +120,7 @@ def pair_pass(impl: str, q_chunk: int, kv_chunk: int):
     return jax.jit(step)
 
 
-def class_times(impl: str, block: int, spec: StripedSpec) -> dict[str, float]:
+def class_times(impl: str, block: int, spec: StripedSpec) -> dict[tuple, float]:
     """Mask class -> seconds of forward+backward, timed on the first pair of each class."""
     import jax.numpy as jnp
 
@@ -129,7 +129,8 @@ def class_times(impl: str, block: int, spec: StripedSpec) -> dict[str, float]:
     from lclm.ops.layout import original_positions
 
     q, k, v, do = qkv(1, block, spec.heads, spec.head_dim, spec.dtype)
-    times, passes = {}, {}
+    times: dict[tuple, float] = {}
+    passes: dict[tuple, int] = {}
     for layout in LAYOUTS:
         for n in spec.ns:
             tiles = layout_tiles(layout, n, block, spec)

@@ -87,7 +87,7 @@ def run(out: str, seq: int) -> None:
                         (lse, jnp.ones_like(lse)), o, do, q, k, v, **kwargs))
                 t = _median_s(f, lse, o, do, q, k, v)
                 cells = f"{t * 1e3:.2f} | {flops / t / 1e12:.0f}"
-            except Exception as e:  # e.g. a tile config over the shared memory: its row says so
+            except Exception as e:  # noqa: BLE001  (e.g. a tile config over shared memory: its row says so)
                 cells = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | -"
             row(f"| {hd} | {hq}/{hkv} | {name} | {cells} |")
 

@@ -28,6 +28,7 @@ import math
 import os
 import sys
 import time
+from typing import Any, cast
 
 from bench import int_list, repo_path
 from bench.isolate import emit_record, run_child
@@ -187,7 +188,7 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
             row = compile_row(c, devices=devices, model_patch=model_patch)
             return row, compiled_bytes(row[1])
         choice = choose(compile_policy, None if devices else device_budget(jax.devices()[0]))
-        record, compiled, built = choice.compiled
+        record, compiled, built = cast(tuple[dict, Any, Any], choice.compiled)
         return dict(record, remat=f"auto: {choice.policy}"), compiled, built
 
     from lclm.config import AttentionConfig
@@ -385,7 +386,8 @@ def collect(spec: TrainSpec, impls, layouts=(None,), on_record=None) -> list[dic
     on_record = on_record or (lambda r: None)
     budget = Budget(spec.budget_s)
     # (kernel, layout, remat); the baseline has no layout and times its own remat variants
-    kernels = [(BASELINE, None, None)] if spec.baseline else []
+    kernels: list[tuple[str, str | None, str | None]] = (
+        [(BASELINE, None, None)] if spec.baseline else [])
     kernels += [(impl, layout, remat) for impl in impls for layout in layouts
                 for remat in spec.remats]
     rows = []

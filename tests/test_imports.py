@@ -11,6 +11,7 @@ source (AST), nothing is imported."""
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -106,3 +107,10 @@ def test_python_m_lclm_train_runs_the_training_program(tmp_path):
     assert [r.returncode for r in runs] == [2, 2]
     assert runs[0].stderr == runs[1].stderr
     assert runs[0].stderr.count("\n") == 1 and runs[0].stderr.startswith("error: ")
+
+
+def test_the_readme_lists_the_layers_as_this_file_holds_them():
+    readme = pathlib.Path(ROOT, "README.md").read_text()
+    listed = re.search(r"imports only go down: ([a-z_, ]+)\)", readme)
+    assert listed, "README.md's line on tests/test_imports.py no longer lists the layers"
+    assert listed.group(1).split(", ") == [layer.removeprefix("lclm.") for layer in LAYERS]

@@ -228,7 +228,7 @@ class HFTokenizer(Tokenizer):
         text = storage.read_text(file)
         try:
             self._tok = tokenizers.Tokenizer.from_str(text)
-        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+        except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception for bad files)
             raise ConfigError(f"tokenizer {path!r} {_NEITHER} (tokenizers: {_line(e)}); "
                               f"{_SET}") from None
         settings = {}
