@@ -70,7 +70,7 @@ class Run:
     storage_patience_seconds: float = setting(
         300.0, "how long checkpoint saves and metrics writes may keep failing (a full disk, an "
         "unreachable bucket) while they are retried; then the run stops (exit 3), what it "
-        "saved intact (lclm.training.faults)", rule=FINITE_NON_NEGATIVE)
+        "saved intact (lclm.training.write_patience)", rule=FINITE_NON_NEGATIVE)
     seed: int = setting(0, "of the first weights and the data order")
     compile_cache: str = setting(
         "~/.cache/lclm/jax", "JAX's persistent compilation cache: a restart, resume or later "

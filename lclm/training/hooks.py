@@ -23,11 +23,11 @@ from lclm.errors import ConfigError
 from lclm.hardware import peak_flops
 from lclm.parallel.distributed import any_process
 from lclm.training.cadence import Cadence, StepPlan
-from lclm.training.faults import FaultPolicy
 from lclm.training.lock import WorkdirLock
 from lclm.training.metrics import MetricsFailed, MetricsLogger, Progress, flops_per_token
 from lclm.training.state import TrainState
 from lclm.training.step import jit_eval_loss
+from lclm.training.step_faults import StepFaults
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class MetricsWriter(Hook):
     failed write ridden out as `faults` decides; at each logged step, the check that the
     workdir is still this run's (`lock`): with several processes all stop with process 0."""
 
-    def __init__(self, logger: MetricsLogger | None, lock: WorkdirLock, faults: FaultPolicy,
+    def __init__(self, logger: MetricsLogger | None, lock: WorkdirLock, faults: StepFaults,
                  multi: bool):
         self.logger, self.lock, self.faults, self.multi = logger, lock, faults, multi
         self.last_step: int | None = None

@@ -1,6 +1,7 @@
 """The training loop: composes config, mesh, data, model, optimizer and metric sinks. Where
 the first state comes from is `first_weights`' decision, what each step does besides training
-`cadence`'s, what a fault does `faults`', and what a logged step does the `hooks`'."""
+`cadence`'s, what a fault does `step_faults`' and `save_faults`', and what a logged step does
+the `hooks`'."""
 
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ from lclm.parallel.mesh import make_mesh
 from lclm.training.cadence import Cadence
 from lclm.training.checks import attention_line, check_data, validate
 from lclm.training.compile_cache import use_compile_cache
-from lclm.training.faults import FaultPolicy, WritePatience
 from lclm.training.first_weights import first_state, take_model_fields
 from lclm.training.hooks import (
     Console,
@@ -55,8 +55,11 @@ from lclm.training.metrics import (
 from lclm.training.object_lock import workdir_lock
 from lclm.training.remat_choice import train_step
 from lclm.training.resume import tokenizer_fingerprint
+from lclm.training.save_faults import SaveFaults
 from lclm.training.state import TrainState
 from lclm.training.step import all_finite, make_optimizer
+from lclm.training.step_faults import StepFaults
+from lclm.training.write_patience import WritePatience
 from lclm.writes import write_json
 
 log = logging.getLogger(__name__)
@@ -160,7 +163,7 @@ def _run(setup: _Setup, stop_after: int | None, termination: Termination) -> lis
              attention_line(run.attention, run.data.seq_len, model, setup.sizes["sp"],
                             devices[0].platform))
     checkpoints = Checkpoints(run.run.workdir, keep=run.checkpoint.keep)
-    batches = logger = faults = None
+    batches = logger = step_faults = None
     try:
         optimizer = make_optimizer(run.train)
         state, data_state = first_state(run, checkpoints, model, mesh, optimizer,
@@ -188,17 +191,19 @@ def _run(setup: _Setup, stop_after: int | None, termination: Termination) -> lis
             start = dict(step=0, **validation.fields(state.params))
             if logger:
                 logger.log(start)
-        faults = FaultPolicy(checkpoints, WritePatience(run.run.storage_patience_seconds),
-                             run.train.max_bad_steps, 60 * run.checkpoint.every_minutes, multi,
-                             metrics=metrics_path(run.run.workdir))
+        patience = WritePatience(run.run.storage_patience_seconds)
+        save_faults = SaveFaults(checkpoints, patience, 60 * run.checkpoint.every_minutes, multi)
+        step_faults = StepFaults(save_faults.halt, patience, run.train.max_bad_steps,
+                                 metrics=metrics_path(run.run.workdir))
         throughput = Throughput(run.data, model, devices, cadence.first)
-        writer = MetricsWriter(logger, setup.lock, faults, multi)
+        writer = MetricsWriter(logger, setup.lock, step_faults, multi)
         # in this order: the clock restarts after validation, the console shows what was written
         hooks: list[Hook] = [h for h in (validation, throughput, writer, console) if h]
         records = _steps(_Loop(step_fn, batches, checkpoints, saved_config, cadence, termination,
-                               faults, throughput, hooks, devices[0].platform == "cpu"), state)
-        faults.check_pending()
-        faults.wait_for_saves()   # a save in flight where `stop_after` ended the loop
+                               step_faults, save_faults, throughput, hooks,
+                               devices[0].platform == "cpu"), state)
+        step_faults.check_pending()
+        save_faults.wait_for_saves()   # a save in flight where `stop_after` ended the loop
         writer.flush_held()
         lines = summary(records, throughput, checkpoints, logger) if is_main else []
         for hook in hooks:
@@ -206,14 +211,15 @@ def _run(setup: _Setup, stop_after: int | None, termination: Termination) -> lis
         return records
     finally:
         _close(batches, checkpoints, logger,
-               write_held=faults is None or faults.failing_since is None)
+               write_held=step_faults is None or step_faults.failing_since is None)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Loop:
     """What the steps use: the jitted step, the data, the checkpoints (`saved_config`: the
-    config each gets), what each step does, the faults' answers, the hooks (`throughput`
-    among them: it makes the records), and whether each step is waited for (`sync`)."""
+    config each gets), what each step does, the answers to faults of steps and of saves, the
+    hooks (`throughput` among them: it makes the records), and whether each step is waited
+    for (`sync`)."""
 
     step_fn: Callable
     batches: HostBatches
@@ -221,7 +227,8 @@ class _Loop:
     saved_config: dict
     cadence: Cadence
     termination: Termination
-    faults: FaultPolicy
+    step_faults: StepFaults
+    save_faults: SaveFaults
     throughput: Throughput
     hooks: list[Hook]
     # Simulated CPU devices: one step in flight at a time. Overlapping multi-device CPU
@@ -232,7 +239,8 @@ class _Loop:
 
 def _steps(run: _Loop, state: TrainState) -> list[dict]:
     """Train the cadence's steps from `state`; returns the logged records."""
-    cadence, faults, hooks = run.cadence, run.faults, run.hooks
+    cadence, step_faults, save_faults = run.cadence, run.step_faults, run.save_faults
+    hooks = run.hooks
     finite_fn = jax.jit(all_finite)
     records: list[dict] = []
     throughput = run.throughput
@@ -248,28 +256,29 @@ def _steps(run: _Loop, state: TrainState) -> list[dict]:
             throughput.compiled(time.perf_counter() - fed)
         for hook in hooks:
             hook.on_step(step)
-        faults.step_ran(step, metrics["skipped"])   # the previous step's flag is checked
-        faults.poll_saves()
+        step_faults.step_ran(step, metrics["skipped"])   # the previous step's flag is checked
+        save_faults.poll_saves()
         plan = cadence.at(step, terminated=run.termination.at(step))
-        retry = faults.retry_now(plan)   # a failed save, once its pause is over
-        saving = plan.save or (plan.by_time and faults.due_by_time()) or retry
+        retry = save_faults.retry_now(plan)   # a failed save, once its pause is over
+        saving = plan.save or (plan.by_time and save_faults.due_by_time()) or retry
         stopping = None   # why the run stops after saving this step
         if saving or plan.log:
-            faults.check_pending()   # the host waits for this step now anyway
+            step_faults.check_pending()   # the host waits for this step now anyway
         if plan.log:
             records.append(throughput.record(step, jax.device_get(metrics),
-                                                 faults.skipped_steps))
+                                                 step_faults.skipped_steps))
             stopping = log_record(hooks, records[-1], state, plan)
         if saving or stopping is not None:
             # the final, termination and stopping saves are the last chance: written to the
             # end (and retried) before the run reports; so is the retry of a failed save
             last_chance = plan.last_chance or stopping is not None
             began = time.perf_counter()
-            faults.save_step(step, functools.partial(run.checkpoints.save, step, state,
-                                                     run.batches.state(), run.saved_config),
-                             finite=bool(finite_fn((state.params, state.opt_state))),
-                             wait=last_chance or retry, last_chance=last_chance,
-                             stopping=stopping, terminated=plan.stop)
+            write = functools.partial(run.checkpoints.save, step, state, run.batches.state(),
+                                      run.saved_config)
+            save_faults.save_step(step, write,
+                                  finite=bool(finite_fn((state.params, state.opt_state))),
+                                  wait=last_chance or retry, last_chance=last_chance,
+                                  stopping=stopping, terminated=plan.stop)
             throughput.waited("save", time.perf_counter() - began)
         if plan.stop:
             log.warning("stopped after step %d on a termination signal (checkpoint saved)",

@@ -146,8 +146,8 @@ class MetricsLogger:
     `resume_step`: the step the run restarts after; records past it (from a run that crashed
     after its last checkpoint) are dropped before the re-run steps are logged. A write that
     fails (a full disk, a storage hiccup) leaves the file as it was and raises `MetricsFailed`;
-    its records are held in memory and written with the next `log`, `flush` or `close` (the
-    run's policy, `lclm.training.faults.WritePatience`, decides how long to keep trying).
+    its records are held in memory and written with the next `log`, `flush` or `close`
+    (`lclm.training.step_faults` decides how long to keep trying: the run's `WritePatience`).
     """
 
     def __init__(self, workdir: str, wandb_run=None, resume_step: int = 0):

@@ -15,7 +15,6 @@ from lclm.checkpoint import Checkpoints
 from lclm.config.model import ModelConfig
 from lclm.config.run_config import run_config
 from lclm.training.cadence import Cadence
-from lclm.training.faults import FaultPolicy, WritePatience
 from lclm.training.hooks import (
     Console,
     Hook,
@@ -27,7 +26,10 @@ from lclm.training.hooks import (
 )
 from lclm.training.lock import WorkdirLock
 from lclm.training.metrics import MetricsLogger
+from lclm.training.save_faults import SaveFaults
 from lclm.training.state import TrainState
+from lclm.training.step_faults import StepFaults
+from lclm.training.write_patience import WritePatience
 
 _METRICS = dict(loss=2.5, lr=1e-3, grad_norm=0.5)
 
@@ -130,8 +132,9 @@ def test_metrics_writer_writes_each_record_and_the_summary_names_the_outputs(tmp
     lock.acquire()
     checkpoints = Checkpoints(str(tmp_path), keep=1)
     try:
-        faults = FaultPolicy(checkpoints, WritePatience(5), max_bad_steps=3, every_seconds=0,
-                             multi=False, metrics=str(tmp_path / "metrics.jsonl"))
+        saves = SaveFaults(checkpoints, WritePatience(5), every_seconds=0, multi=False)
+        faults = StepFaults(saves.halt, WritePatience(5), max_bad_steps=3,
+                            metrics=str(tmp_path / "metrics.jsonl"))
         logger = MetricsLogger(str(tmp_path))
         writer = MetricsWriter(logger, lock, faults, multi=False)
         plan = Cadence(first=1, last=2, total=2, log_every=1).at(1)
