@@ -194,7 +194,7 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
     from lclm.config import AttentionConfig
     from lclm.models.decoder import param_count
     from lclm.plan import aot
-    from lclm.training.checks import attention_kernel
+    from lclm.training.startup_checks import attention_kernel
 
     target = (devices or jax.devices())[0]
     if baseline:
@@ -229,7 +229,7 @@ def _build(config, devices=None):
     from lclm.data.loader import abstract_batch, batch_sharding
     from lclm.parallel.mesh import make_mesh
     from lclm.plan import aot
-    from lclm.training.checks import validate
+    from lclm.training.startup_checks import validate
     from lclm.training.state import init_state
     from lclm.training.step import make_optimizer, make_train_step
 
@@ -261,7 +261,7 @@ def _build_baseline(config, remat: str, devices=None):
     from lclm.config import ModelConfig
     from lclm.data.loader import abstract_batch
     from lclm.errors import ConfigError
-    from lclm.training.checks import validate
+    from lclm.training.startup_checks import validate
     from lclm.training.step import make_optimizer
 
     described = devices is not None

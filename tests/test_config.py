@@ -17,7 +17,7 @@ from lclm.config.schema import Train
 from lclm.data.loader import SourceEntry, parse_sources
 from lclm.errors import ConfigError
 from lclm.ops import layout
-from lclm.training.checks import check_data, validate
+from lclm.training.startup_checks import check_data, validate
 
 
 def _load(name):

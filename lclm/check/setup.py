@@ -25,14 +25,14 @@ from lclm.eval.model import restore_params
 from lclm.models.decoder import init_params, param_count
 from lclm.ops.context_parallel import strategy_of
 from lclm.parallel.mesh import make_mesh
-from lclm.training.checks import check_data, validate
 from lclm.training.first_weights import (
     HUGGINGFACE,
     OTHER_RUN,
     configured_source,
+    load_hf_params,
     take_model_fields,
 )
-from lclm.training.init_weights import load_hf_params
+from lclm.training.startup_checks import check_data, validate
 from lclm.training.state import param_shardings
 from lclm.training.workdirs import has_checkpoint, saved_steps
 

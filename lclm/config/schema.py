@@ -6,8 +6,8 @@ Config files (`configs/*.py`) define `get_config()` returning `base_config()` wi
 changed (`apply_preset` fills a real model shape). `config.model` and `config.attention` are
 `ModelConfig`/`AttentionConfig` (lclm.config.model), the one model schema. Every CLI's
 `--help` lists `SECTIONS` (`lclm.cli.config_help`). The checks that need other components
-(the mesh, kernels, strategies, data) are `lclm.training.checks.validate`'s. No JAX here:
-train.py reads the config before JAX starts.
+(the mesh, kernels, strategies, data) are `lclm.training.startup_checks.validate`'s. No JAX
+here: train.py reads the config before JAX starts.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ from lclm.extend.targets import Measured, judge
 from lclm.extend.timing import device_rate, expected_seconds
 from lclm.parallel.devices import allow_gpu_host_memory, request_cpu_devices
 from lclm.training.compile_cache import use_compile_cache
-from lclm.training.init_weights import apply_hf_shapes
+from lclm.training.first_weights import apply_hf_shapes
 from lclm.training.stages import run_stages, validate_stages
 from lclm.writes import write_json
 

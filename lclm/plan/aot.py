@@ -47,9 +47,9 @@ from lclm.models.decoder import param_shapes
 from lclm.ops.kernels import Lowered, compiling_for, cudnn_gpu, recording
 from lclm.parallel.mesh import make_mesh
 from lclm.platforms import cuda_plugin, nvidia_gpu_attached, tpu_attached
-from lclm.training.checks import validate
 from lclm.training.remat_choice import AUTO, choose
 from lclm.training.remat_choice import gpu_budget as gpu_pool_budget
+from lclm.training.startup_checks import validate
 from lclm.training.state import init_state, param_shardings, state_shardings
 from lclm.training.step import jit_train_step, make_optimizer
 

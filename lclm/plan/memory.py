@@ -23,8 +23,8 @@ from lclm.ops.context_parallel import strategy_of
 from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
 from lclm.plan.strategies import attention_step
-from lclm.training.checks import attention_kernel, validate
 from lclm.training.remat_choice import AUTO, AUTO_ORDER, gpu_budget
+from lclm.training.startup_checks import attention_kernel, validate
 
 # planner device name -> (peak FLOP/s, one-way link GB/s, HBM GiB): lclm.hardware's table
 DEVICES = planner_devices()

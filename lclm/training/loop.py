@@ -32,7 +32,6 @@ from lclm.models.decoder import param_count
 from lclm.parallel.distributed import check_same_config
 from lclm.parallel.mesh import make_mesh
 from lclm.training.cadence import Cadence
-from lclm.training.checks import attention_line, check_data, validate
 from lclm.training.compile_cache import use_compile_cache
 from lclm.training.first_weights import first_state, take_model_fields
 from lclm.training.hooks import (
@@ -56,6 +55,7 @@ from lclm.training.object_lock import workdir_lock
 from lclm.training.remat_choice import train_step
 from lclm.training.resume import tokenizer_fingerprint
 from lclm.training.save_faults import SaveFaults
+from lclm.training.startup_checks import attention_line, check_data, validate
 from lclm.training.state import TrainState
 from lclm.training.step import all_finite, make_optimizer
 from lclm.training.step_faults import StepFaults

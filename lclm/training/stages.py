@@ -26,9 +26,9 @@ from lclm.data import ruler
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError, TrainingHalted
 from lclm.training import gates
-from lclm.training.checks import validate
-from lclm.training.init_weights import SourceDamaged, apply_hf_shapes
+from lclm.training.first_weights import SourceDamaged, apply_hf_shapes
 from lclm.training.loop import Termination, handled_termination, train
+from lclm.training.startup_checks import validate
 
 log = logging.getLogger(__name__)
 

@@ -142,7 +142,7 @@ def test_a_head_dim_apart_from_hidden_over_heads_matches_transformers(tmp_path):
 
 def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one(tmp_path):
     from lclm.config import base_config
-    from lclm.training.init_weights import apply_hf_shapes
+    from lclm.training.first_weights import apply_hf_shapes
 
     _tiny_hf(tmp_path / "src", SCALINGS["llama3"], theta=500000.0, bos_token_id=7,
              eos_token_id=[8, 9])
@@ -185,7 +185,7 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
 def test_bad_rope_and_token_fields_stop_the_run_in_one_line(tmp_path, field, value, message):
     from lclm.config import base_config
     from lclm.errors import ConfigError
-    from lclm.training.checks import validate
+    from lclm.training.startup_checks import validate
 
     config = base_config()
     config.workdir = str(tmp_path / "run")

@@ -244,7 +244,7 @@ def test_prolong_recipe_states_prolongs_numbers():
 
 def test_fu_and_ultralong_recipes_state_their_numbers():
     from lclm.data.loader import parse_sources
-    from lclm.training.checks import validate
+    from lclm.training.startup_checks import validate
     fu = _recipe("fu_llama2_7b_80k")
     validate(fu, 32)
     entries = parse_sources(fu.data.path, fu.data.source)

@@ -18,7 +18,7 @@ from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError
 from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
-from lclm.training.init_weights import SourceDamaged
+from lclm.training.first_weights import SourceDamaged
 from lclm.training.loop import train
 from lclm.training.stages import run_stages
 from lclm.training.state import init_state

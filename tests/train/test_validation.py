@@ -18,8 +18,8 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 from lclm.models.decoder import loss_terms
 from lclm.parallel import make_mesh
-from lclm.training.checks import validate
 from lclm.training.loop import train
+from lclm.training.startup_checks import validate
 from lclm.training.state import init_state
 from lclm.training.step import make_optimizer
 
