@@ -1,7 +1,7 @@
 """Old commands and names keep working as thin aliases that say where the new ones are:
 `python -m lclm.generate` (now `python -m lclm.eval.generate`), `lclm.models.llama` (now
 `lclm.models.decoder`), `LlamaConfig` (now `ModelConfig`) and `lclm.models.nnx_llama` (now
-`lclm.models.nnx_decoder`)."""
+`lclm.models.nnx_decoder`); the deprecated names say when they go (lclm 0.2.0)."""
 
 import importlib
 import shutil
@@ -61,7 +61,8 @@ def test_the_generate_alias_continues_a_prompt_as_the_new_command_does(tmp_path,
 
 def test_lclm_models_llama_is_the_decoder_with_llama_config():
     _forget("lclm.models.llama")
-    with pytest.warns(DeprecationWarning, match="now lclm.models.decoder") as warned:
+    with pytest.warns(DeprecationWarning, match="now lclm.models.decoder.*removed in lclm "
+                                                "0.2.0") as warned:
         import lclm.models.llama as llama
     assert warned[0].filename == __file__   # the importer's line, not the import machinery's
     assert llama.forward is decoder.forward and llama.init_params is decoder.init_params
@@ -72,7 +73,8 @@ def test_lclm_models_llama_is_the_decoder_with_llama_config():
 
 
 def test_llama_config_from_lclm_config_warns_and_is_model_config():
-    with pytest.warns(DeprecationWarning, match="lclm.config.ModelConfig"):
+    with pytest.warns(DeprecationWarning, match="lclm.config.ModelConfig; the old name will "
+                                                "be removed in lclm 0.2.0"):
         from lclm.config import LlamaConfig
     assert LlamaConfig is ModelConfig
     with pytest.raises(ImportError):
@@ -82,7 +84,8 @@ def test_llama_config_from_lclm_config_warns_and_is_model_config():
 def test_lclm_models_nnx_llama_is_the_nnx_decoder():
     pytest.importorskip("flax", reason="the NNX view needs the optional flax (lclm[nnx])")
     nnx_decoder = importlib.import_module("lclm.models.nnx_decoder")
-    with pytest.warns(DeprecationWarning, match="now lclm.models.nnx_decoder"):
+    with pytest.warns(DeprecationWarning, match="now lclm.models.nnx_decoder.*removed in "
+                                                "lclm 0.2.0"):
         nnx_llama = _fresh_import("lclm.models.nnx_llama")
     assert nnx_llama.LlamaModule is nnx_decoder.DecoderModule
     assert nnx_llama.from_params is nnx_decoder.from_params

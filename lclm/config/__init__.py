@@ -23,9 +23,9 @@ __all__ = ["AttentionConfig", "ModelConfig", "MESH_AXES", "MODEL_PRESETS", "appl
 
 def __getattr__(name: str):
     """`LlamaConfig`, ModelConfig's name before the model served every family: still
-    importable, with a DeprecationWarning naming `ModelConfig`."""
+    importable until lclm 0.2.0, with a DeprecationWarning naming `ModelConfig`."""
     if name == "LlamaConfig":
-        warnings.warn("lclm.config.LlamaConfig is now lclm.config.ModelConfig",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn("lclm.config.LlamaConfig is now lclm.config.ModelConfig; the old name "
+                      "will be removed in lclm 0.2.0", DeprecationWarning, stacklevel=2)
         return ModelConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
