@@ -250,10 +250,6 @@ def _replace_local(path: str, data: bytes) -> None:
         raise
 
 
-def write_text(path: str, text: str) -> None:
-    write_bytes(path, text.encode("utf-8"))
-
-
 def remove(path: str) -> None:
     """Remove a file or object; nothing if it is not there."""
     if not is_remote(path):

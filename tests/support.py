@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 
+from lclm import storage
 from lclm.config import load_config
 from lclm.config.run_config import run_config
 from lclm.data.packing import Packer
@@ -99,6 +100,12 @@ def damage_checkpoint(step_dir, kind):
 
 DAMAGE = ["emptied step dir", "truncated chunks", "random chunks", "garbage _METADATA",
           "deleted manifest.ocdbt"]
+
+
+def write_text(path: str, text: str) -> None:
+    """`text` written to `path`, a local path or an object-store URL: a file a test puts where
+    lclm reads one (lclm itself writes bytes and JSON, `lclm.storage.write_bytes`)."""
+    storage.write_bytes(path, text.encode("utf-8"))
 
 
 def pack_documents(docs, seq_len: int, reset_positions: bool = True):

@@ -11,7 +11,7 @@ import uuid
 import jax
 import numpy as np
 import pytest
-from support import DEMO_TOKENIZER
+from support import DEMO_TOKENIZER, write_text
 
 from lclm import hf, storage
 from lclm.checkpoint import saved_config
@@ -55,7 +55,7 @@ def test_to_hf_on_gcs_uploads_the_local_export(gcs, sources, capsys):
     _, run, exported = sources
     out = storage.join(gcs.bucket(), "hf")
     # an earlier sharded export's weights: the new export (one file) must not be read with them
-    storage.write_text(storage.join(out, "model.safetensors.index.json"), "{}")
+    write_text(storage.join(out, "model.safetensors.index.json"), "{}")
     storage.write_bytes(storage.join(out, "model-00001-of-00002.safetensors"), b"old")
     assert convert(["--from-checkpoint", run, "--to-hf", out]) == 0
     assert f"to {out}:" in capsys.readouterr().out
@@ -118,8 +118,8 @@ def test_perplexity_reads_data_and_tokenizer_from_s3(s3, sources, capsys):
     source, _, _ = sources
     bucket = s3.bucket()
     data, tokenizer = storage.join(bucket, "heldout.jsonl"), storage.join(bucket, "t.model")
-    storage.write_text(data, "".join(json.dumps({"text": f"document {i}: " + "words " * 60})
-                                     + "\n" for i in range(3)))
+    write_text(data, "".join(json.dumps({"text": f"document {i}: " + "words " * 60})
+                             + "\n" for i in range(3)))
     storage.upload(DEMO_TOKENIZER, tokenizer)
     out = storage.join(bucket, "ppl")
     assert perplexity.main(["--hf", source, "--tokenizer", tokenizer, "--data", data,

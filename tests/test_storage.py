@@ -2,6 +2,7 @@
 ranged reads, and the one-line error of a scheme without its client."""
 
 import pytest
+from support import write_text
 
 from lclm import storage
 from lclm.errors import StartupError
@@ -15,7 +16,7 @@ def bucket(request):
 def test_write_read_list_remove(bucket):
     path = storage.join(bucket, "run", "config.json")
     assert not storage.exists(path) and storage.listdir(storage.join(bucket, "run")) == []
-    storage.write_text(path, "{}\n")
+    write_text(path, "{}\n")
     storage.write_bytes(storage.join(bucket, "run", "checkpoints", "5", "x"), b"abc")
     assert storage.read_text(path) == "{}\n"
     assert storage.listdir(storage.join(bucket, "run")) == ["checkpoints", "config.json"]

@@ -13,7 +13,7 @@ import pytest
 import tensorstore as ts
 from fsspec.registry import known_implementations
 from orbax.checkpoint._src.serialization import tensorstore_utils
-from support import ROOT
+from support import ROOT, write_text
 
 from lclm import checkpoint, storage
 from lclm.errors import StartupError
@@ -76,7 +76,7 @@ def test_a_scheme_is_one_entry(monkeypatch):
     monkeypatch.setattr(storage, "SCHEMES", types.MappingProxyType(
         {**storage.SCHEMES, "memory": memory}))
     path = "memory://lclm-test-bucket/run/config.json"
-    storage.write_text(path, "{}\n")
+    write_text(path, "{}\n")
     try:
         assert storage.read_text(path) == "{}\n"
         assert storage.listdir("memory://lclm-test-bucket/run") == ["config.json"]

@@ -62,13 +62,6 @@ def string_match_all(prediction: str, references: list[str]) -> float:
     return sum(r.lower() in p for r in references) / len(references)
 
 
-def string_match_part(prediction: str, references: list[str]) -> float:
-    """1 where any reference is found in `prediction` (case-insensitive), else 0 (RULER's QA
-    metric)."""
-    p = prediction.lower()
-    return float(any(r.lower() in p for r in references))
-
-
 def effective_length(average: dict[int, float], threshold: float = THRESHOLD) -> int | None:
     """The longest length whose average score reaches `threshold` (None: none does)."""
     passing = [n for n, score in average.items() if score >= threshold]

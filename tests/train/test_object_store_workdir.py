@@ -13,7 +13,13 @@ import sys
 import time
 
 import pytest
-from support import ROOT, TINY_DEMO_ARGS, damage_checkpoint, small_train_config
+from support import (
+    ROOT,
+    TINY_DEMO_ARGS,
+    damage_checkpoint,
+    small_train_config,
+    write_text,
+)
 
 from lclm import storage
 from lclm.training.lock import WorkdirBusy
@@ -81,10 +87,10 @@ def test_the_lease_on_gs_refuses_a_second_run_and_a_stale_one_is_taken_over(gcs,
     # another host's fresh lease is refused; once it has not been renewed for longer than the
     # lease, it is taken over in one conditional write
     other = dict(host="other-host", pid=1, since=time.time(), lease_minutes=LEASE, token="x")
-    storage.write_text(workdir + "/lock", json.dumps(dict(other, lease_minutes=10.0)))
+    write_text(workdir + "/lock", json.dumps(dict(other, lease_minutes=10.0)))
     with pytest.raises(WorkdirBusy, match=r"held by pid 1 on other-host .* lease renewed"):
         ObjectLock(workdir, lease_minutes=LEASE).acquire()
-    storage.write_text(workdir + "/lock", json.dumps(other))
+    write_text(workdir + "/lock", json.dumps(other))
     time.sleep(0.5)
     with caplog.at_level(logging.WARNING):
         lock = ObjectLock(workdir, lease_minutes=LEASE)
@@ -96,7 +102,7 @@ def test_the_lease_on_gs_refuses_a_second_run_and_a_stale_one_is_taken_over(gcs,
     time.sleep(0.4)
     assert storage.stat(workdir + "/lock")[1].updated > written and lock.lost() is None
     # a run that takes it over (this one's renewals lost, say) is seen at the next renewal
-    storage.write_text(workdir + "/lock", json.dumps(dict(other, lease_minutes=10.0)))
+    write_text(workdir + "/lock", json.dumps(dict(other, lease_minutes=10.0)))
     deadline = time.time() + 5
     while lock.lost() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -108,7 +114,7 @@ def test_the_lease_on_gs_refuses_a_second_run_and_a_stale_one_is_taken_over(gcs,
 def test_two_lock_takeovers_of_one_stale_lease_let_one_run_win(gcs):
     workdir = gcs.bucket() + "/run"
     stale = json.dumps(dict(host="other-host", pid=1, since=0, lease_minutes=LEASE, token="x"))
-    storage.write_text(workdir + "/lock", stale)
+    write_text(workdir + "/lock", stale)
     time.sleep(0.3)
     a, b = ObjectLock(workdir, lease_minutes=LEASE), ObjectLock(workdir, lease_minutes=LEASE)
     version = storage.stat(workdir + "/lock")[1]
