@@ -6,27 +6,25 @@ on 2 cores."""
 
 import os
 
-from lclm.config import base_config
+from lclm.config import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEMO = os.path.join(os.path.dirname(HERE), "data", "demo")
 
 
 def get_config():
-    c = base_config()
+    c = load_config(os.path.join(HERE, "_tiny.py"))
     c.workdir = "runs/demo"
-    c.mesh.update(dp=1, fsdp=2, tp=1, sp=4, fit=True)
-    c.model.update(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
-                   rope_theta=10000.0, dtype="float32", ffn_chunk=64, loss_chunk=64)
-    c.attention.update(layout="striped", q_chunk=32, kv_chunk=32)
-    demo = os.path.join(ROOT, "data", "demo")
+    c.mesh.update(fsdp=2, fit=True)
+    c.model.update(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
+                   rope_theta=10000.0, ffn_chunk=64, loss_chunk=64)
     # a mixture: 80% documents of the text corpus, 20% ShareGPT conversations
-    c.data.update(path=f"{demo}/corpus.jsonl@0.8,sharegpt:{demo}/sharegpt.jsonl@0.2",
-                  tokenizer=os.path.join(ROOT, "data", "demo", "tokenizer.model"),
+    c.data.update(path=f"{DEMO}/corpus.jsonl@0.8,sharegpt:{DEMO}/sharegpt.jsonl@0.2",
                   seq_len=512, batch_size=8)
     # held-out documents of the corpus' grammar: val_loss every 50 steps (about 1 s each); the
     # file names its kind, as a held-out entry without one takes data.source's, which a run
     # on your own chats (--config.data.source=sharegpt) changes
-    c.validation.update(path=f"text:{demo}/heldout.jsonl", every=50, batches=2)
-    c.train.update(steps=200, lr=3e-3, warmup=20, weight_decay=0.0)
+    c.validation.update(path=f"text:{DEMO}/heldout.jsonl", every=50, batches=2)
+    c.train.update(steps=200, warmup=20)
     c.log.every = 20
     return c

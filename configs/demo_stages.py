@@ -8,22 +8,20 @@ step throughout, striped ring attention over sp=2 -> 4 simulated devices. A minu
 
 import os
 
-from lclm.config import base_config
+from lclm.config import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEMO = os.path.join(os.path.dirname(HERE), "data", "demo")
 
 
 def get_config():
-    c = base_config()
+    c = load_config(os.path.join(HERE, "_tiny.py"))
     c.workdir = "runs/demo_stages"
-    c.mesh.update(dp=1, fsdp=2, tp=1, sp=4)
-    c.model.update(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192,
-                   dtype="float32", ffn_chunk=64, loss_chunk=64)
-    c.attention.update(layout="striped", q_chunk=32, kv_chunk=32)
-    demo = os.path.join(ROOT, "data", "demo")
-    c.data.update(source="sharegpt", path=f"{demo}/sharegpt.jsonl",
-                  tokenizer=os.path.join(demo, "tokenizer.model"), seq_len=512, batch_size=8)
+    c.mesh.fsdp = 2
+    c.model.update(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, ffn_chunk=64,
+                   loss_chunk=64)
+    c.data.update(source="sharegpt", path=f"{DEMO}/sharegpt.jsonl", seq_len=512, batch_size=8)
     c.stages.update(schedule="128:1e4:20:2, 256:1e5:15:4, 512:1e6:15:4", tokens_per_batch=4096)
-    c.train.update(steps=15, lr=3e-3, warmup=5, weight_decay=0.0)
+    c.train.update(steps=15, warmup=5)
     c.log.every = 5
     return c

@@ -23,8 +23,11 @@ from SlimPajama-627B by its `meta.redpajama_set_name`, as jsonl or pre-tokenised
 tokens per GPU), FSDP over the rest.
 """
 
-from lclm.config import apply_preset, base_config
+import os
 
+from lclm.config import apply_preset, load_config
+
+BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_long_context.py")
 DATA = "data/slimpajama"
 SLIMPAJAMA = (("RedPajamaCommonCrawl", 0.53374772), ("RedPajamaC4", 0.26609933),
               ("RedPajamaGithub", 0.05004782), ("RedPajamaArXiv", 0.04290379),
@@ -36,19 +39,15 @@ MIXTURE = ",".join(f"{DATA}/{source}@{share}?short_below=4k&short_keep=0.1"
 
 
 def get_config():
-    c = apply_preset(base_config(), "llama2_7b")
+    c = apply_preset(load_config(BASE), "llama2_7b")
     c.workdir = "runs/fu_llama2_7b_80k"
-    c.mesh.update(dp=1, fsdp=-1, tp=1, sp=4)
-    c.model.update(init_from_hf="checkpoints/Llama-2-7b-hf", dtype="bfloat16",
-                   param_dtype="float32", scan_layers=True, remat="attention",
-                   ffn_chunk=4096, loss_chunk=4096, rope_theta=5e6)
-    c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
+    c.mesh.sp = 4
+    c.model.update(init_from_hf="checkpoints/Llama-2-7b-hf", remat="attention", ffn_chunk=4096,
+                   loss_chunk=4096, rope_theta=5e6)
     c.data.update(source="text", path=MIXTURE, tokenizer="checkpoints/Llama-2-7b-hf",
                   seq_len=80 * 1024, batch_size=48, document_mask=True,
                   mixture_unit="tokens", balance=True)
-    c.train.update(steps=1272, lr=2e-5, warmup=20, decay="constant", weight_decay=0.0,
-                   clip=1.0, grad_accum=6)
-    c.log.every = 1
-    c.validation.update(path="", every=100, batches=1, lengths="4k,32k,80k")
-    c.checkpoint.update(every=100, keep=2)
+    c.train.update(steps=1272, lr=2e-5, warmup=20, decay="constant", grad_accum=6)
+    c.validation.update(every=100, lengths="4k,32k,80k")
+    c.checkpoint.every = 100
     return c

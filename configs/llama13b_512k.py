@@ -28,29 +28,29 @@ On TPUs: a v4-64 slice (32 chips), checked ahead of time with
 `python -m lclm.plan --config configs/llama13b_512k.py --compile v4-64`.
 """
 
-from lclm.config import apply_preset, base_config
+import os
+
+from lclm.config import apply_preset, load_config
+
+BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_long_context.py")
 
 
 def get_config():
-    c = apply_preset(base_config(), "llama2_13b")
+    c = apply_preset(load_config(BASE), "llama2_13b")
     c.workdir = "runs/llama13b_512k"
-    c.mesh.update(dp=1, fsdp=-1, tp=1, sp=32)
+    c.mesh.sp = 32
     # remat='offload': each layer's saved input and ring output wait in host memory. With
     # 'attention' XLA:TPU needs 93.7 GiB per device in every stage (a v5p's 95; more than an
     # A100's 80); offloaded 30.1 GiB of a v4's 32 (plan --compile v4-64), with about 50 GiB
     # of host memory per device.
-    c.model.update(init_from_hf="checkpoints/Llama-2-13b-hf", dtype="bfloat16",
-                   param_dtype="float32", scan_layers=True, remat="offload",
-                   ffn_chunk=4096, loss_chunk=4096)
-    c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
+    c.model.update(init_from_hf="checkpoints/Llama-2-13b-hf", remat="offload", ffn_chunk=4096,
+                   loss_chunk=4096)
     c.data.update(source="sharegpt", path="data/sharegpt.json", chat_template="vicuna",
                   seq_len=524288, batch_size=4)
     c.stages.update(schedule="32k:1e6:200:4, 128k:1e7:100:8, 256k:1e7:60:16, 512k:2.5e7:60:32",
                     tokens_per_batch=1 << 21)
-    c.train.update(steps=60, lr=2e-5, warmup=10, min_lr_ratio=0.1, weight_decay=0.0,
-                   clip=1.0, grad_accum=1)
-    c.log.every = 1
+    c.train.update(steps=60, lr=2e-5, warmup=10)
     # held-out conversations (empty: none until given) at this and every earlier stage's length
-    c.validation.update(path="", every=20, batches=1, lengths="stages")
-    c.checkpoint.update(every=20, keep=2)
+    c.validation.update(every=20, lengths="stages")
+    c.checkpoint.every = 20
     return c

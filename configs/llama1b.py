@@ -8,15 +8,15 @@ lclm[gpu-aot]; jax 0.10.2, 2026-11-28): on a v5p chip 'none' (73.57 GiB of 95); 
 needs 62.37) and 'none' at 8K (30.39 GiB).
 """
 
-from lclm.config import apply_preset, base_config
+import os
+
+from lclm.config import apply_preset, load_config
+
+BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shapes.py")
 
 
 def get_config():
-    c = apply_preset(base_config(), "llama3_1b")
+    c = apply_preset(load_config(BASE), "llama3_1b")
     c.workdir = "runs/llama1b"
-    c.mesh.update(dp=1, fsdp=-1, tp=1, sp=1)
-    c.model.update(dtype="bfloat16", remat="auto", ffn_chunk=4096, loss_chunk=4096)
-    c.attention.update(q_chunk=1024, kv_chunk=1024)
-    c.data.update(seq_len=32768, batch_size=1)
-    c.train.update(steps=1000, lr=3e-4, warmup=100)
+    c.model.remat = "auto"
     return c

@@ -24,31 +24,27 @@ lengths shows while training), and after each stage
 the loss by position flat or falling to the stage's length, the passkey found at every depth.
 """
 
-from lclm.config import apply_preset, base_config
+import os
+
+from lclm.config import apply_preset, load_config
+
+BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_long_context_256k.py")
 
 
 def get_config():
-    c = apply_preset(base_config(), "llama2_7b")
+    c = apply_preset(load_config(BASE), "llama2_7b")
     c.workdir = "runs/llama7b_256k"
-    c.mesh.update(dp=1, fsdp=-1, tp=1, sp=8)
-    # remat='offload': each layer's saved input and ring output wait in host memory. With
-    # 'attention' (all kept on the device) XLA:TPU needs 37.8 / 35.0 / 34.5 GiB per device in
-    # the three stages on a v4-64 (32 GiB chips); offloaded 17.8 / 13.5 / 13.5 GiB
-    # (python -m lclm.plan --config configs/llama7b_256k.py --compile v4-64), for about 16 GiB
-    # of host memory per chip and host transfers that overlap the layers' compute. On 80 GB
+    # remat='offload' (the base's): each layer's saved input and ring output wait in host
+    # memory. With 'attention' (all kept on the device) XLA:TPU needs 37.8 / 35.0 / 34.5 GiB
+    # per device in the three stages on a v4-64 (32 GiB chips); offloaded 17.8 / 13.5 / 13.5
+    # GiB (python -m lclm.plan --config configs/llama7b_256k.py --compile v4-64), for about 16
+    # GiB of host memory per chip and host transfers that overlap the layers' compute. On 80 GB
     # GPUs --config.model.remat=attention fits too (planner: 47% of an H100 at most) and
     # spares the host transfers.
-    c.model.update(init_from_hf="checkpoints/Llama-2-7b-hf", dtype="bfloat16",
-                   param_dtype="float32", scan_layers=True, remat="offload",
-                   ffn_chunk=8192, loss_chunk=8192)
-    c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
-    c.data.update(source="text", path="data/long_documents", seq_len=262144, batch_size=4)
+    c.model.update(init_from_hf="checkpoints/Llama-2-7b-hf", loss_chunk=8192)
     c.stages.update(schedule="32k:1e6:300:4, 128k:1e7:200:8, 256k:1e7:150:8",
                     tokens_per_batch=1 << 20)
-    c.train.update(steps=150, lr=2e-5, warmup=20, min_lr_ratio=0.1, weight_decay=0.0,
-                   clip=1.0, grad_accum=1)
-    c.log.every = 1
+    c.train.update(steps=150, lr=2e-5)
     # held-out books (empty: none until given) at this stage's and every earlier stage's length
-    c.validation.update(path="", every=50, batches=1, lengths="stages")
-    c.checkpoint.update(every=50, keep=2)
+    c.validation.lengths = "stages"
     return c

@@ -15,22 +15,18 @@ are 6.1 GB per device over 32 devices: 4 nodes x 8 H100, or a v4-64 slice, FSDP 
 rows of 8 sequence shards. Re-running the command resumes.
 """
 
-from lclm.config import apply_preset, base_config
+import os
+
+from lclm.config import apply_preset, load_config
+
+BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_long_context_256k.py")
 
 
 def get_config():
-    c = apply_preset(base_config(), "mistral_nemo_12b")
+    c = apply_preset(load_config(BASE), "mistral_nemo_12b")
     c.workdir = "runs/mistral_nemo_12b_256k"
-    c.mesh.update(dp=1, fsdp=-1, tp=1, sp=8)
     c.model.update(init_from_hf="checkpoints/Mistral-Nemo-Base-2407", rope_theta=1e7,
-                   dtype="bfloat16", param_dtype="float32", scan_layers=True, remat="offload",
-                   ffn_chunk=8192, loss_chunk=4096)
-    c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
-    c.data.update(source="text", path="data/long_documents",
-                  tokenizer="checkpoints/Mistral-Nemo-Base-2407", seq_len=262144, batch_size=4)
-    c.train.update(steps=200, lr=1e-5, warmup=20, min_lr_ratio=0.1, weight_decay=0.0,
-                   clip=1.0, grad_accum=1)
-    c.log.every = 1
-    c.validation.update(path="", every=50, batches=1)
-    c.checkpoint.update(every=50, keep=2)
+                   loss_chunk=4096)
+    c.data.tokenizer = "checkpoints/Mistral-Nemo-Base-2407"
+    c.train.update(steps=200, lr=1e-5)
     return c

@@ -35,8 +35,11 @@ node, `python -m lclm.plan --strategies`); FSDP takes the rest, gradient accumul
 beyond one per FSDP shard. The command resumes where it stopped, within or across stages.
 """
 
-from lclm.config import apply_preset, base_config
+import os
 
+from lclm.config import apply_preset, load_config
+
+BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_long_context.py")
 DATA = "data/prolong"
 SHORT = ",".join(f"tokenized:{DATA}/{domain}@{weight}" for domain, weight in (
     ("fineweb-edu", 0.1), ("fineweb-2023-50", 0.1), ("stackexchange", 0.04),
@@ -50,17 +53,15 @@ STAGE_512K = (f"tokenized:{DATA}/thestackv1_concat_by_repo2-524288@0.15,"
 
 
 def get_config():
-    c = apply_preset(base_config(), "llama3_8b")
+    c = apply_preset(load_config(BASE), "llama3_8b")
     c.workdir = "runs/prolong_llama3_8b_512k"
-    c.mesh.update(dp=1, fsdp=-1, tp=1, sp=8)
-    c.model.update(init_from_hf="checkpoints/Meta-Llama-3-8B-Instruct", dtype="bfloat16",
-                   param_dtype="float32", scan_layers=True, remat="attention", ffn_chunk=8192,
-                   loss_chunk=2048)
-    c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
+    c.mesh.sp = 8
+    c.model.update(init_from_hf="checkpoints/Meta-Llama-3-8B-Instruct", remat="attention",
+                   ffn_chunk=8192, loss_chunk=2048)
     c.data.update(source="tokenized", tokenizer="checkpoints/Meta-Llama-3-8B-Instruct",
                   document_mask=True, mixture_unit="tokens", balance=True)
-    c.train.update(b1=0.9, b2=0.95, weight_decay=0.1, clip=1.0, min_lr_ratio=0.1,
-                   decay="cosine")
+    # ProLong's AdamW (clip 1.0 and the decay to 10% of the peak are the shared ones)
+    c.train.update(b1=0.9, b2=0.95, weight_decay=0.1, decay="cosine")
     c.stages.optimizer = "carry"
     c.stages.list = [
         dict(name="64K", tokens=5000 * (4 << 20), tokens_per_batch=4 << 20,
@@ -70,8 +71,7 @@ def get_config():
              data=dict(seq_len="512k", path=STAGE_512K), model=dict(rope_theta=1.28e8),
              mesh=dict(sp=32), train=dict(lr=5e-6, warmup=250, grad_accum=8)),
     ]
-    c.log.every = 1
     # held-out data (empty: none until given) at this stage's and every earlier stage's length
-    c.validation.update(path="", every=250, batches=1, lengths="stages")
-    c.checkpoint.update(every=125, keep=2)
+    c.validation.update(every=250, lengths="stages")
+    c.checkpoint.every = 125
     return c

@@ -24,30 +24,26 @@ not supported", a check in its async_dynamic_index_emitter) and compiles it with
 (28.26 GiB of 32, measured when the stages were run as two invocations).
 """
 
-from lclm.config import apply_preset, base_config
+import os
+
+from lclm.config import apply_preset, load_config
+
+BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_long_context_256k.py")
 
 
 def get_config():
-    c = apply_preset(base_config(), "qwen25_7b")
+    c = apply_preset(load_config(BASE), "qwen25_7b")
     c.workdir = "runs/qwen25_7b_256k"
-    c.mesh.update(dp=1, fsdp=-1, tp=1, sp=8)
     # a loss chunk of 2048 tokens: its float32 logits over the 152,064-token vocabulary are
     # 1.2 GiB (LLaMA-2's 8192 would hold 4.6 GiB of them)
-    c.model.update(init_from_hf="checkpoints/Qwen2.5-7B-Instruct", dtype="bfloat16",
-                   param_dtype="float32", scan_layers=True, remat="offload", ffn_chunk=8192,
-                   loss_chunk=2048)
-    c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
-    c.data.update(source="text", path="data/long_documents",
-                  tokenizer="checkpoints/Qwen2.5-7B-Instruct", seq_len=262144, batch_size=4)
+    c.model.update(init_from_hf="checkpoints/Qwen2.5-7B-Instruct", loss_chunk=2048)
+    c.data.tokenizer = "checkpoints/Qwen2.5-7B-Instruct"
     c.stages.update(tokens_per_batch=1 << 20, list=[
         dict(data=dict(seq_len="64k"), train=dict(steps=300), mesh=dict(sp=4),
              model=dict(remat="offload", rope_theta=1e7)),
         dict(data=dict(seq_len="256k"), train=dict(steps=150), mesh=dict(sp=8),
              model=dict(remat="attention")),
     ])
-    c.train.update(steps=150, lr=1e-5, warmup=20, min_lr_ratio=0.1, weight_decay=0.0,
-                   clip=1.0, grad_accum=1)
-    c.log.every = 1
-    c.validation.update(path="", every=50, batches=1, lengths="stages")
-    c.checkpoint.update(every=50, keep=2)
+    c.train.update(steps=150, lr=1e-5)
+    c.validation.lengths = "stages"
     return c

@@ -16,25 +16,21 @@ Exports (`python -m lclm.convert --to-hf`) state the YaRN scaling in config.json
 transformers and vLLM run the extended model as trained.
 """
 
-from lclm.config import apply_preset, base_config
+import os
+
+from lclm.config import apply_preset, load_config
+
+BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_long_context_256k.py")
 
 
 def get_config():
-    c = apply_preset(base_config(), "qwen3_8b")
+    c = apply_preset(load_config(BASE), "qwen3_8b")
     c.workdir = "runs/qwen3_8b_256k"
-    c.mesh.update(dp=1, fsdp=-1, tp=1, sp=8)
     # YaRN over the native context (the model card's form, with factor 8 for 256K). A loss
     # chunk of 2048 tokens: its float32 logits over Qwen's 151,936-token vocabulary are 1.2 GiB
     # (8192, LLaMA-2's chunk, would hold 4.6 GiB of them)
     c.model.update(init_from_hf="checkpoints/Qwen3-8B", rope_scaling="yarn", rope_factor=8.0,
-                   rope_original_max_positions=32768, dtype="bfloat16", param_dtype="float32",
-                   scan_layers=True, remat="offload", ffn_chunk=8192, loss_chunk=2048)
-    c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
-    c.data.update(source="text", path="data/long_documents",
-                  tokenizer="checkpoints/Qwen3-8B", seq_len=262144, batch_size=4)
-    c.train.update(steps=200, lr=1e-5, warmup=20, min_lr_ratio=0.1, weight_decay=0.0,
-                   clip=1.0, grad_accum=1)
-    c.log.every = 1
-    c.validation.update(path="", every=50, batches=1)
-    c.checkpoint.update(every=50, keep=2)
+                   rope_original_max_positions=32768, loss_chunk=2048)
+    c.data.tokenizer = "checkpoints/Qwen3-8B"
+    c.train.update(steps=200, lr=1e-5)
     return c

@@ -23,29 +23,28 @@ the attention's output kept on the GPU (`remat='attention'`) fits there (`python
 prints the fit; `remat='offload'` moves the saved activations to host memory).
 """
 
-from lclm.config import apply_preset, base_config
+import os
 
+from lclm.config import apply_preset, load_config
+
+BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_long_context.py")
 # long documents upsampled (x3 at 64K+), short ones thinned (p 0.3 under 4K)
 LONG = "long_above=64k&long_repeat=3&short_below=4k&short_keep=0.3"
 
 
 def get_config():
-    c = apply_preset(base_config(), "llama3_8b")
+    c = apply_preset(load_config(BASE), "llama3_8b")
     c.workdir = "runs/ultralong_llama31_8b_1m"
-    c.mesh.update(dp=1, fsdp=-1, tp=1, sp=16)
-    c.model.update(init_from_hf="checkpoints/Llama-3.1-8B-Instruct", dtype="bfloat16",
-                   param_dtype="float32", scan_layers=True, remat="attention",
+    c.mesh.sp = 16
+    c.model.update(init_from_hf="checkpoints/Llama-3.1-8B-Instruct", remat="attention",
                    ffn_chunk=8192, loss_chunk=2048, rope_theta=500000.0,
                    rope_scaling="yarn", rope_factor=128.0, rope_original_max_positions=8192,
                    rope_beta_fast=4.0, rope_beta_slow=1.0)
-    c.attention.update(impl="auto", layout="striped", q_chunk=2048, kv_chunk=2048)
     c.data.update(source="tokenized", path=f"data/long_documents?{LONG}",
                   tokenizer="checkpoints/Llama-3.1-8B-Instruct", seq_len=1 << 20,
                   batch_size=4, document_mask=False, reset_positions=False,
                   mixture_unit="tokens", balance=True)
-    c.train.update(steps=239, lr=3e-5, warmup=10, decay="cosine", min_lr_ratio=0.1,
-                   weight_decay=0.0, clip=1.0, grad_accum=1)
-    c.log.every = 1
-    c.validation.update(path="", every=50, batches=1, lengths="128k,1m")
-    c.checkpoint.update(every=25, keep=2)
+    c.train.update(steps=239, lr=3e-5, warmup=10, decay="cosine")
+    c.validation.update(every=50, lengths="128k,1m")
+    c.checkpoint.every = 25
     return c
