@@ -1,6 +1,7 @@
 """What a training run does when a checkpoint save fails, and when a save is due by time
-(docs/faults.md). A failed save is tried again at a later step, its pauses and patience
-`WritePatience`'s; a final, preemption or stopping save is retried before the run goes on.
+(docs/faults.md). A failed save is tried again at a later step once a pause is over (the
+pauses and the patience are `WritePatience`'s); a final, preemption or stopping save is
+retried before the run goes on.
 When saves have failed for the patience, or a save that was the last chance fails, the run
 stops with `TrainingHalted` naming its last good checkpoint (exit 3), so that no fault leaves
 a run in a state it cannot resume from.
