@@ -60,10 +60,12 @@ def run_cli(body: Callable[[], int | None],
 
 
 def config_main(argv: list[str], default: str, doc: str,
-                run: Callable[[ml_collections.ConfigDict], None]) -> int:
+                run: Callable[[ml_collections.ConfigDict], None],
+                check: Callable[[ml_collections.ConfigDict], None] | None = None) -> int:
     """The exit status of a program configured by its command line alone (train.py):
     `-h`/`--help` prints `doc` and `config_help()`; `--print-config` prints the config
-    `config_from_argv` reads (`config_text`) and runs nothing; else `run(config)` under
+    `config_from_argv` reads (`config_text`), once `check(config)` has passed (the program's
+    own start-up checks of what the config says), and runs nothing; else `run(config)` under
     `run_cli`."""
     if {"-h", "--help"} & set(argv[1:]):
         print(f"{doc.rstrip()}\n\n{config_help()}")
@@ -74,6 +76,8 @@ def config_main(argv: list[str], default: str, doc: str,
     def body() -> None:
         config = config_from_argv(argv, default)
         if print_only:
+            if check is not None:
+                check(config)
             print(config_text(config))
         else:
             run(config)

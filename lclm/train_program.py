@@ -27,7 +27,7 @@ from lclm.eval.ruler import score_gate
 from lclm.parallel import distributed
 from lclm.parallel.devices import allow_gpu_host_memory, request_cpu_devices
 from lclm.training.loop import train
-from lclm.training.stages import run_stages
+from lclm.training.stages import check_stages, run_stages
 
 
 def run(config) -> None:
@@ -47,7 +47,8 @@ def run(config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return config_main(sys.argv if argv is None else argv, "configs/demo.py", __doc__, run)
+    return config_main(sys.argv if argv is None else argv, "configs/demo.py", __doc__, run,
+                       check=check_stages)
 
 
 if __name__ == "__main__":

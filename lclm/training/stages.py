@@ -14,12 +14,15 @@ it (same data order), the next one starts from its predecessor's final checkpoin
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
 
 import jax
 
 from lclm import storage
 from lclm.checkpoint import Checkpoints
+from lclm.config import MESH_AXES
 from lclm.config.run_config import RunConfig, run_config
 from lclm.config.stages import gate_ruler, stage_configs, stage_name, stage_records
 from lclm.data import ruler
@@ -28,7 +31,7 @@ from lclm.errors import ConfigError, TrainingHalted
 from lclm.training import gates
 from lclm.training.first_weights import SourceDamaged, apply_hf_shapes
 from lclm.training.loop import Termination, handled_termination, train
-from lclm.training.startup_checks import validate
+from lclm.training.startup_checks import check_config, validate
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,23 @@ def validate_stages(config, device_count: int) -> list:
         except ConfigError as e:
             raise ConfigError(f"stage {i} (seq_len {c.data.seq_len}): {e}") from None
     return configs
+
+
+def check_stages(config) -> None:
+    """What `--print-config` refuses: each stage of `config` (or the config itself) checked as
+    the run checks it at start (`startup_checks.check_config`, a stage named as
+    `validate_stages` names it), on the devices its mesh asks for (an axis of -1 counted as
+    1), so that a config the run would refuse on any machine is not printed as resolved. The
+    workdir is not touched and no JAX backend starts."""
+    stages = stage_configs(config)
+    for i, c in enumerate(stages or [config]):
+        devices = math.prod(max(c.mesh[axis], 1) for axis in MESH_AXES)
+        try:
+            check_config(copy.deepcopy(c), devices)
+        except ConfigError as e:
+            if not stages:
+                raise
+            raise ConfigError(f"stage {i} (seq_len {c.data.seq_len}): {e}") from None
 
 
 def check_ruler_gates(configs: list, records: list[dict],

@@ -37,14 +37,22 @@ def _fail(msg: str):
 
 
 def validate(config, device_count: int) -> dict[str, int]:
-    """Check `config` against itself, the components it names and `device_count`; returns
+    """`check_config`, then that the run can write its workdir (`check_workdir`); returns
+    the resolved mesh sizes."""
+    sizes = check_config(config, device_count)
+    check_workdir(config.workdir)
+    return sizes
+
+
+def check_config(config, device_count: int) -> dict[str, int]:
+    """Check `config` against itself, the components it names and `device_count`, touching
+    no file of the run (what `--print-config` checks too: `stages.check_stages`); returns
     the resolved mesh sizes. Raises a one-line ConfigError naming the fix. A mesh that
     `mesh.fit` shrank is written back to `config.mesh`, so that the run's config.json names
     the mesh it ran on (what generate and the evaluations default to)."""
     m, a, d, t = config.model, config.attention, config.data, config.train
     check_fields(config)
     attention = AttentionConfig.from_config(a)
-    check_workdir(config.workdir)
     for key in allowed_keys(config.checkpoint.allow_changed):
         field(config, key)   # one line naming the unknown key
     try:
@@ -129,7 +137,7 @@ def validate(config, device_count: int) -> dict[str, int]:
             held_out = copy.deepcopy(config)
             held_out.data.seq_len, held_out.validation.lengths = length, ""
             try:
-                validate(held_out, device_count)
+                check_config(held_out, device_count)
             except ConfigError as e:
                 _fail(f"validation.lengths={config.validation.lengths!r}, length {length}: {e}")
     return sizes

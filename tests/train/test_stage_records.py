@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from support import ROOT, small_train_config
 
+from lclm import train_program
 from lclm.checkpoint import Checkpoints, saved_config
 from lclm.cli import config_from_argv, config_text
 from lclm.config import ModelConfig, load_config
@@ -18,7 +19,7 @@ from lclm.config.run_config import run_config
 from lclm.config.stages import keys_set_by_stages, stage_configs
 from lclm.errors import ConfigError
 from lclm.parallel import make_mesh
-from lclm.training.stages import run_stages
+from lclm.training.stages import run_stages, validate_stages
 from lclm.training.state import init_state
 from lclm.training.step import applied_updates, make_optimizer
 
@@ -130,6 +131,34 @@ def test_print_config_shows_each_stages_resolved_values(tmp_path):
     assert "stages[2].train.decay='constant'" in text
     assert "stages[2].train.optimizer_from_checkpoint" not in text   # fresh, as the config
     assert "stages[1].train.optimizer_from_checkpoint=True" in text
+
+
+def test_print_config_refuses_a_stage_the_run_would_refuse(tmp_path, capsys):
+    """Issue 76 item 5: a stage at 100 tokens over sp=2 with 16-token chunks. The run stops
+    at start on it (validate_stages), and --print-config now refuses it in the same words,
+    exit 2, on a machine of any size (its devices: what the mesh asks for)."""
+    path = tmp_path / "staged.py"
+    demo = os.path.join(ROOT, "configs", "demo.py")
+    path.write_text("from lclm.config import load_config\n"
+                    f"def get_config():\n    c = load_config({demo!r})\n"
+                    "    c.mesh.update(dp=1, fsdp=1, tp=1, sp=2, fit=False)\n"
+                    "    c.attention.update(q_chunk=16, kv_chunk=16)\n"
+                    "    c.stages.list = [dict(data=dict(seq_len=100), train=dict(steps=2))]\n"
+                    "    return c\n")
+    argv = ["train.py", "--config", str(path), f"--config.workdir={tmp_path / 'run'}"]
+    assert train_program.main([*argv, "--print-config"]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    with pytest.raises(ConfigError) as started:
+        validate_stages(config_from_argv(argv, ""), 2)
+    assert printed.err == f"error: {started.value}\n"
+    assert str(started.value).startswith(
+        "stage 0 (seq_len 100): data.seq_len=100 is not divisible by mesh.sp x "
+        "attention.q_chunk = 2 x 16")
+    assert not (tmp_path / "run").exists()
+    # a config the run takes is printed as before
+    assert train_program.main([argv[0], "--config", demo, "--print-config"]) == 0
+    assert "stages" not in capsys.readouterr().err
 
 
 def test_a_command_line_override_of_a_field_a_stage_sets_is_refused(tmp_path):
