@@ -83,21 +83,34 @@ from lclm.errors import StartupError
 from lclm.writes import check_output
 
 # part (also the Suite's field name) -> its module in bench/, which writes <module>.md/.png
-PARTS = {"correctness": "correctness", "attention": "attention", "striped": "striped_sim",
-         "train": "train_step", "max_context": "max_context"}
+PARTS = {
+    "correctness": "correctness",
+    "attention": "attention",
+    "striped": "striped_sim",
+    "train": "train_step",
+    "max_context": "max_context",
+}
 # the demo's shapes cut down further: a 2-layer, 64-wide LLaMA with small tiles (config
 # overrides are command-line arguments, as for train.py)
-TINY_MODEL = ("--config.model.n_layers=2", "--config.model.dim=64", "--config.model.n_heads=4",
-              "--config.model.n_kv_heads=2", "--config.model.ffn_dim=192",
-              "--config.model.ffn_chunk=64", "--config.model.loss_chunk=64",
-              "--config.attention.q_chunk=64", "--config.attention.kv_chunk=64")
+TINY_MODEL = (
+    "--config.model.n_layers=2",
+    "--config.model.dim=64",
+    "--config.model.n_heads=4",
+    "--config.model.n_kv_heads=2",
+    "--config.model.ffn_dim=192",
+    "--config.model.ffn_chunk=64",
+    "--config.model.loss_chunk=64",
+    "--config.attention.q_chunk=64",
+    "--config.attention.kv_chunk=64",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Suite:
     """The sizes of every part the suite runs (None: not in this suite), and how parts run."""
-    toy: bool               # labelled "not a performance result"
-    separate_parts: bool    # one process per part (device memory is not shared between parts)
+
+    toy: bool  # labelled "not a performance result"
+    separate_parts: bool  # one process per part (device memory is not shared between parts)
     correctness: CorrectnessSpec | None = None
     attention: AttentionSpec | None = None
     striped: StripedSpec | None = None
@@ -127,29 +140,43 @@ class Suite:
 
     def quick(self, default_parts=None, part_timeout: float = 540.0) -> Suite:
         """Every part at its quick size (each designed for under 8 minutes on one H100)."""
-        return dataclasses.replace(self, default_parts=default_parts, part_timeout=part_timeout,
-                                   **{p: getattr(self, p).quick() for p in self.parts()})
+        return dataclasses.replace(
+            self,
+            default_parts=default_parts,
+            part_timeout=part_timeout,
+            **{p: getattr(self, p).quick() for p in self.parts()},
+        )
 
 
-GPU_TRAIN = TrainSpec(models=(
+GPU_TRAIN = TrainSpec(
+    models=(
         ModelRun("configs/llama1b.py", (8192, 16384, 32768, 65536, 131072), ONE_DEVICE),
-        ModelRun("configs/striped_attention_1b.py", (8192, 16384, 32768, 65536, 131072),
-                 ONE_DEVICE),
+        ModelRun(
+            "configs/striped_attention_1b.py", (8192, 16384, 32768, 65536, 131072), ONE_DEVICE
+        ),
         ModelRun("configs/llama3b.py", (8192, 32768, 65536, 131072), ONE_DEVICE),
-        ModelRun("configs/llama7b_256k.py", (8192, 32768),
-                 (*ONE_DEVICE, "--config.data.batch_size=1",
-                  "--config.model.param_dtype=bfloat16"),
-                 note="one device, batch 1, bfloat16 parameters and AdamW moments "
-                      "(float32 ones alone need 108 GB)"),
-    ), steps=3, warmup=1)
+        ModelRun(
+            "configs/llama7b_256k.py",
+            (8192, 32768),
+            (*ONE_DEVICE, "--config.data.batch_size=1", "--config.model.param_dtype=bfloat16"),
+            note="one device, batch 1, bfloat16 parameters and AdamW moments "
+            "(float32 ones alone need 108 GB)",
+        ),
+    ),
+    steps=3,
+    warmup=1,
+)
 GPU = Suite(
     correctness=CorrectnessSpec(),
     attention=AttentionSpec(),
     striped=StripedSpec(),
     train=GPU_TRAIN,
     # a probe near the limit runs one step at ~1M tokens: minutes, not seconds
-    max_context=MaxContextSpec(start=8192, cap=2 ** 21, resolution=32768, timeout=3600),
-    toy=False, separate_parts=True, needs_gpu=True)
+    max_context=MaxContextSpec(start=8192, cap=2**21, resolution=32768, timeout=3600),
+    toy=False,
+    separate_parts=True,
+    needs_gpu=True,
+)
 
 SUITES = {
     "gpu": GPU,
@@ -160,14 +187,22 @@ SUITES = {
     # at 8K/32K against the fastest plain cuDNN step; every part cut by a budget and a kill
     "gpu-lease": dataclasses.replace(
         GPU.quick(),
-        correctness=dataclasses.replace(CorrectnessSpec().quick(),
-                                        impls=("cudnn_gpu", "tokamax_gpu"), budget_s=90.0),
-        attention=dataclasses.replace(AttentionSpec().quick(), impls=("tokamax_gpu",),
-                                      budget_s=90.0),
+        correctness=dataclasses.replace(
+            CorrectnessSpec().quick(), impls=("cudnn_gpu", "tokamax_gpu"), budget_s=90.0
+        ),
+        attention=dataclasses.replace(
+            AttentionSpec().quick(), impls=("tokamax_gpu",), budget_s=90.0
+        ),
         train=dataclasses.replace(GPU_TRAIN.quick(), budget_s=170.0, timeout=200.0),
         default_parts=("correctness", "attention", "train"),
-        part_timeout={"correctness": 130.0, "attention": 130.0, "train": 270.0,
-                      "striped": 270.0, "max_context": 270.0}),
+        part_timeout={
+            "correctness": 130.0,
+            "attention": 130.0,
+            "train": 270.0,
+            "striped": 270.0,
+            "max_context": 270.0,
+        },
+    ),
     # the first run on a lent GPU: every part at its quick size (under 8 minutes each on one
     # H100 by design, cut by a budget; not yet timed on one), by default the kernels' correctness
     # there, the fused kernels against cuDNN at 8K/32K blocks, and lclm's step against the
@@ -175,17 +210,33 @@ SUITES = {
     "gpu-quick": GPU.quick(default_parts=("correctness", "attention", "train")),
     "cpu": Suite(
         correctness=CorrectnessSpec().smallest(),
-        attention=AttentionSpec(blocks=(128, 256, 512), heads=(2, 4), q_chunk=64, kv_chunk=64,
-                                warmup=1, iters=3),
-        striped=StripedSpec(ns=(2, 4), blocks=(128, 256, 512), heads=2, q_chunk=32,
-                            kv_chunk=32, warmup=1, iters=3),
-        train=TrainSpec(models=(ModelRun("configs/demo.py", (256, 512),
-                                         (*ONE_DEVICE, *TINY_MODEL)),),
-                        impls=("blockwise",), steps=2, warmup=1, isolate=False),
-        max_context=MaxContextSpec(config="configs/demo.py", overrides=TINY_MODEL,
-                                   variants=("lclm", "vanilla"), impl="blockwise", start=512,
-                                   cap=1024, resolution=512, budget_mib=256, timeout=600),
-        toy=True, separate_parts=False),
+        attention=AttentionSpec(
+            blocks=(128, 256, 512), heads=(2, 4), q_chunk=64, kv_chunk=64, warmup=1, iters=3
+        ),
+        striped=StripedSpec(
+            ns=(2, 4), blocks=(128, 256, 512), heads=2, q_chunk=32, kv_chunk=32, warmup=1, iters=3
+        ),
+        train=TrainSpec(
+            models=(ModelRun("configs/demo.py", (256, 512), (*ONE_DEVICE, *TINY_MODEL)),),
+            impls=("blockwise",),
+            steps=2,
+            warmup=1,
+            isolate=False,
+        ),
+        max_context=MaxContextSpec(
+            config="configs/demo.py",
+            overrides=TINY_MODEL,
+            variants=("lclm", "vanilla"),
+            impl="blockwise",
+            start=512,
+            cap=1024,
+            resolution=512,
+            budget_mib=256,
+            timeout=600,
+        ),
+        toy=True,
+        separate_parts=False,
+    ),
 }
 
 
@@ -211,8 +262,18 @@ def _part_in_child(part: str, args, timeout: float | None) -> str:
     and any children it started) is killed, and what the part wrote so far stays."""
     from bench.isolate import child_env
 
-    argv = [sys.executable, "-m", "bench", "--suite", args.suite, "--parts", part,
-            "--out", args.out, "--in-process"] + (["--smallest"] if args.smallest else [])
+    argv = [
+        sys.executable,
+        "-m",
+        "bench",
+        "--suite",
+        args.suite,
+        "--parts",
+        part,
+        "--out",
+        args.out,
+        "--in-process",
+    ] + (["--smallest"] if args.smallest else [])
     env = dict(child_env(), **{GPU_CHECKED: "1"})
     proc = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True)
     try:
@@ -244,9 +305,13 @@ def gpu_missing() -> str | None:
         return f"JAX_PLATFORMS={platforms}"
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     try:
-        probe = subprocess.run([sys.executable, "-c",
-                                "import jax; print(jax.default_backend())"],
-                               capture_output=True, text=True, timeout=300, env=env)
+        probe = subprocess.run(
+            [sys.executable, "-c", "import jax; print(jax.default_backend())"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         return "JAX did not start within 300 s"
     backend = (probe.stdout.strip().splitlines() or ["unknown (JAX failed to start)"])[-1]
@@ -286,13 +351,23 @@ def write_index(out_dir: str, suite_name: str, suite: Suite, done: list[tuple]) 
     notes = [_device_line(out_dir, [d[0] for d in done])]
     if suite.toy:
         notes.append(TOY_NOTE)
-    plot = lambda part: (f"[{PARTS[part]}.png]({PARTS[part]}.png)"
-                         if os.path.isfile(os.path.join(out_dir, f"{PARTS[part]}.png")) else "-")
-    rows = [(part, f"[{PARTS[part]}.md]({PARTS[part]}.md)", plot(part), status,
-             f"{seconds:,.0f}") for part, status, seconds in done]
+    plot = lambda part: (
+        f"[{PARTS[part]}.png]({PARTS[part]}.png)"
+        if os.path.isfile(os.path.join(out_dir, f"{PARTS[part]}.png"))
+        else "-"
+    )
+    rows = [
+        (part, f"[{PARTS[part]}.md]({PARTS[part]}.md)", plot(part), status, f"{seconds:,.0f}")
+        for part, status, seconds in done
+    ]
     path = os.path.join(out_dir, "index.md")
-    emit_table(f"Benchmark suite '{suite_name}'", notes,
-               ["part", "report", "plot", "status", "seconds"], rows, path)
+    emit_table(
+        f"Benchmark suite '{suite_name}'",
+        notes,
+        ["part", "report", "plot", "status", "seconds"],
+        rows,
+        path,
+    )
     return path
 
 
@@ -300,8 +375,7 @@ def _parts(text: str, suite: Suite) -> list[str]:
     parts = [p for p in text.split(",") if p] or suite.defaults()
     unknown = sorted(set(parts) - set(suite.parts()))
     if unknown:
-        raise StartupError(f"unknown parts {unknown} for this suite; choose from "
-                           f"{suite.parts()}")
+        raise StartupError(f"unknown parts {unknown} for this suite; choose from {suite.parts()}")
     return parts
 
 
@@ -317,19 +391,35 @@ def _out_dir(path: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     ap.add_argument("--suite", choices=sorted(SUITES), required=True)
-    ap.add_argument("--parts", default="", help=f"some of {','.join(PARTS)} (default: the "
-                    "suite's; gpu-quick: correctness,attention,train)")
-    ap.add_argument("--out", default="",
-                    help="output folder (default: a new ./bench_results/<suite>-<YYYYmmdd-HHMMSS>, "
-                         "untracked; the committed reference results are bench/results/<suite>: "
-                         "name that folder to update them)")
+    ap.add_argument(
+        "--parts",
+        default="",
+        help=f"some of {','.join(PARTS)} (default: the "
+        "suite's; gpu-quick: correctness,attention,train)",
+    )
+    ap.add_argument(
+        "--out",
+        default="",
+        help="output folder (default: a new ./bench_results/<suite>-<YYYYmmdd-HHMMSS>, "
+        "untracked; the committed reference results are bench/results/<suite>: "
+        "name that folder to update them)",
+    )
     ap.add_argument("--smallest", action="store_true", help="first size of every part only")
-    ap.add_argument("--compile-only", nargs="?", const="h100:1", default=None, metavar="TARGET",
-                    help="compile every program of the parts for described GPUs (default "
-                         "h100:1; needs the [gpu-aot] extra, no GPU) and run none "
-                         "(bench/compile_only.py)")
-    ap.add_argument("--in-process", action="store_true",
-                    help="run the parts in this process (what a part's own process does)")
+    ap.add_argument(
+        "--compile-only",
+        nargs="?",
+        const="h100:1",
+        default=None,
+        metavar="TARGET",
+        help="compile every program of the parts for described GPUs (default "
+        "h100:1; needs the [gpu-aot] extra, no GPU) and run none "
+        "(bench/compile_only.py)",
+    )
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the parts in this process (what a part's own process does)",
+    )
     logs.configure()
     args = ap.parse_args(argv)
     return run_cli(lambda: _run(args))
@@ -340,12 +430,16 @@ def _compile_only(args, parts: list[str]) -> int:
     from bench import compile_only
 
     if not SUITES[args.suite].needs_gpu:
-        raise StartupError("--compile-only compiles a GPU suite's programs: use it with "
-                           "--suite gpu-quick or --suite gpu")
+        raise StartupError(
+            "--compile-only compiles a GPU suite's programs: use it with "
+            "--suite gpu-quick or --suite gpu"
+        )
     unsupported = [p for p in parts if p not in compile_only.PARTS]
     if unsupported:
-        raise StartupError(f"--compile-only lists the programs of {', '.join(compile_only.PARTS)}"
-                           f", not {', '.join(unsupported)}; choose --parts among those")
+        raise StartupError(
+            f"--compile-only lists the programs of {', '.join(compile_only.PARTS)}"
+            f", not {', '.join(unsupported)}; choose --parts among those"
+        )
     suite = SUITES[args.suite].smallest() if args.smallest else SUITES[args.suite]
     args.out = _out_dir(args.out)
     return 1 if compile_only.run(suite, parts, args.compile_only, args.out) else 0
@@ -360,21 +454,26 @@ def _run(args) -> int:
     if SUITES[args.suite].needs_gpu and not os.environ.get(GPU_CHECKED):
         why = gpu_missing()
         if why:
-            raise StartupError(f"--suite {args.suite} needs a GPU, and {why}; on this "
-                               "machine run --suite cpu")
+            raise StartupError(
+                f"--suite {args.suite} needs a GPU, and {why}; on this machine run --suite cpu"
+            )
     args.out = _out_dir(args.out)
     suite = SUITES[args.suite].smallest() if args.smallest else SUITES[args.suite]
     if args.suite == "cpu":  # toy sizes are meant for the CPU even where an accelerator exists
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         from lclm.parallel.devices import request_cpu_devices
+
         request_cpu_devices(1)  # only lclm's safe CPU compiler flags (before JAX starts)
     separate = suite.separate_parts and not args.in_process
     done = []
     for part in parts:
         t0 = time.perf_counter()
         if separate:
-            print(f"== part {part}: python -m bench --suite {args.suite} --parts {part} "
-                  f"--out {args.out}", flush=True)
+            print(
+                f"== part {part}: python -m bench --suite {args.suite} --parts {part} "
+                f"--out {args.out}",
+                flush=True,
+            )
             status = _part_in_child(part, args, suite.timeout(part))
             print(f"== part {part}: {status} ({time.perf_counter() - t0:,.0f} s)", flush=True)
         else:

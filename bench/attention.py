@@ -39,12 +39,13 @@ FWD_BWD_FACTOR = 3.5
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """Sizes of one attention benchmark run."""
+
     blocks: tuple[int, ...] = (4096, 8192, 16384, 32768)
     heads: tuple[int, ...] = (16, 32)
     head_dims: tuple[int, ...] = (128,)
     dtype: str = "bfloat16"
     impls: tuple[str, ...] | None = None  # lclm kernels to time (None: every usable one)
-    q_chunk: int = 1024   # lclm kernels' and the official package's tile sizes
+    q_chunk: int = 1024  # lclm kernels' and the official package's tile sizes
     kv_chunk: int = 1024
     warmup: int = 2
     iters: int = 5
@@ -52,22 +53,36 @@ class AttentionSpec:
     budget_s: float | None = None  # stop starting measurements after this many seconds
 
     def smallest(self) -> AttentionSpec:
-        return dataclasses.replace(self, blocks=self.blocks[:1], heads=self.heads[:1],
-                                   head_dims=self.head_dims[:1], masks=self.masks[:1],
-                                   warmup=0, iters=1)
+        return dataclasses.replace(
+            self,
+            blocks=self.blocks[:1],
+            heads=self.heads[:1],
+            head_dims=self.head_dims[:1],
+            masks=self.masks[:1],
+            warmup=0,
+            iters=1,
+        )
 
     def quick(self) -> AttentionSpec:
         """Causal blocks of 8K and 32K tokens, 16 heads of 128 and of 64: tokamax_gpu and
         pallas_gpu against cuDNN (24 compiles: 2 x 2 shapes x 3 methods x fwd, fwd+bwd),
         within a 400 s budget."""
-        return dataclasses.replace(self, blocks=(8192, 32768), heads=(16,),
-                                   head_dims=(128, 64), masks=("causal",),
-                                   impls=("tokamax_gpu", "pallas_gpu"), warmup=1, iters=3,
-                                   budget_s=400.0)
+        return dataclasses.replace(
+            self,
+            blocks=(8192, 32768),
+            heads=(16,),
+            head_dims=(128, 64),
+            masks=("causal",),
+            impls=("tokamax_gpu", "pallas_gpu"),
+            warmup=1,
+            iters=3,
+            budget_s=400.0,
+        )
 
 
 class Method(NamedTuple):
     """An attention implementation: `fn(q, k, v, causal) -> o` (differentiable)."""
+
     name: str
     fn: Callable
 
@@ -83,8 +98,9 @@ def _kernel_platform(name: str) -> str | None:
 
 
 # the shapes the suites time (LLaMA head dims, 1K tiles, long blocks): for the kernels' limits
-_SUITE_SHAPES: dict[str, Any] = dict(head_dim=128, q_chunk=1024, kv_chunk=1024, block=32768,
-                                     dtype="bfloat16")
+_SUITE_SHAPES: dict[str, Any] = dict(
+    head_dim=128, q_chunk=1024, kv_chunk=1024, block=32768, dtype="bfloat16"
+)
 
 
 def usable_kernels(platform: str) -> tuple[list[str], list[str]]:
@@ -122,8 +138,10 @@ def lclm_method(impl: str, q_chunk: int, kv_chunk: int) -> Method:
     from lclm.ops import local_attention
 
     def fn(q, k, v, causal):
-        return local_attention(q, k, v, causal=causal, impl=impl, q_chunk=q_chunk,
-                               kv_chunk=kv_chunk)
+        return local_attention(
+            q, k, v, causal=causal, impl=impl, q_chunk=q_chunk, kv_chunk=kv_chunk
+        )
+
     return Method(f"lclm {impl}", fn)
 
 
@@ -133,6 +151,7 @@ def cudnn_method() -> Method:
 
     def fn(q, k, v, causal):
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
     return Method(CUDNN, fn)
 
 
@@ -168,16 +187,24 @@ def official_ring_method(q_chunk: int, kv_chunk: int) -> Method:
     mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
 
     def fn(q, k, v, causal):
-        kwargs = dict(causal_block_size=1 if causal else None, query_chunk_size=q_chunk,
-                      key_chunk_size=kv_chunk, deterministic=True, dropout_rng=None,
-                      attn_pdrop=0.0, dtype=jnp.float32,
-                      policy=jax.checkpoint_policies.nothing_saveable, precision=None,
-                      prevent_cse=True)
+        kwargs = dict(
+            causal_block_size=1 if causal else None,
+            query_chunk_size=q_chunk,
+            key_chunk_size=kv_chunk,
+            deterministic=True,
+            dropout_rng=None,
+            attn_pdrop=0.0,
+            dtype=jnp.float32,
+            policy=jax.checkpoint_policies.nothing_saveable,
+            precision=None,
+            prevent_cse=True,
+        )
         # positional: its custom VJP declares axis name, float32 logits and kwargs by position
-        ring = lambda q, k, v: module.ring_attention(q, k, v, None, None, None, "sp", True,
-                                                     kwargs)
-        return jax.shard_map(ring, mesh=mesh, in_specs=(P(),) * 3, out_specs=P(),
-                             check_vma=False)(q, k, v)
+        ring = lambda q, k, v: module.ring_attention(q, k, v, None, None, None, "sp", True, kwargs)
+        return jax.shard_map(ring, mesh=mesh, in_specs=(P(),) * 3, out_specs=P(), check_vma=False)(
+            q, k, v
+        )
+
     return Method("ringattention (official)", fn)
 
 
@@ -187,8 +214,11 @@ def methods(platform: str, spec: AttentionSpec) -> tuple[list[Method], list[str]
     found = [cudnn_method()] if platform == "gpu" else []  # first: the reference of each shape
     if platform != "gpu":
         skipped.append("cuDNN: GPU only")
-    found += [lclm_method(name, spec.q_chunk, spec.kv_chunk) for name in kernels
-              if spec.impls is None or name in spec.impls]
+    found += [
+        lclm_method(name, spec.q_chunk, spec.kv_chunk)
+        for name in kernels
+        if spec.impls is None or name in spec.impls
+    ]
     try:
         found.append(official_ring_method(spec.q_chunk, spec.kv_chunk))
     except Exception as e:  # noqa: BLE001  (optional package; any import failure skips it)
@@ -208,6 +238,7 @@ def jitted_passes(method: Method, causal: bool):
     def fwd_bwd(q, k, v, do):
         _, vjp = jax.vjp(attend, q, k, v)
         return vjp(do)
+
     return jax.jit(attend), jax.jit(fwd_bwd)
 
 
@@ -217,12 +248,17 @@ def qkv(batch: int, t: int, heads: int, head_dim: int, dtype: str):
     import jax.numpy as jnp
 
     keys = jax.random.split(jax.random.key(0), 4)
-    return [jax.random.normal(key, (batch, t, heads, head_dim), jnp.dtype(dtype))
-            for key in keys]
+    return [jax.random.normal(key, (batch, t, heads, head_dim), jnp.dtype(dtype)) for key in keys]
 
 
-def measure(method: Method, t: int, heads: int, causal: bool, spec: AttentionSpec,
-            head_dim: int | None = None) -> dict:
+def measure(
+    method: Method,
+    t: int,
+    heads: int,
+    causal: bool,
+    spec: AttentionSpec,
+    head_dim: int | None = None,
+) -> dict:
     """Forward and forward+backward seconds and TFLOP/s of one method at one shape
     (head dim: the spec's first unless given)."""
     from bench.timing import median_seconds
@@ -234,8 +270,12 @@ def measure(method: Method, t: int, heads: int, causal: bool, spec: AttentionSpe
     timing = dict(warmup=spec.warmup, iters=spec.iters)
     fwd_s, _ = median_seconds(fwd, q, k, v, **timing)
     fb_s, _ = median_seconds(fwd_bwd, q, k, v, do, **timing)
-    return dict(fwd_s=fwd_s, fwd_bwd_s=fb_s, fwd_tflops=flops / fwd_s / 1e12,
-                fwd_bwd_tflops=FWD_BWD_FACTOR * flops / fb_s / 1e12)
+    return dict(
+        fwd_s=fwd_s,
+        fwd_bwd_s=fb_s,
+        fwd_tflops=flops / fwd_s / 1e12,
+        fwd_bwd_tflops=FWD_BWD_FACTOR * flops / fb_s / 1e12,
+    )
 
 
 def measure_all(found: list[Method], spec: AttentionSpec, on_result=None) -> list[dict]:
@@ -255,8 +295,7 @@ def measure_all(found: list[Method], spec: AttentionSpec, on_result=None) -> lis
             r = dict(status=budget.skipped())
         else:
             try:
-                r = dict(measure(method, t, heads, mask == "causal", spec, head_dim),
-                         status="ok")
+                r = dict(measure(method, t, heads, mask == "causal", spec, head_dim), status="ok")
             except Exception as e:  # noqa: BLE001
                 r = dict(status=error_status(e))
         r = dict(r, method=method.name, heads=heads, t=t, head_dim=head_dim, mask=mask)
@@ -273,8 +312,12 @@ def versus(results: list[dict], reference: str = CUDNN) -> list[float | None]:
     """Each result's forward+backward TFLOP/s over `reference`'s at the same shape and mask."""
     key = lambda r: (r["mask"], r["head_dim"], r["heads"], r["t"])
     ref = {key(r): r.get("fwd_bwd_tflops") for r in results if r["method"] == reference}
-    return [None if not ref.get(key(r)) or r.get("fwd_bwd_tflops") is None
-            else r["fwd_bwd_tflops"] / ref[key(r)] for r in results]
+    return [
+        None
+        if not ref.get(key(r)) or r.get("fwd_bwd_tflops") is None
+        else r["fwd_bwd_tflops"] / ref[key(r)]
+        for r in results
+    ]
 
 
 def _plot(results: list[dict], out_dir: str, toy: bool) -> str:
@@ -283,25 +326,57 @@ def _plot(results: list[dict], out_dir: str, toy: bool) -> str:
     panels: dict[tuple, Panel] = {}
     for r in results:
         for key, label in (("fwd_tflops", "forward"), ("fwd_bwd_tflops", "forward+backward")):
-            panel = panels.setdefault((r["heads"], r["head_dim"], key), Panel(
-                f"{label}, h={r['heads']}, d={r['head_dim']}", "block length t (tokens)",
-                "TFLOP/s"))
-            panel.add(f"{r['method']} {r['mask']}", r["t"], r.get(key),
-                      "o-" if r["mask"] == "causal" else "s--")
-    return save_lines(os.path.join(out_dir, "attention.png"), "Attention kernels, one device",
-                      stamp(toy), list(panels.values()))
+            panel = panels.setdefault(
+                (r["heads"], r["head_dim"], key),
+                Panel(
+                    f"{label}, h={r['heads']}, d={r['head_dim']}",
+                    "block length t (tokens)",
+                    "TFLOP/s",
+                ),
+            )
+            panel.add(
+                f"{r['method']} {r['mask']}",
+                r["t"],
+                r.get(key),
+                "o-" if r["mask"] == "causal" else "s--",
+            )
+    return save_lines(
+        os.path.join(out_dir, "attention.png"),
+        "Attention kernels, one device",
+        stamp(toy),
+        list(panels.values()),
+    )
 
 
-HEADER = ["method", "mask", "head dim", "heads", "block t", "fwd ms",
-          "fwd TFLOP/s (4bht²d; causal = half)", "fwd+bwd ms",
-          "fwd+bwd TFLOP/s (3.5 x fwd FLOPs)", "fwd+bwd vs cuDNN", "status"]
+HEADER = [
+    "method",
+    "mask",
+    "head dim",
+    "heads",
+    "block t",
+    "fwd ms",
+    "fwd TFLOP/s (4bht²d; causal = half)",
+    "fwd+bwd ms",
+    "fwd+bwd TFLOP/s (3.5 x fwd FLOPs)",
+    "fwd+bwd vs cuDNN",
+    "status",
+]
 
 
 def row(r: dict, ratio) -> tuple:
-    return (r["method"], r["mask"], r["head_dim"], r["heads"], r["t"],
-            fmt(r.get("fwd_s"), ",.2f", 1e3), fmt(r.get("fwd_tflops"), ".3g"),
-            fmt(r.get("fwd_bwd_s"), ",.2f", 1e3), fmt(r.get("fwd_bwd_tflops"), ".3g"),
-            fmt(ratio, ".2f"), r["status"])
+    return (
+        r["method"],
+        r["mask"],
+        r["head_dim"],
+        r["heads"],
+        r["t"],
+        fmt(r.get("fwd_s"), ",.2f", 1e3),
+        fmt(r.get("fwd_tflops"), ".3g"),
+        fmt(r.get("fwd_bwd_s"), ",.2f", 1e3),
+        fmt(r.get("fwd_bwd_tflops"), ".3g"),
+        fmt(ratio, ".2f"),
+        r["status"],
+    )
 
 
 def run(spec: AttentionSpec, out_dir: str, toy: bool = False) -> str:
@@ -315,10 +390,12 @@ def run(spec: AttentionSpec, out_dir: str, toy: bool = False) -> str:
         f"{spec.q_chunk} x {spec.kv_chunk}; median of {spec.iters} runs after "
         f"{spec.warmup} warm-up runs, each jitted once and synchronised with block_until_ready."
         " TFLOP/s count causal attention as half the square.",
-        "Skipped: " + ("; ".join(skipped) if skipped else "none") + "."]
+        "Skipped: " + ("; ".join(skipped) if skipped else "none") + ".",
+    ]
     if spec.budget_s is not None:
-        notes.append(f"Measurements start only within a {spec.budget_s:g} s budget (rows past "
-                     "it say so).")
+        notes.append(
+            f"Measurements start only within a {spec.budget_s:g} s budget (rows past it say so)."
+        )
     path = os.path.join(out_dir, "attention.md")
     table = Table("Attention kernels on one device: TFLOP/s", notes, HEADER, path)
     done = []
@@ -340,13 +417,22 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dims", default=",".join(map(str, default.head_dims)))
     ap.add_argument("--chunk", type=int, default=default.q_chunk, help="q and kv tile size")
     ap.add_argument("--iters", type=int, default=default.iters)
-    ap.add_argument("--quick", action="store_true",
-                    help="the quick size (AttentionSpec.quick; the size options are ignored)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the quick size (AttentionSpec.quick; the size options are ignored)",
+    )
     ap.add_argument("--out", default=default_out_dir("attention"))
     args = ap.parse_args(argv)
-    spec = dataclasses.replace(default, blocks=int_list(args.blocks), heads=int_list(args.heads),
-                               head_dims=int_list(args.head_dims), q_chunk=args.chunk,
-                               kv_chunk=args.chunk, iters=args.iters)
+    spec = dataclasses.replace(
+        default,
+        blocks=int_list(args.blocks),
+        heads=int_list(args.heads),
+        head_dims=int_list(args.head_dims),
+        q_chunk=args.chunk,
+        kv_chunk=args.chunk,
+        iters=args.iters,
+    )
 
     def body():
         check_output("--out", args.out)  # before the measuring, not at its first row

@@ -45,7 +45,7 @@ TOKENIZER = os.path.join(ROOT, "data", "demo", "tokenizer.model")
 # LLaMA-2-7B: a (query, key) pair costs 4 d FLOPs (QK^T and PV), a token 2 (4 d^2 + 3 d f) in
 # the projections and FFN, per layer, forward (the backward multiplies both by about 2)
 DIM, FFN = 4096, 11008
-PAIR_PER_TOKEN = 4 * DIM / (2 * (4 * DIM ** 2 + 3 * DIM * FFN))
+PAIR_PER_TOKEN = 4 * DIM / (2 * (4 * DIM**2 + 3 * DIM * FFN))
 
 
 def stdlib_documents() -> list[tuple[str, str]]:
@@ -59,7 +59,7 @@ def stdlib_documents() -> list[tuple[str, str]]:
     docs = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if name in ("site-packages", "dist-packages"):   # installed packages, not the library
+        if name in ("site-packages", "dist-packages"):  # installed packages, not the library
             continue
         if os.path.isdir(path):
             files = sorted(glob.glob(os.path.join(path, "**", "*.py"), recursive=True))
@@ -73,6 +73,7 @@ def stdlib_documents() -> list[tuple[str, str]]:
 def step_segments(lengths: np.ndarray, seq: int, batch: int, steps: int, seed: int = 0):
     """`steps` arrays `[batch, seq]` of segment ids: row r of every step from slot r's packer,
     which reads documents r, r + batch, ... of each epoch's shuffle."""
+
     def slot(r: int):
         packer, epoch = Packer(seq), 0
         while True:
@@ -89,15 +90,17 @@ def step_segments(lengths: np.ndarray, seq: int, batch: int, steps: int, seed: i
 
 def _ratio(loads: list[np.ndarray]) -> float:
     """Sum over steps of the busiest device per micro-batch over the sum of the mean."""
-    return (sum(float(x.max(axis=1).sum()) for x in loads)
-            / sum(float(x.mean(axis=1).sum()) for x in loads))
+    return sum(float(x.max(axis=1).sum()) for x in loads) / sum(
+        float(x.mean(axis=1).sum()) for x in loads
+    )
 
 
 def measure(steps: list[np.ndarray], layout: str, shards: int, sp: int, accum: int):
     """(attention before, after, 7B step before, after) over `steps` (rows in loader order)."""
     seq = steps[0].shape[1]
-    loads: dict[str, list[np.ndarray]] = {k: [] for k in ("before", "after", "7b before",
-                                                          "7b after")}
+    loads: dict[str, list[np.ndarray]] = {
+        k: [] for k in ("before", "after", "7b before", "7b after")
+    }
     for segments in steps:
         work = attention_work(segments, layout, sp)
         order = balance_permutation(work, shards, accum)
@@ -113,8 +116,9 @@ def measure(steps: list[np.ndarray], layout: str, shards: int, sp: int, accum: i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", type=int_list, default=(65536, 32768))
-    ap.add_argument("--meshes", default="8x1,4x2,2x4",
-                    help="batch shards x sp size, comma-separated")
+    ap.add_argument(
+        "--meshes", default="8x1,4x2,2x4", help="batch shards x sp size, comma-separated"
+    )
     ap.add_argument("--layouts", default="striped,contiguous")
     ap.add_argument("--rows", type=int, default=4, help="rows per batch shard per step")
     ap.add_argument("--accums", type=int_list, default=(1, 2), help="micro-batches per step")
@@ -131,21 +135,35 @@ def _run(args, argv) -> int:
     layout_names = args.layouts.split(",")
     names, texts = zip(*stdlib_documents())
     lengths = np.array([len(t) for t in Tokenizer(TOKENIZER).encode_batch(list(texts))])
-    notes = [f"`python -m bench.balance {' '.join(argv)}`".replace("  ", " "),
-             "",
-             *_mix_notes(names, lengths, args.seqs),
-             "",
-             f"Host arithmetic (no device, nothing timed); Python {platform.python_version()}, "
-             f"{datetime.date.today().isoformat()}.",
-             "",
-             f"{args.steps} steps per row length and mesh, {args.rows} rows per batch shard "
-             "per step. Imbalance = (sum over steps and micro-batches of the busiest device's "
-             "work) / (the same of the mean device's work): 1.00 is perfect balance. "
-             f"'7B step': attention plus the linear work of LLaMA-2-7B (d {DIM}, ffn {FFN}: a "
-             f"pair costs {PAIR_PER_TOKEN:.2e} of a token's projections and FFN)."]
-    table = Table("Balanced batches: attention work per device, max / mean", notes,
-                  ["seq", "mesh (batch x sp)", "layout", "grad_accum", "attention before",
-                   "attention after", "7B step before", "7B step after"], args.out)
+    notes = [
+        f"`python -m bench.balance {' '.join(argv)}`".replace("  ", " "),
+        "",
+        *_mix_notes(names, lengths, args.seqs),
+        "",
+        f"Host arithmetic (no device, nothing timed); Python {platform.python_version()}, "
+        f"{datetime.date.today().isoformat()}.",
+        "",
+        f"{args.steps} steps per row length and mesh, {args.rows} rows per batch shard "
+        "per step. Imbalance = (sum over steps and micro-batches of the busiest device's "
+        "work) / (the same of the mean device's work): 1.00 is perfect balance. "
+        f"'7B step': attention plus the linear work of LLaMA-2-7B (d {DIM}, ffn {FFN}: a "
+        f"pair costs {PAIR_PER_TOKEN:.2e} of a token's projections and FFN).",
+    ]
+    table = Table(
+        "Balanced batches: attention work per device, max / mean",
+        notes,
+        [
+            "seq",
+            "mesh (batch x sp)",
+            "layout",
+            "grad_accum",
+            "attention before",
+            "attention after",
+            "7B step before",
+            "7B step after",
+        ],
+        args.out,
+    )
     for seq in args.seqs:
         for shards, sp in meshes:
             steps = step_segments(lengths, seq, shards * args.rows, args.steps)
@@ -153,16 +171,25 @@ def _run(args, argv) -> int:
             for layout in layout_names if sp > 1 else [layout_names[0]]:
                 for accum in args.accums:
                     ratios = measure(steps, layout, shards, sp, accum)
-                    table.add((f"{seq:,}", f"{shards} x {sp}", layout if sp > 1 else "any",
-                               accum, *(f"{r:.2f}" for r in ratios)))
+                    table.add(
+                        (
+                            f"{seq:,}",
+                            f"{shards} x {sp}",
+                            layout if sp > 1 else "any",
+                            accum,
+                            *(f"{r:.2f}" for r in ratios),
+                        )
+                    )
     return 0
 
 
 def _mix_notes(names, lengths: np.ndarray, seqs) -> list[str]:
     big = np.argsort(-lengths)[:3]
-    lines = [f"Mix: {len(lengths)} documents from {sysconfig.get_paths()['stdlib']}, "
-             f"{lengths.sum():,} tokens (demo tokenizer); median {int(np.median(lengths)):,}, "
-             "largest " + ", ".join(f"{names[i]} {lengths[i]:,}" for i in big) + "."]
+    lines = [
+        f"Mix: {len(lengths)} documents from {sysconfig.get_paths()['stdlib']}, "
+        f"{lengths.sum():,} tokens (demo tokenizer); median {int(np.median(lengths)):,}, "
+        "largest " + ", ".join(f"{names[i]} {lengths[i]:,}" for i in big) + "."
+    ]
     for seq in seqs:
         share = lengths[lengths >= seq].sum() / lengths.sum()
         lines.append(f"Tokens in documents of >= {seq:,} tokens: {100 * share:.0f}%.")

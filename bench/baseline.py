@@ -60,8 +60,9 @@ def _layer(c: ModelConfig, x, p, rope):
     q = apply_rope(jnp.einsum("btd,dhk->bthk", h, p["wq"]), *rope)
     k = apply_rope(jnp.einsum("btd,dhk->bthk", h, p["wk"]), *rope)
     v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                     implementation=attention_implementation())
+    o = jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation=attention_implementation()
+    )
     x = x + jnp.einsum("bthk,hkd->btd", o, p["wo"])
     h = rms_norm(x, p["ffn_norm"], c.norm_eps)
     gate = jnp.einsum("btd,df->btf", h, p["w_gate"])
@@ -100,12 +101,18 @@ def loss_terms(c: ModelConfig, params, batch, remat: str = "full"):
     x, _ = lax.scan(lambda x, p: (layer(x, p), None), x, params["layers"])
     h = rms_norm(x, params["final_norm"], c.norm_eps)
     w_out = params["embed"].T if c.tie_embeddings else params["lm_head"]
-    return _chunked_cross_entropy(h, w_out.astype(jnp.dtype(c.dtype)), batch["targets"],
-                                  batch["loss_mask"].astype(F32), c.loss_chunk)
+    return _chunked_cross_entropy(
+        h,
+        w_out.astype(jnp.dtype(c.dtype)),
+        batch["targets"],
+        batch["loss_mask"].astype(F32),
+        c.loss_chunk,
+    )
 
 
 def make_step(c: ModelConfig, optimizer: optax.GradientTransformation, remat: str = "full"):
     """`step(state, batch) -> (state, metrics)`, not yet jitted: mean loss, AdamW update."""
+
     def step(state: TrainState, batch):
         def mean_loss(params):
             total, count = loss_terms(c, params, batch, remat)

@@ -64,32 +64,64 @@ from lclm.cli import run_cli
 from lclm.config.run_config import run_config
 from lclm.writes import check_output
 
-HEADER = ["target", "model", "format", "state GB", "on disk GB", "save s", "save GB/s",
-          "dd GB/s", "numpy write GB/s", "ts write GB/s", "save / dd", "save / numpy",
-          "save / ts", "save extra mem", "restore s", "restore GB/s", "numpy read GB/s",
-          "ts read GB/s", "restore / numpy", "restore / ts", "restore extra mem"]
+HEADER = [
+    "target",
+    "model",
+    "format",
+    "state GB",
+    "on disk GB",
+    "save s",
+    "save GB/s",
+    "dd GB/s",
+    "numpy write GB/s",
+    "ts write GB/s",
+    "save / dd",
+    "save / numpy",
+    "save / ts",
+    "save extra mem",
+    "restore s",
+    "restore GB/s",
+    "numpy read GB/s",
+    "ts read GB/s",
+    "restore / numpy",
+    "restore / ts",
+    "restore extra mem",
+]
 # how the state's arrays may be written (`lclm.checkpoint.STATE_FORMAT`); "lclm" is what lclm
 # writes, the others are what it was compared with
-FORMATS = {"orbax": {"use_zarr3": False, "use_compression": True},
-           "zarr3+zstd": {"use_zarr3": True, "use_compression": True},
-           "zarr2": {"use_zarr3": False, "use_compression": False}}
+FORMATS = {
+    "orbax": {"use_zarr3": False, "use_compression": True},
+    "zarr3+zstd": {"use_zarr3": True, "use_compression": True},
+    "zarr2": {"use_zarr3": False, "use_compression": False},
+}
 SMOLLM2 = os.path.join(ROOT, "checkpoints", "smollm2-135m")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2")
-    ap.add_argument("--formats", default="lclm,orbax",
-                    help=f"comma-separated: lclm, {', '.join(FORMATS)}")
+    ap.add_argument(
+        "--formats", default="lclm,orbax", help=f"comma-separated: lclm, {', '.join(FORMATS)}"
+    )
     ap.add_argument("--repeat", type=int, default=2, help="timed saves and restores of each")
-    ap.add_argument("--dir", default="", help="where to save: a local folder or a gs:// or s3:// "
-                    "path (default: a new temporary folder)")
-    ap.add_argument("--gcs", action="store_true",
-                    help="also save to a bucket on a local GCS server (fake-gcs-server, "
-                    f"from the {GCS_PACKAGE} package) and report both")
+    ap.add_argument(
+        "--dir",
+        default="",
+        help="where to save: a local folder or a gs:// or s3:// "
+        "path (default: a new temporary folder)",
+    )
+    ap.add_argument(
+        "--gcs",
+        action="store_true",
+        help="also save to a bucket on a local GCS server (fake-gcs-server, "
+        f"from the {GCS_PACKAGE} package) and report both",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints written")
-    ap.add_argument("--out", default="", help="the table's markdown file (local); its numbers "
-                    "go to the same name with .json")
+    ap.add_argument(
+        "--out",
+        default="",
+        help="the table's markdown file (local); its numbers go to the same name with .json",
+    )
     args = ap.parse_args(argv)
     return run_cli(lambda: _run(args))
 
@@ -119,7 +151,7 @@ def _peak_extra(record: dict, key: str):
     """Put in `record[key]` the peak resident bytes inside the block beyond those before it."""
     _trim()
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")   # VmHWM := VmRSS now
+        f.write("5")  # VmHWM := VmRSS now
     before = _status("VmRSS")
     yield
     record[key] = _status("VmHWM") - before
@@ -134,8 +166,7 @@ def _free_bytes(path: str) -> int:
 
 def _tree_bytes(path: str) -> int:
     """Bytes of every file under local folder `path`."""
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path)
-               for f in files)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def _dd_rate(folder: str, nbytes: int) -> float:
@@ -143,9 +174,18 @@ def _dd_rate(folder: str, nbytes: int) -> float:
     path = os.path.join(folder, "dd.bin")
     block = 64 << 20
     t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={block}",
-                    f"count={max(1, nbytes // block)}", "conv=fdatasync", "status=none"],
-                   check=True)
+    subprocess.run(
+        [
+            "dd",
+            "if=/dev/zero",
+            f"of={path}",
+            f"bs={block}",
+            f"count={max(1, nbytes // block)}",
+            "conv=fdatasync",
+            "status=none",
+        ],
+        check=True,
+    )
     seconds = time.perf_counter() - t0
     os.remove(path)
     return max(1, nbytes // block) * block / seconds / 1e9
@@ -185,7 +225,7 @@ def _kvstore(where: str):
     import tensorstore as ts
 
     if where.startswith("gs://"):
-        bucket, _, path = where[len("gs://"):].partition("/")
+        bucket, _, path = where[len("gs://") :].partition("/")
         spec = {"driver": "gcs", "bucket": bucket, "path": path.rstrip("/") + "/"}
     else:
         spec = {"driver": "file", "path": where.rstrip("/") + "/"}
@@ -204,7 +244,7 @@ def _tensorstore_rates(where: str, state, piece: int = 64 << 20) -> tuple[float,
     keys, nbytes, seconds = [], 0, 0.0
     for i, x in enumerate(jax.tree.leaves(state)):
         data = np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
-        pieces = {f"{i}.{j}": data[j:j + piece].tobytes() for j in range(0, data.size, piece)}
+        pieces = {f"{i}.{j}": data[j : j + piece].tobytes() for j in range(0, data.size, piece)}
         t0 = time.perf_counter()
         for f in [store.write(k, v) for k, v in pieces.items()]:
             f.result()
@@ -235,8 +275,9 @@ def _state(name: str, mesh):
     real = name in ("smollm2", "smollm2-params")
     if real:
         if not os.path.isdir(SMOLLM2):
-            raise FileNotFoundError(f"{SMOLLM2} is missing; docs/checkpoints.md (A real model) "
-                                    "says how to make it")
+            raise FileNotFoundError(
+                f"{SMOLLM2} is missing; docs/checkpoints.md (A real model) says how to make it"
+            )
         model = hf.read_config(SMOLLM2, param_dtype="float32")
     else:
         if name != "demo":
@@ -245,10 +286,12 @@ def _state(name: str, mesh):
     state = init_state(model, make_optimizer(run_config(config).train), mesh, seed=0)
     if real:
         _, params = hf.load(SMOLLM2, shardings=param_shardings(model, mesh), dtype="float32")
-        if name == "smollm2-params":   # what compression does to real weights alone
+        if name == "smollm2-params":  # what compression does to real weights alone
             return state._replace(params=params, opt_state={}), "params (real)"
-        return (state._replace(params=params, opt_state=_random_moments(state.opt_state)),
-                "params (real) + AdamW (random)")
+        return (
+            state._replace(params=params, opt_state=_random_moments(state.opt_state)),
+            "params (real) + AdamW (random)",
+        )
     if name != "demo":
         return state._replace(opt_state={}), "params (random)"
     return state, "params + AdamW (fresh)"
@@ -265,8 +308,13 @@ def _random_moments(opt_state):
             return s
         leaves, tree = jax.tree.flatten(s.mu)
         keys = jax.random.split(jax.random.key(1), len(leaves))
-        mu = [jax.jit(lambda k, x=x: jax.random.normal(k, x.shape, x.dtype) * 1e-3,
-                      out_shardings=x.sharding)(k) for k, x in zip(keys, leaves)]
+        mu = [
+            jax.jit(
+                lambda k, x=x: jax.random.normal(k, x.shape, x.dtype) * 1e-3,
+                out_shardings=x.sharding,
+            )(k)
+            for k, x in zip(keys, leaves)
+        ]
         return s._replace(mu=tree.unflatten(mu), nu=tree.unflatten([m * m for m in mu]))
 
     return jax.tree.map(fill, opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
@@ -280,8 +328,7 @@ def _checksums(state) -> list[int]:
     import jax
     import numpy as np
 
-    return [zlib.crc32(np.ascontiguousarray(np.asarray(x)).data)
-            for x in jax.tree.leaves(state)]
+    return [zlib.crc32(np.ascontiguousarray(np.asarray(x)).data) for x in jax.tree.leaves(state)]
 
 
 def _remove(workdir: str) -> None:
@@ -310,7 +357,8 @@ def _saves(workdir: str, disk: str, state, config, repeat: int) -> list[dict]:
                 record["dd_gbps"] = _dd_rate(disk, nbytes)
                 record["numpy_write_gbps"] = _numpy_write(os.path.join(disk, "numpy.bin"), state)
                 record["ts_write_gbps"], record["ts_read_gbps"] = _tensorstore_rates(
-                    workdir + "-tensorstore", state)
+                    workdir + "-tensorstore", state
+                )
             with _peak_extra(record, "save_extra_bytes"):
                 t0 = time.perf_counter()
                 ckpt.save(step, state, {"batches": step}, config)
@@ -348,8 +396,9 @@ def _restores(workdir: str, disk: str, template, sums: list[int], repeat: int) -
         same = _checksums(restored) == sums
         del restored
         if not same:
-            raise RuntimeError(f"the state restored from {workdir} (step {step}) differs from "
-                               "the one saved")
+            raise RuntimeError(
+                f"the state restored from {workdir} (step {step}) differs from the one saved"
+            )
         measured.append(record)
     return measured
 
@@ -383,23 +432,34 @@ def _run(args) -> int:
 def _row(record: dict) -> list[str]:
     gb = record["state_bytes"] / 1e9
     disk = record.get("disk_bytes")
-    return [record["target"], record["model"], record["format"], f"{gb:.2f}",
-            "-" if disk is None else f"{disk / 1e9:.2f}", f"{record['save_s']:.2f}",
-            f"{gb / record['save_s']:.3f}", f"{record['dd_gbps']:.3f}",
-            f"{record['numpy_write_gbps']:.3f}", f"{record['ts_write_gbps']:.3f}",
-            f"{gb / record['save_s'] / record['dd_gbps']:.2f}",
-            f"{gb / record['save_s'] / record['numpy_write_gbps']:.2f}",
-            f"{gb / record['save_s'] / record['ts_write_gbps']:.2f}",
-            f"{record['save_extra_bytes'] / record['state_bytes']:.2f}x",
-            f"{record['restore_s']:.2f}", f"{gb / record['restore_s']:.3f}",
-            f"{record['numpy_read_gbps']:.3f}", f"{record['ts_read_gbps']:.3f}",
-            f"{gb / record['restore_s'] / record['numpy_read_gbps']:.2f}",
-            f"{gb / record['restore_s'] / record['ts_read_gbps']:.2f}",
-            f"{record['restore_extra_bytes'] / record['state_bytes']:.2f}x"]
+    return [
+        record["target"],
+        record["model"],
+        record["format"],
+        f"{gb:.2f}",
+        "-" if disk is None else f"{disk / 1e9:.2f}",
+        f"{record['save_s']:.2f}",
+        f"{gb / record['save_s']:.3f}",
+        f"{record['dd_gbps']:.3f}",
+        f"{record['numpy_write_gbps']:.3f}",
+        f"{record['ts_write_gbps']:.3f}",
+        f"{gb / record['save_s'] / record['dd_gbps']:.2f}",
+        f"{gb / record['save_s'] / record['numpy_write_gbps']:.2f}",
+        f"{gb / record['save_s'] / record['ts_write_gbps']:.2f}",
+        f"{record['save_extra_bytes'] / record['state_bytes']:.2f}x",
+        f"{record['restore_s']:.2f}",
+        f"{gb / record['restore_s']:.3f}",
+        f"{record['numpy_read_gbps']:.3f}",
+        f"{record['ts_read_gbps']:.3f}",
+        f"{gb / record['restore_s'] / record['numpy_read_gbps']:.2f}",
+        f"{gb / record['restore_s'] / record['ts_read_gbps']:.2f}",
+        f"{record['restore_extra_bytes'] / record['state_bytes']:.2f}x",
+    ]
 
 
 def _measure_all(args, server: GcsServer | None) -> int:
     from lclm.parallel.devices import request_cpu_devices
+
     request_cpu_devices(8)
     import jax
 
@@ -413,30 +473,44 @@ def _measure_all(args, server: GcsServer | None) -> int:
     if unknown:
         raise SystemExit(f"--formats: unknown {unknown}; known: {', '.join(formats)}")
     mesh = make_mesh(fsdp=8)
-    directory = storage.absolute(args.dir) if args.dir else tempfile.mkdtemp(
-        prefix="lclm_ckpt_bench_")
+    directory = (
+        storage.absolute(args.dir) if args.dir else tempfile.mkdtemp(prefix="lclm_ckpt_bench_")
+    )
     if not storage.is_remote(directory):
         os.makedirs(directory, exist_ok=True)
     # (name, where its checkpoints go, the local folder of its disk: None if unknown)
-    targets = [(storage.scheme(directory) or "local", directory,
-                None if storage.is_remote(directory) else directory)]
+    targets = [
+        (
+            storage.scheme(directory) or "local",
+            directory,
+            None if storage.is_remote(directory) else directory,
+        )
+    ]
     if server:
         # the reference files go beside the server's storage, on its disk, not into it
         targets.append(("gcs (local server)", server.bucket(), server.folder))
     where = ", ".join(f"{t}: {d}" for t, d, _ in targets)
-    notes = [f"{where}; jax {jax.__version__}; {os.cpu_count()} cores; "
-             f"{datetime.date.today().isoformat()}; {args.repeat} timed saves and restores of "
-             "each (the first save is not timed); dd and the numpy write/read measured just "
-             "before each, on the same disk; extra mem: peak resident size beyond the size "
-             "before, x the state's bytes; restore: a fresh manager's `Checkpoints.restore`"]
+    notes = [
+        f"{where}; jax {jax.__version__}; {os.cpu_count()} cores; "
+        f"{datetime.date.today().isoformat()}; {args.repeat} timed saves and restores of "
+        "each (the first save is not timed); dd and the numpy write/read measured just "
+        "before each, on the same disk; extra mem: peak resident size beyond the size "
+        "before, x the state's bytes; restore: a fresh manager's `Checkpoints.restore`"
+    ]
     for name in args.formats.split(","):
         notes.append(f"format {name}: {formats[name]}")
     if server:
-        notes.append("The gcs target is a local emulator (fake-gcs-server) on this machine, "
-                     "writing to the same disk: its figures measure the client path (HTTP, "
-                     "tensorstore's GCS driver), not a real bucket's bandwidth.")
-    table = Table("Checkpoint save and restore vs the disk (Orbax async, fsdp=8 simulated CPU "
-                  "devices)", notes, HEADER, args.out)
+        notes.append(
+            "The gcs target is a local emulator (fake-gcs-server) on this machine, "
+            "writing to the same disk: its figures measure the client path (HTTP, "
+            "tensorstore's GCS driver), not a real bucket's bandwidth."
+        )
+    table = Table(
+        "Checkpoint save and restore vs the disk (Orbax async, fsdp=8 simulated CPU devices)",
+        notes,
+        HEADER,
+        args.out,
+    )
     records = []
     lclm_format = checkpoint.STATE_FORMAT
     try:
@@ -447,25 +521,43 @@ def _measure_all(args, server: GcsServer | None) -> int:
             config = public_config(load_config(os.path.join(ROOT, "configs", "demo.py")))
             sums = _checksums(state)
             template = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+            )
             for fmt in args.formats.split(","):
                 checkpoint.STATE_FORMAT = formats[fmt]
                 for target, where, disk in targets:
-                    base = {"target": target, "model": name, "holds": holds, "format": fmt,
-                            "state_bytes": nbytes}
+                    base = {
+                        "target": target,
+                        "model": name,
+                        "holds": holds,
+                        "format": fmt,
+                        "state_bytes": nbytes,
+                    }
                     free = _free_bytes(disk) if disk else None
-                    if free is not None and free < 3.2 * nbytes:   # 2 steps + numpy + dd
+                    if free is not None and free < 3.2 * nbytes:  # 2 steps + numpy + dd
                         records.append({**base, "skipped": f"{free / 1e9:.1f} GB free"})
-                        table.add([target, name, fmt, f"{nbytes / 1e9:.2f}",
-                                   f"skipped: needs ~{3.2 * nbytes / 1e9:.1f} GB free, "
-                                   f"{free / 1e9:.1f} GB there"] + ["-"] * (len(HEADER) - 5))
+                        table.add(
+                            [
+                                target,
+                                name,
+                                fmt,
+                                f"{nbytes / 1e9:.2f}",
+                                f"skipped: needs ~{3.2 * nbytes / 1e9:.1f} GB free, "
+                                f"{free / 1e9:.1f} GB there",
+                            ]
+                            + ["-"] * (len(HEADER) - 5)
+                        )
                         continue
                     ref_disk = disk or tempfile.gettempdir()
                     # a workdir of its own: a bucket's client may still list a removed one
                     workdir = storage.join(where, f"{name}-{fmt}")
-                    local = (os.path.join(server.root, where[len("gs://"):], f"{name}-{fmt}")
-                             if server and where.startswith("gs://") else
-                             None if storage.is_remote(workdir) else workdir)
+                    local = (
+                        os.path.join(server.root, where[len("gs://") :], f"{name}-{fmt}")
+                        if server and where.startswith("gs://")
+                        else None
+                        if storage.is_remote(workdir)
+                        else workdir
+                    )
                     try:
                         saves = _saves(workdir, ref_disk, state, config, args.repeat)
                         disk_bytes = _step_bytes(workdir, local)
@@ -485,9 +577,17 @@ def _measure_all(args, server: GcsServer | None) -> int:
         checkpoint.STATE_FORMAT = lclm_format
     if args.out:
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump({"jax": jax.__version__, "cores": os.cpu_count(),
-                       "date": datetime.date.today().isoformat(), "formats": formats,
-                       "rows": records}, f, indent=1)
+            json.dump(
+                {
+                    "jax": jax.__version__,
+                    "cores": os.cpu_count(),
+                    "date": datetime.date.today().isoformat(),
+                    "formats": formats,
+                    "rows": records,
+                },
+                f,
+                indent=1,
+            )
             f.write("\n")
     if not args.keep and not args.dir:
         shutil.rmtree(directory, ignore_errors=True)

@@ -62,14 +62,20 @@ def correctness_programs(spec, device) -> Iterator[Program]:
         q, k, v, do, *ids = part.case_inputs(case, spec.block, spec.heads, head_dim, spec.dtype)
         arrays = [_abstract(x.shape, x.dtype, device) for x in (q, k, v, do)]
         where = f"{case}, head dim {head_dim}"
-        yield ("correctness", f"dense reference: {where}",
-               lambda ids=ids, arrays=arrays: _compile(part.dense_reference(*ids), arrays,
-                                                       device))
+        yield (
+            "correctness",
+            f"dense reference: {where}",
+            lambda ids=ids, arrays=arrays: _compile(part.dense_reference(*ids), arrays, device),
+        )
         for impl in kernels:
             ring = lambda impl=impl, ids=ids, case=case: part.ring_of_blocks(
-                get_kernel(impl), len(part.CASES[case][3]), part.tiles(spec), *ids)
-            yield ("correctness", f"{impl}: {where}",
-                   lambda ring=ring, arrays=arrays: _compile(ring(), arrays, device))
+                get_kernel(impl), len(part.CASES[case][3]), part.tiles(spec), *ids
+            )
+            yield (
+                "correctness",
+                f"{impl}: {where}",
+                lambda ring=ring, arrays=arrays: _compile(ring(), arrays, device),
+            )
 
 
 def attention_programs(spec, device) -> Iterator[Program]:
@@ -84,10 +90,16 @@ def attention_programs(spec, device) -> Iterator[Program]:
         fwd, fwd_bwd = jitted_passes(method, mask == "causal")
         x = _abstract((1, t, heads, head_dim), spec.dtype, device)
         where = f"{mask}, {t:,} tokens, {heads} heads of {head_dim}"
-        yield ("attention", f"{method.name} forward: {where}",
-               lambda fwd=fwd, x=x: _compile(fwd, (x, x, x), device))
-        yield ("attention", f"{method.name} forward+backward: {where}",
-               lambda fwd_bwd=fwd_bwd, x=x: _compile(fwd_bwd, (x, x, x, x), device))
+        yield (
+            "attention",
+            f"{method.name} forward: {where}",
+            lambda fwd=fwd, x=x: _compile(fwd, (x, x, x), device),
+        )
+        yield (
+            "attention",
+            f"{method.name} forward+backward: {where}",
+            lambda fwd_bwd=fwd_bwd, x=x: _compile(fwd_bwd, (x, x, x, x), device),
+        )
 
 
 def train_programs(spec, devices) -> Iterator[Program]:
@@ -101,15 +113,23 @@ def train_programs(spec, devices) -> Iterator[Program]:
         if impl is None and not spec.baseline:
             continue
         for seq, variant in itertools.product(run.seqs, (None,) if impl is None else spec.remats):
-            config = row_config(repo_path(run.config), run.with_remat(variant).overrides, seq,
-                                None, impl)
+            config = row_config(
+                repo_path(run.config), run.with_remat(variant).overrides, seq, None, impl
+            )
             name = f"{os.path.basename(run.config)}, {seq:,} tokens"
             for remat in REMATS if impl is None else (None,):
-                label = (f"baseline ({remat} remat)" if impl is None else
-                         f"lclm ({impl}{f', {variant} remat' if variant else ''})")
-                yield ("train", f"{label}: {name}",
-                       lambda config=config, remat=remat:
-                       compile_row(config, devices=devices, baseline=remat)[1])
+                label = (
+                    f"baseline ({remat} remat)"
+                    if impl is None
+                    else f"lclm ({impl}{f', {variant} remat' if variant else ''})"
+                )
+                yield (
+                    "train",
+                    f"{label}: {name}",
+                    lambda config=config, remat=remat: compile_row(
+                        config, devices=devices, baseline=remat
+                    )[1],
+                )
 
 
 def programs(suite, parts, devices) -> Iterator[Program]:
@@ -140,9 +160,14 @@ def run(suite, parts, target_name: str, out_dir: str) -> int:
         "XLA's per-device arguments + outputs + temporaries less donated buffers; kernels: "
         "fused-kernel calls (Triton, Mosaic GPU, cuDNN attention); conditionals: host syncs "
         "on XLA:GPU.",
-        f"Parts: {', '.join(parts)} at the suite's sizes."]
-    table = Table(f"Compile-only: {', '.join(parts)} for {target_name}", notes, HEADER,
-                  os.path.join(out_dir, "compile_only.md"))
+        f"Parts: {', '.join(parts)} at the suite's sizes.",
+    ]
+    table = Table(
+        f"Compile-only: {', '.join(parts)} for {target_name}",
+        notes,
+        HEADER,
+        os.path.join(out_dir, "compile_only.md"),
+    )
     failed = 0
     for part, name, build in programs(suite, parts, devices):
         t0 = time.perf_counter()
@@ -150,11 +175,21 @@ def run(suite, parts, target_name: str, out_dir: str) -> int:
             found = aot.analyse(build(), time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001  (the row says why; the others still compile)
             failed += 1
-            table.add((part, name, fmt(time.perf_counter() - t0, ".1f"), "-", "-", "-",
-                       error_status(e)))
+            table.add(
+                (part, name, fmt(time.perf_counter() - t0, ".1f"), "-", "-", "-", error_status(e))
+            )
             continue
         status = "ok" if not found.callbacks else f"{found.callbacks} host callbacks"
-        table.add((part, name, fmt(found.seconds, ".1f"), fmt(found.total / 2**30, ".2f"),
-                   found.kernels, found.conditionals, status))
+        table.add(
+            (
+                part,
+                name,
+                fmt(found.seconds, ".1f"),
+                fmt(found.total / 2**30, ".2f"),
+                found.kernels,
+                found.conditionals,
+                status,
+            )
+        )
     table.note(f"{len(table.rows)} programs, {failed} failed to compile.")
     return failed

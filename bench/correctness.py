@@ -50,8 +50,12 @@ CASES = {
 # cuDNN call) are also checked through `local_attention`, two rows of causal self-attention:
 # case -> documents in the first row (0: no segment ids; the second row is one document).
 # 48 is past cudnn_gpu's packed bound (32): those rows take the ring
-WHOLE_CASES = {"whole": 0, "whole, 1 document": 1, "whole, 4 documents": 4,
-               "whole, 48 documents": 48}
+WHOLE_CASES = {
+    "whole": 0,
+    "whole, 1 document": 1,
+    "whole, 4 documents": 4,
+    "whole, 48 documents": 48,
+}
 # bf16 inputs, float32 accumulation: errors of the size of bf16 rounding of p and ds
 TOLERANCE = 2e-2
 
@@ -59,6 +63,7 @@ TOLERANCE = 2e-2
 @dataclasses.dataclass(frozen=True)
 class CorrectnessSpec:
     """Sizes of the correctness checks (small: seconds per kernel)."""
+
     block: int = 512
     heads: int = 8
     head_dims: tuple[int, ...] = (64, 128)
@@ -69,8 +74,9 @@ class CorrectnessSpec:
     budget_s: float | None = None  # stop starting checks after this many seconds
 
     def smallest(self) -> CorrectnessSpec:
-        return dataclasses.replace(self, block=128, heads=4, head_dims=self.head_dims[:1],
-                                   q_chunk=64, kv_chunk=64)
+        return dataclasses.replace(
+            self, block=128, heads=4, head_dims=self.head_dims[:1], q_chunk=64, kv_chunk=64
+        )
 
     def quick(self) -> CorrectnessSpec:
         """The first part on a lent GPU: every usable kernel (the one `auto` picks first,
@@ -94,11 +100,11 @@ def case_inputs(case: str, t: int, heads: int, head_dim: int, dtype: str):
     keys = jax.random.split(jax.random.key(list(CASES).index(case)), 4)
     shape = lambda h, blocks: (1, t * blocks, h, head_dim)
     q, do = (jax.random.normal(key, shape(heads, 1), jnp.dtype(dtype)) for key in keys[:2])
-    k, v = (jax.random.normal(key, shape(kv_heads, len(sources)), jnp.dtype(dtype))
-            for key in keys[2:])
+    k, v = (
+        jax.random.normal(key, shape(kv_heads, len(sources)), jnp.dtype(dtype)) for key in keys[2:]
+    )
     q_pos = np.asarray(original_positions(layout, n, device, t), np.int32)
-    k_pos = np.concatenate([original_positions(layout, n, s, t) for s in sources]).astype(
-        np.int32)
+    k_pos = np.concatenate([original_positions(layout, n, s, t) for s in sources]).astype(np.int32)
     seg = lambda pos: None
     if segments:  # documents of uneven lengths over the original positions of the whole row
         bounds = np.array([n * t // 5, n * t // 2, n * t * 3 // 4])
@@ -117,11 +123,13 @@ def dense_reference(q_pos, k_pos, q_seg, k_seg):
     @jax.jit
     def reference(q, k, v, do):
         def attend(q, k, v):
-            return dense_attention(q, k, v, positions=q_pos, segment_ids=q_seg,
-                                   k_positions=k_pos, k_segment_ids=k_seg)
+            return dense_attention(
+                q, k, v, positions=q_pos, segment_ids=q_seg, k_positions=k_pos, k_segment_ids=k_seg
+            )
 
         o, vjp = jax.vjp(attend, *(x.astype(jnp.float32) for x in (q, k, v)))
         return (o, *vjp(do.astype(jnp.float32)))
+
     return reference
 
 
@@ -144,24 +152,36 @@ def ring_of_blocks(kernel, blocks: int, tiles: dict, q_pos, k_pos, q_seg=None, k
     # them with traced loop counters, which numpy arrays would refuse)
     const = lambda x: None if x is None else jnp.asarray(x)
     q_pos, q_seg = const(q_pos), const(q_seg)
-    segs = ([None] * blocks if k_seg is None
-            else [const(s) for s in np.split(np.asarray(k_seg), blocks, axis=1)])
+    segs = (
+        [None] * blocks
+        if k_seg is None
+        else [const(s) for s in np.split(np.asarray(k_seg), blocks, axis=1)]
+    )
     positions = [const(p) for p in np.split(np.asarray(k_pos), blocks)]
 
     def run(q, k, v, do):
-        rounds = list(zip(jnp.split(k, blocks, axis=1), jnp.split(v, blocks, axis=1),
-                          positions, segs))
+        rounds = list(
+            zip(jnp.split(k, blocks, axis=1), jnp.split(v, blocks, axis=1), positions, segs)
+        )
         o = jnp.zeros(q.shape, jnp.float32)
         lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
         for kb, vb, pb, sb in rounds:
-            o, lse = merge_partials(o, lse, *kernel.forward(q, kb, vb, q_pos, pb, q_seg, sb,
-                                                            **tiles))
+            o, lse = merge_partials(
+                o, lse, *kernel.forward(q, kb, vb, q_pos, pb, q_seg, sb, **tiles)
+            )
         o_in = o.astype(q.dtype)
-        grads = [kernel.backward(q, kb, vb, o_in, lse, do, q_pos, pb, q_seg, sb, **tiles)
-                 for kb, vb, pb, sb in rounds]
+        grads = [
+            kernel.backward(q, kb, vb, o_in, lse, do, q_pos, pb, q_seg, sb, **tiles)
+            for kb, vb, pb, sb in rounds
+        ]
         dq = sum(g[0] for g in grads)
-        return (o, dq, jnp.concatenate([g[1] for g in grads], axis=1),
-                jnp.concatenate([g[2] for g in grads], axis=1))
+        return (
+            o,
+            dq,
+            jnp.concatenate([g[1] for g in grads], axis=1),
+            jnp.concatenate([g[2] for g in grads], axis=1),
+        )
+
     return jax.jit(run)
 
 
@@ -197,19 +217,26 @@ def check_whole(impl: str, case: str, head_dim: int, spec: CorrectnessSpec) -> d
     t, docs = spec.block, WHOLE_CASES[case]
     keys = jax.random.split(jax.random.key(head_dim + docs), 4)
     shape = lambda h: (2, t, h, head_dim)
-    q, do = (jax.random.normal(key, shape(spec.heads), jnp.dtype(spec.dtype))
-             for key in keys[:2])
-    k, v = (jax.random.normal(key, shape(spec.heads // 4), jnp.dtype(spec.dtype))
-            for key in keys[2:])
-    seg = None if not docs else jnp.asarray(
-        np.stack([np.arange(t) * docs // t, np.full(t, 7)]), jnp.int32)
+    q, do = (jax.random.normal(key, shape(spec.heads), jnp.dtype(spec.dtype)) for key in keys[:2])
+    k, v = (
+        jax.random.normal(key, shape(spec.heads // 4), jnp.dtype(spec.dtype)) for key in keys[2:]
+    )
+    seg = (
+        None
+        if not docs
+        else jnp.asarray(np.stack([np.arange(t) * docs // t, np.full(t, 7)]), jnp.int32)
+    )
 
     # the segment ids are a jit argument, as in training: a kernel that picks its call from
     # them on the device (cudnn_gpu's switch) runs it with a runtime index, every branch built
     @jax.jit
     def attended(q, k, v, seg):
-        o, vjp = jax.vjp(lambda q, k, v: local_attention(q, k, v, segment_ids=seg, impl=impl,
-                                                         **tiles(spec)), q, k, v)
+        o, vjp = jax.vjp(
+            lambda q, k, v: local_attention(q, k, v, segment_ids=seg, impl=impl, **tiles(spec)),
+            q,
+            k,
+            v,
+        )
         return (o, *vjp(do))
 
     positions = np.arange(t)
@@ -277,10 +304,12 @@ def run(spec: CorrectnessSpec, out_dir: str, toy: bool = False, on_row=None) -> 
         f"error = max |kernel - reference| / max |reference|; 'ok' below {TOLERANCE:g}. "
         "Positions are constants of each jitted check (one fused call per round); seconds = "
         "compile + run of the check.",
-        "Skipped kernels: " + ("; ".join(skipped) if skipped else "none") + "."]
+        "Skipped kernels: " + ("; ".join(skipped) if skipped else "none") + ".",
+    ]
     if spec.budget_s is not None:
-        notes.append(f"Checks start only within a {spec.budget_s:g} s budget (rows past it "
-                     "say so).")
+        notes.append(
+            f"Checks start only within a {spec.budget_s:g} s budget (rows past it say so)."
+        )
     path = os.path.join(out_dir, "correctness.md")
     table = Table("Kernel correctness against a float32 dense reference", notes, HEADER, path)
     cache: dict = {}
@@ -289,8 +318,11 @@ def run(spec: CorrectnessSpec, out_dir: str, toy: bool = False, on_row=None) -> 
         whole = WHOLE_CASES if get_kernel(impl).whole is not None else {}
         # a kernel whose block-pair passes are another checked kernel's (cudnn_gpu's are
         # tokamax_gpu's) is checked only where it differs
-        shared = any(get_kernel(other).forward is get_kernel(impl).forward
-                     for other in kernels if other != impl)
+        shared = any(
+            get_kernel(other).forward is get_kernel(impl).forward
+            for other in kernels
+            if other != impl
+        )
         for head_dim in spec.head_dims:
             for case in (*({} if shared and whole else CASES), *whole):
                 t0 = time.perf_counter()
@@ -298,17 +330,28 @@ def run(spec: CorrectnessSpec, out_dir: str, toy: bool = False, on_row=None) -> 
                     r: dict[str, Any] = dict(status=budget.skipped())
                 else:
                     try:
-                        r = (check_whole(impl, case, head_dim, spec) if case in whole
-                             else check(impl, case, head_dim, spec, cache))
+                        r = (
+                            check_whole(impl, case, head_dim, spec)
+                            if case in whole
+                            else check(impl, case, head_dim, spec, cache)
+                        )
                     except Exception as e:  # noqa: BLE001  (a kernel that cannot run here)
                         r = dict(status=error_status(e))
-                r = dict(r, impl=impl, case=case, head_dim=head_dim,
-                         seconds=time.perf_counter() - t0)
+                r = dict(
+                    r, impl=impl, case=case, head_dim=head_dim, seconds=time.perf_counter() - t0
+                )
                 if not r["status"].startswith(("ok", "skipped")):
                     bad.append(r)
-                table.add((impl, case, head_dim,
-                           *(fmt(r.get(n), ".1e") for n in ("o", "dq", "dk", "dv")),
-                           fmt(r["seconds"], ".1f"), r["status"]))
+                table.add(
+                    (
+                        impl,
+                        case,
+                        head_dim,
+                        *(fmt(r.get(n), ".1e") for n in ("o", "dq", "dk", "dv")),
+                        fmt(r["seconds"], ".1f"),
+                        r["status"],
+                    )
+                )
                 if on_row is not None:
                     on_row(r)
     if bad:

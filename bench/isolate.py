@@ -48,8 +48,9 @@ def child_env() -> dict:
     return env
 
 
-def run_child(module: str, argv: list[str], timeout: float,
-              on_record=None) -> tuple[list[dict], str]:
+def run_child(
+    module: str, argv: list[str], timeout: float, on_record=None
+) -> tuple[list[dict], str]:
     """Run `python -m module *argv`; returns (its records, status).
 
     Records are read as the child prints them: `on_record(record)` is called for each one the
@@ -64,9 +65,15 @@ def run_child(module: str, argv: list[str], timeout: float,
     records: list[dict] = []
     output: list[str] = []
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=subprocess.PIPE,
-                                stderr=err, text=True, env=child_env(), cwd=ROOT)
-        assert proc.stdout is not None   # stdout=PIPE
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *argv],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=child_env(),
+            cwd=ROOT,
+        )
+        assert proc.stdout is not None  # stdout=PIPE
         stdout = proc.stdout
         expired = threading.Event()
 
@@ -79,7 +86,7 @@ def run_child(module: str, argv: list[str], timeout: float,
         try:
             for line in stdout:
                 if line.startswith(PREFIX):
-                    record = json.loads(line[len(PREFIX):])
+                    record = json.loads(line[len(PREFIX) :])
                     records.append(record)
                     if on_record is not None:
                         on_record(record)

@@ -65,25 +65,50 @@ def accuracies(eval_dir: str) -> dict[int, float]:
     """{length: accuracy over all depth bins} of a line_retrieval.json."""
     with open(os.path.join(eval_dir, "line_retrieval.json")) as f:
         cells = json.load(f)["cells"]
-    return {n: sum(c["correct"] for c in cells if c["length"] == n)
-            / sum(c["n"] for c in cells if c["length"] == n) for n in LENGTHS}
+    return {
+        n: sum(c["correct"] for c in cells if c["length"] == n)
+        / sum(c["n"] for c in cells if c["length"] == n)
+        for n in LENGTHS
+    }
 
 
 def run_seed(seed: int, runs: str, samples: int) -> dict:
     """Train and evaluate one seed (or read what an earlier sweep left in `runs`)."""
     workdir = os.path.join(runs, f"seed{seed}")
     eval_dir, times_path = os.path.join(workdir, "eval"), os.path.join(workdir, "times.json")
-    if not (os.path.exists(os.path.join(eval_dir, "line_retrieval.json"))
-            and os.path.exists(times_path)):
+    if not (
+        os.path.exists(os.path.join(eval_dir, "line_retrieval.json")) and os.path.exists(times_path)
+    ):
         os.makedirs(workdir, exist_ok=True)
         reused = sorted(d for d in os.listdir(workdir) if d.startswith("stage"))
-        wall, cpu = _timed([sys.executable, "train.py", "--config", CONFIG,
-                            f"--config.seed={seed}", f"--config.workdir={workdir}"],
-                           os.path.join(workdir, "train.log"))
-        _timed([sys.executable, "-m", "lclm.eval", "line-retrieval", "--checkpoint",
-                os.path.join(workdir, f"stage1_{LENGTHS[1]}"), "--lengths",
-                ",".join(map(str, LENGTHS)), "--samples", str(samples), "--out", eval_dir],
-               os.path.join(workdir, "eval.log"))
+        wall, cpu = _timed(
+            [
+                sys.executable,
+                "train.py",
+                "--config",
+                CONFIG,
+                f"--config.seed={seed}",
+                f"--config.workdir={workdir}",
+            ],
+            os.path.join(workdir, "train.log"),
+        )
+        _timed(
+            [
+                sys.executable,
+                "-m",
+                "lclm.eval",
+                "line-retrieval",
+                "--checkpoint",
+                os.path.join(workdir, f"stage1_{LENGTHS[1]}"),
+                "--lengths",
+                ",".join(map(str, LENGTHS)),
+                "--samples",
+                str(samples),
+                "--out",
+                eval_dir,
+            ],
+            os.path.join(workdir, "eval.log"),
+        )
         with open(times_path, "w") as f:
             json.dump(dict(train_wall_s=wall, train_cpu_s=cpu, reused=reused), f)
     with open(times_path) as f:
@@ -94,20 +119,27 @@ def run_seed(seed: int, runs: str, samples: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", default="0-9", help="e.g. 0-9 or 3,7")
-    ap.add_argument("--runs", default=os.path.join("runs", "tiny_line_retrieval_seeds"),
-                    help="where each seed's run and evaluation go")
+    ap.add_argument(
+        "--runs",
+        default=os.path.join("runs", "tiny_line_retrieval_seeds"),
+        help="where each seed's run and evaluation go",
+    )
     ap.add_argument("--out", default="", help="the markdown table (default: stdout only)")
     ap.add_argument("--samples", type=int, default=40, help="prompts per length and depth bin")
     args = ap.parse_args(argv)
     seeds = seed_list(args.seeds)
-    table = Table("configs/tiny_line_retrieval.py on every seed",
-                  [f"{platform.node()}, {os.cpu_count()} cores, python "
-                   f"{platform.python_version()}, {datetime.date.today()}; "
-                   f"`python -m bench.line_retrieval_seeds --seeds {args.seeds}`. Accuracy over "
-                   f"{5 * args.samples} prompts per length (chance 1/9); target >= "
-                   f"{TARGET:.0%} at both lengths."],
-                  ["seed", "at 64 tokens", "at 128 tokens", "train wall", "train CPU",
-                   "meets the target"], args.out)
+    table = Table(
+        "configs/tiny_line_retrieval.py on every seed",
+        [
+            f"{platform.node()}, {os.cpu_count()} cores, python "
+            f"{platform.python_version()}, {datetime.date.today()}; "
+            f"`python -m bench.line_retrieval_seeds --seeds {args.seeds}`. Accuracy over "
+            f"{5 * args.samples} prompts per length (chance 1/9); target >= "
+            f"{TARGET:.0%} at both lengths."
+        ],
+        ["seed", "at 64 tokens", "at 128 tokens", "train wall", "train CPU", "meets the target"],
+        args.out,
+    )
     rows = []
     for seed in seeds:
         r = run_seed(seed, args.runs, args.samples)
@@ -115,9 +147,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(ok)
         wall, cpu = r["train_wall_s"], r["train_cpu_s"]
         reused = f" ({', '.join(r['reused'])} reused)" if r.get("reused") else ""
-        table.add((seed, f"{r['at_64']:.1%}", f"{r['at_128']:.1%}",
-                   f"{int(wall // 60)} min {int(wall % 60)} s{reused}",
-                   "n/a" if cpu is None else f"{cpu:.0f} s", "yes" if ok else "NO"))
+        table.add(
+            (
+                seed,
+                f"{r['at_64']:.1%}",
+                f"{r['at_128']:.1%}",
+                f"{int(wall // 60)} min {int(wall % 60)} s{reused}",
+                "n/a" if cpu is None else f"{cpu:.0f} s",
+                "yes" if ok else "NO",
+            )
+        )
     table.note(f"{sum(rows)} of {len(rows)} seeds reach {TARGET:.0%} at both lengths.")
     return 0 if all(rows) else 1
 

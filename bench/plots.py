@@ -15,6 +15,7 @@ import os
 @dataclasses.dataclass
 class Panel:
     """One axes of a figure: named series of (x, y) points."""
+
     title: str
     xlabel: str
     ylabel: str
@@ -35,8 +36,10 @@ class Panel:
 
 def _pyplot():
     import matplotlib
+
     matplotlib.use("Agg")  # no display on benchmark machines
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -49,7 +52,7 @@ def save_lines(path: str, title: str, stamp: list[str], panels: list[Panel]) -> 
     cols = min(len(panels), 2)
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 1.2 + 4.2 * rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, panel in zip(axes.flat, panels):
         for label, (xs, ys) in panel.series.items():
@@ -68,8 +71,14 @@ def save_lines(path: str, title: str, stamp: list[str], panels: list[Panel]) -> 
     return path
 
 
-def save_bars(path: str, title: str, stamp: list[str], ylabel: str, bars: dict[str, float],
-              labels: dict[str, str] | None = None) -> str:
+def save_bars(
+    path: str,
+    title: str,
+    stamp: list[str],
+    ylabel: str,
+    bars: dict[str, float],
+    labels: dict[str, str] | None = None,
+) -> str:
     """Write a bar chart of `bars` (name -> value, with optional text above each bar)."""
     if not bars:
         raise ValueError(f"nothing to plot in {os.path.basename(path)}: no bars")

@@ -47,8 +47,10 @@ def trace_events(trace_dir: str) -> tuple[list[dict], list[dict], str]:
     under `trace_dir`. Events are dicts: name, ts and dur (microseconds), thread ('process /
     thread'); kernels are the complete events (`ph` X) on a GPU's "Stream #N" threads (its
     derived "XLA Ops"/"XLA Modules" lines repeat the same time under HLO names)."""
-    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
-                   key=os.path.getmtime)
+    paths = sorted(
+        glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
+        key=os.path.getmtime,
+    )
     if not paths:
         raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
     with gzip.open(paths[-1], "rt") as f:
@@ -66,8 +68,9 @@ def trace_events(trace_dir: str) -> tuple[list[dict], list[dict], str]:
             continue
         process = processes.get(e["pid"], str(e["pid"]))
         thread = threads.get((e["pid"], e["tid"]), str(e["tid"]))
-        event = dict(name=e["name"], ts=e["ts"], dur=e.get("dur", 0),
-                     thread=f"{process} / {thread}")
+        event = dict(
+            name=e["name"], ts=e["ts"], dur=e.get("dur", 0), thread=f"{process} / {thread}"
+        )
         complete.append(event)
         if "GPU" in process and thread.startswith("Stream"):
             kernels.append(event)
@@ -94,26 +97,35 @@ def summarise(events: list[dict], steps: int, wall_ms: float) -> str:
         by_name[e["name"]] += e["dur"]
         calls[e["name"]] += 1
     busy = sum(by_kind.values())
-    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) if events \
-        else 0.0
-    lines = [f"{steps} traced steps; wall {wall_ms:.1f} ms per step (host clock, traced); "
-             f"kernel time {busy / 1e3 / steps:.1f} ms per step (summed over streams); at "
-             f"least one kernel running {covered(events) / 1e3 / steps:.1f} ms of a span of "
-             f"{span / 1e3 / steps:.1f} ms per step (the difference: the device idle)", "",
-             "| kind | ms per step | share of kernel time |", "| --- | --- | --- |"]
+    span = (
+        (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) if events else 0.0
+    )
+    lines = [
+        f"{steps} traced steps; wall {wall_ms:.1f} ms per step (host clock, traced); "
+        f"kernel time {busy / 1e3 / steps:.1f} ms per step (summed over streams); at "
+        f"least one kernel running {covered(events) / 1e3 / steps:.1f} ms of a span of "
+        f"{span / 1e3 / steps:.1f} ms per step (the difference: the device idle)",
+        "",
+        "| kind | ms per step | share of kernel time |",
+        "| --- | --- | --- |",
+    ]
     for kind, us in by_kind.most_common():
         lines.append(f"| {kind} | {us / 1e3 / steps:.1f} | {us / max(busy, 1):.1%} |")
-    lines += ["", "| kernel | kind | calls per step | ms per step | share of kernel time |",
-              "| --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "| kernel | kind | calls per step | ms per step | share of kernel time |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, us in by_name.most_common(25):
         short = name if len(name) <= 90 else name[:87] + "..."
-        lines.append(f"| `{short}` | {kind_of(name)} | {calls[name] / steps:g} | "
-                     f"{us / 1e3 / steps:.2f} | {us / max(busy, 1):.1%} |")
+        lines.append(
+            f"| `{short}` | {kind_of(name)} | {calls[name] / steps:g} | "
+            f"{us / 1e3 / steps:.2f} | {us / max(busy, 1):.1%} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def profile(config, out_dir: str, *, steps: int, baseline: str | None,
-            label: str = "model") -> str:
+def profile(config, out_dir: str, *, steps: int, baseline: str | None, label: str = "model") -> str:
     """Compile, warm up once, trace `steps` steps; returns the report's path."""
     import jax
 
@@ -137,13 +149,16 @@ def profile(config, out_dir: str, *, steps: int, baseline: str | None,
     for e in complete:
         if "GPU" in e["thread"].split(" / ")[0]:
             per_thread[e["thread"]] += e["dur"]
-    threads = "\n".join(["", "| device trace thread | ms per step |", "| --- | --- |"] + [
-        f"| {t} | {us / 1e3 / steps:.1f} |" for t, us in per_thread.most_common(12)])
-    text = (f"# Profile: {label}, {record['seq']} tokens, kernel {record['impl']}, remat "
-            f"{record['remat']}, mesh {record['mesh']}\n\ndevice: "
-            f"{jax.devices()[0].device_kind}; jax {jax.__version__}; loss "
-            f"{float(metrics['loss']):.3f}\n\n" + summarise(kernels, steps, wall_ms) + threads
-            + "\n")
+    threads = "\n".join(
+        ["", "| device trace thread | ms per step |", "| --- | --- |"]
+        + [f"| {t} | {us / 1e3 / steps:.1f} |" for t, us in per_thread.most_common(12)]
+    )
+    text = (
+        f"# Profile: {label}, {record['seq']} tokens, kernel {record['impl']}, remat "
+        f"{record['remat']}, mesh {record['mesh']}\n\ndevice: "
+        f"{jax.devices()[0].device_kind}; jax {jax.__version__}; loss "
+        f"{float(metrics['loss']):.3f}\n\n" + summarise(kernels, steps, wall_ms) + threads + "\n"
+    )
     report = os.path.join(out_dir, f"profile-{name}.md")
     with open(report, "w") as f:
         f.write(text)
@@ -152,12 +167,18 @@ def profile(config, out_dir: str, *, steps: int, baseline: str | None,
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.profile_step",
-                                 description=__doc__.split("\n")[0],
-                                 epilog="config fields: --config.<key>=<value>, as for train.py")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.profile_step",
+        description=__doc__.split("\n")[0],
+        epilog="config fields: --config.<key>=<value>, as for train.py",
+    )
     ap.add_argument("--seq", type=int, default=0, help="sequence length (default: config's)")
-    ap.add_argument("--baseline", default="", help="profile bench.baseline's plain step with "
-                    "this layer remat (none, dots, full) instead of lclm's")
+    ap.add_argument(
+        "--baseline",
+        default="",
+        help="profile bench.baseline's plain step with "
+        "this layer remat (none, dots, full) instead of lclm's",
+    )
     ap.add_argument("--steps", type=int, default=2, help="traced steps after one warm-up")
     ap.add_argument("--out", required=True, help="folder for the report and the trace")
 
@@ -170,8 +191,13 @@ def main(argv=None):
         if args.seq:
             config.data.seq_len = args.seq
         os.makedirs(args.out, exist_ok=True)
-        profile(config, args.out, steps=args.steps, baseline=args.baseline or None,
-                label=os.path.basename(args.config))
+        profile(
+            config,
+            args.out,
+            steps=args.steps,
+            baseline=args.baseline or None,
+            label=os.path.basename(args.config),
+        )
         return 0
 
     return run_cli(body)

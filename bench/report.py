@@ -20,9 +20,11 @@ TOY_NOTE = "**CPU toy sizes: not a performance result.**"
 # --out names them (e.g. `python -m bench --suite cpu --out bench/results/cpu`).
 RESULTS_DIR = "bench_results"
 # lclm's MFU, stated under every table that has an MFU column (lclm.training.metrics)
-MFU_NOTE = ("MFU = model FLOPs / (step time x peak): lclm's formula, 6N + 6 L T D FLOPs per token "
-            "(N matmul parameters, L layers, T sequence length, D model width), i.e. causal "
-            "attention counted as half the square; n/a without a known peak (e.g. on CPU).")
+MFU_NOTE = (
+    "MFU = model FLOPs / (step time x peak): lclm's formula, 6N + 6 L T D FLOPs per token "
+    "(N matmul parameters, L layers, T sequence length, D model width), i.e. causal "
+    "attention counted as half the square; n/a without a known peak (e.g. on CPU)."
+)
 
 log = logging.getLogger("bench")
 
@@ -40,8 +42,10 @@ def stamp(toy: bool = False) -> list[str]:
 
     devices = jax.devices()
     d = devices[0]
-    lines = [f"device: {d.device_kind} ({d.platform}, {len(devices)} visible); "
-             f"jax {jax.__version__}; {datetime.date.today().isoformat()}"]
+    lines = [
+        f"device: {d.device_kind} ({d.platform}, {len(devices)} visible); "
+        f"jax {jax.__version__}; {datetime.date.today().isoformat()}"
+    ]
     if d.platform == "cpu":
         lines.append(TOY_NOTE)
     elif toy:
@@ -111,8 +115,9 @@ class Table:
         return "\n".join(self.lines)
 
 
-def emit_table(title: str, notes: list[str], header: list[str], rows, out: str = "",
-               images=()) -> str:
+def emit_table(
+    title: str, notes: list[str], header: list[str], rows, out: str = "", images=()
+) -> str:
     """Print `# title`, the notes (device, versions, date...) and a markdown table, all at
     once (for tables whose rows are known together); `out` also gets it. `images` are PNG
     paths shown below the table (linked relative to `out`'s folder). Returns the text."""
@@ -130,8 +135,12 @@ def try_plot(make, *args, **kwargs) -> str | None:
     try:
         return make(*args, **kwargs)
     except Exception as e:  # noqa: BLE001  (matplotlib, an empty figure, a full disk...)
-        log.warning("plot %s failed (%s: %s); the table is complete without it",
-                    getattr(make, "__name__", make), type(e).__name__, str(e)[:200])
+        log.warning(
+            "plot %s failed (%s: %s); the table is complete without it",
+            getattr(make, "__name__", make),
+            type(e).__name__,
+            str(e)[:200],
+        )
         return None
 
 

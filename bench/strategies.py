@@ -31,8 +31,13 @@ from lclm.writes import check_output
 
 LAYOUTS = ("striped", "zigzag", "contiguous")  # lclm.config.schema.LAYOUTS in the columns' order
 # (label, mesh sizes, usp's Ulysses degree)
-MESHES = (("sp=2", dict(sp=2), 2), ("sp=4", dict(sp=4), 2), ("sp=8", dict(sp=8), 4),
-          ("tp=2 x sp=4", dict(tp=2, sp=4), 2), ("fsdp=2 x sp=4", dict(fsdp=2, sp=4), 4))
+MESHES = (
+    ("sp=2", dict(sp=2), 2),
+    ("sp=4", dict(sp=4), 2),
+    ("sp=8", dict(sp=8), 4),
+    ("tp=2 x sp=4", dict(tp=2, sp=4), 2),
+    ("fsdp=2 x sp=4", dict(fsdp=2, sp=4), 4),
+)
 QUICK_MESHES = MESHES[1:2]
 HEADS = (("GQA 8/4", 8, 4), ("MQA 8/1", 8, 1))
 
@@ -61,13 +66,26 @@ def _errors(strategy, layout, mesh_kw, ulysses, heads, kv_heads, segments, seed)
     chosen = strategy_of(AttentionConfig(strategy=strategy, ulysses=ulysses))
     n = chosen.layout_shards(mesh.shape["sp"])
     lay = lambda x: None if x is None else to_layout(jnp.asarray(x), layout, n)
-    attend = jax.jit(lambda q, k, v: context_parallel_attention(
-        q, k, v, mesh=mesh, strategy=chosen, layout=layout, segment_ids=lay(seg), q_chunk=8,
-        kv_chunk=8, impl="blockwise"))
+    attend = jax.jit(
+        lambda q, k, v: context_parallel_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            strategy=chosen,
+            layout=layout,
+            segment_ids=lay(seg),
+            q_chunk=8,
+            kv_chunk=8,
+            impl="blockwise",
+        )
+    )
     got_o, vjp = jax.vjp(attend, lay(q), lay(k), lay(v))
     got = (got_o, *vjp(lay(do)))
-    return [float(jnp.max(jnp.abs(from_layout(g, layout, n) - w)) / jnp.max(jnp.abs(w)))
-            for g, w in zip(got, want)]
+    return [
+        float(jnp.max(jnp.abs(from_layout(g, layout, n) - w)) / jnp.max(jnp.abs(w)))
+        for g, w in zip(got, want)
+    ]
 
 
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
@@ -89,8 +107,17 @@ def gradient_program(strategy: str, ulysses: int = 1):
     seg = jnp.ones((2, 64), jnp.int32)
 
     def loss(q, k, v, seg):
-        o = context_parallel_attention(q, k, v, mesh=mesh, strategy=chosen, segment_ids=seg,
-                                       q_chunk=8, kv_chunk=8, impl="blockwise")
+        o = context_parallel_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            strategy=chosen,
+            segment_ids=seg,
+            q_chunk=8,
+            kv_chunk=8,
+            impl="blockwise",
+        )
         return o.astype(jnp.float32).sum()
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg)
@@ -117,8 +144,9 @@ def collectives(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
     return counts, sent
 
 
-def balance(strategy: str, layout: str, n: int, ulysses: int, seq_len: int, tile: int,
-            heads: int) -> float:
+def balance(
+    strategy: str, layout: str, n: int, ulysses: int, seq_len: int, tile: int, heads: int
+) -> float:
     """Causal attention's work on the busiest device, summed over the strategy's rounds (a
     round lasts as long as its slowest device), in tile-heads (`tile_schedule`: the kernels'
     own skip predicate, tiles of `tile` x `tile`), as a share of the ideal: the whole causal
@@ -139,8 +167,9 @@ def balance(strategy: str, layout: str, n: int, ulysses: int, seq_len: int, tile
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None, help="output folder (default: a new one under "
-                                                 "bench_results/)")
+    ap.add_argument(
+        "--out", default=None, help="output folder (default: a new one under bench_results/)"
+    )
     ap.add_argument("--quick", action="store_true", help="one mesh (sp=4) only")
     args = ap.parse_args(argv)
     return run_cli(lambda: _run(args))
@@ -150,52 +179,80 @@ def _run(args) -> int:
     out = args.out or default_out_dir("strategies")
     check_output("--out", out)  # before the measuring, not at its first row
     from lclm.parallel.devices import request_cpu_devices
+
     request_cpu_devices(8)
 
-    table = Table("Context-parallel strategies against dense float32 attention",
-                  [*stamp(toy=True), "", "Largest relative error over the layouts "
-                   f"{', '.join(LAYOUTS)}, documents packed and not, "
-                   f"{' and '.join(h[0] for h in HEADS)} (query/K-V heads); blockwise kernel, "
-                   "64 tokens, head dim 16, chunks 8. usp's Ulysses degree in brackets."],
-                  ["strategy", "mesh", "cases", "o", "dq", "dk", "dv"],
-                  os.path.join(out, "strategies.md"))
+    table = Table(
+        "Context-parallel strategies against dense float32 attention",
+        [
+            *stamp(toy=True),
+            "",
+            "Largest relative error over the layouts "
+            f"{', '.join(LAYOUTS)}, documents packed and not, "
+            f"{' and '.join(h[0] for h in HEADS)} (query/K-V heads); blockwise kernel, "
+            "64 tokens, head dim 16, chunks 8. usp's Ulysses degree in brackets.",
+        ],
+        ["strategy", "mesh", "cases", "o", "dq", "dk", "dv"],
+        os.path.join(out, "strategies.md"),
+    )
     worst = 0.0
     for strategy in STRATEGIES:
-        for label, mesh_kw, ulysses in (QUICK_MESHES if args.quick else MESHES):
+        for label, mesh_kw, ulysses in QUICK_MESHES if args.quick else MESHES:
             u = ulysses if "ulysses" in STRATEGIES[strategy].options else 1
             errors, cases = [0.0] * 4, 0
             for layout in LAYOUTS:
                 for segments in (False, True):
                     for _, heads, kv_heads in HEADS:
                         split = mesh_kw.get("tp", 1) * {"ulysses": mesh_kw["sp"], "usp": u}.get(
-                            strategy, 1)
+                            strategy, 1
+                        )
                         if heads % split:
                             continue
-                        e = _errors(strategy, layout, mesh_kw, u, heads, kv_heads, segments,
-                                    seed=cases)
+                        e = _errors(
+                            strategy, layout, mesh_kw, u, heads, kv_heads, segments, seed=cases
+                        )
                         errors = [max(a, b) for a, b in zip(errors, e)]
                         cases += 1
             worst = max(worst, *errors)
             name = f"{label} ({u})" if strategy == "usp" else label
             table.add([strategy, name, cases, *(f"{e:.1e}" for e in errors)])
 
-    table.section("Collectives in the compiled gradient (sp=4; usp: ulysses 2 x ring 2)",
-                  ["strategy", "collectives (count)", "bytes of their results per device"])
+    table.section(
+        "Collectives in the compiled gradient (sp=4; usp: ulysses 2 x ring 2)",
+        ["strategy", "collectives (count)", "bytes of their results per device"],
+    )
     for strategy in STRATEGIES:
         program = gradient_program(strategy, 2 if strategy == "usp" else 1)
         counts, sent = collectives(program.compile().as_text())
-        table.add([strategy, ", ".join(f"{op} {c}" for op, c in sorted(counts.items()) if c),
-                   ", ".join(f"{op} {b:,}" for op, b in sorted(sent.items()) if counts[op])])
+        table.add(
+            [
+                strategy,
+                ", ".join(f"{op} {c}" for op, c in sorted(counts.items()) if c),
+                ", ".join(f"{op} {b:,}" for op, b in sorted(sent.items()) if counts[op]),
+            ]
+        )
     seq_len, tile, heads = 65536, 512, 32
-    table.section("Compute balance: the busiest device's attention work vs the ideal",
-                  ["strategy", *(f"{layout}, n={n}" for n in (4, 8) for layout in LAYOUTS)],
-                  [f"Causal attention over {seq_len:,} tokens, {heads} heads, tiles of {tile} "
-                   f"x {tile}, n devices (usp: groups of 2 and the ring of n/2): 1.00 = "
-                   "perfectly balanced with no partly-masked tile; tile counts only, no "
-                   "communication."])
+    table.section(
+        "Compute balance: the busiest device's attention work vs the ideal",
+        ["strategy", *(f"{layout}, n={n}" for n in (4, 8) for layout in LAYOUTS)],
+        [
+            f"Causal attention over {seq_len:,} tokens, {heads} heads, tiles of {tile} "
+            f"x {tile}, n devices (usp: groups of 2 and the ring of n/2): 1.00 = "
+            "perfectly balanced with no partly-masked tile; tile counts only, no "
+            "communication."
+        ],
+    )
     for strategy in STRATEGIES:
-        table.add([strategy, *(f"{balance(strategy, layout, n, 2, seq_len, tile, heads):.2f}"
-                               for n in (4, 8) for layout in LAYOUTS)])
+        table.add(
+            [
+                strategy,
+                *(
+                    f"{balance(strategy, layout, n, 2, seq_len, tile, heads):.2f}"
+                    for n in (4, 8)
+                    for layout in LAYOUTS
+                ),
+            ]
+        )
     table.note(f"largest error of all: {worst:.1e}")
     return 0 if worst < 1e-5 else 1
 

@@ -48,23 +48,36 @@ LAYOUTS = ("contiguous", "striped", "zigzag")
 # (theoretical maximum speedup, measured end-to-end training speedup over ring attention).
 # Published figures, end-to-end (not attention alone), tiles of 2048 x 4096.
 PAPER_1B = {
-    (2, 4096): (1.22, 0.94), (2, 8192): (1.31, 1.02), (2, 16384): (1.38, 1.10),
-    (2, 24576): (1.41, 1.14), (2, 32768): (1.43, 1.19), (2, 49152): (1.45, 1.22),
+    (2, 4096): (1.22, 0.94),
+    (2, 8192): (1.31, 1.02),
+    (2, 16384): (1.38, 1.10),
+    (2, 24576): (1.41, 1.14),
+    (2, 32768): (1.43, 1.19),
+    (2, 49152): (1.45, 1.22),
     (2, 65536): (1.46, 1.25),
-    (4, 4096): (1.46, 0.92), (4, 8192): (1.57, 1.07), (4, 16384): (1.65, 1.23),
-    (4, 24576): (1.68, 1.31), (4, 32768): (1.70, 1.35), (4, 49152): (1.71, 1.39),
-    (8, 4096): (1.67, 0.93), (8, 8192): (1.76, 1.11), (8, 16384): (1.81, 1.29),
+    (4, 4096): (1.46, 0.92),
+    (4, 8192): (1.57, 1.07),
+    (4, 16384): (1.65, 1.23),
+    (4, 24576): (1.68, 1.31),
+    (4, 32768): (1.70, 1.35),
+    (4, 49152): (1.71, 1.39),
+    (8, 4096): (1.67, 0.93),
+    (8, 8192): (1.76, 1.11),
+    (8, 16384): (1.81, 1.29),
     (8, 24576): (1.83, 1.37),
 }
-PAPER_CITATION = ("Paper: Striped Attention (Brandon et al. 2023), Table 5 / "
-                  "Appendix A.1, published figures: 1B model, mesh 1 x N, 8 x A100 80GB, "
-                  "end-to-end training speedup (TMS = their theoretical maximum, counting "
-                  "non-attention FLOPs), tiles 2048 x 4096.")
+PAPER_CITATION = (
+    "Paper: Striped Attention (Brandon et al. 2023), Table 5 / "
+    "Appendix A.1, published figures: 1B model, mesh 1 x N, 8 x A100 80GB, "
+    "end-to-end training speedup (TMS = their theoretical maximum, counting "
+    "non-attention FLOPs), tiles 2048 x 4096."
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class StripedSpec:
     """Sizes of one simulation run."""
+
     ns: tuple[int, ...] = (2, 4, 8, 16)
     blocks: tuple[int, ...] = (4096, 8192, 16384, 32768)
     heads: int = 16
@@ -76,12 +89,11 @@ class StripedSpec:
     iters: int = 3
     # tile_schedule evaluates the skip predicate tile by tile in Python: above this many
     # (device, round, tile) evaluations the tile ratio is left out rather than waited for
-    tile_limit: int = 2 ** 14
+    tile_limit: int = 2**14
     budget_s: float | None = None  # stop starting blocks after this many seconds
 
     def smallest(self) -> StripedSpec:
-        return dataclasses.replace(self, ns=self.ns[:1], blocks=self.blocks[:1], warmup=0,
-                                   iters=1)
+        return dataclasses.replace(self, ns=self.ns[:1], blocks=self.blocks[:1], warmup=0, iters=1)
 
     def quick(self) -> StripedSpec:
         """N = 2, 4, 8 at 8K-token blocks: per kernel one compile (zigzag's 4K half blocks
@@ -115,8 +127,10 @@ def pair_pass(impl: str, q_chunk: int, kv_chunk: int):
 
     def step(q, k, v, do, q_pos, k_pos):
         o, lse = kernel.forward(q, k, v, q_pos, k_pos, None, None, **tiles)
-        return kernel.backward(q, k, v, o.astype(q.dtype), lse, do, q_pos, k_pos, None, None,
-                               **tiles)
+        return kernel.backward(
+            q, k, v, o.astype(q.dtype), lse, do, q_pos, k_pos, None, None, **tiles
+        )
+
     return jax.jit(step)
 
 
@@ -140,8 +154,9 @@ def class_times(impl: str, block: int, spec: StripedSpec) -> dict[tuple, float]:
                 if key not in times:
                     q_pos = jnp.asarray(original_positions(layout, n, device, block))
                     k_pos = jnp.asarray(original_positions(layout, n, source, block))
-                    times[key], _ = median_seconds(fn, q, k, v, do, q_pos, k_pos,
-                                                   warmup=spec.warmup, iters=spec.iters)
+                    times[key], _ = median_seconds(
+                        fn, q, k, v, do, q_pos, k_pos, warmup=spec.warmup, iters=spec.iters
+                    )
     return times
 
 
@@ -217,11 +232,14 @@ def cudnn_times(block: int, spec: StripedSpec) -> tuple[float, float] | None:
 
     if jax.devices()[0].platform != "gpu":
         return None
-    aspec = AttentionSpec(head_dims=(spec.head_dim,), dtype=spec.dtype, warmup=spec.warmup,
-                          iters=spec.iters)
+    aspec = AttentionSpec(
+        head_dims=(spec.head_dim,), dtype=spec.dtype, warmup=spec.warmup, iters=spec.iters
+    )
     try:
-        return tuple(measure(cudnn_method(), block, spec.heads, causal, aspec)["fwd_bwd_s"]
-                     for causal in (True, False))
+        return tuple(
+            measure(cudnn_method(), block, spec.heads, causal, aspec)["fwd_bwd_s"]
+            for causal in (True, False)
+        )
     except Exception:  # noqa: BLE001  (no cuDNN attention for this shape: the column is '-')
         return None
 
@@ -232,21 +250,35 @@ def simulate_block(impl: str, block: int, spec: StripedSpec) -> list[dict]:
     times = class_times(impl, block, spec)
     cudnn = cudnn_times(block, spec)
     for n in spec.ns:
-        rounds = {layout: round_times(
-            layout, n, times, lambda d, s, lay=layout, n=n: time_key(lay, n, d, s, block, spec))
-            for layout in LAYOUTS}
+        rounds = {
+            layout: round_times(
+                layout, n, times, lambda d, s, lay=layout, n=n: time_key(lay, n, d, s, block, spec)
+            )
+            for layout in LAYOUTS
+        }
         tiles = layout_tiles("striped", n, block, spec)
         contiguous, striped = sum(rounds["contiguous"]), sum(rounds["striped"])
         zigzag = sum(rounds["zigzag"])
         paper = PAPER_1B.get((n, block), (None, None))
-        results.append(dict(
-            impl=impl, n=n, block=block, rounds=rounds, contiguous_s=contiguous,
-            striped_s=striped, zigzag_s=zigzag, speedup=contiguous / striped,
-            zigzag_speedup=contiguous / zigzag,
-            kernel_bound=ring_bound(times[("causal", *tiles)], times[("full", *tiles)], n),
-            cudnn_bound=None if cudnn is None else ring_bound(*cudnn, n),
-            tile_ratio=tile_ratio(n, block, spec), paper_tms=paper[0],
-            paper_speedup=paper[1], status="ok"))
+        results.append(
+            dict(
+                impl=impl,
+                n=n,
+                block=block,
+                rounds=rounds,
+                contiguous_s=contiguous,
+                striped_s=striped,
+                zigzag_s=zigzag,
+                speedup=contiguous / striped,
+                zigzag_speedup=contiguous / zigzag,
+                kernel_bound=ring_bound(times[("causal", *tiles)], times[("full", *tiles)], n),
+                cudnn_bound=None if cudnn is None else ring_bound(*cudnn, n),
+                tile_ratio=tile_ratio(n, block, spec),
+                paper_tms=paper[0],
+                paper_speedup=paper[1],
+                status="ok",
+            )
+        )
     return results
 
 
@@ -267,36 +299,67 @@ def _plot(results: list[dict], out_dir: str, toy: bool) -> str:
         color = f"C{blocks.index(r['block'])}"
         c = f"c={r['block']:,}"
         speed.add(f"{r['impl']} simulated, {c}", r["n"], r["speedup"], f"o-{color}")
-        speed.add(f"{r['impl']} zigzag simulated, {c}", r["n"], r["zigzag_speedup"],
-                  f"s-.{color}")
+        speed.add(f"{r['impl']} zigzag simulated, {c}", r["n"], r["zigzag_speedup"], f"s-.{color}")
         speed.add(f"{r['impl']} kernel bound, {c}", r["n"], r["kernel_bound"], f"--{color}")
         speed.add(f"cuDNN bound, {c}", r["n"], r["cudnn_bound"], f":{color}")
         speed.add(f"paper measured (1B, A100), {c}", r["n"], r["paper_speedup"], f"x{color}")
     last = max(results, key=lambda r: (r["n"], r["block"]))
-    rounds = Panel(f"busiest device per round, {last['impl']}, N={last['n']}, "
-                   f"c={last['block']:,}", "round", "ms", logx=False)
+    rounds = Panel(
+        f"busiest device per round, {last['impl']}, N={last['n']}, c={last['block']:,}",
+        "round",
+        "ms",
+        logx=False,
+    )
     for layout, times in last["rounds"].items():
         for i, t in enumerate(times):
             rounds.add(layout, i, t * 1e3, "o-")
-    return save_lines(os.path.join(out_dir, "striped_sim.png"),
-                      "Striped and zigzag vs contiguous ring, simulated on one device", stamp(toy),
-                      [speed, rounds])
+    return save_lines(
+        os.path.join(out_dir, "striped_sim.png"),
+        "Striped and zigzag vs contiguous ring, simulated on one device",
+        stamp(toy),
+        [speed, rounds],
+    )
 
 
-HEADER = ["kernel", "N", "block c", "tile ratio", "contiguous ms", "striped ms", "zigzag ms",
-          "speedup striped", "speedup zigzag", "kernel bound", "striped / bound", "cuDNN bound",
-          "paper TMS", "paper measured", "status"]
+HEADER = [
+    "kernel",
+    "N",
+    "block c",
+    "tile ratio",
+    "contiguous ms",
+    "striped ms",
+    "zigzag ms",
+    "speedup striped",
+    "speedup zigzag",
+    "kernel bound",
+    "striped / bound",
+    "cuDNN bound",
+    "paper TMS",
+    "paper measured",
+    "status",
+]
 
 
 def row(r: dict) -> tuple:
     ms = lambda key: fmt(r.get(key), ",.2f", 1e3)
     bound = r.get("kernel_bound")
-    return (r["impl"], r["n"], f"{r['block']:,}", fmt(r.get("tile_ratio"), ".2f"),
-            ms("contiguous_s"), ms("striped_s"), ms("zigzag_s"), fmt(r.get("speedup"), ".2f"),
-            fmt(r.get("zigzag_speedup"), ".2f"), fmt(bound, ".2f"),
-            fmt(None if bound is None else r["speedup"] / bound, ".2f"),
-            fmt(r.get("cudnn_bound"), ".2f"), fmt(r.get("paper_tms"), ".2f"),
-            fmt(r.get("paper_speedup"), ".2f"), r["status"])
+    return (
+        r["impl"],
+        r["n"],
+        f"{r['block']:,}",
+        fmt(r.get("tile_ratio"), ".2f"),
+        ms("contiguous_s"),
+        ms("striped_s"),
+        ms("zigzag_s"),
+        fmt(r.get("speedup"), ".2f"),
+        fmt(r.get("zigzag_speedup"), ".2f"),
+        fmt(bound, ".2f"),
+        fmt(None if bound is None else r["speedup"] / bound, ".2f"),
+        fmt(r.get("cudnn_bound"), ".2f"),
+        fmt(r.get("paper_tms"), ".2f"),
+        fmt(r.get("paper_speedup"), ".2f"),
+        r["status"],
+    )
 
 
 def run(spec: StripedSpec, out_dir: str, toy: bool = False) -> str:
@@ -318,26 +381,29 @@ def run(spec: StripedSpec, out_dir: str, toy: bool = False) -> str:
         "kernel, or of cuDNN (GPU only). Tile ratio: busiest-device tiles summed over rounds, "
         "contiguous / striped (tile_schedule; '-' where too costly to enumerate).",
         PAPER_CITATION,
-        "Skipped kernels: " + ("; ".join(skipped) if skipped else "none") + "."]
+        "Skipped kernels: " + ("; ".join(skipped) if skipped else "none") + ".",
+    ]
     if spec.budget_s is not None:
-        notes.append(f"Blocks start only within a {spec.budget_s:g} s budget (rows past it "
-                     "say so).")
+        notes.append(
+            f"Blocks start only within a {spec.budget_s:g} s budget (rows past it say so)."
+        )
     path = os.path.join(out_dir, "striped_sim.md")
-    table = Table("Striped, zigzag and contiguous ring attention (one-device simulation)",
-                  notes, HEADER, path)
+    table = Table(
+        "Striped, zigzag and contiguous ring attention (one-device simulation)", notes, HEADER, path
+    )
     budget = Budget(spec.budget_s)
     results = []
     for impl in kernels:
         for block in spec.blocks:
             if budget.spent():
-                done = [dict(impl=impl, n=n, block=block, status=budget.skipped())
-                        for n in spec.ns]
+                done = [dict(impl=impl, n=n, block=block, status=budget.skipped()) for n in spec.ns]
             else:
                 try:
                     done = simulate_block(impl, block, spec)
                 except Exception as e:  # noqa: BLE001  (OOM, a kernel that cannot run here)
-                    done = [dict(impl=impl, n=n, block=block, status=error_status(e))
-                            for n in spec.ns]
+                    done = [
+                        dict(impl=impl, n=n, block=block, status=error_status(e)) for n in spec.ns
+                    ]
             for r in done:
                 table.add(row(r))
             results += done
@@ -352,12 +418,21 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", default=",".join(map(str, default.blocks)))
     ap.add_argument("--heads", type=int, default=default.heads)
     ap.add_argument("--chunk", type=int, default=default.q_chunk, help="q and kv tile size")
-    ap.add_argument("--quick", action="store_true",
-                    help="the quick size (StripedSpec.quick; the size options are ignored)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the quick size (StripedSpec.quick; the size options are ignored)",
+    )
     ap.add_argument("--out", default=default_out_dir("striped_sim"))
     args = ap.parse_args(argv)
-    spec = dataclasses.replace(default, ns=int_list(args.ns), blocks=int_list(args.blocks),
-                               heads=args.heads, q_chunk=args.chunk, kv_chunk=args.chunk)
+    spec = dataclasses.replace(
+        default,
+        ns=int_list(args.ns),
+        blocks=int_list(args.blocks),
+        heads=args.heads,
+        q_chunk=args.chunk,
+        kv_chunk=args.chunk,
+    )
 
     def body():
         check_output("--out", args.out)  # before the measuring, not at its first row

@@ -52,39 +52,61 @@ def run(out: str, seq: int) -> None:
         with open(out, "a") as f:
             f.write(text + "\n")
 
-    row(f"# tokamax {seq}-token causal backward: tile configs vs cuDNN\n\ndevice: "
+    row(
+        f"# tokamax {seq}-token causal backward: tile configs vs cuDNN\n\ndevice: "
         f"{jax.devices()[0].device_kind}; jax {jax.__version__}\n\n"
         "| head dim | q/kv heads | config | backward ms | TF/s (2.5 x causal forward) |\n"
-        "| --- | --- | --- | --- | --- |")
+        "| --- | --- | --- | --- | --- |"
+    )
     for hd, hq, hkv in SHAPES:
         keys = jax.random.split(jax.random.key(0), 4)
         q, do = (jax.random.normal(key, (1, seq, hq, hd), jnp.bfloat16) for key in keys[:2])
         k, v = (jax.random.normal(key, (1, seq, hkv, hd), jnp.bfloat16) for key in keys[2:])
         flops = 2.5 * 0.5 * 4 * seq * seq * hq * hd
         forward, mask = PallasMosaicGpuFlashAttention(), Mask(is_causal=True)
-        o, (m, l) = jax.jit(lambda q, k, v, forward=forward, mask=mask: forward(
-            q, k, v, mask=mask, return_residuals=True))(q, k, v)
+        o, (m, l) = jax.jit(
+            lambda q, k, v, forward=forward, mask=mask: forward(
+                q, k, v, mask=mask, return_residuals=True
+            )
+        )(q, k, v)
         lse = m + jnp.log(l)
         kwargs = dict(forward.bind(q, k, v, mask=mask, return_residuals=True).kwargs)
         kwargs.pop("return_residuals")
 
         def cudnn(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
         both = jax.jit(lambda q, k, v, do: jax.vjp(cudnn, q, k, v)[1](do))
         t = _median_s(both, q, k, v, do) - _median_s(jax.jit(cudnn), q, k, v)
-        row(f"| {hd} | {hq}/{hkv} | cuDNN (forward+backward less forward) | {t * 1e3:.2f} | "
-            f"{flops / t / 1e12:.0f} |")
-        lclms = jax.jit(lambda lse, o, do, q, k, v: tokamax_gpu.attend_vjp(
-            q, k, v, o, lse.transpose(0, 2, 1), do, True, None, None))  # lse [b, t, h] there
+        row(
+            f"| {hd} | {hq}/{hkv} | cuDNN (forward+backward less forward) | {t * 1e3:.2f} | "
+            f"{flops / t / 1e12:.0f} |"
+        )
+        lclms = jax.jit(
+            lambda lse, o, do, q, k, v: tokamax_gpu.attend_vjp(
+                q, k, v, o, lse.transpose(0, 2, 1), do, True, None, None
+            )
+        )  # lse [b, t, h] there
         for config in [None, *sorted(sm90.get_autotuning_configs(None), key=repr)]:
             vjp = PallasMosaicGpuFlashAttentionVjp(config=config)
-            name = "heuristic (lclm's call)" if config is None else (
-                f"q {config.block_q_dkv}, kv {config.block_kv_dkv}, stages "
-                f"{config.num_stages}, warpgroups {config.compute_wgs}")
+            name = (
+                "heuristic (lclm's call)"
+                if config is None
+                else (
+                    f"q {config.block_q_dkv}, kv {config.block_kv_dkv}, stages "
+                    f"{config.num_stages}, warpgroups {config.compute_wgs}"
+                )
+            )
             try:
-                f = lclms if config is None else jax.jit(
-                    lambda lse, o, do, q, k, v, vjp=vjp, kwargs=kwargs: vjp(
-                        (lse, jnp.ones_like(lse)), o, do, q, k, v, **kwargs))
+                f = (
+                    lclms
+                    if config is None
+                    else jax.jit(
+                        lambda lse, o, do, q, k, v, vjp=vjp, kwargs=kwargs: vjp(
+                            (lse, jnp.ones_like(lse)), o, do, q, k, v, **kwargs
+                        )
+                    )
+                )
                 t = _median_s(f, lse, o, do, q, k, v)
                 cells = f"{t * 1e3:.2f} | {flops / t / 1e12:.0f}"
             except Exception as e:  # noqa: BLE001  (e.g. a tile config over shared memory: its row says so)
@@ -93,8 +115,9 @@ def run(out: str, seq: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.tokamax_configs",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.tokamax_configs", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--out", required=True, help="the .md file rows are appended to")
     args = ap.parse_args(argv)

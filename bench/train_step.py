@@ -42,6 +42,7 @@ from lclm.ops.kernels import KERNELS
 class ModelRun:
     """One model of a suite: a config file (relative to the repository), lengths, and
     overrides as command-line arguments (`--config.model.n_layers=2`, as for train.py)."""
+
     config: str
     seqs: tuple[int, ...]
     overrides: tuple[str, ...] = ()
@@ -51,13 +52,15 @@ class ModelRun:
         """This run with `model.remat` overridden (None: the config's own)."""
         if remat is None:
             return self
-        return dataclasses.replace(self, overrides=(*self.overrides,
-                                                    f"--config.model.remat={remat}"))
+        return dataclasses.replace(
+            self, overrides=(*self.overrides, f"--config.model.remat={remat}")
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainSpec:
     """The train-step part of a suite."""
+
     models: tuple[ModelRun, ...]
     # those usable run (by default every registered kernel); 'auto' runs what the trainer
     # would pick (the row names it)
@@ -78,15 +81,24 @@ class TrainSpec:
         steps after 1 warm-up, within a 400 s budget (a child started near its end gets a
         minute past it)."""
         first = self.models[0]
-        return dataclasses.replace(self, models=(dataclasses.replace(first, seqs=(8192, 32768)),),
-                                   impls=("auto",), baseline=True, steps=3, warmup=1,
-                                   isolate=True, timeout=300.0, budget_s=400.0,
-                                   remats=(None, "none"))
+        return dataclasses.replace(
+            self,
+            models=(dataclasses.replace(first, seqs=(8192, 32768)),),
+            impls=("auto",),
+            baseline=True,
+            steps=3,
+            warmup=1,
+            isolate=True,
+            timeout=300.0,
+            budget_s=400.0,
+            remats=(None, "none"),
+        )
 
     def smallest(self) -> TrainSpec:
         first = self.models[0]
-        return dataclasses.replace(self, models=(dataclasses.replace(first, seqs=first.seqs[:1]),),
-                                   steps=1, warmup=0)
+        return dataclasses.replace(
+            self, models=(dataclasses.replace(first, seqs=first.seqs[:1]),), steps=1, warmup=0
+        )
 
 
 def row_config(config_path: str, overrides, seq: int, layout: str | None, impl: str | None):
@@ -94,8 +106,9 @@ def row_config(config_path: str, overrides, seq: int, layout: str | None, impl: 
     row's length/layout/kernel."""
     from lclm.cli import config_from_argv
 
-    config = config_from_argv(["bench.train_step", "--config", config_path, *overrides],
-                              config_path, runs_stages=False)  # one step of the file's fields
+    config = config_from_argv(
+        ["bench.train_step", "--config", config_path, *overrides], config_path, runs_stages=False
+    )  # one step of the file's fields
     config.data.seq_len = seq
     if layout:
         config.attention.layout = layout
@@ -115,10 +128,13 @@ def synthetic_batch(vocab_size: int, batch_size: int, seq: int, layout: str, sp:
 
     rng = np.random.default_rng(0)
     tok = rng.integers(3, vocab_size, (batch_size, seq + 1)).astype(np.int32)
-    batch = dict(tokens=tok[:, :-1], targets=tok[:, 1:],
-                 loss_mask=np.ones((batch_size, seq), np.float32),
-                 positions=np.broadcast_to(np.arange(seq, dtype=np.int32), (batch_size, seq)),
-                 segment_ids=np.ones((batch_size, seq), np.int32))
+    batch = dict(
+        tokens=tok[:, :-1],
+        targets=tok[:, 1:],
+        loss_mask=np.ones((batch_size, seq), np.float32),
+        positions=np.broadcast_to(np.arange(seq, dtype=np.int32), (batch_size, seq)),
+        segment_ids=np.ones((batch_size, seq), np.int32),
+    )
     batch = batch_to_layout(batch, layout, sp)
     where = jax.devices()[0] if mesh is None else batch_sharding(mesh)
     return {k: jax.device_put(np.ascontiguousarray(v), where) for k, v in batch.items()}
@@ -127,8 +143,15 @@ def synthetic_batch(vocab_size: int, batch_size: int, seq: int, layout: str, sp:
 BASELINE = "baseline"  # the kernel column's name for `bench.baseline`'s rows
 
 
-def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
-            model_patch=None, baseline: str | None = None) -> dict:
+def measure(
+    config,
+    *,
+    steps: int,
+    warmup: int,
+    budget_bytes: int | None = None,
+    model_patch=None,
+    baseline: str | None = None,
+) -> dict:
     """Build the state, compile the step, run `warmup` untimed and `steps` timed steps.
 
     Returns a record: params, seq, impl, layout, remat, mesh, compile_s, xla_gib, status and,
@@ -147,24 +170,33 @@ def measure(config, *, steps: int, warmup: int, budget_bytes: int | None = None,
     from lclm.training.remat_choice import compiled_bytes
 
     record, compiled, (model, sizes, state, batch) = compile_row(
-        config, model_patch=model_patch, baseline=baseline)
+        config, model_patch=model_patch, baseline=baseline
+    )
     estimate = compiled_bytes(compiled)
     if budget_bytes is not None and estimate is not None and estimate > budget_bytes:
         return dict(record, status="over budget")
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit") if baseline else None
     if limit and estimate is not None and estimate > limit:
-        return dict(record, status=f"does not fit: XLA estimate {estimate / 2 ** 30:.1f} GiB "
-                                   f"> {limit / 2 ** 30:.1f} GiB")
+        return dict(
+            record,
+            status=f"does not fit: XLA estimate {estimate / 2**30:.1f} GiB "
+            f"> {limit / 2**30:.1f} GiB",
+        )
     dt, metrics = _timed_steps(compiled, state, batch, warmup, steps)
     device = jax.devices()[0]
     peak = peak_flops(device.device_kind)
     tokens = config.data.batch_size * config.data.seq_len
     flops = flops_per_token(model, config.data.seq_len) * tokens
     peak_mem = (device.memory_stats() or {}).get("peak_bytes_in_use")
-    return dict(record, status="ok", step_s=dt, tokens_s=tokens / dt,
-                mfu=flops / dt / (peak * math.prod(sizes.values())) if peak else None,
-                peak_gib=None if peak_mem is None else peak_mem / 2 ** 30,
-                loss=float(metrics["loss"]))
+    return dict(
+        record,
+        status="ok",
+        step_s=dt,
+        tokens_s=tokens / dt,
+        mfu=flops / dt / (peak * math.prod(sizes.values())) if peak else None,
+        peak_gib=None if peak_mem is None else peak_mem / 2**30,
+        loss=float(metrics["loss"]),
+    )
 
 
 def compile_row(config, *, devices=None, model_patch=None, baseline: str | None = None):
@@ -182,11 +214,13 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
     from lclm.training.remat_choice import AUTO, choose, compiled_bytes, device_budget
 
     if not baseline and config.model.remat == AUTO:
+
         def compile_policy(policy: str):
             c = config.copy_and_resolve_references()
             c.model.remat = policy
             row = compile_row(c, devices=devices, model_patch=model_patch)
             return row, compiled_bytes(row[1])
+
         choice = choose(compile_policy, None if devices else device_budget(jax.devices()[0]))
         record, compiled, built = cast(tuple[dict, Any, Any], choice.compiled)
         return dict(record, remat=f"auto: {choice.policy}"), compiled, built
@@ -202,20 +236,31 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
         kernel = BASELINE
     else:
         model, sizes, state, batch, step = _build(config, devices)
-        kernel = attention_kernel(AttentionConfig.from_config(config.attention),
-                                  config.data.seq_len, model, sizes["sp"], target.platform)
-    record = dict(params=param_count(model), seq=config.data.seq_len,
-                  impl=kernel, layout="-" if baseline else config.attention.layout,
-                  remat=baseline or config.model.remat,
-                  mesh="x".join(str(sizes[a]) for a in MESH_AXES))
+        kernel = attention_kernel(
+            AttentionConfig.from_config(config.attention),
+            config.data.seq_len,
+            model,
+            sizes["sp"],
+            target.platform,
+        )
+    record = dict(
+        params=param_count(model),
+        seq=config.data.seq_len,
+        impl=kernel,
+        layout="-" if baseline else config.attention.layout,
+        remat=baseline or config.model.remat,
+        mesh="x".join(str(sizes[a]) for a in MESH_AXES),
+    )
     t0 = time.perf_counter()
-    with model_patch or contextlib.nullcontext(), \
-            aot.lowering_for(target) if devices else contextlib.nullcontext():
+    with (
+        model_patch or contextlib.nullcontext(),
+        aot.lowering_for(target) if devices else contextlib.nullcontext(),
+    ):
         lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
     compiled = lowered.compile()
     record["compile_s"] = time.perf_counter() - t0
     estimate = compiled_bytes(compiled)
-    record["xla_gib"] = None if estimate is None else estimate / 2 ** 30
+    record["xla_gib"] = None if estimate is None else estimate / 2**30
     return record, compiled, (model, sizes, state, batch)
 
 
@@ -236,7 +281,7 @@ def _build(config, devices=None):
     described = devices is not None
     devices = devices or jax.devices()
     sizes = validate(config, len(devices))
-    mesh = make_mesh(**sizes, devices=devices[:math.prod(sizes.values())])
+    mesh = make_mesh(**sizes, devices=devices[: math.prod(sizes.values())])
     model = ModelConfig.from_config(config.model)
     attention = AttentionConfig.from_config(config.attention)
     optimizer = make_optimizer(run_config(config).train)
@@ -246,10 +291,16 @@ def _build(config, devices=None):
         batch = abstract_batch(d.batch_size, d.seq_len, batch_sharding(mesh))
     else:
         state = init_state(model, optimizer, mesh, config.seed)
-        batch = synthetic_batch(model.vocab_size, d.batch_size, d.seq_len, attention.layout,
-                                sizes["sp"], mesh)
-    return model, sizes, state, batch, make_train_step(model, attention,
-                                                       run_config(config).train, mesh, optimizer)
+        batch = synthetic_batch(
+            model.vocab_size, d.batch_size, d.seq_len, attention.layout, sizes["sp"], mesh
+        )
+    return (
+        model,
+        sizes,
+        state,
+        batch,
+        make_train_step(model, attention, run_config(config).train, mesh, optimizer),
+    )
 
 
 def _build_baseline(config, remat: str, devices=None):
@@ -268,21 +319,23 @@ def _build_baseline(config, remat: str, devices=None):
     devices = devices or jax.devices()
     sizes = validate(config, len(devices))
     if math.prod(sizes.values()) != 1:
-        raise ConfigError(f"the baseline runs on one device, not the mesh {sizes}; "
-                          "set --config.mesh.dp/fsdp/tp/sp=1")
+        raise ConfigError(
+            f"the baseline runs on one device, not the mesh {sizes}; "
+            "set --config.mesh.dp/fsdp/tp/sp=1"
+        )
     model = ModelConfig.from_config(config.model)
     optimizer = make_optimizer(run_config(config).train)
     d = config.data
     if described:
         where = jax.sharding.SingleDeviceSharding(devices[0])
         shapes = jax.eval_shape(lambda: baseline.init_state(model, optimizer, config.seed))
-        state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
-                             shapes)
+        state = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), shapes
+        )
         batch = abstract_batch(d.batch_size, d.seq_len, where)
     else:
         state = baseline.init_state(model, optimizer, config.seed)
-        batch = synthetic_batch(model.vocab_size, d.batch_size, d.seq_len, "contiguous", 1,
-                                None)
+        batch = synthetic_batch(model.vocab_size, d.batch_size, d.seq_len, "contiguous", 1, None)
     return model, sizes, state, batch, baseline.make_step(model, optimizer, remat)
 
 
@@ -311,8 +364,16 @@ def row_remats(impl: str | None) -> tuple[str | None, ...]:
     return tuple(REMATS) if impl == BASELINE else (None,)
 
 
-def measure_rows(config_path: str, overrides, seq: int, layout: str | None, impl: str | None,
-                 *, steps: int, warmup: int):
+def measure_rows(
+    config_path: str,
+    overrides,
+    seq: int,
+    layout: str | None,
+    impl: str | None,
+    *,
+    steps: int,
+    warmup: int,
+):
     """The records of one row measured in this process, yielded as each is measured: one for
     an lclm kernel; for `impl` BASELINE, one per `bench.baseline.REMATS` variant, in order
     (a variant that fails, e.g. out of memory, is a status and the next one runs)."""
@@ -328,8 +389,18 @@ def measure_rows(config_path: str, overrides, seq: int, layout: str | None, impl
             yield dict(seq=seq, impl=BASELINE, layout="-", remat=remat, status=error_status(e))
 
 
-def run_row(run: ModelRun, seq: int, layout: str | None, impl: str | None, *, steps: int,
-            warmup: int, isolate: bool, timeout: float, on_record=None) -> list[dict]:
+def run_row(
+    run: ModelRun,
+    seq: int,
+    layout: str | None,
+    impl: str | None,
+    *,
+    steps: int,
+    warmup: int,
+    isolate: bool,
+    timeout: float,
+    on_record=None,
+) -> list[dict]:
     """One row's records (the baseline's: one per remat variant), in this process or
     (isolate) in a child; failures become a status. `on_record(record)` is called as each
     record arrives, before the next one is measured."""
@@ -344,22 +415,40 @@ def run_row(run: ModelRun, seq: int, layout: str | None, impl: str | None, *, st
 
     expected = row_remats(impl)
     if isolate:
-        argv = ["--config", repo_path(run.config), "--seq", str(seq), "--steps", str(steps),
-                "--warmup", str(warmup), "--record", *run.overrides]
+        argv = [
+            "--config",
+            repo_path(run.config),
+            "--seq",
+            str(seq),
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--record",
+            *run.overrides,
+        ]
         argv += ["--layouts", layout] if layout else []
         argv += ["--impls", impl] if impl else []
         _, status = run_child("bench.train_step", argv, timeout, on_record=got)
     else:
         status = "ok"
         try:
-            for record in measure_rows(repo_path(run.config), run.overrides, seq, layout, impl,
-                                       steps=steps, warmup=warmup):
+            for record in measure_rows(
+                repo_path(run.config), run.overrides, seq, layout, impl, steps=steps, warmup=warmup
+            ):
                 got(record)
         except Exception as e:  # noqa: BLE001  (OOM or a kernel that cannot run: report it)
             status = error_status(e)
-    for remat in expected[len(records):]:  # what the child did not get to
-        got(dict(seq=seq, impl=impl or "", layout=layout or "", remat=remat or "",
-                 status=status if status != "ok" else "no record"))
+    for remat in expected[len(records) :]:  # what the child did not get to
+        got(
+            dict(
+                seq=seq,
+                impl=impl or "",
+                layout=layout or "",
+                remat=remat or "",
+                status=status if status != "ok" else "no record",
+            )
+        )
     return records
 
 
@@ -370,8 +459,15 @@ def baseline_choice(records: list[dict], model: str, seq: int) -> dict:
 
     best = fastest_that_fits(records)
     if best is None:
-        return dict(model=model, seq=seq, impl=BASELINE, layout="-", choice=True,
-                    remat=f"none of {'/'.join(REMATS)} ran", status="no baseline")
+        return dict(
+            model=model,
+            seq=seq,
+            impl=BASELINE,
+            layout="-",
+            choice=True,
+            remat=f"none of {'/'.join(REMATS)} ran",
+            status="no baseline",
+        )
     return dict(best, choice=True, remat=f"{best['remat']} (fastest that fits)")
 
 
@@ -387,9 +483,11 @@ def collect(spec: TrainSpec, impls, layouts=(None,), on_record=None) -> list[dic
     budget = Budget(spec.budget_s)
     # (kernel, layout, remat); the baseline has no layout and times its own remat variants
     kernels: list[tuple[str, str | None, str | None]] = (
-        [(BASELINE, None, None)] if spec.baseline else [])
-    kernels += [(impl, layout, remat) for impl in impls for layout in layouts
-                for remat in spec.remats]
+        [(BASELINE, None, None)] if spec.baseline else []
+    )
+    kernels += [
+        (impl, layout, remat) for impl in impls for layout in layouts for remat in spec.remats
+    ]
     rows = []
 
     def add(record):
@@ -402,14 +500,30 @@ def collect(spec: TrainSpec, impls, layouts=(None,), on_record=None) -> list[dic
             for impl, layout, remat in kernels:
                 if budget.spent():
                     for variant in row_remats(impl):
-                        add(dict(model=model, seq=seq, impl=impl or "", layout=layout or "",
-                                 remat=variant or remat or "", status=budget.skipped()))
+                        add(
+                            dict(
+                                model=model,
+                                seq=seq,
+                                impl=impl or "",
+                                layout=layout or "",
+                                remat=variant or remat or "",
+                                status=budget.skipped(),
+                            )
+                        )
                     continue
                 # a row started near the end of the budget gets at most a minute past it
                 timeout = min(spec.timeout, budget.left() + BUDGET_GRACE_S)
-                records = run_row(run.with_remat(remat), seq, layout, impl, steps=spec.steps,
-                                  warmup=spec.warmup, isolate=spec.isolate, timeout=timeout,
-                                  on_record=add)
+                records = run_row(
+                    run.with_remat(remat),
+                    seq,
+                    layout,
+                    impl,
+                    steps=spec.steps,
+                    warmup=spec.warmup,
+                    isolate=spec.isolate,
+                    timeout=timeout,
+                    on_record=add,
+                )
                 if impl == BASELINE:
                     add(baseline_choice(records, model, seq))
     return rows
@@ -422,8 +536,11 @@ def _plot(records: list[dict], path: str, toy: bool) -> str:
     from bench.plots import Panel, save_lines
 
     speed = Panel("throughput", "sequence length (tokens)", "tokens/s")
-    mfu = Panel("MFU (6N + 6LTD per token: causal attention counted as half)",
-                "sequence length (tokens)", "MFU %")
+    mfu = Panel(
+        "MFU (6N + 6LTD per token: causal attention counted as half)",
+        "sequence length (tokens)",
+        "MFU %",
+    )
     memory = Panel("memory", "sequence length (tokens)", "GiB")
     for r in records:
         if r.get("choice"):  # a repeat of one of the baseline's variants
@@ -438,9 +555,24 @@ def _plot(records: list[dict], path: str, toy: bool) -> str:
     return save_lines(path, "Train step", stamp(toy), panels)
 
 
-HEADER = ["model", "params (M)", "seq", "kernel", "layout", "remat", "mesh dp x fsdp x tp x sp",
-          "step ms", "tokens/s", "vs baseline", "MFU (6N + 6LTD per token)", "peak GiB",
-          "XLA est. GiB", "compile s", "loss", "status"]
+HEADER = [
+    "model",
+    "params (M)",
+    "seq",
+    "kernel",
+    "layout",
+    "remat",
+    "mesh dp x fsdp x tp x sp",
+    "step ms",
+    "tokens/s",
+    "vs baseline",
+    "MFU (6N + 6LTD per token)",
+    "peak GiB",
+    "XLA est. GiB",
+    "compile s",
+    "loss",
+    "status",
+]
 
 
 class TrainReport:
@@ -462,10 +594,13 @@ class TrainReport:
             f"layer remat {', '.join(REMATS)} (dots = jax.checkpoint_policies.checkpoint_dots)"
             ", in that order in one process (memory grows along it, so each peak is its own"
             " when isolated); the row '<remat> (fastest that fits)' is the baseline, and "
-            "vs baseline = tokens/s over its tokens/s at the same model and length.", *notes]
+            "vs baseline = tokens/s over its tokens/s at the same model and length.",
+            *notes,
+        ]
         if spec.budget_s is not None:
-            lines.append(f"Rows start only within a {spec.budget_s:g} s budget (rows past it "
-                         "say so).")
+            lines.append(
+                f"Rows start only within a {spec.budget_s:g} s budget (rows past it say so)."
+            )
         self.table = Table("Train step: tokens/s, MFU, memory", lines, HEADER, path)
 
     def ratio(self, r: dict) -> float | None:
@@ -478,13 +613,26 @@ class TrainReport:
         if r.get("choice"):
             self.baseline[(r.get("model"), r["seq"])] = r.get("tokens_s")
         self.records.append(r)
-        self.table.add((r.get("model", ""), fmt(r.get("params"), ",.1f", 1e-6), r["seq"],
-                        r.get("impl", ""), r.get("layout", ""), r.get("remat", ""),
-                        r.get("mesh", "-"), fmt(r.get("step_s"), ",.1f", 1e3),
-                        fmt(r.get("tokens_s"), ",.0f"), fmt(self.ratio(r), ".2f"),
-                        fmt(r.get("mfu"), ".1%"), fmt(r.get("peak_gib"), ".3g"),
-                        fmt(r.get("xla_gib"), ".3g"), fmt(r.get("compile_s")),
-                        fmt(r.get("loss"), ".3f"), r.get("status", "")))
+        self.table.add(
+            (
+                r.get("model", ""),
+                fmt(r.get("params"), ",.1f", 1e-6),
+                r["seq"],
+                r.get("impl", ""),
+                r.get("layout", ""),
+                r.get("remat", ""),
+                r.get("mesh", "-"),
+                fmt(r.get("step_s"), ",.1f", 1e3),
+                fmt(r.get("tokens_s"), ",.0f"),
+                fmt(self.ratio(r), ".2f"),
+                fmt(r.get("mfu"), ".1%"),
+                fmt(r.get("peak_gib"), ".3g"),
+                fmt(r.get("xla_gib"), ".3g"),
+                fmt(r.get("compile_s")),
+                fmt(r.get("loss"), ".3f"),
+                r.get("status", ""),
+            )
+        )
 
     def finish(self) -> str:
         """The plot (best effort) below the table. Returns the table's path."""
@@ -510,24 +658,38 @@ def run(spec: TrainSpec, out_dir: str, toy: bool = False) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.train_step",
-                                 description=__doc__.split("\n")[0],
-                                 epilog="config fields: --config.<key>=<value>, as for train.py")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.train_step",
+        description=__doc__.split("\n")[0],
+        epilog="config fields: --config.<key>=<value>, as for train.py",
+    )
     ap.add_argument("--seq", default="", help="comma-separated sequence lengths")
     ap.add_argument("--layouts", default="", help="comma-separated layouts (default: config's)")
     ap.add_argument("--impls", default="", help="comma-separated kernels (default: config's)")
-    ap.add_argument("--baseline", action="store_true",
-                    help="also the plain single-device step (bench.baseline) per length")
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also the plain single-device step (bench.baseline) per length",
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     ap.add_argument("--isolate", action="store_true", help="one child process per row")
-    ap.add_argument("--record", action="store_true",
-                    help="print machine-readable records only (the child side of --isolate)")
-    ap.add_argument("--out", default="", help="also write the table to this .md file (and a "
-                    ".png plot next to it)")
-    ap.add_argument("--quick", action="store_true",
-                    help="the quick size (TrainSpec.quick): 8K and 32K tokens, the kernel auto "
-                         "picks, --baseline --isolate, 3 steps after 1 warm-up, a 400 s budget")
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="print machine-readable records only (the child side of --isolate)",
+    )
+    ap.add_argument(
+        "--out",
+        default="",
+        help="also write the table to this .md file (and a .png plot next to it)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the quick size (TrainSpec.quick): 8K and 32K tokens, the kernel auto "
+        "picks, --baseline --isolate, 3 steps after 1 warm-up, a 400 s budget",
+    )
 
     from bench.isolate import launcher_process
     from lclm.cli import parse_cli, run_cli
@@ -544,10 +706,13 @@ def main(argv=None):
         seqs = int_list(args.seq) or (base.data.seq_len,)
         layouts = tuple(args.layouts.split(",")) if args.layouts else (None,)
         impls = tuple(args.impls.split(",")) if args.impls else (None,)
-        spec = TrainSpec(models=(ModelRun(os.path.abspath(args.config), seqs,
-                                          tuple(args.overrides)),),
-                         steps=args.steps, warmup=args.warmup, isolate=args.isolate,
-                         baseline=args.baseline)
+        spec = TrainSpec(
+            models=(ModelRun(os.path.abspath(args.config), seqs, tuple(args.overrides)),),
+            steps=args.steps,
+            warmup=args.warmup,
+            isolate=args.isolate,
+            baseline=args.baseline,
+        )
         if args.quick and not args.record:
             spec, impls, layouts = spec.quick(), ("auto",), (None,)
         if spec.isolate and not args.record:
@@ -556,8 +721,15 @@ def main(argv=None):
             for seq in seqs:
                 for layout in layouts:
                     for impl in impls:
-                        for record in measure_rows(args.config, args.overrides, seq, layout,
-                                                   impl, steps=args.steps, warmup=args.warmup):
+                        for record in measure_rows(
+                            args.config,
+                            args.overrides,
+                            seq,
+                            layout,
+                            impl,
+                            steps=args.steps,
+                            warmup=args.warmup,
+                        ):
                             emit_record(dict(record, model=os.path.basename(args.config)))
             return 0
         report = TrainReport(spec, args.out)

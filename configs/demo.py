@@ -16,11 +16,22 @@ def get_config():
     c = load_config(os.path.join(HERE, "_tiny.py"))
     c.workdir = "runs/demo"
     c.mesh.update(fsdp=2, fit=True)
-    c.model.update(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
-                   rope_theta=10000.0, ffn_chunk=64, loss_chunk=64)
+    c.model.update(
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=384,
+        rope_theta=10000.0,
+        ffn_chunk=64,
+        loss_chunk=64,
+    )
     # a mixture: 80% documents of the text corpus, 20% ShareGPT conversations
-    c.data.update(path=f"{DEMO}/corpus.jsonl@0.8,sharegpt:{DEMO}/sharegpt.jsonl@0.2",
-                  seq_len=512, batch_size=8)
+    c.data.update(
+        path=f"{DEMO}/corpus.jsonl@0.8,sharegpt:{DEMO}/sharegpt.jsonl@0.2",
+        seq_len=512,
+        batch_size=8,
+    )
     # held-out documents of the corpus' grammar: val_loss every 50 steps (about 1 s each); the
     # file names its kind, as a held-out entry without one takes data.source's, which a run
     # on your own chats (--config.data.source=sharegpt) changes

@@ -18,8 +18,9 @@ def get_config():
     c = load_config(os.path.join(HERE, "_tiny.py"))
     c.workdir = "runs/demo_stages"
     c.mesh.fsdp = 2
-    c.model.update(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, ffn_chunk=64,
-                   loss_chunk=64)
+    c.model.update(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, ffn_chunk=64, loss_chunk=64
+    )
     c.data.update(source="sharegpt", path=f"{DEMO}/sharegpt.jsonl", seq_len=512, batch_size=8)
     c.stages.update(schedule="128:1e4:20:2, 256:1e5:15:4, 512:1e6:15:4", tokens_per_batch=4096)
     c.train.update(steps=15, warmup=5)

@@ -29,24 +29,42 @@ from lclm.config import apply_preset, load_config
 
 BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_long_context.py")
 DATA = "data/slimpajama"
-SLIMPAJAMA = (("RedPajamaCommonCrawl", 0.53374772), ("RedPajamaC4", 0.26609933),
-              ("RedPajamaGithub", 0.05004782), ("RedPajamaArXiv", 0.04290379),
-              ("RedPajamaBook", 0.0414836), ("RedPajamaWikipedia", 0.03402128),
-              ("RedPajamaStackExchange", 0.03169647))
+SLIMPAJAMA = (
+    ("RedPajamaCommonCrawl", 0.53374772),
+    ("RedPajamaC4", 0.26609933),
+    ("RedPajamaGithub", 0.05004782),
+    ("RedPajamaArXiv", 0.04290379),
+    ("RedPajamaBook", 0.0414836),
+    ("RedPajamaWikipedia", 0.03402128),
+    ("RedPajamaStackExchange", 0.03169647),
+)
 # every source keeps its share; inside it, documents under 4K tokens kept with p = 0.1
-MIXTURE = ",".join(f"{DATA}/{source}@{share}?short_below=4k&short_keep=0.1"
-                   for source, share in SLIMPAJAMA)
+MIXTURE = ",".join(
+    f"{DATA}/{source}@{share}?short_below=4k&short_keep=0.1" for source, share in SLIMPAJAMA
+)
 
 
 def get_config():
     c = apply_preset(load_config(BASE), "llama2_7b")
     c.workdir = "runs/fu_llama2_7b_80k"
     c.mesh.sp = 4
-    c.model.update(init_from_hf="checkpoints/Llama-2-7b-hf", remat="attention", ffn_chunk=4096,
-                   loss_chunk=4096, rope_theta=5e6)
-    c.data.update(source="text", path=MIXTURE, tokenizer="checkpoints/Llama-2-7b-hf",
-                  seq_len=80 * 1024, batch_size=48, document_mask=True,
-                  mixture_unit="tokens", balance=True)
+    c.model.update(
+        init_from_hf="checkpoints/Llama-2-7b-hf",
+        remat="attention",
+        ffn_chunk=4096,
+        loss_chunk=4096,
+        rope_theta=5e6,
+    )
+    c.data.update(
+        source="text",
+        path=MIXTURE,
+        tokenizer="checkpoints/Llama-2-7b-hf",
+        seq_len=80 * 1024,
+        batch_size=48,
+        document_mask=True,
+        mixture_unit="tokens",
+        balance=True,
+    )
     c.train.update(steps=1272, lr=2e-5, warmup=20, decay="constant", grad_accum=6)
     c.validation.update(every=100, lengths="4k,32k,80k")
     c.checkpoint.every = 100

@@ -43,12 +43,20 @@ def get_config():
     # 'attention' XLA:TPU needs 93.7 GiB per device in every stage (a v5p's 95; more than an
     # A100's 80); offloaded 30.1 GiB of a v4's 32 (plan --compile v4-64), with about 50 GiB
     # of host memory per device.
-    c.model.update(init_from_hf="checkpoints/Llama-2-13b-hf", remat="offload", ffn_chunk=4096,
-                   loss_chunk=4096)
-    c.data.update(source="sharegpt", path="data/sharegpt.json", chat_template="vicuna",
-                  seq_len=524288, batch_size=4)
-    c.stages.update(schedule="32k:1e6:200:4, 128k:1e7:100:8, 256k:1e7:60:16, 512k:2.5e7:60:32",
-                    tokens_per_batch=1 << 21)
+    c.model.update(
+        init_from_hf="checkpoints/Llama-2-13b-hf", remat="offload", ffn_chunk=4096, loss_chunk=4096
+    )
+    c.data.update(
+        source="sharegpt",
+        path="data/sharegpt.json",
+        chat_template="vicuna",
+        seq_len=524288,
+        batch_size=4,
+    )
+    c.stages.update(
+        schedule="32k:1e6:200:4, 128k:1e7:100:8, 256k:1e7:60:16, 512k:2.5e7:60:32",
+        tokens_per_batch=1 << 21,
+    )
     c.train.update(steps=60, lr=2e-5, warmup=10)
     # held-out conversations (empty: none until given) at this and every earlier stage's length
     c.validation.update(every=20, lengths="stages")

@@ -42,8 +42,9 @@ def get_config():
     # GPUs --config.model.remat=attention fits too (planner: 47% of an H100 at most) and
     # spares the host transfers.
     c.model.update(init_from_hf="checkpoints/Llama-2-7b-hf", loss_chunk=8192)
-    c.stages.update(schedule="32k:1e6:300:4, 128k:1e7:200:8, 256k:1e7:150:8",
-                    tokens_per_batch=1 << 20)
+    c.stages.update(
+        schedule="32k:1e6:300:4, 128k:1e7:200:8, 256k:1e7:150:8", tokens_per_batch=1 << 20
+    )
     c.train.update(steps=150, lr=2e-5)
     # held-out books (empty: none until given) at this stage's and every earlier stage's length
     c.validation.lengths = "stages"

@@ -25,8 +25,9 @@ BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_long_context_2
 def get_config():
     c = apply_preset(load_config(BASE), "mistral_nemo_12b")
     c.workdir = "runs/mistral_nemo_12b_256k"
-    c.model.update(init_from_hf="checkpoints/Mistral-Nemo-Base-2407", rope_theta=1e7,
-                   loss_chunk=4096)
+    c.model.update(
+        init_from_hf="checkpoints/Mistral-Nemo-Base-2407", rope_theta=1e7, loss_chunk=4096
+    )
     c.data.tokenizer = "checkpoints/Mistral-Nemo-Base-2407"
     c.train.update(steps=200, lr=1e-5)
     return c

@@ -41,35 +41,68 @@ from lclm.config import apply_preset, load_config
 
 BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_long_context.py")
 DATA = "data/prolong"
-SHORT = ",".join(f"tokenized:{DATA}/{domain}@{weight}" for domain, weight in (
-    ("fineweb-edu", 0.1), ("fineweb-2023-50", 0.1), ("stackexchange", 0.04),
-    ("dolmawiki", 0.04), ("tuluv2", 0.03), ("arxiv", 0.03), ("openwebmath", 0.03),
-    ("textbooks", 0.03)))
-STAGE_64K = (f"tokenized:{DATA}/thestackv1_concat_by_repo-65536@0.3,"
-             f"tokenized:{DATA}/book-65536@0.3,{SHORT}")
-STAGE_512K = (f"tokenized:{DATA}/thestackv1_concat_by_repo2-524288@0.15,"
-              f"tokenized:{DATA}/thestackv1_concat_by_repo2-65536@0.15,"
-              f"tokenized:{DATA}/book2-524288@0.05,tokenized:{DATA}/book2-65536@0.25,{SHORT}")
+SHORT = ",".join(
+    f"tokenized:{DATA}/{domain}@{weight}"
+    for domain, weight in (
+        ("fineweb-edu", 0.1),
+        ("fineweb-2023-50", 0.1),
+        ("stackexchange", 0.04),
+        ("dolmawiki", 0.04),
+        ("tuluv2", 0.03),
+        ("arxiv", 0.03),
+        ("openwebmath", 0.03),
+        ("textbooks", 0.03),
+    )
+)
+STAGE_64K = (
+    f"tokenized:{DATA}/thestackv1_concat_by_repo-65536@0.3,tokenized:{DATA}/book-65536@0.3,{SHORT}"
+)
+STAGE_512K = (
+    f"tokenized:{DATA}/thestackv1_concat_by_repo2-524288@0.15,"
+    f"tokenized:{DATA}/thestackv1_concat_by_repo2-65536@0.15,"
+    f"tokenized:{DATA}/book2-524288@0.05,tokenized:{DATA}/book2-65536@0.25,{SHORT}"
+)
 
 
 def get_config():
     c = apply_preset(load_config(BASE), "llama3_8b")
     c.workdir = "runs/prolong_llama3_8b_512k"
     c.mesh.sp = 8
-    c.model.update(init_from_hf="checkpoints/Meta-Llama-3-8B-Instruct", remat="attention",
-                   ffn_chunk=8192, loss_chunk=2048)
-    c.data.update(source="tokenized", tokenizer="checkpoints/Meta-Llama-3-8B-Instruct",
-                  document_mask=True, mixture_unit="tokens", balance=True)
+    c.model.update(
+        init_from_hf="checkpoints/Meta-Llama-3-8B-Instruct",
+        remat="attention",
+        ffn_chunk=8192,
+        loss_chunk=2048,
+    )
+    c.data.update(
+        source="tokenized",
+        tokenizer="checkpoints/Meta-Llama-3-8B-Instruct",
+        document_mask=True,
+        mixture_unit="tokens",
+        balance=True,
+    )
     # ProLong's AdamW (clip 1.0 and the decay to 10% of the peak are the shared ones)
     c.train.update(b1=0.9, b2=0.95, weight_decay=0.1, decay="cosine")
     c.stages.optimizer = "carry"
     c.stages.list = [
-        dict(name="64K", tokens=5000 * (4 << 20), tokens_per_batch=4 << 20,
-             data=dict(seq_len="64k", path=STAGE_64K), model=dict(rope_theta=8e6),
-             mesh=dict(sp=8), train=dict(lr=1e-5, warmup=500, grad_accum=8)),
-        dict(name="512K", tokens=2500 * (8 << 20), tokens_per_batch=8 << 20,
-             data=dict(seq_len="512k", path=STAGE_512K), model=dict(rope_theta=1.28e8),
-             mesh=dict(sp=32), train=dict(lr=5e-6, warmup=250, grad_accum=8)),
+        dict(
+            name="64K",
+            tokens=5000 * (4 << 20),
+            tokens_per_batch=4 << 20,
+            data=dict(seq_len="64k", path=STAGE_64K),
+            model=dict(rope_theta=8e6),
+            mesh=dict(sp=8),
+            train=dict(lr=1e-5, warmup=500, grad_accum=8),
+        ),
+        dict(
+            name="512K",
+            tokens=2500 * (8 << 20),
+            tokens_per_batch=8 << 20,
+            data=dict(seq_len="512k", path=STAGE_512K),
+            model=dict(rope_theta=1.28e8),
+            mesh=dict(sp=32),
+            train=dict(lr=5e-6, warmup=250, grad_accum=8),
+        ),
     ]
     # held-out data (empty: none until given) at this stage's and every earlier stage's length
     c.validation.update(every=250, lengths="stages")

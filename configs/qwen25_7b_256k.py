@@ -38,12 +38,23 @@ def get_config():
     # 1.2 GiB (LLaMA-2's 8192 would hold 4.6 GiB of them)
     c.model.update(init_from_hf="checkpoints/Qwen2.5-7B-Instruct", loss_chunk=2048)
     c.data.tokenizer = "checkpoints/Qwen2.5-7B-Instruct"
-    c.stages.update(tokens_per_batch=1 << 20, list=[
-        dict(data=dict(seq_len="64k"), train=dict(steps=300), mesh=dict(sp=4),
-             model=dict(remat="offload", rope_theta=1e7)),
-        dict(data=dict(seq_len="256k"), train=dict(steps=150), mesh=dict(sp=8),
-             model=dict(remat="attention")),
-    ])
+    c.stages.update(
+        tokens_per_batch=1 << 20,
+        list=[
+            dict(
+                data=dict(seq_len="64k"),
+                train=dict(steps=300),
+                mesh=dict(sp=4),
+                model=dict(remat="offload", rope_theta=1e7),
+            ),
+            dict(
+                data=dict(seq_len="256k"),
+                train=dict(steps=150),
+                mesh=dict(sp=8),
+                model=dict(remat="attention"),
+            ),
+        ],
+    )
     c.train.update(steps=150, lr=1e-5)
     c.validation.lengths = "stages"
     return c

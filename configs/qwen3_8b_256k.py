@@ -29,8 +29,13 @@ def get_config():
     # YaRN over the native context (the model card's form, with factor 8 for 256K). A loss
     # chunk of 2048 tokens: its float32 logits over Qwen's 151,936-token vocabulary are 1.2 GiB
     # (8192, LLaMA-2's chunk, would hold 4.6 GiB of them)
-    c.model.update(init_from_hf="checkpoints/Qwen3-8B", rope_scaling="yarn", rope_factor=8.0,
-                   rope_original_max_positions=32768, loss_chunk=2048)
+    c.model.update(
+        init_from_hf="checkpoints/Qwen3-8B",
+        rope_scaling="yarn",
+        rope_factor=8.0,
+        rope_original_max_positions=32768,
+        loss_chunk=2048,
+    )
     c.data.tokenizer = "checkpoints/Qwen3-8B"
     c.train.update(steps=200, lr=1e-5)
     return c

@@ -49,27 +49,59 @@ def get_config():
     c = apply_preset(base_config(), "smollm2_135m")
     c.workdir = "runs/smollm2_64k"
     c.mesh.update(dp=1, fsdp=1, tp=1, sp=1)
-    c.model.update(init_from_hf=MODEL, dtype="bfloat16", param_dtype="float32",
-                   scan_layers=True, remat="attention", ffn_chunk=8192, loss_chunk=4096)
+    c.model.update(
+        init_from_hf=MODEL,
+        dtype="bfloat16",
+        param_dtype="float32",
+        scan_layers=True,
+        remat="attention",
+        ffn_chunk=8192,
+        loss_chunk=4096,
+    )
     c.attention.update(impl="auto", layout="striped", q_chunk=1024, kv_chunk=1024)
-    c.data.update(source="code", path=MIXTURE, tokenizer=MODEL, document_mask=True,
-                  mixture_unit="tokens")
-    c.train.update(b1=0.9, b2=0.95, weight_decay=0.0, clip=1.0, min_lr_ratio=0.1,
-                   decay="cosine", warmup=3)
-    c.stages.update(tokens_per_batch=256 * 1024, optimizer="carry", list=[
-        dict(name="32K", data=dict(seq_len="32k"), model=dict(rope_theta=1e6),
-             train=dict(lr=1e-4, steps=16)),
-        dict(name="64K", data=dict(seq_len="64k"), model=dict(rope_theta=4e6),
-             train=dict(lr=5e-5, steps=16)),
-    ])
+    c.data.update(
+        source="code", path=MIXTURE, tokenizer=MODEL, document_mask=True, mixture_unit="tokens"
+    )
+    c.train.update(
+        b1=0.9, b2=0.95, weight_decay=0.0, clip=1.0, min_lr_ratio=0.1, decay="cosine", warmup=3
+    )
+    c.stages.update(
+        tokens_per_batch=256 * 1024,
+        optimizer="carry",
+        list=[
+            dict(
+                name="32K",
+                data=dict(seq_len="32k"),
+                model=dict(rope_theta=1e6),
+                train=dict(lr=1e-4, steps=16),
+            ),
+            dict(
+                name="64K",
+                data=dict(seq_len="64k"),
+                model=dict(rope_theta=4e6),
+                train=dict(lr=5e-5, steps=16),
+            ),
+        ],
+    )
     c.log.every = 1
     # no held-out loss while training (its compiles cost a device minute): lclm.extend
     # measures the held-out documents before and after
-    c.checkpoint.update(every=0, keep=1, every_minutes=0.0)   # each stage's final step
-    c.extension.update(data=f"code-heldout:{STDLIB}", lengths="stages", short_length="2k",
-                       documents=8, buckets=64, passkey_depths=5, passkey_samples=2,
-                       ruler_tasks="niah_single_1,niah_single_2,niah_multikey_1",
-                       ruler_samples=4, ruler_chat=True, yarn=True, device="h100", mfu=0.25,
-                       compile_seconds=30.0)
+    c.checkpoint.update(every=0, keep=1, every_minutes=0.0)  # each stage's final step
+    c.extension.update(
+        data=f"code-heldout:{STDLIB}",
+        lengths="stages",
+        short_length="2k",
+        documents=8,
+        buckets=64,
+        passkey_depths=5,
+        passkey_samples=2,
+        ruler_tasks="niah_single_1,niah_single_2,niah_multikey_1",
+        ruler_samples=4,
+        ruler_chat=True,
+        yarn=True,
+        device="h100",
+        mfu=0.25,
+        compile_seconds=30.0,
+    )
     c.targets.update(far_near=1.0, passkey=0.9, short_loss=0.02, ruler=50.0, beat_yarn=True)
     return c

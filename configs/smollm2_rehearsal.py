@@ -30,16 +30,42 @@ def get_config():
     c.attention.update(q_chunk=512, kv_chunk=512)
     c.data.path = f"code:{STDLIB}@0.75?min_tokens=2k,code:{STDLIB}@0.25?max_tokens=1k"
     c.train.warmup = 1
-    c.stages.update(tokens_per_batch=1024, list=[
-        dict(name="512", data=dict(seq_len=512), model=dict(rope_theta=2e5),
-             train=dict(lr=1e-5, steps=2)),
-        dict(name="1K", data=dict(seq_len="1k"), model=dict(rope_theta=4e5),
-             train=dict(lr=1e-5, steps=2)),
-        dict(name="2K", data=dict(seq_len="2k"), model=dict(rope_theta=8e5),
-             train=dict(lr=5e-6, steps=2), tokens_per_batch=2048),
-    ])
-    c.extension.update(short_length="256", trained_length=512, documents=2, buckets=16,
-                       passkey_depths=2, passkey_samples=1, ruler_tasks="niah_single_1,vt",
-                       ruler_samples=1, device="", mfu=0.6, compile_seconds=15.0)
+    c.stages.update(
+        tokens_per_batch=1024,
+        list=[
+            dict(
+                name="512",
+                data=dict(seq_len=512),
+                model=dict(rope_theta=2e5),
+                train=dict(lr=1e-5, steps=2),
+            ),
+            dict(
+                name="1K",
+                data=dict(seq_len="1k"),
+                model=dict(rope_theta=4e5),
+                train=dict(lr=1e-5, steps=2),
+            ),
+            dict(
+                name="2K",
+                data=dict(seq_len="2k"),
+                model=dict(rope_theta=8e5),
+                train=dict(lr=5e-6, steps=2),
+                tokens_per_batch=2048,
+            ),
+        ],
+    )
+    c.extension.update(
+        short_length="256",
+        trained_length=512,
+        documents=2,
+        buckets=16,
+        passkey_depths=2,
+        passkey_samples=1,
+        ruler_tasks="niah_single_1,vt",
+        ruler_samples=1,
+        device="",
+        mfu=0.6,
+        compile_seconds=15.0,
+    )
     c.targets.update(passkey=0.5, ruler=-1.0)
     return c

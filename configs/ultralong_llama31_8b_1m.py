@@ -36,14 +36,29 @@ def get_config():
     c = apply_preset(load_config(BASE), "llama3_8b")
     c.workdir = "runs/ultralong_llama31_8b_1m"
     c.mesh.sp = 16
-    c.model.update(init_from_hf="checkpoints/Llama-3.1-8B-Instruct", remat="attention",
-                   ffn_chunk=8192, loss_chunk=2048, rope_theta=500000.0,
-                   rope_scaling="yarn", rope_factor=128.0, rope_original_max_positions=8192,
-                   rope_beta_fast=4.0, rope_beta_slow=1.0)
-    c.data.update(source="tokenized", path=f"data/long_documents?{LONG}",
-                  tokenizer="checkpoints/Llama-3.1-8B-Instruct", seq_len=1 << 20,
-                  batch_size=4, document_mask=False, reset_positions=False,
-                  mixture_unit="tokens", balance=True)
+    c.model.update(
+        init_from_hf="checkpoints/Llama-3.1-8B-Instruct",
+        remat="attention",
+        ffn_chunk=8192,
+        loss_chunk=2048,
+        rope_theta=500000.0,
+        rope_scaling="yarn",
+        rope_factor=128.0,
+        rope_original_max_positions=8192,
+        rope_beta_fast=4.0,
+        rope_beta_slow=1.0,
+    )
+    c.data.update(
+        source="tokenized",
+        path=f"data/long_documents?{LONG}",
+        tokenizer="checkpoints/Llama-3.1-8B-Instruct",
+        seq_len=1 << 20,
+        batch_size=4,
+        document_mask=False,
+        reset_positions=False,
+        mixture_unit="tokens",
+        balance=True,
+    )
     c.train.update(steps=239, lr=3e-5, warmup=10, decay="cosine")
     c.validation.update(every=50, lengths="128k,1m")
     c.checkpoint.every = 25

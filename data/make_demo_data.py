@@ -37,9 +37,20 @@ def train_tokenizer(docs: list[str]) -> bytes:
     depend on how work is split."""
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(docs), model_writer=model, model_type="bpe", vocab_size=512,
-        character_coverage=1.0, byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        num_threads=1, split_digits=True, minloglevel=2)
+        sentence_iterator=iter(docs),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=512,
+        character_coverage=1.0,
+        byte_fallback=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        num_threads=1,
+        split_digits=True,
+        minloglevel=2,
+    )
     return model.getvalue()
 
 

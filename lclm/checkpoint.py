@@ -47,7 +47,7 @@ def gather_json(obj) -> list:
     raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
     size = int(np.max(multihost_utils.process_allgather(np.int64(raw.size))))
     padded = np.zeros(size, np.uint8)
-    padded[:raw.size] = raw
+    padded[: raw.size] = raw
     rows = multihost_utils.process_allgather(padded)
     return [json.loads(bytes(r).rstrip(b"\0").decode()) for r in rows]
 
@@ -65,9 +65,11 @@ _TENSORSTORE_RETRIES = {"max_retries": 3, "initial_delay": "1s", "max_delay": "2
 # how long one of its requests waits for the store (storage.REQUEST_SECONDS): to connect, and
 # with less than a byte a second moving either way. Variables its HTTP transport reads when
 # it is first used (the process's first checkpoint read or write on a bucket)
-_TENSORSTORE_WAITS = {"TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": storage.REQUEST_SECONDS,
-                      "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": storage.REQUEST_SECONDS,
-                      "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": 1}
+_TENSORSTORE_WAITS = {
+    "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": storage.REQUEST_SECONDS,
+    "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": storage.REQUEST_SECONDS,
+    "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": 1,
+}
 
 
 # How the train state's arrays are written (bench/checkpoint_save.py, results in
@@ -95,8 +97,10 @@ def _prepare_orbax() -> None:
     storage failures in one line (`_quiet_storage_tracebacks`)."""
     for name, value in _TENSORSTORE_WAITS.items():
         os.environ.setdefault(name, str(value))
-    for context in (tensorstore_utils._BASE_TS_CONTEXT,
-                    tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+    for context in (
+        tensorstore_utils._BASE_TS_CONTEXT,
+        tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT,
+    ):
         for entry in storage.SCHEMES.values():
             if entry.tensorstore_retries:
                 context[entry.tensorstore_retries] = dict(_TENSORSTORE_RETRIES)
@@ -109,14 +113,17 @@ def _reader(workdir: str):
     directory = storage.absolute(storage.join(workdir, "checkpoints"))
     if not storage.isdir(directory):
         if not storage.exists(workdir):
-            raise FileNotFoundError(f"{workdir!r} does not exist; pass the workdir of an "
-                                    "lclm run")
+            raise FileNotFoundError(f"{workdir!r} does not exist; pass the workdir of an lclm run")
         raise FileNotFoundError(f"no checkpoints in {workdir!r} (expected {directory})")
-    _prepare_orbax()   # a damaged step's failed reads: one line, as for saves
-    handlers = {"state": state_handler(), "data": ocp.JsonCheckpointHandler(),
-                "config": ocp.JsonCheckpointHandler()}
-    return ocp.CheckpointManager(directory, item_handlers=handlers,
-                                 options=ocp.CheckpointManagerOptions(create=False))
+    _prepare_orbax()  # a damaged step's failed reads: one line, as for saves
+    handlers = {
+        "state": state_handler(),
+        "data": ocp.JsonCheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler(),
+    }
+    return ocp.CheckpointManager(
+        directory, item_handlers=handlers, options=ocp.CheckpointManagerOptions(create=False)
+    )
 
 
 def saved_config(workdir: str, step: int | None = None) -> tuple[int, dict]:
@@ -154,8 +161,9 @@ def first_readable(steps, read, damaged):
     return None
 
 
-def read_checkpoint(workdir: str, step: int | None,
-                    load: Callable[[int, dict], T]) -> tuple[int, dict, T]:
+def read_checkpoint(
+    workdir: str, step: int | None, load: Callable[[int, dict], T]
+) -> tuple[int, dict, T]:
     """(step, its saved config, `load(step, config)`) of checkpoint `step` of `workdir`, or
     where `step` is None of its latest readable one: a damaged step is named in a warning and
     the previous one read, as a resumed run falls back, but left where it is (a reader does
@@ -169,8 +177,9 @@ def read_checkpoint(workdir: str, step: int | None,
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {workdir!r}/checkpoints")
     if step is not None and step not in steps:
-        raise FileNotFoundError(f"{workdir!r} has no checkpoint step {step} (saved: "
-                                f"{sorted(steps)})")
+        raise FileNotFoundError(
+            f"{workdir!r} has no checkpoint step {step} (saved: {sorted(steps)})"
+        )
 
     def read(s: int):
         config = saved_config(workdir, s)[1]
@@ -178,15 +187,19 @@ def read_checkpoint(workdir: str, step: int | None,
 
     def damaged(s: int, why: str) -> None:
         if step is not None:
-            raise StartupError(f"checkpoint step {s} of {workdir} cannot be read ({why}); pass "
-                               f"another --step (saved: {sorted(steps)})")
-        log.warning("checkpoint step %d of %s is damaged (%s); reading the previous one", s,
-                    workdir, why)
+            raise StartupError(
+                f"checkpoint step {s} of {workdir} cannot be read ({why}); pass "
+                f"another --step (saved: {sorted(steps)})"
+            )
+        log.warning(
+            "checkpoint step %d of %s is damaged (%s); reading the previous one", s, workdir, why
+        )
 
     found = first_readable([step] if step is not None else steps, read, damaged)
     if found is None:
-        raise StartupError(f"no readable checkpoint in {workdir!r} (steps {sorted(steps)} are "
-                           "damaged)")
+        raise StartupError(
+            f"no readable checkpoint in {workdir!r} (steps {sorted(steps)} are damaged)"
+        )
     s, (config, loaded) = found
     return s, config, loaded
 
@@ -202,9 +215,16 @@ def read_state_items(workdir: str, step: int, abstract: dict) -> dict:
     them), placed as the `jax.ShapeDtypeStruct` leaves of `abstract` say."""
     manager = _reader(workdir)
     try:
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-            partial_restore=True)))
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=abstract,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                    partial_restore=True,
+                )
+            ),
+        )
     finally:
         manager.close()
     return restored["state"]
@@ -220,12 +240,16 @@ def path_problem(workdir: str) -> str | None:
     if name is not None and not (entry and entry.checkpoints):
         kept = storage.listing(lambda s: s.checkpoints)
         mount = f" (e.g. {entry.mount})" if entry else ""
-        return (f"is on {name}://, where Orbax (0.12, lclm's checkpoint writer) cannot keep "
-                f"checkpoints: it writes arrays to {kept} or a file path; use a {kept} "
-                f"workdir, or mount the bucket{mount} and give its path")
+        return (
+            f"is on {name}://, where Orbax (0.12, lclm's checkpoint writer) cannot keep "
+            f"checkpoints: it writes arrays to {kept} or a file path; use a {kept} "
+            f"workdir, or mount the bucket{mount} and give its path"
+        )
     if "[" in workdir or "]" in workdir:
-        return ("contains '[' or ']', which Orbax's file matching reads as a pattern: "
-                "checkpoints written there could not be read back; rename it")
+        return (
+            "contains '[' or ']', which Orbax's file matching reads as a pattern: "
+            "checkpoints written there could not be read back; rename it"
+        )
     return None
 
 
@@ -265,8 +289,11 @@ class _LateCallbacksIgnored:
         while tb is not None:
             frames.append(tb.tb_frame.f_code.co_name)
             tb = tb.tb_next
-        if (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-                and "call_soon_threadsafe" in frames):
+        if (
+            isinstance(error, RuntimeError)
+            and str(error) == "Event loop is closed"
+            and "call_soon_threadsafe" in frames
+        ):
             log.debug("a storage write completed after its save was abandoned")
             return
         self.previous(unraisable)
@@ -276,10 +303,14 @@ class _LateCallbacksIgnored:
 # keeps checkpoints on) and those of their modules that log on their own: a logger's filters
 # see only the records logged on it, not those its children pass up
 _CLIENT_LOGGERS = (*(s.client for s in storage.SCHEMES.values() if s.checkpoints), "fsspec")
-_CLIENT_CHILDREN = (*(name for s in storage.SCHEMES.values() if s.checkpoints
-                      for name in s.loggers),
-                    "fsspec.asyn", "fsspec.caching", "fsspec.prefetcher", "fsspec.generic",
-                    "fsspec.mapping")
+_CLIENT_CHILDREN = (
+    *(name for s in storage.SCHEMES.values() if s.checkpoints for name in s.loggers),
+    "fsspec.asyn",
+    "fsspec.caching",
+    "fsspec.prefetcher",
+    "fsspec.generic",
+    "fsspec.mapping",
+)
 
 
 def _quiet_storage_tracebacks() -> None:
@@ -309,19 +340,26 @@ class Checkpoints:
         self.directory = storage.absolute(storage.join(workdir, "checkpoints"))
         self.damaged = storage.join(storage.dirname(self.directory), "checkpoints_damaged")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=True,
+            max_to_keep=keep,
+            create=True,
+            enable_async_checkpointing=True,
             # the step directory is created before `save` returns, so an unwritable or full
             # disk fails the save call itself instead of a background thread waiting minutes
-            async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+        )
         _prepare_orbax()
-        handlers = {"state": state_handler(),
-                    "data": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_handlers=handlers)
-        self._pending: int | None = None   # step of the asynchronous save in flight
-        self._began = time.monotonic()     # when the save in flight (or the last one) began
-        self._completed: int | None = None   # a save completed since `poll` last said so
-        self._abandoned: set[int] = set()   # failed saves whose partial files may remain
+        handlers = {
+            "state": state_handler(),
+            "data": ocp.JsonCheckpointHandler(),
+            "config": ocp.JsonCheckpointHandler(),
+        }
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
+        self._pending: int | None = None  # step of the asynchronous save in flight
+        self._began = time.monotonic()  # when the save in flight (or the last one) began
+        self._completed: int | None = None  # a save completed since `poll` last said so
+        self._abandoned: set[int] = set()  # failed saves whose partial files may remain
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -341,8 +379,9 @@ class Checkpoints:
         """The config saved with `step`, or None where it cannot be read (damage is
         `restore`'s business: it sets the step aside)."""
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                config=ocp.args.JsonRestore()))
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
+            )
         except Exception:  # noqa: BLE001  (any damage)
             return None
         return restored["config"]
@@ -352,38 +391,55 @@ class Checkpoints:
         one of the checkpoint and the model has (a changed config, not damage: nothing is
         set aside for it)."""
         saved = self.manager.item_metadata(step)["state"].tree["params"]
-        saved = {jax.tree_util.keystr(k): v.shape
-                 for k, v in jax.tree_util.tree_leaves_with_path(
-                     saved, is_leaf=lambda x: hasattr(x, "shape"))}
-        expected = {jax.tree_util.keystr(path): leaf.shape
-                    for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+        saved = {
+            jax.tree_util.keystr(k): v.shape
+            for k, v in jax.tree_util.tree_leaves_with_path(
+                saved, is_leaf=lambda x: hasattr(x, "shape")
+            )
+        }
+        expected = {
+            jax.tree_util.keystr(path): leaf.shape
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        }
         for name, shape in expected.items():
             if name not in saved:
-                raise ShapeMismatch(f"checkpoint step {step} in {self.directory} has no "
-                                    f"parameter {name}; it was written for another model")
+                raise ShapeMismatch(
+                    f"checkpoint step {step} in {self.directory} has no "
+                    f"parameter {name}; it was written for another model"
+                )
             if tuple(saved[name]) != tuple(shape):
-                raise ShapeMismatch(f"checkpoint step {step} parameter {name} has shape "
-                                    f"{tuple(saved[name])} but the model expects "
-                                    f"{tuple(shape)}; check config.model against the "
-                                    "run that wrote it")
+                raise ShapeMismatch(
+                    f"checkpoint step {step} parameter {name} has shape "
+                    f"{tuple(saved[name])} but the model expects "
+                    f"{tuple(shape)}; check config.model against the "
+                    "run that wrote it"
+                )
         extra = sorted(set(saved) - set(expected))
         if extra:
-            raise ShapeMismatch(f"checkpoint step {step} in {self.directory} has parameter "
-                                f"{extra[0]} that the model does not (e.g. "
-                                "model.tie_embeddings); check config.model against the run "
-                                "that wrote it")
+            raise ShapeMismatch(
+                f"checkpoint step {step} in {self.directory} has parameter "
+                f"{extra[0]} that the model does not (e.g. "
+                "model.tie_embeddings); check config.model against the run "
+                "that wrote it"
+            )
 
     def _read(self, step: int, template):
         """`(state, data states)` of `step`; raises whatever a damaged step raises."""
         self.check_shapes(step, template.params)
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-            _as_dict(template))
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                item=abstract,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)),
-            data=ocp.args.JsonRestore()))
+            _as_dict(template),
+        )
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=abstract,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                ),
+                data=ocp.args.JsonRestore(),
+            ),
+        )
         s = restored["state"]
         return type(template)(s["step"], s["params"], s["opt_state"]), restored["data"]["processes"]
 
@@ -395,8 +451,14 @@ class Checkpoints:
             target = storage.join(self.damaged, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
             if storage.exists(source):
                 storage.move(source, target)
-            log.error("checkpoint step %d in %s is damaged (%s); moved it to %s and falling "
-                      "back to the previous one", step, self.directory, why, target)
+            log.error(
+                "checkpoint step %d in %s is damaged (%s); moved it to %s and falling "
+                "back to the previous one",
+                step,
+                self.directory,
+                why,
+                target,
+            )
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"lclm_set_aside_{step}")
         storage.forget_listings(self.directory)
@@ -406,14 +468,19 @@ class Checkpoints:
         """(state placed like `template`, the data states of every process that saved it) of
         the latest readable checkpoint. Damaged steps are set aside; a shape mismatch is a
         config error and stops."""
-        found = first_readable(sorted(self.manager.all_steps(), reverse=True),
-                               lambda step: self._read(step, template), self.set_aside)
+        found = first_readable(
+            sorted(self.manager.all_steps(), reverse=True),
+            lambda step: self._read(step, template),
+            self.set_aside,
+        )
         if found is not None:
             log.info("restored checkpoint step %d of %s", found[0], self.directory)
             return found[1]
-        raise StartupError(f"no readable checkpoint in {self.directory} (damaged ones are in "
-                           f"{self.damaged}); run again to start from scratch, or use a new "
-                           "workdir")
+        raise StartupError(
+            f"no readable checkpoint in {self.directory} (damaged ones are in "
+            f"{self.damaged}); run again to start from scratch, or use a new "
+            "workdir"
+        )
 
     def save(self, step: int, state, data_state: dict | None, config: dict) -> None:
         """Start an asynchronous save of `step` (returns once the arrays are copied);
@@ -421,12 +488,18 @@ class Checkpoints:
         Raises `SaveFailed` if the previous save or this one cannot be written."""
         self.wait()
         self._began = time.monotonic()
-        self._remove_partial()   # again: writes still in flight at a failure may have left some
+        self._remove_partial()  # again: writes still in flight at a failure may have left some
         data = {"processes": gather_json(data_state)}
         try:
-            self.manager.save(step, force=True, args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(_as_dict(state)), data=ocp.args.JsonSave(data),
-                config=ocp.args.JsonSave(config)))
+            self.manager.save(
+                step,
+                force=True,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeSave(_as_dict(state)),
+                    data=ocp.args.JsonSave(data),
+                    config=ocp.args.JsonSave(config),
+                ),
+            )
         except Exception as e:  # noqa: BLE001  (unwritable directory, disk full...)
             raise self._failed(step, e) from None
         self._pending = step
@@ -466,12 +539,13 @@ class Checkpoints:
                     for name in storage.listdir(self.directory):
                         path = storage.join(self.directory, name)
                         if name.startswith(f"{step}.orbax-checkpoint-tmp") or (
-                                name == str(step) and storage.is_remote(path)
-                                and not storage.exists(storage.join(path, COMMITTED))):
+                            name == str(step)
+                            and storage.is_remote(path)
+                            and not storage.exists(storage.join(path, COMMITTED))
+                        ):
                             storage.remove_tree(path)
                 except Exception as e:  # noqa: BLE001  (any client's error: the save failed)
-                    log.debug("partial files of step %d not removed yet (%s)", step,
-                              first_line(e))
+                    log.debug("partial files of step %d not removed yet (%s)", step, first_line(e))
                     return
                 self._abandoned.discard(step)
         else:
@@ -480,8 +554,8 @@ class Checkpoints:
 
     def _reload(self) -> None:
         try:
-            storage.forget_listings(self.directory)   # a removed GCS step: out of every listing
-            self.manager.reload()   # the failed step out of the manager's list, if it is there
+            storage.forget_listings(self.directory)  # a removed GCS step: out of every listing
+            self.manager.reload()  # the failed step out of the manager's list, if it is there
         except Exception as e:  # noqa: BLE001  (storage still failing: its last list stands)
             log.debug("checkpoint list not reloaded (%s)", first_line(e))
 
@@ -490,11 +564,13 @@ class Checkpoints:
             self._abandoned.add(step)
         # an earlier save completed but not yet reported: not news once a later one failed
         self._completed = None
-        self._reload()   # Orbax, not reloaded, raises the failed save again at every later one
+        self._reload()  # Orbax, not reloaded, raises the failed save again at every later one
         intact = [s for s in self.manager.all_steps() if s != step]
-        return SaveFailed(f"checkpoint step {step} could not be saved to {self.directory} "
-                          f"({first_line(error)}); intact checkpoints: {intact or 'none'}",
-                          began=self._began)
+        return SaveFailed(
+            f"checkpoint step {step} could not be saved to {self.directory} "
+            f"({first_line(error)}); intact checkpoints: {intact or 'none'}",
+            began=self._began,
+        )
 
     def close(self) -> None:
         """Wait for the save in flight and release the manager; `SaveFailed` if a save failed.
@@ -514,7 +590,8 @@ class Checkpoints:
         try:
             self.manager.close()
         except Exception as e:  # noqa: BLE001
-            failed = failed or SaveFailed(f"a checkpoint save to {self.directory} failed "
-                                          f"({first_line(e)})", began=self._began)
+            failed = failed or SaveFailed(
+                f"a checkpoint save to {self.directory} failed ({first_line(e)})", began=self._began
+            )
         if failed is not None:
             raise failed

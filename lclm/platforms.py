@@ -28,8 +28,7 @@ from importlib.machinery import ModuleSpec
 # What jax._src.hardware_utils takes for a TPU chip on the PCI bus (Google's vendor id; the
 # device ids of v3 to TPU7x). Not imported from there: that would import JAX.
 _GOOGLE_PCI_VENDOR = "0x1ae0"
-_TPU_PCI_DEVICES = frozenset({"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f",
-                              "0x0076"})
+_TPU_PCI_DEVICES = frozenset({"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"})
 # The device nodes through which JAX finds an NVIDIA GPU (hardware_utils) or an AMD one (KFD)
 _NVIDIA_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl")
 _GPU_DEVICE_NODES = (*_NVIDIA_DEVICE_NODES, "/dev/dxg", "/dev/kfd")
@@ -75,8 +74,11 @@ def _other_accelerator() -> bool:
 
 def _jax_plugins(spec: ModuleSpec | None) -> list[str]:
     """The module names of the jax_plugins namespace package (`spec`: its spec, or None)."""
-    return [m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations or []))
-            ] if spec else []
+    return (
+        [m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations or []))]
+        if spec
+        else []
+    )
 
 
 def nvidia_gpu_attached() -> bool:
@@ -109,8 +111,9 @@ def keep_jax_off_an_absent_tpu() -> None:
     use; otherwise nothing. Call it before JAX starts its backends."""
     if "JAX_PLATFORMS" in os.environ or "JAX_FORCE_TPU_INIT" in os.environ:
         return
-    if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")
-            or cuda_plugin()):
+    if not (
+        os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu") or cuda_plugin()
+    ):
         return  # without libtpu or the CUDA plugin JAX's own search is silent and lock-free
     if tpu_attached() or _other_accelerator():
         return

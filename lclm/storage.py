@@ -41,9 +41,9 @@ class Scheme:
     """An object store lclm reads and writes: an entry of `SCHEMES` (the end of this module),
     which every choice by a path's scheme asks."""
 
-    name: str   # 'gs' of 'gs://bucket/x', also fsspec's name of the protocol
-    client: str   # the module of fsspec's client, imported to find whether it is installed
-    package: str   # the pip package that brings `client` (lclm's 'cloud' extra lists it)
+    name: str  # 'gs' of 'gs://bucket/x', also fsspec's name of the protocol
+    client: str  # the module of fsspec's client, imported to find whether it is installed
+    package: str  # the pip package that brings `client` (lclm's 'cloud' extra lists it)
     # an object's `Version` from the client's info (`fs.info`)
     version: Callable[[dict], Version]
     # write an object only if it is at `Version` (None: only if there is none), its new
@@ -95,8 +95,10 @@ def client_problem(path: str) -> str | None:
     if s is None:
         return None
     if s not in SCHEMES:
-        return (f"uses {s}://, which lclm does not read or write; use "
-                f"{listing(last='a local or mounted path')}")
+        return (
+            f"uses {s}://, which lclm does not read or write; use "
+            f"{listing(last='a local or mounted path')}"
+        )
     entry = SCHEMES[s]
     try:
         _import_client(entry)
@@ -206,7 +208,7 @@ def write_bytes(path: str, data: bytes, within: float | None = None) -> None:
         _replace_local(path, data)
         return
     fs, p = filesystem(path)
-    fs.pipe_file(p, data, timeout=within)   # fsspec's bound of the whole call
+    fs.pipe_file(p, data, timeout=within)  # fsspec's bound of the whole call
 
 
 def error_text(error: BaseException) -> str:
@@ -224,7 +226,7 @@ def error_text(error: BaseException) -> str:
 def timed_out(error: BaseException) -> bool:
     """Whether `error`, or an error it was raised from, is a timeout."""
     seen: BaseException | None = error
-    for _ in range(16):   # a chain is short; a cycle is not followed for ever
+    for _ in range(16):  # a chain is short; a cycle is not followed for ever
         if seen is None:
             return False
         if isinstance(seen, TimeoutError):
@@ -341,9 +343,11 @@ def upload(local: str, path: str) -> None:
 
 # tensorstore reports a failed read or write (a full disk, a file gone) as a ValueError whose
 # text starts with the status code
-_STORAGE_STATUS = re.compile(r"(RESOURCE_EXHAUSTED|NOT_FOUND|PERMISSION_DENIED|UNAVAILABLE|"
-                             r"OUT_OF_RANGE|DATA_LOSS|ABORTED|DEADLINE_EXCEEDED|FAILED_PRECONDITION|"
-                             r"CANCELLED|UNKNOWN|INTERNAL): ")
+_STORAGE_STATUS = re.compile(
+    r"(RESOURCE_EXHAUSTED|NOT_FOUND|PERMISSION_DENIED|UNAVAILABLE|"
+    r"OUT_OF_RANGE|DATA_LOSS|ABORTED|DEADLINE_EXCEEDED|FAILED_PRECONDITION|"
+    r"CANCELLED|UNKNOWN|INTERNAL): "
+)
 
 
 def is_io_error(e: BaseException | None) -> bool:
@@ -373,10 +377,15 @@ class OneLineStorageErrors(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         if error is None:
             return True
-        if not (is_io_error(error) or (isinstance(error, RuntimeError) and
-                                       "cannot schedule new futures after" in str(error))):
+        if not (
+            is_io_error(error)
+            or (
+                isinstance(error, RuntimeError)
+                and "cannot schedule new futures after" in str(error)
+            )
+        ):
             return True
-        if record.name != "asyncio":   # asyncio's repeat Orbax's unawaited tasks at exit
+        if record.name != "asyncio":  # asyncio's repeat Orbax's unawaited tasks at exit
             message = (record.getMessage().strip().splitlines() or [""])[0]
             log.debug("%s: %s (%s)", record.name, message, error_text(error))
         return False
@@ -424,7 +433,7 @@ def stat(path: str) -> tuple[bytes, Version] | None:
             return None
         try:
             data = fs.cat_file(p, **entry.read_at(info))
-        except FileNotFoundError:   # replaced (or removed) since `info`: look again
+        except FileNotFoundError:  # replaced (or removed) since `info`: look again
             continue
         return data, entry.version(info)
     return None
@@ -437,8 +446,10 @@ def _precondition_failed(error: BaseException) -> bool:
     if isinstance(error, FileExistsError):
         return True
     text = f"{error} {error.__cause__ or ''}"
-    return any(word in text for word in ("pre-condition", "PreconditionFailed",
-                                         "ConditionalRequestConflict"))
+    return any(
+        word in text
+        for word in ("pre-condition", "PreconditionFailed", "ConditionalRequestConflict")
+    )
 
 
 def create(path: str, data: bytes) -> Version | None:
@@ -456,11 +467,12 @@ def _conditional_put(path: str, data: bytes, version: Version | None) -> Version
     fs, p = filesystem(path)
     entry = SCHEMES.get(scheme(path) or "")
     if entry is None or entry.put_if is None:
-        raise StartupError(f"{path!r}: conditional writes need "
-                           f"{listing(lambda s: s.put_if is not None)}")
+        raise StartupError(
+            f"{path!r}: conditional writes need {listing(lambda s: s.put_if is not None)}"
+        )
     try:
         return entry.put_if(fs, p, data, version)
-    except Exception as e:   # noqa: BLE001 (each client has its own error types)
+    except Exception as e:  # noqa: BLE001 (each client has its own error types)
         if _precondition_failed(e) or isinstance(e, FileNotFoundError):
             return None
         raise
@@ -517,7 +529,7 @@ def _unanswered_not_retried(request):
     async def once_if_unanswered(*args, **kwargs):
         try:
             return await request(*args, **kwargs)
-        except aiohttp.ServerTimeoutError as e:   # a ClientError: gcsfs would retry it
+        except aiohttp.ServerTimeoutError as e:  # a ClientError: gcsfs would retry it
             raise TimeoutError(f"no answer from the store within {REQUEST_SECONDS} s") from e
 
     return once_if_unanswered
@@ -552,8 +564,7 @@ def _s3_put_if(fs, path: str, data: bytes, version: Version | None) -> Version:
 
     bucket, key = path.split("/", 1)
     condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version.tag}
-    reply = sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data,
-                 **condition)
+    reply = sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data, **condition)
     fs.invalidate_cache(path)
     return Version(str(reply["ETag"]), _s3_time(fs, path, str(reply["ETag"])))
 
@@ -577,13 +588,22 @@ async def _gcs_put(fs, path: str, data: bytes, generation: str) -> dict:
 
     bucket, key = path.split("/", 1)
     meta = json.dumps({"name": key})
-    body = (b"--==0==\nContent-Type: application/json; charset=UTF-8\n\n" + meta.encode()
-            + b"\n--==0==\nContent-Type: application/octet-stream\n\n" + data
-            + b"\n--==0==--")
-    out = await fs._call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
-                         uploadType="multipart", ifGenerationMatch=generation,
-                         headers={"Content-Type": 'multipart/related; boundary="==0=="'},
-                         data=body, json_out=True)
+    body = (
+        b"--==0==\nContent-Type: application/json; charset=UTF-8\n\n"
+        + meta.encode()
+        + b"\n--==0==\nContent-Type: application/octet-stream\n\n"
+        + data
+        + b"\n--==0==--"
+    )
+    out = await fs._call(
+        "POST",
+        f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
+        uploadType="multipart",
+        ifGenerationMatch=generation,
+        headers={"Content-Type": 'multipart/related; boundary="==0=="'},
+        data=body,
+        json_out=True,
+    )
     fs.invalidate_cache(path)
     return out
 
@@ -593,13 +613,33 @@ async def _gcs_put(fs, path: str, data: bytes, generation: str) -> dict:
 # Adding a store is one entry here (with its client's quirks above, if it has any): the
 # messages that name the schemes lclm reads, writes conditionally or keeps checkpoints on are
 # made from it, and lclm's 'cloud' extra (pyproject.toml) lists its package.
-SCHEMES = types.MappingProxyType({s.name: s for s in (
-    Scheme("gs", client="gcsfs", package="gcsfs", version=_gcs_version, put_if=_gcs_put_if,
-           mount="gcsfuse", checkpoints=True, tensorstore_retries="gcs_request_retries",
-           read_at=lambda info: {"generation": info["generation"]},
-           before_import=_quiet_emulator_probe, bound_requests=_bound_gcs_requests,
-           loggers=("gcsfs.credentials", "gcsfs.zonal_file")),
-    # Orbax 0.12 writes arrays to GCS and file paths only
-    Scheme("s3", client="s3fs", package="s3fs", version=_s3_version, put_if=_s3_put_if,
-           mount="mountpoint-s3"),
-)})
+SCHEMES = types.MappingProxyType(
+    {
+        s.name: s
+        for s in (
+            Scheme(
+                "gs",
+                client="gcsfs",
+                package="gcsfs",
+                version=_gcs_version,
+                put_if=_gcs_put_if,
+                mount="gcsfuse",
+                checkpoints=True,
+                tensorstore_retries="gcs_request_retries",
+                read_at=lambda info: {"generation": info["generation"]},
+                before_import=_quiet_emulator_probe,
+                bound_requests=_bound_gcs_requests,
+                loggers=("gcsfs.credentials", "gcsfs.zonal_file"),
+            ),
+            # Orbax 0.12 writes arrays to GCS and file paths only
+            Scheme(
+                "s3",
+                client="s3fs",
+                package="s3fs",
+                version=_s3_version,
+                put_if=_s3_put_if,
+                mount="mountpoint-s3",
+            ),
+        )
+    }
+)

@@ -47,8 +47,9 @@ def run(config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return config_main(sys.argv if argv is None else argv, "configs/demo.py", __doc__, run,
-                       check=check_stages)
+    return config_main(
+        sys.argv if argv is None else argv, "configs/demo.py", __doc__, run, check=check_stages
+    )
 
 
 if __name__ == "__main__":

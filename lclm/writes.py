@@ -65,12 +65,14 @@ def output_problem(path: str, folder: bool = True, remote: bool = False) -> str 
     others refuse them (a local './gs:/...' folder would not be what was meant). Creates
     nothing: the probe is a temporary file in the nearest existing directory (on object
     storage: a temporary object beside `path`), removed at once."""
-    if not path:   # os.path.abspath('') is the current directory: never what was meant
+    if not path:  # os.path.abspath('') is the current directory: never what was meant
         return "is empty; pass a path"
     if storage.is_remote(path):
         if not remote:
-            return (f"is on object storage ({storage.scheme(path)}://), which this command "
-                    "does not write; write to a local or mounted path and copy it")
+            return (
+                f"is on object storage ({storage.scheme(path)}://), which this command "
+                "does not write; write to a local or mounted path and copy it"
+            )
         return storage.client_problem(path) or _object_store_problem(path, folder)
     target = os.path.abspath(path)
     if os.path.exists(target):
@@ -78,7 +80,7 @@ def output_problem(path: str, folder: bool = True, remote: bool = False) -> str 
             return "is a file; pass a folder"
         if not folder and os.path.isdir(target):
             return "is a folder; pass a file name"
-    elif os.path.islink(target):   # makedirs and open would fail on it, or write elsewhere
+    elif os.path.islink(target):  # makedirs and open would fail on it, or write elsewhere
         return "is a broken symbolic link; pass another path"
     existing = target if folder else os.path.dirname(target)
     while not os.path.exists(existing):
@@ -98,12 +100,13 @@ def output_problem(path: str, folder: bool = True, remote: bool = False) -> str 
 def _object_store_problem(path: str, folder: bool) -> str | None:
     """Why `path` on object storage cannot be written: the bucket is missing, or refuses
     this process's writes (credentials, scopes, a read-only bucket)."""
-    probe = storage.join(path if folder else storage.dirname(path),
-                         f".lclm-write-probe-{uuid.uuid4().hex}")
+    probe = storage.join(
+        path if folder else storage.dirname(path), f".lclm-write-probe-{uuid.uuid4().hex}"
+    )
     try:
         storage.write_bytes(probe, b"")
         storage.remove(probe)
-    except Exception as e:   # noqa: BLE001 (each client has its own error types)
+    except Exception as e:  # noqa: BLE001 (each client has its own error types)
         text = " ".join(str(e).split())[:200] or type(e).__name__
         return f"cannot be written ({text}); check the bucket's name and this machine's access"
     return None

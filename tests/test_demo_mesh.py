@@ -18,14 +18,17 @@ from lclm.training.startup_checks import validate
 DEMO_MESH = dict(dp=1, fsdp=2, tp=1, sp=4)
 
 
-@pytest.mark.parametrize("devices,sizes", [
-    (1, dict(dp=1, fsdp=1, tp=1, sp=1)),
-    (2, dict(dp=1, fsdp=1, tp=1, sp=2)),
-    (3, dict(dp=1, fsdp=1, tp=1, sp=2)),
-    (4, dict(dp=1, fsdp=1, tp=1, sp=4)),
-    (8, DEMO_MESH),
-    (16, DEMO_MESH),   # a larger machine: the first 8 devices, as any smaller mesh
-])
+@pytest.mark.parametrize(
+    "devices,sizes",
+    [
+        (1, dict(dp=1, fsdp=1, tp=1, sp=1)),
+        (2, dict(dp=1, fsdp=1, tp=1, sp=2)),
+        (3, dict(dp=1, fsdp=1, tp=1, sp=2)),
+        (4, dict(dp=1, fsdp=1, tp=1, sp=4)),
+        (8, DEMO_MESH),
+        (16, DEMO_MESH),  # a larger machine: the first 8 devices, as any smaller mesh
+    ],
+)
 def test_the_demo_mesh_fits_the_devices(devices, sizes):
     assert resolve_mesh_shape(**fit_mesh(DEMO_MESH, devices), device_count=devices) == sizes
     config = load_config(DEMO_CONFIG)
@@ -55,11 +58,24 @@ def _demo_losses(tmp_path, name: str, xla_flags: str | None) -> tuple[list[float
     if xla_flags:
         env["XLA_FLAGS"] = xla_flags
     workdir = tmp_path / name
-    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", DEMO_CONFIG,
-                    f"--config.workdir={workdir}", "--config.train.steps=3",
-                    "--config.log.every=1", "--config.log.progress=false",
-                    "--config.validation.path="],
-                   env=env, cwd=tmp_path, check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            "--config",
+            DEMO_CONFIG,
+            f"--config.workdir={workdir}",
+            "--config.train.steps=3",
+            "--config.log.every=1",
+            "--config.log.progress=false",
+            "--config.validation.path=",
+        ],
+        env=env,
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     mesh = json.load(open(workdir / "config.json"))["mesh"]
     return [r["loss"] for r in records if "loss" in r], mesh

@@ -22,8 +22,16 @@ from lclm.models.decoder import forward, init_params
 pytestmark = pytest.mark.slow  # writes a checkpoint and compiles decoding
 
 # large init so that greedy choices are far from ties; the demo tokenizer's 512 pieces
-MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                    dtype="float32", init_std=0.5)
+MODEL = ModelConfig(
+    vocab_size=512,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=64,
+    dtype="float32",
+    init_std=0.5,
+)
 PROMPT = "The quick brown fox"
 NEW = 8
 
@@ -41,8 +49,7 @@ def run(tmp_path_factory):
 
 
 def load(workdir, *flags):
-    return load_model(generate.parse_args(["--checkpoint", workdir, "--prompt", PROMPT,
-                                           *flags]))[0]
+    return load_model(generate.parse_args(["--checkpoint", workdir, "--prompt", PROMPT, *flags]))[0]
 
 
 def reference_greedy(params, ids, steps):
@@ -52,15 +59,18 @@ def reference_greedy(params, ids, steps):
     seq = list(ids)
     for _ in range(steps):
         tokens = np.zeros((1, len(ids) + steps), np.int32)
-        tokens[0, :len(seq)] = seq
+        tokens[0, : len(seq)] = seq
         seq.append(int(jnp.argmax(logits_of(params, tokens)[0, len(seq) - 1])))
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
-@pytest.mark.parametrize("mesh", [
-    ("--fsdp", "2", "--sp", "2"),   # a ring of 2, 2 rows of the prompt
-    ("--fsdp", "2", "--sp", "4", "--layout", "zigzag", "--strategy", "usp", "--ulysses", "2"),
-])
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        ("--fsdp", "2", "--sp", "2"),  # a ring of 2, 2 rows of the prompt
+        ("--fsdp", "2", "--sp", "4", "--layout", "zigzag", "--strategy", "usp", "--ulysses", "2"),
+    ],
+)
 def test_greedy_continuation_on_a_mesh_is_the_full_forwards_argmax(run, mesh):
     workdir, params = run
     model = load(workdir, *mesh)
@@ -99,12 +109,17 @@ def test_the_cli_prints_the_continuation(run, capsys):
     assert capsys.readouterr().out == first
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--step", "7"], "has no checkpoint step 7 (saved: [0])"),
-    (["--max-new-tokens", "4086"], "the prompt's 11 tokens and --max-new-tokens=4086 pass the "
-     "model's 4096 positions"),
-    (["--prompt", "fox " * 5000], "pass the model's 4096 positions"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--step", "7"], "has no checkpoint step 7 (saved: [0])"),
+        (
+            ["--max-new-tokens", "4086"],
+            "the prompt's 11 tokens and --max-new-tokens=4086 pass the model's 4096 positions",
+        ),
+        (["--prompt", "fox " * 5000], "pass the model's 4096 positions"),
+    ],
+)
 def test_a_step_or_prompt_the_checkpoint_lacks_is_one_line(run, capsys, flags, needle):
     assert generate.main(["--checkpoint", run[0], "--prompt", PROMPT, *flags]) == 2
     err = capsys.readouterr().err
@@ -119,11 +134,17 @@ def test_a_converted_checkpoint_is_made_for_its_models_positions(tmp_path, capsy
     shutil.copy(DEMO_TOKENIZER, tmp_path / "hf" / "tokenizer.model")
     hf_to_checkpoint(str(tmp_path / "hf"), str(tmp_path / "run"))
     capsys.readouterr()
-    assert generate.main(["--checkpoint", str(tmp_path / "run"), "--prompt", PROMPT,
-                          "--max-new-tokens", "8"]) == 2
+    assert (
+        generate.main(
+            ["--checkpoint", str(tmp_path / "run"), "--prompt", PROMPT, "--max-new-tokens", "8"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert err == ("error: the prompt's 11 tokens and --max-new-tokens=8 pass the model's 16 "
-                   "positions; shorten the prompt or decode fewer tokens\n"), err
+    assert err == (
+        "error: the prompt's 11 tokens and --max-new-tokens=8 pass the model's 16 "
+        "positions; shorten the prompt or decode fewer tokens\n"
+    ), err
 
 
 @pytest.mark.parametrize("flag", ["--checkpoint", "--hf"])
@@ -132,8 +153,10 @@ def test_a_model_on_an_unknown_scheme_is_one_line(tmp_path, monkeypatch, capsys,
     monkeypatch.chdir(tmp_path)
     assert generate.main([flag, "hdfs://bucket/model", "--prompt", PROMPT]) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: {flag} 'hdfs://bucket/model' uses hdfs://, which lclm does not "
-                   "read or write; use gs://, s3:// or a local or mounted path\n")
+    assert err == (
+        f"error: {flag} 'hdfs://bucket/model' uses hdfs://, which lclm does not "
+        "read or write; use gs://, s3:// or a local or mounted path\n"
+    )
     assert os.listdir(tmp_path) == []
 
 
@@ -151,8 +174,10 @@ def test_a_chat_prompt_is_a_user_turn_of_the_template(run, capsys):
     ids = generate.prompt_ids(model.tokenizer, PROMPT, "vicuna")
     assert ids == render_prompt([("user", PROMPT)], model.tokenizer, TEMPLATES["vicuna"]).tolist()
     assert len(ids) > len(generate.prompt_ids(model.tokenizer, PROMPT)) + 10  # system + roles
-    assert capsys.readouterr().out == answer_text(
-        model.tokenizer, reference_greedy(params, ids, NEW)) + "\n"
+    assert (
+        capsys.readouterr().out
+        == answer_text(model.tokenizer, reference_greedy(params, ids, NEW)) + "\n"
+    )
     assert generate.main([*argv, "--chat", "llama3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --chat llama3: ") and err.count("\n") == 1, err

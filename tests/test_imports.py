@@ -17,12 +17,32 @@ import sys
 
 from support import ROOT
 
-LAYERS = ["lclm.errors", "lclm.hardware", "lclm.platforms", "lclm.storage", "lclm.writes",
-          "lclm.families", "lclm.config",
-          "lclm.logs", "lclm.cli", "lclm.ops", "lclm.parallel", "lclm.models", "lclm.hf",
-          "lclm.data", "lclm.checkpoint", "lclm.training", "lclm.eval", "lclm.generate",
-          "lclm.train_program", "lclm.train", "lclm.extend", "lclm.check", "lclm.plan",
-          "lclm.convert"]
+LAYERS = [
+    "lclm.errors",
+    "lclm.hardware",
+    "lclm.platforms",
+    "lclm.storage",
+    "lclm.writes",
+    "lclm.families",
+    "lclm.config",
+    "lclm.logs",
+    "lclm.cli",
+    "lclm.ops",
+    "lclm.parallel",
+    "lclm.models",
+    "lclm.hf",
+    "lclm.data",
+    "lclm.checkpoint",
+    "lclm.training",
+    "lclm.eval",
+    "lclm.generate",
+    "lclm.train_program",
+    "lclm.train",
+    "lclm.extend",
+    "lclm.check",
+    "lclm.plan",
+    "lclm.convert",
+]
 
 
 def _layer(module: str) -> int | None:
@@ -88,11 +108,15 @@ def test_no_import_cycles():
 
 # flax is the optional [nnx] extra: only the NNX view imports it (its old name imports the view)
 def test_only_the_nnx_view_imports_flax():
-    importers = {name for name, tree in _modules() for node in ast.walk(tree)
-                 if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "flax"
-                                                          for a in node.names))
-                 or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0]
-                     == "flax")}
+    importers = {
+        name
+        for name, tree in _modules()
+        for node in ast.walk(tree)
+        if (
+            isinstance(node, ast.Import) and any(a.name.split(".")[0] == "flax" for a in node.names)
+        )
+        or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "flax")
+    }
     assert importers == {"lclm.models.nnx_decoder"}
 
 
@@ -100,10 +124,17 @@ def test_only_the_nnx_view_imports_flax():
 # and status as train.py
 def test_python_m_lclm_train_runs_the_training_program(tmp_path):
     missing = str(tmp_path / "missing.py")
-    runs = [subprocess.run([sys.executable, *door, "--config", missing], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
-            for door in (["-m", "lclm.train"], ["train.py"])]
+    runs = [
+        subprocess.run(
+            [sys.executable, *door, "--config", missing],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )
+        for door in (["-m", "lclm.train"], ["train.py"])
+    ]
     assert [r.returncode for r in runs] == [2, 2]
     assert runs[0].stderr == runs[1].stderr
     assert runs[0].stderr.count("\n") == 1 and runs[0].stderr.startswith("error: ")

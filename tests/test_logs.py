@@ -8,8 +8,9 @@ LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING|ERROR) .
 
 
 def _stderr(code: str) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     return done.stderr.splitlines()
 
 
@@ -22,7 +23,8 @@ def test_lclm_absl_and_python_warnings_share_the_format():
         "logging.getLogger('lclm.train').info('from lclm')\n"
         "absl_logging.warning('from absl, as Orbax logs')\n"
         "absl_logging.info('absl info is chatter')\n"
-        "warnings.warn('from a library', DeprecationWarning)\n")
+        "warnings.warn('from a library', DeprecationWarning)\n"
+    )
     messages = [line for line in lines if line.strip()]
     assert messages and all(LINE.match(line) for line in messages), lines
     text = "\n".join(messages)
@@ -36,7 +38,8 @@ def test_other_processes_log_warnings_only():
         "from lclm import logs\n"
         "logs.configure(main_process=False)\n"
         "logging.getLogger('lclm').info('hidden')\n"
-        "logging.getLogger('lclm').warning('shown')\n")
+        "logging.getLogger('lclm').warning('shown')\n"
+    )
     assert len(lines) == 1 and LINE.match(lines[0]) and lines[0].endswith("WARNING shown")
 
 
@@ -48,6 +51,8 @@ def test_the_format_holds_when_a_library_logged_through_absl_before_configure():
         "absl_logging.vlog(1, 'what Orbax logs when imported')\n"
         "from lclm import logs\n"
         "logs.configure()\n"
-        "logging.getLogger('lclm.train').info('from lclm')\n")
+        "logging.getLogger('lclm.train').info('from lclm')\n"
+    )
     assert [line for line in lines if line.strip()] and all(
-        LINE.match(line) for line in lines if line.strip()), lines
+        LINE.match(line) for line in lines if line.strip()
+    ), lines

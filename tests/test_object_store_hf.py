@@ -20,8 +20,16 @@ from lclm.convert import main as convert
 from lclm.eval import line_retrieval, perplexity
 from lclm.models.decoder import init_params
 
-MODEL = ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64,
-                    dtype="float32", ffn_chunk=32)
+MODEL = ModelConfig(
+    vocab_size=512,
+    dim=32,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    ffn_dim=64,
+    dtype="float32",
+    ffn_chunk=32,
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +79,14 @@ def test_from_hf_on_gcs_converts_as_the_local_directory(gcs, sources, tmp_path):
     saved = saved_config(str(tmp_path / "run"))[1]
     assert saved["data"]["tokenizer"] == storage.join(remote, "tokenizer.model")
     # exported back (its tokenizer read from the bucket): what the local source's run exports
-    assert convert(["--from-checkpoint", str(tmp_path / "run"), "--to-hf",
-                    str(tmp_path / "out")]) == 0
+    assert (
+        convert(["--from-checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out")]) == 0
+    )
     assert sorted(os.listdir(tmp_path / "out")) == sorted(os.listdir(exported))
     for name in os.listdir(exported):
-        assert (tmp_path / "out" / name).read_bytes() == \
-            open(os.path.join(exported, name), "rb").read(), name
+        assert (tmp_path / "out" / name).read_bytes() == open(
+            os.path.join(exported, name), "rb"
+        ).read(), name
 
 
 def test_an_s3_round_trip(s3, sources, tmp_path):
@@ -84,8 +94,10 @@ def test_an_s3_round_trip(s3, sources, tmp_path):
     out = storage.join(s3.bucket(), "hf")
     assert convert(["--from-checkpoint", run, "--to-hf", out]) == 0
     assert convert(["--from-hf", out, "--to-checkpoint", str(tmp_path / "run")]) == 0
-    assert convert(["--from-checkpoint", str(tmp_path / "run"), "--to-hf",
-                    str(tmp_path / "back")]) == 0
+    assert (
+        convert(["--from-checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "back")])
+        == 0
+    )
     _same_weights(str(tmp_path / "back"), source)
 
 
@@ -102,15 +114,40 @@ def test_eval_reads_hf_from_and_writes_its_report_to_gcs(gcs, sources, capsys):
     bucket = gcs.bucket()
     storage.upload(source, storage.join(bucket, "llama"))
     out = storage.join(bucket, "eval")
-    assert line_retrieval.main([
-        "--hf", storage.join(bucket, "llama"), "--format", "paper", "--digits", "2",
-        "--lengths", "100", "--samples", "1", "--depths", "1", "--q-chunk", "32",
-        "--kv-chunk", "32", "--out", out]) == 0
+    assert (
+        line_retrieval.main(
+            [
+                "--hf",
+                storage.join(bucket, "llama"),
+                "--format",
+                "paper",
+                "--digits",
+                "2",
+                "--lengths",
+                "100",
+                "--samples",
+                "1",
+                "--depths",
+                "1",
+                "--q-chunk",
+                "32",
+                "--kv-chunk",
+                "32",
+                "--out",
+                out,
+            ]
+        )
+        == 0
+    )
     assert f"wrote {out}/line_retrieval.{{md,json,png}}" in capsys.readouterr().out
-    assert storage.listdir(out) == ["line_retrieval.json", "line_retrieval.md",
-                                    "line_retrieval.png"]
-    assert json.loads(storage.read_text(storage.join(out, "line_retrieval.json")))["model"] \
-        == "llama"
+    assert storage.listdir(out) == [
+        "line_retrieval.json",
+        "line_retrieval.md",
+        "line_retrieval.png",
+    ]
+    assert (
+        json.loads(storage.read_text(storage.join(out, "line_retrieval.json")))["model"] == "llama"
+    )
     assert storage.read_bytes(storage.join(out, "line_retrieval.png"))[:4] == b"\x89PNG"
 
 
@@ -118,25 +155,53 @@ def test_perplexity_reads_data_and_tokenizer_from_s3(s3, sources, capsys):
     source, _, _ = sources
     bucket = s3.bucket()
     data, tokenizer = storage.join(bucket, "heldout.jsonl"), storage.join(bucket, "t.model")
-    write_text(data, "".join(json.dumps({"text": f"document {i}: " + "words " * 60})
-                             + "\n" for i in range(3)))
+    write_text(
+        data,
+        "".join(json.dumps({"text": f"document {i}: " + "words " * 60}) + "\n" for i in range(3)),
+    )
     storage.upload(DEMO_TOKENIZER, tokenizer)
     out = storage.join(bucket, "ppl")
-    assert perplexity.main(["--hf", source, "--tokenizer", tokenizer, "--data", data,
-                            "--lengths", "32", "--buckets", "2", "--documents", "2",
-                            "--q-chunk", "32", "--kv-chunk", "32", "--out", out]) == 0
+    assert (
+        perplexity.main(
+            [
+                "--hf",
+                source,
+                "--tokenizer",
+                tokenizer,
+                "--data",
+                data,
+                "--lengths",
+                "32",
+                "--buckets",
+                "2",
+                "--documents",
+                "2",
+                "--q-chunk",
+                "32",
+                "--kv-chunk",
+                "32",
+                "--out",
+                out,
+            ]
+        )
+        == 0
+    )
     report = json.loads(storage.read_text(storage.join(out, "perplexity.json")))
     assert report["data"] == data, report
 
 
-@pytest.mark.parametrize("flags", [
-    ["--from-checkpoint", "RUN", "--to-hf", "OUT"],
-    ["--from-hf", "HF", "--to-checkpoint", "OUT"],
-    ["--hf", "HF", "--lengths", "100", "--out", "OUT"],   # eval line_retrieval
-])
-def test_a_bucket_that_does_not_exist_is_one_line_at_start(gcs, sources, capsys, tmp_path,
-                                                           monkeypatch, flags):
-    monkeypatch.chdir(tmp_path)   # where a local 'gs:' folder would appear
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--from-checkpoint", "RUN", "--to-hf", "OUT"],
+        ["--from-hf", "HF", "--to-checkpoint", "OUT"],
+        ["--hf", "HF", "--lengths", "100", "--out", "OUT"],  # eval line_retrieval
+    ],
+)
+def test_a_bucket_that_does_not_exist_is_one_line_at_start(
+    gcs, sources, capsys, tmp_path, monkeypatch, flags
+):
+    monkeypatch.chdir(tmp_path)  # where a local 'gs:' folder would appear
     out = f"gs://lclm-missing-{uuid.uuid4().hex[:12]}/out"
     values = {"RUN": sources[1], "HF": sources[0], "OUT": out}
     flags = [values.get(f, f) for f in flags]
@@ -144,6 +209,7 @@ def test_a_bucket_that_does_not_exist_is_one_line_at_start(gcs, sources, capsys,
     assert command(flags) == 2
     err = capsys.readouterr().err
     flag = flags[flags.index(out) - 1]
-    assert err.startswith(f"error: {flag} {out!r} cannot be written (") and \
-        err.count("\n") == 1, err
+    assert err.startswith(f"error: {flag} {out!r} cannot be written (") and err.count("\n") == 1, (
+        err
+    )
     assert os.listdir(tmp_path) == []

@@ -30,14 +30,16 @@ def _seven_b(strategy: str, ulysses: int = 1):
 def test_the_planner_charges_what_the_strategy_states(strategy, ulysses):
     c = _seven_b(strategy, ulysses)
     plan = estimate(c, 32, "tpu-v4")
-    step = attention_step(run_config(c), plan.mesh, flops=0.0, fast_gbs=0.0, slow_gbs=0.0,
-                          devices_per_node=8)
+    step = attention_step(
+        run_config(c), plan.mesh, flops=0.0, fast_gbs=0.0, slow_gbs=0.0, devices_per_node=8
+    )
     assert plan.ring == pytest.approx(strategy_of(c.attention).buffers(step))
 
 
 def test_all_gather_and_ulysses_are_not_charged_the_rings_buffers():
-    ring, gathered, ulysses = (estimate(_seven_b(s), 32, "tpu-v4")
-                               for s in ("ring", "all_gather", "ulysses"))
+    ring, gathered, ulysses = (
+        estimate(_seven_b(s), 32, "tpu-v4") for s in ("ring", "all_gather", "ulysses")
+    )
     # all_gather holds the whole sequence's K/V and their float32 gradient: n = 8 blocks
     # against the ring's one in flight and one travelling dK/dV
     assert gathered.ring == pytest.approx(ring.ring * 8 * (1 + 4 / 2) / (2 + 4 / 2))
@@ -49,7 +51,19 @@ def test_one_table_says_what_each_remat_policy_keeps():
     assert REMAT_POLICIES == tuple(REMAT)
     # the decoder gives every policy that recomputes anything its JAX policy
     assert set(decoder._REMAT) == {n for n, r in REMAT.items() if not r.everything}
-    step = lambda remat: Step(n=2, q=1, kv=1, kv_heads=1, heads=1, pair_flops=1, dtype_bytes=2,
-                              per_step=1, remat=remat, flops=1, fast_gbs=1, slow_gbs=1,
-                              devices_per_node=8)
+    step = lambda remat: Step(
+        n=2,
+        q=1,
+        kv=1,
+        kv_heads=1,
+        heads=1,
+        pair_flops=1,
+        dtype_bytes=2,
+        per_step=1,
+        remat=remat,
+        flops=1,
+        fast_gbs=1,
+        slow_gbs=1,
+        devices_per_node=8,
+    )
     assert {n for n in REMAT if step(n).recompute} == {"full", "dots", "dots_no_batch"}

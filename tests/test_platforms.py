@@ -22,26 +22,41 @@ from lclm import platforms
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 # what libtpu prints when it starts its TPU runtime on a machine without a TPU
-LIBTPU_NOISE = ("host bounds", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "libtpu",
-                "InitGoogle")
+LIBTPU_NOISE = (
+    "host bounds",
+    "TPU_WORKER_HOSTNAMES",
+    "TPU_ACCELERATOR_TYPE",
+    "libtpu",
+    "InitGoogle",
+)
 
 libtpu_without_a_tpu = pytest.mark.skipif(
     not HAVE_LIBTPU or platforms.tpu_attached() or platforms._other_accelerator(),
     reason="needs libtpu installed on a machine with no TPU, GPU or other JAX plugin (where "
-           "there is one, lclm leaves the platforms to JAX)")
+    "there is one, lclm leaves the platforms to JAX)",
+)
 
 
 def user_env(**extra):
     """The environment of a user's shell: none of the test session's JAX settings."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD", "XLA_FLAGS", "NPROC")
-           and not k.startswith("TPU_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD", "XLA_FLAGS", "NPROC")
+        and not k.startswith("TPU_")
+    }
     return env | extra
 
 
 def _python(*args, env=None):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env or user_env(), timeout=300)
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env or user_env(),
+        timeout=300,
+    )
 
 
 def _noise(stderr: str) -> list[str]:
@@ -52,8 +67,14 @@ def _noise(stderr: str) -> list[str]:
 def test_a_cli_that_starts_jax_prints_nothing_of_libtpu(tmp_path):
     """train.py counts the devices (JAX starts its backends) and then refuses a mesh of 64:
     its one error line is all of stderr."""
-    done = _python("train.py", "--config", DEMO_CONFIG, "--config.mesh.sp=32",
-                   "--config.mesh.fit=false", f"--config.workdir={tmp_path}")
+    done = _python(
+        "train.py",
+        "--config",
+        DEMO_CONFIG,
+        "--config.mesh.sp=32",
+        "--config.mesh.fit=false",
+        f"--config.workdir={tmp_path}",
+    )
     assert done.returncode == 2, done.stderr
     assert _noise(done.stderr) == []
     lines = done.stderr.strip().splitlines()
@@ -67,8 +88,11 @@ CHOOSE = "from lclm.platforms import keep_jax_off_an_absent_tpu; keep_jax_off_an
 def test_jax_imported_before_the_choice_is_kept_off_libtpu_too():
     """As in train.py, whose modules import JAX before run_cli chooses: the child processes
     (bench's parts) inherit the choice."""
-    done = _python("-c", "import os, jax; " + CHOOSE + "print(jax.config.jax_platforms, "
-                   "os.environ['JAX_PLATFORMS'], jax.devices())")
+    done = _python(
+        "-c",
+        "import os, jax; " + CHOOSE + "print(jax.config.jax_platforms, "
+        "os.environ['JAX_PLATFORMS'], jax.devices())",
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "cpu cpu [CpuDevice(id=0)]"
     assert _noise(done.stderr) == []
@@ -99,8 +123,16 @@ def _cli_args(tmp: str) -> dict[str, list[str]]:
         "lclm.train_program:main": ["train.py", "--config", missing],
         "lclm.plan.__main__:main": ["--config", missing, "--devices", "8"],
         "lclm.convert:main": ["--from-hf", missing, "--to-checkpoint", missing],
-        "lclm.data.prepare:main": ["--source", "text", "--input", DEMO_CONFIG, "--tokenizer",
-                                   DEMO_CONFIG, "--out", missing],
+        "lclm.data.prepare:main": [
+            "--source",
+            "text",
+            "--input",
+            DEMO_CONFIG,
+            "--tokenizer",
+            DEMO_CONFIG,
+            "--out",
+            missing,
+        ],
         "lclm.eval.__main__:main": ["passkey", "--hf", missing, "--samples", "0"],
         "lclm.eval.generate:main": ["--hf", missing, "--prompt", " "],
         "lclm.check.__main__:main": ["--config", missing],
@@ -175,6 +207,7 @@ def choose(monkeypatch):
     def run():
         platforms.keep_jax_off_an_absent_tpu()
         return os.environ.get("JAX_PLATFORMS")
+
     return run
 
 
@@ -213,5 +246,6 @@ def test_the_planner_asks_the_platform_probe_about_cuda():
     # one place knows whether JAX's CUDA plugin is installed and an NVIDIA GPU attached: the
     # planner's GPU compiles ask the probe's functions instead of keeping their own
     from lclm.plan import aot
+
     assert aot.cuda_plugin is platforms.cuda_plugin
     assert aot.nvidia_gpu_attached is platforms.nvidia_gpu_attached

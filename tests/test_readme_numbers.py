@@ -28,16 +28,23 @@ def _tpu_table() -> list[tuple[str, str, list[str]]]:
     """(config, slice, planner GiB values) of each row of the README's TPU table."""
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    rows = re.findall(r"^\| `(\w+)` \| (v\w+-\d+)[^|]* \|[^|]*\|[^|]*\| ([\d. /]+) \|", text,
-                      re.MULTILINE)
+    rows = re.findall(
+        r"^\| `(\w+)` \| (v\w+-\d+)[^|]* \|[^|]*\|[^|]*\| ([\d. /]+) \|", text, re.MULTILINE
+    )
     return [(config, slice_, values.split(" / ")) for config, slice_, values in rows]
 
 
 def test_the_readme_tpu_table_quotes_the_planner():
     rows = _tpu_table()
     assert {config for config, _, _ in rows} == {
-        "llama7b_256k", "llama13b_512k", "llama3b", "llama1b", "striped_attention_1b",
-        "qwen3_8b_256k", "mistral_nemo_12b_256k"}
+        "llama7b_256k",
+        "llama13b_512k",
+        "llama3b",
+        "llama1b",
+        "striped_attention_1b",
+        "qwen3_8b_256k",
+        "mistral_nemo_12b_256k",
+    }
     for config, slice_, quoted in rows:
         target = aot.tpu_target(slice_)
         c = load_config(os.path.join(ROOT, "configs", f"{config}.py"))
@@ -47,11 +54,14 @@ def test_the_readme_tpu_table_quotes_the_planner():
 def test_the_scaling_doc_quotes_the_planner_for_one_h100():
     with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
         text = " ".join(f.read().split())
-    quoted = re.search(r"sp=1\) it now says ([\d.]+) / ([\d.]+) / ([\d.]+) GiB at 8K / 32K / "
-                       r"128K", text).groups()
+    quoted = re.search(
+        r"sp=1\) it now says ([\d.]+) / ([\d.]+) / ([\d.]+) GiB at 8K / 32K / "
+        r"128K",
+        text,
+    ).groups()
     c = load_config(os.path.join(ROOT, "configs", "llama1b.py"))
     c.mesh.update(dp=1, fsdp=1, tp=1, sp=1)
-    c.model.remat = "attention"   # the policy the sentence quotes (the config ships 'auto')
+    c.model.remat = "attention"  # the policy the sentence quotes (the config ships 'auto')
     planned = []
     for seq_len in (8192, 32768, 131072):
         c.data.update(seq_len=seq_len, batch_size=1)
@@ -64,10 +74,10 @@ def _strategy_rows():
     table."""
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    rows = re.findall(r"^\| (32 H100 \(4 x 8\)|v5p-128), sp=(\d+)(?: fsdp=(\d+))? \| (.*) \|$",
-                      text, re.MULTILINE)
-    return ["h100-nvlink" if where.startswith("32") else "tpu-v5p"
-            for where, _, _, _ in rows], rows
+    rows = re.findall(
+        r"^\| (32 H100 \(4 x 8\)|v5p-128), sp=(\d+)(?: fsdp=(\d+))? \| (.*) \|$", text, re.MULTILINE
+    )
+    return ["h100-nvlink" if where.startswith("32") else "tpu-v5p" for where, _, _, _ in rows], rows
 
 
 def test_the_readme_strategy_table_quotes_the_planner():
@@ -104,10 +114,21 @@ def _scaling_strategy_rows():
     """(device, devices, sp, fsdp, [cells]) of docs/scaling.md's strategy table."""
     with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
         text = f.read()
-    rows = re.findall(r"^\| (32 H100 \(4 nodes x 8\)|v5p-128 \(64 chips\)) \| sp=(\d+)"
-                      r"(?:, fsdp=(\d+))?[^|]* \| (.*) \|$", text, re.MULTILINE)
-    return [(("h100-nvlink", 32) if where.startswith("32") else ("tpu-v5p", 64), int(sp),
-             int(fsdp or 1), cells.split(" | ")) for where, sp, fsdp, cells in rows]
+    rows = re.findall(
+        r"^\| (32 H100 \(4 nodes x 8\)|v5p-128 \(64 chips\)) \| sp=(\d+)"
+        r"(?:, fsdp=(\d+))?[^|]* \| (.*) \|$",
+        text,
+        re.MULTILINE,
+    )
+    return [
+        (
+            ("h100-nvlink", 32) if where.startswith("32") else ("tpu-v5p", 64),
+            int(sp),
+            int(fsdp or 1),
+            cells.split(" | "),
+        )
+        for where, sp, fsdp, cells in rows
+    ]
 
 
 def test_the_scaling_doc_strategy_table_quotes_the_planner():
@@ -122,8 +143,10 @@ def test_the_scaling_doc_strategy_table_quotes_the_planner():
         stage = stage_configs(c)[0]
         plan = estimate(stage, devices, device)
         flops, fast, slow, per_node, _ = _links(device, 8)
-        costs = {x.strategy: x for x in compare(run_config(stage), plan.mesh, flops, fast,
-                                                 slow, per_node)}
+        costs = {
+            x.strategy: x
+            for x in compare(run_config(stage), plan.mesh, flops, fast, slow, per_node)
+        }
         assert len(cells) == len(STRATEGIES)
         for name, cell in zip(STRATEGIES, cells):
             cost, where = costs[name], (device, sp, name, cell)
@@ -133,11 +156,10 @@ def test_the_scaling_doc_strategy_table_quotes_the_planner():
             if cell.startswith("cannot run"):
                 assert cost.note.endswith("cannot run"), where
                 continue
-            if ": " in cell:   # usp names its split
+            if ": " in cell:  # usp names its split
                 split, cell = cell.split(": ", 1)
                 assert split == cost.split, where
-            inside, between = (cost.sent.get(k, 0.0) / 1e9 for k in ("in a node",
-                                                                      "between nodes"))
+            inside, between = (cost.sent.get(k, 0.0) / 1e9 for k in ("in a node", "between nodes"))
             both = re.match(r"([\d,]+) GB between \+ ([\d,]+) in,", cell)
             if both:
                 assert both.groups() == (f"{between:,.0f}", f"{inside:,.0f}"), where
@@ -158,8 +180,11 @@ def test_the_scaling_doc_compile_table_names_the_recipe_meshes_and_plans():
     the per-strategy GiB it quotes beside the compiled ones are the planner's (256K)."""
     with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
         text = " ".join(f.read().split())
-    said = re.search(r"the recipe's meshes: sp=(\d+) x fsdp=(\d+) at 32K, sp=(\d+) x fsdp=(\d+) "
-                     r"from 128K", text).groups()
+    said = re.search(
+        r"the recipe's meshes: sp=(\d+) x fsdp=(\d+) at 32K, sp=(\d+) x fsdp=(\d+) "
+        r"from 128K",
+        text,
+    ).groups()
     c = load_config(os.path.join(ROOT, "configs", "llama7b_256k.py"))
     target = aot.tpu_target("v4-64")
     meshes = {}
@@ -170,12 +195,18 @@ def test_the_scaling_doc_compile_table_names_the_recipe_meshes_and_plans():
     assert lengths[0] == 32768 and lengths[1] == 131072
     assert said == tuple(str(x) for x in (*meshes[32768], *meshes[131072]))
     assert all(meshes[n] == meshes[131072] for n in lengths[1:])
-    quoted = re.search(r"at 256K: ring ([\d.]+), all-gather ([\d.]+), Ulysses ([\d.]+) GiB "
-                       r"planned", text).groups()
+    quoted = re.search(
+        r"at 256K: ring ([\d.]+), all-gather ([\d.]+), Ulysses ([\d.]+) GiB "
+        r"planned",
+        text,
+    ).groups()
     last = stage_configs(c)[-1]
     plan = estimate(last, target.devices, "tpu-v4")
     flops, fast, slow, per_node, _ = _links("tpu-v4", 8)
-    costs = {x.strategy: x for x in compare(run_config(last), plan.mesh, flops, fast, slow,
-                                             per_node)}
-    assert quoted == tuple(f"{(plan.total - plan.ring + costs[s].memory) / 2**30:.1f}"
-                           for s in ("ring", "all_gather", "ulysses"))
+    costs = {
+        x.strategy: x for x in compare(run_config(last), plan.mesh, flops, fast, slow, per_node)
+    }
+    assert quoted == tuple(
+        f"{(plan.total - plan.ring + costs[s].memory) / 2**30:.1f}"
+        for s in ("ring", "all_gather", "ulysses")
+    )

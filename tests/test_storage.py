@@ -23,7 +23,7 @@ def test_write_read_list_remove(bucket):
     assert storage.isdir(storage.join(bucket, "run", "checkpoints"))
     assert storage.isfile(path) and not storage.isfile(storage.join(bucket, "run", "checkpoints"))
     storage.remove(path)
-    storage.remove(path)   # already gone: nothing
+    storage.remove(path)  # already gone: nothing
     assert storage.listdir(storage.join(bucket, "run")) == ["checkpoints"]
     storage.remove_tree(storage.join(bucket, "run"))
     assert not storage.isdir(storage.join(bucket, "run"))
@@ -41,7 +41,7 @@ def test_conditional_writes(bucket):
     path = storage.join(bucket, "run", "lock")
     first = storage.create(path, b"a")
     assert first is not None
-    assert storage.create(path, b"b") is None            # exists: refused
+    assert storage.create(path, b"b") is None  # exists: refused
     second = storage.replace_if(path, b"c", first)
     assert second is not None and second != first
     assert storage.replace_if(path, b"d", first) is None  # stale version: refused
@@ -54,6 +54,7 @@ def test_unknown_scheme_and_missing_client(monkeypatch):
     with pytest.raises(StartupError, match="does not read or write"):
         storage.filesystem("hdfs://x/y")
     import builtins
+
     real = builtins.__import__
 
     def no_gcsfs(name, *args, **kwargs):

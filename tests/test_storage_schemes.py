@@ -26,11 +26,13 @@ def test_the_messages_name_the_table_s_schemes():
     # the wording of before the table, made from it
     assert storage.client_problem("hdfs://x/y") == (
         "uses hdfs://, which lclm does not read or write; use gs://, s3:// or a local or "
-        "mounted path")
+        "mounted path"
+    )
     assert checkpoint.path_problem("s3://b/run") == (
         "is on s3://, where Orbax (0.12, lclm's checkpoint writer) cannot keep checkpoints: it "
         "writes arrays to gs:// or a file path; use a gs:// workdir, or mount the bucket (e.g. "
-        "mountpoint-s3) and give its path")
+        "mountpoint-s3) and give its path"
+    )
     assert storage.listing(lambda s: s.put_if is not None) == "gs:// or s3://"
 
 
@@ -41,7 +43,7 @@ def test_each_entry_agrees_with_the_code_that_uses_it(entry):
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         extra = tomllib.load(f)["project"]["optional-dependencies"]["cloud"]
     assert any(r.startswith(f"{entry.package}>=") for r in extra), extra
-    assert storage.client_problem(f"{entry.name}://b/x") is None   # installed here
+    assert storage.client_problem(f"{entry.name}://b/x") is None  # installed here
     assert (checkpoint.path_problem(f"{entry.name}://b/run") is None) == entry.checkpoints
     if entry.checkpoints:
         # a run's workdir there is leased with conditional writes (lclm.training.object_lock)
@@ -50,12 +52,15 @@ def test_each_entry_agrees_with_the_code_that_uses_it(entry):
         assert entry.tensorstore_retries is not None
         ts.Context(ts.Context.Spec({entry.tensorstore_retries: {"max_retries": 1}}))
         checkpoint._prepare_orbax()
-        for context in (tensorstore_utils._BASE_TS_CONTEXT,
-                        tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+        for context in (
+            tensorstore_utils._BASE_TS_CONTEXT,
+            tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT,
+        ):
             assert context[entry.tensorstore_retries] == checkpoint._TENSORSTORE_RETRIES
         for name in (entry.client, *entry.loggers):
-            assert any(isinstance(f, storage.OneLineStorageErrors)
-                       for f in logging.getLogger(name).filters), name
+            assert any(
+                isinstance(f, storage.OneLineStorageErrors) for f in logging.getLogger(name).filters
+            ), name
     else:
         assert entry.mount in checkpoint.path_problem(f"{entry.name}://b/run")
 
@@ -70,11 +75,17 @@ def test_gcsfs_is_bounded_where_it_is_set_up():
 def test_a_scheme_is_one_entry(monkeypatch):
     """fsspec's in-memory store added as one entry (no conditional writes, no checkpoints):
     read and written, and named in every message that lists schemes."""
-    memory = storage.Scheme("memory", client="fsspec", package="fsspec",
-                            version=lambda info: storage.Version("", 0.0), put_if=None,
-                            mount="a FUSE driver")
-    monkeypatch.setattr(storage, "SCHEMES", types.MappingProxyType(
-        {**storage.SCHEMES, "memory": memory}))
+    memory = storage.Scheme(
+        "memory",
+        client="fsspec",
+        package="fsspec",
+        version=lambda info: storage.Version("", 0.0),
+        put_if=None,
+        mount="a FUSE driver",
+    )
+    monkeypatch.setattr(
+        storage, "SCHEMES", types.MappingProxyType({**storage.SCHEMES, "memory": memory})
+    )
     path = "memory://lclm-test-bucket/run/config.json"
     write_text(path, "{}\n")
     try:
@@ -83,7 +94,8 @@ def test_a_scheme_is_one_entry(monkeypatch):
     finally:
         storage.remove_tree("memory://lclm-test-bucket")
     assert storage.client_problem("hdfs://x/y").endswith(
-        "use gs://, s3://, memory:// or a local or mounted path")
+        "use gs://, s3://, memory:// or a local or mounted path"
+    )
     with pytest.raises(StartupError, match=r"conditional writes need gs:// or s3://$"):
         storage.create(path, b"")
     assert "(e.g. a FUSE driver)" in checkpoint.path_problem("memory://b/run")

@@ -30,7 +30,7 @@ from lclm.config.syntax import parse_tokens
 from lclm.extend.heldout import is_extension, preflight
 from lclm.parallel.devices import request_cpu_devices
 
-SIMULATED_DEVICES = 8   # at most, where no accelerator is: enough for sp=4 x 2 rows
+SIMULATED_DEVICES = 8  # at most, where no accelerator is: enough for sp=4 x 2 rows
 
 
 def chosen_stages(config) -> list[tuple[str, ConfigDict]]:
@@ -39,8 +39,7 @@ def chosen_stages(config) -> list[tuple[str, ConfigDict]]:
     stages = stage_configs(config)
     if not stages:
         return [("", config)]
-    names = [f"stage {i + 1}/{len(stages)} ({s.data.seq_len} tokens)"
-             for i, s in enumerate(stages)]
+    names = [f"stage {i + 1}/{len(stages)} ({s.data.seq_len} tokens)" for i, s in enumerate(stages)]
     picked = [len(stages) - 1] + ([0] if len(stages) > 1 else [])
     return [(names[i], stages[i]) for i in picked]
 
@@ -50,14 +49,16 @@ def run_checks(config, length: int | None, out=print) -> int:
     stages = chosen_stages(config)
     first = stage_configs(config)[0] if len(stages) > 1 else stages[0][1]
     failed = 0
-    if is_extension(config):   # what python -m lclm.extend will measure it on
+    if is_extension(config):  # what python -m lclm.extend will measure it on
         ok, line = preflight(config)
         failed += not ok
         out(line)
     for label, stage in stages:
         run = prepare(stage, first, length)
-        out(f"{label + ': ' if label else ''}weights {run.weights}"
-            + "".join(f"; {note}" for note in run.notes))
+        out(
+            f"{label + ': ' if label else ''}weights {run.weights}"
+            + "".join(f"; {note}" for note in run.notes)
+        )
         for check in CHECKS:
             result = check(run)
             failed += not result.ok
@@ -67,15 +68,20 @@ def run_checks(config, length: int | None, out=print) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lclm.check", description=__doc__)
-    parser.add_argument("--length", type=parse_tokens, metavar="N",
-                        help="cap the target length at N tokens (e.g. 8k) for a small machine")
+    parser.add_argument(
+        "--length",
+        type=parse_tokens,
+        metavar="N",
+        help="cap the target length at N tokens (e.g. 8k) for a small machine",
+    )
 
     def body() -> int:
         args, config = parse_cli(parser, argv)
         # before JAX starts its backends (importing it does not), as the training program does
         stages = stage_configs(config) or [config]
-        request_cpu_devices(min(max(mesh_device_count(c) or SIMULATED_DEVICES for c in stages),
-                                SIMULATED_DEVICES))
+        request_cpu_devices(
+            min(max(mesh_device_count(c) or SIMULATED_DEVICES for c in stages), SIMULATED_DEVICES)
+        )
         return run_checks(config, args.length)
 
     return run_cli(body)

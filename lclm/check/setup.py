@@ -36,23 +36,24 @@ from lclm.training.startup_checks import check_data, validate
 from lclm.training.state import param_shardings
 from lclm.training.workdirs import has_checkpoint, saved_steps
 
-MAX_ROWS = 2            # batch rows a check runs (the data axis of the shrunk mesh)
-SHORT_FRACTION = 8      # the short length is about 1/8 of the target ...
-MIN_SHORT = 256         # ... and at least this many tokens (while under half the target)
-LARGE_MODEL = 1e9       # parameters above which a check on CPUs is announced as slow
+MAX_ROWS = 2  # batch rows a check runs (the data axis of the shrunk mesh)
+SHORT_FRACTION = 8  # the short length is about 1/8 of the target ...
+MIN_SHORT = 256  # ... and at least this many tokens (while under half the target)
+LARGE_MODEL = 1e9  # parameters above which a check on CPUs is announced as slow
 
 
 @dataclasses.dataclass
 class Run:
     """One stage as the check runs it."""
-    sections: RunConfig                 # the stage's config at length L, shrunk mesh, B rows
+
+    sections: RunConfig  # the stage's config at length L, shrunk mesh, B rows
     model: ModelConfig
-    mesh: jax.sharding.Mesh             # the shrunk mesh (the configured strategy runs on it)
-    params: dict                        # placed on `mesh`
-    rows: dict[str, np.ndarray]         # `[B, L]` tokens/targets/loss_mask/positions/segment_ids
-    short: int                          # S
-    weights: str                        # where the weights came from, in words
-    notes: list[str]                    # what differs from the configured run, in words
+    mesh: jax.sharding.Mesh  # the shrunk mesh (the configured strategy runs on it)
+    params: dict  # placed on `mesh`
+    rows: dict[str, np.ndarray]  # `[B, L]` tokens/targets/loss_mask/positions/segment_ids
+    short: int  # S
+    weights: str  # where the weights came from, in words
+    notes: list[str]  # what differs from the configured run, in words
 
 
 def divisors(n: int) -> list[int]:
@@ -66,8 +67,9 @@ def check_mesh(config, available: int) -> dict[str, int]:
     m, a = config.mesh, config.attention
     heads = config.model.n_heads
     want = {k: (available if m[k] == -1 else m[k]) for k in MESH_AXES}
-    fits = lambda sp, tp: (sp * tp <= available and strategy_of(a).limits(
-        heads=heads, tp=tp, sp=sp) is None)
+    fits = lambda sp, tp: (
+        sp * tp <= available and strategy_of(a).limits(heads=heads, tp=tp, sp=sp) is None
+    )
     sp = max((d for d in divisors(want["sp"]) if fits(d, 1)), default=1)
     tp = max(d for d in divisors(want["tp"]) if fits(sp, d))
     data_axis = "fsdp" if want["fsdp"] > 1 else "dp"
@@ -87,8 +89,10 @@ def short_length(config, length: int, available: int) -> int:
             return short
         except ConfigError as e:
             if short * 2 >= length:
-                raise ConfigError(f"no short length up to {short} tokens that the mesh "
-                                  f"accepts ({e}); check a longer target (--length)") from None
+                raise ConfigError(
+                    f"no short length up to {short} tokens that the mesh "
+                    f"accepts ({e}); check a longer target (--length)"
+                ) from None
             short *= 2
 
 
@@ -104,8 +108,13 @@ def config_for_check(config, length: int | None, available: int) -> tuple[Config
     sizes = check_mesh(c, available)
     configured = {k: c.mesh[k] for k in MESH_AXES}
     if sizes != configured:
-        notes.append("mesh " + _sizes(sizes) + f" of {available} device(s) (configured "
-                     + _sizes(configured) + ")")
+        notes.append(
+            "mesh "
+            + _sizes(sizes)
+            + f" of {available} device(s) (configured "
+            + _sizes(configured)
+            + ")"
+        )
     rows = math.prod(sizes[k] for k in ("dp", "fsdp"))
     c.mesh.update(sizes)
     c.data.batch_size, c.train.grad_accum = rows, 1
@@ -114,8 +123,9 @@ def config_for_check(config, length: int | None, available: int) -> tuple[Config
     try:
         validate(c, available)
     except ConfigError as e:
-        raise ConfigError(f"checking at {c.data.seq_len} tokens on mesh {_sizes(sizes)}: "
-                          f"{e}") from None
+        raise ConfigError(
+            f"checking at {c.data.seq_len} tokens on mesh {_sizes(sizes)}: {e}"
+        ) from None
     check_data(c)
     return c, notes
 
@@ -131,8 +141,10 @@ def weights_source(stage, first) -> tuple[ConfigDict, str]:
     c = copy.deepcopy(stage)
     source = c.model.init_from_checkpoint
     if source and stage is not first and not has_checkpoint(source):
-        c.model.update(init_from_hf=first.model.init_from_hf,
-                       init_from_checkpoint=first.model.init_from_checkpoint)
+        c.model.update(
+            init_from_hf=first.model.init_from_hf,
+            init_from_checkpoint=first.model.init_from_checkpoint,
+        )
         what = _source_words(run_config(c))
         return c, f"{what} (the previous stage's checkpoint {source} does not exist yet)"
     return c, _source_words(run_config(c))
@@ -157,14 +169,23 @@ def prepare(stage, first, length: int | None) -> Run:
     sections = run_config(c)
     model = sections.model.resolved()
     if param_count(model) > LARGE_MODEL and devices[0].platform == "cpu":
-        notes.append(f"{param_count(model) / 1e9:.1f}B parameters on CPUs: slow (minutes to "
-                     "hours); --length caps the target length")
+        notes.append(
+            f"{param_count(model) / 1e9:.1f}B parameters on CPUs: slow (minutes to "
+            "hours); --length caps the target length"
+        )
     mesh = make_mesh(**{k: c.mesh[k] for k in MESH_AXES}, devices=devices)
     tokenizer = Tokenizer(sections.data.tokenizer)
     tokenizer.check_fits(model.vocab_size)
-    return Run(sections, model, mesh, initial_params(sections, model, mesh),
-               first_rows(sections, tokenizer), short_length(c, c.data.seq_len, len(devices)),
-               weights, notes)
+    return Run(
+        sections,
+        model,
+        mesh,
+        initial_params(sections, model, mesh),
+        first_rows(sections, tokenizer),
+        short_length(c, c.data.seq_len, len(devices)),
+        weights,
+        notes,
+    )
 
 
 def initial_params(run: RunConfig, model: ModelConfig, mesh) -> dict:
@@ -187,7 +208,7 @@ def initial_params(run: RunConfig, model: ModelConfig, mesh) -> dict:
 def first_rows(run: RunConfig, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     """The first batch of the run's data (`[B, L]` arrays, original token order): what
     the run's first step trains on, read by the trainer's own loader."""
-    one = make_mesh(devices=jax.devices()[:1])   # one shard: the layout is the original order
+    one = make_mesh(devices=jax.devices()[:1])  # one shard: the layout is the original order
     reader = HostBatches(run, one, tokenizer, prefetch=0)
     try:
         return reader.next_host_batch()

@@ -17,15 +17,27 @@ from lclm.config.schema import (
     mesh_device_count,
 )
 
-__all__ = ["AttentionConfig", "ModelConfig", "MESH_AXES", "MODEL_PRESETS", "apply_preset",
-           "base_config", "load_config", "mesh_device_count"]
+__all__ = [
+    "AttentionConfig",
+    "ModelConfig",
+    "MESH_AXES",
+    "MODEL_PRESETS",
+    "apply_preset",
+    "base_config",
+    "load_config",
+    "mesh_device_count",
+]
 
 
 def __getattr__(name: str):
     """`LlamaConfig`, ModelConfig's name before the model served every family: still
     importable until lclm 0.2.0, with a DeprecationWarning naming `ModelConfig`."""
     if name == "LlamaConfig":
-        warnings.warn("lclm.config.LlamaConfig is now lclm.config.ModelConfig; the old name "
-                      "will be removed in lclm 0.2.0", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "lclm.config.LlamaConfig is now lclm.config.ModelConfig; the old name "
+            "will be removed in lclm 0.2.0",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return ModelConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,6 +16,7 @@ _Section = TypeVar("_Section")
 
 class Rule(NamedTuple):
     """What a numeric field accepts: `accepts(value)`, and the message's words for it."""
+
     accepts: Callable[[Any], bool]
     says: str
 
@@ -29,13 +30,15 @@ FRACTION = Rule(lambda x: 0 <= x <= 1, "must be in [0, 1]")
 BELOW_1 = Rule(lambda x: 0 <= x < 1, "must be in [0, 1)")
 
 
-def setting(default, help: str = "", *, choices: tuple = (), rule: Rule | None = None,
-            note: str = ""):
+def setting(
+    default, help: str = "", *, choices: tuple = (), rule: Rule | None = None, note: str = ""
+):
     """A dataclass field of a config section: `help` is its line in `--help`; `choices` the
     names it takes (checked at start); `rule` its numeric range (checked at start), `note`
     what its bounds mean, added to the rule's message (e.g. "0: none by step count")."""
-    return dataclasses.field(default=default, metadata=dict(help=help, choices=choices,
-                                                            rule=rule, note=note))
+    return dataclasses.field(
+        default=default, metadata=dict(help=help, choices=choices, rule=rule, note=note)
+    )
 
 
 class Field(NamedTuple):
@@ -59,8 +62,14 @@ def fields_of(section: type) -> Iterator[Field]:
     """The declared fields of a section dataclass, in declaration order."""
     for f in dataclasses.fields(section):
         meta = f.metadata
-        yield Field(f.name, f.default, meta.get("help", ""), meta.get("choices", ()),
-                    meta.get("rule"), meta.get("note", ""))
+        yield Field(
+            f.name,
+            f.default,
+            meta.get("help", ""),
+            meta.get("choices", ()),
+            meta.get("rule"),
+            meta.get("note", ""),
+        )
 
 
 def from_saved(section: type[_Section], values: Mapping[str, Any]) -> _Section:

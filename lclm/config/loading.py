@@ -29,16 +29,19 @@ def load_config(path: str, overrides: dict | None = None) -> ml_collections.Conf
         spec.loader.exec_module(module)
         get_config = getattr(module, "get_config", None)
         if not callable(get_config):
-            raise ConfigError(f"config file {path!r} defines no get_config(); a config file "
-                              "returns its ConfigDict from get_config() (see configs/demo.py)")
+            raise ConfigError(
+                f"config file {path!r} defines no get_config(); a config file "
+                "returns its ConfigDict from get_config() (see configs/demo.py)"
+            )
         config = get_config()
     except ConfigError:
         raise
     except SyntaxError as e:
         raise ConfigError(f"config file {path!r} line {e.lineno}: {e.msg}") from None
     except Exception as e:  # noqa: BLE001  (the user's code: one line naming where it failed)
-        raise ConfigError(f"config file {path!r} line {_line_in(e, path)}: "
-                          f"{type(e).__name__}: {e}") from None
+        raise ConfigError(
+            f"config file {path!r} line {_line_in(e, path)}: {type(e).__name__}: {e}"
+        ) from None
     for key, value in (overrides or {}).items():
         set_field(config, key, value)
     return config
@@ -51,14 +54,18 @@ def set_field(config, key: str, value, where: str = "config key") -> None:
     try:
         node[name] = value
     except TypeError:
-        raise ConfigError(f"{where} {key}={value!r}: expected type "
-                          f"{type(node[name]).__name__}") from None
+        raise ConfigError(
+            f"{where} {key}={value!r}: expected type {type(node[name]).__name__}"
+        ) from None
 
 
 def _line_in(error: Exception, path: str) -> int | str:
     """The last line of `path` that `error`'s traceback passes through ('?' if none)."""
-    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
-             if os.path.abspath(frame.filename) == os.path.abspath(path)]
+    lines = [
+        frame.lineno
+        for frame in traceback.extract_tb(error.__traceback__)
+        if os.path.abspath(frame.filename) == os.path.abspath(path)
+    ]
     return lines[-1] if lines and lines[-1] is not None else "?"
 
 
@@ -89,7 +96,7 @@ def _unknown_key(parts: list[str], i: int, node) -> str:
     names = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
     close = difflib.get_close_matches(parts[i], names, n=1)
     if close:
-        return f"{message} (did you mean {'.'.join([*parts[:i], close[0], *parts[i + 1:]])}?)"
+        return f"{message} (did you mean {'.'.join([*parts[:i], close[0], *parts[i + 1 :]])}?)"
     if names:
         return f"{message} ({'.'.join(parts[:i]) or 'the config'} has {', '.join(sorted(names))})"
     return f"{message} ({'.'.join(parts[:i])} is a value, not a section)"

@@ -31,11 +31,12 @@ class Remat:
     rest the backward computes again. Every policy keeps each layer's input (the scan's
     carry). lclm.models.decoder gives each its JAX checkpoint policy; the strategies' costs
     and the planner's memory model read these."""
-    everything: bool = False            # nothing is computed again (no jax.checkpoint)
-    attention_residuals: bool = False   # the attention's output and log-sum-exp (the names
+
+    everything: bool = False  # nothing is computed again (no jax.checkpoint)
+    attention_residuals: bool = False  # the attention's output and log-sum-exp (the names
     # the strategies give them): its forward, and what crosses the devices there, runs once
-    matmuls: bool = False               # the matmuls' outputs (XLA's dots)
-    host: bool = False                  # what it keeps lives in host memory, not the device's
+    matmuls: bool = False  # the matmuls' outputs (XLA's dots)
+    host: bool = False  # what it keeps lives in host memory, not the device's
 
     @property
     def reruns_attention(self) -> bool:
@@ -44,14 +45,20 @@ class Remat:
 
 
 # model.remat -> what it keeps, in the order the docs list them
-REMAT = {"none": Remat(everything=True), "full": Remat(),
-         "attention": Remat(attention_residuals=True),
-         "offload": Remat(attention_residuals=True, host=True),
-         "dots": Remat(matmuls=True), "dots_no_batch": Remat(matmuls=True)}
+REMAT = {
+    "none": Remat(everything=True),
+    "full": Remat(),
+    "attention": Remat(attention_residuals=True),
+    "offload": Remat(attention_residuals=True, host=True),
+    "dots": Remat(matmuls=True),
+    "dots_no_batch": Remat(matmuls=True),
+}
 REMAT_POLICIES = tuple(REMAT)
-REMAT_HELP = ("what the backward recomputes: 'attention' keeps the attention's output (the ring "
-              "runs once), 'full' keeps only layer inputs, 'offload' moves them to host memory, "
-              "'none' keeps all")
+REMAT_HELP = (
+    "what the backward recomputes: 'attention' keeps the attention's output (the ring "
+    "runs once), 'full' keeps only layer inputs, 'offload' moves them to host memory, "
+    "'none' keeps all"
+)
 # model.remat='auto' (lclm.training.remat_choice) is resolved where a train step is compiled; a
 # program that compiles none (evaluation, conversion, the planner without a device) reads it as
 # this policy
@@ -80,63 +87,93 @@ FAMILY_NAMES = tuple(FAMILIES)
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Model hyper-parameters (a tiny model by default; `MODEL_PRESETS` hold real shapes)."""
-    family: str = setting("llama", "the model family: its layer's options (qwen2: q/k/v "
-                          "biases; qwen3: an RMSNorm on each head's q and k) and its "
-                          "HuggingFace names (lclm.families)", choices=FAMILY_NAMES)
+
+    family: str = setting(
+        "llama",
+        "the model family: its layer's options (qwen2: q/k/v "
+        "biases; qwen3: an RMSNorm on each head's q and k) and its "
+        "HuggingFace names (lclm.families)",
+        choices=FAMILY_NAMES,
+    )
     vocab_size: int = setting(512, rule=AT_LEAST_1)
     dim: int = setting(64, "hidden size", rule=AT_LEAST_1)
     n_layers: int = setting(2, rule=AT_LEAST_1)
     n_heads: int = setting(4, "query heads", rule=AT_LEAST_1)
     n_kv_heads: int = setting(2, "K/V heads (GQA; divides n_heads)", rule=AT_LEAST_1)
-    head_dim: int = setting(0, "size of each attention head, even; 0: dim / n_heads (HF's "
-                            "head_dim: Mistral-NeMo's and Qwen3's differ from it)",
-                            rule=AT_LEAST_0)
+    head_dim: int = setting(
+        0,
+        "size of each attention head, even; 0: dim / n_heads (HF's "
+        "head_dim: Mistral-NeMo's and Qwen3's differ from it)",
+        rule=AT_LEAST_0,
+    )
     ffn_dim: int = setting(192, "SwiGLU hidden size", rule=AT_LEAST_1)
     rope_theta: float = setting(10000.0, "RoPE base", rule=FINITE_POSITIVE)
     norm_eps: float = setting(1e-5, "RMSNorm epsilon")
     tie_embeddings: bool = setting(False, "the output projection is the embedding")
     init_std: float = setting(0.02, "standard deviation of fresh weights")
-    dtype: str = setting("bfloat16", "compute dtype (matmul inputs); sums stay float32",
-                         choices=DTYPES)
-    param_dtype: str = setting("float32", "dtype of the parameters and optimizer state",
-                               choices=DTYPES)
+    dtype: str = setting(
+        "bfloat16", "compute dtype (matmul inputs); sums stay float32", choices=DTYPES
+    )
+    param_dtype: str = setting(
+        "float32", "dtype of the parameters and optimizer state", choices=DTYPES
+    )
     scan_layers: bool = setting(True, "the layers as one lax.scan (one layer compiled)")
     remat: str = setting("attention", REMAT_HELP, choices=REMAT_POLICIES)
-    ffn_chunk: int = setting(2048, "tokens per blockwise feed-forward chunk (per sp shard)",
-                             rule=AT_LEAST_1)
-    loss_chunk: int = setting(2048, "tokens per blockwise cross-entropy chunk (per sp shard)",
-                              rule=AT_LEAST_1)
+    ffn_chunk: int = setting(
+        2048, "tokens per blockwise feed-forward chunk (per sp shard)", rule=AT_LEAST_1
+    )
+    loss_chunk: int = setting(
+        2048, "tokens per blockwise cross-entropy chunk (per sp shard)", rule=AT_LEAST_1
+    )
     rope_scaling: str = setting(
-        "none", "RoPE frequency scaling over rope_theta: 'none', 'linear' (every frequency / "
+        "none",
+        "RoPE frequency scaling over rope_theta: 'none', 'linear' (every frequency / "
         "factor), 'llama3' (Llama-3.1's: wavelengths above original/low_freq_factor slowed "
         "by factor, below original/high_freq_factor kept, blended between) or 'yarn' (YaRN, "
         "as Qwen's long-context configs ask: dimensions that turn fewer than beta_slow times "
         "over the original context slowed by factor, more than beta_fast times kept, a "
         "linear ramp between; q and k scaled by the attention factor)",
-        choices=ROPE_SCALINGS)
-    rope_factor: float = setting(8.0, "HF's rope_scaling factor (Llama-3.1: 8)",
-                                 rule=FINITE_POSITIVE)
-    rope_low_freq_factor: float = setting(1.0, "llama3 scaling (Llama-3.1: 1)",
-                                          rule=FINITE_POSITIVE)
-    rope_high_freq_factor: float = setting(4.0, "llama3 scaling (Llama-3.1: 4)",
-                                           rule=FINITE_POSITIVE)
-    rope_original_max_positions: int = setting(8192, "the context the scaling starts from "
-                                               "(Llama-3.1: 8192)", rule=AT_LEAST_1)
-    rope_beta_fast: float = setting(32.0, "yarn: rotations over the original context above "
-                                    "which a dimension is kept", rule=FINITE_POSITIVE)
-    rope_beta_slow: float = setting(1.0, "yarn: rotations below which it is slowed by factor",
-                                    rule=FINITE_POSITIVE)
-    rope_attention_factor: float = setting(0.0, "yarn: cos and sin (so q and k) scaled by this; "
-                                           "0: 0.1 ln(factor) + 1, YaRN's own",
-                                           rule=FINITE_NON_NEGATIVE)
-    rope_truncate: bool = setting(True, "yarn: the ramp's ends rounded to whole dimensions "
-                                  "(HF's default)")
-    bos_id: int = setting(1, "what an export's config.json states: the source checkpoint's "
-                          "beginning-of-sequence id (-1: none)")
+        choices=ROPE_SCALINGS,
+    )
+    rope_factor: float = setting(
+        8.0, "HF's rope_scaling factor (Llama-3.1: 8)", rule=FINITE_POSITIVE
+    )
+    rope_low_freq_factor: float = setting(
+        1.0, "llama3 scaling (Llama-3.1: 1)", rule=FINITE_POSITIVE
+    )
+    rope_high_freq_factor: float = setting(
+        4.0, "llama3 scaling (Llama-3.1: 4)", rule=FINITE_POSITIVE
+    )
+    rope_original_max_positions: int = setting(
+        8192, "the context the scaling starts from (Llama-3.1: 8192)", rule=AT_LEAST_1
+    )
+    rope_beta_fast: float = setting(
+        32.0,
+        "yarn: rotations over the original context above which a dimension is kept",
+        rule=FINITE_POSITIVE,
+    )
+    rope_beta_slow: float = setting(
+        1.0, "yarn: rotations below which it is slowed by factor", rule=FINITE_POSITIVE
+    )
+    rope_attention_factor: float = setting(
+        0.0,
+        "yarn: cos and sin (so q and k) scaled by this; 0: 0.1 ln(factor) + 1, YaRN's own",
+        rule=FINITE_NON_NEGATIVE,
+    )
+    rope_truncate: bool = setting(
+        True, "yarn: the ramp's ends rounded to whole dimensions (HF's default)"
+    )
+    bos_id: int = setting(
+        1,
+        "what an export's config.json states: the source checkpoint's "
+        "beginning-of-sequence id (-1: none)",
+    )
     eos_ids: tuple = setting((2,), "and its end-of-sequence ids (one or more)")
-    max_position_embeddings: int = setting(4096, "and its maximum position count (an export "
-                                           "states max(this, the data.seq_len trained))",
-                                           rule=AT_LEAST_1)
+    max_position_embeddings: int = setting(
+        4096,
+        "and its maximum position count (an export states max(this, the data.seq_len trained))",
+        rule=AT_LEAST_1,
+    )
 
     def __post_init__(self):
         # a JSON round trip (saved configs) gives lists; the config stays hashable
@@ -159,21 +196,33 @@ class ModelConfig:
 class AttentionConfig:
     """How attention is computed: the kernel, the token layout over the sp devices, the
     blockwise tile sizes and the context-parallel strategy over sp."""
-    impl: str = setting("auto", "the attention kernel (lclm.ops.kernels.KERNELS); 'auto' picks "
-                        "the fastest that serves the shapes on each platform",
-                        choices=("auto", *KERNEL_NAMES))
-    layout: str = setting("striped", "which tokens each sp device holds: 'striped' (token i on "
-                          "device i mod sp), 'contiguous' or 'zigzag'", choices=LAYOUTS)
+
+    impl: str = setting(
+        "auto",
+        "the attention kernel (lclm.ops.kernels.KERNELS); 'auto' picks "
+        "the fastest that serves the shapes on each platform",
+        choices=("auto", *KERNEL_NAMES),
+    )
+    layout: str = setting(
+        "striped",
+        "which tokens each sp device holds: 'striped' (token i on "
+        "device i mod sp), 'contiguous' or 'zigzag'",
+        choices=LAYOUTS,
+    )
     q_chunk: int = setting(512, "query tile of the attention kernel", rule=AT_LEAST_1)
     kv_chunk: int = setting(512, "key/value tile of the attention kernel", rule=AT_LEAST_1)
-    strategy: str = setting("ring", "what crosses the sp devices (lclm.ops.context_parallel."
-                            "STRATEGIES): 'ring' passes K/V blocks round the ring, "
-                            "'all_gather' gathers them, 'ulysses' trades the sequence split for "
-                            "a head split with all-to-alls, 'usp' runs Ulysses over groups of "
-                            "`ulysses` consecutive sp devices and the ring across the groups",
-                            choices=STRATEGY_NAMES)
-    ulysses: int = setting(1, "usp's Ulysses degree: mesh.sp = ring members x ulysses",
-                           rule=AT_LEAST_1)
+    strategy: str = setting(
+        "ring",
+        "what crosses the sp devices (lclm.ops.context_parallel."
+        "STRATEGIES): 'ring' passes K/V blocks round the ring, "
+        "'all_gather' gathers them, 'ulysses' trades the sequence split for "
+        "a head split with all-to-alls, 'usp' runs Ulysses over groups of "
+        "`ulysses` consecutive sp devices and the ring across the groups",
+        choices=STRATEGY_NAMES,
+    )
+    ulysses: int = setting(
+        1, "usp's Ulysses degree: mesh.sp = ring members x ulysses", rule=AT_LEAST_1
+    )
 
     @classmethod
     def from_config(cls, attention_config) -> AttentionConfig:

@@ -61,9 +61,12 @@ def run_config(config) -> RunConfig:
     """The typed tree of a checked `ml_collections` config (references resolved). Each
     section takes the fields it declares; a field the config lacks keeps its default."""
     values = config.to_dict()
-    return RunConfig(**{name or "run": from_saved(section, values if not name
-                                                  else values.get(name, {}))
-                        for name, section in SECTIONS.items()})
+    return RunConfig(
+        **{
+            name or "run": from_saved(section, values if not name else values.get(name, {}))
+            for name, section in SECTIONS.items()
+        }
+    )
 
 
 def held_out_runs(config) -> dict[int, RunConfig]:

@@ -41,10 +41,22 @@ STAGE_KEYS = ("name", "tokens", "tokens_per_batch", "optimizer", "gate")
 # predecessor's weights and optimizer state), where the first weights come from, the run's
 # place and the stages themselves
 FIXED = (
-    "workdir", "model.family", "model.vocab_size", "model.dim", "model.n_layers",
-    "model.n_heads", "model.n_kv_heads", "model.head_dim", "model.ffn_dim",
-    "model.tie_embeddings", "model.norm_eps", "model.param_dtype", "model.init_from_hf",
-    "model.init_from_checkpoint", "train.optimizer_from_checkpoint")
+    "workdir",
+    "model.family",
+    "model.vocab_size",
+    "model.dim",
+    "model.n_layers",
+    "model.n_heads",
+    "model.n_kv_heads",
+    "model.head_dim",
+    "model.ffn_dim",
+    "model.tie_embeddings",
+    "model.norm_eps",
+    "model.param_dtype",
+    "model.init_from_hf",
+    "model.init_from_checkpoint",
+    "train.optimizer_from_checkpoint",
+)
 # fields whose values may be written as token counts ('64k')
 _TOKEN_COUNTS = ("data.seq_len", "tokens", "tokens_per_batch")
 STAGES = "stages"
@@ -54,8 +66,9 @@ ON_FAIL = ("stop", "warn")
 # a gate's RULER subset: what `python -m lclm.eval ruler` takes, scored on the stage's final
 # checkpoint at `length` (default: the stage's seq_len)
 GATE_RULER_KEYS = ("min_score", "tasks", "samples", "length", "seed", "chat", "batch_size")
-GATE_RULER_DEFAULTS = dict(tasks="niah_single_1,niah_multikey_1,vt", samples=10, seed=42,
-                           chat=None, batch_size=None)
+GATE_RULER_DEFAULTS = dict(
+    tasks="niah_single_1,niah_multikey_1,vt", samples=10, seed=42, chat=None, batch_size=None
+)
 
 
 def _check_dict(value, complete: bool, keys: tuple[str, ...], what: str, example: str) -> None:
@@ -70,19 +83,25 @@ def _check_dict(value, complete: bool, keys: tuple[str, ...], what: str, example
 
 def check_gate(gate, where: str) -> dict:
     """`gate` as written in a stage record, checked: a one-line ConfigError naming `where`."""
-    _check_dict(gate, bool(gate), GATE_KEYS, f"{where}: gate",
-                "dict(short_loss=0.02, on_fail='stop')")
+    _check_dict(
+        gate, bool(gate), GATE_KEYS, f"{where}: gate", "dict(short_loss=0.02, on_fail='stop')"
+    )
     if "short_loss" not in gate and "ruler" not in gate:
-        raise ConfigError(f"{where}: the gate names nothing to reach; set short_loss (e.g. "
-                          "0.02: the short-length held-out loss at most 2% above the "
-                          "stage's start) or ruler (e.g. dict(min_score=80): RULER's "
-                          "average at the stage's length)")
+        raise ConfigError(
+            f"{where}: the gate names nothing to reach; set short_loss (e.g. "
+            "0.02: the short-length held-out loss at most 2% above the "
+            "stage's start) or ruler (e.g. dict(min_score=80): RULER's "
+            "average at the stage's length)"
+        )
     if "short_loss" in gate:
         fraction = gate["short_loss"]
-        if (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
-                or not math.isfinite(fraction) or fraction < 0):   # NaN compares False
-            raise ConfigError(f"{where}: gate short_loss={fraction!r} must be a finite "
-                              "number >= 0")
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not math.isfinite(fraction)
+            or fraction < 0
+        ):  # NaN compares False
+            raise ConfigError(f"{where}: gate short_loss={fraction!r} must be a finite number >= 0")
     if "ruler" in gate:
         _check_gate_ruler(gate["ruler"], where)
     if gate.get("on_fail", "stop") not in ON_FAIL:
@@ -93,24 +112,35 @@ def check_gate(gate, where: str) -> dict:
 def _check_gate_ruler(spec, where: str) -> None:
     """A gate's `ruler` dict: its keys and their types (task names are checked with the
     tokenizer at start: lclm.training.stages)."""
-    _check_dict(spec, isinstance(spec, dict) and "min_score" in spec, GATE_RULER_KEYS,
-                f"{where}: gate ruler", "dict(min_score=80, tasks='niah_single_1,vt', "
-                "samples=10)")
+    _check_dict(
+        spec,
+        isinstance(spec, dict) and "min_score" in spec,
+        GATE_RULER_KEYS,
+        f"{where}: gate ruler",
+        "dict(min_score=80, tasks='niah_single_1,vt', samples=10)",
+    )
     score = spec["min_score"]
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0 <= score <= 100:
-        raise ConfigError(f"{where}: gate ruler min_score={score!r} must be a percentage "
-                          "(0-100), RULER's scale")
+        raise ConfigError(
+            f"{where}: gate ruler min_score={score!r} must be a percentage (0-100), RULER's scale"
+        )
     for key in ("samples", "seed", "batch_size"):
         value = spec.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < (0 if key == "seed" else 1)):
+        if value is not None and (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or value < (0 if key == "seed" else 1)
+        ):
             raise ConfigError(f"{where}: gate ruler {key}={value!r} must be a positive integer")
     if not isinstance(spec.get("tasks", ""), str):
-        raise ConfigError(f"{where}: gate ruler tasks={spec['tasks']!r} must be a "
-                          "comma-separated string")
+        raise ConfigError(
+            f"{where}: gate ruler tasks={spec['tasks']!r} must be a comma-separated string"
+        )
     if spec.get("chat") not in (None, "tokenizer"):
-        raise ConfigError(f"{where}: gate ruler chat={spec['chat']!r}; use None (RULER's base "
-                          "prompts) or 'tokenizer' (its chat template)")
+        raise ConfigError(
+            f"{where}: gate ruler chat={spec['chat']!r}; use None (RULER's base "
+            "prompts) or 'tokenizer' (its chat template)"
+        )
 
 
 def gate_ruler(gate: dict, seq_len: int) -> dict | None:
@@ -144,8 +174,9 @@ def _token_count(value, key: str, where: str) -> int:
             raise ValueError
         return int(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {key}={value!r} is not a token count (e.g. 65536 or "
-                          "'64k')") from None
+        raise ConfigError(
+            f"{where}: {key}={value!r} is not a token count (e.g. 65536 or '64k')"
+        ) from None
 
 
 def stage_records(config) -> list[dict[str, Any]]:
@@ -154,8 +185,10 @@ def stage_records(config) -> list[dict[str, Any]]:
     fixed one is a ConfigError naming the stage."""
     listed, schedule = tuple(config.stages.list), config.stages.schedule
     if listed and schedule.strip():
-        raise ConfigError("config.stages.list and config.stages.schedule are both set; a run "
-                          "has one list of stages: keep one of them")
+        raise ConfigError(
+            "config.stages.list and config.stages.schedule are both set; a run "
+            "has one list of stages: keep one of them"
+        )
     if not listed:
         records: list[dict[str, Any]] = []
         stages = parse_schedule(schedule)
@@ -163,10 +196,12 @@ def stage_records(config) -> list[dict[str, Any]]:
             _check_no_stage_settings(config)
         any_sp = any(stage.sp for stage in stages)
         for i, stage in enumerate(stages):
-            record: dict[str, Any] = {"data.seq_len": stage.seq_len,
-                                      "model.rope_theta": stage.rope_theta,
-                                      "train.steps": stage.steps}
-            if any_sp:   # a stage without sp runs on the config's mesh.sp
+            record: dict[str, Any] = {
+                "data.seq_len": stage.seq_len,
+                "model.rope_theta": stage.rope_theta,
+                "train.steps": stage.steps,
+            }
+            if any_sp:  # a stage without sp runs on the config's mesh.sp
                 record["mesh.sp"] = stage.sp or config.mesh.sp
             if i and config.stages.extend_lr:
                 record["train.lr"] = config.stages.extend_lr
@@ -176,29 +211,37 @@ def stage_records(config) -> list[dict[str, Any]]:
     for i, entry in enumerate(listed):
         where = f"config.stages.list[{i}]"
         if not isinstance(entry, dict):
-            raise ConfigError(f"{where} is {type(entry).__name__}, not a dict of the fields the "
-                              "stage sets (e.g. dict(data=dict(seq_len='64k'), train="
-                              "dict(steps=100)))")
+            raise ConfigError(
+                f"{where} is {type(entry).__name__}, not a dict of the fields the "
+                "stage sets (e.g. dict(data=dict(seq_len='64k'), train="
+                "dict(steps=100)))"
+            )
         record = _flat(entry, where)
         for key in record:
             if key in STAGE_KEYS:
                 continue
             if key in FIXED or key.startswith("stages."):
-                raise ConfigError(f"{where} sets {key}, which no stage may change (the weights' "
-                                  "shape, their source and the stages are the run's); set it "
-                                  "in the config outside stages.list")
-            field(config, key)   # an unknown key: a ConfigError naming the closest one
+                raise ConfigError(
+                    f"{where} sets {key}, which no stage may change (the weights' "
+                    "shape, their source and the stages are the run's); set it "
+                    "in the config outside stages.list"
+                )
+            field(config, key)  # an unknown key: a ConfigError naming the closest one
         if "tokens" in record and "train.steps" in record:
-            raise ConfigError(f"{where} sets both tokens and train.steps; a stage's length is "
-                              "one of them")
+            raise ConfigError(
+                f"{where} sets both tokens and train.steps; a stage's length is one of them"
+            )
         if "gate" in record:
             check_gate(record["gate"], where)
         if i == 0 and "optimizer" in record:
-            raise ConfigError(f"{where} sets optimizer, but the first stage has no predecessor "
-                              "to take an optimizer from")
+            raise ConfigError(
+                f"{where} sets optimizer, but the first stage has no predecessor "
+                "to take an optimizer from"
+            )
         if record.get("optimizer", "carry") not in STAGE_OPTIMIZER:
-            raise ConfigError(f"{where}: optimizer={record['optimizer']!r}; use one of "
-                              f"{STAGE_OPTIMIZER}")
+            raise ConfigError(
+                f"{where}: optimizer={record['optimizer']!r}; use one of {STAGE_OPTIMIZER}"
+            )
         for key in _TOKEN_COUNTS:
             if key in record:
                 record[key] = _token_count(record[key], key, where)
@@ -213,9 +256,11 @@ def _check_no_stage_settings(config) -> None:
     for key in ("tokens_per_batch", "extend_lr", "optimizer"):
         value, default = config.stages[key], getattr(unset, key)
         if value != default:
-            raise ConfigError(f"stages.{key}={value!r} is set but the run has no stages "
-                              "(stages.list and stages.schedule are empty); list the stages, "
-                              f"or set stages.{key}={default!r} for a single run")
+            raise ConfigError(
+                f"stages.{key}={value!r} is set but the run has no stages "
+                "(stages.list and stages.schedule are empty); list the stages, "
+                f"or set stages.{key}={default!r} for a single run"
+            )
 
 
 def _unstaged(config):
@@ -240,7 +285,7 @@ def stage_configs(config) -> list:
     records = stage_records(config)
     base = _unstaged(config)
     tokens_per_batch = config.stages.tokens_per_batch
-    warmup = config.train.warmup   # as set, before a short stage clamps it
+    warmup = config.train.warmup  # as set, before a short stage clamps it
     configs: list = []
     for i, record in enumerate(records):
         where = f"stage {stage_name(record, i)}"
@@ -252,17 +297,21 @@ def stage_configs(config) -> list:
         seq_len = c.data.seq_len
         if tokens_per_batch:
             if tokens_per_batch % seq_len:
-                raise ConfigError(f"tokens_per_batch={tokens_per_batch} is not a multiple of "
-                                  f"{where}'s seq_len={seq_len}")
+                raise ConfigError(
+                    f"tokens_per_batch={tokens_per_batch} is not a multiple of "
+                    f"{where}'s seq_len={seq_len}"
+                )
             c.data.batch_size = tokens_per_batch // seq_len
         if "tokens" in record:
             c.train.steps = math.ceil(int(record["tokens"]) / (c.data.batch_size * seq_len))
         if "train.warmup" in record:
             warmup = int(record["train.warmup"])
             if warmup and warmup >= c.train.steps:
-                raise ConfigError(f"{where} sets train.warmup={warmup}, not below its "
-                                  f"{c.train.steps} steps: its learning rate would never reach "
-                                  "train.lr; set a shorter warm-up or more steps (or tokens)")
+                raise ConfigError(
+                    f"{where} sets train.warmup={warmup}, not below its "
+                    f"{c.train.steps} steps: its learning rate would never reach "
+                    "train.lr; set a shorter warm-up or more steps (or tokens)"
+                )
         # a warm-up the stage inherits is clamped: the stage reaches its peak by its last step
         c.train.warmup = min(warmup, c.train.steps - 1)
         c.workdir = stage_workdir(config, i, seq_len)
@@ -270,17 +319,18 @@ def stage_configs(config) -> list:
         lengths = [*(s.data.seq_len for s in configs), seq_len]
         c.validation.lengths = ",".join(
             ",".join(map(str, lengths)) if item.strip() == STAGES else item
-            for item in config.validation.lengths.split(","))
+            for item in config.validation.lengths.split(",")
+        )
         if "short_loss" in record.get("gate", {}):
             # judged against the held-out loss of the stage's first weights
             if not c.validation.path:
-                raise ConfigError(f"{where}'s gate compares held-out losses; set "
-                                  "validation.path")
+                raise ConfigError(f"{where}'s gate compares held-out losses; set validation.path")
             c.validation.at_start = True
-        if configs:   # weights come from the previous stage, not from HF
+        if configs:  # weights come from the previous stage, not from HF
             c.model.init_from_checkpoint = configs[-1].workdir
             c.train.optimizer_from_checkpoint = (
-                record.get("optimizer", config.stages.optimizer) == "carry")
+                record.get("optimizer", config.stages.optimizer) == "carry"
+            )
         configs.append(c)
     return configs
 
@@ -295,16 +345,21 @@ def keys_set_by_stages(config) -> dict[str, str]:
     if config.stages.schedule.strip():
         every = "set by every stage of stages.schedule"
         change = "change the schedule (stages.schedule=...) instead"
-        keys = {k: f"{every}; {change}" for k in ("data.seq_len", "model.rope_theta",
-                                                 "train.steps")}
+        keys = {
+            k: f"{every}; {change}" for k in ("data.seq_len", "model.rope_theta", "train.steps")
+        }
         with_sp = [str(i) for i, s in enumerate(parse_schedule(config.stages.schedule)) if s.sp]
         if with_sp:
-            keys["mesh.sp"] = (f"set by stage{'s' if len(with_sp) > 1 else ''} "
-                               f"{', '.join(with_sp)} of stages.schedule "
-                               f"(seq_len:rope_theta:steps:sp); {change}")
+            keys["mesh.sp"] = (
+                f"set by stage{'s' if len(with_sp) > 1 else ''} "
+                f"{', '.join(with_sp)} of stages.schedule "
+                f"(seq_len:rope_theta:steps:sp); {change}"
+            )
         if config.stages.tokens_per_batch:
-            keys["data.batch_size"] = (f"{every} (stages.tokens_per_batch // seq_len); change "
-                                       "stages.tokens_per_batch instead")
+            keys["data.batch_size"] = (
+                f"{every} (stages.tokens_per_batch // seq_len); change "
+                "stages.tokens_per_batch instead"
+            )
         return keys
     setters: dict[str, list[str]] = {}
     for i, record in enumerate(records):
@@ -315,14 +370,22 @@ def keys_set_by_stages(config) -> dict[str, str]:
             derived.append("data.batch_size")
         for key in derived:
             setters.setdefault(key, []).append(str(i))
-    return {key: (f"set by stage{'s' if len(who) > 1 else ''} {', '.join(who)} of stages.list "
-                  "(a stage keeps it for the stages after it); change it there instead")
-            for key, who in setters.items()}
+    return {
+        key: (
+            f"set by stage{'s' if len(who) > 1 else ''} {', '.join(who)} of stages.list "
+            "(a stage keeps it for the stages after it); change it there instead"
+        )
+        for key, who in setters.items()
+    }
 
 
 # what a stage's config holds to chain it to the others (not what its step computes)
-CHAINING = ("workdir", "model.init_from_checkpoint", "train.optimizer_from_checkpoint",
-            "validation.lengths")
+CHAINING = (
+    "workdir",
+    "model.init_from_checkpoint",
+    "train.optimizer_from_checkpoint",
+    "validation.lengths",
+)
 
 
 def stage_changes(config) -> list[dict[str, Any]]:
@@ -331,8 +394,14 @@ def stage_changes(config) -> list[dict[str, Any]]:
     configs = stage_configs(config)
     base = _unstaged(config)
     flat_base = dict(flat_items(public_config(base)))
-    return [{key: value for key, value in flat_items(public_config(c))
-             if flat_base.get(key, object()) != value} for c in configs]
+    return [
+        {
+            key: value
+            for key, value in flat_items(public_config(c))
+            if flat_base.get(key, object()) != value
+        }
+        for c in configs
+    ]
 
 
 def stage_lines(config) -> list[str]:
@@ -356,6 +425,8 @@ def validation_lengths(seq_len: int, lengths: str) -> list[int]:
         try:
             found.add(parse_tokens(item))
         except ValueError as e:
-            raise ConfigError(f"validation.lengths={lengths!r}: {e}, or "
-                              f"'{STAGES}' (this stage's and every earlier stage's)") from None
+            raise ConfigError(
+                f"validation.lengths={lengths!r}: {e}, or "
+                f"'{STAGES}' (this stage's and every earlier stage's)"
+            ) from None
     return sorted(found)

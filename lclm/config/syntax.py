@@ -14,7 +14,7 @@ def parse_tokens(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
     if not m:
         raise ValueError(f"bad length {text!r}; use e.g. 512, 2k or 1m")
-    n = int(float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()])
+    n = int(float(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[m.group(2).lower()])
     if n < 1:
         raise ValueError(f"length {text!r} must be positive")
     return n
@@ -22,7 +22,7 @@ def parse_tokens(text: str) -> int:
 
 def format_tokens(n: int) -> str:
     """The short form `parse_tokens` reads: 2048 -> '2k', 1048576 -> '1m', 1000 -> '1000'."""
-    for suffix, unit in (("m", 1024 ** 2), ("k", 1024)):
+    for suffix, unit in (("m", 1024**2), ("k", 1024)):
         if n % unit == 0:
             return f"{n // unit}{suffix}"
     return str(n)
@@ -48,11 +48,12 @@ def parse_schedule(schedule: str) -> list[Stage]:
             seq, theta, steps, *sp = entry.split(":")
             if len(sp) > 1:
                 raise ValueError
-            stage = Stage(parse_tokens(seq), float(theta), int(steps),
-                          int(sp[0]) if sp else None)
+            stage = Stage(parse_tokens(seq), float(theta), int(steps), int(sp[0]) if sp else None)
         except ValueError:
-            raise ConfigError(f"stages.schedule entry {entry!r} is not "
-                              "seq_len:rope_theta:steps[:sp] (e.g. 32k:1e6:400:8)") from None
+            raise ConfigError(
+                f"stages.schedule entry {entry!r} is not "
+                "seq_len:rope_theta:steps[:sp] (e.g. 32k:1e6:400:8)"
+            ) from None
         if min(stage.seq_len, stage.steps, stage.rope_theta, stage.sp or 1) <= 0:
             raise ConfigError(f"stages.schedule entry {entry!r} needs positive values")
         stages.append(stage)

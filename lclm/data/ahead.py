@@ -33,7 +33,7 @@ class Ahead:
     def __init__(self, docs, workers: int | None = None):
         self.docs, self.workers = docs, workers or cores()
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="lclm-ahead")
-        self._reads: dict[int, Future] = {}   # read ahead, in the order they were wanted
+        self._reads: dict[int, Future] = {}  # read ahead, in the order they were wanted
 
     def __len__(self) -> int:
         return len(self.docs)

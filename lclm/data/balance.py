@@ -52,7 +52,7 @@ def _runs(layout: str, n: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np
     table = np.zeros((3, n, k), np.int64)
     table[1] = 1
     for device, runs in enumerate(per_device):
-        table[:, device, :len(runs)] = np.array(runs, np.int64).T
+        table[:, device, : len(runs)] = np.array(runs, np.int64).T
     return table[0], table[1], table[2]
 
 
@@ -64,8 +64,9 @@ def documents(segment_ids: np.ndarray, document_mask: bool = True):
     if not document_mask:
         return np.arange(rows), np.zeros(rows, np.int64), np.full(rows, seq, np.int64)
     first = np.ones((rows, 1), bool)
-    starts = np.flatnonzero(np.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]],
-                                           axis=1))
+    starts = np.flatnonzero(
+        np.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    )
     row = starts // seq
     # a row's first token always starts a document, so the next start is in the same row or
     # is the next row's position 0 (= this row's end)
@@ -73,8 +74,9 @@ def documents(segment_ids: np.ndarray, document_mask: bool = True):
     return row, starts - row * seq, ends
 
 
-def attention_work(segment_ids: np.ndarray, layout: str, n: int,
-                   document_mask: bool = True) -> np.ndarray:
+def attention_work(
+    segment_ids: np.ndarray, layout: str, n: int, document_mask: bool = True
+) -> np.ndarray:
     """Causal attention pairs per sequence shard: `[rows, seq]` segment ids in original order
     -> `[rows, n]` int64, entry (r, j) the number of (query, key) pairs of row r with the same
     segment id and key <= query whose query sits on shard j of `layout` (`lclm.ops.layout`)
@@ -85,14 +87,14 @@ def attention_work(segment_ids: np.ndarray, layout: str, n: int,
     m (p0 - a + 1) + s m (m - 1) / 2."""
     rows, seq = segment_ids.shape
     row, start, end = documents(segment_ids, document_mask)
-    first, step, count = _runs(layout, n, seq)            # [n, K]
-    a, e = start[:, None, None], end[:, None, None]       # [docs, 1, 1]
+    first, step, count = _runs(layout, n, seq)  # [n, K]
+    a, e = start[:, None, None], end[:, None, None]  # [docs, 1, 1]
     # the run's indices i with a <= first + step*i < e, clipped to [0, count)
     lo = np.clip(-((first - a) // step), 0, count)
     hi = np.clip(-((first - e) // step), 0, count)
     m = np.maximum(hi - lo, 0)
     p0 = first + step * lo
-    pairs = (m * (p0 - a + 1) + step * m * (m - 1) // 2).sum(axis=2)   # [docs, n]
+    pairs = (m * (p0 - a + 1) + step * m * (m - 1) // 2).sum(axis=2)  # [docs, n]
     work = np.zeros((rows, n), np.int64)
     np.add.at(work, row, pairs)
     return work
@@ -106,8 +108,9 @@ def bin_of_position(rows: int, shards: int, accum: int) -> np.ndarray:
 
 def _check_bins(rows: int, shards: int, accum: int) -> None:
     if rows % (shards * accum):
-        raise ValueError(f"{rows} rows do not split evenly into {shards} batch shards x "
-                         f"{accum} micro-batches")
+        raise ValueError(
+            f"{rows} rows do not split evenly into {shards} batch shards x {accum} micro-batches"
+        )
 
 
 def _longest_first(work: np.ndarray, bins: int) -> np.ndarray:

@@ -32,8 +32,12 @@ from lclm.errors import ConfigError
 
 ROLE_ALIASES = {
     "system": "system",
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
     "model": "assistant",
 }
 
@@ -46,14 +50,15 @@ class ChatTemplate:
     `name` (say `{<|eot_id|>}`), all inserted as ids. A turn's text is tokenised as text (a
     HuggingFace tokenizer, like `transformers`, reads special-token strings in it as those
     tokens; a SentencePiece model never does)."""
-    begin: str              # once, at the start (no loss)
-    system_format: str      # the system text, when there is one (no loss)
-    user_format: str        # a user turn (no loss)
-    assistant_prefix: str   # before each reply, no loss: what an inference prompt ends with
-    assistant_format: str   # the reply, with loss (with its closing EOS or <|eot_id|>)
+
+    begin: str  # once, at the start (no loss)
+    system_format: str  # the system text, when there is one (no loss)
+    user_format: str  # a user turn (no loss)
+    assistant_prefix: str  # before each reply, no loss: what an inference prompt ends with
+    assistant_format: str  # the reply, with loss (with its closing EOS or <|eot_id|>)
     default_system: str = ""
     system_in_first_user: bool = False  # system_format (plain text) opens the first user text
-    strip: bool = False     # strip the whitespace around every turn's text
+    strip: bool = False  # strip the whitespace around every turn's text
 
     # what every chat template answers (lclm.data.model_chat.ModelTemplate too)
     def render(self, turns, tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -74,16 +79,25 @@ TEMPLATES = {
     # BOS system USER: q ASSISTANT: a</s>USER: q2 ASSISTANT: a2</s>
     "vicuna": ChatTemplate(
         default_system="A chat between a curious user and an artificial intelligence "
-                       "assistant. The assistant gives helpful, detailed, and polite answers "
-                       "to the user's questions.",
-        begin="{bos}", system_format="{system} ", user_format="USER: {text} ",
-        assistant_prefix="ASSISTANT:", assistant_format=" {text}{eos}"),
+        "assistant. The assistant gives helpful, detailed, and polite answers "
+        "to the user's questions.",
+        begin="{bos}",
+        system_format="{system} ",
+        user_format="USER: {text} ",
+        assistant_prefix="ASSISTANT:",
+        assistant_format=" {text}{eos}",
+    ),
     # LLaMA-2 chat (Meta's reference code): every exchange is BOS [INST] q [/INST] a EOS, the
     # system text inside the first [INST] between <<SYS>> markers
     "llama2": ChatTemplate(
-        begin="", system_format="<<SYS>>\n{system}\n<</SYS>>\n\n",
-        user_format="{bos}[INST] {text} [/INST]", assistant_prefix="",
-        assistant_format=" {text} {eos}", system_in_first_user=True, strip=True),
+        begin="",
+        system_format="<<SYS>>\n{system}\n<</SYS>>\n\n",
+        user_format="{bos}[INST] {text} [/INST]",
+        assistant_prefix="",
+        assistant_format=" {text} {eos}",
+        system_in_first_user=True,
+        strip=True,
+    ),
     # LLaMA-3 instruct: <|begin_of_text|>, then per turn a role header and the text closed by
     # <|eot_id|>; an inference prompt ends with the assistant header
     "llama3": ChatTemplate(
@@ -91,7 +105,9 @@ TEMPLATES = {
         system_format="{<|start_header_id|>}system{<|end_header_id|>}\n\n{system}{<|eot_id|>}",
         user_format="{<|start_header_id|>}user{<|end_header_id|>}\n\n{text}{<|eot_id|>}",
         assistant_prefix="{<|start_header_id|>}assistant{<|end_header_id|>}\n\n",
-        assistant_format="{text}{<|eot_id|>}", strip=True),
+        assistant_format="{text}{<|eot_id|>}",
+        strip=True,
+    ),
 }
 
 
@@ -106,10 +122,12 @@ def get_template(name: str, tokenizer):
     (one line) for an unknown name or a tokenizer that ships none."""
     if name == TOKENIZER:
         if getattr(tokenizer, "chat_template", None) is None:
-            raise ConfigError(f"data.chat_template='tokenizer', but tokenizer "
-                              f"{tokenizer.path!r} ships no chat template (tokenizer_config."
-                              f"json's chat_template or chat_template.jinja); name one of "
-                              f"{sorted(TEMPLATES)}")
+            raise ConfigError(
+                f"data.chat_template='tokenizer', but tokenizer "
+                f"{tokenizer.path!r} ships no chat template (tokenizer_config."
+                f"json's chat_template or chat_template.jinja); name one of "
+                f"{sorted(TEMPLATES)}"
+            )
         return tokenizer.chat_template
     if name not in TEMPLATES:
         raise ConfigError(f"unknown chat template {name!r}; use one of {sorted(TEMPLATE_NAMES)}")
@@ -119,6 +137,7 @@ def get_template(name: str, tokenizer):
 @dataclasses.dataclass(frozen=True)
 class Special:
     """A special token in a template: "bos", "eos" or the token itself."""
+
     token: str
 
 
@@ -138,9 +157,18 @@ def _parse(fmt: str) -> tuple[object, ...]:
 
 
 def _specials(template: ChatTemplate) -> set[str]:
-    return {p.token for f in (template.begin, template.system_format, template.user_format,
-                              template.assistant_prefix, template.assistant_format)
-            for p in _parse(f) if isinstance(p, Special)}
+    return {
+        p.token
+        for f in (
+            template.begin,
+            template.system_format,
+            template.user_format,
+            template.assistant_prefix,
+            template.assistant_format,
+        )
+        for p in _parse(f)
+        if isinstance(p, Special)
+    }
 
 
 def check_template(template: ChatTemplate, tokenizer) -> None:
@@ -148,7 +176,8 @@ def check_template(template: ChatTemplate, tokenizer) -> None:
     for token in sorted(_specials(template) - {"bos", "eos"}):
         tokenizer.special_id(token)
     if template.system_in_first_user and any(
-            isinstance(p, Special) for p in _parse(template.system_format)):
+        isinstance(p, Special) for p in _parse(template.system_format)
+    ):
         raise ValueError("a system_format merged into the first user turn must be plain text")
 
 
@@ -190,8 +219,9 @@ def _layout(turns, template: ChatTemplate, prompt: bool = False) -> list[tuple[o
     system, pending = strip(system), ""
     if system and template.system_in_first_user:
         # plain text and _VALUE only: check_template rejects a Special there
-        pending = "".join(system if p is _VALUE else cast(str, p)
-                          for p in _parse(template.system_format))
+        pending = "".join(
+            system if p is _VALUE else cast(str, p) for p in _parse(template.system_format)
+        )
     elif system:
         add(template.system_format, system)
     for role, text in turns:

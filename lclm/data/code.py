@@ -51,8 +51,8 @@ from lclm.data.stats import SourceStats
 EXTENSIONS = (".py", ".pyi", ".pyx", ".pxd", ".md", ".rst", ".txt")
 # caches, and directories of other packages (a stdlib's site-packages is its own source)
 SKIPPED_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages", "node_modules"})
-MAX_FILE_BYTES = 1 << 20   # larger files are generated or data (The Stack drops > 1 MB too)
-MAX_DOCUMENT_BYTES = 8 << 20   # ~2M LLaMA tokens; bounds the cost of reading one document
+MAX_FILE_BYTES = 1 << 20  # larger files are generated or data (The Stack drops > 1 MB too)
+MAX_DOCUMENT_BYTES = 8 << 20  # ~2M LLaMA tokens; bounds the cost of reading one document
 # The held-out split's size bands: (least bytes, units held out). Evaluation at L tokens reads
 # documents of L + 1 (perplexity --documents 16 of each length, validation a batch); at 5
 # bytes a token, above the 4.5 of SmolLM2's tokenizer on the stdlib's most prose-like long
@@ -60,21 +60,28 @@ MAX_DOCUMENT_BYTES = 8 << 20   # ~2M LLaMA tokens; bounds the cost of reading on
 # 64K, 32K, 8K or 2K tokens. So a DIR with twice these counts in every band has at least 4
 # held-out documents over 128K tokens, 8 over 64K and 16 over 32K, 8K and 2K; the short bands
 # keep short documents in validation.
-HELDOUT_BANDS = ((640 << 10, 4), (320 << 10, 4), (160 << 10, 8), (40 << 10, 4), (10 << 10, 4),
-                 (0, 4))
+HELDOUT_BANDS = (
+    (640 << 10, 4),
+    (320 << 10, 4),
+    (160 << 10, 8),
+    (40 << 10, 4),
+    (10 << 10, 4),
+    (0, 4),
+)
 # A package's parts for the split, cut in turn at a tenth above the three long bands' least
 # sizes: so the long packages (the stdlib's `test` is over half of it) give units to each long
 # band, and a held-out document is not much longer than its band needs.
 PART_BYTES = (704 << 10, 352 << 10, 176 << 10)
-_PACKAGES = "a directory of packages (e.g. a site-packages)"   # what DIR is, as messages say
+_PACKAGES = "a directory of packages (e.g. a site-packages)"  # what DIR is, as messages say
 
-Files = list[tuple[str, int]]   # (path relative to DIR, bytes) in path order
+Files = list[tuple[str, int]]  # (path relative to DIR, bytes) in path order
 
 
 @dataclasses.dataclass(frozen=True)
 class CodeDocument:
     """One document: `files` (paths relative to the root, in path order) of package `name`
     (for a file directly in the root, its name up to the first '.')."""
+
     name: str
     files: tuple[str, ...]
 
@@ -82,14 +89,16 @@ class CodeDocument:
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     """An entry of the root: a package directory's files, or a file directly in the root."""
+
     name: str
     files: Files
     directory: bool
 
 
 def _skipped_dir(name: str) -> bool:
-    return (name in SKIPPED_DIRS or name.startswith(".")
-            or name.endswith((".dist-info", ".egg-info")))
+    return (
+        name in SKIPPED_DIRS or name.startswith(".") or name.endswith((".dist-info", ".egg-info"))
+    )
 
 
 def _inside(path: str, root: str) -> bool:
@@ -113,7 +122,7 @@ class _Walker:
             return None
         try:
             size = os.stat(path).st_size
-        except OSError:   # a dangling symlink, or a file removed while listing
+        except OSError:  # a dangling symlink, or a file removed while listing
             return None
         if size > MAX_FILE_BYTES:
             self.stats.skip(path, f"over {MAX_FILE_BYTES} bytes")
@@ -123,7 +132,7 @@ class _Walker:
     def package(self, directory: str) -> list[tuple[str, int]]:
         """The chosen files of the package at `directory`, in path order."""
         found: list[tuple[str, int]] = []
-        for parent, dirs, names in os.walk(directory):   # symlinked directories not entered
+        for parent, dirs, names in os.walk(directory):  # symlinked directories not entered
             dirs[:] = [d for d in dirs if not _skipped_dir(d)]
             found += filter(None, (self.chosen(os.path.join(parent, n)) for n in names))
         return sorted(found, key=lambda f: f[0].split(os.sep))
@@ -158,7 +167,7 @@ def _heldout_units(units: list[Files]) -> set[str]:
         bands[band].append(unit[0][0])
     held: set[str] = set()
     for (_, count), firsts in zip(HELDOUT_BANDS, bands, strict=True):
-        held.update(sorted(firsts, key=_digest)[:min(count, len(firsts) // 2)])
+        held.update(sorted(firsts, key=_digest)[: min(count, len(firsts) // 2)])
     return held
 
 
@@ -178,7 +187,7 @@ def _split(entries: list[_Entry]) -> tuple[list[CodeDocument], list[CodeDocument
     train: list[CodeDocument] = []
     heldout: list[CodeDocument] = []
     for e in entries:
-        if not e.directory:   # with its package's first part, if it is named after one
+        if not e.directory:  # with its package's first part, if it is named after one
             first = parts[e.name][0] if e.name in parts else e.files
             (heldout if first[0][0] in held else train).append(_document(e.name, e.files))
             continue
@@ -206,7 +215,7 @@ def _entries(root: str, stats: SourceStats) -> list[_Entry]:
             else:
                 stats.skip(entry.path, "a symlink out of the source's directory")
             continue
-        name = entry.name.split(".", 1)[0] or entry.name   # json.py goes with json/
+        name = entry.name.split(".", 1)[0] or entry.name  # json.py goes with json/
         if entry.is_file() and (chosen := walker.chosen(entry.path)) is not None:
             entries.append(_Entry(name, [chosen], False))
     return entries
@@ -243,8 +252,7 @@ class CodeRecords:
 
     def __init__(self, root: str, heldout: bool, stats: SourceStats):
         if not os.path.isdir(root):
-            raise FileNotFoundError(f"no directory at {root!r}; a code source reads "
-                                    f"{_PACKAGES}")
+            raise FileNotFoundError(f"no directory at {root!r}; a code source reads {_PACKAGES}")
         self.root, self.stats = root, stats
         self.documents = list_documents(root, heldout, stats)
         self._bad: set[str] = set()
@@ -276,12 +284,23 @@ def open_packages(heldout: bool, root: str, tokenizer, reading: Reading) -> Text
     packages = CodeRecords(root, heldout, reading.stats)
     if not len(packages):
         kind, split = ("code-heldout", "held-out ") if heldout else ("code", "")
-        raise DataError(f"{kind}:{root} holds no {split}package with "
-                        f"{'/'.join(EXTENSIONS)} files")
+        raise DataError(f"{kind}:{root} holds no {split}package with {'/'.join(EXTENSIONS)} files")
     return TextDocuments(packages, "text", tokenizer)
 
 
-KINDS = (Kind("code", functools.partial(open_packages, False), DIRECTORY, prepare=True,
-              path_help=_PACKAGES),
-         Kind("code-heldout", functools.partial(open_packages, True), DIRECTORY, prepare=True,
-              path_help=_PACKAGES))
+KINDS = (
+    Kind(
+        "code",
+        functools.partial(open_packages, False),
+        DIRECTORY,
+        prepare=True,
+        path_help=_PACKAGES,
+    ),
+    Kind(
+        "code-heldout",
+        functools.partial(open_packages, True),
+        DIRECTORY,
+        prepare=True,
+        path_help=_PACKAGES,
+    ),
+)

@@ -75,21 +75,23 @@ def _refused(template, record) -> str | None:
 
 def open_text(path: str, tokenizer, reading: Reading) -> TextDocuments:
     field = reading.text_field
-    records = read_records(path, field, lambda r: text_problem(r, field), (field,),
-                           reading.stats)
+    records = read_records(path, field, lambda r: text_problem(r, field), (field,), reading.stats)
     return TextDocuments(records, field, tokenizer)
 
 
 def open_sharegpt(path: str, tokenizer, reading: Reading) -> ChatDocuments:
     template = get_template(reading.chat_template, tokenizer)
-    template.check(tokenizer)   # its special tokens exist, or a ConfigError
+    template.check(tokenizer)  # its special tokens exist, or a ConfigError
     problem: Callable[[object], str | None] = chat_problem
-    if not isinstance(template, ChatTemplate):   # the tokenizer's own may refuse some
+    if not isinstance(template, ChatTemplate):  # the tokenizer's own may refuse some
         problem = lambda r: chat_problem(r) or _refused(template, r)
-    records = read_records(path, reading.text_field, problem, ("conversations", "messages"),
-                           reading.stats)
+    records = read_records(
+        path, reading.text_field, problem, ("conversations", "messages"), reading.stats
+    )
     return ChatDocuments(records, tokenizer, template)
 
 
-KINDS = (Kind("text", open_text, FILES, prepare=True),
-         Kind("sharegpt", open_sharegpt, FILES, prepare=True))
+KINDS = (
+    Kind("text", open_text, FILES, prepare=True),
+    Kind("sharegpt", open_sharegpt, FILES, prepare=True),
+)

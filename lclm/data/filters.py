@@ -30,8 +30,9 @@ from lclm.errors import ConfigError
 @dataclasses.dataclass(frozen=True)
 class LengthRules:
     """The options of one source; the defaults change nothing."""
+
     min_tokens: int = 0
-    max_tokens: int = 0   # 0: no limit
+    max_tokens: int = 0  # 0: no limit
     short_below: int = 0
     short_keep: float = 1.0
     long_above: int = 0
@@ -81,8 +82,10 @@ def parse_options(text: str, where: str) -> LengthRules:
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep or name not in names:
-            raise ConfigError(f"{where}: unknown option {item!r}; the options are "
-                              f"{', '.join(names)} (e.g. ?short_below=4k&short_keep=0.1)")
+            raise ConfigError(
+                f"{where}: unknown option {item!r}; the options are "
+                f"{', '.join(names)} (e.g. ?short_below=4k&short_keep=0.1)"
+            )
         if name in values:
             raise ConfigError(f"{where}: option {name} is given twice; keep one")
         try:
@@ -91,9 +94,11 @@ def parse_options(text: str, where: str) -> LengthRules:
             raise ConfigError(f"{where}: {e}") from None
     for length, share, example in _PAIRS:
         if (length in values) != (share in values):
-            raise ConfigError(f"{where}: {length} and {share} go together; give both (e.g. "
-                              f"{length}={format_tokens(int(values.get(length, 4096)))}"
-                              f"&{share}={example})")
+            raise ConfigError(
+                f"{where}: {length} and {share} go together; give both (e.g. "
+                f"{length}={format_tokens(int(values.get(length, 4096)))}"
+                f"&{share}={example})"
+            )
     return LengthRules(**values)  # type: ignore[arg-type]  # typed per field above
 
 
@@ -111,7 +116,7 @@ def uniforms(key: Sequence[int], documents: np.ndarray) -> np.ndarray:
     and a single document as it is drawn, alike."""
     base = np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0]
     h = _mix(_mix(np.asarray(documents, np.uint64) + np.uint64(0x9E3779B97F4A7C15)) ^ base)
-    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 class DocumentLengths:
@@ -122,8 +127,7 @@ class DocumentLengths:
     def __init__(self, docs):
         self.docs = docs
         self.exact = isinstance(docs, TokenizedDocuments)
-        self.known = (np.diff(docs.offsets) if self.exact
-                      else np.full(len(docs), -1, np.int64))
+        self.known = np.diff(docs.offsets) if self.exact else np.full(len(docs), -1, np.int64)
 
     def note(self, i: int, doc) -> None:
         self.known[i] = 0 if doc is None else len(doc[0])
@@ -146,14 +150,19 @@ class LengthFilter:
     documents (each is measured once); else its own.
     """
 
-    def __init__(self, docs, rules: LengthRules, seed: int, source: int,
-                 lengths: DocumentLengths | None = None):
+    def __init__(
+        self,
+        docs,
+        rules: LengthRules,
+        seed: int,
+        source: int,
+        lengths: DocumentLengths | None = None,
+    ):
         self.docs, self.rules, self.seed, self.source = docs, rules, seed, source
         self.lengths = DocumentLengths(docs) if lengths is None else lengths
         self.copies = rules.copies
 
-    def keep(self, indices: np.ndarray, lengths: np.ndarray, epoch: int,
-             copy: int) -> np.ndarray:
+    def keep(self, indices: np.ndarray, lengths: np.ndarray, epoch: int, copy: int) -> np.ndarray:
         """Whether draw `copy` of `epoch` takes each of documents `indices` `[k]` of
         `lengths` `[k]`: bool `[k]`."""
         r = self.rules
@@ -164,7 +173,7 @@ class LengthFilter:
         if copy:
             kept &= lengths >= r.long_above
             whole = math.floor(r.long_repeat)
-            if copy >= whole:   # the last copy, made with the fraction's chance
+            if copy >= whole:  # the last copy, made with the fraction's chance
                 chance = uniforms((self.seed, self.source, epoch, copy), indices)
                 kept &= chance < r.long_repeat - whole
         return kept
@@ -177,17 +186,17 @@ class LengthFilter:
 
     def read(self, i: int, epoch: int, copy: int):
         doc = None
-        if self.lengths.known[i] < 0:   # measured by reading it: keep what was read
+        if self.lengths.known[i] < 0:  # measured by reading it: keep what was read
             doc = self.docs[i]
             self.lengths.note(i, doc)
-        if not self.keep(np.array([i]), self.lengths.known[i:i + 1], epoch, copy)[0]:
+        if not self.keep(np.array([i]), self.lengths.known[i : i + 1], epoch, copy)[0]:
             return None
         return self.docs[i] if doc is None else doc
 
     def may_keep(self, i: int, epoch: int, copy: int) -> bool:
         """Whether `read(i, epoch, copy)` may give the document: False only where its
         length is known and the options leave that draw out."""
-        length = self.lengths.known[i:i + 1]
+        length = self.lengths.known[i : i + 1]
         return bool(length[0] < 0 or self.keep(np.array([i]), length, epoch, copy)[0])
 
     def check_keepable(self, indices: np.ndarray, name: str) -> None:
@@ -195,17 +204,23 @@ class LengthFilter:
         be drawn: a reader of only those would search forever."""
         lengths = self.lengths.measure(indices)
         r = self.rules
-        possible = self._fits(lengths) & (
-            (lengths >= r.short_below) | (r.short_keep > 0))
+        possible = self._fits(lengths) & ((lengths >= r.short_below) | (r.short_keep > 0))
         if not possible.any():
-            raise DataError(f"data source {name}: its options ?{r.text()} leave out every "
-                            f"document of a batch row's share ({len(indices)} documents); "
-                            "loosen min_tokens, max_tokens or short_keep, or use more data")
+            raise DataError(
+                f"data source {name}: its options ?{r.text()} leave out every "
+                f"document of a batch row's share ({len(indices)} documents); "
+                "loosen min_tokens, max_tokens or short_keep, or use more data"
+            )
 
 
 # (label, first length, end): the length buckets of the statistics
-BUCKETS = (("<4K", 0, 4096), ("4-16K", 4096, 16384), ("16-64K", 16384, 65536),
-           ("64-256K", 65536, 262144), (">=256K", 262144, None))
+BUCKETS = (
+    ("<4K", 0, 4096),
+    ("4-16K", 4096, 16384),
+    ("16-64K", 16384, 65536),
+    ("64-256K", 65536, 262144),
+    (">=256K", 262144, None),
+)
 
 
 def _sample(n: int, cap: int, seed: int, source: int) -> np.ndarray:
@@ -223,17 +238,26 @@ def statistics(f: LengthFilter, cap: int) -> dict:
     sources are counted exactly; others measure up to `cap` documents (a deterministic
     sample) and scale, with `estimated` true when they sampled."""
     n = len(f.docs)
-    indices = (np.arange(n) if f.lengths.exact else _sample(n, cap, f.seed, f.source))
+    indices = np.arange(n) if f.lengths.exact else _sample(n, cap, f.seed, f.source)
     lengths = f.lengths.measure(indices)
     draws = np.sum([f.keep(indices, lengths, 0, c) for c in range(f.copies)], axis=0)
     scale = n / len(indices)
 
     def count(mask: np.ndarray) -> dict[str, int]:
-        return dict(documents=round(float(draws[mask].sum()) * scale),
-                    tokens=round(float((draws * lengths)[mask].sum()) * scale))
+        return dict(
+            documents=round(float(draws[mask].sum()) * scale),
+            tokens=round(float((draws * lengths)[mask].sum()) * scale),
+        )
 
-    buckets = {label: count((lengths >= lo) & (lengths < (hi or np.inf)))
-               for label, lo, hi in BUCKETS}
-    return dict(options=f.rules.text(), estimated=len(indices) < n, measured=len(indices),
-                source_documents=n, source_tokens=round(float(lengths.sum()) * scale),
-                **count(np.ones(len(indices), bool)), buckets=buckets)
+    buckets = {
+        label: count((lengths >= lo) & (lengths < (hi or np.inf))) for label, lo, hi in BUCKETS
+    }
+    return dict(
+        options=f.rules.text(),
+        estimated=len(indices) < n,
+        measured=len(indices),
+        source_documents=n,
+        source_tokens=round(float(lengths.sum()) * scale),
+        **count(np.ones(len(indices), bool)),
+        buckets=buckets,
+    )

@@ -16,9 +16,9 @@ from typing import Any, Protocol
 from lclm.data.stats import SourceStats
 
 # What the PATH of a `KIND:PATH` entry is (`Kind.path`):
-FILES = "files"          # a file, a directory (an object-store prefix) or a glob; local, gs://, s3://
+FILES = "files"  # a file, a directory (an object-store prefix) or a glob; local, gs://, s3://
 DIRECTORY = "directory"  # a local directory, read with os (not through lclm.storage)
-OPTIONS = "options"      # ';'-separated key=value of generated documents: nothing is read
+OPTIONS = "options"  # ';'-separated key=value of generated documents: nothing is read
 PATHS = (FILES, DIRECTORY, OPTIONS)
 
 
@@ -35,6 +35,7 @@ class Documents(Protocol):
 class Reading:
     """What config.data says about reading records (for the kinds that read records), and
     where the malformed ones are counted."""
+
     text_field: str = "text"
     chat_template: str = "vicuna"
     stats: SourceStats = dataclasses.field(default_factory=SourceStats)
@@ -53,6 +54,7 @@ class Kind:
     a directory that prepare wrote is read as such under this kind too. path_help: what a
     DIRECTORY kind's directory holds, as the start-up check asks for it.
     """
+
     name: str
     open: Callable[[str, Any, Reading], Documents]
     path: str
@@ -63,8 +65,9 @@ class Kind:
         if self.path not in PATHS:
             raise ValueError(f"Kind {self.name!r}: path={self.path!r}; use one of {PATHS}")
         if self.path == DIRECTORY and not self.path_help:
-            raise ValueError(f"Kind {self.name!r}: a DIRECTORY kind says what its directory "
-                             "holds (path_help)")
+            raise ValueError(
+                f"Kind {self.name!r}: a DIRECTORY kind says what its directory holds (path_help)"
+            )
 
 
 __all__ = ["DIRECTORY", "FILES", "OPTIONS", "PATHS", "Documents", "Kind", "Reading"]

@@ -33,13 +33,20 @@ from lclm.data.kind import OPTIONS, Kind
 
 # The user turn is the document, the assistant turn the answer after a space (as in the
 # lines): no system text, no role markers (the question itself says what is asked).
-TEMPLATE = ChatTemplate(begin="{bos}", system_format="{system}", user_format="{text}",
-                        assistant_prefix="", assistant_format=" {text}{eos}")
+TEMPLATE = ChatTemplate(
+    begin="{bos}",
+    system_format="{system}",
+    user_format="{text}",
+    assistant_prefix="",
+    assistant_format=" {text}{eos}",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class LineFormat:
     """How lines and the question are written. `{key}` is the line number, `{value}` its
     number (`digits` digits, no leading zero)."""
+
     line: str
     question: str
     digits: int = 3
@@ -51,7 +58,7 @@ FORMATS = {
     "compact": "line {key}: {value}.|Tell me line {key}:",
     # the wording of the LongChat test used by the paper (its keys are numbers here)
     "paper": "line {key}: REGISTER_CONTENT is <{value}>|"
-             "Tell me what is the REGISTER_CONTENT in line {key}? I need the answer now.",
+    "Tell me what is the REGISTER_CONTENT in line {key}? I need the answer now.",
 }
 
 
@@ -68,17 +75,18 @@ def line_format(name: str = "compact", digits: int = 3) -> LineFormat:
 @dataclasses.dataclass
 class Example:
     """One document. `tokens`/`loss` `[n_tokens]`; the prompt is `tokens[:prompt_len]`."""
-    tokens: np.ndarray      # int32: BOS, filler, lines, question, answer, EOS
-    loss: np.ndarray        # int8: 1 on the answer tokens and EOS
+
+    tokens: np.ndarray  # int32: BOS, filler, lines, question, answer, EOS
+    loss: np.ndarray  # int8: 1 on the answer tokens and EOS
     prompt_len: int
-    answer: str             # the asked line's value, as written
-    key: int                # the asked line number (1-based)
+    answer: str  # the asked line's value, as written
+    key: int  # the asked line number (1-based)
     n_lines: int
-    depth: float            # asked line index / n_lines: the fraction of lines before it
+    depth: float  # asked line index / n_lines: the fraction of lines before it
 
 
 def _values(rng, n: int, digits: int) -> np.ndarray:
-    return rng.integers(10 ** (digits - 1), 10 ** digits, size=n)
+    return rng.integers(10 ** (digits - 1), 10**digits, size=n)
 
 
 def _pick_line(rng, n_lines: int, depth_bin: int | None, n_bins: int) -> int:
@@ -104,7 +112,7 @@ def _choose_lines(tokenizer, rng, fmt: LineFormat, n_tokens: int) -> list[int]:
     Lines are measured one by one (with tokenizers that split at whitespace, as SentencePiece
     does, lengths add up; `build_example` drops lines where they do not); the reserve is the
     longest question and answer that any of the lines could need."""
-    answer_len = len(tokenizer.encode(str(10 ** fmt.digits - 1))) + 2  # + BOS, EOS
+    answer_len = len(tokenizer.encode(str(10**fmt.digits - 1))) + 2  # + BOS, EOS
     values: list[int] = []
     used = 0
     while True:
@@ -118,9 +126,15 @@ def _choose_lines(tokenizer, rng, fmt: LineFormat, n_tokens: int) -> list[int]:
         used += line_len
 
 
-def build_example(tokenizer, rng, n_tokens: int, fmt: LineFormat = line_format(),
-                  depth_bin: int | None = None, n_bins: int = 5, filler: int | None = None
-                  ) -> Example:
+def build_example(
+    tokenizer,
+    rng,
+    n_tokens: int,
+    fmt: LineFormat = line_format(),
+    depth_bin: int | None = None,
+    n_bins: int = 5,
+    filler: int | None = None,
+) -> Example:
     """A document of exactly `n_tokens` tokens (see the module docstring).
 
     `rng` is a numpy Generator (all randomness comes from it); `depth_bin` in
@@ -131,20 +145,29 @@ def build_example(tokenizer, rng, n_tokens: int, fmt: LineFormat = line_format()
     values = _choose_lines(tokenizer, rng, fmt, n_tokens)
     while True:
         if len(values) < (n_bins if depth_bin is not None else 1):
-            raise ValueError(f"{n_tokens} tokens hold only {len(values)} lines; use a longer "
-                             "document or fewer depth bins")
+            raise ValueError(
+                f"{n_tokens} tokens hold only {len(values)} lines; use a longer "
+                "document or fewer depth bins"
+            )
         asked = _pick_line(rng, len(values), depth_bin, n_bins)
         ids, flags = _render(tokenizer, fmt, values, asked)
         if len(ids) <= n_tokens:
             break
         values.pop()  # a tokenizer that merges across pieces made it too long (rare)
     gap, lead = n_tokens - len(ids), int(tokenizer.add_bos)  # the filler goes after BOS
-    tokens = np.concatenate([ids[:lead], np.full(gap, filler, np.int32), ids[lead:]]
-                            ).astype(np.int32)
+    tokens = np.concatenate([ids[:lead], np.full(gap, filler, np.int32), ids[lead:]]).astype(
+        np.int32
+    )
     loss = np.concatenate([flags[:lead], np.zeros(gap, np.uint8), flags[lead:]]).astype(np.int8)
-    return Example(tokens=tokens, loss=loss, prompt_len=int(np.argmax(loss)),
-                   answer=str(values[asked]), key=asked + 1, n_lines=len(values),
-                   depth=asked / len(values))
+    return Example(
+        tokens=tokens,
+        loss=loss,
+        prompt_len=int(np.argmax(loss)),
+        answer=str(values[asked]),
+        key=asked + 1,
+        n_lines=len(values),
+        depth=asked / len(values),
+    )
 
 
 def filler_id(tokenizer) -> int:
@@ -165,6 +188,7 @@ def parse_answer(text: str) -> str | None:
 
 # -- the training data source ------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """Options of a `line_retrieval:` source (';'-separated `key=value`).
@@ -176,6 +200,7 @@ class Spec:
     of a longer stage alone, at the positions it was first trained at (a packed shorter
     document would push the next one across a row boundary, away from its lines).
     """
+
     tokens: int = 256
     digits: int = 3
     format: str = "compact"
@@ -190,14 +215,18 @@ class Spec:
         for item in filter(None, (s.strip() for s in text.split(";"))):
             key, sep, raw = item.partition("=")
             if not sep or key not in fields:
-                raise ValueError(f"bad line_retrieval option {item!r}; use ';'-separated "
-                                 f"key=value with keys {sorted(fields)}")
+                raise ValueError(
+                    f"bad line_retrieval option {item!r}; use ';'-separated "
+                    f"key=value with keys {sorted(fields)}"
+                )
             values[key] = raw if key == "format" else int(raw)
         spec = cls(**values)
         line_format(spec.format, spec.digits)  # validates both
         if spec.pad_to and spec.pad_to < spec.tokens:
-            raise ValueError(f"line_retrieval option pad_to={spec.pad_to} is shorter than "
-                             f"tokens={spec.tokens}; use 0 (no padding) or at least tokens")
+            raise ValueError(
+                f"line_retrieval option pad_to={spec.pad_to} is shorter than "
+                f"tokens={spec.tokens}; use 0 (no padding) or at least tokens"
+            )
         return spec
 
     @property
@@ -222,9 +251,11 @@ class LineRetrievalDocuments:
             raise IndexError(i)
         rng = np.random.default_rng([self.spec.seed, int(i)])
         ex = build_example(self.tokenizer, rng, self.spec.tokens, self.fmt, filler=self.filler)
-        pad = max(self.spec.pad_to - self.spec.tokens, 0)   # after the answer: it sees none
-        return (np.concatenate([ex.tokens, np.full(pad, self.filler, np.int32)]),
-                np.concatenate([ex.loss, np.zeros(pad, np.int8)]))
+        pad = max(self.spec.pad_to - self.spec.tokens, 0)  # after the answer: it sees none
+        return (
+            np.concatenate([ex.tokens, np.full(pad, self.filler, np.int32)]),
+            np.concatenate([ex.loss, np.zeros(pad, np.int8)]),
+        )
 
 
 def open_source(options: str, tokenizer) -> LineRetrievalDocuments:
@@ -247,10 +278,23 @@ def chance_accuracy(digits: int) -> float:
 
 
 # the data source kind `line_retrieval:OPTIONS` (generated documents: records are not read)
-KIND = Kind("line_retrieval", lambda options, tokenizer, _: open_source(options, tokenizer),
-            OPTIONS)
+KIND = Kind(
+    "line_retrieval", lambda options, tokenizer, _: open_source(options, tokenizer), OPTIONS
+)
 
 
-__all__ = ["Example", "FORMATS", "KIND", "LineFormat", "LineRetrievalDocuments", "Spec",
-           "build_example", "chance_accuracy", "filler_id", "line_format", "open_source",
-           "parse_answer", "spec_of_config"]
+__all__ = [
+    "Example",
+    "FORMATS",
+    "KIND",
+    "LineFormat",
+    "LineRetrievalDocuments",
+    "Spec",
+    "build_example",
+    "chance_accuracy",
+    "filler_id",
+    "line_format",
+    "open_source",
+    "parse_answer",
+    "spec_of_config",
+]

@@ -65,10 +65,12 @@ def batch_sharding(mesh) -> NamedSharding:
 def abstract_batch(batch_size: int, seq_len: int, sharding) -> dict:
     """A batch's arrays `[batch, seq]` as the train step takes them, placed by `sharding`
     (shapes and dtypes only: what a step is compiled against)."""
-    return {k: jax.ShapeDtypeStruct((batch_size, seq_len),
-                                    np.float32 if k == "loss_mask" else np.int32,
-                                    sharding=sharding)
-            for k in ROW_KEYS}
+    return {
+        k: jax.ShapeDtypeStruct(
+            (batch_size, seq_len), np.float32 if k == "loss_mask" else np.int32, sharding=sharding
+        )
+        for k in ROW_KEYS
+    }
 
 
 def _local_path(path: str) -> bool:
@@ -80,6 +82,7 @@ def _local_path(path: str) -> bool:
 
 class SourceEntry(NamedTuple):
     """One entry of a data.path mixture."""
+
     kind: str
     path: str
     weight: float
@@ -109,11 +112,12 @@ def _entry(entry: str, default_kind: str, key: str) -> SourceEntry:
     path, w = rest.rsplit("@", 1)
     try:
         weight = float(w)
-    except ValueError:   # not a weight: part of a path (reported as missing later)
+    except ValueError:  # not a weight: part of a path (reported as missing later)
         return SourceEntry(kind, rest, 1.0, options)
     if not 0 < weight < float("inf"):
-        raise ConfigError(f"config.{key} entry {entry!r}: the weight after '@' must be a "
-                          "finite number > 0")
+        raise ConfigError(
+            f"config.{key} entry {entry!r}: the weight after '@' must be a finite number > 0"
+        )
     return SourceEntry(kind, path, weight, options)
 
 
@@ -128,12 +132,15 @@ def parse_sources(path: str, default_kind: str, key: str = "data.path") -> list[
     local path; in a mixture, a ',' of a file name is written '\\,'."""
     try:
         whole: SourceEntry | None = _entry(path.strip(), default_kind, key)
-    except ConfigError:   # not one entry (its options would run into the next entry's)
+    except ConfigError:  # not one entry (its options would run into the next entry's)
         whole = None
     if path.strip() and whole is not None and _local_path(whole.path):
         return [whole]
-    entries = [_entry(e.replace("\\,", ","), default_kind, key)
-               for e in (e.strip() for e in _ENTRY_SEPARATOR.split(path)) if e]
+    entries = [
+        _entry(e.replace("\\,", ","), default_kind, key)
+        for e in (e.strip() for e in _ENTRY_SEPARATOR.split(path))
+        if e
+    ]
     if not entries:
         raise ConfigError(f"config.{key} is empty; set it to a data file, directory or glob")
     return entries
@@ -141,6 +148,7 @@ def parse_sources(path: str, default_kind: str, key: str = "data.path") -> list[
 
 def host_block(sharding: NamedSharding, global_shape) -> tuple[slice, slice]:
     """This process's (rows, seq) block of the global `[batch, seq]` arrays."""
+
     def box(indices):
         rows = {(s[0].start or 0, s[0].stop or global_shape[0]) for s in indices}
         seqs = {(s[1].start or 0, s[1].stop or global_shape[1]) for s in indices}
@@ -150,7 +158,8 @@ def host_block(sharding: NamedSharding, global_shape) -> tuple[slice, slice]:
 
     # jax annotates the keys with an alias of jax.Device that mypy cannot resolve
     indices: Mapping[jax.Device, tuple[slice, ...]] = sharding.devices_indices_map(
-        tuple(global_shape))
+        tuple(global_shape)
+    )
     mine = [idx for device, idx in indices.items() if device.process_index == jax.process_index()]
     (r0, r1), (s0, s1) = box(mine)
     return slice(r0, r1), slice(s0, s1)
@@ -170,26 +179,34 @@ def _table(found: list[dict]) -> str:
     from a sample), its tokens' shares by document length, its share of the run."""
     labels = [label for label, _, _ in BUCKETS]
     # each source named whole (kind, path, options), the column as wide as the longest
-    names = [f"{f['kind']}:{f['path']}" + (f"?{f['options']}" if f["options"] else "")
-             for f in found]
+    names = [
+        f"{f['kind']}:{f['path']}" + (f"?{f['options']}" if f["options"] else "") for f in found
+    ]
     width = max([len("source"), *map(len, names)])
-    lines = ["one epoch per source under its options; tokens by document length; share of "
-             "the tokens trained on (~: estimated from a sample)",
-             f"{'source':<{width}} {'documents':>11} {'tokens':>15} "
-             + " ".join(f"{label:>7}" for label in labels) + f" {'share':>7}"]
+    lines = [
+        "one epoch per source under its options; tokens by document length; share of "
+        "the tokens trained on (~: estimated from a sample)",
+        f"{'source':<{width}} {'documents':>11} {'tokens':>15} "
+        + " ".join(f"{label:>7}" for label in labels)
+        + f" {'share':>7}",
+    ]
     for name, f in zip(names, found):
         mark = "~" if f["estimated"] else " "
-        cells = " ".join(f"{100 * f['buckets'][label]['tokens'] / max(f['tokens'], 1):6.1f}%"
-                         for label in labels)
-        lines.append(f"{name:<{width}} {mark}{f['documents']:>10,} {mark}{f['tokens']:>14,} "
-                     f"{cells} {100 * f['share']:6.1f}%")
+        cells = " ".join(
+            f"{100 * f['buckets'][label]['tokens'] / max(f['tokens'], 1):6.1f}%" for label in labels
+        )
+        lines.append(
+            f"{name:<{width}} {mark}{f['documents']:>10,} {mark}{f['tokens']:>14,} "
+            f"{cells} {100 * f['share']:6.1f}%"
+        )
     return "\n".join(lines)
 
 
 class _Source(NamedTuple):
     """An opened data.path entry, shared by the slots."""
+
     entry: SourceEntry
-    docs: object   # a random-access document set (open_documents), read ahead unless prepared
+    docs: object  # a random-access document set (open_documents), read ahead unless prepared
     orders: EpochOrders
     filter: LengthFilter
 
@@ -206,11 +223,20 @@ class _Slot:
     documents drawn since}`.
     """
 
-    def __init__(self, sources: list[_Source], unit: str, seed: int, row: int,
-                 batch_size: int, seq_len: int, reset_positions: bool):
+    def __init__(
+        self,
+        sources: list[_Source],
+        unit: str,
+        seed: int,
+        row: int,
+        batch_size: int,
+        seq_len: int,
+        reset_positions: bool,
+    ):
         streams = [s.stream(row, batch_size) for s in sources]
-        self.mixture = Mixture(streams, [s.entry.weight for s in sources], seed, stream_id=row,
-                               unit=unit)
+        self.mixture = Mixture(
+            streams, [s.entry.weight for s in sources], seed, stream_id=row, unit=unit
+        )
         self.packer = Packer(seq_len, reset_positions)
         self._origins: collections.deque[dict] = collections.deque()  # of pending documents
 
@@ -263,36 +289,51 @@ class HostBatches:
         opened: dict[tuple[str, str], tuple[Documents, DocumentLengths]] = {}
         for i, entry in enumerate(parse_sources(d.path, d.source)):
             if (entry.kind, entry.path) not in opened:
-                docs = open_documents(entry.kind, entry.path, tokenizer,
-                                      text_field=d.text_field, chat_template=d.chat_template,
-                                      stats=self.stats)
-                if not isinstance(docs, TokenizedDocuments):   # read in microseconds
+                docs = open_documents(
+                    entry.kind,
+                    entry.path,
+                    tokenizer,
+                    text_field=d.text_field,
+                    chat_template=d.chat_template,
+                    stats=self.stats,
+                )
+                if not isinstance(docs, TokenizedDocuments):  # read in microseconds
                     docs = Ahead(docs)
                 opened[entry.kind, entry.path] = docs, DocumentLengths(docs)
             docs, lengths = opened[entry.kind, entry.path]
             if len(docs) < d.batch_size:
-                raise DataError(f"data source {entry.path} has {len(docs)} usable records but "
-                                f"needs at least {d.batch_size}: each of the data.batch_size="
-                                f"{d.batch_size} batch rows reads its own share; use more data "
-                                "or a smaller data.batch_size")
-            self.sources.append(_Source(entry, docs, EpochOrders(len(docs), seed * 1009 + i),
-                                        LengthFilter(docs, entry.options, seed, i, lengths)))
+                raise DataError(
+                    f"data source {entry.path} has {len(docs)} usable records but "
+                    f"needs at least {d.batch_size}: each of the data.batch_size="
+                    f"{d.batch_size} batch rows reads its own share; use more data "
+                    "or a smaller data.batch_size"
+                )
+            self.sources.append(
+                _Source(
+                    entry,
+                    docs,
+                    EpochOrders(len(docs), seed * 1009 + i),
+                    LengthFilter(docs, entry.options, seed, i, lengths),
+                )
+            )
         self.unit = d.mixture_unit
-        self.slots = {r: _Slot(self.sources, self.unit, seed, r, d.batch_size,
-                               d.seq_len, d.reset_positions)
-                      for r in range(self.rows.start, self.rows.stop)}
+        self.slots = {
+            r: _Slot(self.sources, self.unit, seed, r, d.batch_size, d.seq_len, d.reset_positions)
+            for r in range(self.rows.start, self.rows.stop)
+        }
         self._statistics: dict | None = None
         self.batches = 0
         # data.balance (next_host_batch): rows per batch shard and micro-batches per step,
         # the bins that this process's rows are balanced over
         self.balance = d.balance
-        shards = {idx[0].start for idx in
-                  self.sharding.devices_indices_map(self.global_shape).values()}
+        shards = {
+            idx[0].start for idx in self.sharding.devices_indices_map(self.global_shape).values()
+        }
         self.shard_rows, self.grad_accum = d.batch_size // len(shards), config.train.grad_accum
         self.document_mask = d.document_mask
         if state is not None:
             self.restore(state)
-        self._built = 0   # batches built by this object: how fast its readers draw
+        self._built = 0  # batches built by this object: how fast its readers draw
         self._read_ahead()
         self._state = self._snapshot()
         self._logged_skips = 0
@@ -305,8 +346,7 @@ class HostBatches:
 
     # -- producer side (background thread) --
     def _snapshot(self) -> dict:
-        return dict(slots={str(r): s.state() for r, s in self.slots.items()},
-                    batches=self.batches)
+        return dict(slots={str(r): s.state() for r, s in self.slots.items()}, batches=self.batches)
 
     def restore(self, state) -> None:
         states = [s for s in (state if isinstance(state, list) else [state]) if s is not None]
@@ -317,8 +357,10 @@ class HostBatches:
             slots.update(s["slots"])
         missing = [r for r in self.slots if str(r) not in slots]
         if missing:
-            raise ValueError(f"the saved data state has no reader for batch rows {missing}; "
-                             "was data.batch_size changed?")
+            raise ValueError(
+                f"the saved data state has no reader for batch rows {missing}; "
+                "was data.batch_size changed?"
+            )
         for r, slot in self.slots.items():
             slot.restore(slots[str(r)])
         self.batches = max(s["batches"] for s in states)
@@ -337,8 +379,9 @@ class HostBatches:
         rows = [self.slots[r].next_row() for r in range(self.rows.start, self.rows.stop)]
         batch = {k: np.stack([r[k] for r in rows]) for k in ROW_KEYS}
         if self.balance:
-            work = attention_work(batch["segment_ids"], self.layout, self.shards,
-                                  self.document_mask)
+            work = attention_work(
+                batch["segment_ids"], self.layout, self.shards, self.document_mask
+            )
             shards = (self.rows.stop - self.rows.start) // self.shard_rows
             order = balance_permutation(work, shards, self.grad_accum)
             batch = {k: v[order] for k, v in batch.items()}
@@ -352,14 +395,14 @@ class HostBatches:
         """Start reading the documents that the next batches draw, on each source's threads
         (`lclm.data.ahead`): every slot's next one first, then every slot's second, ..."""
         upcoming = [slot.upcoming(self._built) for slot in self.slots.values()]
-        wanted: dict[int, tuple[Ahead, list[list[int]]]] = {}   # by id: sources share them
+        wanted: dict[int, tuple[Ahead, list[list[int]]]] = {}  # by id: sources share them
         for j, source in enumerate(self.sources):
             if isinstance(source.docs, Ahead):
                 wanted.setdefault(id(source.docs), (source.docs, []))[1].extend(
-                    u[j] for u in upcoming)
+                    u[j] for u in upcoming
+                )
         for docs, lists in wanted.values():
-            docs.want(i for depth in itertools.zip_longest(*lists) for i in depth
-                      if i is not None)
+            docs.want(i for depth in itertools.zip_longest(*lists) for i in depth if i is not None)
 
     def _produce(self) -> None:
         try:
@@ -390,8 +433,10 @@ class HostBatches:
         if self.stats.skipped > self._logged_skips:
             log.warning("data: %s", self.stats.summary())
             self._logged_skips = self.stats.skipped
-        return {k: jax.make_array_from_process_local_data(self.sharding, v, self.global_shape)
-                for k, v in local.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self.sharding, v, self.global_shape)
+            for k, v in local.items()
+        }
 
     def state(self) -> dict:
         """JSON state after the last batch returned by `next` (restore it to continue)."""
@@ -405,8 +450,15 @@ class HostBatches:
         `lclm.data.filters.statistics`). Sources that are not pre-tokenised are measured on
         up to `sample` documents and marked `estimated`."""
         if self._statistics is None:
-            found = [dict(kind=s.entry.kind, path=s.entry.path, weight=s.entry.weight,
-                          **statistics(s.filter, sample)) for s in self.sources]
+            found = [
+                dict(
+                    kind=s.entry.kind,
+                    path=s.entry.path,
+                    weight=s.entry.weight,
+                    **statistics(s.filter, sample),
+                )
+                for s in self.sources
+            ]
             for f, share in zip(found, _shares(found, self.unit)):
                 f["share"] = share
             self._statistics = dict(mixture_unit=self.unit, sources=found)
@@ -417,6 +469,6 @@ class HostBatches:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        for source in self.sources:   # a shared one twice: closing is idempotent
+        for source in self.sources:  # a shared one twice: closing is idempotent
             if isinstance(source.docs, Ahead):
                 source.docs.close()

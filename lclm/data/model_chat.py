@@ -31,22 +31,25 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from lclm.data.chat import token_flags
 
-_MARK = "\ue000{}\ue001"   # private-use characters: a reply's place in a marked rendering
+_MARK = "\ue000{}\ue001"  # private-use characters: a reply's place in a marked rendering
 
 
 @functools.cache
 def _compiled(source: str) -> jinja2.Template:
     """The template `source` compiled in a sandbox set up as transformers sets it up."""
+
     class Generation(Extension):
         """`{% generation %}...{% endgeneration %}` (transformers' marker of assistant text):
         its body as it is; lclm finds replies itself."""
+
         tags = {"generation"}
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [],
-                                          body).set_lineno(lineno)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(
+                lineno
+            )
 
         def _body(self, caller):
             return caller()
@@ -55,14 +58,17 @@ def _compiled(source: str) -> jinja2.Template:
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+    )
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception,
-                       strftime_now=lambda f: datetime.datetime.now().strftime(f))
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=lambda f: datetime.datetime.now().strftime(f)
+    )
     return env.from_string(source)
 
 
@@ -74,16 +80,20 @@ class TemplateRefused(ValueError):
 class ModelTemplate:
     """The chat template `source` (jinja) of a tokenizer, with its special tokens' strings
     (`bos_token`, `eos_token`, ... as the template reads them)."""
+
     source: str
     tokens: tuple[tuple[str, str], ...] = ()
 
     def _render(self, messages: list[dict], prompt: bool = False) -> str:
         try:
-            return _compiled(self.source).render(messages=messages, add_generation_prompt=prompt,
-                                   **dict(self.tokens))
+            return _compiled(self.source).render(
+                messages=messages, add_generation_prompt=prompt, **dict(self.tokens)
+            )
         except jinja2.TemplateError as e:
-            raise TemplateRefused(f"the tokenizer's chat template refuses the conversation "
-                                  f"({' '.join(str(e).split())[:200]})") from None
+            raise TemplateRefused(
+                f"the tokenizer's chat template refuses the conversation "
+                f"({' '.join(str(e).split())[:200]})"
+            ) from None
 
     def text(self, turns, prompt: bool = False) -> str:
         """The conversation's text; `prompt`: with the generation prompt (an assistant
@@ -95,8 +105,12 @@ class ModelTemplate:
         real = self.text(turns)
         if any(_MARK[0] in t or _MARK[-1] in t for _, t in turns):
             raise TemplateRefused("a turn holds the private-use characters U+E000/U+E001")
-        marked = self._render([{"role": r, "content": _MARK.format(i) if r == "assistant"
-                                else t} for i, (r, t) in enumerate(turns)])
+        marked = self._render(
+            [
+                {"role": r, "content": _MARK.format(i) if r == "assistant" else t}
+                for i, (r, t) in enumerate(turns)
+            ]
+        )
         for strip in (False, True):
             text, spans, at = [], [], 0
             for i, (role, reply) in enumerate(turns):
@@ -105,8 +119,9 @@ class ModelTemplate:
                 mark = _MARK.format(i)
                 where = marked.find(mark, at)
                 if where < 0 or marked.count(mark) != 1:
-                    raise TemplateRefused("the tokenizer's chat template does not write each "
-                                          "assistant reply once")
+                    raise TemplateRefused(
+                        "the tokenizer's chat template does not write each assistant reply once"
+                    )
                 text.append(marked[at:where])
                 start = sum(map(len, text))
                 text.append(reply.strip() if strip else reply)
@@ -115,8 +130,10 @@ class ModelTemplate:
             text.append(marked[at:])
             if "".join(text) == real:
                 return real, spans
-        raise TemplateRefused("the tokenizer's chat template rewrites assistant replies; lclm "
-                              "cannot tell which tokens carry them")
+        raise TemplateRefused(
+            "the tokenizer's chat template rewrites assistant replies; lclm "
+            "cannot tell which tokens carry them"
+        )
 
     def render(self, turns, tokenizer) -> tuple[np.ndarray, np.ndarray]:
         """Token ids `[n]` and loss flags `[n]` (1: a reply's tokens and the special token
@@ -145,6 +162,13 @@ class ModelTemplate:
 
     def check(self, tokenizer) -> None:
         """Fail (TemplateRefused) unless a probe conversation renders with its replies found."""
-        self.render([("system", "S"), ("user", "Hi"), ("assistant", "Hello"),
-                     ("user", "Again"), ("assistant", "Bye")], tokenizer)
-
+        self.render(
+            [
+                ("system", "S"),
+                ("user", "Hi"),
+                ("assistant", "Hello"),
+                ("user", "Again"),
+                ("assistant", "Bye"),
+            ],
+            tokenizer,
+        )

@@ -39,21 +39,25 @@ class Packer:
     def __init__(self, seq_len: int, reset_positions: bool = True):
         self.seq_len = seq_len
         self.reset_positions = reset_positions
-        self._parts: list[dict[str, np.ndarray]] = []   # pending segments, in order
+        self._parts: list[dict[str, np.ndarray]] = []  # pending segments, in order
         self._pending = 0
-        self._next_doc = 0   # document number (increasing) of the next added document
+        self._next_doc = 0  # document number (increasing) of the next added document
         self._lengths: collections.deque[int] = collections.deque()  # of pending documents
-        self._consumed = 0   # tokens of the first pending document already dropped
+        self._consumed = 0  # tokens of the first pending document already dropped
         # windows skipped since the last row: not in the state, it only bounds the search
         # (and the loader saves a state just after a row, where it is 0)
         self._empty = 0
 
     def add(self, tokens: np.ndarray, loss: np.ndarray) -> None:
         n = len(tokens)
-        self._parts.append(dict(tokens=np.asarray(tokens, np.int32),
-                                loss=np.asarray(loss, np.int8),
-                                doc=np.full(n, self._next_doc, np.int64),
-                                pos=np.arange(n, dtype=np.int32)))
+        self._parts.append(
+            dict(
+                tokens=np.asarray(tokens, np.int32),
+                loss=np.asarray(loss, np.int8),
+                doc=np.full(n, self._next_doc, np.int64),
+                pos=np.arange(n, dtype=np.int32),
+            )
+        )
         self._pending += n
         self._next_doc += 1
         self._lengths.append(n)
@@ -86,7 +90,8 @@ class Packer:
                     f"{self._empty} windows of {self.seq_len} tokens in a row have no trained "
                     "target (every target masked): the data has nothing to learn; check "
                     "data.path and data.chat_template: records need trained text (a chat's "
-                    "answers, documents of more than one token)")
+                    "answers, documents of more than one token)"
+                )
         return None
 
     def _window(self) -> dict[str, np.ndarray]:
@@ -97,11 +102,14 @@ class Packer:
         tokens, doc = buf["tokens"][w], buf["doc"][w]
         same = doc[1:] == doc[:-1]
         return dict(
-            tokens=tokens[:-1].copy(), targets=tokens[1:].copy(),
+            tokens=tokens[:-1].copy(),
+            targets=tokens[1:].copy(),
             loss_mask=(buf["loss"][w][1:] * same).astype(np.float32),
-            positions=(buf["pos"][:t].copy() if self.reset_positions
-                       else np.arange(t, dtype=np.int32)),
-            segment_ids=(doc[:-1] - doc[0] + 1).astype(np.int32))
+            positions=(
+                buf["pos"][:t].copy() if self.reset_positions else np.arange(t, dtype=np.int32)
+            ),
+            segment_ids=(doc[:-1] - doc[0] + 1).astype(np.int32),
+        )
 
     def _advance(self) -> None:
         """Move past one row's tokens, forgetting the documents it finished."""
@@ -121,15 +129,19 @@ class Packer:
         """Continue from `state` (on a new packer); `draw()` gives its pending documents
         again, in order."""
         if "tokens" in state:
-            raise DataError("this data state was saved by an older lclm (it holds pending "
-                            "tokens, not positions); resume it with that version, or start a "
-                            "new run from its weights with model.init_from_checkpoint")
+            raise DataError(
+                "this data state was saved by an older lclm (it holds pending "
+                "tokens, not positions); resume it with that version, or start a "
+                "new run from its weights with model.init_from_checkpoint"
+            )
         for _ in range(state["documents"]):
             self.add(*draw())
         consumed = state["consumed"]
         if consumed:
             if consumed >= self._lengths[0]:  # the one mismatch that is cheap to see
-                raise DataError(f"the saved data state has consumed {consumed} tokens of a "
-                                f"document that now has {self._lengths[0]}; did the data "
-                                "(data.path, its files or the tokenizer) change?")
+                raise DataError(
+                    f"the saved data state has consumed {consumed} tokens of a "
+                    f"document that now has {self._lengths[0]}; did the data "
+                    "(data.path, its files or the tokenizer) change?"
+                )
             self._drop(consumed)

@@ -50,8 +50,14 @@ from lclm.writes import check_input, check_output, replacing
 OUTPUTS = ("offsets.bin", "tokens.bin", "loss.bin", TOKENIZED_META)
 
 
-def prepare(source: str, input_path: str, tokenizer_path: str, out: str,
-            text_field: str = "text", chat_template: str = "vicuna") -> dict:
+def prepare(
+    source: str,
+    input_path: str,
+    tokenizer_path: str,
+    out: str,
+    text_field: str = "text",
+    chat_template: str = "vicuna",
+) -> dict:
     """Tokenise every record of `input_path` into `out`; returns the metadata written.
 
     Every file is written under a temporary name and renamed into place at the end: a run
@@ -64,19 +70,26 @@ def prepare(source: str, input_path: str, tokenizer_path: str, out: str,
     check_output("--out", out, remote=True)
     tokenizer = Tokenizer(tokenizer_path)
     stats = SourceStats()
-    docs = open_documents(source, input_path, tokenizer, text_field=text_field,
-                          chat_template=chat_template, stats=stats)
+    docs = open_documents(
+        source,
+        input_path,
+        tokenizer,
+        text_field=text_field,
+        chat_template=chat_template,
+        stats=stats,
+    )
     if not storage.is_remote(out):
         return write_prepared(docs, out, source, input_path, tokenizer, stats)
     with tempfile.TemporaryDirectory(prefix="lclm-prepare-") as local:
         meta = write_prepared(docs, local, source, input_path, tokenizer, stats)
-        for name in OUTPUTS:   # in the order of the renames, and for the same reasons
+        for name in OUTPUTS:  # in the order of the renames, and for the same reasons
             storage.upload(os.path.join(local, name), storage.join(out, name))
     return meta
 
 
-def write_prepared(docs, out: str, source: str, input_path: str, tokenizer,
-                   stats: SourceStats) -> dict:
+def write_prepared(
+    docs, out: str, source: str, input_path: str, tokenizer, stats: SourceStats
+) -> dict:
     """`docs` (any sequence of (ids, loss flags) or None) written into the local folder `out`
     as a prepared directory; returns the metadata written."""
     try:
@@ -90,14 +103,21 @@ def write_prepared(docs, out: str, source: str, input_path: str, tokenizer,
         if len(offsets) == 1:
             raise ValueError(f"{input_path!r} produced no documents ({stats.summary()})")
         files["offsets.bin"].write(offsets.tobytes())
-        meta = dict(source=source, input=input_path, documents=len(offsets) - 1,
-                    tokens=int(offsets[-1]), vocab_size=tokenizer.vocab_size,
-                    tokenizer=storage.absolute(tokenizer.path), skipped=stats.skipped,
-                    skipped_examples=stats.examples, offsets_sha256=offsets_digest(offsets),
-                    seconds=round(time.perf_counter() - start, 3))
+        meta = dict(
+            source=source,
+            input=input_path,
+            documents=len(offsets) - 1,
+            tokens=int(offsets[-1]),
+            vocab_size=tokenizer.vocab_size,
+            tokenizer=storage.absolute(tokenizer.path),
+            skipped=stats.skipped,
+            skipped_examples=stats.examples,
+            offsets_sha256=offsets_digest(offsets),
+            seconds=round(time.perf_counter() - start, 3),
+        )
         json.dump(meta, files[TOKENIZED_META], indent=1)
         for f in files.values():  # all on disk before the first rename: a full disk fails
-            f.flush()             # here, with nothing replaced
+            f.flush()  # here, with nothing replaced
             os.fsync(f.fileno())
     return meta
 
@@ -131,9 +151,12 @@ def _staged(out: str):
     with contextlib.ExitStack() as stack:
         try:
             # entered in reverse: the stack leaves (and renames) the last one entered first
-            files = {name: stack.enter_context(replacing(os.path.join(out, name),
-                                                         binary=name != TOKENIZED_META))
-                     for name in reversed(OUTPUTS)}
+            files = {
+                name: stack.enter_context(
+                    replacing(os.path.join(out, name), binary=name != TOKENIZED_META)
+                )
+                for name in reversed(OUTPUTS)
+            }
         except OSError as e:
             raise StartupError(f"--out {out!r}: {e.strerror}; pass a writable folder") from None
         yield files
@@ -150,11 +173,15 @@ def _remove_leftovers(out: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Pre-tokenise a corpus for lclm.")
-    ap.add_argument("--source", choices=[k.name for k in KINDS.values() if k.prepare],
-                    required=True)
+    ap.add_argument(
+        "--source", choices=[k.name for k in KINDS.values() if k.prepare], required=True
+    )
     ap.add_argument("--input", required=True, help="file, directory, glob or hub:NAME")
-    ap.add_argument("--tokenizer", required=True, help="SentencePiece .model, HuggingFace "
-                                                       "tokenizer.json or a directory holding one")
+    ap.add_argument(
+        "--tokenizer",
+        required=True,
+        help="SentencePiece .model, HuggingFace tokenizer.json or a directory holding one",
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--text-field", default="text")
     ap.add_argument("--chat-template", default="vicuna", choices=sorted(TEMPLATE_NAMES))
@@ -162,12 +189,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def body():
-        meta = prepare(args.source, args.input, args.tokenizer, args.out, args.text_field,
-                       args.chat_template)
-        skipped = (f"; {meta['skipped']} records skipped (first: "
-                   f"{'; '.join(meta['skipped_examples'])})" if meta["skipped"] else "")
-        print(f"{meta['documents']} documents, {meta['tokens']} tokens in {meta['seconds']} s "
-              f"-> {args.out}{skipped}")
+        meta = prepare(
+            args.source, args.input, args.tokenizer, args.out, args.text_field, args.chat_template
+        )
+        skipped = (
+            f"; {meta['skipped']} records skipped (first: {'; '.join(meta['skipped_examples'])})"
+            if meta["skipped"]
+            else ""
+        )
+        print(
+            f"{meta['documents']} documents, {meta['tokens']} tokens in {meta['seconds']} s "
+            f"-> {args.out}{skipped}"
+        )
 
     return run_cli(body, input_errors=(ValueError,))  # a corpus no document came from
 

@@ -32,8 +32,7 @@ _REWRITE = "write the directory again with python -m lclm.data.prepare"
 
 def _check_size(path: str, have: int, size: int, expected: str) -> None:
     if have != size:
-        raise DataError(f"{path} has {have} bytes where {expected} needs {size}; "
-                        f"{_REWRITE}")
+        raise DataError(f"{path} has {have} bytes where {expected} needs {size}; {_REWRITE}")
 
 
 def _open_sized(path: str, size: int, expected: str):
@@ -58,7 +57,7 @@ class RangedArray:
     def __init__(self, path: str, dtype, n: int, expected: str):
         self.fs, self.key = storage.filesystem(path)
         self.dtype, self.n = np.dtype(dtype), n
-        self.fs.invalidate_cache(self.key)   # a listing made before it was written again
+        self.fs.invalidate_cache(self.key)  # a listing made before it was written again
         try:
             have = self.fs.size(self.key)
         except FileNotFoundError:
@@ -84,8 +83,11 @@ def ranged_slices(arrays: list[RangedArray], start: int, stop: int) -> list[np.n
     """`[a[start:stop] for a in arrays]` (arrays of one filesystem) with concurrent ranged
     requests: one round trip to the store, not one per array."""
     fs = arrays[0].fs
-    data = fs.cat_ranges([a.key for a in arrays], [start * a.dtype.itemsize for a in arrays],
-                         [stop * a.dtype.itemsize for a in arrays])
+    data = fs.cat_ranges(
+        [a.key for a in arrays],
+        [start * a.dtype.itemsize for a in arrays],
+        [stop * a.dtype.itemsize for a in arrays],
+    )
     return [np.frombuffer(d, a.dtype) for d, a in zip(data, arrays)]
 
 
@@ -107,20 +109,25 @@ class TokenizedDocuments:
     def __init__(self, directory: str):
         meta_path = storage.join(directory, TOKENIZED_META)
         if not storage.isfile(meta_path):
-            raise FileNotFoundError(f"{directory!r} is not a pre-tokenised directory (no "
-                                    f"{TOKENIZED_META}); write one with python -m "
-                                    "lclm.data.prepare")
+            raise FileNotFoundError(
+                f"{directory!r} is not a pre-tokenised directory (no "
+                f"{TOKENIZED_META}); write one with python -m "
+                "lclm.data.prepare"
+            )
         try:
             self.meta = json.loads(storage.read_bytes(meta_path))
             n_tokens, n_docs = int(self.meta["tokens"]), int(self.meta["documents"])
         except (ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{meta_path} is not a valid {TOKENIZED_META} ({e!r}); "
-                            f"{_REWRITE}") from None
+            raise DataError(
+                f"{meta_path} is not a valid {TOKENIZED_META} ({e!r}); {_REWRITE}"
+            ) from None
         if n_docs == 0:
             raise DataError(f"{directory} holds no documents")
         expected = f"{TOKENIZED_META} ({n_docs} documents, {n_tokens} tokens)"
-        paths = {name: storage.join(directory, name)
-                 for name in ("tokens.bin", "loss.bin", "offsets.bin")}
+        paths = {
+            name: storage.join(directory, name)
+            for name in ("tokens.bin", "loss.bin", "offsets.bin")
+        }
         if storage.is_remote(directory):
             self._open_objects(paths, n_tokens, n_docs, expected)
         else:
@@ -130,9 +137,11 @@ class TokenizedDocuments:
     def _map_files(self, paths: dict, n_tokens: int, n_docs: int, expected: str) -> None:
         # offsets.bin opened last: prepare renames it first, so that a directory prepared
         # again while this opens it shows in offsets that disagree with the metadata
-        with _open_sized(paths["tokens.bin"], 4 * n_tokens, expected) as tokens, \
-                _open_sized(paths["loss.bin"], n_tokens, expected) as loss, \
-                _open_sized(paths["offsets.bin"], 8 * (n_docs + 1), expected) as offsets:
+        with (
+            _open_sized(paths["tokens.bin"], 4 * n_tokens, expected) as tokens,
+            _open_sized(paths["loss.bin"], n_tokens, expected) as loss,
+            _open_sized(paths["offsets.bin"], 8 * (n_docs + 1), expected) as offsets,
+        ):
             self.offsets = np.fromfile(offsets, np.int64)
             self.tokens = np.memmap(tokens, np.uint32, "r", shape=(n_tokens,))
             self.loss = np.memmap(loss, np.int8, "r", shape=(n_tokens,))
@@ -143,18 +152,25 @@ class TokenizedDocuments:
         self.tokens = RangedArray(paths["tokens.bin"], np.uint32, n_tokens, expected)
         self.loss = RangedArray(paths["loss.bin"], np.int8, n_tokens, expected)
         offsets = RangedArray(paths["offsets.bin"], np.int64, n_docs + 1, expected)
-        self.offsets = offsets[0:n_docs + 1]
+        self.offsets = offsets[0 : n_docs + 1]
 
     def _check_offsets(self, path: str, n_tokens: int) -> None:
-        if self.offsets[0] != 0 or self.offsets[-1] != n_tokens or (
-                np.diff(self.offsets) <= 0).any():
-            raise DataError(f"{path} is not a list of increasing document boundaries from 0 "
-                            f"to {n_tokens}; {_REWRITE}")
+        if (
+            self.offsets[0] != 0
+            or self.offsets[-1] != n_tokens
+            or (np.diff(self.offsets) <= 0).any()
+        ):
+            raise DataError(
+                f"{path} is not a list of increasing document boundaries from 0 "
+                f"to {n_tokens}; {_REWRITE}"
+            )
         digest = self.meta.get("offsets_sha256")  # absent from directories of older versions
         if digest is not None and digest != offsets_digest(self.offsets):
-            raise DataError(f"{path} is not the one its {TOKENIZED_META} describes: the "
-                            "directory was being prepared again (open it again), or such a "
-                            f"prepare was killed ({_REWRITE})")
+            raise DataError(
+                f"{path} is not the one its {TOKENIZED_META} describes: the "
+                "directory was being prepared again (open it again), or such a "
+                f"prepare was killed ({_REWRITE})"
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -180,8 +196,10 @@ def open_prepared(path: str, tokenizer, reading: Reading) -> TokenizedDocuments:
     """The documents of a prepared directory, which must fit the tokenizer's vocabulary."""
     docs = TokenizedDocuments(path)
     if docs.vocab_size > tokenizer.vocab_size:
-        raise DataError(f"{path!r} was tokenised with {docs.vocab_size} pieces but the "
-                        f"tokenizer has {tokenizer.vocab_size}; re-run lclm.data.prepare")
+        raise DataError(
+            f"{path!r} was tokenised with {docs.vocab_size} pieces but the "
+            f"tokenizer has {tokenizer.vocab_size}; re-run lclm.data.prepare"
+        )
     return docs
 
 

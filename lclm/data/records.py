@@ -54,17 +54,22 @@ def resolve_files(path: str) -> list[str]:
     when there are none."""
     files = _remote_files(path) if storage.is_remote(path) else _local_files(path)
     if not files:
-        raise FileNotFoundError(f"no data files at {path!r}; point config.data.path at a "
-                                ".jsonl/.json/.txt/.parquet/.arrow file, a directory or a glob")
+        raise FileNotFoundError(
+            f"no data files at {path!r}; point config.data.path at a "
+            ".jsonl/.json/.txt/.parquet/.arrow file, a directory or a glob"
+        )
     return files
 
 
 def _local_files(path: str) -> list[str]:
-    if os.path.isfile(path):   # a name with glob characters ('[') is still itself
+    if os.path.isfile(path):  # a name with glob characters ('[') is still itself
         return [path]
     if os.path.isdir(path):
-        return sorted(f for ext in DATA_EXTENSIONS
-                      for f in glob.glob(os.path.join(glob.escape(path), f"*.{ext}")))
+        return sorted(
+            f
+            for ext in DATA_EXTENSIONS
+            for f in glob.glob(os.path.join(glob.escape(path), f"*.{ext}"))
+        )
     return sorted(glob.glob(path))
 
 
@@ -72,7 +77,7 @@ def _remote_files(path: str) -> list[str]:
     """As `_local_files`, for gs:// and s3:// paths; full URLs (the client's listings drop
     the scheme)."""
     fs, p = storage.filesystem(path)
-    fs.invalidate_cache()   # objects written since this process last listed them
+    fs.invalidate_cache()  # objects written since this process last listed them
     if fs.isfile(p):
         return [path]
     if fs.isdir(p):
@@ -189,8 +194,11 @@ def _usable(file: str, entries, problem, stats: SourceStats) -> list:
         stats.skip(where, why)
         bad, first = bad + 1, first or f"{where}: {why}"
     if not good:
-        raise DataError(f"{file} is empty" if not bad else
-                        f"{file} holds no usable record ({bad} malformed, the first {first})")
+        raise DataError(
+            f"{file} is empty"
+            if not bad
+            else f"{file} holds no usable record ({bad} malformed, the first {first})"
+        )
     return good
 
 
@@ -223,8 +231,10 @@ class CheckedAsRead:
             self._bad.add(i)
             self.stats.skip(f"{self.name} row {i}", why)
             if len(self._bad) == len(self.records):
-                raise DataError(f"{self.name}: every one of its {len(self.records)} records "
-                                f"is malformed (e.g. row {i}: {why})")
+                raise DataError(
+                    f"{self.name}: every one of its {len(self.records)} records "
+                    f"is malformed (e.g. row {i}: {why})"
+                )
         return None
 
 
@@ -238,14 +248,17 @@ def _check_columns(name: str, have: Sequence[str], columns: Sequence[str]) -> li
     """Those of `columns` that `name` has; a `DataError` when it has none of them."""
     found = [c for c in columns if c in have]
     if not found:
-        raise DataError(f"{name} has no column {' or '.join(map(repr, columns))} (its columns: "
-                        f"{', '.join(have)}); check data.text_field and data.source")
+        raise DataError(
+            f"{name} has no column {' or '.join(map(repr, columns))} (its columns: "
+            f"{', '.join(have)}); check data.text_field and data.source"
+        )
     return found
 
 
 @dataclasses.dataclass(frozen=True)
 class _RowGroup:
     """One row group of a parquet file, decoded (only `columns`) when read."""
+
     file: str
     index: int
     num_rows: int
@@ -275,8 +288,9 @@ def _row_groups(file: str, columns: Sequence[str]) -> list[_RowGroup]:
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{file} is not a readable parquet file ({e})") from None
     found = tuple(_check_columns(file, names, columns))
-    return [_RowGroup(file, k, meta.row_group(k).num_rows, found)
-            for k in range(meta.num_row_groups)]
+    return [
+        _RowGroup(file, k, meta.row_group(k).num_rows, found) for k in range(meta.num_row_groups)
+    ]
 
 
 def _record_batches(file: str, columns: Sequence[str]) -> list:
@@ -315,8 +329,11 @@ class ColumnarRecords:
     def __init__(self, files: Sequence[str], columns: Sequence[str], name: str):
         self.blocks: list = []  # pyarrow record batches and _RowGroups, in file order
         for file in files:
-            self.blocks += (_row_groups(file, columns) if file.endswith(".parquet")
-                            else _record_batches(file, columns))
+            self.blocks += (
+                _row_groups(file, columns)
+                if file.endswith(".parquet")
+                else _record_batches(file, columns)
+            )
         self.starts = np.cumsum([0] + [b.num_rows for b in self.blocks])
         self.name = name
         self._decoded: collections.OrderedDict[int, Any] = collections.OrderedDict()
@@ -351,10 +368,13 @@ class ColumnarRecords:
     def _decode(self, k: int, group: _RowGroup):
         if k in self._ever_decoded and not self._warned:
             self._warned = True
-            log.warning("%s: its decoded row groups outgrow the %d MiB cache, so shuffled "
-                        "reading decodes a row group for most documents (slow); pre-tokenise "
-                        "it with python -m lclm.data.prepare", self.name,
-                        PARQUET_CACHE_BYTES >> 20)
+            log.warning(
+                "%s: its decoded row groups outgrow the %d MiB cache, so shuffled "
+                "reading decodes a row group for most documents (slow); pre-tokenise "
+                "it with python -m lclm.data.prepare",
+                self.name,
+                PARQUET_CACHE_BYTES >> 20,
+            )
         self._ever_decoded.add(k)
         table = group.read()
         self._decoded_bytes += table.nbytes
@@ -368,17 +388,25 @@ def _columnar(path: str, columns: Sequence[str]):
     saved = storage.isfile(storage.join(path, "dataset_info.json"))
     if not (saved or path.startswith("hub:")):
         files = resolve_files(path)
-        return (ColumnarRecords(files, columns, path)
-                if all(f.endswith(COLUMNAR) for f in files) else None)
+        return (
+            ColumnarRecords(files, columns, path)
+            if all(f.endswith(COLUMNAR) for f in files)
+            else None
+        )
     import datasets
-    ds = (datasets.load_dataset(path[4:], split="train") if path.startswith("hub:")
-          else datasets.load_from_disk(path))
+
+    ds = (
+        datasets.load_dataset(path[4:], split="train")
+        if path.startswith("hub:")
+        else datasets.load_from_disk(path)
+    )
     _check_columns(path, ds.column_names, columns)
     return ds
 
 
-def read_records(path: str, text_field: str, problem, columns: Sequence[str],
-                 stats: SourceStats) -> Records:
+def read_records(
+    path: str, text_field: str, problem, columns: Sequence[str], stats: SourceStats
+) -> Records:
     """The records of a source, as a random-access sequence of dicts.
 
     Files read whole (.jsonl, .json, .txt, and .parquet/.arrow beside them) are checked now

@@ -56,12 +56,11 @@ from lclm.data.chat import get_template
 from lclm.data.kind import OPTIONS, Kind
 from lclm.data.line_retrieval import filler_id
 
-EVAL, TRAIN = 0, 1        # the seed streams of evaluation prompts and training documents
+EVAL, TRAIN = 0, 1  # the seed streams of evaluation prompts and training documents
 # stand for the turns' text when a chat template is split
 MARKS = tuple(f"\ue000RULER{i}\ue001" for i in range(3))
 
-NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
-         "again.")
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 # RULER's needle depths for the essay haystack: 40 points from 0% to 100%
 DEPTHS = np.round(np.linspace(0, 100, num=40)).astype(int)
 
@@ -97,6 +96,7 @@ wander whistle wrap""".split()
 class Niah:
     """A needle-in-a-haystack task: haystack 'noise' | 'essay' | 'needle' (distractor
     needles); key and value kinds 'words' | 'numbers' | 'uuids'; needles per prompt."""
+
     haystack: str
     key: str
     value: str
@@ -109,13 +109,13 @@ class Niah:
 @dataclasses.dataclass(frozen=True)
 class VariableTracking:
     hops: int = 4
-    icl_tokens: int = 500   # RULER's worked example before the prompt fills this many
+    icl_tokens: int = 500  # RULER's worked example before the prompt fills this many
     budget: int = 30
 
 
 @dataclasses.dataclass(frozen=True)
 class CommonWords:
-    freq_common: int = 30   # below 4K tokens RULER uses 6 and 1 (and a smaller example)
+    freq_common: int = 30  # below 4K tokens RULER uses 6 and 1 (and a smaller example)
     freq_uncommon: int = 3
     n_common: int = 10
     budget: int = 120
@@ -152,6 +152,7 @@ class Form:
     text (the chat text that closes the reply and opens the next user turn; RULER's '\\n' in
     the base form), and `end_id`, the token that closes an answer (EOS, or the chat
     template's reply end)."""
+
     bos: tuple[int, ...]
     before: str
     after: str
@@ -167,6 +168,7 @@ class Sample:
     which replace the prompt's last `joined` ids (0, but where the one piece joins the
     prompt's end to the target's start: vt's answer prefix ends with a space, which joins
     the first name)."""
+
     tokens: np.ndarray
     answers: list[str]
     target: str
@@ -183,8 +185,10 @@ def prompt_form(tokenizer, chat: str | None = None) -> Form:
     if chat is None:
         return Form((tokenizer.bos_id,) * tokenizer.add_bos, "", "", "\n", tokenizer.eos_id)
     if chat != "tokenizer":
-        raise ValueError(f"chat={chat!r}: RULER prompts use the tokenizer's own chat template "
-                         "('tokenizer') or none")
+        raise ValueError(
+            f"chat={chat!r}: RULER prompts use the tokenizer's own chat template "
+            "('tokenizer') or none"
+        )
     template = get_template(chat, tokenizer)
     user, reply, again = MARKS
     one = template.text([("user", user)], prompt=True)
@@ -194,24 +198,31 @@ def prompt_form(tokenizer, chat: str | None = None) -> Form:
     two = template.text([("user", user), ("assistant", reply), ("user", again)], prompt=True)
     first = before + user + after + reply
     if not (two.startswith(first) and two.endswith(again + after) and two.count(again) == 1):
-        raise ValueError("the tokenizer's chat template does not write a second exchange "
-                         "after the first as given (RULER's cwe example takes one)")
-    return Form((), before, after, two[len(first):two.index(again)],
-                int(template.reply_end_id(tokenizer)))
+        raise ValueError(
+            "the tokenizer's chat template does not write a second exchange "
+            "after the first as given (RULER's cwe example takes one)"
+        )
+    return Form(
+        (), before, after, two[len(first) : two.index(again)], int(template.reply_end_id(tokenizer))
+    )
 
 
-def sample(task: str, tokenizer, form: Form, length: int, seed: int, index: int,
-           stream: int = EVAL) -> Sample:
+def sample(
+    task: str, tokenizer, form: Form, length: int, seed: int, index: int, stream: int = EVAL
+) -> Sample:
     """Prompt `index` of `task` at `length` tokens (see the module docstring)."""
     spec = TASKS[task]
     rng = np.random.default_rng([stream, seed, zlib.crc32(task.encode()), length, index])
     n_prompt = length - spec.budget
     try:
-        tokens, tail, answers, target = _BUILDERS[type(spec)](spec, rng, tokenizer, form,
-                                                              n_prompt, length)
+        tokens, tail, answers, target = _BUILDERS[type(spec)](
+            spec, rng, tokenizer, form, n_prompt, length
+        )
     except _TooShort:
-        raise ValueError(f"a {task} prompt does not fit in {length} tokens ({spec.budget} of "
-                         f"them for the answer); use a longer length") from None
+        raise ValueError(
+            f"a {task} prompt does not fit in {length} tokens ({spec.budget} of "
+            f"them for the answer); use a longer length"
+        ) from None
     joined, target_ids = _continued(tokenizer, tail[0] + form.after + tail[1], target)
     return Sample(tokens, answers, target, target_ids, joined)
 
@@ -220,6 +231,7 @@ def sample(task: str, tokenizer, form: Form, length: int, seed: int, index: int,
 
 # what a task's builder gives: (ids, (question, answer prefix), answers, target)
 _Built = tuple[np.ndarray, tuple[str, str], list[str], str]
+
 
 class _TooShort(Exception):
     """The fixed text alone fills the prompt: no room for a context."""
@@ -276,16 +288,23 @@ def _cut(tokenizer, left: str, right: str, more: Iterator[str], n: int) -> list[
             continue
         longer, longer_spans = tokenizer.encode_with_offsets(left + extra + right)
         start = _whole(longer_spans, len(left))
-        inserted = longer[start:start + len(longer) - len(ids)]
+        inserted = longer[start : start + len(longer) - len(ids)]
     if len(inserted) < gap:
         raise _TooShort  # only finite texts end
     at = _whole(spans, len(left))
     return ids[:at] + inserted[:gap] + ids[at:]
 
 
-def _prompt(tokenizer, form: Form, n_prompt: int, head: str, tail: tuple[str, str],
-            context: Callable[[int], str], more: Callable[[int], Iterator[str]],
-            most: int | None = None) -> tuple[np.ndarray, int]:
+def _prompt(
+    tokenizer,
+    form: Form,
+    n_prompt: int,
+    head: str,
+    tail: tuple[str, str],
+    context: Callable[[int], str],
+    more: Callable[[int], Iterator[str]],
+    most: int | None = None,
+) -> tuple[np.ndarray, int]:
     """(ids `[n_prompt]`, k): BOS, then the chat text before + `head` + `context(k)` +
     `tail` (question and answer prefix, the chat text after the user turn between them)
     tokenised in one piece, k the most context units (at most `most`) that fit, and the
@@ -294,8 +313,7 @@ def _prompt(tokenizer, form: Form, n_prompt: int, head: str, tail: tuple[str, st
     question, prefix = tail
     right = question + form.after + prefix
     n = n_prompt - len(form.bos)
-    k = _most(lambda k: len(tokenizer.encode(form.before + head + context(k) + right)), n,
-              most)
+    k = _most(lambda k: len(tokenizer.encode(form.before + head + context(k) + right)), n, most)
     ids = _cut(tokenizer, form.before + head + context(k), right, more(k), n)
     return np.asarray(list(form.bos) + ids, np.int32), k
 
@@ -331,9 +349,17 @@ def _positions(rng, count: int, essay: bool) -> Callable[[int], list[int]]:
     return lambda k: sorted((fractions * k).astype(int))
 
 
-def _haystack(tokenizer, form: Form, n_prompt: int, head: str, tail: tuple[str, str],
-              sep: str, unit: Callable[[int], str], inserts: list[str],
-              where: Callable[[int], list[int]]) -> np.ndarray:
+def _haystack(
+    tokenizer,
+    form: Form,
+    n_prompt: int,
+    head: str,
+    tail: tuple[str, str],
+    sep: str,
+    unit: Callable[[int], str],
+    inserts: list[str],
+    where: Callable[[int], list[int]],
+) -> np.ndarray:
     """A prompt whose context is the haystack unit(0), unit(1), ... joined by `sep`, with
     the `inserts` (needles, chain lines) placed where(k) among k units."""
     context = lambda k: sep.join(_insert([unit(i) for i in range(k)], inserts, where(k)))
@@ -342,6 +368,7 @@ def _haystack(tokenizer, form: Form, n_prompt: int, head: str, tail: tuple[str, 
 
 
 # -- haystacks --------------------------------------------------------------------------------
+
 
 @functools.lru_cache(maxsize=1)
 def _essay_sentences() -> tuple[str, ...]:
@@ -360,6 +387,7 @@ def _essay(i: int) -> str:
 
 # -- needle in a haystack ---------------------------------------------------------------------
 
+
 def _word_key(rng) -> str:
     return f"{ADJECTIVES[rng.integers(len(ADJECTIVES))]}-{NOUNS[rng.integers(len(NOUNS))]}"
 
@@ -369,7 +397,7 @@ def _random(rng, kind: str) -> str:
     if kind == "words":
         return _word_key(rng)
     if kind == "numbers":
-        return str(int(rng.integers(10 ** 6, 10 ** 7)))
+        return str(int(rng.integers(10**6, 10**7)))
     return str(uuid.UUID(bytes=rng.bytes(16), version=4))
 
 
@@ -389,6 +417,7 @@ def _distractors(seed: int, spec: Niah, keys: set[str]) -> Callable[[int], str]:
             if key not in keys:
                 made.append(_needle(spec.value, key, _random(rng, spec.value)))
         return made[i]
+
     return unit
 
 
@@ -398,16 +427,22 @@ def _niah_text(spec: Niah, query: str) -> tuple[str, tuple[str, str]]:
     kind = spec.value
     if spec.n_queries * spec.n_values == 1:
         kind = kind[:-1]
-        head = (f"A special magic {kind} is hidden within the following text. Make sure to "
-                f"memorize it. I will quiz you about the {kind} afterwards.\n")
-        return head, (f"\nWhat is the special magic {kind} for {query} mentioned in the "
-                      "provided text?",
-                      f" The special magic {kind} for {query} mentioned in the provided text is")
-    head = (f"Some special magic {kind} are hidden within the following text. Make sure to "
-            f"memorize it. I will quiz you about the {kind} afterwards.\n")
-    return head, (f"\nWhat are all the special magic {kind} for {query} mentioned in the "
-                  "provided text?",
-                  f" The special magic {kind} for {query} mentioned in the provided text are")
+        head = (
+            f"A special magic {kind} is hidden within the following text. Make sure to "
+            f"memorize it. I will quiz you about the {kind} afterwards.\n"
+        )
+        return head, (
+            f"\nWhat is the special magic {kind} for {query} mentioned in the provided text?",
+            f" The special magic {kind} for {query} mentioned in the provided text is",
+        )
+    head = (
+        f"Some special magic {kind} are hidden within the following text. Make sure to "
+        f"memorize it. I will quiz you about the {kind} afterwards.\n"
+    )
+    return head, (
+        f"\nWhat are all the special magic {kind} for {query} mentioned in the provided text?",
+        f" The special magic {kind} for {query} mentioned in the provided text are",
+    )
 
 
 def _niah(spec: Niah, rng, tokenizer, form: Form, n_prompt: int, length: int) -> _Built:
@@ -428,23 +463,26 @@ def _niah(spec: Niah, rng, tokenizer, form: Form, n_prompt: int, length: int) ->
     essay = spec.haystack == "essay"
     where = _positions(rng, len(needles), essay)
     if spec.haystack == "needle":
-        unit = _distractors(int(rng.integers(2 ** 31)), spec, set(keys))
+        unit = _distractors(int(rng.integers(2**31)), spec, set(keys))
     else:
         unit = _essay if essay else lambda i: NOISE
     # RULER joins real text's sentences with a space, other haystacks' with a newline
-    tokens = _haystack(tokenizer, form, n_prompt, head, tail, " " if essay else "\n", unit,
-                       needles, where)
+    tokens = _haystack(
+        tokenizer, form, n_prompt, head, tail, " " if essay else "\n", unit, needles, where
+    )
     return tokens, tail, answers, " " + ", ".join(answers) + "."
 
 
 # -- variable tracking -----------------------------------------------------------------------
 
-VT_HEAD = ("Memorize and track the chain(s) of variable assignment hidden in the following "
-           "text.\n\n")
-VT_QUESTION = ("\nQuestion: Find all variables that are assigned the value {value} in the text "
-               "above.")
-VT_PREFIX = (" Answer: According to the chain(s) of variable assignment in the text above, {n} "
-             "variables are assigned the value {value}, they are: ")
+VT_HEAD = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+VT_QUESTION = (
+    "\nQuestion: Find all variables that are assigned the value {value} in the text above."
+)
+VT_PREFIX = (
+    " Answer: According to the chain(s) of variable assignment in the text above, {n} "
+    "variables are assigned the value {value}, they are: "
+)
 
 
 def _chain(rng, hops: int) -> tuple[list[str], str, list[str]]:
@@ -455,8 +493,7 @@ def _chain(rng, hops: int) -> tuple[list[str], str, list[str]]:
         if name not in names:
             names.append(name)
     value = str(int(rng.integers(10000, 99999)))
-    lines = [f"VAR {names[0]} = {value}"] + [f"VAR {b} = VAR {a}" for a, b in
-                                             zip(names, names[1:])]
+    lines = [f"VAR {names[0]} = {value}"] + [f"VAR {b} = VAR {a}" for a, b in zip(names, names[1:])]
     return names, value, lines
 
 
@@ -468,28 +505,43 @@ def _vt_example(spec: VariableTracking, rng, tokenizer, n_prompt: int) -> str:
     where = _positions(rng, len(lines), essay=False)
 
     def text(k: int) -> str:
-        return (VT_HEAD + "\n".join(_insert([NOISE] * k, lines, where(k)))
-                + VT_QUESTION.format(value=value) + VT_PREFIX.format(n=len(names), value=value)
-                + " ".join(names) + "\n")
+        return (
+            VT_HEAD
+            + "\n".join(_insert([NOISE] * k, lines, where(k)))
+            + VT_QUESTION.format(value=value)
+            + VT_PREFIX.format(n=len(names), value=value)
+            + " ".join(names)
+            + "\n"
+        )
 
     limit = min(spec.icl_tokens, n_prompt // 4)
     return text(_most(lambda k: len(tokenizer.encode(text(k))), limit))
 
 
-def _vt(spec: VariableTracking, rng, tokenizer, form: Form, n_prompt: int,
-        length: int) -> _Built:
+def _vt(spec: VariableTracking, rng, tokenizer, form: Form, n_prompt: int, length: int) -> _Built:
     example = _vt_example(spec, rng, tokenizer, n_prompt)
     names, value, lines = _chain(rng, spec.hops)
     tail = (VT_QUESTION.format(value=value), VT_PREFIX.format(n=len(names), value=value))
-    tokens = _haystack(tokenizer, form, n_prompt, example + VT_HEAD, tail, "\n",
-                       lambda i: NOISE, lines, _positions(rng, len(lines), essay=False))
+    tokens = _haystack(
+        tokenizer,
+        form,
+        n_prompt,
+        example + VT_HEAD,
+        tail,
+        "\n",
+        lambda i: NOISE,
+        lines,
+        _positions(rng, len(lines), essay=False),
+    )
     return tokens, tail, names, " ".join(names)
 
 
 # -- common words ------------------------------------------------------------------------------
 
-CWE_HEAD = ("Below is a numbered list of words. In these words, some appear more often than "
-            "others. Memorize the ones that appear most often.\n")
+CWE_HEAD = (
+    "Below is a numbered list of words. In these words, some appear more often than "
+    "others. Memorize the ones that appear most often.\n"
+)
 CWE_QUESTION = "\nQuestion: What are the 10 most common words in the above list?"
 CWE_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
 
@@ -501,19 +553,21 @@ def _word_pool(rng, n_common: int) -> list[str]:
     prediction: a listed 'bold', or past ~16K 'kind-acorn', would earn 'old' or 'kind')."""
     singles = sorted(set(ADJECTIVES + NOUNS + VERBS))
     pairs = [f"{a}-{n}" for a in ADJECTIVES for n in NOUNS]
-    order = ([singles[i] for i in rng.permutation(len(singles))]
-             + [pairs[i] for i in rng.permutation(len(pairs))])
+    order = [singles[i] for i in rng.permutation(len(singles))] + [
+        pairs[i] for i in rng.permutation(len(pairs))
+    ]
     answers: list[str] = []
-    for word in order[:len(singles)]:
+    for word in order[: len(singles)]:
         if len(answers) < n_common and not any(word in a or a in word for a in answers):
             answers.append(word)
     return answers + [w for w in order if not any(a in w for a in answers)]
 
 
-def _word_list(words: list[str], n_common: int, n_uncommon: int, freq: tuple[int, int],
-               seed: int) -> list[str]:
+def _word_list(
+    words: list[str], n_common: int, n_uncommon: int, freq: tuple[int, int], seed: int
+) -> list[str]:
     """The common words `freq[0]` times, the next `n_uncommon` `freq[1]` times, shuffled."""
-    common, rare = words[:n_common], words[n_common:n_common + n_uncommon]
+    common, rare = words[:n_common], words[n_common : n_common + n_uncommon]
     items = common * freq[0] + rare * freq[1]
     np.random.default_rng(seed).shuffle(items)
     return items
@@ -527,37 +581,61 @@ def _numbered(words: list[str], start: int = 1) -> str:
 def _cwe(spec: CommonWords, rng, tokenizer, form: Form, n_prompt: int, length: int) -> _Built:
     short = length < 4096  # RULER's smaller repetitions and example below 4K
     freq = (6, 1) if short else (spec.freq_common, spec.freq_uncommon)
-    example_words = _word_pool(rng, spec.n_common)[:20 if short else 40]
-    example_list = _word_list(example_words, spec.n_common, len(example_words) - spec.n_common,
-                              (3, 1) if short else (10, 3), int(rng.integers(2 ** 31)))
+    example_words = _word_pool(rng, spec.n_common)[: 20 if short else 40]
+    example_list = _word_list(
+        example_words,
+        spec.n_common,
+        len(example_words) - spec.n_common,
+        (3, 1) if short else (10, 3),
+        int(rng.integers(2**31)),
+    )
     # the example is an exchange of its own, answered, as RULER writes it
-    example = (CWE_HEAD + _numbered(example_list) + CWE_QUESTION + form.after + CWE_PREFIX
-               + " " + _numbered(example_words[:spec.n_common]) + form.between)
+    example = (
+        CWE_HEAD
+        + _numbered(example_list)
+        + CWE_QUESTION
+        + form.after
+        + CWE_PREFIX
+        + " "
+        + _numbered(example_words[: spec.n_common])
+        + form.between
+    )
     words = _word_pool(rng, spec.n_common)
-    seed = int(rng.integers(2 ** 31))
-    answers = words[:spec.n_common]
+    seed = int(rng.integers(2**31))
+    answers = words[: spec.n_common]
 
     def listed(k: int) -> int:
         return spec.n_common * freq[0] + k * freq[1]
 
     def more(k: int) -> Iterator[str]:  # once-only words: never among the most common
-        return (f" {i}. {w}" for i, w in enumerate(words[spec.n_common + k:], listed(k) + 1))
+        return (f" {i}. {w}" for i, w in enumerate(words[spec.n_common + k :], listed(k) + 1))
 
-    tokens, _ = _prompt(tokenizer, form, n_prompt, example + CWE_HEAD,
-                        (CWE_QUESTION, CWE_PREFIX),
-                        lambda k: _numbered(_word_list(words, spec.n_common, k, freq, seed)),
-                        more, most=len(words) - spec.n_common)
+    tokens, _ = _prompt(
+        tokenizer,
+        form,
+        n_prompt,
+        example + CWE_HEAD,
+        (CWE_QUESTION, CWE_PREFIX),
+        lambda k: _numbered(_word_list(words, spec.n_common, k, freq, seed)),
+        more,
+        most=len(words) - spec.n_common,
+    )
     return tokens, (CWE_QUESTION, CWE_PREFIX), answers, " " + _numbered(answers)
 
 
 # -- frequent words ----------------------------------------------------------------------------
 
-FWE_HEAD = ("Read the following coded text and track the frequency of each coded word. Find "
-            "the three most frequently appeared coded words. ")
-FWE_QUESTION = ("\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
-                "What are the three most frequently appeared words in the above coded text?")
-FWE_PREFIX = (" Answer: According to the coded text above, the three most frequently appeared "
-              "words are:")
+FWE_HEAD = (
+    "Read the following coded text and track the frequency of each coded word. Find "
+    "the three most frequently appeared coded words. "
+)
+FWE_QUESTION = (
+    "\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
+    "What are the three most frequently appeared words in the above coded text?"
+)
+FWE_PREFIX = (
+    " Answer: According to the coded text above, the three most frequently appeared words are:"
+)
 
 
 def _coded_vocab(rng, size: int, word_len: int) -> list[str]:
@@ -571,24 +649,24 @@ def _coded_vocab(rng, size: int, word_len: int) -> list[str]:
     return ["..."] + words[1:]
 
 
-def _fwe(spec: FrequentWords, rng, tokenizer, form: Form, n_prompt: int,
-         length: int) -> _Built:
+def _fwe(spec: FrequentWords, rng, tokenizer, form: Form, n_prompt: int, length: int) -> _Built:
     """Words drawn by counts floor(m k^-alpha / zeta(alpha)) for rank k (the largest m that
     fits), shuffled, then the noise word to fill the prompt."""
     vocab = _coded_vocab(rng, max(n_prompt // 50, 5), spec.word_len)
-    seed = int(rng.integers(2 ** 31))
+    seed = int(rng.integers(2**31))
     ranks = np.arange(1, len(vocab) + 1, dtype=np.float64)
 
     def counts(m: int) -> np.ndarray:
-        return (m * ranks ** -spec.alpha / zeta(spec.alpha)).astype(int)
+        return (m * ranks**-spec.alpha / zeta(spec.alpha)).astype(int)
 
     def context(m: int) -> str:
         drawn = np.repeat(np.arange(len(vocab)), counts(m))
         return " ".join(vocab[i] for i in np.random.default_rng(seed).permutation(drawn))
 
     tail = (FWE_QUESTION, FWE_PREFIX)
-    tokens, m = _prompt(tokenizer, form, n_prompt, FWE_HEAD, tail, context,
-                        lambda m: itertools.repeat(" ..."))
+    tokens, m = _prompt(
+        tokenizer, form, n_prompt, FWE_HEAD, tail, context, lambda m: itertools.repeat(" ...")
+    )
     c = counts(m)
     if not c[3] > c[4]:  # the three asked words must be the most frequent, unambiguously
         raise _TooShort
@@ -597,10 +675,15 @@ def _fwe(spec: FrequentWords, rng, tokenizer, form: Form, n_prompt: int,
 
 
 _BUILDERS: dict[type, Callable[..., _Built]] = {
-    Niah: _niah, VariableTracking: _vt, CommonWords: _cwe, FrequentWords: _fwe}
+    Niah: _niah,
+    VariableTracking: _vt,
+    CommonWords: _cwe,
+    FrequentWords: _fwe,
+}
 
 
 # -- the training data source ------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
@@ -609,6 +692,7 @@ class Spec:
     with no loss make up the rest); tasks: '+'-separated names of `TASKS` ('all': every
     one), taken in turn; seed; docs: the number of distinct documents; chat: 'tokenizer' for
     the tokenizer's chat template, '' for the base form."""
+
     tokens: int = 4096
     tasks: str = "all"
     seed: int = 0
@@ -622,14 +706,18 @@ class Spec:
         for item in filter(None, (s.strip() for s in text.split(";"))):
             key, sep, raw = item.partition("=")
             if not sep or key not in fields:
-                raise ValueError(f"bad ruler option {item!r}; use ';'-separated key=value with "
-                                 f"keys {sorted(fields)}")
+                raise ValueError(
+                    f"bad ruler option {item!r}; use ';'-separated key=value with "
+                    f"keys {sorted(fields)}"
+                )
             values[key] = raw if key in ("tasks", "chat") else int(raw)
         spec = cls(**values)
         unknown = [t for t in spec.task_names if t not in TASKS]
         if unknown:
-            raise ValueError(f"unknown ruler task {unknown[0]!r}; use '+'-separated names of "
-                             f"{', '.join(TASKS)} or 'all'")
+            raise ValueError(
+                f"unknown ruler task {unknown[0]!r}; use '+'-separated names of "
+                f"{', '.join(TASKS)} or 'all'"
+            )
         return spec
 
     @property
@@ -664,15 +752,16 @@ class RulerDocuments:
         length = self.spec.tokens
         while True:
             s = sample(task, self.tokenizer, self.form, length, self.spec.seed, index, TRAIN)
-            prompt = s.tokens[:len(s.tokens) - s.joined]
+            prompt = s.tokens[: len(s.tokens) - s.joined]
             answer = s.target_ids + [self.form.end_id]
             gap = self.spec.tokens - len(prompt) - len(answer)
             if gap >= 0:
                 break
             length += gap
         tokens = np.concatenate([prompt, answer, np.full(gap, self.filler)]).astype(np.int32)
-        loss = np.concatenate([np.zeros(len(prompt)), np.ones(len(answer)),
-                               np.zeros(gap)]).astype(np.int8)
+        loss = np.concatenate([np.zeros(len(prompt)), np.ones(len(answer)), np.zeros(gap)]).astype(
+            np.int8
+        )
         return tokens, loss
 
 

@@ -24,8 +24,10 @@ from lclm.data.kind import Documents, Kind, Reading
 from lclm.data.records import DataError
 from lclm.data.stats import SourceStats
 
-KINDS: dict[str, Kind] = {k.name: k for k in (*documents.KINDS, prepared.KIND,
-                                              line_retrieval.KIND, ruler.KIND, *code.KINDS)}
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in (*documents.KINDS, prepared.KIND, line_retrieval.KIND, ruler.KIND, *code.KINDS)
+}
 
 
 def get_kind(name: str) -> Kind:
@@ -35,8 +37,15 @@ def get_kind(name: str) -> Kind:
     return KINDS[name]
 
 
-def open_documents(kind: str, path: str, tokenizer, *, text_field: str = "text",
-                   chat_template: str = "vicuna", stats: SourceStats | None = None) -> Documents:
+def open_documents(
+    kind: str,
+    path: str,
+    tokenizer,
+    *,
+    text_field: str = "text",
+    chat_template: str = "vicuna",
+    stats: SourceStats | None = None,
+) -> Documents:
     """A random-access document set of source `kind` (a name of `KINDS`) at `path` (options
     for a kind whose `Kind.path` is OPTIONS).
 

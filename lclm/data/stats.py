@@ -9,6 +9,7 @@ import dataclasses
 @dataclasses.dataclass
 class SourceStats:
     """Malformed records left out, each counted once (a source is read again every epoch)."""
+
     skipped: int = 0
     examples: list = dataclasses.field(default_factory=list)
 

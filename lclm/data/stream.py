@@ -25,7 +25,7 @@ class EpochOrders:
 
     def __init__(self, n: int, seed: int, shuffle: bool = True, keep: int = 2):
         self.n, self.seed, self.shuffle, self.keep = n, seed, shuffle, keep
-        self._cache: dict[int, np.ndarray] = {}   # least recently used first
+        self._cache: dict[int, np.ndarray] = {}  # least recently used first
 
     def get(self, epoch: int) -> np.ndarray:
         order = self._cache.pop(epoch, None)
@@ -55,18 +55,27 @@ class DocumentStream:
     `"last"` and `"skipped"` (draws skipped since) too.
     """
 
-    def __init__(self, docs, orders: EpochOrders, shard: int = 0, num_shards: int = 1,
-                 rules: LengthFilter | None = None, name: str = "data"):
+    def __init__(
+        self,
+        docs,
+        orders: EpochOrders,
+        shard: int = 0,
+        num_shards: int = 1,
+        rules: LengthFilter | None = None,
+        name: str = "data",
+    ):
         if len(docs) < num_shards:
-            raise ValueError(f"{len(docs)} documents cannot be shared by {num_shards} readers; "
-                             "use more data or a smaller data.batch_size")
+            raise ValueError(
+                f"{len(docs)} documents cannot be shared by {num_shards} readers; "
+                "use more data or a smaller data.batch_size"
+            )
         self.docs, self.orders, self.rules, self.name = docs, orders, rules, name
         self.copies = 1 if rules is None else rules.copies
         self.shard, self.num_shards = shard, num_shards
         self.epoch, self.index = 0, 0
-        self.last: int | None = None   # the document drawn last, where copies may follow it
-        self.skipped = 0   # draws left out in a row
-        self.drawn = 0   # documents handed out by this object (not state: for reading ahead)
+        self.last: int | None = None  # the document drawn last, where copies may follow it
+        self.skipped = 0  # draws left out in a row
+        self.drawn = 0  # documents handed out by this object (not state: for reading ahead)
         self._share_epoch: int | None = None
         self._share: np.ndarray | None = None
 
@@ -76,7 +85,7 @@ class DocumentStream:
     def _my_share(self) -> np.ndarray:
         """This reader's documents `[~n / num_shards]` of the current epoch, in order."""
         if self._share_epoch != self.epoch:
-            self._share = self.orders.get(self.epoch)[self.shard::self.num_shards].copy()
+            self._share = self.orders.get(self.epoch)[self.shard :: self.num_shards].copy()
             self._share_epoch = self.epoch
         assert self._share is not None  # made above for the current epoch
         return self._share
@@ -128,7 +137,7 @@ class DocumentStream:
         for _ in range(k):
             if index >= len(share) * self.copies:
                 epoch, index = epoch + 1, 0
-                share = self.orders.get(epoch)[self.shard::self.num_shards]
+                share = self.orders.get(epoch)[self.shard :: self.num_shards]
             i, copy = self._document(share, index)
             index += 1
             if self.rules is None or self.rules.may_keep(i, epoch, copy):
@@ -164,8 +173,14 @@ class Mixture:
     state is the same under both units.
     """
 
-    def __init__(self, streams: list[DocumentStream], weights: list[float], seed: int,
-                 stream_id: int = 0, unit: str = "documents"):
+    def __init__(
+        self,
+        streams: list[DocumentStream],
+        weights: list[float],
+        seed: int,
+        stream_id: int = 0,
+        unit: str = "documents",
+    ):
         w = np.asarray(weights, np.float64)
         if len(streams) != len(w) or (w <= 0).any():
             raise ValueError("every data source needs a positive weight")
@@ -201,9 +216,11 @@ class Mixture:
     def restore(self, state: dict) -> None:
         if self.by_tokens != ("tokens" in state):
             saved = "tokens" if "tokens" in state else "documents"
-            raise DataError(f"the saved data state shares its mixture by {saved} but this run "
-                            f"by {'tokens' if self.by_tokens else 'documents'}; set "
-                            f"data.mixture_unit={saved} to resume it")
+            raise DataError(
+                f"the saved data state shares its mixture by {saved} but this run "
+                f"by {'tokens' if self.by_tokens else 'documents'}; set "
+                f"data.mixture_unit={saved} to resume it"
+            )
         self.count = state["count"]
         self.tokens = list(state.get("tokens", [0] * len(self.streams)))
         for s, st in zip(self.streams, state["streams"]):

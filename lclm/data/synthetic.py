@@ -8,16 +8,70 @@ from __future__ import annotations
 
 import random
 
-_NOUNS = ("river", "garden", "engine", "teacher", "village", "signal", "mountain", "library",
-          "sailor", "window", "forest", "market", "compiler", "planet", "lantern", "bridge",
-          "farmer", "painter", "kettle", "harbor", "tower", "student", "castle", "meadow")
-_ADJS = ("quiet", "bright", "old", "narrow", "patient", "golden", "broken", "gentle", "heavy",
-         "curious", "distant", "careful", "silver", "crowded", "simple", "ancient")
-_VERBS = (("watches", "watched"), ("builds", "built"), ("follows", "followed"),
-          ("repairs", "repaired"), ("finds", "found"), ("carries", "carried"),
-          ("paints", "painted"), ("visits", "visited"), ("measures", "measured"))
-_PLACES = ("near the sea", "behind the hill", "in the north", "under the old bridge",
-           "at the edge of town", "beside the station", "across the valley")
+_NOUNS = (
+    "river",
+    "garden",
+    "engine",
+    "teacher",
+    "village",
+    "signal",
+    "mountain",
+    "library",
+    "sailor",
+    "window",
+    "forest",
+    "market",
+    "compiler",
+    "planet",
+    "lantern",
+    "bridge",
+    "farmer",
+    "painter",
+    "kettle",
+    "harbor",
+    "tower",
+    "student",
+    "castle",
+    "meadow",
+)
+_ADJS = (
+    "quiet",
+    "bright",
+    "old",
+    "narrow",
+    "patient",
+    "golden",
+    "broken",
+    "gentle",
+    "heavy",
+    "curious",
+    "distant",
+    "careful",
+    "silver",
+    "crowded",
+    "simple",
+    "ancient",
+)
+_VERBS = (
+    ("watches", "watched"),
+    ("builds", "built"),
+    ("follows", "followed"),
+    ("repairs", "repaired"),
+    ("finds", "found"),
+    ("carries", "carried"),
+    ("paints", "painted"),
+    ("visits", "visited"),
+    ("measures", "measured"),
+)
+_PLACES = (
+    "near the sea",
+    "behind the hill",
+    "in the north",
+    "under the old bridge",
+    "at the edge of town",
+    "beside the station",
+    "across the valley",
+)
 _TIMES = ("Every morning", "At night", "In winter", "On Sundays", "After the storm", "Today")
 _NAMES = ("Ada", "Bruno", "Chen", "Dara", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas")
 
@@ -64,10 +118,15 @@ def conversation(rng: random.Random) -> dict:
     for _ in range(rng.randrange(1, 4)):
         a, b = rng.randrange(2, 60), rng.randrange(2, 60)
         name = rng.choice(_NAMES)
-        turns.append({"from": "human", "value": f"{name} has {a} apples and finds {b} more. "
-                                                 "How many apples now?"})
-        turns.append({"from": "gpt", "value": f"{name} now has {a} plus {b}, which is {a + b} "
-                                               "apples."})
+        turns.append(
+            {
+                "from": "human",
+                "value": f"{name} has {a} apples and finds {b} more. How many apples now?",
+            }
+        )
+        turns.append(
+            {"from": "gpt", "value": f"{name} now has {a} plus {b}, which is {a + b} apples."}
+        )
     return {"conversations": turns}
 
 

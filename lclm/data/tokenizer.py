@@ -58,8 +58,10 @@ _CUT = re.compile(r"(?<=\S\n)(?=\S)")
 # the pre-tokenizers whose pre-tokens never span such a point (ByteLevel's only without a
 # prefix space, which would begin every piece)
 _CUTTABLE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Digits", "Split"})
-_SET = (f"set config.data.tokenizer to a SentencePiece .model file, a {HF_FILE} or a "
-        "directory holding one")
+_SET = (
+    f"set config.data.tokenizer to a SentencePiece .model file, a {HF_FILE} or a "
+    "directory holding one"
+)
 
 
 def _line(error: Exception) -> str:
@@ -73,8 +75,10 @@ def _resolve(path: str) -> str:
         for name in (HF_FILE, SP_FILE):
             if storage.isfile(storage.join(path, name)):
                 return storage.join(path, name)
-        raise FileNotFoundError(f"tokenizer directory {path!r} holds neither {HF_FILE} nor "
-                                f"{SP_FILE}; set config.data.tokenizer to one of those")
+        raise FileNotFoundError(
+            f"tokenizer directory {path!r} holds neither {HF_FILE} nor "
+            f"{SP_FILE}; set config.data.tokenizer to one of those"
+        )
     if not storage.isfile(path):
         raise FileNotFoundError(f"tokenizer {path!r} not found; {_SET}")
     return path
@@ -90,7 +94,7 @@ def pieces(text: str, size: int) -> list[str]:
     be shorter, and a text without such points stays whole); they join to `text`."""
     found, start = [], 0
     while len(text) - start > size and (cut := _CUT.search(text, start + size)) is not None:
-        found.append(text[start:cut.start()])
+        found.append(text[start : cut.start()])
         start = cut.start()
     return [*found, text[start:]]
 
@@ -100,11 +104,16 @@ def _cuttable(config: dict) -> bool:
     ids of the whole (see the module's docstring)."""
     pre = config.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    return (config.get("normalizer") is None and config.get("model", {}).get("type") == "BPE"
-            and any(p.get("type") == "ByteLevel" for p in parts)
-            and all(p.get("type") in _CUTTABLE_PRE_TOKENIZERS
-                    and not p.get("add_prefix_space", False) for p in parts)
-            and not any("\n" in t.get("content", "") for t in config.get("added_tokens", [])))
+    return (
+        config.get("normalizer") is None
+        and config.get("model", {}).get("type") == "BPE"
+        and any(p.get("type") == "ByteLevel" for p in parts)
+        and all(
+            p.get("type") in _CUTTABLE_PRE_TOKENIZERS and not p.get("add_prefix_space", False)
+            for p in parts
+        )
+        and not any("\n" in t.get("content", "") for t in config.get("added_tokens", []))
+    )
 
 
 class Tokenizer:
@@ -152,9 +161,11 @@ class Tokenizer:
     def check_fits(self, model_vocab_size: int) -> None:
         """Fail when token ids could fall outside the model's embedding table."""
         if self.vocab_size > model_vocab_size:
-            raise ConfigError(f"tokenizer {self.path!r} has {self.vocab_size} pieces but "
-                              f"model.vocab_size={model_vocab_size}; set model.vocab_size >= "
-                              f"{self.vocab_size}")
+            raise ConfigError(
+                f"tokenizer {self.path!r} has {self.vocab_size} pieces but "
+                f"model.vocab_size={model_vocab_size}; set model.vocab_size >= "
+                f"{self.vocab_size}"
+            )
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -166,14 +177,16 @@ class SentencePieceTokenizer(Tokenizer):
             # from its bytes: the file may be an object (tokenizers are a few MB at most)
             self._sp = spm.SentencePieceProcessor(model_proto=storage.read_bytes(_resolve(path)))
         except RuntimeError as e:  # SentencePiece's only error for a file it cannot parse
-            raise ConfigError(f"tokenizer {path!r} {_NEITHER} (SentencePiece: {_line(e)}); "
-                              f"{_SET}") from None
+            raise ConfigError(
+                f"tokenizer {path!r} {_NEITHER} (SentencePiece: {_line(e)}); {_SET}"
+            ) from None
         self.vocab_size = self._sp.get_piece_size()
         self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
         self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
         if self._sp.eos_id() < 0:
-            raise ConfigError(f"tokenizer {path!r} has no EOS piece; documents and replies "
-                              "end with one")
+            raise ConfigError(
+                f"tokenizer {path!r} has no EOS piece; documents and replies end with one"
+            )
         self.eos_id = self._sp.eos_id()
         self.add_bos = self.bos_id is not None
         try:
@@ -202,8 +215,10 @@ class SentencePieceTokenizer(Tokenizer):
     def special_id(self, token: str) -> int:
         i = self._sp.piece_to_id(token)
         if i == self._sp.unk_id() and token != self._sp.id_to_piece(i):
-            raise ConfigError(f"tokenizer {self.path!r} has no token {token!r}; use a chat "
-                              "template written for this tokenizer (data.chat_template)")
+            raise ConfigError(
+                f"tokenizer {self.path!r} has no token {token!r}; use a chat "
+                "template written for this tokenizer (data.chat_template)"
+            )
         return i
 
 
@@ -221,16 +236,19 @@ class HFTokenizer(Tokenizer):
         try:
             import tokenizers
         except ImportError:
-            raise ConfigError(f"tokenizer {path!r} is a HuggingFace {HF_FILE}, which needs the "
-                              "`tokenizers` package; pip install tokenizers") from None
+            raise ConfigError(
+                f"tokenizer {path!r} is a HuggingFace {HF_FILE}, which needs the "
+                "`tokenizers` package; pip install tokenizers"
+            ) from None
         self.path = path
         file = _resolve(path)
         text = storage.read_text(file)
         try:
             self._tok = tokenizers.Tokenizer.from_str(text)
         except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception for bad files)
-            raise ConfigError(f"tokenizer {path!r} {_NEITHER} (tokenizers: {_line(e)}); "
-                              f"{_SET}") from None
+            raise ConfigError(
+                f"tokenizer {path!r} {_NEITHER} (tokenizers: {_line(e)}); {_SET}"
+            ) from None
         settings = {}
         for name in HF_CONFIG_FILES:
             cfg = storage.join(storage.dirname(file), name)
@@ -238,19 +256,21 @@ class HFTokenizer(Tokenizer):
                 try:
                     loaded = json.loads(storage.read_text(cfg))
                 except (OSError, ValueError) as e:
-                    raise ConfigError(f"{cfg} is not valid JSON ({_line(e)}); fix or remove "
-                                      "it") from None
+                    raise ConfigError(
+                        f"{cfg} is not valid JSON ({_line(e)}); fix or remove it"
+                    ) from None
                 if isinstance(loaded, dict):
                     settings.update(loaded)
-        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(),
-                              default=-1) + 1
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.bos_id = self._config_id(settings, "bos_token")
         eos_id = self._config_id(settings, "eos_token")
         self.pad_id = self._config_id(settings, "pad_token")
         if eos_id is None:
-            raise ConfigError(f"tokenizer {path!r} names no eos_token (tokenizer_config.json or "
-                              "special_tokens_map.json beside it); documents and replies end "
-                              "with one")
+            raise ConfigError(
+                f"tokenizer {path!r} names no eos_token (tokenizer_config.json or "
+                "special_tokens_map.json beside it); documents and replies end "
+                "with one"
+            )
         self.eos_id = eos_id
         if isinstance(settings.get("add_bos_token"), bool):
             self.add_bos = settings["add_bos_token"] and self.bos_id is not None
@@ -263,8 +283,9 @@ class HFTokenizer(Tokenizer):
         self.chat_template = self._chat_template(file, settings)
         self._cuttable = _cuttable(json.loads(text))
         # asked once per rendered chat: the added tokens' table is built once here
-        self._special = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items()
-                                  if t.special)
+        self._special = frozenset(
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        )
 
     @staticmethod
     def _chat_template(file: str, settings: dict) -> ModelTemplate | None:
@@ -272,7 +293,7 @@ class HFTokenizer(Tokenizer):
         else chat_template.jinja beside it (transformers 5 writes it there), with the special
         tokens' strings the template may read."""
         source = settings.get("chat_template")
-        if isinstance(source, list):   # [{"name": ..., "template": ...}, ...]
+        if isinstance(source, list):  # [{"name": ..., "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
         jinja = storage.join(storage.dirname(file), "chat_template.jinja")
@@ -290,8 +311,9 @@ class HFTokenizer(Tokenizer):
             return None
         i = self._tok.token_to_id(name)
         if i is None:
-            raise ConfigError(f"tokenizer {self.path!r}: {key} {name!r} from its config is not "
-                              f"in its {HF_FILE}")
+            raise ConfigError(
+                f"tokenizer {self.path!r}: {key} {name!r} from its config is not in its {HF_FILE}"
+            )
         return i
 
     def encode(self, text: str) -> list[int]:
@@ -303,8 +325,11 @@ class HFTokenizer(Tokenizer):
 
     def encode_long(self, text: str) -> list[int]:
         # a batch call even for one piece: it releases the GIL while it encodes
-        return list(itertools.chain.from_iterable(
-            self.encode_batch(pieces(text, PIECE_CHARS) if self._cuttable else [text])))
+        return list(
+            itertools.chain.from_iterable(
+                self.encode_batch(pieces(text, PIECE_CHARS) if self._cuttable else [text])
+            )
+        )
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         e = self._tok.encode(text, add_special_tokens=False)
@@ -319,6 +344,8 @@ class HFTokenizer(Tokenizer):
     def special_id(self, token: str) -> int:
         i = self._tok.token_to_id(token)
         if i is None:
-            raise ConfigError(f"tokenizer {self.path!r} has no token {token!r}; use a chat "
-                              "template written for this tokenizer (data.chat_template)")
+            raise ConfigError(
+                f"tokenizer {self.path!r} has no token {token!r}; use a chat "
+                "template written for this tokenizer (data.chat_template)"
+            )
         return i

@@ -34,8 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     task, rest = argv[0], argv[1:]
     if task not in TASKS:
-        print(f"error: unknown task {task!r}; use one of {', '.join(TASKS)} "
-              "(python -m lclm.eval TASK --help)", file=sys.stderr)
+        print(
+            f"error: unknown task {task!r}; use one of {', '.join(TASKS)} "
+            "(python -m lclm.eval TASK --help)",
+            file=sys.stderr,
+        )
         return 2
     return TASKS[task](rest, prog=f"python -m lclm.eval {task}")
 

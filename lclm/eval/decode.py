@@ -52,6 +52,7 @@ class Cache(NamedTuple):
     (a prompt key that decoded tokens may attend to: same segment as the last prompt token);
     new_k, new_v `[L, B, M, K, Dh]` (slot s holds the s-th decoded token).
     """
+
     k: jax.Array
     v: jax.Array
     visible: jax.Array
@@ -62,12 +63,21 @@ class Cache(NamedTuple):
 def _logits(c: ModelConfig, params, x):
     """Float32 logits `[B, V]` of final-layer states x `[B, D]`."""
     h = decoder.rms_norm(x, params["final_norm"], c.norm_eps)
-    return jnp.einsum("bd,dv->bv", h, decoder.output_weights(c, params),
-                      preferred_element_type=F32)
+    return jnp.einsum("bd,dv->bv", h, decoder.output_weights(c, params), preferred_element_type=F32)
 
 
-def prefill(c: ModelConfig, a: AttentionConfig, params, tokens, positions, segment_ids, *,
-            last: int, max_new: int, mesh=None):
+def prefill(
+    c: ModelConfig,
+    a: AttentionConfig,
+    params,
+    tokens,
+    positions,
+    segment_ids,
+    *,
+    last: int,
+    max_new: int,
+    mesh=None,
+):
     """Run the prompt; returns (logits `[B, V]` float32 after the token at layout index
     `last`, the `Cache` with `max_new` empty decode slots).
 
@@ -83,7 +93,7 @@ def prefill(c: ModelConfig, a: AttentionConfig, params, tokens, positions, segme
         return x, (k, v)
 
     x, (k, v) = lax.scan(layer, x, params["layers"])
-    visible = segment_ids == segment_ids[:, last:last + 1]
+    visible = segment_ids == segment_ids[:, last : last + 1]
     shape = (c.n_layers, tokens.shape[0], max_new, c.n_kv_heads, c.head_dim)
     empty = jnp.zeros(shape, k.dtype)
     return _logits(c, params, x[:, last]), Cache(k, v, visible, empty, empty)
@@ -96,15 +106,18 @@ def _cached_attention(q, cache_k, cache_v, visible, new_k, new_v, n_new):
     b, _, h, d = q.shape
     kh = cache_k.shape[2]
     qg = q.reshape(b, kh, h // kh, d)  # GQA: query heads grouped by their kv head
-    scores = lambda k: jnp.einsum("bhgd,bkhd->bhgk", qg, k, preferred_element_type=F32) * d ** -0.5
+    scores = lambda k: jnp.einsum("bhgd,bkhd->bhgk", qg, k, preferred_element_type=F32) * d**-0.5
     s_old = jnp.where(visible[:, None, None, :], scores(cache_k), -jnp.inf)
-    s_new = jnp.where((jnp.arange(new_k.shape[1]) < n_new)[None, None, None, :],
-                      scores(new_k), -jnp.inf)
+    s_new = jnp.where(
+        (jnp.arange(new_k.shape[1]) < n_new)[None, None, None, :], scores(new_k), -jnp.inf
+    )
     m = jnp.maximum(s_old.max(-1), s_new.max(-1))[..., None]  # finite: slot 0 is always seen
     p_old, p_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
     denom = p_old.sum(-1) + p_new.sum(-1)
-    o = (jnp.einsum("bhgk,bkhd->bhgd", p_old, cache_v.astype(F32))
-         + jnp.einsum("bhgk,bkhd->bhgd", p_new, new_v.astype(F32))) / denom[..., None]
+    o = (
+        jnp.einsum("bhgk,bkhd->bhgd", p_old, cache_v.astype(F32))
+        + jnp.einsum("bhgk,bkhd->bhgd", p_new, new_v.astype(F32))
+    ) / denom[..., None]
     return o.reshape(b, 1, h, d)
 
 
@@ -124,8 +137,8 @@ def decode_step(c: ModelConfig, params, cache: Cache, token, position, step, *, 
             return _cached_attention(q, cache_k, cache_v, cache.visible, nk, nv, step + 1), nk, nv
 
         x, new_k, new_v = decoder.decoder_layer(
-            c, p, x, rope, attend,
-            lambda h, _, w: swiglu(h, w["w_gate"], w["w_up"], w["w_down"]))
+            c, p, x, rope, attend, lambda h, _, w: swiglu(h, w["w_gate"], w["w_up"], w["w_down"])
+        )
         return x, (new_k, new_v)
 
     layers = (params["layers"], cache.k, cache.v, cache.new_k, cache.new_v)
@@ -136,8 +149,7 @@ def decode_step(c: ModelConfig, params, cache: Cache, token, position, step, *, 
 @functools.lru_cache(maxsize=16)
 def _compiled(c: ModelConfig, a: AttentionConfig, mesh, last: int, max_new: int):
     """Jitted (prefill, decode step) for one model, mesh and prompt shape."""
-    run_prefill = jax.jit(functools.partial(prefill, c, a, last=last, max_new=max_new,
-                                            mesh=mesh))
+    run_prefill = jax.jit(functools.partial(prefill, c, a, last=last, max_new=max_new, mesh=mesh))
     run_step = jax.jit(functools.partial(decode_step, c, mesh=mesh))
     return run_prefill, run_step
 
@@ -153,8 +165,9 @@ def padded_length(n: int, sp: int, ffn_chunk: int, attention: AttentionConfig) -
         if a.layout == "zigzag" and ring > 1 and (p // ring) % 2:
             return False
         run, local = kernel_block(a, sp, p), p // sp
-        return (local % min(ffn_chunk, local) == 0
-                and all(run % min(c, run) == 0 for c in (a.q_chunk, a.kv_chunk)))
+        return local % min(ffn_chunk, local) == 0 and all(
+            run % min(c, run) == 0 for c in (a.q_chunk, a.kv_chunk)
+        )
 
     p = -(-n // sp) * sp
     while not fits(p):
@@ -162,8 +175,9 @@ def padded_length(n: int, sp: int, ffn_chunk: int, attention: AttentionConfig) -
     return p
 
 
-def pad_front(prompts: list[np.ndarray], length: int,
-              pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pad_front(
+    prompts: list[np.ndarray], length: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows `[B, length]` (tokens, positions, segment_ids) of prompts right-aligned.
 
     Padding has segment 0 and the document segment 1, so no document token sees padding;
@@ -177,9 +191,9 @@ def pad_front(prompts: list[np.ndarray], length: int,
         n = len(p)
         if n > length:
             raise ValueError(f"prompt of {n} tokens does not fit {length}")
-        tokens[r, length - n:] = p
-        positions[r, length - n:] = np.arange(n)
-        segments[r, length - n:] = 1
+        tokens[r, length - n :] = p
+        positions[r, length - n :] = np.arange(n)
+        segments[r, length - n :] = 1
     return tokens, positions, segments
 
 
@@ -193,8 +207,9 @@ def sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int = 
     (0: all) that are also in the smallest set whose probability reaches `top_p` (1: all).
     Token s is drawn with key fold_in(key(seed), s): a seed gives the same tokens every run."""
     key = jax.random.key(seed)
-    return lambda logits, step: _sample(logits, jax.random.fold_in(key, step), temperature,
-                                        top_k, top_p)
+    return lambda logits, step: _sample(
+        logits, jax.random.fold_in(key, step), temperature, top_k, top_p
+    )
 
 
 @jax.jit
@@ -218,9 +233,18 @@ def last_layout_index(layout: str, sp: int, length: int) -> int:
     return int(np.flatnonzero(order == length - 1)[0])
 
 
-def generate(c: ModelConfig, a: AttentionConfig, params, tokens, positions, segment_ids,
-             max_new: int, mesh=None, pick: Pick = greedy,
-             stop_ids: Sequence[int] = ()) -> np.ndarray:
+def generate(
+    c: ModelConfig,
+    a: AttentionConfig,
+    params,
+    tokens,
+    positions,
+    segment_ids,
+    max_new: int,
+    mesh=None,
+    pick: Pick = greedy,
+    stop_ids: Sequence[int] = (),
+) -> np.ndarray:
     """Continuation `[B, n]` int32 (n <= max_new) of prompts that end at the last column,
     each token chosen by `pick`. A row ends at its first token in `stop_ids` (EOS, a chat
     template's end of turn): later columns of that row repeat it, and decoding stops once
@@ -232,18 +256,18 @@ def generate(c: ModelConfig, a: AttentionConfig, params, tokens, positions, segm
     see `padded_length`) and B the mesh's batch axes. Decoded token s sits at position
     positions[:, -1] + 1 + s.
     """
-    sp = 1 if mesh is None else layout_shards(a, mesh.shape["sp"])   # the layout's shards
+    sp = 1 if mesh is None else layout_shards(a, mesh.shape["sp"])  # the layout's shards
     layout = a.layout if mesh is not None else "contiguous"
     batch = dict(tokens=tokens, positions=positions, segment_ids=segment_ids)
     batch = {k: np.asarray(v, np.int32) for k, v in batch_to_layout(batch, layout, sp).items()}
     if mesh is not None:
         batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in batch.items()}
-    run_prefill, run_step = _compiled(c, a, mesh, last_layout_index(layout, sp, tokens.shape[1]),
-                                      max_new)
+    run_prefill, run_step = _compiled(
+        c, a, mesh, last_layout_index(layout, sp, tokens.shape[1]), max_new
+    )
     if max_new < 1:
         raise ValueError(f"max_new={max_new}; decode at least one token")
-    logits, cache = run_prefill(params, batch["tokens"], batch["positions"],
-                                batch["segment_ids"])
+    logits, cache = run_prefill(params, batch["tokens"], batch["positions"], batch["segment_ids"])
     stops = np.asarray(list(stop_ids), np.int32)
     out = [pick(logits, 0)]
     ended = np.isin(np.asarray(jax.device_get(out[-1])), stops)
@@ -254,23 +278,31 @@ def generate(c: ModelConfig, a: AttentionConfig, params, tokens, positions, segm
     for s in range(max_new - 1):
         if len(stops) and ended.all():
             break
-        logits, new_k, new_v = sync(run_step(params, cache, out[-1], next_position + s,
-                                             jnp.int32(s)))
+        logits, new_k, new_v = sync(
+            run_step(params, cache, out[-1], next_position + s, jnp.int32(s))
+        )
         cache = cache._replace(new_k=new_k, new_v=new_v)
         out.append(sync(pick(logits, s + 1)))
-        if len(stops):   # a host read per step: only when there is something to stop at
+        if len(stops):  # a host read per step: only when there is something to stop at
             ended |= np.isin(np.asarray(jax.device_get(out[-1])), stops)
     ids = np.array(jax.device_get(jnp.stack(out, axis=1)))  # writable: rows are cut below
     for row in ids:
         hit = np.flatnonzero(np.isin(row, stops))
         if len(hit):
-            row[hit[0]:] = row[hit[0]]
+            row[hit[0] :] = row[hit[0]]
     return ids
 
 
-def greedy_generate(c: ModelConfig, a: AttentionConfig, params, tokens, positions,
-                    segment_ids, max_new: int, mesh=None,
-                    stop_ids: Sequence[int] = ()) -> np.ndarray:
+def greedy_generate(
+    c: ModelConfig,
+    a: AttentionConfig,
+    params,
+    tokens,
+    positions,
+    segment_ids,
+    max_new: int,
+    mesh=None,
+    stop_ids: Sequence[int] = (),
+) -> np.ndarray:
     """The greedy continuation `[B, n <= max_new]` (`generate` with `greedy`)."""
-    return generate(c, a, params, tokens, positions, segment_ids, max_new, mesh,
-                    stop_ids=stop_ids)
+    return generate(c, a, params, tokens, positions, segment_ids, max_new, mesh, stop_ids=stop_ids)

@@ -66,35 +66,62 @@ def max_positions(model: LoadedModel, saved: dict | None) -> int:
     return max(model.config.max_position_embeddings, trained)
 
 
-def continuation(model: LoadedModel, ids: list[int], max_new: int, pick: Pick = greedy,
-                 stop: int | None = None) -> np.ndarray:
+def continuation(
+    model: LoadedModel, ids: list[int], max_new: int, pick: Pick = greedy, stop: int | None = None
+) -> np.ndarray:
     """The ids `[n <= max_new]` int32 that follow prompt `ids`, each chosen by `pick`, up to
     and including the first EOS or `stop` (decoding ends there)."""
     # the mesh's batch axes shard rows: the prompt fills each of them, the first is read
     rows = model.mesh.shape["dp"] * model.mesh.shape["fsdp"]
-    length = padded_length(len(ids), model.mesh.shape["sp"], model.config.ffn_chunk,
-                           model.attention)
+    length = padded_length(
+        len(ids), model.mesh.shape["sp"], model.config.ffn_chunk, model.attention
+    )
     # any pad id: the pad segment is never attended to
     batch = pad_front([np.asarray(ids, np.int32)] * rows, length, pad_id=0)
-    return generate(model.config, model.attention, model.params, *batch, max_new,
-                    mesh=model.mesh, pick=pick, stop_ids=stop_ids(model.tokenizer, stop))[0]
+    return generate(
+        model.config,
+        model.attention,
+        model.params,
+        *batch,
+        max_new,
+        mesh=model.mesh,
+        pick=pick,
+        stop_ids=stop_ids(model.tokenizer, stop),
+    )[0]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m lclm.eval.generate",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m lclm.eval.generate", description=__doc__.split("\n")[0]
+    )
     add_model_arguments(ap)
     ap.add_argument("--prompt", required=True, help="the text to continue")
-    ap.add_argument("--chat", choices=sorted(TEMPLATE_NAMES), default=None,
-                    help="the prompt is a user turn of this chat template; the reply is printed")
+    ap.add_argument(
+        "--chat",
+        choices=sorted(TEMPLATE_NAMES),
+        default=None,
+        help="the prompt is a user turn of this chat template; the reply is printed",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded (default 64)")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="0: greedy (default); > 0: sample at this temperature")
-    ap.add_argument("--top-k", type=int, default=0,
-                    help="sample among the k most likely tokens (default 0: all)")
-    ap.add_argument("--top-p", type=float, default=1.0,
-                    help="sample among the fewest most likely tokens holding this much "
-                         "probability (default 1: all)")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy (default); > 0: sample at this temperature",
+    )
+    ap.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="sample among the k most likely tokens (default 0: all)",
+    )
+    ap.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample among the fewest most likely tokens holding this much "
+        "probability (default 1: all)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="of the sampling (default 0)")
     return ap.parse_args(argv)
 
@@ -106,22 +133,26 @@ def _check_args(args) -> None:
     if args.max_new_tokens < 1:
         raise StartupError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     if not 0 <= args.temperature < math.inf:
-        raise StartupError(f"--temperature={args.temperature} must be a finite number >= 0 "
-                           "(0: greedy)")
+        raise StartupError(
+            f"--temperature={args.temperature} must be a finite number >= 0 (0: greedy)"
+        )
     if args.top_k < 0:
         raise StartupError(f"--top-k={args.top_k} must be >= 0 (0: all tokens)")
     if not 0 < args.top_p <= 1:
         raise StartupError(f"--top-p={args.top_p} must be in (0, 1]")
     if args.temperature == 0 and (args.top_k or args.top_p < 1):
-        raise StartupError("--top-k and --top-p choose among sampled tokens; pass "
-                           "--temperature > 0 to sample")
+        raise StartupError(
+            "--top-k and --top-p choose among sampled tokens; pass --temperature > 0 to sample"
+        )
 
 
 def _check_fits(n_prompt: int, max_new: int, limit: int) -> None:
     if n_prompt + max_new > limit:
-        raise StartupError(f"the prompt's {n_prompt} tokens and --max-new-tokens={max_new} "
-                           f"pass the model's {limit} positions; shorten the prompt or "
-                           "decode fewer tokens")
+        raise StartupError(
+            f"the prompt's {n_prompt} tokens and --max-new-tokens={max_new} "
+            f"pass the model's {limit} positions; shorten the prompt or "
+            "decode fewer tokens"
+        )
 
 
 def _run(args) -> None:
@@ -137,12 +168,23 @@ def _run(args) -> None:
         stop = template.reply_end_id(model.tokenizer)
     ids = prompt_ids(model.tokenizer, args.prompt, args.chat)
     _check_fits(len(ids), args.max_new_tokens, max_positions(model, saved))
-    pick = (greedy if args.temperature == 0 else
-            sampler(args.temperature, args.top_k, args.top_p, args.seed))
-    log.info("%s on mesh %s: %d prompt tokens, %d new", model.name, dict(model.mesh.shape),
-             len(ids), args.max_new_tokens)
-    print(answer_text(model.tokenizer,
-                      continuation(model, ids, args.max_new_tokens, pick, stop), stop))
+    pick = (
+        greedy
+        if args.temperature == 0
+        else sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    )
+    log.info(
+        "%s on mesh %s: %d prompt tokens, %d new",
+        model.name,
+        dict(model.mesh.shape),
+        len(ids),
+        args.max_new_tokens,
+    )
+    print(
+        answer_text(
+            model.tokenizer, continuation(model, ids, args.max_new_tokens, pick, stop), stop
+        )
+    )
 
 
 def main(argv=None) -> int:

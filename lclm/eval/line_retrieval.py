@@ -43,6 +43,7 @@ TASK = "line_retrieval"
 
 # -- prompts (host side, numpy only) --------------------------------------------------------
 
+
 def make_examples(tokenizer, length: int, n_bins: int, samples: int, fmt, seed: int):
     """`samples` examples of `length` tokens for each depth bin: [(bin, Example)], each
     deterministic from (seed, length, bin, sample)."""
@@ -50,16 +51,21 @@ def make_examples(tokenizer, length: int, n_bins: int, samples: int, fmt, seed: 
     for b in range(n_bins):
         for i in range(samples):
             rng = np.random.default_rng([seed, length, b, i])
-            out.append((b, build_example(tokenizer, rng, length, fmt, depth_bin=b,
-                                         n_bins=n_bins)))
+            out.append((b, build_example(tokenizer, rng, length, fmt, depth_bin=b, n_bins=n_bins)))
     return out
 
 
 def items(tokenizer, length: int, n_bins: int, samples: int, fmt, seed: int):
     """The prompts of `make_examples` as `retrieval.Item`s (asked line, its depth, lines)."""
-    return [retrieval.Item(b, ex.tokens[:ex.prompt_len], ex.answer,
-                           dict(depth=round(ex.depth, 4), key=ex.key, lines=ex.n_lines))
-            for b, ex in make_examples(tokenizer, length, n_bins, samples, fmt, seed)]
+    return [
+        retrieval.Item(
+            b,
+            ex.tokens[: ex.prompt_len],
+            ex.answer,
+            dict(depth=round(ex.depth, 4), key=ex.key, lines=ex.n_lines),
+        )
+        for b, ex in make_examples(tokenizer, length, n_bins, samples, fmt, seed)
+    ]
 
 
 # -- evaluation ----------------------------------------------------------------------------
@@ -67,15 +73,28 @@ def items(tokenizer, length: int, n_bins: int, samples: int, fmt, seed: int):
 _cell = retrieval.cell
 
 
-def evaluate(model: LoadedModel, lengths, *, samples: int, n_bins: int, fmt, seed: int = 0,
-             batch_size: int | None = None, max_new: int | None = None) -> dict:
+def evaluate(
+    model: LoadedModel,
+    lengths,
+    *,
+    samples: int,
+    n_bins: int,
+    fmt,
+    seed: int = 0,
+    batch_size: int | None = None,
+    max_new: int | None = None,
+) -> dict:
     """Accuracy per (length, depth bin): {'cells': [...], 'samples': [...]} (one record per
     prompt: asked line, depth, expected and generated answer)."""
     max_new = max_new or fmt.digits + 3  # the leading '▁' (a space), digits, EOS, slack
     return retrieval.evaluate(
-        model, list(lengths),
+        model,
+        list(lengths),
         lambda length: items(model.tokenizer, length, n_bins, samples, fmt, seed),
-        n_bins=n_bins, max_new=max_new, batch_size=batch_size)
+        n_bins=n_bins,
+        max_new=max_new,
+        batch_size=batch_size,
+    )
 
 
 markdown_table = report.accuracy_table
@@ -86,32 +105,54 @@ def write_report(out_dir: str, result: dict, lengths, n_bins: int, meta: dict) -
     `report.model_meta`'s fields, `trained_length` and `samples_per_cell`."""
     table = markdown_table(result["cells"], lengths, n_bins)
     report.write_files(
-        out_dir, TASK, table, dict(meta, lengths=lengths, depth_bins=n_bins, **result),
-        lambda path: report.accuracy_heatmap(path, result["cells"], lengths, n_bins,
-                                             f"line retrieval: {meta['model']}",
-                                             depth_of="the asked line",
-                                             trained=meta.get("trained_length"),
-                                             samples=meta.get("samples_per_cell")))
+        out_dir,
+        TASK,
+        table,
+        dict(meta, lengths=lengths, depth_bins=n_bins, **result),
+        lambda path: report.accuracy_heatmap(
+            path,
+            result["cells"],
+            lengths,
+            n_bins,
+            f"line retrieval: {meta['model']}",
+            depth_of="the asked line",
+            trained=meta.get("trained_length"),
+            samples=meta.get("samples_per_cell"),
+        ),
+    )
     return table
 
 
 # -- command line --------------------------------------------------------------------------
+
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The task's flags (beside `add_model_arguments`')."""
     report.add_lengths_argument(ap)
     ap.add_argument("--samples", type=int, default=10, help="prompts per (length, depth bin)")
     ap.add_argument("--depths", type=int, default=5, help="number of needle-depth bins")
-    ap.add_argument("--seed", type=int, default=1234,
-                    help="the prompts' random numbers and asked lines (the same prompts every "
-                         "run)")
-    ap.add_argument("--format", help="line format (default: the run's line_retrieval data, "
-                                     "else 'compact')")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="the prompts' random numbers and asked lines (the same prompts every run)",
+    )
+    ap.add_argument(
+        "--format", help="line format (default: the run's line_retrieval data, else 'compact')"
+    )
     ap.add_argument("--digits", type=int, help="digits of the numbers (default: as --format)")
-    ap.add_argument("--batch-size", type=int, default=None,
-                    help="prompts per prefill (default 1; rounded up to the mesh's dp x fsdp)")
-    ap.add_argument("--max-new-tokens", type=int, default=None,
-                    help="tokens decoded per prompt (default: digits + 3)")
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="prompts per prefill (default 1; rounded up to the mesh's dp x fsdp)",
+    )
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens decoded per prompt (default: digits + 3)",
+    )
 
 
 def parse_args(argv=None, prog: str | None = None):
@@ -135,13 +176,27 @@ def _run(args) -> int:
     model, saved = load_model(args)
     lengths = report.task_lengths(given, model, saved)
     fmt = _line_format(args, saved)
-    result = evaluate(model, lengths, samples=args.samples, n_bins=args.depths, fmt=fmt,
-                      seed=args.seed, batch_size=args.batch_size, max_new=args.max_new_tokens)
-    meta = dict(report.model_meta(model), trained_length=report.trained_length(model, saved),
-                format=dataclasses.asdict(fmt), samples_per_cell=args.samples, seed=args.seed)
+    result = evaluate(
+        model,
+        lengths,
+        samples=args.samples,
+        n_bins=args.depths,
+        fmt=fmt,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        max_new=args.max_new_tokens,
+    )
+    meta = dict(
+        report.model_meta(model),
+        trained_length=report.trained_length(model, saved),
+        format=dataclasses.asdict(fmt),
+        samples_per_cell=args.samples,
+        seed=args.seed,
+    )
     print(markdown_table(result["cells"], lengths, args.depths), flush=True)
     return report.save_report(
-        args.out, TASK, lambda folder: write_report(folder, result, lengths, args.depths, meta))
+        args.out, TASK, lambda folder: write_report(folder, result, lengths, args.depths, meta)
+    )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from lclm.writes import check_input
 @dataclasses.dataclass
 class LoadedModel:
     """What evaluation needs: configs, parameters placed on `mesh`, tokenizer, description."""
+
     config: ModelConfig
     attention: AttentionConfig
     params: dict
@@ -47,35 +48,68 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     """--checkpoint WORKDIR | --hf HF_DIR (one required), --step, --tokenizer, the mesh sizes
     and the attention layout and chunks (default: the checkpoint's)."""
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="an lclm training workdir (a staged run's: its last "
-                                          "stage with a checkpoint)")
+    src.add_argument(
+        "--checkpoint",
+        help="an lclm training workdir (a staged run's: its last stage with a checkpoint)",
+    )
     src.add_argument("--hf", help="a HuggingFace directory (safetensors) of a family lclm knows")
     ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    ap.add_argument("--tokenizer", help="SentencePiece .model, tokenizer.json or a directory "
-                                        "holding one (default: the run's; HF_DIR with --hf)")
+    ap.add_argument(
+        "--tokenizer",
+        help="SentencePiece .model, tokenizer.json or a directory "
+        "holding one (default: the run's; HF_DIR with --hf)",
+    )
     for axis in MESH_AXES:
-        ap.add_argument(f"--{axis}", type=int, default=None,
-                        help=f"mesh.{axis} (default: the checkpoint's; 1 with --hf)")
+        ap.add_argument(
+            f"--{axis}",
+            type=int,
+            default=None,
+            help=f"mesh.{axis} (default: the checkpoint's; 1 with --hf)",
+        )
     ap.add_argument("--layout", choices=LAYOUTS, default=None)
     ap.add_argument("--q-chunk", type=int, default=None)
     ap.add_argument("--kv-chunk", type=int, default=None)
-    ap.add_argument("--strategy", choices=STRATEGIES, default=None,
-                    help="attention.strategy of the prefill (default: the checkpoint's)")
-    ap.add_argument("--ulysses", type=int, default=None,
-                    help="attention.ulysses, usp's Ulysses degree (default: the checkpoint's)")
-    ap.add_argument("--dtype", choices=DTYPES, default=None,
-                    help="compute dtype (default: the checkpoint's; with --hf the config's "
-                         "torch_dtype): two models compared at the same one differ only in "
-                         "their weights")
-    ap.add_argument("--rope-scaling", choices=ROPE_SCALINGS, default=None,
-                    help="RoPE scaling at inference, over the model's own (default: the "
-                         "model's): e.g. yarn with --rope-factor 4 reads 4x the trained context "
-                         "without training")
-    ap.add_argument("--rope-factor", type=float, default=None,
-                    help="the scaling's factor (default: the model's)")
-    ap.add_argument("--rope-original-max-positions", type=int, default=None,
-                    help="the context the scaling starts from (default: the model's "
-                         "max_position_embeddings, the context it was trained at)")
+    ap.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default=None,
+        help="attention.strategy of the prefill (default: the checkpoint's)",
+    )
+    ap.add_argument(
+        "--ulysses",
+        type=int,
+        default=None,
+        help="attention.ulysses, usp's Ulysses degree (default: the checkpoint's)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="compute dtype (default: the checkpoint's; with --hf the config's "
+        "torch_dtype): two models compared at the same one differ only in "
+        "their weights",
+    )
+    ap.add_argument(
+        "--rope-scaling",
+        choices=ROPE_SCALINGS,
+        default=None,
+        help="RoPE scaling at inference, over the model's own (default: the "
+        "model's): e.g. yarn with --rope-factor 4 reads 4x the trained context "
+        "without training",
+    )
+    ap.add_argument(
+        "--rope-factor",
+        type=float,
+        default=None,
+        help="the scaling's factor (default: the model's)",
+    )
+    ap.add_argument(
+        "--rope-original-max-positions",
+        type=int,
+        default=None,
+        help="the context the scaling starts from (default: the model's "
+        "max_position_embeddings, the context it was trained at)",
+    )
 
 
 def load_model(args) -> tuple[LoadedModel, dict | None]:
@@ -98,11 +132,15 @@ def _computed_in(model: LoadedModel, dtype: str | None) -> LoadedModel:
 def _rescaled(model: LoadedModel, args) -> LoadedModel:
     """`model` with the RoPE scaling of --rope-scaling / --rope-factor /
     --rope-original-max-positions (the weights are the same: RoPE has no parameters)."""
-    changes = {k: v for k, v in (
-        ("rope_scaling", getattr(args, "rope_scaling", None)),
-        ("rope_factor", getattr(args, "rope_factor", None)),
-        ("rope_original_max_positions", getattr(args, "rope_original_max_positions", None)))
-        if v is not None}
+    changes = {
+        k: v
+        for k, v in (
+            ("rope_scaling", getattr(args, "rope_scaling", None)),
+            ("rope_factor", getattr(args, "rope_factor", None)),
+            ("rope_original_max_positions", getattr(args, "rope_original_max_positions", None)),
+        )
+        if v is not None
+    }
     if not changes:
         return model
     if "rope_original_max_positions" not in changes and "rope_scaling" in changes:
@@ -110,8 +148,10 @@ def _rescaled(model: LoadedModel, args) -> LoadedModel:
     if changes.get("rope_factor", 1.0) <= 0 or changes.get("rope_original_max_positions", 1) < 1:
         raise StartupError("--rope-factor and --rope-original-max-positions must be positive")
     config = dataclasses.replace(model.config, **changes)
-    rope = (f"rope {config.rope_scaling} x{config.rope_factor:g} from "
-            f"{config.rope_original_max_positions}")
+    rope = (
+        f"rope {config.rope_scaling} x{config.rope_factor:g} from "
+        f"{config.rope_original_max_positions}"
+    )
     return dataclasses.replace(model, config=config, name=f"{model.name}, {rope}")
 
 
@@ -119,10 +159,12 @@ def restore_params(workdir: str, step: int, model_config, mesh) -> dict:
     """The parameters of checkpoint `step`, placed with the training shardings on `mesh`
     (optimizer state and data state are not read)."""
     dtype = jax.numpy.dtype(model_config.param_dtype)
-    abstract = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype,
-                                                                         sharding=sharding),
-                            param_shapes(model_config), param_shardings(model_config, mesh),
-                            is_leaf=lambda x: isinstance(x, tuple))
+    abstract = jax.tree.map(
+        lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+        param_shapes(model_config),
+        param_shardings(model_config, mesh),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
     return read_params(workdir, step, abstract)
 
 
@@ -131,6 +173,7 @@ def load_checkpoint(args, workdir: str) -> tuple[LoadedModel, dict]:
     finds for `--checkpoint`) at `--step`, or at its latest readable step (a damaged one is
     named and the previous one read: `lclm.checkpoint.read_checkpoint`); returns (LoadedModel, the
     saved config)."""
+
     def name(step: int) -> str:
         return f"{storage.basename(storage.absolute(workdir))} step {step}"
 
@@ -158,8 +201,14 @@ def load_hf(args) -> LoadedModel:
         # each device reads its own block of the weights: the model is never whole on one
         model_config, params = hf.load(local, shardings=param_shardings(model_config, mesh))
     attention = _attention(AttentionConfig(), args)
-    return LoadedModel(model_config, attention, params, mesh, tokenizer,
-                 storage.basename(storage.absolute(args.hf)))
+    return LoadedModel(
+        model_config,
+        attention,
+        params,
+        mesh,
+        tokenizer,
+        storage.basename(storage.absolute(args.hf)),
+    )
 
 
 def answer_text(tokenizer, ids, stop_id: int | None = None) -> str:
@@ -167,7 +216,7 @@ def answer_text(tokenizer, ids, stop_id: int | None = None) -> str:
     ids = [int(i) for i in ids]
     for end in (tokenizer.eos_id, stop_id):
         if end is not None and end in ids:
-            ids = ids[:ids.index(end)]
+            ids = ids[: ids.index(end)]
     return tokenizer.decode(ids)
 
 
@@ -179,16 +228,25 @@ def _mesh_sizes(saved_mesh: dict, args, name: str | None) -> dict:
     flags = {a: getattr(args, a) for a in MESH_AXES if getattr(args, a) is not None}
     sizes.update(flags)
     count = len(jax.devices())
-    origin = " with ".join(part for part in (
-        f"{name}'s training mesh" if name else "",
-        " ".join(f"--{a} {v}" for a, v in flags.items())) if part)
+    origin = " with ".join(
+        part
+        for part in (
+            f"{name}'s training mesh" if name else "",
+            " ".join(f"--{a} {v}" for a, v in flags.items()),
+        )
+        if part
+    )
     one = " ".join(f"--{a} 1" for a in MESH_AXES if sizes[a] != 1)
-    fix = (f"pass --dp/--fsdp/--tp/--sp sizes whose product is at most {count} (e.g. {one}); "
-           "the parameters load onto any mesh")
+    fix = (
+        f"pass --dp/--fsdp/--tp/--sp sizes whose product is at most {count} (e.g. {one}); "
+        "the parameters load onto any mesh"
+    )
     need = math.prod(sizes.values())
     if -1 not in sizes.values() and need > count:
-        raise StartupError(f"the mesh {sizes} ({origin}) needs {need} devices but "
-                           f"{available(jax.devices())}; {fix}")
+        raise StartupError(
+            f"the mesh {sizes} ({origin}) needs {need} devices but "
+            f"{available(jax.devices())}; {fix}"
+        )
     try:
         return resolve_mesh_shape(**sizes, device_count=count)
     except ValueError as e:
@@ -196,8 +254,11 @@ def _mesh_sizes(saved_mesh: dict, args, name: str | None) -> dict:
 
 
 def _attention(attention, args):
-    changes = {k: getattr(args, k) for k in ("layout", "q_chunk", "kv_chunk", "strategy",
-                                             "ulysses") if getattr(args, k) is not None}
+    changes = {
+        k: getattr(args, k)
+        for k in ("layout", "q_chunk", "kv_chunk", "strategy", "ulysses")
+        if getattr(args, k) is not None
+    }
     return dataclasses.replace(attention, **changes)
 
 
@@ -209,6 +270,7 @@ def _requested_devices(args, workdir: str | None) -> int:
     config = storage.join(workdir, "config.json") if workdir else ""
     if config and storage.isfile(config):
         saved = json.loads(storage.read_text(config)).get("mesh", {})
-    sizes = [getattr(args, a) if getattr(args, a) is not None else saved.get(a, 1)
-             for a in MESH_AXES]
+    sizes = [
+        getattr(args, a) if getattr(args, a) is not None else saved.get(a, 1) for a in MESH_AXES
+    ]
     return math.prod(max(1, int(s)) for s in sizes)

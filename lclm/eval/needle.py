@@ -51,12 +51,22 @@ def haystack(docs, tokenizer, start: int, n: int) -> np.ndarray:
         have += len(tokens)
         if have >= n:
             return np.concatenate(parts)[:n]
-    raise ValueError(f"--data holds only {have} tokens of text; a needle prompt of this "
-                     f"length needs {n}: use more documents or shorter --lengths")
+    raise ValueError(
+        f"--data holds only {have} tokens of text; a needle prompt of this "
+        f"length needs {n}: use more documents or shorter --lengths"
+    )
 
 
-def build_prompt(docs, tokenizer, length: int, number: str, depth: float, start: int,
-                 needle: str = NEEDLE, question: str = QUESTION) -> tuple[np.ndarray, float]:
+def build_prompt(
+    docs,
+    tokenizer,
+    length: int,
+    number: str,
+    depth: float,
+    start: int,
+    needle: str = NEEDLE,
+    question: str = QUESTION,
+) -> tuple[np.ndarray, float]:
     """(tokens `[length]` int32, the needle's actual depth: the share of the haystack before
     it). BOS, haystack with the needle at token round(depth * n), question."""
     head = [tokenizer.bos_id] * tokenizer.add_bos
@@ -64,18 +74,32 @@ def build_prompt(docs, tokenizer, length: int, number: str, depth: float, start:
     asked = tokenizer.encode(question)
     n = length - len(head) - len(sentence) - len(asked)
     if n < 1:
-        raise ValueError(f"a needle prompt needs more than {length} tokens; use a longer "
-                         "--lengths")
+        raise ValueError(f"a needle prompt needs more than {length} tokens; use a longer --lengths")
     hay = haystack(docs, tokenizer, start, n)
     at = min(n, round(depth * n))
-    tokens = np.concatenate([np.asarray(head, np.int32), hay[:at],
-                             np.asarray(sentence, np.int32), hay[at:],
-                             np.asarray(asked, np.int32)])
+    tokens = np.concatenate(
+        [
+            np.asarray(head, np.int32),
+            hay[:at],
+            np.asarray(sentence, np.int32),
+            hay[at:],
+            np.asarray(asked, np.int32),
+        ]
+    )
     return tokens.astype(np.int32), at / n
 
 
-def items(docs, tokenizer, length: int, n_bins: int, samples: int, digits: int, seed: int,
-          needle: str = NEEDLE, question: str = QUESTION) -> list[retrieval.Item]:
+def items(
+    docs,
+    tokenizer,
+    length: int,
+    n_bins: int,
+    samples: int,
+    digits: int,
+    seed: int,
+    needle: str = NEEDLE,
+    question: str = QUESTION,
+) -> list[retrieval.Item]:
     """`samples` prompts for each depth bin, each from rng(seed, length, bin, sample)."""
     out = []
     for b in range(n_bins):
@@ -83,22 +107,36 @@ def items(docs, tokenizer, length: int, n_bins: int, samples: int, digits: int, 
             rng = np.random.default_rng([seed, length, b, i])
             number = retrieval.number(rng, digits)
             start = int(rng.integers(len(docs)))
-            tokens, depth = build_prompt(docs, tokenizer, length, number,
-                                         retrieval.depth_in_bin(rng, b, n_bins), start,
-                                         needle, question)
-            out.append(retrieval.Item(b, tokens, number,
-                                      dict(depth=round(depth, 4), document=start)))
+            tokens, depth = build_prompt(
+                docs,
+                tokenizer,
+                length,
+                number,
+                retrieval.depth_in_bin(rng, b, n_bins),
+                start,
+                needle,
+                question,
+            )
+            out.append(
+                retrieval.Item(b, tokens, number, dict(depth=round(depth, 4), document=start))
+            )
     return out
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The task's flags (beside `add_model_arguments`')."""
-    ap.add_argument("--data", required=True,
-                    help="the haystack's documents: a .jsonl/.json/.txt/.parquet/.arrow file, "
-                         "a directory or glob of them, or a lclm.data.prepare directory")
+    ap.add_argument(
+        "--data",
+        required=True,
+        help="the haystack's documents: a .jsonl/.json/.txt/.parquet/.arrow file, "
+        "a directory or glob of them, or a lclm.data.prepare directory",
+    )
     ap.add_argument("--text-field", default="text", help="the documents' text field")
-    ap.add_argument("--needle", default=NEEDLE, help="the inserted sentence; {number} is "
-                                                     "replaced by the random number")
+    ap.add_argument(
+        "--needle",
+        default=NEEDLE,
+        help="the inserted sentence; {number} is replaced by the random number",
+    )
     ap.add_argument("--question", default=QUESTION, help="the end of the prompt")
     retrieval.add_grid_arguments(ap, digits=4)
 
@@ -116,11 +154,28 @@ def _run(args) -> int:
     model, saved = load_model(args)
     lengths = report.task_lengths(given, model, saved)
     docs = open_documents(source.kind, source.path, model.tokenizer, text_field=args.text_field)
-    make = lambda length: items(docs, model.tokenizer, length, args.depths, args.samples,
-                                args.digits, args.seed, args.needle, args.question)
+    make = lambda length: items(
+        docs,
+        model.tokenizer,
+        length,
+        args.depths,
+        args.samples,
+        args.digits,
+        args.seed,
+        args.needle,
+        args.question,
+    )
     meta = dict(data=args.data, needle=args.needle, question=args.question)
-    return retrieval.run_grid(args, TASK, model, lengths, make, meta, "needle in a haystack",
-                              report.trained_length(model, saved))
+    return retrieval.run_grid(
+        args,
+        TASK,
+        model,
+        lengths,
+        make,
+        meta,
+        "needle in a haystack",
+        report.trained_length(model, saved),
+    )
 
 
 def main(argv=None, prog: str | None = None) -> int:

@@ -26,10 +26,11 @@ from lclm.eval import report, retrieval
 from lclm.eval.model import load_model
 
 TASK = "passkey"
-INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
-         "memorize it. I will quiz you about the important information there.")
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and "
-          "back again.")
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and "
+    "memorize it. I will quiz you about the important information there."
+)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 
@@ -47,24 +48,26 @@ def build_prompt(tokenizer, length: int, key: str, depth: float) -> tuple[np.nda
     filler = length - len(head) - len(needle) - len(question)
     k = filler // len(unit)
     if k < 1:
-        raise ValueError(f"a passkey prompt needs more than {length} tokens; use a longer "
-                         "--lengths")
+        raise ValueError(
+            f"a passkey prompt needs more than {length} tokens; use a longer --lengths"
+        )
     at = min(k, round(depth * k))
-    tokens = (head + unit * at + needle + unit * (k - at) + unit[:filler - k * len(unit)]
-              + question)
+    tokens = head + unit * at + needle + unit * (k - at) + unit[: filler - k * len(unit)] + question
     return np.asarray(tokens, np.int32), at / k
 
 
-def items(tokenizer, length: int, n_bins: int, samples: int, digits: int,
-          seed: int) -> list[retrieval.Item]:
+def items(
+    tokenizer, length: int, n_bins: int, samples: int, digits: int, seed: int
+) -> list[retrieval.Item]:
     """`samples` prompts for each depth bin, each from rng(seed, length, bin, sample)."""
     out = []
     for b in range(n_bins):
         for i in range(samples):
             rng = np.random.default_rng([seed, length, b, i])
             key = retrieval.number(rng, digits)
-            tokens, depth = build_prompt(tokenizer, length, key,
-                                         retrieval.depth_in_bin(rng, b, n_bins))
+            tokens, depth = build_prompt(
+                tokenizer, length, key, retrieval.depth_in_bin(rng, b, n_bins)
+            )
             out.append(retrieval.Item(b, tokens, key, dict(depth=round(depth, 4))))
     return out
 
@@ -86,10 +89,19 @@ def _run(args) -> int:
     given = report.explicit_lengths(args)
     model, saved = load_model(args)
     lengths = report.task_lengths(given, model, saved)
-    make = lambda length: items(model.tokenizer, length, args.depths, args.samples,
-                                args.digits, args.seed)
-    return retrieval.run_grid(args, TASK, model, lengths, make, {}, "passkey retrieval",
-                              report.trained_length(model, saved))
+    make = lambda length: items(
+        model.tokenizer, length, args.depths, args.samples, args.digits, args.seed
+    )
+    return retrieval.run_grid(
+        args,
+        TASK,
+        model,
+        lengths,
+        make,
+        {},
+        "passkey retrieval",
+        report.trained_length(model, saved),
+    )
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 
 # -- documents (host side) -----------------------------------------------------------------
 
+
 def windows(docs, lengths: list[int], max_docs: int) -> dict[int, dict]:
     """For each length L: {'tokens': [n, L+1] int32 and 'mask': [n, L] (whether target p is
     one training would learn) of the first `max_docs` documents of at least L + 1 tokens,
@@ -87,7 +88,7 @@ def windows(docs, lengths: list[int], max_docs: int) -> dict[int, dict]:
         if all(len(t) >= max_docs for t in tokens_of.values()):
             break
         doc = docs[i]
-        if doc is None:   # a malformed record (counted by the source's SourceStats)
+        if doc is None:  # a malformed record (counted by the source's SourceStats)
             continue
         tokens, loss = doc
         for n in lengths:
@@ -97,12 +98,17 @@ def windows(docs, lengths: list[int], max_docs: int) -> dict[int, dict]:
                 skipped[n] += 1
                 longest[n] = max(longest[n], len(tokens))
             else:
-                tokens_of[n].append(np.asarray(tokens[:n + 1], np.int32))
-                masks_of[n].append(np.asarray(loss[1:n + 1], bool))
-    return {n: dict(tokens=np.asarray(tokens_of[n], np.int32).reshape(-1, n + 1),
-                    mask=np.asarray(masks_of[n], bool).reshape(-1, n), skipped=skipped[n],
-                    longest=longest[n])
-            for n in lengths}
+                tokens_of[n].append(np.asarray(tokens[: n + 1], np.int32))
+                masks_of[n].append(np.asarray(loss[1 : n + 1], bool))
+    return {
+        n: dict(
+            tokens=np.asarray(tokens_of[n], np.int32).reshape(-1, n + 1),
+            mask=np.asarray(masks_of[n], bool).reshape(-1, n),
+            skipped=skipped[n],
+            longest=longest[n],
+        )
+        for n in lengths
+    }
 
 
 def rows_of(windows_: np.ndarray, row_len: int) -> dict:
@@ -130,6 +136,7 @@ def row_length(c: ModelConfig, a: AttentionConfig, sp: int, length: int) -> int:
 
 # -- losses by position --------------------------------------------------------------------
 
+
 def bucket_losses(losses: np.ndarray, mask: np.ndarray, n_buckets: int) -> list[dict]:
     """Mean loss of each of `n_buckets` equal position ranges of losses `[n, L]` (original
     order; only where `mask`), summed in float64."""
@@ -142,9 +149,16 @@ def bucket_losses(losses: np.ndarray, mask: np.ndarray, n_buckets: int) -> list[
         total = float(np.sum(losses[:, cols][picked], dtype=np.float64))
         count = int(picked.sum())
         mean = total / count if count else float("nan")
-        out.append(dict(bucket=b, lo=int(np.flatnonzero(cols)[0]),
-                        hi=int(np.flatnonzero(cols)[-1]) + 1, tokens=count, loss=mean,
-                        perplexity=math.exp(mean) if count else float("nan")))
+        out.append(
+            dict(
+                bucket=b,
+                lo=int(np.flatnonzero(cols)[0]),
+                hi=int(np.flatnonzero(cols)[-1]) + 1,
+                tokens=count,
+                loss=mean,
+                perplexity=math.exp(mean) if count else float("nan"),
+            )
+        )
     return out
 
 
@@ -155,11 +169,12 @@ def position_losses(model: LoadedModel, windows_: np.ndarray, batch_size: int) -
     row_len = row_length(model.config, model.attention, model.mesh.shape["sp"], length)
     out = []
     for start in range(0, len(windows_), batch_size):
-        group = windows_[start:start + batch_size]
+        group = windows_[start : start + batch_size]
         n = len(group)
         group = np.concatenate([group, np.repeat(group[-1:], batch_size - n, axis=0)])
-        losses = losses_in_order(model.config, model.attention, model.mesh, model.params,
-                                 rows_of(group, row_len))
+        losses = losses_in_order(
+            model.config, model.attention, model.mesh, model.params, rows_of(group, row_len)
+        )
         out.append(losses[:n, :length])
     return np.concatenate(out)
 
@@ -174,19 +189,29 @@ def check_buckets(lengths: list[int], n_buckets: int) -> None:
             f"--buckets {n_buckets} cuts each length into {n_buckets} ranges of positions, but "
             f"length{'s' * (len(short) > 1)} {','.join(map(str, short))} of --lengths "
             f"hold{'s' * (len(short) == 1)} fewer positions; use --buckets {min(lengths)} or "
-            f"fewer, or longer --lengths")
+            f"fewer, or longer --lengths"
+        )
 
 
 def no_document_line(entry: dict) -> str:
     """What a report says of a length that no document of --data reaches."""
-    return (f"length {format_tokens(entry['length'])}: nothing measured, no document of "
-            f"--data holds {entry['length'] + 1} tokens (of {entry['skipped']} read, the "
-            f"longest holds {entry['longest']})")
+    return (
+        f"length {format_tokens(entry['length'])}: nothing measured, no document of "
+        f"--data holds {entry['length'] + 1} tokens (of {entry['skipped']} read, the "
+        f"longest holds {entry['longest']})"
+    )
 
 
-def evaluate(model: LoadedModel, docs, lengths: list[int], *, n_buckets: int, max_docs: int,
-             batch_size: int | None = None,
-             measured: Callable[[dict], None] | None = None) -> dict:
+def evaluate(
+    model: LoadedModel,
+    docs,
+    lengths: list[int],
+    *,
+    n_buckets: int,
+    max_docs: int,
+    batch_size: int | None = None,
+    measured: Callable[[dict], None] | None = None,
+) -> dict:
     """{'lengths': [per length: documents, skipped, the longest skipped, loss, perplexity,
     buckets, the documents' mean losses]}; one log line per length, and `measured(result so
     far)` after each. Every length's documents are found before anything is measured: when
@@ -199,26 +224,43 @@ def evaluate(model: LoadedModel, docs, lengths: list[int], *, n_buckets: int, ma
         raise StartupError(
             f"--data holds no document long enough for any of --lengths (each needs length + 1 "
             f"tokens; the longest of the {read} documents read holds {longest}): use --lengths "
-            f"below {longest} or longer documents, e.g. the default --data {DEFAULT_DATA}")
+            f"below {longest} or longer documents, e.g. the default --data {DEFAULT_DATA}"
+        )
     results: list[dict] = []
     for length, w in found.items():
-        entry = dict(length=length, documents=len(w["tokens"]), skipped=w["skipped"],
-                     longest_skipped=w["longest"])
+        entry = dict(
+            length=length,
+            documents=len(w["tokens"]),
+            skipped=w["skipped"],
+            longest_skipped=w["longest"],
+        )
         if not len(w["tokens"]):
             log.warning("%s", no_document_line(dict(entry, longest=w["longest"])))
-            results.append(dict(entry, loss=None, perplexity=None, buckets=[],
-                                document_losses=[]))
+            results.append(dict(entry, loss=None, perplexity=None, buckets=[], document_losses=[]))
         else:
             losses = position_losses(model, w["tokens"], rows)
             mask = w["mask"]
             mean = float(np.sum(losses[mask], dtype=np.float64) / max(1, mask.sum()))
-            per_doc = [float(np.sum(r[m], dtype=np.float64) / max(1, m.sum()))
-                       for r, m in zip(losses, mask)]
-            results.append(dict(entry, loss=mean, perplexity=math.exp(mean),
-                                buckets=bucket_losses(losses, mask, n_buckets),
-                                document_losses=per_doc))
-            log.info("length %d: %d documents (%d shorter skipped), loss %.4f", length,
-                     len(w["tokens"]), w["skipped"], mean)
+            per_doc = [
+                float(np.sum(r[m], dtype=np.float64) / max(1, m.sum()))
+                for r, m in zip(losses, mask)
+            ]
+            results.append(
+                dict(
+                    entry,
+                    loss=mean,
+                    perplexity=math.exp(mean),
+                    buckets=bucket_losses(losses, mask, n_buckets),
+                    document_losses=per_doc,
+                )
+            )
+            log.info(
+                "length %d: %d documents (%d shorter skipped), loss %.4f",
+                length,
+                len(w["tokens"]),
+                w["skipped"],
+                mean,
+            )
         if measured:
             measured(dict(lengths=list(results)))
     return dict(lengths=results)
@@ -226,26 +268,36 @@ def evaluate(model: LoadedModel, docs, lengths: list[int], *, n_buckets: int, ma
 
 # -- report --------------------------------------------------------------------------------
 
+
 def markdown_table(result: dict, n_buckets: int) -> str:
     """Rows = lengths; columns = documents, skipped, the mean loss of each position bucket
     (share of the length), the whole length's loss and perplexity."""
     heads = report.depth_labels(n_buckets)
-    lines = ["| length | documents | skipped (shorter) | " + " | ".join(heads)
-             + " | all | perplexity |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in heads) + " | --- | --- |"]
+    lines = [
+        "| length | documents | skipped (shorter) | " + " | ".join(heads) + " | all | perplexity |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in heads) + " | --- | --- |",
+    ]
     for r in result["lengths"]:
         if r["loss"] is None:
             cells = " | ".join("-" for _ in heads) + " | - | -"
         else:
-            cells = (" | ".join(f"{b['loss']:.4f}" for b in r["buckets"])
-                     + f" | {r['loss']:.4f} | {r['perplexity']:.2f}")
-        lines.append(f"| {format_tokens(r['length'])} | {r['documents']} | "
-                     f"{r['skipped']} | {cells} |")
-    lines += [f"\n**{no_document_line(dict(r, longest=r['longest_skipped']))}**"
-              for r in result["lengths"] if r["loss"] is None]
+            cells = (
+                " | ".join(f"{b['loss']:.4f}" for b in r["buckets"])
+                + f" | {r['loss']:.4f} | {r['perplexity']:.2f}"
+            )
+        lines.append(
+            f"| {format_tokens(r['length'])} | {r['documents']} | {r['skipped']} | {cells} |"
+        )
+    lines += [
+        f"\n**{no_document_line(dict(r, longest=r['longest_skipped']))}**"
+        for r in result["lengths"]
+        if r["loss"] is None
+    ]
     if result.get("complete") is False:
-        lines.append(f"\n**incomplete: the lengths measured so far ({len(result['lengths'])});"
-                     " the run goes on or stopped**")
+        lines.append(
+            f"\n**incomplete: the lengths measured so far ({len(result['lengths'])});"
+            " the run goes on or stopped**"
+        )
     return "\n".join(lines)
 
 
@@ -256,16 +308,28 @@ def draw(path: str, result: dict, title: str, trained: int | None) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for r in result["lengths"]:
         if r["buckets"]:
-            ax.plot([(b["lo"] + b["hi"]) / 2 for b in r["buckets"]],
-                    [b["loss"] for b in r["buckets"]], marker="o",
-                    label=f"{format_tokens(r['length'])} ({r['documents']} docs)")
+            ax.plot(
+                [(b["lo"] + b["hi"]) / 2 for b in r["buckets"]],
+                [b["loss"] for b in r["buckets"]],
+                marker="o",
+                label=f"{format_tokens(r['length'])} ({r['documents']} docs)",
+            )
     if trained:
         ax.axvline(trained, color="grey", linestyle="--", label=f"trained length {trained}")
     missing = [format_tokens(r["length"]) for r in result["lengths"] if r["loss"] is None]
     if missing:
-        ax.text(0.5, 0.5, f"no document of --data is long enough for {', '.join(missing)}:\n"
-                          "nothing measured there", transform=ax.transAxes, ha="center",
-                va="center", color="darkred", fontsize=9, fontweight="bold")
+        ax.text(
+            0.5,
+            0.5,
+            f"no document of --data is long enough for {', '.join(missing)}:\n"
+            "nothing measured there",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            color="darkred",
+            fontsize=9,
+            fontweight="bold",
+        )
     ax.set_xlabel("token position")
     ax.set_ylabel("mean token loss")
     ax.set_title(title, fontsize=9)
@@ -276,30 +340,51 @@ def draw(path: str, result: dict, title: str, trained: int | None) -> None:
 
 
 def write_report(out_dir: str, result: dict, n_buckets: int, meta: dict) -> None:
-    report.write_files(out_dir, TASK, markdown_table(result, n_buckets), dict(meta, **result),
-                       lambda path: draw(path, result, f"loss by position: {meta['model']}",
-                                         meta.get("trained_length")))
+    report.write_files(
+        out_dir,
+        TASK,
+        markdown_table(result, n_buckets),
+        dict(meta, **result),
+        lambda path: draw(
+            path, result, f"loss by position: {meta['model']}", meta.get("trained_length")
+        ),
+    )
 
 
 # -- command line --------------------------------------------------------------------------
 
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--data", default=DEFAULT_DATA,
-                    help="held-out documents: a .jsonl/.json/.txt/.parquet/.arrow file, a "
-                         "directory or glob of them, a lclm.data.prepare directory, or one "
-                         "[kind:]path source of the data.path syntax (e.g. code-heldout:DIR, "
-                         "the held-out packages of a code directory); default: those of this "
-                         "Python's standard library, whose documents run to thousands of "
-                         "tokens, %(default)s")
+    ap.add_argument(
+        "--data",
+        default=DEFAULT_DATA,
+        help="held-out documents: a .jsonl/.json/.txt/.parquet/.arrow file, a "
+        "directory or glob of them, a lclm.data.prepare directory, or one "
+        "[kind:]path source of the data.path syntax (e.g. code-heldout:DIR, "
+        "the held-out packages of a code directory); default: those of this "
+        "Python's standard library, whose documents run to thousands of "
+        "tokens, %(default)s",
+    )
     ap.add_argument("--text-field", default="text", help="the documents' text field")
     report.add_lengths_argument(ap)
-    ap.add_argument("--buckets", type=int, default=8,
-                    help="equal ranges the positions 0..L-1 are cut into (at most the "
-                         "shortest length)")
-    ap.add_argument("--documents", type=int, default=16,
-                    help="documents per length (the first long enough ones)")
-    ap.add_argument("--batch-size", type=int, default=None,
-                    help="rows per forward (default 1; rounded up to the mesh's dp x fsdp)")
+    ap.add_argument(
+        "--buckets",
+        type=int,
+        default=8,
+        help="equal ranges the positions 0..L-1 are cut into (at most the shortest length)",
+    )
+    ap.add_argument(
+        "--documents",
+        type=int,
+        default=16,
+        help="documents per length (the first long enough ones)",
+    )
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="rows per forward (default 1; rounded up to the mesh's dp x fsdp)",
+    )
 
 
 def parse_args(argv=None, prog: str | None = None):
@@ -312,8 +397,7 @@ def data_source(flag: str, text: str) -> SourceEntry:
     check_input(flag, text)
     entries = parse_sources(text, "text", flag.lstrip("-"))
     if len(entries) != 1:
-        raise StartupError(f"{flag} {text!r} names {len(entries)} sources; evaluate one at a "
-                           "time")
+        raise StartupError(f"{flag} {text!r} names {len(entries)} sources; evaluate one at a time")
     (entry,) = entries
     if get_kind(entry.kind).path == DIRECTORY:
         if not os.path.isdir(entry.path):
@@ -323,8 +407,9 @@ def data_source(flag: str, text: str) -> SourceEntry:
             resolve_files(entry.path)
         except FileNotFoundError as e:
             # the sources word it for training (config.data.path); here the flag is meant
-            raise StartupError(f"{flag} {text!r}: "
-                               + str(e).replace("config.data.path", flag)) from None
+            raise StartupError(
+                f"{flag} {text!r}: " + str(e).replace("config.data.path", flag)
+            ) from None
     return entry
 
 
@@ -341,11 +426,16 @@ def _run(args) -> int:
     lengths = report.task_lengths(given, model, saved)
     check_buckets(lengths, args.buckets)
     stats = SourceStats()
-    docs = open_documents(source.kind, source.path, model.tokenizer,
-                          text_field=args.text_field, stats=stats)
-    meta = lambda: dict(report.model_meta(model), data=args.data, buckets=args.buckets,
-                        trained_length=report.trained_length(model, saved),
-                        malformed_records=stats.skipped)
+    docs = open_documents(
+        source.kind, source.path, model.tokenizer, text_field=args.text_field, stats=stats
+    )
+    meta = lambda: dict(
+        report.model_meta(model),
+        data=args.data,
+        buckets=args.buckets,
+        trained_length=report.trained_length(model, saved),
+        malformed_records=stats.skipped,
+    )
     written: list[str] = []
 
     def write_so_far(partial: dict) -> None:
@@ -353,32 +443,53 @@ def _run(args) -> int:
         if len(partial["lengths"]) == len(lengths):
             return
         try:
-            write_report(args.out, dict(partial, complete=False), args.buckets,
-                         dict(meta(), lengths_asked=lengths))
+            write_report(
+                args.out,
+                dict(partial, complete=False),
+                args.buckets,
+                dict(meta(), lengths_asked=lengths),
+            )
         except OSError as e:
-            log.warning("could not write the report so far into %s (%s); it is tried again "
-                        "after the next length", args.out, e.strerror or e)
+            log.warning(
+                "could not write the report so far into %s (%s); it is tried again "
+                "after the next length",
+                args.out,
+                e.strerror or e,
+            )
         else:
             written[:] = [format_tokens(r["length"]) for r in partial["lengths"]]
 
     try:
-        result = evaluate(model, docs, lengths, n_buckets=args.buckets,
-                          max_docs=args.documents, batch_size=args.batch_size,
-                          measured=write_so_far)
+        result = evaluate(
+            model,
+            docs,
+            lengths,
+            n_buckets=args.buckets,
+            max_docs=args.documents,
+            batch_size=args.batch_size,
+            measured=write_so_far,
+        )
     except BaseException:
         if written:
-            print(f"note: the report of the lengths measured before this ({', '.join(written)})"
-                  f" is in {args.out}", file=sys.stderr, flush=True)
+            print(
+                f"note: the report of the lengths measured before this ({', '.join(written)})"
+                f" is in {args.out}",
+                file=sys.stderr,
+                flush=True,
+            )
         raise
     if stats.skipped:
         log.warning("--data: %s", stats.summary())
     result = dict(result, complete=True)
     print(markdown_table(result, args.buckets), flush=True)
     return report.save_report(
-        args.out, TASK,
-        lambda folder: write_report(folder, result, args.buckets,
-                                    dict(meta(), lengths_asked=lengths)),
-        lost="the per-document losses and the plot are lost")
+        args.out,
+        TASK,
+        lambda folder: write_report(
+            folder, result, args.buckets, dict(meta(), lengths_asked=lengths)
+        ),
+        lost="the per-document losses and the plot are lost",
+    )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 # -- the command line of a task --------------------------------------------------------------
 
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """--help with the task's docstring as written (its examples keep their lines) and every
     flag's default: '(default: X)' is added to a flag's help unless the help already says
@@ -42,15 +43,21 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if ("default" in text or action.default is None or action.default is argparse.SUPPRESS
-                or isinstance(action.default, bool)):
+        if (
+            "default" in text
+            or action.default is None
+            or action.default is argparse.SUPPRESS
+            or isinstance(action.default, bool)
+        ):
             return text
         return f"{text} (default: %(default)s)"
 
 
-LENGTHS_HELP = ("context lengths in tokens, comma-separated, e.g. 512,2k,4k (default: the "
-                "trained length x1, x2 and x4: the checkpoint's data.seq_len, with --hf or a "
-                "converted checkpoint the model's max_position_embeddings)")
+LENGTHS_HELP = (
+    "context lengths in tokens, comma-separated, e.g. 512,2k,4k (default: the "
+    "trained length x1, x2 and x4: the checkpoint's data.seq_len, with --hf or a "
+    "converted checkpoint the model's max_position_embeddings)"
+)
 
 
 def add_lengths_argument(ap: argparse.ArgumentParser) -> None:
@@ -58,26 +65,37 @@ def add_lengths_argument(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lengths", default=None, help=LENGTHS_HELP)
 
 
-def task_parser(doc: str, task: str, add_arguments: Callable[[argparse.ArgumentParser], None],
-                prog: str | None = None) -> argparse.ArgumentParser:
+def task_parser(
+    doc: str,
+    task: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    prog: str | None = None,
+) -> argparse.ArgumentParser:
     """A task's parser: the model's flags (`add_model_arguments`), its own, and `--out`."""
-    ap = argparse.ArgumentParser(prog=prog, description=doc.strip(),
-                                 formatter_class=HelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=doc.strip(), formatter_class=HelpFormatter)
     add_model_arguments(ap)
     for action in ap._actions:
         if action.help is None and action.default is None:  # --layout, --q-chunk, --kv-chunk
             action.help = f"attention.{action.dest} (default: the checkpoint's)"
     add_arguments(ap)
-    ap.add_argument("--out", help=f"output directory (default: a new folder "
-                                   f"{task}_eval/<date-time>/ in the checkpoint's workdir, "
-                                   f"runs/{task}_eval/<name>/<date-time>/ with --hf, so that "
-                                   f"no run replaces another's report); a given --out is "
-                                   f"written into, replacing the {task}.md/.json/.png there")
+    ap.add_argument(
+        "--out",
+        help=f"output directory (default: a new folder "
+        f"{task}_eval/<date-time>/ in the checkpoint's workdir, "
+        f"runs/{task}_eval/<name>/<date-time>/ with --hf, so that "
+        f"no run replaces another's report); a given --out is "
+        f"written into, replacing the {task}.md/.json/.png there",
+    )
     return ap
 
 
-def parse_task_args(doc: str, task: str, add_arguments: Callable[[argparse.ArgumentParser], None],
-                    argv=None, prog: str | None = None) -> argparse.Namespace:
+def parse_task_args(
+    doc: str,
+    task: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    argv=None,
+    prog: str | None = None,
+) -> argparse.Namespace:
     """A task's flags (`task_parser`), `--out` defaulted after parsing (`set_out`)."""
     args = task_parser(doc, task, add_arguments, prog).parse_args(argv)
     set_out(args, task)
@@ -110,15 +128,22 @@ def task_lengths(given: list[int] | None, model: LoadedModel, saved: dict | None
         return given
     trained = trained_length(model, saved)
     lengths = [trained, 2 * trained, 4 * trained]
-    log.info("lengths %s: the trained length %d x1, x2 and x4 (--lengths to choose others)",
-             ",".join(map(format_tokens, lengths)), trained)
+    log.info(
+        "lengths %s: the trained length %d x1, x2 and x4 (--lengths to choose others)",
+        ",".join(map(format_tokens, lengths)),
+        trained,
+    )
     return lengths
 
 
 def model_meta(model: LoadedModel) -> dict:
     """What every report records of the model it measured and how it ran."""
-    return dict(model=model.name, mesh=dict(model.mesh.shape), layout=model.attention.layout,
-                strategy=model.attention.strategy)
+    return dict(
+        model=model.name,
+        mesh=dict(model.mesh.shape),
+        layout=model.attention.layout,
+        strategy=model.attention.strategy,
+    )
 
 
 def run_task(args, run: Callable[[argparse.Namespace], int]) -> int:
@@ -128,6 +153,7 @@ def run_task(args, run: Callable[[argparse.Namespace], int]) -> int:
 
 
 # -- --out -------------------------------------------------------------------------------
+
 
 def default_out(args, task: str) -> str:
     """A new folder `<task>_eval/<date-time>/` inside the checkpoint's workdir
@@ -179,8 +205,10 @@ def check_model_args(args, positive: tuple[str, ...] = ()) -> None:
 
 # -- writing -----------------------------------------------------------------------------
 
-def write_files(out_dir: str, task: str, table: str, payload: dict,
-                draw: Callable[[str], None]) -> None:
+
+def write_files(
+    out_dir: str, task: str, table: str, payload: dict, draw: Callable[[str], None]
+) -> None:
     """`OUT/<task>.md` (the table), `.json` (payload) and `.png` (`draw(path)` writes it); a
     gs:// or s3:// OUT gets one object each (`replacing`)."""
     storage.makedirs(out_dir)
@@ -190,8 +218,12 @@ def write_files(out_dir: str, task: str, table: str, payload: dict,
     draw(storage.join(out_dir, f"{task}.png"))
 
 
-def save_report(out_dir: str, task: str, write: Callable[[str], object],
-                lost: str = "the per-sample answers and the heatmap are lost") -> int:
+def save_report(
+    out_dir: str,
+    task: str,
+    write: Callable[[str], object],
+    lost: str = "the per-sample answers and the heatmap are lost",
+) -> int:
     """`write(folder)` into `out_dir` (0), or, where that fails although --out was checked at
     start (a disk filled during the evaluation), into a new temporary folder: one line on
     stderr says why and where the report went (1). The table is on stdout already; `lost`
@@ -231,12 +263,15 @@ def pyplot():
     fontManager") would print in lclm's log format as if lclm had said it."""
     logging.getLogger("matplotlib.font_manager").setLevel(logging.WARNING)
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
 # -- accuracy by length and depth (passkey, needle, line retrieval) ------------------------
+
 
 def depth_labels(n_bins: int) -> list[str]:
     return [f"{100 * b // n_bins}-{100 * (b + 1) // n_bins}%" for b in range(n_bins)]
@@ -254,8 +289,10 @@ def accuracy_table(cells, lengths, n_bins: int) -> str:
     """Rows = lengths, columns = depth bins, then the length's mean accuracy."""
     grid = accuracy_grid(cells, lengths, n_bins)
     bins = depth_labels(n_bins)
-    lines = ["| length | prompt tokens | " + " | ".join(bins) + " | all |",
-             "| --- | --- | " + " | ".join("---" for _ in bins) + " | --- |"]
+    lines = [
+        "| length | prompt tokens | " + " | ".join(bins) + " | all |",
+        "| --- | --- | " + " | ".join("---" for _ in bins) + " | --- |",
+    ]
     for j, length in enumerate(lengths):
         mine = [c for c in cells if c["length"] == length]
         tokens = int(np.mean([c["prompt_tokens"] for c in mine]))
@@ -280,9 +317,16 @@ def trained_line_x(lengths: list[int], trained: int | None) -> float | None:
     return sum(n <= trained for n in lengths) - 0.5
 
 
-def accuracy_heatmap(path: str, cells, lengths, n_bins: int, title: str,
-                     depth_of: str = "the needle", trained: int | None = None,
-                     samples: int | None = None) -> None:
+def accuracy_heatmap(
+    path: str,
+    cells,
+    lengths,
+    n_bins: int,
+    title: str,
+    depth_of: str = "the needle",
+    trained: int | None = None,
+    samples: int | None = None,
+) -> None:
     """Accuracy heatmap PNG: x = context length, y = depth bin; each value written in the
     colour that reads on its cell; the trained length a dashed line (columns right of it
     are longer than training); `samples` prompts per cell in the title."""
@@ -297,12 +341,24 @@ def accuracy_heatmap(path: str, cells, lengths, n_bins: int, title: str,
     for b in range(n_bins):
         for j in range(len(lengths)):
             if not np.isnan(grid[b, j]):
-                ax.text(j, b, f"{grid[b, j]:.2f}", ha="center", va="center", fontsize=8,
-                        color=text_color(im.cmap(im.norm(grid[b, j]))))
+                ax.text(
+                    j,
+                    b,
+                    f"{grid[b, j]:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color=text_color(im.cmap(im.norm(grid[b, j]))),
+                )
     x = trained_line_x(list(lengths), trained)
     if x is not None:
-        ax.axvline(x, color="black", linestyle="--", linewidth=1.5,
-                   label=f"trained length {format_tokens(trained or 0)}")
+        ax.axvline(
+            x,
+            color="black",
+            linestyle="--",
+            linewidth=1.5,
+            label=f"trained length {format_tokens(trained or 0)}",
+        )
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     fig.colorbar(im, ax=ax, label="accuracy")
     per_cell = f"\n{samples} prompt{'s' * (samples != 1)} per cell" if samples else ""

@@ -51,6 +51,7 @@ THRESHOLD = 85.6  # Llama-2-7B's RULER average at 4K over RULER's 13 tasks (QA a
 
 # -- scoring (RULER's scripts/eval) -------------------------------------------------------------
 
+
 def postprocess(text: str) -> str:
     """A prediction as RULER reads it: stripped, control characters made newlines."""
     return re.sub(r"[\x00-\x1f]", "\n", text.strip()).strip()
@@ -70,28 +71,42 @@ def effective_length(average: dict[int, float], threshold: float = THRESHOLD) ->
 
 # -- evaluation ---------------------------------------------------------------------------------
 
-def prompts(tokenizer, form: ruler.Form, tasks: list[str], lengths: list[int], samples: int,
-            seed: int) -> dict[tuple[str, int], list[ruler.Sample]]:
+
+def prompts(
+    tokenizer, form: ruler.Form, tasks: list[str], lengths: list[int], samples: int, seed: int
+) -> dict[tuple[str, int], list[ruler.Sample]]:
     """Every prompt, by (task, length): made before anything is decoded, so that a length too
     short for a task fails at once."""
-    return {(task, n): [ruler.sample(task, tokenizer, form, n, seed, i) for i in range(samples)]
-            for n in lengths for task in tasks}
+    return {
+        (task, n): [ruler.sample(task, tokenizer, form, n, seed, i) for i in range(samples)]
+        for n in lengths
+        for task in tasks
+    }
 
 
 def _summary(scores: dict[str, dict[int, float]], records: list[dict], made: dict) -> dict:
     """The result of the cells scored so far: the average per length over the tasks scored
     there, the effective length over the lengths every task of `made` was scored at."""
     lengths = sorted({n for _, n in made})
-    average = {n: round(float(np.mean([s[n] for s in scores.values() if n in s])), 2)
-               for n in lengths if any(n in s for s in scores.values())}
-    whole = {n: a for n, a in average.items()
-             if all(n in scores.get(task, {}) for task, _ in made)}
-    return dict(scores=scores, average=average, effective_length=effective_length(whole),
-                samples=records)
+    average = {
+        n: round(float(np.mean([s[n] for s in scores.values() if n in s])), 2)
+        for n in lengths
+        if any(n in s for s in scores.values())
+    }
+    whole = {n: a for n, a in average.items() if all(n in scores.get(task, {}) for task, _ in made)}
+    return dict(
+        scores=scores, average=average, effective_length=effective_length(whole), samples=records
+    )
 
 
-def evaluate(model: LoadedModel, form: ruler.Form, made: dict, *, batch_size: int | None = None,
-             measured: Callable[[dict], None] | None = None) -> dict:
+def evaluate(
+    model: LoadedModel,
+    form: ruler.Form,
+    made: dict,
+    *,
+    batch_size: int | None = None,
+    measured: Callable[[dict], None] | None = None,
+) -> dict:
     """Scores {task: {length: percent}}, the average per length and one record per prompt.
     One log line per (length, task) reports progress, and `measured(result so far)` follows
     each but the last."""
@@ -100,15 +115,33 @@ def evaluate(model: LoadedModel, form: ruler.Form, made: dict, *, batch_size: in
     records: list[dict] = []
     for done, ((task, n), items) in enumerate(made.items(), 1):
         start = time.time()
-        texts, _ = retrieval.generate_answers(model, [s.tokens for s in items],
-                                              ruler.TASKS[task].budget, rows, form.end_id)
+        texts, _ = retrieval.generate_answers(
+            model, [s.tokens for s in items], ruler.TASKS[task].budget, rows, form.end_id
+        )
         got = [string_match_all(postprocess(t), s.answers) for t, s in zip(texts, items)]
         scores.setdefault(task, {})[n] = round(100 * float(np.mean(got)), 2)
-        records += [dict(task=task, length=n, index=i, prompt_tokens=len(s.tokens),
-                         answers=s.answers, output=t, score=g)
-                    for i, (s, t, g) in enumerate(zip(items, texts, got))]
-        log.info("length %d %s: %.1f (%d prompts, %.0f s; %d of %d cells)", n, task,
-                 scores[task][n], len(items), time.time() - start, done, len(made))
+        records += [
+            dict(
+                task=task,
+                length=n,
+                index=i,
+                prompt_tokens=len(s.tokens),
+                answers=s.answers,
+                output=t,
+                score=g,
+            )
+            for i, (s, t, g) in enumerate(zip(items, texts, got))
+        ]
+        log.info(
+            "length %d %s: %.1f (%d prompts, %.0f s; %d of %d cells)",
+            n,
+            task,
+            scores[task][n],
+            len(items),
+            time.time() - start,
+            done,
+            len(made),
+        )
         if measured and done < len(made):
             measured(_summary(scores, records, made))
     return _summary(scores, records, made)
@@ -116,25 +149,36 @@ def evaluate(model: LoadedModel, form: ruler.Form, made: dict, *, batch_size: in
 
 # -- the report ---------------------------------------------------------------------------------
 
+
 def markdown_table(result: dict) -> str:
     """Rows: the tasks, then their average; columns: the lengths; then the effective length
     (a cell not scored yet is '-', and an incomplete result says so)."""
     lengths = list(result["average"])
-    lines = ["| task | " + " | ".join(format_tokens(n) for n in lengths) + " |",
-             "| --- |" + " --- |" * len(lengths)]
+    lines = [
+        "| task | " + " | ".join(format_tokens(n) for n in lengths) + " |",
+        "| --- |" + " --- |" * len(lengths),
+    ]
     for task, by_length in result["scores"].items():
-        lines.append(f"| {task} | " + " | ".join(
-            f"{by_length[n]:.1f}" if n in by_length else "-" for n in lengths) + " |")
-    lines.append("| **average** | " + " | ".join(f"**{result['average'][n]:.1f}**"
-                                                  for n in lengths) + " |")
+        lines.append(
+            f"| {task} | "
+            + " | ".join(f"{by_length[n]:.1f}" if n in by_length else "-" for n in lengths)
+            + " |"
+        )
+    lines.append(
+        "| **average** | " + " | ".join(f"**{result['average'][n]:.1f}**" for n in lengths) + " |"
+    )
     eff = result["effective_length"]
     lines.append("")
-    lines.append(f"effective length (average of these {len(result['scores'])} tasks >= "
-                 f"{THRESHOLD}, RULER's threshold over its 13 tasks with QA): "
-                 + (format_tokens(eff) if eff else "none of the lengths"))
+    lines.append(
+        f"effective length (average of these {len(result['scores'])} tasks >= "
+        f"{THRESHOLD}, RULER's threshold over its 13 tasks with QA): "
+        + (format_tokens(eff) if eff else "none of the lengths")
+    )
     if result.get("complete") is False:
-        lines.append(f"\n**incomplete: the {len(result['samples'])} prompts scored so far; "
-                     "the run goes on or stopped**")
+        lines.append(
+            f"\n**incomplete: the {len(result['samples'])} prompts scored so far; "
+            "the run goes on or stopped**"
+        )
     return "\n".join(lines)
 
 
@@ -142,8 +186,10 @@ def heatmap(path: str, result: dict, title: str) -> None:
     """PNG: score per task (rows, then the average) and length (columns)."""
     plt = report.pyplot()
     lengths, tasks = list(result["average"]), list(result["scores"])
-    grid = np.asarray([[result["scores"][t].get(n, np.nan) for n in lengths] for t in tasks]
-                      + [[result["average"][n] for n in lengths]])
+    grid = np.asarray(
+        [[result["scores"][t].get(n, np.nan) for n in lengths] for t in tasks]
+        + [[result["average"][n] for n in lengths]]
+    )
     fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 3.5, 0.4 * len(grid) + 1.8))
     im = ax.imshow(grid, vmin=0.0, vmax=100.0, cmap="RdYlGn", aspect="auto")
     ax.set_xticks(range(len(lengths)), [format_tokens(n) for n in lengths])
@@ -151,8 +197,14 @@ def heatmap(path: str, result: dict, title: str) -> None:
     ax.set_xlabel("context length (tokens)")
     for i in range(len(grid)):
         for j in range(len(lengths)):
-            ax.text(j, i, "-" if np.isnan(grid[i, j]) else f"{grid[i, j]:.0f}", ha="center",
-                    va="center", fontsize=8)
+            ax.text(
+                j,
+                i,
+                "-" if np.isnan(grid[i, j]) else f"{grid[i, j]:.0f}",
+                ha="center",
+                va="center",
+                fontsize=8,
+            )
     fig.colorbar(im, ax=ax, label="score (%)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
@@ -161,18 +213,27 @@ def heatmap(path: str, result: dict, title: str) -> None:
 
 # -- command line -------------------------------------------------------------------------------
 
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The task's flags (beside `add_model_arguments`')."""
     ap.add_argument("--lengths", default="4k,8k,16k", help="comma-separated, e.g. 1k,2k,4k")
-    ap.add_argument("--tasks", default="all",
-                    help=f"comma-separated of {', '.join(ruler.TASKS)} (default: all)")
+    ap.add_argument(
+        "--tasks", default="all", help=f"comma-separated of {', '.join(ruler.TASKS)} (default: all)"
+    )
     ap.add_argument("--samples", type=int, default=20, help="prompts per (task, length)")
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--chat", choices=["tokenizer"], default=None,
-                    help="prompts as a user turn of the tokenizer's chat template (default: "
-                         "RULER's base form)")
-    ap.add_argument("--batch-size", type=int, default=None,
-                    help="prompts per prefill (rounded up to the mesh's dp x fsdp)")
+    ap.add_argument(
+        "--chat",
+        choices=["tokenizer"],
+        default=None,
+        help="prompts as a user turn of the tokenizer's chat template (default: RULER's base form)",
+    )
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="prompts per prefill (rounded up to the mesh's dp x fsdp)",
+    )
 
 
 def parse_args(argv=None, prog: str | None = None):
@@ -183,8 +244,9 @@ def task_names(flag: str) -> list[str]:
     names = list(ruler.TASKS) if flag == "all" else [t.strip() for t in flag.split(",")]
     unknown = [t for t in names if t not in ruler.TASKS]
     if unknown:
-        raise StartupError(f"--tasks: unknown task {unknown[0]!r}; use {', '.join(ruler.TASKS)}"
-                           " or all")
+        raise StartupError(
+            f"--tasks: unknown task {unknown[0]!r}; use {', '.join(ruler.TASKS)} or all"
+        )
     return names
 
 
@@ -203,33 +265,54 @@ def _evaluate(args) -> tuple[dict, dict, str]:
     except ConfigError as e:
         raise StartupError(f"--chat {args.chat}: {e}") from None
     made = prompts(model.tokenizer, form, tasks, lengths, args.samples, args.seed)
-    meta = dict(model=model.name, mesh=dict(model.mesh.shape), layout=model.attention.layout,
-                strategy=model.attention.strategy, form=args.chat or "base",
-                samples_per_cell=args.samples, seed=args.seed, lengths=lengths,
-                threshold=THRESHOLD, haystack="Python reference documentation (pydoc_data)")
+    meta = dict(
+        model=model.name,
+        mesh=dict(model.mesh.shape),
+        layout=model.attention.layout,
+        strategy=model.attention.strategy,
+        form=args.chat or "base",
+        samples_per_cell=args.samples,
+        seed=args.seed,
+        lengths=lengths,
+        threshold=THRESHOLD,
+        haystack="Python reference documentation (pydoc_data)",
+    )
 
     def write_so_far(partial: dict) -> None:
         partial = dict(partial, complete=False)
         try:
-            _write(args.out, partial, meta, markdown_table(partial),
-                   f"RULER (incomplete): {model.name}")
+            _write(
+                args.out,
+                partial,
+                meta,
+                markdown_table(partial),
+                f"RULER (incomplete): {model.name}",
+            )
         except OSError as e:
-            log.warning("could not write the report so far into %s (%s); it is tried again "
-                        "after the next cell", args.out, e.strerror or e)
+            log.warning(
+                "could not write the report so far into %s (%s); it is tried again "
+                "after the next cell",
+                args.out,
+                e.strerror or e,
+            )
 
-    result = dict(evaluate(model, form, made, batch_size=args.batch_size,
-                           measured=write_so_far), complete=True)
+    result = dict(
+        evaluate(model, form, made, batch_size=args.batch_size, measured=write_so_far),
+        complete=True,
+    )
     return result, meta, markdown_table(result)
 
 
 def _write(folder: str, result: dict, meta: dict, table: str, title: str) -> None:
-    report.write_files(folder, TASK, table, dict(meta, **result),
-                       lambda path: heatmap(path, result, title))
+    report.write_files(
+        folder, TASK, table, dict(meta, **result), lambda path: heatmap(path, result, title)
+    )
 
 
 def _save(args, result: dict, meta: dict, table: str, title: str) -> int:
-    return report.save_report(args.out, TASK,
-                              lambda folder: _write(folder, result, meta, table, title))
+    return report.save_report(
+        args.out, TASK, lambda folder: _write(folder, result, meta, table, title)
+    )
 
 
 def _run(args) -> int:
@@ -241,9 +324,20 @@ def _run(args) -> int:
 def gate_argv(workdir: str, spec: dict) -> list[str]:
     """The `python -m lclm.eval ruler` flags that score a stage gate's RULER subset (`spec`:
     lclm.config.stages.gate_ruler's) on the stage's final checkpoint in `workdir`."""
-    argv = ["--checkpoint", workdir, "--lengths", str(spec["length"]),
-            "--tasks", spec["tasks"], "--samples", str(spec["samples"]),
-            "--seed", str(spec["seed"]), "--out", storage.join(workdir, "ruler_gate")]
+    argv = [
+        "--checkpoint",
+        workdir,
+        "--lengths",
+        str(spec["length"]),
+        "--tasks",
+        spec["tasks"],
+        "--samples",
+        str(spec["samples"]),
+        "--seed",
+        str(spec["seed"]),
+        "--out",
+        storage.join(workdir, "ruler_gate"),
+    ]
     if spec["chat"]:
         argv += ["--chat", spec["chat"]]
     if spec["batch_size"]:

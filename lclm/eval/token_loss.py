@@ -35,11 +35,16 @@ def token_losses(c: ModelConfig, a: AttentionConfig, mesh, params, batch: dict):
     layout order. The output weights are cast to the compute dtype and the logits
     accumulate in float32, as in training's `blockwise_cross_entropy`.
     """
-    constrain = ((lambda x, axes: x) if mesh is None else
-                 (lambda x, axes: lax.with_sharding_constraint(
-                     x, logical_sharding(mesh, axes, x.shape))))
-    h = decoder.hidden_states(c, params, batch["tokens"], batch["positions"],
-                            batch["segment_ids"], mesh=mesh, attention=a)
+    constrain = (
+        (lambda x, axes: x)
+        if mesh is None
+        else (
+            lambda x, axes: lax.with_sharding_constraint(x, logical_sharding(mesh, axes, x.shape))
+        )
+    )
+    h = decoder.hidden_states(
+        c, params, batch["tokens"], batch["positions"], batch["segment_ids"], mesh=mesh, attention=a
+    )
     # FSDP gathers the weights along D; V stays split over tp, as in training's loss
     w = constrain(decoder.output_weights(c, params), ("act_embed", "act_vocab"))
     n_shards = 1 if mesh is None else mesh.shape["sp"]

@@ -111,12 +111,13 @@ def _check_ruler(run: RunConfig, tokenizer: Tokenizer, final: int) -> None:
     tasks = [t.strip() for t in run.extension.ruler_tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in ruler.TASKS]
     if unknown:
-        raise ConfigError(f"extension.ruler_tasks: {unknown[0]!r} is not a RULER task; use "
-                          f"some of {', '.join(ruler.TASKS)}")
+        raise ConfigError(
+            f"extension.ruler_tasks: {unknown[0]!r} is not a RULER task; use "
+            f"some of {', '.join(ruler.TASKS)}"
+        )
     if tasks:
         try:
-            form = ruler.prompt_form(tokenizer, "tokenizer" if run.extension.ruler_chat
-                                     else None)
+            form = ruler.prompt_form(tokenizer, "tokenizer" if run.extension.ruler_chat else None)
             for task in tasks:
                 ruler.sample(task, tokenizer, form, final, 0, 0)
         except ValueError as e:
@@ -128,14 +129,14 @@ class Extension:
 
     def __init__(self, config, out: str | None, command: str):
         if config.model.init_from_hf:
-            apply_hf_shapes(config)   # every stage validates against the real model shape
-        configs = validate_stages(config, len(jax.devices())) if stage_configs(config) \
-            else [config]
+            apply_hf_shapes(config)  # every stage validates against the real model shape
+        configs = validate_stages(config, len(jax.devices())) if stage_configs(config) else [config]
         self.config = config
         self.stages = [run_config(c) for c in configs]
         self.first, self.last = self.stages[0], self.stages[-1]
-        self.lengths: Lengths = extension_lengths(self.first, self.stages,
-                                                  starting_length(self.first))
+        self.lengths: Lengths = extension_lengths(
+            self.first, self.stages, starting_length(self.first)
+        )
         self.out = out or storage.join(config.workdir, "extension")
         self.command = command
         self.parts = parts(self.first, self.stages, self.lengths)
@@ -147,7 +148,7 @@ class Extension:
         self.selection: dict = {}
         self.status: dict[str, dict] = {}
         self.reports: dict[str, dict] = {}
-        self.halted = ""   # why the training stopped, if it did
+        self.halted = ""  # why the training stopped, if it did
 
     # -- before anything runs ---------------------------------------------------------------
 
@@ -159,20 +160,34 @@ class Extension:
         started = time.perf_counter()
         _, held = heldout.counted(self.config)
         source = held.source
-        print(f"held-out documents of {source} ({held.read} read, the longest "
-              f"{held.longest:,} tokens; {time.perf_counter() - started:.0f} s):")
+        print(
+            f"held-out documents of {source} ({held.read} read, the longest "
+            f"{held.longest:,} tokens; {time.perf_counter() - started:.0f} s):"
+        )
         for line in held.lines():
             print(f"  {line}")
         heldout.check_counts(held, ext.documents)
-        self.held = dict(source=source, counts={str(n): c for n, c in held.counts.items()},
-                         read=held.read, longest=held.longest, needed=ext.documents)
+        self.held = dict(
+            source=source,
+            counts={str(n): c for n, c in held.counts.items()},
+            read=held.read,
+            longest=held.longest,
+            needed=ext.documents,
+        )
         # the kept documents are rewritten when what selects them changed
-        self.selection = dict(source=source, tokenizer=self.first.data.tokenizer,
-                              lengths=sorted(held.counts), documents=ext.documents,
-                              kept=len(held.kept))
+        self.selection = dict(
+            source=source,
+            tokenizer=self.first.data.tokenizer,
+            lengths=sorted(held.counts),
+            documents=ext.documents,
+            kept=len(held.kept),
+        )
         selection = storage.join(self.out, "heldout.json")
-        if not (storage.isdir(self.heldout_dir) and storage.isfile(selection)
-                and json.loads(storage.read_text(selection)) == self.selection):
+        if not (
+            storage.isdir(self.heldout_dir)
+            and storage.isfile(selection)
+            and json.loads(storage.read_text(selection)) == self.selection
+        ):
             heldout.write(held, self.heldout_dir, tokenizer)
             write_json(selection, self.selection)
         self.counts = held.counts
@@ -202,11 +217,17 @@ class Extension:
                     f"--budget-minutes {budget_minutes:g} does not hold the main question: "
                     f"{part.what} would end at an expected {(taken + seconds) / 60:.1f} min; "
                     "train fewer steps (train.steps, per stage), measure fewer documents "
-                    "(extension.documents) or allow more minutes")
-            self.status[part.key] = dict(expected=round(seconds, 1), how=how,
-                                         status="to run" if fits else "left for the next run")
-            print(f"  {part.what}: {seconds / 60:.1f} min ({how})"
-                  + ("" if fits else ": past the budget, left for the next run"))
+                    "(extension.documents) or allow more minutes"
+                )
+            self.status[part.key] = dict(
+                expected=round(seconds, 1),
+                how=how,
+                status="to run" if fits else "left for the next run",
+            )
+            print(
+                f"  {part.what}: {seconds / 60:.1f} min ({how})"
+                + ("" if fits else ": past the budget, left for the next run")
+            )
         print(f"  in all: {total / 60:.1f} min; within the budget: {taken / 60:.1f} min")
         return total
 
@@ -224,9 +245,10 @@ class Extension:
         path = storage.join(self.out, "extension.json")
         if not storage.isfile(path):
             return {}
-        return {p["key"]: {k: v for k, v in p.items()
-                           if k in ("expected", "how", "seconds", "status")}
-                for p in json.loads(storage.read_text(path)).get("parts", [])}
+        return {
+            p["key"]: {k: v for k, v in p.items() if k in ("expected", "how", "seconds", "status")}
+            for p in json.loads(storage.read_text(path)).get("parts", [])
+        }
 
     def _done(self, part: Part) -> bool:
         if part.task == TRAIN:
@@ -238,9 +260,17 @@ class Extension:
 
     def _stamp(self, part: Part) -> dict:
         """What an evaluation part is measured with: its flags and the held-out selection."""
-        return dict(argv=eval_argv(part, self.first, self.last, self.lengths,
-                                   storage.join(self.out, "parts", part.key), self.heldout_dir),
-                    heldout=self.selection)
+        return dict(
+            argv=eval_argv(
+                part,
+                self.first,
+                self.last,
+                self.lengths,
+                storage.join(self.out, "parts", part.key),
+                self.heldout_dir,
+            ),
+            heldout=self.selection,
+        )
 
     # -- running ----------------------------------------------------------------------------
 
@@ -252,9 +282,12 @@ class Extension:
             state = self.status[part.key]
             if state["status"] in ("done", "left for the next run"):
                 continue
-            left = (math.inf if budget_minutes is None
-                    else 60 * budget_minutes - (time.monotonic() - started))
-            if self.halted:   # a gate, a preemption: what stopped the training stops the run
+            left = (
+                math.inf
+                if budget_minutes is None
+                else 60 * budget_minutes - (time.monotonic() - started)
+            )
+            if self.halted:  # a gate, a preemption: what stopped the training stops the run
                 state["status"] = "not run: the training stopped"
             elif state["expected"] > left:
                 state["status"] = "left for the next run: the budget's remainder is shorter"
@@ -283,8 +316,10 @@ class Extension:
                 self.halted = str(e)
                 return f"stopped: {e}"
             if not _trained(self.stages):
-                self.halted = "the training stopped before its last stage's end; run the " \
-                              "same command to resume"
+                self.halted = (
+                    "the training stopped before its last stage's end; run the "
+                    "same command to resume"
+                )
                 return "stopped"
             return "done"
         stamp = self._stamp(part)
@@ -307,12 +342,26 @@ class Extension:
         measured = Measured(self.parts, self.reports)
         verdicts = judge(self.first.targets, self.lengths, measured)
         start = self.first.model.init_from_hf or self.first.model.init_from_checkpoint
-        title = (f"Context extension of {storage.basename(start)}: "
-                 f"{format_tokens(self.lengths.trained)} -> {format_tokens(self.lengths.final)}")
-        report.write(self.out, title, self.lengths, self.parts, self.status, self.held,
-                     verdicts, measured, self.command,
-                     dict(workdir=self.config.workdir, jax=jax.__version__,
-                          device=jax.devices()[0].device_kind))
+        title = (
+            f"Context extension of {storage.basename(start)}: "
+            f"{format_tokens(self.lengths.trained)} -> {format_tokens(self.lengths.final)}"
+        )
+        report.write(
+            self.out,
+            title,
+            self.lengths,
+            self.parts,
+            self.status,
+            self.held,
+            verdicts,
+            measured,
+            self.command,
+            dict(
+                workdir=self.config.workdir,
+                jax=jax.__version__,
+                device=jax.devices()[0].device_kind,
+            ),
+        )
         return verdicts
 
 
@@ -332,14 +381,19 @@ def extend(config, args, command: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__)
-    parser.add_argument("--budget-minutes", type=float, default=None,
-                        help="refuse a plan expected to take longer; skip the parts that no "
-                             "longer fit while it runs")
-    parser.add_argument("--out", help="the report's folder (default: the workdir's "
-                                      "extension/)")
-    parser.add_argument("--plan", action="store_true",
-                        help="check, count the held-out documents, print the time plan; run "
-                             "nothing")
+    parser.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=None,
+        help="refuse a plan expected to take longer; skip the parts that no "
+        "longer fit while it runs",
+    )
+    parser.add_argument("--out", help="the report's folder (default: the workdir's extension/)")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="check, count the held-out documents, print the time plan; run nothing",
+    )
     given = sys.argv[1:] if argv is None else list(argv)
 
     def body() -> int:

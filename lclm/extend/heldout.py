@@ -36,6 +36,7 @@ MAX_READ = 4096
 class HeldOut:
     """What the held-out source holds: `counts[L]` documents of at least L + 1 tokens among
     the `read` first ones, and the documents kept for the evaluation (ids, loss flags)."""
+
     source: str
     counts: dict[int, int]
     read: int
@@ -44,33 +45,37 @@ class HeldOut:
     malformed: int = 0
 
     def lines(self) -> list[str]:
-        return [f"{format_tokens(n)}: {c} documents of at least {n + 1:,} tokens"
-                for n, c in self.counts.items()]
+        return [
+            f"{format_tokens(n)}: {c} documents of at least {n + 1:,} tokens"
+            for n, c in self.counts.items()
+        ]
 
 
 def heldout_source(run: RunConfig) -> str:
     """extension.data, else validation.path; neither is one line."""
     source = run.extension.data or run.validation.path
     if not source:
-        raise ConfigError("an extension is measured on held-out long documents: set "
-                          "extension.data (or validation.path), e.g. code-heldout:DIR")
+        raise ConfigError(
+            "an extension is measured on held-out long documents: set "
+            "extension.data (or validation.path), e.g. code-heldout:DIR"
+        )
     return source
 
 
-def count(source: str, tokenizer: Tokenizer, lengths: list[int], needed: int,
-          text_field: str = "text") -> HeldOut:
+def count(
+    source: str, tokenizer: Tokenizer, lengths: list[int], needed: int, text_field: str = "text"
+) -> HeldOut:
     """Read the held-out documents of `source` (the data.path syntax, one source) and count
     them at each of `lengths`; keep the first `needed` long enough at each."""
     entry = data_source("extension.data", source)
     stats = SourceStats()
-    docs = open_documents(entry.kind, entry.path, tokenizer, text_field=text_field,
-                          stats=stats)
+    docs = open_documents(entry.kind, entry.path, tokenizer, text_field=text_field, stats=stats)
     counts = dict.fromkeys(sorted(lengths), 0)
     top = max(lengths) + 1
     kept, read, longest = [], 0, 0
     for i in range(min(len(docs), MAX_READ)):
         doc = docs[i]
-        if doc is None:   # malformed: counted in stats
+        if doc is None:  # malformed: counted in stats
             continue
         read += 1
         tokens, loss = doc
@@ -91,8 +96,13 @@ def counted(config) -> tuple[Lengths, HeldOut]:
     lengths = extension_lengths(first, stages, starting_length(first))
     # each earlier stage's weights are measured at its own length too
     measured = sorted(set(lengths.perplexity) | {s.data.seq_len for s in stages})
-    held = count(heldout_source(first), Tokenizer(first.data.tokenizer), measured,
-                 first.extension.documents, first.data.text_field)
+    held = count(
+        heldout_source(first),
+        Tokenizer(first.data.tokenizer),
+        measured,
+        first.extension.documents,
+        first.data.text_field,
+    )
     return lengths, held
 
 
@@ -101,8 +111,11 @@ def is_extension(config) -> bool:
     its held-out data named (extension.data; a recipe that only validates on some data is not
     held to the extension's document counts)."""
     model = config.model
-    return bool(stage_configs(config) and (model.init_from_hf or model.init_from_checkpoint)
-                and config.extension.data)
+    return bool(
+        stage_configs(config)
+        and (model.init_from_hf or model.init_from_checkpoint)
+        and config.extension.data
+    )
 
 
 def preflight(config) -> tuple[bool, str]:
@@ -114,9 +127,11 @@ def preflight(config) -> tuple[bool, str]:
     except ConfigError as e:
         return False, f"FAIL held-out documents for python -m lclm.extend: {e}"
     counts = ", ".join(f"{format_tokens(n)} {c}" for n, c in held.counts.items())
-    return True, (f"ok   held-out documents for python -m lclm.extend in {held.source}, per "
-                  f"length (at least extension.documents={config.extension.documents}): "
-                  f"{counts}")
+    return True, (
+        f"ok   held-out documents for python -m lclm.extend in {held.source}, per "
+        f"length (at least extension.documents={config.extension.documents}): "
+        f"{counts}"
+    )
 
 
 def check_counts(held: HeldOut, needed: int) -> None:
@@ -128,7 +143,8 @@ def check_counts(held: HeldOut, needed: int) -> None:
                 f"held-out documents of at least {n + 1:,} tokens, and {held.source} holds {c} "
                 f"(of {held.read} read; the longest holds {held.longest:,}): use longer "
                 "held-out documents (extension.data), fewer (extension.documents) or leave "
-                f"{format_tokens(n)} out of extension.lengths")
+                f"{format_tokens(n)} out of extension.lengths"
+            )
 
 
 def write(held: HeldOut, out: str, tokenizer: Tokenizer) -> dict:

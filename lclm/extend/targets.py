@@ -17,8 +17,8 @@ from lclm.extend.plan import AFTER, BEFORE, YARN, Lengths, Part
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     name: str
-    met: bool | None   # None: not measured
-    line: str          # the numbers, against the target
+    met: bool | None  # None: not measured
+    line: str  # the numbers, against the target
 
     @property
     def word(self) -> str:
@@ -40,8 +40,7 @@ class Measured:
     def perplexity(self, model: str, length: int) -> dict | None:
         """The perplexity report's entry of `length` (loss, buckets, documents)."""
         found = self.report("perplexity", model, length)
-        entry = next((r for r in (found or {}).get("lengths", []) if r["length"] == length),
-                     None)
+        entry = next((r for r in (found or {}).get("lengths", []) if r["length"] == length), None)
         return entry if entry and entry.get("loss") is not None else None
 
     def loss(self, model: str, length: int) -> float | None:
@@ -63,8 +62,9 @@ class Measured:
         found = self.report("passkey", model, length)
         if not found:
             return None
-        cells = sorted((c for c in found["cells"] if c["length"] == length),
-                       key=lambda c: c["depth_bin"])
+        cells = sorted(
+            (c for c in found["cells"] if c["length"] == length), key=lambda c: c["depth_bin"]
+        )
         return [c["accuracy"] for c in cells] or None
 
     def ruler(self, model: str, length: int) -> float | None:
@@ -96,23 +96,39 @@ def judge(targets: Targets, lengths: Lengths, m: Measured) -> list[Verdict]:
         near = m.range_loss(AFTER, final, lengths.near)
         name = f"loss over positions {_span(lengths.far)} vs {_span(lengths.near)}"
         if far is None or near is None:
-            out.append(Verdict(name, None, f"after training at {format_tokens(final)}: not "
-                                           "measured"))
+            out.append(
+                Verdict(name, None, f"after training at {format_tokens(final)}: not measured")
+            )
         else:
             ratio = far / near
             was_far = m.range_loss(BEFORE, final, lengths.far)
             was_near = m.range_loss(BEFORE, final, lengths.near)
-            was = (f"; the starting weights {was_far / was_near:.3f}"
-                   if was_far is not None and was_near else "")
-            out.append(Verdict(name, ratio <= targets.far_near,
-                               f"{far:.4f} / {near:.4f} = {ratio:.3f} (at most "
-                               f"{targets.far_near:g}){was}"))
+            was = (
+                f"; the starting weights {was_far / was_near:.3f}"
+                if was_far is not None and was_near
+                else ""
+            )
+            out.append(
+                Verdict(
+                    name,
+                    ratio <= targets.far_near,
+                    f"{far:.4f} / {near:.4f} = {ratio:.3f} (at most {targets.far_near:g}){was}",
+                )
+            )
     if targets.passkey >= 0:
         acc = m.passkey(AFTER, final)
-        out.append(_at_least(
-            f"passkey at {format_tokens(final)}, every depth", targets.passkey,
-            None if acc is None else (min(acc), f"lowest bin {min(acc):.2f}, all "
-                                                f"{', '.join(f'{a:.2f}' for a in acc)}")))
+        out.append(
+            _at_least(
+                f"passkey at {format_tokens(final)}, every depth",
+                targets.passkey,
+                None
+                if acc is None
+                else (
+                    min(acc),
+                    f"lowest bin {min(acc):.2f}, all {', '.join(f'{a:.2f}' for a in acc)}",
+                ),
+            )
+        )
     if targets.short_loss >= 0:
         before, after = m.loss(BEFORE, short), m.loss(AFTER, short)
         name = f"loss at {format_tokens(short)} kept"
@@ -120,13 +136,23 @@ def judge(targets: Targets, lengths: Lengths, m: Measured) -> list[Verdict]:
             out.append(Verdict(name, None, "not measured"))
         else:
             change = after / before - 1
-            out.append(Verdict(name, change <= targets.short_loss,
-                               f"{before:.4f} -> {after:.4f} ({change:+.2%}, at most "
-                               f"{targets.short_loss:+.2%})"))
+            out.append(
+                Verdict(
+                    name,
+                    change <= targets.short_loss,
+                    f"{before:.4f} -> {after:.4f} ({change:+.2%}, at most "
+                    f"{targets.short_loss:+.2%})",
+                )
+            )
     if targets.ruler >= 0:
         score = m.ruler(AFTER, final)
-        out.append(_at_least(f"RULER subset at {format_tokens(final)}", targets.ruler,
-                             None if score is None else (score, f"{score:.1f}")))
+        out.append(
+            _at_least(
+                f"RULER subset at {format_tokens(final)}",
+                targets.ruler,
+                None if score is None else (score, f"{score:.1f}"),
+            )
+        )
     if targets.beat_yarn:
         yarn, after = m.loss(YARN, final), m.loss(AFTER, final)
         name = f"loss at {format_tokens(final)} below YaRN's"
@@ -135,6 +161,11 @@ def judge(targets: Targets, lengths: Lengths, m: Measured) -> list[Verdict]:
         else:
             before = m.loss(BEFORE, final)
             plain = "" if before is None else f" ({before:.4f} with neither)"
-            out.append(Verdict(name, after < yarn and math.isfinite(after),
-                               f"{after:.4f} trained vs {yarn:.4f} with YaRN{plain}"))
+            out.append(
+                Verdict(
+                    name,
+                    after < yarn and math.isfinite(after),
+                    f"{after:.4f} trained vs {yarn:.4f} with YaRN{plain}",
+                )
+            )
     return out

@@ -41,8 +41,8 @@ STAGE_START_SECONDS = 30.0
 
 @dataclasses.dataclass(frozen=True)
 class Rate:
-    flops: float   # FLOP/s the plan assumes for the whole mesh
-    how: str       # how it was found, one line
+    flops: float  # FLOP/s the plan assumes for the whole mesh
+    how: str  # how it was found, one line
 
 
 def _cpu_matmul_flops(seconds: float = 1.0) -> float:
@@ -55,7 +55,7 @@ def _cpu_matmul_flops(seconds: float = 1.0) -> float:
     while time.perf_counter() - start < seconds:
         f(a).block_until_ready()
         runs += 1
-    return 2 * n ** 3 * runs / (time.perf_counter() - start)
+    return 2 * n**3 * runs / (time.perf_counter() - start)
 
 
 def device_rate(run: RunConfig, devices: int) -> Rate:
@@ -63,16 +63,20 @@ def device_rate(run: RunConfig, devices: int) -> Rate:
     name, mfu = run.extension.device.strip().lower(), run.extension.mfu
     if name:
         if name not in BY_NAME:
-            raise ConfigError(f"extension.device={name!r} is not a chip lclm knows; use one of "
-                              f"{', '.join(BY_NAME)} (or empty: this machine's)")
+            raise ConfigError(
+                f"extension.device={name!r} is not a chip lclm knows; use one of "
+                f"{', '.join(BY_NAME)} (or empty: this machine's)"
+            )
         peak, what = BY_NAME[name].peak_flops * devices, f"{devices} x {name}"
     else:
         device = jax.devices()[0]
         found = peak_flops(device.device_kind)
-        if found is None:   # simulated CPU devices share the host's cores
+        if found is None:  # simulated CPU devices share the host's cores
             measured = _cpu_matmul_flops()
-            return Rate(mfu * measured, f"this CPU: {measured / 1e9:.0f} GFLOP/s measured "
-                                        f"(float32 matmul) x mfu {mfu:g}")
+            return Rate(
+                mfu * measured,
+                f"this CPU: {measured / 1e9:.0f} GFLOP/s measured (float32 matmul) x mfu {mfu:g}",
+            )
         peak, what = found * devices, f"{devices} x {device.device_kind}"
     return Rate(mfu * peak, f"{what}: {peak / 1e12:.0f} TFLOP/s peak x mfu {mfu:g}")
 
@@ -105,8 +109,10 @@ def _train(stage: RunConfig, rate: Rate, compile_s: float) -> tuple[float, str]:
     if measured:
         step, how = statistics.median(measured), "its measured steps"
     else:
-        step, how = (data.batch_size * data.seq_len * flops_per_token(model, data.seq_len)
-                     / rate.flops), "FLOPs"
+        step, how = (
+            (data.batch_size * data.seq_len * flops_per_token(model, data.seq_len) / rate.flops),
+            "FLOPs",
+        )
     # the parameters and Adam's two float32 moments
     state = param_count(model) * (DTYPE_BYTES[model.param_dtype] + 8)
     saves = 1 + (left // stage.checkpoint.every if stage.checkpoint.every else 0)
@@ -114,15 +120,24 @@ def _train(stage: RunConfig, rate: Rate, compile_s: float) -> tuple[float, str]:
     if stage.validation.path:
         times = 1 + left // stage.validation.every + stage.validation.at_start
         lengths = validation_lengths(data.seq_len, stage.validation.lengths)
-        held_out = times * sum(stage.validation.batches * data.batch_size * _forward(model, n)
-                               / rate.flops for n in lengths) + compile_s * len(lengths)
-    seconds = (STAGE_START_SECONDS + _load(model) + compile_s + left * step
-               + saves * state / SAVE_BYTES_PER_SECOND + held_out)
+        held_out = times * sum(
+            stage.validation.batches * data.batch_size * _forward(model, n) / rate.flops
+            for n in lengths
+        ) + compile_s * len(lengths)
+    seconds = (
+        STAGE_START_SECONDS
+        + _load(model)
+        + compile_s
+        + left * step
+        + saves * state / SAVE_BYTES_PER_SECOND
+        + held_out
+    )
     return seconds, f"{left} steps of {step:.2f} s ({how}), {saves} saves"
 
 
-def expected_seconds(part: Part, first: RunConfig, stage: RunConfig | None, rate: Rate,
-                     documents: dict[int, int]) -> tuple[float, str]:
+def expected_seconds(
+    part: Part, first: RunConfig, stage: RunConfig | None, rate: Rate, documents: dict[int, int]
+) -> tuple[float, str]:
     """(seconds, how) part `part` is expected to take; `stage` is the stage a training part
     trains (the last stage for evaluations: its model shape), `documents` the held-out
     documents read at each length."""
@@ -139,15 +154,18 @@ def expected_seconds(part: Part, first: RunConfig, stage: RunConfig | None, rate
             how.append(f"{docs} documents")
         elif part.task == "passkey":
             prompts = ext.passkey_depths * ext.passkey_samples
-            seconds += 2 * compile_s + prompts * (_forward(model, n) / rate.flops
-                                                 + PASSKEY_NEW_TOKENS * _decode(model, n, rate))
+            seconds += 2 * compile_s + prompts * (
+                _forward(model, n) / rate.flops + PASSKEY_NEW_TOKENS * _decode(model, n, rate)
+            )
             how.append(f"{prompts} prompts")
         else:
             tasks = [t.strip() for t in ext.ruler_tasks.split(",") if t.strip()]
             budgets = [RULER_TASKS[task].budget for task in tasks]
             # one prefill and one decode program per answer budget (tasks share them)
             seconds += 2 * compile_s * len(set(budgets)) + sum(
-                ext.ruler_samples * (_forward(model, n) / rate.flops
-                                     + budget * _decode(model, n, rate)) for budget in budgets)
+                ext.ruler_samples
+                * (_forward(model, n) / rate.flops + budget * _decode(model, n, rate))
+                for budget in budgets
+            )
             how.append(f"{len(tasks)} tasks x {ext.ruler_samples} prompts")
     return seconds, ", ".join(how)

@@ -9,8 +9,9 @@ A new family is a module defining `FAMILY` and its line in `FAMILIES`.
 from lclm.families import llama, mistral, qwen2, qwen3
 from lclm.families.contract import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
-                                                   mistral.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY)
+}
 
 
 def get_family(name: str) -> Family:

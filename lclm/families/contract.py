@@ -15,17 +15,26 @@ from types import MappingProxyType
 from typing import Any
 
 # lclm's layer parameter -> the HuggingFace tensor name of layer i (after `model.layers.{i}.`)
-LLAMA_LAYER_NAMES = MappingProxyType({
-    "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
-    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
-    "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
-    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
-    "w_down": "mlp.down_proj.weight"})
+LLAMA_LAYER_NAMES = MappingProxyType(
+    {
+        "attn_norm": "input_layernorm.weight",
+        "ffn_norm": "post_attention_layernorm.weight",
+        "wq": "self_attn.q_proj.weight",
+        "wk": "self_attn.k_proj.weight",
+        "wv": "self_attn.v_proj.weight",
+        "wo": "self_attn.o_proj.weight",
+        "w_gate": "mlp.gate_proj.weight",
+        "w_up": "mlp.up_proj.weight",
+        "w_down": "mlp.down_proj.weight",
+    }
+)
 # the names of the optional parameters (`Family.qkv_bias`, `Family.qk_norm`)
-BIAS_NAMES = MappingProxyType({"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
-                               "bv": "self_attn.v_proj.bias"})
-QK_NORM_NAMES = MappingProxyType({"q_norm": "self_attn.q_norm.weight",
-                                  "k_norm": "self_attn.k_norm.weight"})
+BIAS_NAMES = MappingProxyType(
+    {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
+)
+QK_NORM_NAMES = MappingProxyType(
+    {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +51,7 @@ class Family:
     `attention_bias` (false unless `qkv_bias`; a family without the field ignores it).
     presets: name -> the `config.model` fields of a released model's shape.
     """
+
     name: str
     model_type: str
     architecture: str
@@ -55,8 +65,11 @@ class Family:
     def layer_names(self) -> dict[str, str]:
         """lclm layer parameter -> HF tensor name within `model.layers.{i}.`, every parameter
         this family's layer has."""
-        return {**LLAMA_LAYER_NAMES, **(BIAS_NAMES if self.qkv_bias else {}),
-                **(QK_NORM_NAMES if self.qk_norm else {})}
+        return {
+            **LLAMA_LAYER_NAMES,
+            **(BIAS_NAMES if self.qkv_bias else {}),
+            **(QK_NORM_NAMES if self.qk_norm else {}),
+        }
 
     def hf_default(self, key: str) -> Any:
         return self.hf_defaults.get(key)

@@ -11,8 +11,10 @@ from lclm.errors import StartupError
 
 # the files of a HuggingFace directory that lclm reads: config, tokenizer, safetensors weights
 # and their index (never a pickled *.bin or *.pth, never code)
-_READ = re.compile(r"config\.json|tokenizer\.json|tokenizer_config\.json|tokenizer\.model"
-                   r"|special_tokens_map\.json|.+\.safetensors(\.index\.json)?")
+_READ = re.compile(
+    r"config\.json|tokenizer\.json|tokenizer_config\.json|tokenizer\.model"
+    r"|special_tokens_map\.json|.+\.safetensors(\.index\.json)?"
+)
 
 
 def world_readable(path: str, directory: bool = False) -> None:

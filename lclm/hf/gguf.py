@@ -32,9 +32,17 @@ from lclm.hf.weights import hf_shapes, save
 from lclm.writes import replacing, write_json
 
 # GGUF's name of a block's tensor -> lclm's layer parameter
-_LAYER_TENSORS = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
-                  "attn_output": "wo", "ffn_norm": "ffn_norm", "ffn_gate": "w_gate",
-                  "ffn_up": "w_up", "ffn_down": "w_down"}
+_LAYER_TENSORS = {
+    "attn_norm": "attn_norm",
+    "attn_q": "wq",
+    "attn_k": "wk",
+    "attn_v": "wv",
+    "attn_output": "wo",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "w_gate",
+    "ffn_up": "w_up",
+    "ffn_down": "w_down",
+}
 # llama.cpp's token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED = 3, 4
 # the text splits a byte-level vocabulary was learned with (`tokenizer.ggml.pre`) that lclm
@@ -46,12 +54,13 @@ _CONTROL, _USER_DEFINED = 3, 4
 _SPLIT_DIGITS = {"default": False, "gpt2": False, "smollm": True}
 
 
-
 def _gguf():
     """The `gguf` package, imported when a GGUF file is read: GPU images run lclm from its
     sources without it, and every other conversion does without it."""
     import gguf
+
     return gguf
+
 
 def _is_gguf(path: str) -> bool:
     with open(path, "rb") as f:
@@ -86,6 +95,7 @@ def gguf_file(path: str) -> Iterator[str]:
 def _value(field):
     """The Python value of a `gguf.ReaderField`: a number, bool or str, or a list of them
     (read from its parts, as every `gguf` version can)."""
+
     def one(part, kind):
         if kind == _gguf().GGUFValueType.STRING:
             return bytes(part).decode("utf-8")
@@ -98,8 +108,9 @@ def _value(field):
 
 def read_metadata(reader) -> dict:
     """Every key/value of a `gguf.GGUFReader`'s file, as Python values."""
-    return {name: _value(field) for name, field in reader.fields.items()
-            if not name.startswith("GGUF.")}
+    return {
+        name: _value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")
+    }
 
 
 def _float32(x: float) -> float:
@@ -123,25 +134,35 @@ def config_from_gguf(meta: dict, tied: bool) -> ModelConfig:
 
     scaling = get("rope.scaling.type", "none")
     if scaling != "none":
-        raise HFFormatError(f"llama.rope.scaling.type is {scaling!r}; lclm converts GGUFs "
-                            "without RoPE scaling")
+        raise HFFormatError(
+            f"llama.rope.scaling.type is {scaling!r}; lclm converts GGUFs without RoPE scaling"
+        )
     dim, heads = get("embedding_length"), get("attention.head_count")
     head_dim = get("attention.key_length", dim // heads)
     if get("rope.dimension_count", head_dim) != head_dim:
-        raise HFFormatError("llama.rope.dimension_count differs from the head size; lclm "
-                            "rotates every head dimension")
+        raise HFFormatError(
+            "llama.rope.dimension_count differs from the head size; lclm "
+            "rotates every head dimension"
+        )
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         family="llama",
         vocab_size=get("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or None),
-        dim=dim, n_layers=get("block_count"), n_heads=heads,
-        n_kv_heads=get("attention.head_count_kv", heads), head_dim=head_dim,
+        dim=dim,
+        n_layers=get("block_count"),
+        n_heads=heads,
+        n_kv_heads=get("attention.head_count_kv", heads),
+        head_dim=head_dim,
         ffn_dim=get("feed_forward_length"),
         rope_theta=_float32(get("rope.freq_base", 10000.0)),
-        norm_eps=_float32(get("attention.layer_norm_rms_epsilon")), tie_embeddings=tied,
+        norm_eps=_float32(get("attention.layer_norm_rms_epsilon")),
+        tie_embeddings=tied,
         max_position_embeddings=get("context_length"),
         bos_id=meta.get("tokenizer.ggml.bos_token_id", -1),
-        eos_ids=() if eos is None else (eos,), dtype="float32", param_dtype="float32")
+        eos_ids=() if eos is None else (eos,),
+        dtype="float32",
+        param_dtype="float32",
+    )
 
 
 def _dequantized(tensor) -> np.ndarray:
@@ -149,8 +170,10 @@ def _dequantized(tensor) -> np.ndarray:
     try:
         values = _gguf().quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
-        raise HFFormatError(f"tensor {tensor.name!r} is {tensor.tensor_type.name}, which the "
-                            "gguf package cannot dequantize") from None
+        raise HFFormatError(
+            f"tensor {tensor.name!r} is {tensor.tensor_type.name}, which the "
+            "gguf package cannot dequantize"
+        ) from None
     return np.asarray(values, np.float32).reshape([int(n) for n in tensor.shape[::-1]])
 
 
@@ -187,8 +210,10 @@ def params_from_gguf(reader, c: ModelConfig) -> dict:
             raise HFFormatError(f"the GGUF lacks tensor {name!r}")
         w = _dequantized(tensors[name])
         if w.shape != shapes[hf_name]:
-            raise HFFormatError(f"GGUF tensor {name!r} has shape {list(w.shape)} (rows "
-                                f"first); the metadata implies {list(shapes[hf_name])}")
+            raise HFFormatError(
+                f"GGUF tensor {name!r} has shape {list(w.shape)} (rows "
+                f"first); the metadata implies {list(shapes[hf_name])}"
+            )
         return w
 
     hf_names = get_family(c.family).layer_names()
@@ -197,9 +222,11 @@ def params_from_gguf(reader, c: ModelConfig) -> dict:
         for gguf_name, name in _LAYER_TENSORS.items():
             w = tensor(f"blk.{i}.{gguf_name}.weight", f"model.layers.{i}.{hf_names[name]}")
             layers[name].append(_to_lclm(name, w, c))
-    params = {"embed": tensor("token_embd.weight", "model.embed_tokens.weight"),
-              "final_norm": tensor("output_norm.weight", "model.norm.weight"),
-              "layers": {name: np.stack(ws) for name, ws in layers.items()}}
+    params = {
+        "embed": tensor("token_embd.weight", "model.embed_tokens.weight"),
+        "final_norm": tensor("output_norm.weight", "model.norm.weight"),
+        "layers": {name: np.stack(ws) for name, ws in layers.items()},
+    }
     if not c.tie_embeddings:
         params["lm_head"] = tensor("output.weight", "lm_head.weight").T
     return params
@@ -221,47 +248,74 @@ def tokenizer_from_gguf(meta: dict) -> tuple[str, dict]:
     where the vocabulary's `pre` type does; BOS prepended where `add_bos_token` says."""
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if kind != "gpt2":
-        raise HFFormatError(f"tokenizer.ggml.model is {kind!r}; lclm converts byte-level BPE "
-                            "('gpt2') vocabularies")
+        raise HFFormatError(
+            f"tokenizer.ggml.model is {kind!r}; lclm converts byte-level BPE ('gpt2') vocabularies"
+        )
     if pre not in _SPLIT_DIGITS:
-        raise HFFormatError(f"tokenizer.ggml.pre is {pre!r}; lclm reproduces the splits "
-                            f"{sorted(_SPLIT_DIGITS)}")
+        raise HFFormatError(
+            f"tokenizer.ggml.pre is {pre!r}; lclm reproduces the splits {sorted(_SPLIT_DIGITS)}"
+        )
     if "tokenizer.ggml.tokens" not in meta:
         raise HFFormatError("the GGUF lacks tokenizer.ggml.tokens")
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
     tokens = meta["tokenizer.ggml.tokens"]
-    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
-             for i, t in enumerate(tokens)}
+    vocab = {
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
+        for i, t in enumerate(tokens)
+    }
     merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                  byte_level])
-                         if _SPLIT_DIGITS[pre] else byte_level)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if _SPLIT_DIGITS[pre]
+        else byte_level
+    )
     tok.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type", [])
     # control tokens outside the byte alphabet are llama.cpp mislabels: not matched in text
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types)
-                            if k == _CONTROL and set(t) <= alphabet])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
-    names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
-             "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
-    specials = {name: tokens[meta[f"tokenizer.ggml.{key}"]] for name, key in names.items()
-                if f"tokenizer.ggml.{key}" in meta}
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types)
+            if k == _CONTROL and set(t) <= alphabet
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types)
+            if k == _USER_DEFINED and t in vocab
+        ]
+    )
+    names = {
+        "bos_token": "bos_token_id",
+        "eos_token": "eos_token_id",
+        "unk_token": "unknown_token_id",
+        "pad_token": "padding_token_id",
+    }
+    specials = {
+        name: tokens[meta[f"tokenizer.ggml.{key}"]]
+        for name, key in names.items()
+        if f"tokenizer.ggml.{key}" in meta
+    }
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     if add_bos and "bos_token" in specials:
         bos = specials["bos_token"]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-            special_tokens=[(bos, meta["tokenizer.ggml.bos_token_id"])])
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
-              "add_bos_token": add_bos,
-              "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-              "clean_up_tokenization_spaces": False,
-              "model_max_length": meta.get("llama.context_length")}
+            single=f"{bos} $A",
+            pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, meta["tokenizer.ggml.bos_token_id"])],
+        )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **specials,
+        "add_bos_token": add_bos,
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": meta.get("llama.context_length"),
+    }
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
     return tok.to_str(), config
@@ -275,7 +329,7 @@ def gguf_to_hf(path: str, hf_dir: str) -> list[str]:
     with gguf_file(path) as local:
         try:
             reader = _gguf().GGUFReader(local)
-        except ValueError as e:   # a GGUF version or a layout the reader refuses
+        except ValueError as e:  # a GGUF version or a layout the reader refuses
             raise HFFormatError(f"{path!r}: the gguf package cannot read it ({e})") from None
         meta = read_metadata(reader)
         c = config_from_gguf(meta, tied="output.weight" not in {t.name for t in reader.tensors})

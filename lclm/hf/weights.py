@@ -51,9 +51,22 @@ def _layer_shapes(c: ModelConfig) -> dict:
     parameter of `c`'s family."""
     D, F, Dh = c.dim, c.ffn_dim, c.head_dim
     q, kv = c.n_heads * Dh, c.n_kv_heads * Dh
-    shapes = {"attn_norm": (D,), "ffn_norm": (D,), "wq": (q, D), "wk": (kv, D), "wv": (kv, D),
-              "wo": (D, q), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F),
-              "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (Dh,), "k_norm": (Dh,)}
+    shapes = {
+        "attn_norm": (D,),
+        "ffn_norm": (D,),
+        "wq": (q, D),
+        "wk": (kv, D),
+        "wv": (kv, D),
+        "wo": (D, q),
+        "w_gate": (F, D),
+        "w_up": (F, D),
+        "w_down": (D, F),
+        "bq": (q,),
+        "bk": (kv,),
+        "bv": (kv,),
+        "q_norm": (Dh,),
+        "k_norm": (Dh,),
+    }
     return {name: shapes[name] for name in get_family(c.family).layer_names()}
 
 
@@ -79,30 +92,40 @@ def _weight_files(hf_dir: str) -> list:
         try:
             weight_map = json.loads(raw)["weight_map"]
         except (ValueError, RecursionError, KeyError, TypeError) as e:
-            raise HFFormatError(f"{index!r} has no valid weight_map ({type(e).__name__}: "
-                                f"{e})") from None
+            raise HFFormatError(
+                f"{index!r} has no valid weight_map ({type(e).__name__}: {e})"
+            ) from None
         if not isinstance(weight_map, dict):
             raise HFFormatError(f"{index!r}: weight_map is not a JSON object")
         for tensor, name in weight_map.items():
-            if not (isinstance(name, str) and name.endswith(".safetensors")
-                    and os.path.basename(name) == name):
-                raise HFFormatError(f"{index!r} maps tensor {tensor!r} to {name!r}; lclm reads "
-                                    "only .safetensors files inside the directory")
+            if not (
+                isinstance(name, str)
+                and name.endswith(".safetensors")
+                and os.path.basename(name) == name
+            ):
+                raise HFFormatError(
+                    f"{index!r} maps tensor {tensor!r} to {name!r}; lclm reads "
+                    "only .safetensors files inside the directory"
+                )
             if not os.path.isfile(os.path.join(hf_dir, name)):
-                raise HFFormatError(f"{index!r} maps tensor {tensor!r} to {name!r}, which "
-                                    "does not exist")
+                raise HFFormatError(
+                    f"{index!r} maps tensor {tensor!r} to {name!r}, which does not exist"
+                )
         return [os.path.join(hf_dir, name) for name in sorted(set(weight_map.values()))]
     if os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
         return [os.path.join(hf_dir, "model.safetensors")]
-    raise FileNotFoundError(f"no model.safetensors(.index.json) in {hf_dir!r}; lclm reads "
-                            "safetensors only (never pickled .bin/.pth files)")
+    raise FileNotFoundError(
+        f"no model.safetensors(.index.json) in {hf_dir!r}; lclm reads "
+        "safetensors only (never pickled .bin/.pth files)"
+    )
 
 
 def _damaged(path: str, e: SafetensorError) -> HFFormatError:
     # safetensors quotes tensor names from the file as they are: keep the message one line
     reason = " ".join(str(e).split())
-    return HFFormatError(f"{path!r} is truncated, damaged or not a safetensors file "
-                         f"(safetensors: {reason})")
+    return HFFormatError(
+        f"{path!r} is truncated, damaged or not a safetensors file (safetensors: {reason})"
+    )
 
 
 def _header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -132,16 +155,18 @@ def _locate(hf_dir: str, shapes: dict) -> dict[str, tuple[str, str, tuple[int, .
             raise HFFormatError(f"{hf_dir!r} lacks tensor {name!r}")
         path, dtype, found = where[name]
         if found != shape:
-            raise HFFormatError(f"{path!r}: tensor {name!r} has shape {list(found)} but "
-                                f"config.json implies {list(shape)}")
+            raise HFFormatError(
+                f"{path!r}: tensor {name!r} has shape {list(found)} but "
+                f"config.json implies {list(shape)}"
+            )
         if dtype not in _FLOATS:
-            raise HFFormatError(f"{path!r}: tensor {name!r} is {dtype}; weights must be "
-                                f"{'/'.join(_FLOATS)}")
+            raise HFFormatError(
+                f"{path!r}: tensor {name!r} is {dtype}; weights must be {'/'.join(_FLOATS)}"
+            )
     return {name: where[name] for name in shapes}
 
 
-_NUMPY = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-          "BF16": np.dtype(jnp.bfloat16)}
+_NUMPY = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(jnp.bfloat16)}
 
 
 class _Reader:
@@ -153,7 +178,7 @@ class _Reader:
 
     def __init__(self, where: dict[str, tuple[str, str, tuple[int, ...]]]):
         self.where = where
-        self._headers: dict[str, tuple[int, dict]] = {}   # file -> (data start, header)
+        self._headers: dict[str, tuple[int, dict]] = {}  # file -> (data start, header)
         self._buffer = bytearray()
         self._last: tuple[tuple, np.ndarray] | None = None
 
@@ -181,7 +206,7 @@ class _Reader:
         begin = self._offset(path, name) + kept.start * row
         with open(path, "rb") as f:
             read = f.readinto(view) if f.seek(begin) == begin else 0
-        if read != size:   # the file changed since its header was read
+        if read != size:  # the file changed since its header was read
             raise HFFormatError(f"{path!r} is truncated (tensor {name!r})")
         tensor = np.frombuffer(view, _NUMPY[dtype]).reshape(len(kept), *shape[1:])
         self._last = ((name, kept), tensor)
@@ -198,28 +223,39 @@ def _canonical(c: ModelConfig):
     def layer(suffix):
         return lambda i: _LAYER.format(i=i) + suffix
 
-    def heads_last(w):   # [heads * head_dim, dim] -> [dim, heads, head_dim] (kv heads)
+    def heads_last(w):  # [heads * head_dim, dim] -> [dim, heads, head_dim] (kv heads)
         return w.T.reshape(D, -1, Dh)
 
     def as_is(w):
         return w
 
-    def heads(w):   # [heads * head_dim] -> [heads, head_dim] (a bias)
+    def heads(w):  # [heads * head_dim] -> [heads, head_dim] (a bias)
         return w.reshape(-1, Dh)
 
     # lclm parameter -> (the map from HF rows to its layout, the axes flattening to rows)
-    maps = {"attn_norm": (as_is, (0,)), "ffn_norm": (as_is, (0,)),
-            "q_norm": (as_is, (0,)), "k_norm": (as_is, (0,)),
-            "wq": (heads_last, (1, 2)), "wk": (heads_last, (1, 2)), "wv": (heads_last, (1, 2)),
-            "bq": (heads, (0, 1)), "bk": (heads, (0, 1)), "bv": (heads, (0, 1)),
-            "wo": (lambda w: w.T.reshape(c.n_heads, Dh, -1), (2,)),
-            "w_gate": (np.transpose, (1,)), "w_up": (np.transpose, (1,)),
-            "w_down": (np.transpose, (1,))}
+    maps = {
+        "attn_norm": (as_is, (0,)),
+        "ffn_norm": (as_is, (0,)),
+        "q_norm": (as_is, (0,)),
+        "k_norm": (as_is, (0,)),
+        "wq": (heads_last, (1, 2)),
+        "wk": (heads_last, (1, 2)),
+        "wv": (heads_last, (1, 2)),
+        "bq": (heads, (0, 1)),
+        "bk": (heads, (0, 1)),
+        "bv": (heads, (0, 1)),
+        "wo": (lambda w: w.T.reshape(c.n_heads, Dh, -1), (2,)),
+        "w_gate": (np.transpose, (1,)),
+        "w_up": (np.transpose, (1,)),
+        "w_down": (np.transpose, (1,)),
+    }
     tree = {
         "embed": ("model.embed_tokens.weight", as_is, (0,)),
         "final_norm": ("model.norm.weight", as_is, (0,)),
-        "layers": {name: (layer(hf_name), *maps[name])
-                   for name, hf_name in get_family(c.family).layer_names().items()},
+        "layers": {
+            name: (layer(hf_name), *maps[name])
+            for name, hf_name in get_family(c.family).layer_names().items()
+        },
     }
     if not c.tie_embeddings:
         tree["lm_head"] = ("lm_head.weight", np.transpose, (1,))
@@ -239,7 +275,7 @@ def _rows(shape: tuple, index: tuple, axes: tuple) -> tuple[slice, tuple]:
         return slice(None), index
     kept = range(shape[first])[index[first]]
     inner = math.prod(shape[a] for a in rest)
-    within = (*index[:first], slice(0, len(kept)), *index[first + 1:])
+    within = (*index[:first], slice(0, len(kept)), *index[first + 1 :])
     return slice(kept.start * inner, kept.stop * inner), within
 
 
@@ -248,7 +284,7 @@ def _fill(out: np.ndarray, src: np.ndarray) -> np.ndarray:
     `src` is often a transpose, which numpy copies about 3x faster when the part of it one
     strip reads stays in cache."""
     for a in range(0, out.shape[-1], 256):
-        out[..., a:a + 256] = src[..., a:a + 256]
+        out[..., a : a + 256] = src[..., a : a + 256]
     return out
 
 
@@ -293,7 +329,8 @@ def _load(hf_dir: str, shardings, dtype, overrides: dict):
         if sharding is None:
             return _block(reader, entry, stacked, shape, (slice(None),) * len(shape), dtype)
         return jax.make_array_from_callback(
-            shape, sharding, lambda index: _block(reader, entry, stacked, shape, index, dtype))
+            shape, sharding, lambda index: _block(reader, entry, stacked, shape, index, dtype)
+        )
 
     trees = [_canonical(c), param_shapes(c)] + ([] if shardings is None else [shardings])
     return c, jax.tree_util.tree_map_with_path(build, *trees, is_leaf=_is_entry)
@@ -316,13 +353,16 @@ def _exports(c: ModelConfig, params, dtype) -> dict[str, Callable[[], np.ndarray
         def tensor():
             w = to_hf(_host(get()))
             return _fill(np.empty(w.shape, dtype), w)
+
         return tensor
 
-    def to_rows(w):   # [dim, heads, head_dim] -> [heads * head_dim, dim]
+    def to_rows(w):  # [dim, heads, head_dim] -> [heads * head_dim, dim]
         return w.reshape(c.dim, -1).T
 
-    out = {"model.embed_tokens.weight": read(lambda: params["embed"]),
-           "model.norm.weight": read(lambda: params["final_norm"])}
+    out = {
+        "model.embed_tokens.weight": read(lambda: params["embed"]),
+        "model.norm.weight": read(lambda: params["final_norm"]),
+    }
     if not c.tie_embeddings:
         out["lm_head.weight"] = read(lambda: params["lm_head"], np.transpose)
 
@@ -332,11 +372,18 @@ def _exports(c: ModelConfig, params, dtype) -> dict[str, Callable[[], np.ndarray
     def layer(key: str, i: int) -> Callable[[], object]:
         return lambda: L[key][i]
 
-    to_hf: dict[str, Callable] = {"wq": to_rows, "wk": to_rows, "wv": to_rows,
-                                  "wo": lambda w: w.reshape(-1, c.dim).T,
-                                  "w_gate": np.transpose, "w_up": np.transpose,
-                                  "w_down": np.transpose, "bq": np.ravel, "bk": np.ravel,
-                                  "bv": np.ravel}   # norms: as they are
+    to_hf: dict[str, Callable] = {
+        "wq": to_rows,
+        "wk": to_rows,
+        "wv": to_rows,
+        "wo": lambda w: w.reshape(-1, c.dim).T,
+        "w_gate": np.transpose,
+        "w_up": np.transpose,
+        "w_down": np.transpose,
+        "bq": np.ravel,
+        "bk": np.ravel,
+        "bv": np.ravel,
+    }  # norms: as they are
     names = get_family(c.family).layer_names()
     for i in range(c.n_layers):
         for key, hf_name in names.items():
@@ -356,18 +403,23 @@ def _write_file(path: str, names: list, shapes: dict, exports: dict, dtype: np.d
     end = 0
     for name in names:
         begin, end = end, end + math.prod(shapes[name]) * dtype.itemsize
-        header[name] = {"dtype": _CODES[dtype], "shape": list(shapes[name]),
-                        "data_offsets": [begin, end]}
+        header[name] = {
+            "dtype": _CODES[dtype],
+            "shape": list(shapes[name]),
+            "data_offsets": [begin, end],
+        }
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)   # the tensors' data 8-byte aligned, as safetensors writes
+    raw += b" " * (-len(raw) % 8)  # the tensors' data 8-byte aligned, as safetensors writes
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
         for name in names:
             tensor = exports[name]()
             if tensor.shape != shapes[name]:
-                raise ValueError(f"the parameter exported as {name!r} has shape "
-                                 f"{list(tensor.shape)}; the config implies "
-                                 f"{list(shapes[name])}")
+                raise ValueError(
+                    f"the parameter exported as {name!r} has shape "
+                    f"{list(tensor.shape)}; the config implies "
+                    f"{list(shapes[name])}"
+                )
             f.write(tensor.reshape(-1).view(np.uint8).data)
         f.flush()
         os.fsync(f.fileno())
@@ -386,14 +438,16 @@ def _publish(hf_dir: str, c: ModelConfig, split, write: Callable[[str, list], No
     of an earlier export that this one does not have."""
     make_dir(hf_dir)
     for leftover in glob.glob(os.path.join(glob.escape(hf_dir), ".export-*")):
-        shutil.rmtree(leftover, ignore_errors=True)   # of an export that was killed
+        shutil.rmtree(leftover, ignore_errors=True)  # of an export that was killed
     staging = tempfile.mkdtemp(prefix=".export-", dir=hf_dir)
     try:
         for name, names in split.filename_to_tensors.items():
             write(os.path.join(staging, name), names)
         if split.is_sharded:
-            write_json(os.path.join(staging, _INDEX),
-                       {"metadata": split.metadata, "weight_map": split.tensor_to_filename})
+            write_json(
+                os.path.join(staging, _INDEX),
+                {"metadata": split.metadata, "weight_map": split.tensor_to_filename},
+            )
         write_json(os.path.join(staging, "config.json"), config_to_hf(c))
         for name in _file_names(split):
             os.replace(os.path.join(staging, name), os.path.join(hf_dir, name))
@@ -401,7 +455,7 @@ def _publish(hf_dir: str, c: ModelConfig, split, write: Callable[[str, list], No
         shutil.rmtree(staging, ignore_errors=True)
     for name in os.listdir(hf_dir):
         if _WEIGHT_FILE.fullmatch(name) and name not in _file_names(split):
-            os.remove(os.path.join(hf_dir, name))   # the earlier export's, now replaced
+            os.remove(os.path.join(hf_dir, name))  # the earlier export's, now replaced
 
 
 def save(hf_dir: str, c: ModelConfig, params, max_shard_bytes: int = 4 << 30) -> list:
@@ -420,12 +474,15 @@ def save(hf_dir: str, c: ModelConfig, params, max_shard_bytes: int = 4 << 30) ->
     split = split_state_dict_into_shards_factory(
         {name: shapes[name] for name in exports},
         get_storage_size=lambda shape: math.prod(shape) * dtype.itemsize,
-        filename_pattern=_SHARD_PATTERN, max_shard_size=max_shard_bytes)
+        filename_pattern=_SHARD_PATTERN,
+        max_shard_size=max_shard_bytes,
+    )
     if jax.process_index() == 0:
-        _publish(hf_dir, c, split,
-                 lambda path, names: _write_file(path, names, shapes, exports, dtype))
+        _publish(
+            hf_dir, c, split, lambda path, names: _write_file(path, names, shapes, exports, dtype)
+        )
     else:
-        for name in exports:   # process 0's gathers need this process too
+        for name in exports:  # process 0's gathers need this process too
             exports[name]()
     return _file_names(split)
 

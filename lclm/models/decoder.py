@@ -47,8 +47,15 @@ def param_count(c: ModelConfig, include_embeddings: bool = True) -> int:
 
 def param_table(c: ModelConfig):
     """name -> (shape, logical axes) of every parameter, in the canonical layout."""
-    L, D, H, K, Dh, F, V = (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim,
-                            c.ffn_dim, c.vocab_size)
+    L, D, H, K, Dh, F, V = (
+        c.n_layers,
+        c.dim,
+        c.n_heads,
+        c.n_kv_heads,
+        c.head_dim,
+        c.ffn_dim,
+        c.vocab_size,
+    )
     layers = {
         "attn_norm": ((L, D), ("layers", "norm")),
         "wq": ((L, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
@@ -62,13 +69,18 @@ def param_table(c: ModelConfig):
     }
     family = get_family(c.family)
     if family.qkv_bias:
-        layers.update(bq=((L, H, Dh), ("layers", "heads", "head_dim")),
-                      bk=((L, K, Dh), ("layers", "kv_heads", "head_dim")),
-                      bv=((L, K, Dh), ("layers", "kv_heads", "head_dim")))
-    if family.qk_norm:   # one weight per head dimension, shared by the heads
+        layers.update(
+            bq=((L, H, Dh), ("layers", "heads", "head_dim")),
+            bk=((L, K, Dh), ("layers", "kv_heads", "head_dim")),
+            bv=((L, K, Dh), ("layers", "kv_heads", "head_dim")),
+        )
+    if family.qk_norm:  # one weight per head dimension, shared by the heads
         layers.update(q_norm=((L, Dh), ("layers", "norm")), k_norm=((L, Dh), ("layers", "norm")))
-    table = {"embed": ((V, D), ("vocab", "embed")), "layers": layers,
-             "final_norm": ((D,), ("norm",))}
+    table = {
+        "embed": ((V, D), ("vocab", "embed")),
+        "layers": layers,
+        "final_norm": ((D,), ("norm",)),
+    }
     if not c.tie_embeddings:
         table["lm_head"] = ((D, V), ("embed", "vocab"))
     return table
@@ -130,19 +142,22 @@ def rope_frequencies(c: ModelConfig) -> np.ndarray:
     elif c.rope_scaling == "llama3":
         low, high = c.rope_low_freq_factor, c.rope_high_freq_factor
         # 1: keep, 0: divide by factor; in between (the medium band) a linear blend
-        keep = np.clip((c.rope_original_max_positions * inv / (2 * np.pi) - low) / (high - low),
-                       0.0, 1.0)
+        keep = np.clip(
+            (c.rope_original_max_positions * inv / (2 * np.pi) - low) / (high - low), 0.0, 1.0
+        )
         inv = inv * (keep + (1 - keep) / c.rope_factor)
     elif c.rope_scaling == "yarn":
         # the dimension that turns `rotations` times over the original context
-        dim_of = lambda rotations: c.head_dim * math.log(
-            c.rope_original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(
-                c.rope_theta))
+        dim_of = lambda rotations: (
+            c.head_dim
+            * math.log(c.rope_original_max_positions / (rotations * 2 * math.pi))
+            / (2 * math.log(c.rope_theta))
+        )
         low, high = dim_of(c.rope_beta_fast), dim_of(c.rope_beta_slow)
         if c.rope_truncate:
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, c.head_dim - 1)
-        high = high + 0.001 if low == high else high   # HF's guard against 0 / 0
+        high = high + 0.001 if low == high else high  # HF's guard against 0 / 0
         # 1: keep (extrapolate), 0: divide by factor (interpolate)
         keep = 1 - np.clip((np.arange(c.head_dim // 2) - low) / (high - low), 0.0, 1.0)
         inv = inv * (keep + (1 - keep) / c.rope_factor)
@@ -188,8 +203,11 @@ _REMAT = {
     # for the longest sequences on few devices: what 'attention' keeps, and each layer's
     # input, go to host memory during the forward and come back for the backward
     "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT, *SAVED_NAMES],
-        offload_src="device", offload_dst="pinned_host"),
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[LAYER_INPUT, *SAVED_NAMES],
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
@@ -235,8 +253,9 @@ def decoder_layer(c: ModelConfig, params, x, rope, attend, feed_forward, constra
     heads = ("batch", "seq", "act_heads", None)
     q, k, v = (constrain(t, heads) for t in attention_inputs(c, p, x, rope))
     o, k, v = attend(q, k, v)
-    x = x + constrain(jnp.einsum("bthk,hkd->btd", o.astype(x.dtype), p["wo"]),
-                      ("batch", "seq", "act_embed"))
+    x = x + constrain(
+        jnp.einsum("bthk,hkd->btd", o.astype(x.dtype), p["wo"]), ("batch", "seq", "act_embed")
+    )
     x = x + feed_forward(rms_norm(x, p["ffn_norm"], c.norm_eps), params, p)
     return constrain(x, ("batch", "seq", "act_embed")), k, v
 
@@ -246,23 +265,41 @@ def layer_with_kv(c: ModelConfig, a: AttentionConfig, mesh, x, p, rope, segment_
     a decoder caches). x `[batch, seq, dim]` in the compute dtype."""
     constrain = _constrainer(mesh)
     x = checkpoint_name(x, LAYER_INPUT)  # every use below takes the named value
-    chunks = dict(q_chunk=a.q_chunk, kv_chunk=a.kv_chunk, impl=a.impl, segment_ids=segment_ids,
-                  whole=not REMAT[c.remat].attention_residuals)
+    chunks = dict(
+        q_chunk=a.q_chunk,
+        kv_chunk=a.kv_chunk,
+        impl=a.impl,
+        segment_ids=segment_ids,
+        whole=not REMAT[c.remat].attention_residuals,
+    )
     n_shards = 1 if mesh is None else mesh.shape["sp"]
 
     def attend(q, k, v):
         if mesh is None:
             return local_attention(q, k, v, **chunks), k, v
-        return context_parallel_attention(q, k, v, mesh=mesh, strategy=strategy_of(a),
-                                          layout=a.layout, **chunks), k, v
+        return (
+            context_parallel_attention(
+                q, k, v, mesh=mesh, strategy=strategy_of(a), layout=a.layout, **chunks
+            ),
+            k,
+            v,
+        )
 
     def feed_forward(h, stored, _):
         # the stored (float32) weights, cast inside the op: their gradients are summed over
         # the chunks in float32. remat='none' asks for no recomputation: the chunks'
         # projections are kept for the backward
-        return blockwise_ffn(h, stored["w_gate"], stored["w_up"], stored["w_down"],
-                             chunk=c.ffn_chunk, n_shards=n_shards, constrain=constrain,
-                             dtype=jnp.dtype(c.dtype), save_hidden=REMAT[c.remat].everything)
+        return blockwise_ffn(
+            h,
+            stored["w_gate"],
+            stored["w_up"],
+            stored["w_down"],
+            chunk=c.ffn_chunk,
+            n_shards=n_shards,
+            constrain=constrain,
+            dtype=jnp.dtype(c.dtype),
+            save_hidden=REMAT[c.remat].everything,
+        )
 
     return decoder_layer(c, p, x, rope, attend, feed_forward, constrain)
 
@@ -283,8 +320,16 @@ def embed(c: ModelConfig, params, tokens, mesh=None):
     return constrain(jnp.take(table, tokens, axis=0), ("batch", "seq", "act_embed"))
 
 
-def hidden_states(c: ModelConfig, params, tokens, positions, segment_ids=None, *, mesh=None,
-                  attention: AttentionConfig = AttentionConfig()):
+def hidden_states(
+    c: ModelConfig,
+    params,
+    tokens,
+    positions,
+    segment_ids=None,
+    *,
+    mesh=None,
+    attention: AttentionConfig = AttentionConfig(),
+):
     """Final-normed hidden states `[batch, seq, dim]` for tokens `[batch, seq]`.
 
     positions `[batch, seq]` are the tokens' RoPE positions; segment_ids `[batch, seq]` (or
@@ -309,8 +354,16 @@ def output_weights(c: ModelConfig, params):
     return w.astype(jnp.dtype(c.dtype))
 
 
-def forward(c: ModelConfig, params, tokens, positions=None, segment_ids=None, *, mesh=None,
-            attention: AttentionConfig = AttentionConfig()):
+def forward(
+    c: ModelConfig,
+    params,
+    tokens,
+    positions=None,
+    segment_ids=None,
+    *,
+    mesh=None,
+    attention: AttentionConfig = AttentionConfig(),
+):
     """Float32 logits `[batch, seq, vocab]` (materialised: for checks and evaluation).
 
     Without a mesh this runs on one device in original order (positions default to arange).
@@ -318,12 +371,20 @@ def forward(c: ModelConfig, params, tokens, positions=None, segment_ids=None, *,
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     h = hidden_states(c, params, tokens, positions, segment_ids, mesh=mesh, attention=attention)
-    return jnp.einsum("btd,dv->btv", h, output_weights(c, params),
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(
+        "btd,dv->btv", h, output_weights(c, params), preferred_element_type=jnp.float32
+    )
 
 
-def loss_terms(c: ModelConfig, params, batch, *, mesh=None,
-               attention: AttentionConfig = AttentionConfig(), document_mask: bool = True):
+def loss_terms(
+    c: ModelConfig,
+    params,
+    batch,
+    *,
+    mesh=None,
+    attention: AttentionConfig = AttentionConfig(),
+    document_mask: bool = True,
+):
     """(sum of masked token losses, number of unmasked tokens) of a batch, float32.
 
     batch: dict of `[batch, seq]` arrays `tokens`, `targets`, `loss_mask`, `positions`,
@@ -331,11 +392,18 @@ def loss_terms(c: ModelConfig, params, batch, *, mesh=None,
     logits. Divide the two totals for the global token-mean loss.
     """
     seg = batch["segment_ids"] if document_mask else None
-    h = hidden_states(c, params, batch["tokens"], batch["positions"], seg, mesh=mesh,
-                      attention=attention)
+    h = hidden_states(
+        c, params, batch["tokens"], batch["positions"], seg, mesh=mesh, attention=attention
+    )
     n_shards = 1 if mesh is None else mesh.shape["sp"]
     w_out = params["embed"].T if c.tie_embeddings else params["lm_head"]  # cast inside
-    return blockwise_cross_entropy(h, w_out, batch["targets"], batch["loss_mask"],
-                                   chunk=c.loss_chunk, n_shards=n_shards,
-                                   constrain=_constrainer(mesh), dtype=jnp.dtype(c.dtype))
-
+    return blockwise_cross_entropy(
+        h,
+        w_out,
+        batch["targets"],
+        batch["loss_mask"],
+        chunk=c.loss_chunk,
+        n_shards=n_shards,
+        constrain=_constrainer(mesh),
+        dtype=jnp.dtype(c.dtype),
+    )

@@ -11,9 +11,12 @@ from lclm.config.model import ModelConfig
 from lclm.models import decoder
 
 # the importer's line (warnings skips the import machinery's frames), so a script sees it
-warnings.warn("lclm.models.llama is now lclm.models.decoder, and LlamaConfig is "
-              "lclm.config.ModelConfig; the old names will be removed in lclm 0.2.0",
-              DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "lclm.models.llama is now lclm.models.decoder, and LlamaConfig is "
+    "lclm.config.ModelConfig; the old names will be removed in lclm 0.2.0",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
 LlamaConfig = ModelConfig
 

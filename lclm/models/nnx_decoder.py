@@ -32,8 +32,10 @@ from lclm.parallel.mesh import AXIS_RULES
 def _param(path, entry, value) -> nnx.Param:
     shape, axes = entry
     if tuple(value.shape) != shape:
-        raise ValueError(f"parameter {jax.tree_util.keystr(path)} has shape "
-                         f"{tuple(value.shape)}; the config needs {shape}")
+        raise ValueError(
+            f"parameter {jax.tree_util.keystr(path)} has shape "
+            f"{tuple(value.shape)}; the config needs {shape}"
+        )
     # not eager: the logical names are not mesh axes, and placing the arrays is the caller's
     # (lclm's shard_params, or nnx.get_named_sharding + device_put), not the constructor's
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
@@ -47,8 +49,13 @@ class DecoderModule(nnx.Module):
     `final_norm [dim]` and, unless embeddings are tied, `lm_head [dim, vocab]`.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | jax.Array | None = None,
-                 params: dict | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs | jax.Array | None = None,
+        params: dict | None = None,
+    ):
         """Parameters from lclm's `init_params` with `rngs` (an `nnx.Rngs`, of which one
         `params` key is drawn, or a PRNG key), or the given canonical tree `params`."""
         if (rngs is None) == (params is None):
@@ -57,23 +64,50 @@ class DecoderModule(nnx.Module):
             key = rngs.params() if isinstance(rngs, nnx.Rngs) else rngs
             params = decoder.init_params(config, key)
         self.config = config
-        tree = jax.tree_util.tree_map_with_path(_param, decoder.param_table(config), params,
-                                                is_leaf=decoder.is_param_entry)
+        tree = jax.tree_util.tree_map_with_path(
+            _param, decoder.param_table(config), params, is_leaf=decoder.is_param_entry
+        )
         for name, value in tree.items():
             setattr(self, name, nnx.Dict(value) if isinstance(value, dict) else value)
 
-    def __call__(self, tokens, positions=None, segment_ids=None, *, mesh=None,
-                 attention: AttentionConfig = AttentionConfig()):
+    def __call__(
+        self,
+        tokens,
+        positions=None,
+        segment_ids=None,
+        *,
+        mesh=None,
+        attention: AttentionConfig = AttentionConfig(),
+    ):
         """Float32 logits `[batch, seq, vocab]` for tokens `[batch, seq]`: `decoder.forward`."""
-        return decoder.forward(self.config, to_params(self), tokens, positions, segment_ids,
-                             mesh=mesh, attention=attention)
+        return decoder.forward(
+            self.config,
+            to_params(self),
+            tokens,
+            positions,
+            segment_ids,
+            mesh=mesh,
+            attention=attention,
+        )
 
-    def loss_terms(self, batch, *, mesh=None, attention: AttentionConfig = AttentionConfig(),
-                   document_mask: bool = True):
+    def loss_terms(
+        self,
+        batch,
+        *,
+        mesh=None,
+        attention: AttentionConfig = AttentionConfig(),
+        document_mask: bool = True,
+    ):
         """(sum of masked token losses, unmasked token count) of a batch of `[batch, seq]`
         arrays, without materialising the logits: `decoder.loss_terms`."""
-        return decoder.loss_terms(self.config, to_params(self), batch, mesh=mesh,
-                                attention=attention, document_mask=document_mask)
+        return decoder.loss_terms(
+            self.config,
+            to_params(self),
+            batch,
+            mesh=mesh,
+            attention=attention,
+            document_mask=document_mask,
+        )
 
 
 def from_params(config: ModelConfig, params) -> DecoderModule:
@@ -90,5 +124,7 @@ def flax_axis_rules() -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
     """lclm's `AXIS_RULES` as flax logical-axis rules, `(logical name, mesh axes)` pairs, for
     `nnx.logical_axis_rules` (read on each call, so edits to `AXIS_RULES` are seen)."""
     # spelled as lclm's logical_spec spells them, so the PartitionSpecs compare equal
-    return tuple((name, None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
-                 for name, axes in AXIS_RULES.items())
+    return tuple(
+        (name, None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+        for name, axes in AXIS_RULES.items()
+    )

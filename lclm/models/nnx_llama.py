@@ -10,9 +10,12 @@ import warnings
 from lclm.models import nnx_decoder
 from lclm.models.nnx_decoder import DecoderModule
 
-warnings.warn("lclm.models.nnx_llama is now lclm.models.nnx_decoder, and LlamaModule is "
-              "DecoderModule; the old names will be removed in lclm 0.2.0", DeprecationWarning,
-              stacklevel=2)
+warnings.warn(
+    "lclm.models.nnx_llama is now lclm.models.nnx_decoder, and LlamaModule is "
+    "DecoderModule; the old names will be removed in lclm 0.2.0",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
 LlamaModule = DecoderModule
 

@@ -8,5 +8,12 @@ from lclm.ops.context_parallel import (
 )
 from lclm.ops.layout import from_layout, stripe, to_layout, unstripe
 
-__all__ = ["stripe", "unstripe", "to_layout", "from_layout", "ring_attention", "local_attention",
-           "context_parallel_attention"]
+__all__ = [
+    "stripe",
+    "unstripe",
+    "to_layout",
+    "from_layout",
+    "ring_attention",
+    "local_attention",
+    "context_parallel_attention",
+]

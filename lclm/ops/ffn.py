@@ -31,8 +31,18 @@ def weight_grad(a, b):
     return lax.dot_general(a, b, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
 
 
-def blockwise_ffn(x, w_gate, w_up, w_down, *, chunk: int, n_shards: int = 1,
-                  constrain=lambda x, axes: x, dtype=None, save_hidden: bool = False):
+def blockwise_ffn(
+    x,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    chunk: int,
+    n_shards: int = 1,
+    constrain=lambda x, axes: x,
+    dtype=None,
+    save_hidden: bool = False,
+):
     """SwiGLU of `x [batch, seq, dim]` one sequence chunk at a time, rematerialised.
 
     The `[chunk, ffn]` hidden activation exists for one chunk at a time, in the forward and
@@ -50,8 +60,7 @@ def blockwise_ffn(x, w_gate, w_up, w_down, *, chunk: int, n_shards: int = 1,
     matmul with float32 output), whatever the compute dtype, and returned in the weights' own
     dtype: a bfloat16 running sum would lose more precision with every chunk.
     """
-    return _blockwise_ffn(chunk, n_shards, constrain, dtype, save_hidden, x,
-                          (w_gate, w_up, w_down))
+    return _blockwise_ffn(chunk, n_shards, constrain, dtype, save_hidden, x, (w_gate, w_up, w_down))
 
 
 def _cast(ws, dtype):

@@ -39,7 +39,7 @@ def stripe(x, n: int, axis: int = 1):
     if n == 1:
         return x
     ax = axis % x.ndim
-    shape = x.shape[:ax] + (length // n, n) + x.shape[ax + 1:]
+    shape = x.shape[:ax] + (length // n, n) + x.shape[ax + 1 :]
     y = x.reshape(shape)
     y = y.swapaxes(ax, ax + 1)
     return y.reshape(x.shape)
@@ -52,7 +52,7 @@ def unstripe(x, n: int, axis: int = 1):
     if n == 1:
         return x
     ax = axis % x.ndim
-    shape = x.shape[:ax] + (n, length // n) + x.shape[ax + 1:]
+    shape = x.shape[:ax] + (n, length // n) + x.shape[ax + 1 :]
     y = x.reshape(shape)
     y = y.swapaxes(ax, ax + 1)
     return y.reshape(x.shape)
@@ -72,10 +72,12 @@ def _by_chunks(x, order: np.ndarray, axis: int):
     """Reorder `x`'s `axis`, cut into len(order) equal chunks, as `order` says."""
     length, parts = x.shape[axis], len(order)
     if length % parts:
-        raise ValueError(f"sequence length {length} is not divisible by 2 x the sp size "
-                         f"({parts}), as the zigzag layout needs")
+        raise ValueError(
+            f"sequence length {length} is not divisible by 2 x the sp size "
+            f"({parts}), as the zigzag layout needs"
+        )
     ax = axis % x.ndim
-    y = x.reshape(x.shape[:ax] + (parts, length // parts) + x.shape[ax + 1:])
+    y = x.reshape(x.shape[:ax] + (parts, length // parts) + x.shape[ax + 1 :])
     return y.take(order, axis=ax).reshape(x.shape)
 
 
@@ -90,8 +92,11 @@ def unzigzag(x, n: int, axis: int = 1):
 
 
 # layout -> (original order -> layout, layout -> original order)
-_PERMUTATIONS = {"striped": (stripe, unstripe), "contiguous": (_identity, _identity),
-                 "zigzag": (zigzag, unzigzag)}
+_PERMUTATIONS = {
+    "striped": (stripe, unstripe),
+    "contiguous": (_identity, _identity),
+    "zigzag": (zigzag, unzigzag),
+}
 
 
 def _permutation(layout: str, inverse: bool):
@@ -122,8 +127,9 @@ def original_positions(layout: str, n: int, device, local_len: int, xp=np):
         return device * local_len + local
     if layout == "zigzag":
         half = local_len // 2
-        return xp.where(local < half, device * half + local,
-                        (2 * n - 1 - device) * half + local - half)
+        return xp.where(
+            local < half, device * half + local, (2 * n - 1 - device) * half + local - half
+        )
     raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
 
 

@@ -33,8 +33,17 @@ def losses_of_hidden(h, w_out, targets):
     return losses_of_logits(logits_of(h, w_out), targets)
 
 
-def blockwise_cross_entropy(h, w_out, targets, loss_mask, *, chunk: int, n_shards: int = 1,
-                            constrain=lambda x, axes: x, dtype=None):
+def blockwise_cross_entropy(
+    h,
+    w_out,
+    targets,
+    loss_mask,
+    *,
+    chunk: int,
+    n_shards: int = 1,
+    constrain=lambda x, axes: x,
+    dtype=None,
+):
     """Masked cross-entropy sums of `h [batch, seq, dim]` against `targets [batch, seq]`.
 
     Returns `(loss_sum, token_count)` as float32 scalars over the whole (global) batch; the
@@ -110,7 +119,7 @@ def _blockwise_ce_bwd(static, res, dtotal):
     hs, ts, ms = _chunks(constrain, n_shards, chunk, h, targets, mask)
     dw, dhs = lax.scan(body, jnp.zeros(w.shape, jnp.float32), (hs, ts, ms))
     dh = merge_chunks(constrain(dhs, _SEQ_AXES + ("act_embed",)))
-    return dh, dw.astype(w_dtype), None, None   # targets and mask are data
+    return dh, dw.astype(w_dtype), None, None  # targets and mask are data
 
 
 _blockwise_ce.defvjp(_blockwise_ce_fwd, _blockwise_ce_bwd)

@@ -24,8 +24,10 @@ def available(devices) -> str:
     n, platform = len(devices), devices[0].platform
     if platform != "cpu":
         return f"this machine has {n} {platform} device{'s' * (n != 1)}"
-    return (f"lclm simulates {n} CPU device{'s' * (n != 1)} on this machine "
-            f"({os.cpu_count()} cores; at most {MAX_SIMULATED_DEVICES} are simulated on any)")
+    return (
+        f"lclm simulates {n} CPU device{'s' * (n != 1)} on this machine "
+        f"({os.cpu_count()} cores; at most {MAX_SIMULATED_DEVICES} are simulated on any)"
+    )
 
 
 # XLA's concurrency-optimised CPU scheduler let simulated devices of one program enter the
@@ -79,7 +81,7 @@ def allow_gpu_host_memory(local_processes: int = 1) -> None:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # no such query here: keep XLA's default
         return
-    gib = int(total * HOST_MEMORY_SHARE / max(local_processes, 1) / 2 ** 30)
+    gib = int(total * HOST_MEMORY_SHARE / max(local_processes, 1) / 2**30)
     if gib > 0:
         os.environ[GPU_HOST_MEMORY_LIMIT] = str(gib)
 

@@ -45,16 +45,23 @@ def initialize() -> str:
     if kind == "local":
         address = os.environ["LCLM_COORDINATOR"]
         jax.distributed.initialize(
-            coordinator_address=address, num_processes=int(os.environ["LCLM_NUM_PROCESSES"]),
+            coordinator_address=address,
+            num_processes=int(os.environ["LCLM_NUM_PROCESSES"]),
             process_id=int(os.environ["LCLM_PROCESS_ID"]),
-            coordinator_bind_address=address if address.startswith("127.") else None)
+            coordinator_bind_address=address if address.startswith("127.") else None,
+        )
     elif kind == "slurm" and os.environ.get("LCLM_PROCS_PER_NODE") == "1":
         gpus = os.environ.get("SLURM_GPUS_ON_NODE") or os.environ.get("LCLM_GPUS_PER_NODE", "1")
         jax.distributed.initialize(local_device_ids=list(range(int(gpus))))
     else:
         jax.distributed.initialize()
-    log.info("process %d of %d (%s launcher), %d local devices", jax.process_index(),
-             jax.process_count(), kind, jax.local_device_count())
+    log.info(
+        "process %d of %d (%s launcher), %d local devices",
+        jax.process_index(),
+        jax.process_count(),
+        kind,
+        jax.local_device_count(),
+    )
     return kind
 
 
@@ -72,8 +79,10 @@ def check_same_config(config_json: str) -> None:
     digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
     differing = [i for i, d in enumerate(digests) if d != digests[0]]
     if differing:
-        raise ConfigError(f"processes {differing} were started with a different config than "
-                          "process 0; launch every process with the same arguments")
+        raise ConfigError(
+            f"processes {differing} were started with a different config than "
+            "process 0; launch every process with the same arguments"
+        )
 
 
 def any_process(flag: bool) -> bool:
@@ -84,4 +93,5 @@ def any_process(flag: bool) -> bool:
         return flag
     import numpy as np
     from jax.experimental import multihost_utils
+
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))

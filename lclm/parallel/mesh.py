@@ -38,8 +38,9 @@ AXIS_RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-def resolve_mesh_shape(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,
-                       device_count: int | None = None) -> dict[str, int]:
+def resolve_mesh_shape(
+    dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1, device_count: int | None = None
+) -> dict[str, int]:
     """Sizes per axis with at most one -1 replaced by the remaining devices."""
     sizes = dict(dp=int(dp), fsdp=int(fsdp), tp=int(tp), sp=int(sp))
     free = [a for a, s in sizes.items() if s == -1]
@@ -54,8 +55,10 @@ def resolve_mesh_shape(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,
         sizes[free[0]] = device_count // known
     need = math.prod(sizes.values())
     if device_count is not None and need > device_count:
-        raise ValueError(f"mesh {sizes} needs {need} devices but only {device_count} exist; "
-                         "shrink config.mesh.*, use -1 for one axis, or set mesh.fit=True")
+        raise ValueError(
+            f"mesh {sizes} needs {need} devices but only {device_count} exist; "
+            "shrink config.mesh.*, use -1 for one axis, or set mesh.fit=True"
+        )
     return sizes
 
 
@@ -73,8 +76,13 @@ def fit_mesh(sizes: Mapping[str, int], device_count: int) -> dict[str, int]:
     return fitted
 
 
-def make_mesh(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    dp: int = 1,
+    fsdp: int = 1,
+    tp: int = 1,
+    sp: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
     """A `Mesh` with axes ('dp', 'fsdp', 'tp', 'sp') (Auto axis types: classic GSPMD).
 
     One size may be -1 (the rest of the devices). Uses the first prod(sizes) devices, ordered
@@ -83,9 +91,10 @@ def make_mesh(dp: int = 1, fsdp: int = 1, tp: int = 1, sp: int = 1,
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_mesh_shape(dp, fsdp, tp, sp, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
-    devices = devices[:math.prod(shape)]
+    devices = devices[: math.prod(shape)]
     try:
         from jax.experimental import mesh_utils
+
         grid = mesh_utils.create_device_mesh(shape, devices=devices)
     except Exception:  # noqa: BLE001  (CPU / odd topologies: a plain row-major grid is right)
         grid = np.asarray(devices, dtype=object).reshape(shape)
@@ -100,8 +109,9 @@ class AxisSizes(Protocol):
     def shape(self) -> Mapping[str, int]: ...
 
 
-def logical_spec(axes: Sequence[str | None], shape: Sequence[int] | None = None,
-                 mesh: AxisSizes | None = None) -> P:
+def logical_spec(
+    axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: AxisSizes | None = None
+) -> P:
     """PartitionSpec for logical axis names under `AXIS_RULES`.
 
     With `shape` and `mesh`, mesh axes that do not divide a dimension are dropped (that
@@ -119,12 +129,14 @@ def logical_spec(axes: Sequence[str | None], shape: Sequence[int] | None = None,
                     size *= mesh.shape[a]
             mesh_axes = kept
         used.update(mesh_axes)
-        spec.append(tuple(mesh_axes) if len(mesh_axes) > 1 else
-                    (mesh_axes[0] if mesh_axes else None))
+        spec.append(
+            tuple(mesh_axes) if len(mesh_axes) > 1 else (mesh_axes[0] if mesh_axes else None)
+        )
     return P(*spec)
 
 
-def logical_sharding(mesh: Mesh, axes: Sequence[str | None],
-                     shape: Sequence[int] | None = None) -> NamedSharding:
+def logical_sharding(
+    mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int] | None = None
+) -> NamedSharding:
     """NamedSharding of an array with the given logical axes on `mesh`."""
     return NamedSharding(mesh, logical_spec(axes, shape, mesh))

@@ -53,24 +53,26 @@ from lclm.training.startup_checks import validate
 from lclm.training.state import init_state, param_shardings, state_shardings
 from lclm.training.step import jit_train_step, make_optimizer
 
-KNOWN = ("v4-N, v5p-N (TensorCores), v5e-N, v6e-N (chips); h100:N (N GPUs on one node), "
-         "h100:MxN (M nodes of N), h200:..., a100:... (80 GB)")
+KNOWN = (
+    "v4-N, v5p-N (TensorCores), v5e-N, v6e-N (chips); h100:N (N GPUs on one node), "
+    "h100:MxN (M nodes of N), h200:..., a100:... (80 GB)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    name: str           # e.g. "v4-64", "h100:4x8"
-    generation: str     # e.g. "v4", "h100"
-    topology: str       # e.g. "v4:2x4x4", "1x4x8": what jax.experimental.topologies takes
+    name: str  # e.g. "v4-64", "h100:4x8"
+    generation: str  # e.g. "v4", "h100"
+    topology: str  # e.g. "v4:2x4x4", "1x4x8": what jax.experimental.topologies takes
     chip_config: str | None
-    devices: int        # JAX devices of the slice (chips) or GPUs in all
-    hbm_bytes: int      # per device
+    devices: int  # JAX devices of the slice (chips) or GPUs in all
+    hbm_bytes: int  # per device
     # chips per host where a slice is smaller than the default host of 2x2x1 chips (libtpu
     # refuses such a topology otherwise): the whole slice on one host
     host_bounds: tuple[int, ...] | None = None
-    platform: str = "tpu"   # "tpu" or "gpu"
-    nodes: int = 1          # GPU nodes (hosts)
-    config_text: str = ""   # GPUs: the GpuTargetConfigProto, text format
+    platform: str = "tpu"  # "tpu" or "gpu"
+    nodes: int = 1  # GPU nodes (hosts)
+    config_text: str = ""  # GPUs: the GpuTargetConfigProto, text format
 
     @property
     def planner_device(self) -> str | None:
@@ -90,37 +92,56 @@ def target(name: str) -> Target:
         raise ConfigError(f"--compile {name!r} is not a known target; name one of: {KNOWN}")
     model, nodes, per_node = m.group(1), int(m.group(2) or 1), int(m.group(3))
     if nodes < 1 or per_node < 1:
-        raise ConfigError(f"--compile {name!r}: at least one node of one GPU; name one of: "
-                          f"{KNOWN}")
+        raise ConfigError(f"--compile {name!r}: at least one node of one GPU; name one of: {KNOWN}")
     description = GPUS[model].gpu_target
     assert description, model  # every GPU of the table names its file (tests/test_gpu_aot.py)
     text = (importlib.resources.files("lclm") / "targets" / description).read_text()
     found = re.search(r"device_memory_size:\s*(\d+)", text)
     assert found, description  # every shipped description has it
-    return Target(name.strip(), model, f"1x{nodes}x{per_node}", None, nodes * per_node,
-                  int(found.group(1)), platform="gpu", nodes=nodes, config_text=text)
+    return Target(
+        name.strip(),
+        model,
+        f"1x{nodes}x{per_node}",
+        None,
+        nodes * per_node,
+        int(found.group(1)),
+        platform="gpu",
+        nodes=nodes,
+        config_text=text,
+    )
 
 
 def tpu_target(name: str) -> Target:
     """`v4-64` -> Target('v4-64', 'v4:2x4x4', 'megacore', 32 devices, 32 GiB each)."""
     m = re.fullmatch(rf"({'|'.join(TPUS)})-(\d+)", name.strip().lower())
     if not m:
-        raise ConfigError(f"--compile {name!r}: name a TPU slice as <generation>-<size>, e.g. "
-                          f"v4-64, v5e-16, v5p-128, v6e-32 (generations {sorted(TPUS)})")
+        raise ConfigError(
+            f"--compile {name!r}: name a TPU slice as <generation>-<size>, e.g. "
+            f"v4-64, v5e-16, v5p-128, v6e-32 (generations {sorted(TPUS)})"
+        )
     generation, size = m.group(1), int(m.group(2))
     chip = TPUS[generation]
     cores, chip_config, ndim = chip.tpu_cores, chip.tpu_chip_config, chip.tpu_torus_dims
     chips = size // cores
     if size % cores or chips < 1 or chips & (chips - 1):
-        raise ConfigError(f"--compile {name!r}: {generation} slices have a power-of-two number "
-                          f"of chips ({cores} TensorCore(s) each), e.g. {generation}-{8 * cores}")
+        raise ConfigError(
+            f"--compile {name!r}: {generation} slices have a power-of-two number "
+            f"of chips ({cores} TensorCore(s) each), e.g. {generation}-{8 * cores}"
+        )
     dims = [1] * ndim
     for _ in range(chips.bit_length() - 1):  # a torus as close to a cube as the count allows
         dims[dims.index(min(dims))] *= 2
     dims = sorted(d for d in dims if d > 1) + [1] * dims.count(1)
     host = tuple(dims + [1] * (3 - ndim)) if chips < 4 else None
-    return Target(name, generation, f"{generation}:{'x'.join(map(str, dims))}", chip_config, chips,
-                  int(chip.hbm_gib * 2**30), host)
+    return Target(
+        name,
+        generation,
+        f"{generation}:{'x'.join(map(str, dims))}",
+        chip_config,
+        chips,
+        int(chip.hbm_gib * 2**30),
+        host,
+    )
 
 
 def target_devices(target: Target):
@@ -131,14 +152,15 @@ def target_devices(target: Target):
     try:
         import libtpu  # noqa: F401  (only to say what is missing)
     except ImportError:
-        raise ConfigError("--compile needs libtpu (it runs the TPU compiler on this machine): "
-                          "pip install 'lclm[tpu]'") from None
+        raise ConfigError(
+            "--compile needs libtpu (it runs the TPU compiler on this machine): "
+            "pip install 'lclm[tpu]'"
+        ) from None
     _compiler_only_libtpu()
     kwargs: dict = {"chip_config_name": target.chip_config} if target.chip_config else {}
     if target.host_bounds:
         kwargs["chips_per_host_bounds"] = list(target.host_bounds)
-    topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
-                                            **kwargs)
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology, **kwargs)
     return list(topology.devices)
 
 
@@ -150,8 +172,11 @@ def target_devices(target: Target):
 # in place of the missing local one: without them libtpu's start prints five lines about
 # TPU_ACCELERATOR_TYPE, host bounds and TPU_WORKER_HOSTNAMES (the slice compiled for is given
 # by the topology, which they do not change: same devices, same memory figures).
-_COMPILER_ONLY_ENV = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_HOST_BOUNDS": "1,1,1",
-                      "TPU_WORKER_HOSTNAMES": "localhost"}
+_COMPILER_ONLY_ENV = {
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    "TPU_HOST_BOUNDS": "1,1,1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+}
 
 
 def _compiler_only_libtpu() -> None:
@@ -165,8 +190,10 @@ def _compiler_only_libtpu() -> None:
 def _gpu_devices(target: Target):
     """Described GPUs: XLA:GPU's compiler runs on this machine; nothing touches a GPU."""
     if cuda_plugin() is None:
-        raise ConfigError(f"--compile {target.name} needs JAX's CUDA plugin and ptxas (it runs "
-                          "the GPU compiler on this machine): pip install 'lclm[gpu-aot]'")
+        raise ConfigError(
+            f"--compile {target.name} needs JAX's CUDA plugin and ptxas (it runs "
+            "the GPU compiler on this machine): pip install 'lclm[gpu-aot]'"
+        )
     # The plugin registers its compiler only when its CUDA check passes or is skipped; with no
     # GPU the check fails (cuInit error) and the topology is "not implemented for cuda". JAX
     # skips the check when only the CPU is asked for, which is all a compile needs here.
@@ -177,15 +204,20 @@ def _gpu_devices(target: Target):
     if not xla_bridge.backends_are_initialized() and platforms is None:
         jax.config.update("jax_platforms", "cpu")
     elif (platforms or "").split(",") != ["cpu"] and not nvidia_gpu_attached():
-        raise ConfigError(f"--compile {target.name} compiles for described GPUs, which needs "
-                          "JAX_PLATFORMS=cpu on a machine without one (JAX is set to "
-                          f"{platforms or 'its default platforms'} here)")
+        raise ConfigError(
+            f"--compile {target.name} compiles for described GPUs, which needs "
+            "JAX_PLATFORMS=cpu on a machine without one (JAX is set to "
+            f"{platforms or 'its default platforms'} here)"
+        )
     try:
-        topology = topologies.get_topology_desc(platform="cuda", target_config=target.config_text,
-                                                topology=target.topology)
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=target.config_text, topology=target.topology
+        )
     except Exception as e:  # noqa: BLE001  (one line, not the plugin's traceback)
-        raise ConfigError(f"--compile {target.name}: JAX's CUDA plugin could not describe the "
-                          f"GPUs ({str(e).splitlines()[0]})") from None
+        raise ConfigError(
+            f"--compile {target.name}: JAX's CUDA plugin could not describe the "
+            f"GPUs ({str(e).splitlines()[0]})"
+        ) from None
     return list(topology.devices)
 
 
@@ -199,18 +231,18 @@ def gpu_budget(target: Target) -> tuple[int, str]:
 @dataclasses.dataclass
 class Compiled:
     seconds: float
-    arguments: int   # per-device bytes, as XLA's memory analysis reports them
+    arguments: int  # per-device bytes, as XLA's memory analysis reports them
     temporaries: int
     outputs: int
-    aliased: int     # donated arguments reused as outputs (counted once)
-    kernels: int     # fused-kernel custom calls (Mosaic TPU or GPU, Triton) in the program
-    callbacks: int   # host callbacks in it (a kernel left in interpret mode would be one)
+    aliased: int  # donated arguments reused as outputs (counted once)
+    kernels: int  # fused-kernel custom calls (Mosaic TPU or GPU, Triton) in the program
+    callbacks: int  # host callbacks in it (a kernel left in interpret mode would be one)
     conditionals: int = 0  # conditional ops (a host sync each on XLA:GPU), in the program text
-    collectives: int = 0   # collective ops in the program text (one in a loop body counts once)
-    host: int = 0          # host-memory bytes (remat='offload'), where XLA reports them
+    collectives: int = 0  # collective ops in the program text (one in a loop body counts once)
+    host: int = 0  # host-memory bytes (remat='offload'), where XLA reports them
     # the attention kernels lowered, as the kernels' code noted them (`compile_step`)
     attention: Lowered = dataclasses.field(default_factory=Lowered)
-    remat: str = ""        # the remat policy compiled
+    remat: str = ""  # the remat policy compiled
     remat_choice: str = ""  # model.remat='auto': what it chose and why, one line
 
     @property
@@ -221,8 +253,11 @@ class Compiled:
 def abstract_state(model: ModelConfig, optimizer, mesh):
     """The train state's shapes, dtypes and shardings on `mesh` (nothing allocated)."""
     shapes = jax.eval_shape(lambda: init_state(model, optimizer, mesh, 0))
-    return jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
-                        shapes, state_shardings(model, optimizer, mesh))
+    return jax.tree.map(
+        lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
+        shapes,
+        state_shardings(model, optimizer, mesh),
+    )
 
 
 @contextlib.contextmanager
@@ -251,13 +286,21 @@ def analyse(compiled, seconds: float) -> Compiled:
     memory, text = compiled.memory_analysis(), compiled.as_text()
     # None only from a backend that cannot say (jax's annotation); XLA's backends answer both
     assert memory is not None and text is not None
-    host = sum(getattr(memory, f"host_{k}_size_in_bytes", 0) or 0
-               for k in ("argument", "temp", "output"))
-    return Compiled(seconds, memory.argument_size_in_bytes, memory.temp_size_in_bytes,
-                    memory.output_size_in_bytes, memory.alias_size_in_bytes,
-                    kernel_calls(text),
-                    len(re.findall(r'custom_call_target="[^"]*callback', text)),
-                    conditionals(text), sum(collectives(text).values()), host)
+    host = sum(
+        getattr(memory, f"host_{k}_size_in_bytes", 0) or 0 for k in ("argument", "temp", "output")
+    )
+    return Compiled(
+        seconds,
+        memory.argument_size_in_bytes,
+        memory.temp_size_in_bytes,
+        memory.output_size_in_bytes,
+        memory.alias_size_in_bytes,
+        kernel_calls(text),
+        len(re.findall(r'custom_call_target="[^"]*callback', text)),
+        conditionals(text),
+        sum(collectives(text).values()),
+        host,
+    )
 
 
 def compile_step(config, devices, budget: int | None = None) -> Compiled:
@@ -268,7 +311,7 @@ def compile_step(config, devices, budget: int | None = None) -> Compiled:
     propagates."""
 
     sizes = validate(config, len(devices))
-    mesh = make_mesh(**sizes, devices=devices[:math.prod(sizes.values())])
+    mesh = make_mesh(**sizes, devices=devices[: math.prod(sizes.values())])
     run = run_config(config)
     model, optimizer = run.model.resolved(), make_optimizer(run.train)
     # outside the lowering's context (a described device runs nothing); no policy changes them
@@ -277,14 +320,23 @@ def compile_step(config, devices, budget: int | None = None) -> Compiled:
 
     def compile_policy(policy: str) -> tuple[Compiled, int]:
         m = dataclasses.replace(model, remat=policy)
-        step = jit_train_step(m, run.attention, run.train, mesh, optimizer,
-                              state_shardings(m, optimizer, mesh),
-                              document_mask=run.data.document_mask)
+        step = jit_train_step(
+            m,
+            run.attention,
+            run.train,
+            mesh,
+            optimizer,
+            state_shardings(m, optimizer, mesh),
+            document_mask=run.data.document_mask,
+        )
         started = time.perf_counter()
         with lowering_for(devices[0]), recording() as attention:
             lowered = step.lower(state, batch)
-        compiled = dataclasses.replace(analyse(lowered.compile(), time.perf_counter() - started),
-                                       attention=attention, remat=policy)
+        compiled = dataclasses.replace(
+            analyse(lowered.compile(), time.perf_counter() - started),
+            attention=attention,
+            remat=policy,
+        )
         return compiled, compiled.total
 
     if run.model.remat != AUTO:
@@ -294,41 +346,54 @@ def compile_step(config, devices, budget: int | None = None) -> Compiled:
     return dataclasses.replace(choice.compiled, remat_choice=choice.line())
 
 
-def compile_eval(kind: str, model: ModelConfig, attention, mesh, rows: int, row: int,
-                 max_new: int = 0) -> Compiled:
+def compile_eval(
+    kind: str, model: ModelConfig, attention, mesh, rows: int, row: int, max_new: int = 0
+) -> Compiled:
     """Lower and compile an evaluation program on `mesh` (over described devices): 'forward',
     perplexity's token losses (`lclm.eval.token_loss`) over `[rows, row]`, or 'decode', the
     prefill of `[rows, row]` prompts with `max_new` decode slots and one decode step
     (`lclm.eval.decode`), both with the parameters in their training shardings. Memory and
     counts are the larger program's (the prefill's); seconds both."""
     params = jax.tree.map(
-        lambda shape, sharding: jax.ShapeDtypeStruct(shape, jax.numpy.dtype(model.param_dtype),
-                                                     sharding=sharding),
-        param_shapes(model), param_shardings(model, mesh), is_leaf=lambda x: isinstance(x, tuple))
+        lambda shape, sharding: jax.ShapeDtypeStruct(
+            shape, jax.numpy.dtype(model.param_dtype), sharding=sharding
+        ),
+        param_shapes(model),
+        param_shardings(model, mesh),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
     tokens = jax.ShapeDtypeStruct((rows, row), jax.numpy.int32, sharding=batch_sharding(mesh))
     started = time.perf_counter()
     with lowering_for(mesh.devices.flat[0]), recording() as attention_calls:
         if kind == "forward":
             batch = dict(tokens=tokens, targets=tokens, positions=tokens, segment_ids=tokens)
             lowered = jax.jit(functools.partial(token_losses, model, attention, mesh)).lower(
-                params, batch)
-            return dataclasses.replace(analyse(lowered.compile(), time.perf_counter() - started),
-                                       attention=attention_calls)
-        run_prefill = jax.jit(functools.partial(prefill, model, attention, mesh=mesh,
-                                                max_new=max_new, last=row - 1))
+                params, batch
+            )
+            return dataclasses.replace(
+                analyse(lowered.compile(), time.perf_counter() - started), attention=attention_calls
+            )
+        run_prefill = jax.jit(
+            functools.partial(prefill, model, attention, mesh=mesh, max_new=max_new, last=row - 1)
+        )
         compiled = run_prefill.lower(params, tokens, tokens, tokens).compile()
         _, cache = jax.eval_shape(run_prefill, params, tokens, tokens, tokens)
         _, cache_shardings = compiled.output_shardings
-        cache = jax.tree.map(lambda x, w: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=w),
-                             cache, cache_shardings)
-        one = jax.ShapeDtypeStruct((rows,), jax.numpy.int32,
-                                   sharding=NamedSharding(mesh, PartitionSpec()))
-        step = jax.ShapeDtypeStruct((), jax.numpy.int32,
-                                    sharding=NamedSharding(mesh, PartitionSpec()))
+        cache = jax.tree.map(
+            lambda x, w: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=w), cache, cache_shardings
+        )
+        one = jax.ShapeDtypeStruct(
+            (rows,), jax.numpy.int32, sharding=NamedSharding(mesh, PartitionSpec())
+        )
+        step = jax.ShapeDtypeStruct(
+            (), jax.numpy.int32, sharding=NamedSharding(mesh, PartitionSpec())
+        )
         jax.jit(functools.partial(decode_step, model, mesh=mesh)).lower(
-            params, cache, one, one, step).compile()
-    return dataclasses.replace(analyse(compiled, time.perf_counter() - started),
-                               attention=attention_calls)
+            params, cache, one, one, step
+        ).compile()
+    return dataclasses.replace(
+        analyse(compiled, time.perf_counter() - started), attention=attention_calls
+    )
 
 
 def _no_autotuning_notes(record: logging.LogRecord) -> bool:
@@ -339,10 +404,11 @@ def _no_autotuning_notes(record: logging.LogRecord) -> bool:
 
 # custom-call targets of fused kernels: Mosaic TPU, Pallas-Triton, Mosaic GPU (tokamax), cuDNN's
 # fused attention (bench's baseline)
-_KERNEL_TARGETS = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|'
-                             r'mosaic_gpu[^"]*|__cudnn\$fmha[^"]*)"')
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
-                "all-to-all")
+_KERNEL_TARGETS = re.compile(
+    r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|'
+    r'mosaic_gpu[^"]*|__cudnn\$fmha[^"]*)"'
+)
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
 def kernel_calls(text: str) -> int:

@@ -46,13 +46,13 @@ class Plan:
     optimizer: float
     activations_per_layer: float
     activations: float
-    ring: float             # the attention strategy's buffers (`Strategy.buffers`)
+    ring: float  # the attention strategy's buffers (`Strategy.buffers`)
     tokens_per_step: int
     local_tokens: int
     min_block: float | None
     device_memory: float | None
     host_activations: float = 0.0  # remat='offload': what the layers keep, in host memory
-    remat: str = ""                # the policy planned ('auto' resolved)
+    remat: str = ""  # the policy planned ('auto' resolved)
 
     @property
     def total(self) -> float:
@@ -61,6 +61,7 @@ class Plan:
 
 class _MeshShape:
     """Just the axis sizes: what the sharding rules need to decide divisibility."""
+
     def __init__(self, sizes: dict[str, int]):
         self.shape = sizes
 
@@ -77,9 +78,12 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
             c = copy.deepcopy(config)
             c.model.remat = policy
             plan = estimate(c, device_count, device)
-            assert plan.device_memory is not None   # a known device
-            budget = (plan.device_memory if device.startswith("tpu")
-                      else gpu_budget(plan.device_memory)[0])
+            assert plan.device_memory is not None  # a known device
+            budget = (
+                plan.device_memory
+                if device.startswith("tpu")
+                else gpu_budget(plan.device_memory)[0]
+            )
             if plan.total <= _AUTO_SHARE * budget:
                 break
         assert plan is not None
@@ -96,7 +100,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
         spec = logical_spec(axes, shape, mesh)
         split = 1
         for part in spec:
-            for a in (part if isinstance(part, tuple) else (part,)):
+            for a in part if isinstance(part, tuple) else (part,):
                 if a:
                     split *= sizes[a]
         return math.prod(shape) / split
@@ -123,15 +127,28 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     # in float32: per-block dq, dk, dv, their running sums, o and do upcast for delta, as the
     # XLA:TPU buffer assignments of the 1B and 7B steps show) and the loss chunk's logits.
     # On a TPU the per-row statistics [.., t, 1] and [.., t, 2] are padded to 128 lanes.
-    layer = (batch_local * t * (2 * heads_local * m.head_dim + 2 * kv_local) * cbytes
-             + (0 if fused else
-                batch_local * heads_local * min(a.q_chunk, t) * min(a.kv_chunk, t) * 4 * 3)
-             + batch_local * min(m.ffn_chunk, t) * (m.ffn_dim // tp) * cbytes * 3
-             + batch_local * t * 4 * (_GPU["backward_f32"] if platform == "gpu" else _BACKWARD_F32)
-             * (heads_local * m.head_dim + kv_local)
-             + (2 * batch_local * heads_local * t * 128 * 4 if platform == "tpu" else 0))
-    loss = (batch_local * min(m.loss_chunk, t) * (m.vocab_size // tp) * 4
-            * (_GPU["loss_copies"] if platform == "gpu" else 2))
+    layer = (
+        batch_local * t * (2 * heads_local * m.head_dim + 2 * kv_local) * cbytes
+        + (
+            0
+            if fused
+            else batch_local * heads_local * min(a.q_chunk, t) * min(a.kv_chunk, t) * 4 * 3
+        )
+        + batch_local * min(m.ffn_chunk, t) * (m.ffn_dim // tp) * cbytes * 3
+        + batch_local
+        * t
+        * 4
+        * (_GPU["backward_f32"] if platform == "gpu" else _BACKWARD_F32)
+        * (heads_local * m.head_dim + kv_local)
+        + (2 * batch_local * heads_local * t * 128 * 4 if platform == "tpu" else 0)
+    )
+    loss = (
+        batch_local
+        * min(m.loss_chunk, t)
+        * (m.vocab_size // tp)
+        * 4
+        * (_GPU["loss_copies"] if platform == "gpu" else 2)
+    )
     # measured, not derived: with every layer's residuals on the device XLA's peak holds both
     # working sets, with them offloaded it holds the larger (XLA:TPU, 7B stages on a v4-64)
     inside: float = max(layer, loss) if remat.host else layer + loss
@@ -144,8 +161,10 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
         # save_hidden); the working set once, not per layer (charging it per layer was 2x
         # XLA's figure: LLaMA-3.2-1B 66.3 against 30.4 GiB at 8K on an H100, 153 against 74 at
         # 32K on a v5p chip; now -2%, -14%; 4 layers of width 256 at 4K on a CPU, -7%)
-        per_layer_saved = (batch_local * t * (6 * m.dim + 2 * q_dim + 3 * kv_local
-                                              + 2 * ffn_local) * cbytes + ring_out)
+        per_layer_saved = (
+            batch_local * t * (6 * m.dim + 2 * q_dim + 3 * kv_local + 2 * ffn_local) * cbytes
+            + ring_out
+        )
     elif remat.matmuls:
         # the layer input and the outputs of its weight matmuls outside the fused ops: q, k, v
         # and the attention's output projection (the feed-forward and a fused attention kernel
@@ -169,8 +188,9 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     residual = batch_local * t * m.dim * 4 * 2
     # what the strategy holds for the attention (the ring: K/V in flight and the float32
     # dK/dV accumulators travelling); over one device nothing crosses, nothing is held
-    step = attention_step(run, sizes, flops=0.0, fast_gbs=0.0, slow_gbs=0.0,
-                          devices_per_node=sp)   # (the links do not change what it holds)
+    step = attention_step(
+        run, sizes, flops=0.0, fast_gbs=0.0, slow_gbs=0.0, devices_per_node=sp
+    )  # (the links do not change what it holds)
     ring = strategy_of(a).buffers(step) if sp > 1 else 0.0
     host = 0.0
     if remat.host and platform == "gpu":
@@ -182,17 +202,21 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
         # backward: the ring's buffers, q/k/v/o, one float32 set of q and k's size, the residual
         # stream; the layer's saved residuals streamed in from the host are not held beside them.
         chunks = 2 * (loss + batch_local * min(m.ffn_chunk, t) * (m.ffn_dim // tp) * cbytes * 3)
-        attention_backward = (ring + batch_local * t * (2 * heads_local * m.head_dim + 2 * kv_local)
-                              * cbytes + batch_local * t * 4 * (heads_local * m.head_dim + kv_local)
-                              + residual)
+        attention_backward = (
+            ring
+            + batch_local * t * (2 * heads_local * m.head_dim + 2 * kv_local) * cbytes
+            + batch_local * t * 4 * (heads_local * m.head_dim + kv_local)
+            + residual
+        )
         if sp > 1 and kernel and get_kernel(kernel).compute_dtype_rounds:
             # the kernel's compute-dtype o, do, dq (q's size) and dk, dv (k's) beside the
             # ring's float32 accumulators: tokamax_gpu's 7B stages on h100:4x8 need 1.24 GiB
             # more than pallas_gpu's where this is 1.25. With one round nothing accumulates
             # (llama1b offloaded at 512K on one H100: 1.7 GiB more, not this term's 7)
-            attention_backward += batch_local * t * (3 * heads_local * m.head_dim
-                                                     + 2 * kv_local) * cbytes
-        activations = max(chunks, attention_backward) - ring   # the ring is counted on its own
+            attention_backward += (
+                batch_local * t * (3 * heads_local * m.head_dim + 2 * kv_local) * cbytes
+            )
+        activations = max(chunks, attention_backward) - ring  # the ring is counted on its own
     elif remat.host:  # on the device only the layer being recomputed (and its copy)
         host, per_layer_saved = per_layer_saved * m.n_layers, per_layer_saved
         activations = 2 * per_layer_saved + inside + residual
@@ -203,11 +227,21 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     if device in DEVICES:  # an unknown or no device: neither is known
         flops, bandwidth, memory = DEVICES[device]
         min_block, device_memory = flops / (bandwidth * 1e9), memory * 2**30
-    return Plan(mesh=sizes, params=local_params * pbytes, grads=local_params * 4,
-                optimizer=2 * local_params * pbytes, activations_per_layer=per_layer_saved,
-                activations=activations, ring=ring, tokens_per_step=d.batch_size * d.seq_len,
-                local_tokens=t, min_block=min_block, device_memory=device_memory,
-                host_activations=host, remat=m.remat)
+    return Plan(
+        mesh=sizes,
+        params=local_params * pbytes,
+        grads=local_params * 4,
+        optimizer=2 * local_params * pbytes,
+        activations_per_layer=per_layer_saved,
+        activations=activations,
+        ring=ring,
+        tokens_per_step=d.batch_size * d.seq_len,
+        local_tokens=t,
+        min_block=min_block,
+        device_memory=device_memory,
+        host_activations=host,
+        remat=m.remat,
+    )
 
 
 def gib(x: float) -> str:
@@ -216,25 +250,38 @@ def gib(x: float) -> str:
 
 def report(plan: Plan, device: str | None) -> str:
     with_unit = lambda x: f"{gib(x)} GiB"
-    rows = [("mesh", str(plan.mesh)), ("remat policy", plan.remat),
-            ("tokens per step", f"{plan.tokens_per_step:,}"),
-            ("tokens per device (sequence block)", f"{plan.local_tokens:,}"),
-            ("parameters", with_unit(plan.params)), ("gradients (float32)", with_unit(plan.grads)),
-            ("optimizer state (AdamW)", with_unit(plan.optimizer)),
-            ("activations saved per layer", with_unit(plan.activations_per_layer)),
-            ("activations in all (+ one layer's working set)", with_unit(plan.activations)),
-            ("ring working set", with_unit(plan.ring)), ("total", with_unit(plan.total))]
+    rows = [
+        ("mesh", str(plan.mesh)),
+        ("remat policy", plan.remat),
+        ("tokens per step", f"{plan.tokens_per_step:,}"),
+        ("tokens per device (sequence block)", f"{plan.local_tokens:,}"),
+        ("parameters", with_unit(plan.params)),
+        ("gradients (float32)", with_unit(plan.grads)),
+        ("optimizer state (AdamW)", with_unit(plan.optimizer)),
+        ("activations saved per layer", with_unit(plan.activations_per_layer)),
+        ("activations in all (+ one layer's working set)", with_unit(plan.activations)),
+        ("ring working set", with_unit(plan.ring)),
+        ("total", with_unit(plan.total)),
+    ]
     if plan.host_activations:
-        rows.append(("host memory (remat='offload': saved activations)",
-                     with_unit(plan.host_activations)))
+        rows.append(
+            ("host memory (remat='offload': saved activations)", with_unit(plan.host_activations))
+        )
     if plan.device_memory:
-        rows.append((f"{device} memory", f"{with_unit(plan.device_memory)} "
-                     f"({100 * plan.total / plan.device_memory:.0f}% used)"))
+        rows.append(
+            (
+                f"{device} memory",
+                f"{with_unit(plan.device_memory)} "
+                f"({100 * plan.total / plan.device_memory:.0f}% used)",
+            )
+        )
     if plan.min_block:
         ok = "overlaps" if plan.local_tokens >= plan.min_block else "does NOT overlap"
-        rows.append(("min block to hide the ring (FLOPS/bandwidth)",
-                     f"{plan.min_block:,.0f} tokens: the ring {ok}"))
+        rows.append(
+            (
+                "min block to hide the ring (FLOPS/bandwidth)",
+                f"{plan.min_block:,.0f} tokens: the ring {ok}",
+            )
+        )
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-

@@ -24,8 +24,15 @@ from lclm.ops.context_parallel.contract import Step, StrategyCost
 __all__ = ["StrategyCost", "attention_step", "compare"]
 
 
-def attention_step(run: RunConfig, sizes: dict[str, int], *, flops: float, fast_gbs: float,
-                   slow_gbs: float, devices_per_node: int) -> Step:
+def attention_step(
+    run: RunConfig,
+    sizes: dict[str, int],
+    *,
+    flops: float,
+    fast_gbs: float,
+    slow_gbs: float,
+    devices_per_node: int,
+) -> Step:
     """What a strategy is priced from (`Step`) for `run` (one stage) on a mesh of `sizes`,
     devices of `flops` peak FLOP/s, links of `fast_gbs` inside a node of `devices_per_node`
     devices and `slow_gbs` between nodes (GB/s, one way)."""
@@ -38,17 +45,39 @@ def attention_step(run: RunConfig, sizes: dict[str, int], *, flops: float, fast_
     # QK^T and PV: 4 t^2 dh FLOPs per head forward, about 2.5 times that backward; causal
     # pairs are half masked on average (striped/zigzag balance them)
     pair = 4 * batch * t * t * m.head_dim * heads * 3.5 / 2
-    return Step(n=n, q=batch * t * heads * m.head_dim * b,
-                kv=batch * t * kv_heads * m.head_dim * 2 * b, kv_heads=kv_heads, heads=heads,
-                pair_flops=pair, dtype_bytes=b, per_step=m.n_layers * micro, remat=m.remat,
-                flops=flops, fast_gbs=fast_gbs, slow_gbs=slow_gbs,
-                devices_per_node=devices_per_node)
+    return Step(
+        n=n,
+        q=batch * t * heads * m.head_dim * b,
+        kv=batch * t * kv_heads * m.head_dim * 2 * b,
+        kv_heads=kv_heads,
+        heads=heads,
+        pair_flops=pair,
+        dtype_bytes=b,
+        per_step=m.n_layers * micro,
+        remat=m.remat,
+        flops=flops,
+        fast_gbs=fast_gbs,
+        slow_gbs=slow_gbs,
+        devices_per_node=devices_per_node,
+    )
 
 
-def compare(run: RunConfig, sizes: dict[str, int], flops: float, fast_gbs: float,
-            slow_gbs: float, devices_per_node: int) -> list[StrategyCost]:
+def compare(
+    run: RunConfig,
+    sizes: dict[str, int],
+    flops: float,
+    fast_gbs: float,
+    slow_gbs: float,
+    devices_per_node: int,
+) -> list[StrategyCost]:
     """The costs of every registered strategy for `run` (one stage) on a mesh of `sizes`
     and links (`attention_step`'s arguments)."""
-    step = attention_step(run, sizes, flops=flops, fast_gbs=fast_gbs, slow_gbs=slow_gbs,
-                          devices_per_node=devices_per_node)
+    step = attention_step(
+        run,
+        sizes,
+        flops=flops,
+        fast_gbs=fast_gbs,
+        slow_gbs=slow_gbs,
+        devices_per_node=devices_per_node,
+    )
     return [strategy.cost(step) for strategy in STRATEGIES.values()]

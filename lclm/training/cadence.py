@@ -54,16 +54,20 @@ class Cadence:
     multi: bool = False
 
     @classmethod
-    def of(cls, config: RunConfig, first: int, stop_after: int | None, multi: bool
-           ) -> Cadence:
+    def of(cls, config: RunConfig, first: int, stop_after: int | None, multi: bool) -> Cadence:
         """The cadence of `config` (its train, log, validation and checkpoint sections) for a
         run that trains from step `first`."""
         total = config.train.steps
-        return cls(first=first, last=total if stop_after is None else min(total, stop_after),
-                   total=total, log_every=config.log.every,
-                   validate_every=config.validation.every if config.validation.path else 0,
-                   save_every=config.checkpoint.every,
-                   validate_at_start=config.validation.at_start, multi=multi)
+        return cls(
+            first=first,
+            last=total if stop_after is None else min(total, stop_after),
+            total=total,
+            log_every=config.log.every,
+            validate_every=config.validation.every if config.validation.path else 0,
+            save_every=config.checkpoint.every,
+            validate_at_start=config.validation.at_start,
+            multi=multi,
+        )
 
     def steps(self) -> range:
         """The steps this run trains (empty when it is already trained to `total`)."""
@@ -83,13 +87,19 @@ class Cadence:
     def at(self, step: int, terminated: bool = False) -> StepPlan:
         """What `step` does; `terminated`: a termination was signalled (SIGTERM, SIGINT, a
         preemption notice): the step is logged and saved, and the run stops after it."""
-        validate = bool(self.validate_every) and (step % self.validate_every == 0
-                                                  or step == self.last)
-        log = (step % self.log_every == 0 or step in (self.first, self.last) or terminated
-               or validate)
+        validate = bool(self.validate_every) and (
+            step % self.validate_every == 0 or step == self.last
+        )
+        log = (
+            step % self.log_every == 0 or step in (self.first, self.last) or terminated or validate
+        )
         final = step == self.total
         return StepPlan(
-            log=log, validate=validate,
+            log=log,
+            validate=validate,
             save=(bool(self.save_every) and step % self.save_every == 0) or final or terminated,
-            last_chance=final or terminated, retry=log or not self.multi,
-            by_time=not self.multi or step % self.log_every == 0, stop=terminated)
+            last_chance=final or terminated,
+            retry=log or not self.multi,
+            by_time=not self.multi or step % self.log_every == 0,
+            stop=terminated,
+        )

@@ -27,7 +27,7 @@ def use_compile_cache(directory: str) -> str | None:
     if not directory:
         return None
     path = os.path.expanduser(directory)
-    if "://" not in path:   # a bucket's access is its own
+    if "://" not in path:  # a bucket's access is its own
         os.makedirs(path, mode=0o700, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     log.debug("persistent compilation cache: %s", path)

@@ -76,11 +76,18 @@ def apply_hf_shapes(config) -> None:
     token ids, max positions and, where `model.rope_scaling` is 'auto', the RoPE scaling.
     `model.rope_theta` stays the run's (long-context recipes raise it)."""
     source = hf.read_config(config.model.init_from_hf)
-    config.model.update(hf.model_fields(dataclasses.asdict(source),
-                                        rope_scaling=config.model.rope_scaling == "auto"))
+    config.model.update(
+        hf.model_fields(
+            dataclasses.asdict(source), rope_scaling=config.model.rope_scaling == "auto"
+        )
+    )
     if source.rope_theta != config.model.rope_theta:
-        log.info("model.rope_theta=%g replaces %s's rope_theta %g", config.model.rope_theta,
-                 config.model.init_from_hf, source.rope_theta)
+        log.info(
+            "model.rope_theta=%g replaces %s's rope_theta %g",
+            config.model.rope_theta,
+            config.model.init_from_hf,
+            source.rope_theta,
+        )
 
 
 class SourceDamaged(StartupError):
@@ -93,7 +100,8 @@ class SourceDamaged(StartupError):
             f"model.init_from_checkpoint={workdir!r}: its latest checkpoint"
             f"{'' if step is None else f' (step {step})'} cannot be read ({why}); move {where} "
             "aside to start from that run's previous step, or point "
-            "model.init_from_checkpoint at another run")
+            "model.init_from_checkpoint at another run"
+        )
 
 
 def apply_checkpoint_fields(config) -> None:
@@ -107,12 +115,14 @@ def apply_checkpoint_fields(config) -> None:
         raise
     except Exception as e:  # noqa: BLE001  (a damaged config item)
         raise SourceDamaged(source, None, first_line(e)) from None
-    config.model.update(hf.model_fields(saved.get("model", {}),
-                                        rope_scaling=config.model.rope_scaling == "auto"))
+    config.model.update(
+        hf.model_fields(saved.get("model", {}), rope_scaling=config.model.rope_scaling == "auto")
+    )
 
 
-def origin(config: RunConfig, checkpoints: Checkpoints, saved_config: dict, model: ModelConfig
-           ) -> Origin:
+def origin(
+    config: RunConfig, checkpoints: Checkpoints, saved_config: dict, model: ModelConfig
+) -> Origin:
     """Where the first state of the run `config` (its config as checkpoints save it:
     `saved_config`) comes from, `checkpoints` being its workdir's. A resume this config may not
     make (ConfigError, `lclm.training.resume`) or whose parameter shapes are not `model`'s
@@ -124,16 +134,17 @@ def origin(config: RunConfig, checkpoints: Checkpoints, saved_config: dict, mode
         if latest is None:
             return Origin(RESUME)
         step, saved = latest
-        restart_data = check_resume(saved, saved_config,
-                                    allowed_keys(config.checkpoint.allow_changed), step)
-        try:   # an allowed change (checkpoint.allow_changed) may still change a shape
-            checkpoints.check_shapes(step, jax.eval_shape(functools.partial(init_params, model),
-                                                          jax.random.key(0)))
+        restart_data = check_resume(
+            saved, saved_config, allowed_keys(config.checkpoint.allow_changed), step
+        )
+        try:  # an allowed change (checkpoint.allow_changed) may still change a shape
+            checkpoints.check_shapes(
+                step, jax.eval_shape(functools.partial(init_params, model), jax.random.key(0))
+            )
         except ShapeMismatch:
             raise
         except Exception as e:  # noqa: BLE001  (damaged metadata: the restore sets the step aside)
-            log.debug("shapes of checkpoint step %d not checked before the restore (%s)", step,
-                      e)
+            log.debug("shapes of checkpoint step %d not checked before the restore (%s)", step, e)
         return Origin(RESUME, step, restart_data)
     return Origin(configured_source(config.model))
 
@@ -151,8 +162,14 @@ def configured_source(model: Model) -> str:
     return FRESH
 
 
-def first_state(config: RunConfig, checkpoints: Checkpoints, model: ModelConfig, mesh,
-                optimizer, saved_config: dict) -> tuple[TrainState, dict | None]:
+def first_state(
+    config: RunConfig,
+    checkpoints: Checkpoints,
+    model: ModelConfig,
+    mesh,
+    optimizer,
+    saved_config: dict,
+) -> tuple[TrainState, dict | None]:
     """(state, data state) the run starts from, placed on `mesh` (`origin` decides where from;
     the data state is None where the data pipeline starts at its beginning)."""
     source = origin(config, checkpoints, saved_config, model)
@@ -160,26 +177,33 @@ def first_state(config: RunConfig, checkpoints: Checkpoints, model: ModelConfig,
     if source.kind == RESUME:
         return _resume(config, checkpoints, state, saved_config, source)
     if source.kind == OTHER_RUN:
-        state = load_checkpoint_state(config.model.init_from_checkpoint,
-                                      config.train.optimizer_from_checkpoint, state)
+        state = load_checkpoint_state(
+            config.model.init_from_checkpoint, config.train.optimizer_from_checkpoint, state
+        )
     elif source.kind == HUGGINGFACE:
         state = state._replace(params=load_hf_params(config.model.init_from_hf, model, mesh))
     return state, None
 
 
-def _resume(config: RunConfig, checkpoints: Checkpoints, template: TrainState,
-            saved_config: dict, checked: Origin) -> tuple[TrainState, dict | None]:
+def _resume(
+    config: RunConfig,
+    checkpoints: Checkpoints,
+    template: TrainState,
+    saved_config: dict,
+    checked: Origin,
+) -> tuple[TrainState, dict | None]:
     """The workdir's latest readable checkpoint, placed like `template`, and its data state
     unless the data pipeline starts afresh."""
     state, data_state = checkpoints.restore(template)
     restart_data = checked.restart_data
-    restored = checkpoints.latest_step()   # the steps found damaged are set aside by now
+    restored = checkpoints.latest_step()  # the steps found damaged are set aside by now
     if restored is not None and restored != checked.step:
         # damage sent the restore to another step than the one checked: its own config
         # decides (an allowed change of the data order may lie between the two)
         saved = checkpoints.config_at(restored)
         restart_data = saved is not None and check_resume(
-            saved, saved_config, allowed_keys(config.checkpoint.allow_changed), restored)
+            saved, saved_config, allowed_keys(config.checkpoint.allow_changed), restored
+        )
     return state, None if restart_data else data_state
 
 
@@ -200,15 +224,18 @@ def load_checkpoint_state(source: str, carry: bool, template: TrainState) -> Tra
     step count carry on: its bias correction stays that of a warmed-up optimizer). Placed
     like `template`."""
     items = {"params": template.params, **({"opt_state": template.opt_state} if carry else {})}
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            items)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), items
+    )
     checkpoints = Checkpoints(source, keep=1)
     error, restored = None, None
     try:
         step = checkpoints.latest_step()
         if step is None:
-            raise FileNotFoundError(f"model.init_from_checkpoint={source!r} has no checkpoint; "
-                                    "point it at the workdir of a finished lclm run")
+            raise FileNotFoundError(
+                f"model.init_from_checkpoint={source!r} has no checkpoint; "
+                "point it at the workdir of a finished lclm run"
+            )
         try:
             checkpoints.check_shapes(step, template.params)
             restored = read_state_items(source, step, abstract)
@@ -219,12 +246,15 @@ def load_checkpoint_state(source: str, carry: bool, template: TrainState) -> Tra
     finally:
         checkpoints.close()
     if any_process(error is not None):  # every process stops, or none
-        raise SourceDamaged(source, step, first_line(error) if error else
-                            "unreadable on another process")
-    assert restored is not None   # read above, or raised
-    log.info("initialised from %s step %d%s", source, step,
-             " with its optimizer state" if carry else "")
+        raise SourceDamaged(
+            source, step, first_line(error) if error else "unreadable on another process"
+        )
+    assert restored is not None  # read above, or raised
+    log.info(
+        "initialised from %s step %d%s", source, step, " with its optimizer state" if carry else ""
+    )
     if not carry:
         return template._replace(params=restored["params"])
-    return template._replace(params=restored["params"],
-                             opt_state=restart_schedule(restored["opt_state"]))
+    return template._replace(
+        params=restored["params"], opt_state=restart_schedule(restored["opt_state"])
+    )

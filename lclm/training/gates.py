@@ -40,8 +40,8 @@ ScoreRuler = Callable[[str, dict], dict]
 
 class Verdict(NamedTuple):
     passed: bool
-    line: str    # what was measured, against what
-    stop: bool   # whether a failure stops the run
+    line: str  # what was measured, against what
+    stop: bool  # whether a failure stops the run
 
 
 def _short_loss(record: dict, length: int, own_length: int) -> float | None:
@@ -57,31 +57,49 @@ def _short_loss_part(stage: RunConfig, limit: float) -> tuple[bool | None, str, 
     length = validation_lengths(own, stage.validation.lengths)[0]
     records = read_metrics(stage.run.workdir)
     start = next((_short_loss(r, length, own) for r in records if r.get("step") == 0), None)
-    end = next((v for r in reversed(records)
-                if r.get("step", 0) > 0 and (v := _short_loss(r, length, own)) is not None),
-               None)
+    end = next(
+        (
+            v
+            for r in reversed(records)
+            if r.get("step", 0) > 0 and (v := _short_loss(r, length, own)) is not None
+        ),
+        None,
+    )
     fields = dict(length=length, start=start, end=end)
     if start is None or end is None:
-        return None, (f"no held-out loss at {length} tokens "
-                      f"{'at its start' if start is None else 'at its end'} in "
-                      f"{stage.run.workdir}/metrics.jsonl"), fields
+        return (
+            None,
+            (
+                f"no held-out loss at {length} tokens "
+                f"{'at its start' if start is None else 'at its end'} in "
+                f"{stage.run.workdir}/metrics.jsonl"
+            ),
+            fields,
+        )
     change = end / start - 1
-    return change <= limit, (f"val_loss@{length} {start:.4f} -> {end:.4f} ({change:+.1%}, "
-                             f"limit {limit:+.1%})"), fields
+    return (
+        change <= limit,
+        (f"val_loss@{length} {start:.4f} -> {end:.4f} ({change:+.1%}, limit {limit:+.1%})"),
+        fields,
+    )
 
 
-def _ruler_part(stage: RunConfig, spec: dict, score_ruler: ScoreRuler
-                ) -> tuple[bool, str, dict]:
+def _ruler_part(stage: RunConfig, spec: dict, score_ruler: ScoreRuler) -> tuple[bool, str, dict]:
     result = score_ruler(stage.run.workdir, spec)
     score = result["average"][spec["length"]]
-    return score >= spec["min_score"], (
-        f"RULER {spec['tasks']} at {spec['length']} tokens {score:.1f} (min "
-        f"{spec['min_score']:g}, {spec['samples']} prompts each)"), dict(
-        ruler=dict(spec, scores=result["scores"], average=score))
+    return (
+        score >= spec["min_score"],
+        (
+            f"RULER {spec['tasks']} at {spec['length']} tokens {score:.1f} (min "
+            f"{spec['min_score']:g}, {spec['samples']} prompts each)"
+        ),
+        dict(ruler=dict(spec, scores=result["scores"], average=score)),
+    )
 
 
-def evaluate(stage: RunConfig, gate: dict, name: str,
-             score_ruler: ScoreRuler | None = None) -> Verdict:
+def evaluate(
+    stage: RunConfig, gate: dict, name: str, score_ruler: ScoreRuler | None = None
+) -> Verdict:
     """The verdict of a finished `stage`'s `gate` (its config's sections): its held-out
     losses read from its metrics.jsonl, its RULER subset scored by `score_ruler`; written to
     its gate.json."""
@@ -92,18 +110,22 @@ def evaluate(stage: RunConfig, gate: dict, name: str,
     spec = gate_ruler(gate, stage.data.seq_len)
     if spec is not None:
         if score_ruler is None:
-            raise ConfigError(f"stage {name}'s gate scores RULER, which the training program "
-                              "(python train.py) does; lclm.training.stages.run_stages was called "
-                              "without score_ruler")
+            raise ConfigError(
+                f"stage {name}'s gate scores RULER, which the training program "
+                "(python train.py) does; lclm.training.stages.run_stages was called "
+                "without score_ruler"
+            )
         parts.append(_ruler_part(stage, spec, score_ruler))
     for _, _, more in parts:
         fields.update(more)
     passed = all(p is True for p, _, _ in parts)
     line = f"stage {name} gate: " + "; ".join(
-        f"{text}: {'passed' if p else 'FAILED'}" if p is not None else text
-        for p, text, _ in parts)
+        f"{text}: {'passed' if p else 'FAILED'}" if p is not None else text for p, text, _ in parts
+    )
     verdict = Verdict(passed, line, gate.get("on_fail", "stop") == "stop")
-    write_json(storage.join(stage.run.workdir, "gate.json"),
-               dict(gate=gate, **fields, passed=verdict.passed, line=verdict.line))
+    write_json(
+        storage.join(stage.run.workdir, "gate.json"),
+        dict(gate=gate, **fields, passed=verdict.passed, line=verdict.line),
+    )
     (log.info if verdict.passed else log.warning)("%s", verdict.line)
     return verdict

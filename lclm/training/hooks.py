@@ -48,8 +48,9 @@ class Hook:
         """The run trained its steps; `summary`: what it did (empty where it trained none)."""
 
 
-def log_record(hooks: Sequence[Hook], record: dict, state: TrainState,
-               plan: StepPlan) -> str | None:
+def log_record(
+    hooks: Sequence[Hook], record: dict, state: TrainState, plan: StepPlan
+) -> str | None:
     """Every hook's `on_log`, in order; the first reason to stop, or None."""
     reasons = [hook.on_log(record, state, plan) for hook in hooks]
     return next((why for why in reasons if why is not None), None)
@@ -64,8 +65,9 @@ class Validation(Hook):
         self.seq_len, self.losses = seq_len, losses
 
     @classmethod
-    def of(cls, run: RunConfig, held_out: dict[int, RunConfig], mesh, tokenizer, model,
-           param_sharding) -> Validation | None:
+    def of(
+        cls, run: RunConfig, held_out: dict[int, RunConfig], mesh, tokenizer, model, param_sharding
+    ) -> Validation | None:
         """The mean loss over the first `validation.batches` batches of `validation.path` at
         each length of `held_out` (`config.run_config.held_out_runs`: read once, so every
         evaluation sees the same tokens; `data.batch_size` rows of each length), or None
@@ -77,21 +79,27 @@ class Validation(Hook):
             try:
                 reader = HostBatches(sections, mesh, tokenizer, prefetch=0)
             except DataError:
-                _check_validation_size(run, tokenizer)   # the loader's advice is for training
+                _check_validation_size(run, tokenizer)  # the loader's advice is for training
                 raise
             try:
                 batches_of[length] = [next(reader) for _ in range(run.validation.batches)]
             finally:
                 reader.close()
-        loss_fn = jit_eval_loss(model, run.attention, mesh, param_sharding,  # a program a length
-                                document_mask=run.data.document_mask)
+        loss_fn = jit_eval_loss(
+            model,
+            run.attention,
+            mesh,
+            param_sharding,  # a program a length
+            document_mask=run.data.document_mask,
+        )
 
         def losses(params) -> dict[int, float]:
             means = {}
             for length, batches in batches_of.items():
                 sums = [jax.device_get(loss_fn(params, batch)) for batch in batches]
-                means[length] = (float(sum(t for t, _ in sums))
-                                 / max(float(sum(c for _, c in sums)), 1.0))
+                means[length] = float(sum(t for t, _ in sums)) / max(
+                    float(sum(c for _, c in sums)), 1.0
+                )
             return means
 
         return cls(run.data.seq_len, losses)
@@ -117,8 +125,11 @@ def _check_validation_size(run: RunConfig, tokenizer) -> None:
     training run."""
     v, d = run.validation, run.data
     for kind, path, *_ in parse_sources(v.path, d.source, "validation.path"):
-        found = len(open_documents(kind, path, tokenizer, text_field=d.text_field,
-                                   chat_template=d.chat_template))
+        found = len(
+            open_documents(
+                kind, path, tokenizer, text_field=d.text_field, chat_template=d.chat_template
+            )
+        )
         if found < d.batch_size:
             raise ConfigError(
                 f"validation.path={v.path!r}: {path} has {found} usable record(s), fewer than "
@@ -126,7 +137,8 @@ def _check_validation_size(run: RunConfig, tokenizer) -> None:
                 f"its own records; validation.batches={v.batches} batches read "
                 f"{v.batches * d.batch_size} rows of {d.seq_len} tokens); give "
                 f"validation.path at least {d.batch_size} held-out records, or set "
-                "validation.path='' to train without validation")
+                "validation.path='' to train without validation"
+            )
 
 
 class Throughput(Hook):
@@ -142,11 +154,11 @@ class Throughput(Hook):
         self.flops_per_step = flops_per_token(model, data.seq_len) * self.tokens_per_step
         self.peak, self.devices = peak_flops(devices[0].device_kind), len(devices)
         self.started = time.perf_counter()
-        self.first_logged: float | None = None   # compilation excluded from the summary's rate
+        self.first_logged: float | None = None  # compilation excluded from the summary's rate
         self._t0, self._since = self.started, first_step - 1
         self.compile_seconds: float | None = None
-        self.waits = {"data": 0.0, "save": 0.0}   # seconds, since the run's first step
-        self._waits_then = dict(self.waits)        # ... at the previous record
+        self.waits = {"data": 0.0, "save": 0.0}  # seconds, since the run's first step
+        self._waits_then = dict(self.waits)  # ... at the previous record
 
     def compiled(self, seconds: float) -> None:
         """The first call of the step took `seconds`: tracing and compiling it (and with
@@ -162,14 +174,20 @@ class Throughput(Hook):
         now = time.perf_counter()
         steps = step - self._since
         seconds = (now - self._t0) / steps
-        record = dict(step=step, loss=float(metrics["loss"]), lr=float(metrics["lr"]),
-                      grad_norm=float(metrics["grad_norm"]),
-                      tokens_per_sec=self.tokens_per_step / seconds, step_time=seconds,
-                      mfu=((self.flops_per_step / seconds / (self.peak * self.devices))
-                           if self.peak else None),
-                      skipped_steps=skipped_steps,
-                      data_wait_time=(self.waits["data"] - self._waits_then["data"]) / steps,
-                      save_block_time=(self.waits["save"] - self._waits_then["save"]) / steps)
+        record = dict(
+            step=step,
+            loss=float(metrics["loss"]),
+            lr=float(metrics["lr"]),
+            grad_norm=float(metrics["grad_norm"]),
+            tokens_per_sec=self.tokens_per_step / seconds,
+            step_time=seconds,
+            mfu=(
+                (self.flops_per_step / seconds / (self.peak * self.devices)) if self.peak else None
+            ),
+            skipped_steps=skipped_steps,
+            data_wait_time=(self.waits["data"] - self._waits_then["data"]) / steps,
+            save_block_time=(self.waits["save"] - self._waits_then["save"]) / steps,
+        )
         if self.first_logged is None and self.compile_seconds is not None:
             record["compile_time"] = self.compile_seconds
         self.first_logged = self.first_logged or now
@@ -184,11 +202,15 @@ class Throughput(Hook):
         """The summary's line of what held the run back: the compile, the data, the saves
         (shares of the time since the first step)."""
         total = max(time.perf_counter() - self.started, 1e-9)
-        parts = [] if self.compile_seconds is None else [
-            f"compiling the step {self.compile_seconds:,.1f} s"]
-        parts += [f"{label} {self.waits[what]:,.1f} s ({100 * self.waits[what] / total:.1f}%)"
-                  for what, label in (("data", "waiting for data"),
-                                      ("save", "blocked by saves"))]
+        parts = (
+            []
+            if self.compile_seconds is None
+            else [f"compiling the step {self.compile_seconds:,.1f} s"]
+        )
+        parts += [
+            f"{label} {self.waits[what]:,.1f} s ({100 * self.waits[what] / total:.1f}%)"
+            for what, label in (("data", "waiting for data"), ("save", "blocked by saves"))
+        ]
         return f"time: {total:,.0f} s from the first step; " + ", ".join(parts)
 
     def summary(self, records: list[dict]) -> str:
@@ -200,12 +222,15 @@ class Throughput(Hook):
         def loss(record):
             return "nan" if not math.isfinite(record["loss"]) else f"{record['loss']:.4f}"
 
-        line = (f"trained steps {first['step']}-{last['step']} in {now - self.started:,.0f} s; "
-                f"loss {loss(first)} -> {loss(last)}")
+        line = (
+            f"trained steps {first['step']}-{last['step']} in {now - self.started:,.0f} s; "
+            f"loss {loss(first)} -> {loss(last)}"
+        )
         if last["step"] > first["step"]:
-            assert self.first_logged is not None   # set with the first record
-            steady = ((last["step"] - first["step"]) * self.tokens_per_step
-                      / (now - self.first_logged))
+            assert self.first_logged is not None  # set with the first record
+            steady = (
+                (last["step"] - first["step"]) * self.tokens_per_step / (now - self.first_logged)
+            )
             line += f"; {steady:,.0f} tokens/s after compilation"
         return line
 
@@ -215,8 +240,9 @@ class MetricsWriter(Hook):
     failed write ridden out as `faults` decides; at each logged step, the check that the
     workdir is still this run's (`lock`): with several processes all stop with process 0."""
 
-    def __init__(self, logger: MetricsLogger | None, lock: WorkdirLock, faults: StepFaults,
-                 multi: bool):
+    def __init__(
+        self, logger: MetricsLogger | None, lock: WorkdirLock, faults: StepFaults, multi: bool
+    ):
         self.logger, self.lock, self.faults, self.multi = logger, lock, faults, multi
         self.last_step: int | None = None
 
@@ -231,17 +257,20 @@ class MetricsWriter(Hook):
                     self.faults.metrics_written(step)
                 except MetricsFailed as e:
                     self.faults.metrics_failed(step, e, began)
-            else:   # writes are failing: held until the pause after the last try is over
+            else:  # writes are failing: held until the pause after the last try is over
                 self.logger.log(record, write=False)
             give_up = self.faults.metrics_patience_spent()
-        lost = self.lock.lost()   # None, or why another run now holds the workdir
-        if self.multi:   # only process 0 writes metrics and holds the lock
+        lost = self.lock.lost()  # None, or why another run now holds the workdir
+        if self.multi:  # only process 0 writes metrics and holds the lock
             give_up = any_process(give_up)
-            lost = lost or ("process 0 lost the workdir lock"
-                            if any_process(lost is not None) else None)
-        if lost:   # the workdir is another run's now: write nothing more to it
-            raise self.faults.halt(f"stopped after step {step}: {lost}; this run stops so "
-                                   "that two runs never write one workdir")
+            lost = lost or (
+                "process 0 lost the workdir lock" if any_process(lost is not None) else None
+            )
+        if lost:  # the workdir is another run's now: write nothing more to it
+            raise self.faults.halt(
+                f"stopped after step {step}: {lost}; this run stops so "
+                "that two runs never write one workdir"
+            )
         return self.faults.metrics_stop_reason(step) if give_up else None
 
     def flush_held(self) -> None:
@@ -250,7 +279,7 @@ class MetricsWriter(Hook):
         if self.logger is not None and self.faults.failing_since is not None:
             # the last logged steps' records: retried while the patience lasts, else the run
             # stops naming them (they go to the log)
-            assert self.last_step is not None   # writes failed at a logged step
+            assert self.last_step is not None  # writes failed at a logged step
             self.faults.flush_metrics(self.logger.flush, self.last_step)
 
 
@@ -261,13 +290,16 @@ class Console(Hook):
     def __init__(self, config: RunConfig, cadence: Cadence):
         self.progress = None
         if cadence.trained:
-            log.info("%s is already trained to step %d (train.steps); nothing to do: raise "
-                     "train.steps to train on", config.run.workdir, cadence.total)
-        elif config.log.progress:   # it says "compiling" itself
+            log.info(
+                "%s is already trained to step %d (train.steps); nothing to do: raise "
+                "train.steps to train on",
+                config.run.workdir,
+                cadence.total,
+            )
+        elif config.log.progress:  # it says "compiling" itself
             self.progress = Progress(cadence.total, cadence.first)
         else:
-            log.info("compiling the training step (step %d of %d)", cadence.first,
-                     cadence.total)
+            log.info("compiling the training step (step %d of %d)", cadence.first, cadence.total)
 
     def on_step(self, step: int) -> None:
         if self.progress:
@@ -286,14 +318,21 @@ class Console(Hook):
                 log.info("%s", line)
 
 
-def summary(records: list[dict], throughput: Throughput, checkpoints: Checkpoints,
-            logger: MetricsLogger | None) -> list[str]:
+def summary(
+    records: list[dict],
+    throughput: Throughput,
+    checkpoints: Checkpoints,
+    logger: MetricsLogger | None,
+) -> list[str]:
     """What a finished (or stopped) run did and where its outputs are; empty where it
     trained no step."""
     if not records:
         return []
     latest = checkpoints.latest_step()
-    lines = [throughput.summary(records), throughput.where_time_went(),
-             "final checkpoint: " + (storage.join(checkpoints.directory, str(latest))
-                                     if latest is not None else "none")]
+    lines = [
+        throughput.summary(records),
+        throughput.where_time_went(),
+        "final checkpoint: "
+        + (storage.join(checkpoints.directory, str(latest)) if latest is not None else "none"),
+    ]
     return lines + (logger.outputs() if logger is not None else [])

@@ -103,8 +103,11 @@ def _describe(holder: dict) -> str:
     if not holder:
         return "an unknown run (unreadable lock)"
     since = holder.get("since")
-    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
-            if isinstance(since, (int, float)) else "?")
+    when = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
+        if isinstance(since, (int, float))
+        else "?"
+    )
     return f"pid {holder.get('pid')} on {holder.get('host')} since {when}"
 
 
@@ -130,8 +133,9 @@ def _remove_stale(path: str, judged: os.stat_result, private: str) -> bool:
     except FileNotFoundError:
         return True  # another run removed it: linking ours into place decides
     found = _inspect(private)
-    same = found is not None and ((found[1].st_ino, found[1].st_mtime_ns)
-                                  == (judged.st_ino, judged.st_mtime_ns))
+    same = found is not None and (
+        (found[1].st_ino, found[1].st_mtime_ns) == (judged.st_ino, judged.st_mtime_ns)
+    )
     if same:
         os.remove(private)
     else:
@@ -150,14 +154,21 @@ class WorkdirLock:
 
     def __init__(self, workdir: str, lease_minutes: float = 10.0):
         if storage.is_remote(workdir) != self.OBJECT_STORE:
-            raise TypeError(f"{type(self).__name__} cannot lock {workdir!r}; take a workdir's "
-                            "lock with lclm.training.object_lock.workdir_lock")
+            raise TypeError(
+                f"{type(self).__name__} cannot lock {workdir!r}; take a workdir's "
+                "lock with lclm.training.object_lock.workdir_lock"
+            )
         self.workdir = workdir
         self.path = os.path.join(workdir, LOCK_FILE)
         self.lease_minutes = lease_minutes
-        self.mine = dict(host=socket.gethostname(), pid=os.getpid(),
-                         start=_start_time(os.getpid()), since=time.time(),
-                         lease_minutes=lease_minutes, token=uuid.uuid4().hex)
+        self.mine = dict(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            start=_start_time(os.getpid()),
+            since=time.time(),
+            lease_minutes=lease_minutes,
+            token=uuid.uuid4().hex,
+        )
         self.held = False
         self.renew_every = lease_minutes * 60 / 5  # seconds: several may fail within a lease
         self._stop = threading.Event()
@@ -210,8 +221,10 @@ class WorkdirLock:
         pid = _pid(holder)
         if holder.get("host") == self.mine["host"] and pid is not None:
             if _alive(holder, pid):
-                return (f"workdir {self.workdir} is in use by a live run ({_describe(holder)}); "
-                        "stop it or use another workdir")
+                return (
+                    f"workdir {self.workdir} is in use by a live run ({_describe(holder)}); "
+                    "stop it or use another workdir"
+                )
             log.warning("taking over the lock of a run that is gone (%s)", _describe(holder))
             return None
         theirs = holder.get("lease_minutes")
@@ -219,11 +232,17 @@ class WorkdirLock:
         if age < lease:
             left = lease - age
             until = time.strftime("%H:%M:%S", time.localtime(time.time() + left))
-            return (f"workdir {self.workdir} is held by {_describe(holder)}, lease renewed "
-                    f"{max(age, 0):.0f} s ago; if that run is dead, its lease expires in "
-                    f"{left / 60:.1f} min (at {until}) and a new run takes the workdir over")
-        log.warning("taking over the lock of %s: its lease was last renewed %.1f min ago "
-                    "(lease %.1f min)", _describe(holder), age / 60, lease / 60)
+            return (
+                f"workdir {self.workdir} is held by {_describe(holder)}, lease renewed "
+                f"{max(age, 0):.0f} s ago; if that run is dead, its lease expires in "
+                f"{left / 60:.1f} min (at {until}) and a new run takes the workdir over"
+            )
+        log.warning(
+            "taking over the lock of %s: its lease was last renewed %.1f min ago (lease %.1f min)",
+            _describe(holder),
+            age / 60,
+            lease / 60,
+        )
         return None
 
     def _try(self) -> str | None:
@@ -265,8 +284,9 @@ class WorkdirLock:
         if why is not None:
             raise WorkdirBusy(why)
         if self.held:
-            self._renewer = threading.Thread(target=self._renew_until_stopped, daemon=True,
-                                             name="lclm-workdir-lease")
+            self._renewer = threading.Thread(
+                target=self._renew_until_stopped, daemon=True, name="lclm-workdir-lease"
+            )
             self._renewer.start()
 
     # -- holding it -------------------------------------------------------------------------
@@ -278,8 +298,12 @@ class WorkdirLock:
             holder = self._touch()
         except Exception as e:  # noqa: BLE001  (OSError here; any client's error in a bucket)
             if not self._failing:
-                log.warning("cannot renew the lease of %s (%s); retrying every %.0f s", self.path,
-                            storage.error_text(e), self.renew_every)
+                log.warning(
+                    "cannot renew the lease of %s (%s); retrying every %.0f s",
+                    self.path,
+                    storage.error_text(e),
+                    self.renew_every,
+                )
             self._failing = True
             return None
         if self._failing:
@@ -323,11 +347,9 @@ class WorkdirLock:
             try:
                 self._remove_if_ours()
             except Exception as e:  # noqa: BLE001  (OSError here; any client's error in a bucket)
-                log.warning("could not remove the lock %s (%s)", self.path,
-                            storage.error_text(e))
+                log.warning("could not remove the lock %s (%s)", self.path, storage.error_text(e))
         self.held = False
 
     def _remove_if_ours(self) -> None:
         if self._ours(_inspect(self.path)):
             os.remove(self.path)
-

@@ -82,8 +82,9 @@ class _Setup:
     lock: WorkdirLock
 
 
-def train(config, stop_after: int | None = None,
-          termination: Termination | None = None) -> list[dict]:
+def train(
+    config, stop_after: int | None = None, termination: Termination | None = None
+) -> list[dict]:
     """Run (or resume) up to `config.train.steps` steps; returns the logged metric records.
 
     `stop_after` ends the run after that step as a crash would (steps since the last
@@ -94,16 +95,18 @@ def train(config, stop_after: int | None = None,
     handles them itself while it trains.
     """
     devices = jax.devices()
-    take_model_fields(config)   # the source of its weights fixes the model's shapes
+    take_model_fields(config)  # the source of its weights fixes the model's shapes
     sizes = validate(config, len(devices))
-    check_data(config)   # before the model: a missing file is found in seconds
+    check_data(config)  # before the model: a missing file is found in seconds
     public = public_config(config)
     if jax.process_count() > 1:
         used = math.prod(sizes.values())
         if used != len(devices):
-            raise ConfigError(f"mesh {sizes} uses {used} of the {len(devices)} devices of "
-                              f"{jax.process_count()} processes; with several processes the "
-                              "mesh must use all devices (use -1 for one axis)")
+            raise ConfigError(
+                f"mesh {sizes} uses {used} of the {len(devices)} devices of "
+                f"{jax.process_count()} processes; with several processes the "
+                "mesh must use all devices (use -1 for one axis)"
+            )
         check_same_config(json.dumps(public, sort_keys=True))
     sections = run_config(config)
     use_compile_cache(sections.run.compile_cache)
@@ -121,8 +124,20 @@ def train(config, stop_after: int | None = None,
         with contextlib.ExitStack() as stack:
             if termination is None:
                 termination = stack.enter_context(handled_termination())
-            return _run(_Setup(sections, held_out_runs(config), saved_config, sizes, mesh,
-                               model, tokenizer, lock), stop_after, termination)
+            return _run(
+                _Setup(
+                    sections,
+                    held_out_runs(config),
+                    saved_config,
+                    sizes,
+                    mesh,
+                    model,
+                    tokenizer,
+                    lock,
+                ),
+                stop_after,
+                termination,
+            )
     except BaseException:
         lock.release()
         if fresh and jax.process_index() == 0 and not _trained(workdir):
@@ -138,8 +153,9 @@ def _trained(workdir: str) -> bool:
     """Whether a run in `workdir` has logged a step or saved a checkpoint (True where the
     workdir cannot be read: a bucket unreachable when the run stopped keeps its work)."""
     try:
-        return bool(read_metrics(workdir)) or bool(storage.listdir(storage.join(workdir,
-                                                                                 "checkpoints")))
+        return bool(read_metrics(workdir)) or bool(
+            storage.listdir(storage.join(workdir, "checkpoints"))
+        )
     except OSError:
         return True
 
@@ -158,33 +174,41 @@ def _run(setup: _Setup, stop_after: int | None, termination: Termination) -> lis
     saved_config = setup.saved_config
     is_main, multi = jax.process_index() == 0, jax.process_count() > 1
     devices = list(mesh.devices.flat)
-    log.info("mesh %s on %d %s devices; model %.2fM params; attention %s", setup.sizes,
-             len(devices), devices[0].platform, param_count(model) / 1e6,
-             attention_line(run.attention, run.data.seq_len, model, setup.sizes["sp"],
-                            devices[0].platform))
+    log.info(
+        "mesh %s on %d %s devices; model %.2fM params; attention %s",
+        setup.sizes,
+        len(devices),
+        devices[0].platform,
+        param_count(model) / 1e6,
+        attention_line(
+            run.attention, run.data.seq_len, model, setup.sizes["sp"], devices[0].platform
+        ),
+    )
     checkpoints = Checkpoints(run.run.workdir, keep=run.checkpoint.keep)
     batches = logger = step_faults = None
     try:
         optimizer = make_optimizer(run.train)
-        state, data_state = first_state(run, checkpoints, model, mesh, optimizer,
-                                        saved_config)
-        if is_main:   # only once the run is accepted: config.json describes the checkpoints
+        state, data_state = first_state(run, checkpoints, model, mesh, optimizer, saved_config)
+        if is_main:  # only once the run is accepted: config.json describes the checkpoints
             _write_at_start(run.run.workdir, "config.json", saved_config)
         state_sharding = jax.tree.map(lambda x: x.sharding, state)
-        model, step_fn, remat_line = train_step(run, model, mesh, optimizer, state,
-                                                state_sharding)
+        model, step_fn, remat_line = train_step(run, model, mesh, optimizer, state, state_sharding)
         if remat_line:
             log.info("%s", remat_line)
         batches = HostBatches(run, mesh, tokenizer, state=data_state)
-        if is_main:   # what the run trains on: tokens per length bucket and source, the mixture
+        if is_main:  # what the run trains on: tokens per length bucket and source, the mixture
             _write_at_start(run.run.workdir, "data_statistics.json", batches.statistics())
-        validation = Validation.of(run, setup.held_out, mesh, tokenizer, model,
-                                   state_sharding.params)
+        validation = Validation.of(
+            run, setup.held_out, mesh, tokenizer, model, state_sharding.params
+        )
         cadence = Cadence.of(run, int(state.step) + 1, stop_after, multi)
         if is_main:
             with _written_at_start(metrics_path(run.run.workdir)):
-                logger = MetricsLogger(run.run.workdir, wandb_run(run, cadence.first - 1),
-                                       resume_step=cadence.first - 1)
+                logger = MetricsLogger(
+                    run.run.workdir,
+                    wandb_run(run, cadence.first - 1),
+                    resume_step=cadence.first - 1,
+                )
         console = Console(run, cadence) if is_main else None
         if validation is not None and cadence.validates_at_start:
             # the first weights' held-out loss (a step-0 record): every process computes it
@@ -193,25 +217,46 @@ def _run(setup: _Setup, stop_after: int | None, termination: Termination) -> lis
                 logger.log(start)
         patience = WritePatience(run.run.storage_patience_seconds)
         save_faults = SaveFaults(checkpoints, patience, 60 * run.checkpoint.every_minutes, multi)
-        step_faults = StepFaults(save_faults.halt, patience, run.train.max_bad_steps,
-                                 metrics=metrics_path(run.run.workdir))
+        step_faults = StepFaults(
+            save_faults.halt,
+            patience,
+            run.train.max_bad_steps,
+            metrics=metrics_path(run.run.workdir),
+        )
         throughput = Throughput(run.data, model, devices, cadence.first)
         writer = MetricsWriter(logger, setup.lock, step_faults, multi)
         # in this order: the clock restarts after validation, the console shows what was written
         hooks: list[Hook] = [h for h in (validation, throughput, writer, console) if h]
-        records = _steps(_Loop(step_fn, batches, checkpoints, saved_config, cadence, termination,
-                               step_faults, save_faults, throughput, hooks,
-                               devices[0].platform == "cpu"), state)
+        records = _steps(
+            _Loop(
+                step_fn,
+                batches,
+                checkpoints,
+                saved_config,
+                cadence,
+                termination,
+                step_faults,
+                save_faults,
+                throughput,
+                hooks,
+                devices[0].platform == "cpu",
+            ),
+            state,
+        )
         step_faults.check_pending()
-        save_faults.wait_for_saves()   # a save in flight where `stop_after` ended the loop
+        save_faults.wait_for_saves()  # a save in flight where `stop_after` ended the loop
         writer.flush_held()
         lines = summary(records, throughput, checkpoints, logger) if is_main else []
         for hook in hooks:
             hook.on_end(lines)
         return records
     finally:
-        _close(batches, checkpoints, logger,
-               write_held=step_faults is None or step_faults.failing_since is None)
+        _close(
+            batches,
+            checkpoints,
+            logger,
+            write_held=step_faults is None or step_faults.failing_since is None,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,37 +297,43 @@ def _steps(run: _Loop, state: TrainState) -> list[dict]:
         state, metrics = run.step_fn(state, batch)
         if run.sync:
             jax.block_until_ready(metrics)
-        if throughput.compile_seconds is None:   # the first call traced and compiled the step
+        if throughput.compile_seconds is None:  # the first call traced and compiled the step
             throughput.compiled(time.perf_counter() - fed)
         for hook in hooks:
             hook.on_step(step)
-        step_faults.step_ran(step, metrics["skipped"])   # the previous step's flag is checked
+        step_faults.step_ran(step, metrics["skipped"])  # the previous step's flag is checked
         save_faults.poll_saves()
         plan = cadence.at(step, terminated=run.termination.at(step))
-        retry = save_faults.retry_now(plan)   # a failed save, once its pause is over
+        retry = save_faults.retry_now(plan)  # a failed save, once its pause is over
         saving = plan.save or (plan.by_time and save_faults.due_by_time()) or retry
-        stopping = None   # why the run stops after saving this step
+        stopping = None  # why the run stops after saving this step
         if saving or plan.log:
-            step_faults.check_pending()   # the host waits for this step now anyway
+            step_faults.check_pending()  # the host waits for this step now anyway
         if plan.log:
-            records.append(throughput.record(step, jax.device_get(metrics),
-                                                 step_faults.skipped_steps))
+            records.append(
+                throughput.record(step, jax.device_get(metrics), step_faults.skipped_steps)
+            )
             stopping = log_record(hooks, records[-1], state, plan)
         if saving or stopping is not None:
             # the final, termination and stopping saves are the last chance: written to the
             # end (and retried) before the run reports; so is the retry of a failed save
             last_chance = plan.last_chance or stopping is not None
             began = time.perf_counter()
-            write = functools.partial(run.checkpoints.save, step, state, run.batches.state(),
-                                      run.saved_config)
-            save_faults.save_step(step, write,
-                                  finite=bool(finite_fn((state.params, state.opt_state))),
-                                  wait=last_chance or retry, last_chance=last_chance,
-                                  stopping=stopping, terminated=plan.stop)
+            write = functools.partial(
+                run.checkpoints.save, step, state, run.batches.state(), run.saved_config
+            )
+            save_faults.save_step(
+                step,
+                write,
+                finite=bool(finite_fn((state.params, state.opt_state))),
+                wait=last_chance or retry,
+                last_chance=last_chance,
+                stopping=stopping,
+                terminated=plan.stop,
+            )
             throughput.waited("save", time.perf_counter() - began)
         if plan.stop:
-            log.warning("stopped after step %d on a termination signal (checkpoint saved)",
-                        step)
+            log.warning("stopped after step %d on a termination signal (checkpoint saved)", step)
             break
     return records
 
@@ -299,8 +350,10 @@ class Termination:
         self._signalled = threading.Event()
         self._previous = {}
         if threading.current_thread() is threading.main_thread() and not multi:
-            self._previous = {sig: signal.signal(sig, lambda *_: self._signalled.set())
-                              for sig in (signal.SIGTERM, signal.SIGINT)}
+            self._previous = {
+                sig: signal.signal(sig, lambda *_: self._signalled.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)
+            }
 
     def at(self, step: int) -> bool:
         """Whether the run stops after `step` (every process gets the same answer)."""
@@ -329,8 +382,12 @@ def handled_termination():
         termination.restore()
 
 
-def _close(batches: HostBatches | None, checkpoints: Checkpoints,
-           logger: MetricsLogger | None, write_held: bool) -> None:
+def _close(
+    batches: HostBatches | None,
+    checkpoints: Checkpoints,
+    logger: MetricsLogger | None,
+    write_held: bool,
+) -> None:
     """What a run opened, however it ends: the data readers stopped, the save in flight
     written, the held metrics written (unless `write_held` is False: their writes were
     failing when the run stopped, and are in the log)."""
@@ -361,5 +418,6 @@ def _written_at_start(path: str):
     try:
         yield
     except OSError as e:
-        raise StartupError(f"cannot write {path} ({e.strerror or e}); free space there or use "
-                           "another workdir") from None
+        raise StartupError(
+            f"cannot write {path} ({e.strerror or e}); free space there or use another workdir"
+        ) from None

@@ -25,6 +25,7 @@ from lclm.writes import replacing
 
 log = logging.getLogger(__name__)
 
+
 def flops_per_token(c: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (non-embedding params + output projection) plus
     attention 6 x layers x seq x heads x head_dim (dim, where head_dim is dim / heads), i.e.
@@ -44,7 +45,7 @@ def truncate_metrics(path: str, last_step: int) -> int:
         return 0
     kept: list[bytes] = []
     later = unreadable = 0
-    with open(path, "rb") as f:   # bytes: a damaged line must not stop the reading
+    with open(path, "rb") as f:  # bytes: a damaged line must not stop the reading
         for line in f:
             step = _step_of(line)
             if step is None:
@@ -86,8 +87,11 @@ def truncate_metric_parts(directory: str, last_step: int) -> int:
     after `last_step` go, and the last part that begins before it loses its later records.
     Earlier parts are left unread (an object is written whole, and each ends before the next
     begins), so a resume reads one part however long the run. Returns the records dropped."""
-    parts = sorted((step, name) for name in storage.listdir(directory)
-                   if (step := _part_step(name)) is not None)
+    parts = sorted(
+        (step, name)
+        for name in storage.listdir(directory)
+        if (step := _part_step(name)) is not None
+    )
     dropped = 0
     for step, name in parts:
         if step > last_step:
@@ -98,8 +102,9 @@ def truncate_metric_parts(directory: str, last_step: int) -> int:
     if before:
         path = storage.join(directory, before[-1])
         lines = storage.read_bytes(path).splitlines(keepends=True)
-        kept = [line for line in lines
-                if (step := _step_of(line)) is not None and step <= last_step]
+        kept = [
+            line for line in lines if (step := _step_of(line)) is not None and step <= last_step
+        ]
         if len(kept) < len(lines):
             dropped += len(lines) - len(kept)
             storage.write_bytes(path, b"".join(kept))
@@ -121,8 +126,11 @@ def read_metrics(workdir: str) -> list[dict]:
     if storage.is_remote(workdir):
         directory = storage.join(workdir, PARTS)
         names = sorted(n for n in storage.listdir(directory) if _part_step(n) is not None)
-        lines = [line for n in names
-                 for line in storage.read_bytes(storage.join(directory, n)).splitlines()]
+        lines = [
+            line
+            for n in names
+            for line in storage.read_bytes(storage.join(directory, n)).splitlines()
+        ]
     else:
         path = os.path.join(workdir, "metrics.jsonl")
         lines = storage.read_bytes(path).splitlines() if os.path.isfile(path) else []
@@ -161,17 +169,18 @@ class MetricsLogger:
             os.makedirs(workdir, exist_ok=True)
             truncate_metrics(self.path, resume_step)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._held: list[str] = []   # lines not yet written
+        self._held: list[str] = []  # lines not yet written
         self._wandb = wandb_run
 
     def log(self, record: dict, write: bool = True) -> None:
         """`record` to wandb and to the records held; with `write`, those are written now
         (`MetricsFailed`: they stay held)."""
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in record.items()}
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in record.items()
+        }
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in clean.items() if k != "step"},
-                            step=record["step"])
+            self._wandb.log({k: v for k, v in clean.items() if k != "step"}, step=record["step"])
         self._held.append(json.dumps(clean) + "\n")
         if write:
             self.flush()
@@ -193,24 +202,26 @@ class MetricsLogger:
         name = _part_name(json.loads(self._held[0])["step"], self._flushes)
         try:
             # one try's wait for a silent store, not the client's tries of it: the loop waits
-            storage.write_bytes(storage.join(self.path, name), data,
-                                within=storage.REQUEST_SECONDS)
+            storage.write_bytes(storage.join(self.path, name), data, within=storage.REQUEST_SECONDS)
         except Exception as e:  # noqa: BLE001  (each client has its own error types)
-            raise MetricsFailed(f"{self.path}: could not write {len(self._held)} record(s) "
-                                f"({storage.error_text(e)})") from None
+            raise MetricsFailed(
+                f"{self.path}: could not write {len(self._held)} record(s) "
+                f"({storage.error_text(e)})"
+            ) from None
         self._flushes += 1
 
     def _append(self, fd: int, data: bytes) -> None:
         size = os.fstat(fd).st_size
         try:
             while data:
-                data = data[os.write(fd, data):]
+                data = data[os.write(fd, data) :]
         except OSError as e:
             # a cut line would glue onto the next record: drop what part of it was written
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
-            raise MetricsFailed(f"{self.path}: could not write {len(self._held)} record(s) "
-                                f"({e.strerror or e})") from None
+            raise MetricsFailed(
+                f"{self.path}: could not write {len(self._held)} record(s) ({e.strerror or e})"
+            ) from None
 
     def outputs(self) -> list[str]:
         """Where the metrics went, for the run's summary."""
@@ -239,8 +250,11 @@ class MetricsLogger:
 
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
-    return (f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600
-            else f"{seconds // 60}m{seconds % 60:02d}s")
+    return (
+        f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 class Progress:
@@ -254,32 +268,49 @@ class Progress:
         self.start = time.perf_counter()
         self.bar = None
         self.compiled_at: tuple[float, int] | None = None  # (time, step) of the first step run
-        print(f"compiling the training step (step {first_step} of {total_steps})...",
-              file=stream, flush=True)
+        print(
+            f"compiling the training step (step {first_step} of {total_steps})...",
+            file=stream,
+            flush=True,
+        )
 
     def step_done(self, step: int) -> None:
         """Called after every step (cheap: no device values)."""
         if self.compiled_at is None:
             self.compiled_at = (time.perf_counter(), step)
-            print(f"compiled and ran step {step} in {_duration(self.compiled_at[0] - self.start)}",
-                  file=self.stream, flush=True)
+            print(
+                f"compiled and ran step {step} in {_duration(self.compiled_at[0] - self.start)}",
+                file=self.stream,
+                flush=True,
+            )
             if self.terminal:
                 from tqdm import tqdm
+
                 # a pseudo-terminal may report a 0 x 0 screen, on which tqdm hides its bar;
                 # shutil falls back to 80 x 24 there
                 columns, lines = shutil.get_terminal_size()
-                self.bar = tqdm(total=self.total, initial=step, file=self.stream, unit="step",
-                                ncols=columns, nrows=lines, smoothing=0.1)
+                self.bar = tqdm(
+                    total=self.total,
+                    initial=step,
+                    file=self.stream,
+                    unit="step",
+                    ncols=columns,
+                    nrows=lines,
+                    smoothing=0.1,
+                )
         elif self.bar is not None:
             self.bar.update(step - self.bar.n)
 
     def update(self, record: dict) -> None:
         """A logged step's metrics."""
-        fields = {"loss": f"{record['loss']:.4f}" if record["loss"] is not None else "nan",
-                  "lr": f"{record['lr']:.2e}", "tok/s": f"{record['tokens_per_sec']:,.0f}"}
+        fields = {
+            "loss": f"{record['loss']:.4f}" if record["loss"] is not None else "nan",
+            "lr": f"{record['lr']:.2e}",
+            "tok/s": f"{record['tokens_per_sec']:,.0f}",
+        }
         if record.get("val_loss") is not None:
             fields["val"] = f"{record['val_loss']:.4f}"
-        for key, value in record.items():   # val_loss@LEN of validation.lengths
+        for key, value in record.items():  # val_loss@LEN of validation.lengths
             if key.startswith("val_loss@"):
                 fields[f"val@{format_tokens(int(key[9:]))}"] = f"{value:.4f}"
         if record.get("mfu") is not None:
@@ -315,6 +346,7 @@ def wandb_run(config: RunConfig, resume_step: int):
     if not config.log.wandb or jax.process_index() != 0:
         return None
     import wandb  # 0.4 s to import: only runs that log to wandb pay it
+
     # the environment wins; wandb checks its value (log.wandb_mode is checked at start)
     mode: Any = os.environ.get("WANDB_MODE", config.log.wandb_mode)
     id_path = storage.join(config.run.workdir, "wandb_id")
@@ -325,15 +357,25 @@ def wandb_run(config: RunConfig, resume_step: int):
         with replacing(id_path) as f:
             f.write(run_id)
     # wandb records the command line; not when an override on it names a secret
-    secret_args = any(is_secret(a.split("=")[0].rsplit(".", 1)[-1].lstrip("-"))
-                      for a in sys.argv[1:])
+    secret_args = any(
+        is_secret(a.split("=")[0].rsplit(".", 1)[-1].lstrip("-")) for a in sys.argv[1:]
+    )
     settings = wandb.Settings(x_disable_meta=True) if secret_args else None
     if resume_step:
-        log.info("wandb: resuming run %s after step %d (wandb keeps the values it already "
-                 "has for re-run steps; metrics.jsonl holds the re-run ones)", run_id,
-                 resume_step)
+        log.info(
+            "wandb: resuming run %s after step %d (wandb keeps the values it already "
+            "has for re-run steps; metrics.jsonl holds the re-run ones)",
+            run_id,
+            resume_step,
+        )
     # wandb keeps its own files in a local folder: its default (./wandb) for a bucket workdir
     local = None if storage.is_remote(config.run.workdir) else config.run.workdir
-    return wandb.init(project=config.log.wandb_project, mode=mode, dir=local,
-                      config=public_config(config), id=run_id, resume="allow",
-                      settings=settings)
+    return wandb.init(
+        project=config.log.wandb_project,
+        mode=mode,
+        dir=local,
+        config=public_config(config),
+        id=run_id,
+        resume="allow",
+        settings=settings,
+    )

@@ -51,17 +51,17 @@ class ObjectLock(WorkdirLock):
         probe = storage.join(self.workdir, f".lock.clock.{uuid.uuid4().hex}")
         version = storage.create(probe, b"")
         storage.remove(probe)
-        assert version is not None   # a fresh random name
+        assert version is not None  # a fresh random name
         return version.updated
 
     def _try(self) -> str | None:
         if storage.create(self.path, self._data) is not None:
             return None
         found = self._found()
-        if found is None:   # released between our write and our look: try once more
+        if found is None:  # released between our write and our look: try once more
             return None if storage.create(self.path, self._data) else self._taken()
         holder, version = found
-        if holder.get("token") == self.mine["token"]:   # our create worked, its reply was lost
+        if holder.get("token") == self.mine["token"]:  # our create worked, its reply was lost
             return None
         why = self._refusal(holder, self._now() - version.updated)
         if why is not None:
@@ -72,7 +72,7 @@ class ObjectLock(WorkdirLock):
         found = self._found()
         if found is not None and found[0].get("token") == self.mine["token"]:
             if storage.replace_if(self.path, self._data, found[1]) is None:
-                found = self._found()   # replaced since we looked: say by whom
+                found = self._found()  # replaced since we looked: say by whom
         return None if found is None else found[0]
 
     def _remove_if_ours(self) -> None:

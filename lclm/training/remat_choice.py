@@ -39,8 +39,8 @@ AUTO_ORDER = ("none", "attention", "full", "offload")
 GPU_OUTSIDE_POOL = 3 * 2**30
 GPU_ALLOWANCE = 2**30
 _JAX_DEFAULT_FRACTION = 0.75
-_CPU_SHARE = 0.75   # of the host's memory, where a CPU device states no limit of its own
-OVERFLOW = -1       # a candidate's need where the compiler refused it for memory
+_CPU_SHARE = 0.75  # of the host's memory, where a CPU device states no limit of its own
+OVERFLOW = -1  # a candidate's need where the compiler refused it for memory
 
 
 def compiled_bytes(compiled) -> int | None:
@@ -49,8 +49,12 @@ def compiled_bytes(compiled) -> int | None:
     stats = compiled.memory_analysis()
     if stats is None:
         return None
-    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
-            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+    return (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
 
 
 def gpu_budget(hbm_bytes: float) -> tuple[int, str]:
@@ -65,10 +69,12 @@ def gpu_budget(hbm_bytes: float) -> tuple[int, str]:
         fraction = 1.0  # no pool: only what lives outside it is set aside
     pool = min(fraction * hbm_bytes, hbm_bytes - GPU_OUTSIDE_POOL)
     budget = int(pool - GPU_ALLOWANCE)
-    how = (f"{budget / 2**30:.2f} GiB: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction:g} of "
-           f"{hbm_bytes / 2**30:.2f} GiB (at most HBM - {GPU_OUTSIDE_POOL / 2**30:g} GiB "
-           f"for the CUDA context and NCCL), less {GPU_ALLOWANCE / 2**30:g} GiB for "
-           "workspaces and fragmentation")
+    how = (
+        f"{budget / 2**30:.2f} GiB: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction:g} of "
+        f"{hbm_bytes / 2**30:.2f} GiB (at most HBM - {GPU_OUTSIDE_POOL / 2**30:g} GiB "
+        f"for the CUDA context and NCCL), less {GPU_ALLOWANCE / 2**30:g} GiB for "
+        "workspaces and fragmentation"
+    )
     return budget, how
 
 
@@ -103,10 +109,13 @@ class Choice:
         """e.g. `model.remat='auto' -> 'attention': 40.2 GiB of the 74.3 GiB budget (none
         needs 95.1 GiB)`, for the start-up log."""
         budget = "" if self.budget is None else f" of the {self.budget / 2**30:.1f} GiB budget"
-        others = "; ".join(f"{p} needs {_amount(b)}" for p, b in self.needed.items()
-                           if p != self.policy)
-        return (f"model.remat='auto' -> {self.policy!r}: {_amount(self.needed[self.policy])}"
-                f"{budget}" + (f" ({others})" if others else ""))
+        others = "; ".join(
+            f"{p} needs {_amount(b)}" for p, b in self.needed.items() if p != self.policy
+        )
+        return (
+            f"model.remat='auto' -> {self.policy!r}: {_amount(self.needed[self.policy])}"
+            f"{budget}" + (f" ({others})" if others else "")
+        )
 
 
 def _amount(needed: int | None) -> str:
@@ -130,8 +139,9 @@ def overflow(error: Exception) -> str | None:
     return None
 
 
-def choose(compile_policy: Callable[[str], tuple[object, int | None]],
-           budget: int | None) -> Choice:
+def choose(
+    compile_policy: Callable[[str], tuple[object, int | None]], budget: int | None
+) -> Choice:
     """The first policy of `AUTO_ORDER` whose program needs at most `budget` bytes (None: the
     first that compiles is taken); `compile_policy(policy)` -> (the compiled program, the
     bytes it needs or None where the backend does not say). A compile error that is a memory
@@ -150,20 +160,30 @@ def choose(compile_policy: Callable[[str], tuple[object, int | None]],
         if budget is None or need is None or need <= budget:
             return Choice(policy, compiled, needed, budget)
     tried = "; ".join(f"{p} needs {_amount(b)}" for p, b in needed.items())
-    raise ConfigError(f"model.remat='auto': no remat policy fits the device's "
-                      f"{(budget or 0) / 2**30:.1f} GiB budget ({tried}); shard more "
-                      "(mesh.fsdp, mesh.sp) or lower data.batch_size")
+    raise ConfigError(
+        f"model.remat='auto': no remat policy fits the device's "
+        f"{(budget or 0) / 2**30:.1f} GiB budget ({tried}); shard more "
+        "(mesh.fsdp, mesh.sp) or lower data.batch_size"
+    )
 
 
-def train_step(run: RunConfig, model: ModelConfig, mesh, optimizer, state, state_sharding
-               ) -> tuple[ModelConfig, Callable, str | None]:
+def train_step(
+    run: RunConfig, model: ModelConfig, mesh, optimizer, state, state_sharding
+) -> tuple[ModelConfig, Callable, str | None]:
     """(`model` with the remat policy its step compiles, the jitted train step, the log line
     of an 'auto' choice: None where `run.model.remat` names the policy) for a run whose first
     state is `state` (`state_sharding`: its shardings)."""
 
     def jitted(m: ModelConfig):
-        return jit_train_step(m, run.attention, run.train, mesh, optimizer, state_sharding,
-                              document_mask=run.data.document_mask)
+        return jit_train_step(
+            m,
+            run.attention,
+            run.train,
+            mesh,
+            optimizer,
+            state_sharding,
+            document_mask=run.data.document_mask,
+        )
 
     if run.model.remat != AUTO:
         return model, jitted(model), None

@@ -38,57 +38,136 @@ log = logging.getLogger(__name__)
 FREE, SCHEDULE, DATA_ORDER, MODEL = "free", "schedule", "data order", "model"
 
 _FREE = (
-    "workdir", "workdir_lease_minutes", "storage_patience_seconds", "compile_cache",
+    "workdir",
+    "workdir_lease_minutes",
+    "storage_patience_seconds",
+    "compile_cache",
     "attention.impl",
-    "attention.layout", "attention.q_chunk", "attention.kv_chunk", "attention.strategy",
-    "attention.ulysses", "mesh.dp", "mesh.fsdp",
-    "mesh.tp", "mesh.sp", "mesh.fit", "checkpoint.every",
-    "checkpoint.every_minutes", "checkpoint.keep", "checkpoint.allow_changed", "log.every",
-    "log.progress", "log.wandb", "log.wandb_mode", "log.wandb_project", "model.remat",
-    "model.scan_layers", "model.ffn_chunk", "model.loss_chunk", "model.dtype",
-    "model.init_std", "model.init_from_hf", "model.init_from_checkpoint", "train.max_bad_steps",
-    "train.grad_accum", "validation.path", "validation.every", "validation.batches",
+    "attention.layout",
+    "attention.q_chunk",
+    "attention.kv_chunk",
+    "attention.strategy",
+    "attention.ulysses",
+    "mesh.dp",
+    "mesh.fsdp",
+    "mesh.tp",
+    "mesh.sp",
+    "mesh.fit",
+    "checkpoint.every",
+    "checkpoint.every_minutes",
+    "checkpoint.keep",
+    "checkpoint.allow_changed",
+    "log.every",
+    "log.progress",
+    "log.wandb",
+    "log.wandb_mode",
+    "log.wandb_project",
+    "model.remat",
+    "model.scan_layers",
+    "model.ffn_chunk",
+    "model.loss_chunk",
+    "model.dtype",
+    "model.init_std",
+    "model.init_from_hf",
+    "model.init_from_checkpoint",
+    "train.max_bad_steps",
+    "train.grad_accum",
+    "validation.path",
+    "validation.every",
+    "validation.batches",
     "validation.at_start",
     "validation.lengths",
     # a stage's own config (seq_len, steps, lr, init) is compared; these only derive it
-    "stages.schedule", "stages.tokens_per_batch", "stages.extend_lr", "stages.list",
-    "stages.optimizer", "train.optimizer_from_checkpoint",
+    "stages.schedule",
+    "stages.tokens_per_batch",
+    "stages.extend_lr",
+    "stages.list",
+    "stages.optimizer",
+    "train.optimizer_from_checkpoint",
     # which device trains which row of a step: the rows themselves and the loss are the same
     "data.balance",
     # what lclm.extend measures and judges once the training is done
-    *(f"{name}.{f.name}" for name, section in (("extension", Extension), ("targets", Targets))
-      for f in fields_of(section)))
-_SCHEDULE = ("train.steps", "train.lr", "train.warmup", "train.decay", "train.min_lr_ratio",
-             "train.clip",
-             "train.weight_decay", "train.b1", "train.b2")
-_DATA_ORDER = ("seed", "data.source", "data.path", "data.text_field", "data.chat_template",
-               "data.tokenizer", "data.seq_len", "data.batch_size", "data.mixture_unit")
+    *(
+        f"{name}.{f.name}"
+        for name, section in (("extension", Extension), ("targets", Targets))
+        for f in fields_of(section)
+    ),
+)
+_SCHEDULE = (
+    "train.steps",
+    "train.lr",
+    "train.warmup",
+    "train.decay",
+    "train.min_lr_ratio",
+    "train.clip",
+    "train.weight_decay",
+    "train.b1",
+    "train.b2",
+)
+_DATA_ORDER = (
+    "seed",
+    "data.source",
+    "data.path",
+    "data.text_field",
+    "data.chat_template",
+    "data.tokenizer",
+    "data.seq_len",
+    "data.batch_size",
+    "data.mixture_unit",
+)
 _MODEL = (
-    "model.family", "model.vocab_size", "model.dim", "model.head_dim", "model.n_layers",
-    "model.n_heads", "model.n_kv_heads",
-    "model.ffn_dim", "model.norm_eps", "model.param_dtype", "model.tie_embeddings",
-    "model.bos_id", "model.eos_ids", "model.max_position_embeddings", "model.rope_theta",
-    "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor",
-    "model.rope_high_freq_factor", "model.rope_original_max_positions",
-    "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_attention_factor",
-    "model.rope_truncate", "data.document_mask", "data.reset_positions")
+    "model.family",
+    "model.vocab_size",
+    "model.dim",
+    "model.head_dim",
+    "model.n_layers",
+    "model.n_heads",
+    "model.n_kv_heads",
+    "model.ffn_dim",
+    "model.norm_eps",
+    "model.param_dtype",
+    "model.tie_embeddings",
+    "model.bos_id",
+    "model.eos_ids",
+    "model.max_position_embeddings",
+    "model.rope_theta",
+    "model.rope_scaling",
+    "model.rope_factor",
+    "model.rope_low_freq_factor",
+    "model.rope_high_freq_factor",
+    "model.rope_original_max_positions",
+    "model.rope_beta_fast",
+    "model.rope_beta_slow",
+    "model.rope_attention_factor",
+    "model.rope_truncate",
+    "data.document_mask",
+    "data.reset_positions",
+)
 
 # `identity` of a converted checkpoint: the HuggingFace directory its weights came from
 CONVERTED_FROM = "converted_from"
 # what converted weights fix (shapes, and what an export states again); the RoPE fields and
 # param_dtype are the run's, as `model.init_from_hf` makes them
 WEIGHT_KEYS = tuple(f"model.{name}" for name in SOURCE_FIELDS)
-_RUNS_OWN = ("model.rope_theta", "model.param_dtype",
-             *(f"model.{name}" for name in SCALING_FIELDS))
+_RUNS_OWN = ("model.rope_theta", "model.param_dtype", *(f"model.{name}" for name in SCALING_FIELDS))
 
-CLASSES = {key: cls for keys, cls in ((_FREE, FREE), (_SCHEDULE, SCHEDULE),
-                                      (_DATA_ORDER, DATA_ORDER), (_MODEL, MODEL))
-           for key in keys}
+CLASSES = {
+    key: cls
+    for keys, cls in (
+        (_FREE, FREE),
+        (_SCHEDULE, SCHEDULE),
+        (_DATA_ORDER, DATA_ORDER),
+        (_MODEL, MODEL),
+    )
+    for key in keys
+}
 
 # Text whose token ids tell two tokenizers apart: letters, digits, spaces, punctuation, code
 # and non-Latin scripts (a path may stay the same while the file behind it changes).
-_PROBE = ("The quick brown fox jumps over 13 lazy dogs, 2,048 times!\n\tdef f(x): return "
-          "x ** 2  # ok\nÜber café naïve — 東京 москва 123.45e-6 ")
+_PROBE = (
+    "The quick brown fox jumps over 13 lazy dogs, 2,048 times!\n\tdef f(x): return "
+    "x ** 2  # ok\nÜber café naïve — 東京 москва 123.45e-6 "
+)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -134,7 +213,7 @@ def changes(saved: dict, current: dict) -> dict[str, tuple]:
     old_fp = _value(saved, "identity.tokenizer")
     new_fp = _value(current, "identity.tokenizer")
     if old_fp is not _MISSING and new_fp is not _MISSING:
-        differing.pop("data.tokenizer", None)   # a moved file is the same tokenizer
+        differing.pop("data.tokenizer", None)  # a moved file is the same tokenizer
         if old_fp != new_fp:
             old_path, new_path = _value(saved, "data.tokenizer"), _value(current, "data.tokenizer")
             differing["data.tokenizer"] = (f"{old_path} ({old_fp})", f"{new_path} ({new_fp})")
@@ -154,28 +233,39 @@ def check_resume(saved: dict, current: dict, allowed: set[str], step: int) -> bo
     if _value(saved, f"identity.{CONVERTED_FROM}") is not _MISSING:
         return _check_converted(saved, current, allowed, step)
     differing = changes(saved, current)
-    refused = [k for k, _ in differing.items() if CLASSES[k] in (MODEL, DATA_ORDER)
-               and k not in allowed]
+    refused = [
+        k for k, _ in differing.items() if CLASSES[k] in (MODEL, DATA_ORDER) and k not in allowed
+    ]
     if refused:
         listed = "; ".join(f"{k} {differing[k][0]!r} -> {differing[k][1]!r}" for k in refused)
         raise ConfigError(
             f"the checkpoint (step {step}) was written with another config: {listed}; resume "
             "with the old values, use a new workdir (model.init_from_checkpoint starts from "
             "these weights), or allow the change with "
-            f"--config.checkpoint.allow_changed={','.join(refused)}")
+            f"--config.checkpoint.allow_changed={','.join(refused)}"
+        )
     restart_data = False
     for key, (old, new) in differing.items():
         cls = CLASSES[key]
         if cls == FREE:
             log.info("resuming with %s %r (the checkpoint's run used %r)", key, new, old)
         elif cls == SCHEDULE:
-            log.warning("resuming with %s %r (was %r): the new value applies from step %d on",
-                        key, new, old, step + 1)
+            log.warning(
+                "resuming with %s %r (was %r): the new value applies from step %d on",
+                key,
+                new,
+                old,
+                step + 1,
+            )
         else:
             restart_data = restart_data or cls == DATA_ORDER
-            log.warning("resuming with %s %r (was %r), allowed by checkpoint.allow_changed%s",
-                        key, new, old, "; the data order restarts from its beginning"
-                        if cls == DATA_ORDER else "")
+            log.warning(
+                "resuming with %s %r (was %r), allowed by checkpoint.allow_changed%s",
+                key,
+                new,
+                old,
+                "; the data order restarts from its beginning" if cls == DATA_ORDER else "",
+            )
     return restart_data
 
 
@@ -184,24 +274,29 @@ def _check_converted(saved: dict, current: dict, allowed: set[str], step: int) -
     config that describes another model or tokenizer; the rest is the run's. Returns True:
     the data order starts at its beginning."""
     source = _value(saved, f"identity.{CONVERTED_FROM}")
-    differing = {k: v for k, v in changes(saved, current).items()
-                 if k in WEIGHT_KEYS or k in _RUNS_OWN}
+    differing = {
+        k: v for k, v in changes(saved, current).items() if k in WEIGHT_KEYS or k in _RUNS_OWN
+    }
     refused = [k for k in differing if k in WEIGHT_KEYS]
     old_fp = _value(saved, "identity.tokenizer")
     new_fp = _value(current, "identity.tokenizer")
     if old_fp is not _MISSING and new_fp is not _MISSING and old_fp != new_fp:
-        differing["data.tokenizer"] = (f"{_value(saved, 'data.tokenizer')} ({old_fp})",
-                                       f"{_value(current, 'data.tokenizer')} ({new_fp})")
+        differing["data.tokenizer"] = (
+            f"{_value(saved, 'data.tokenizer')} ({old_fp})",
+            f"{_value(current, 'data.tokenizer')} ({new_fp})",
+        )
         refused.append("data.tokenizer")
-    scaling, new_scaling = _value(saved, "model.rope_scaling"), _value(current,
-                                                                       "model.rope_scaling")
+    scaling, new_scaling = (
+        _value(saved, "model.rope_scaling"),
+        _value(current, "model.rope_scaling"),
+    )
     if new_scaling == "auto" and scaling not in ("none", _MISSING):
         # 'auto' takes a scaling from model.init_from_hf alone: here it would drop this one
         differing["model.rope_scaling"] = (scaling, "auto (none without init_from_hf)")
         refused.append("model.rope_scaling")
     elif new_scaling in ("auto", "none") and scaling in ("none", _MISSING):
         for key in ("model.rope_scaling", *(f"model.{name}" for name in SCALING_FIELDS)):
-            differing.pop(key, None)   # no scaling either way: its factors apply to nothing
+            differing.pop(key, None)  # no scaling either way: its factors apply to nothing
     refused = [k for k in refused if k not in allowed]
     if refused:
         listed = "; ".join(f"{k} {differing[k][0]!r} -> {differing[k][1]!r}" for k in refused)
@@ -209,10 +304,16 @@ def _check_converted(saved: dict, current: dict, allowed: set[str], step: int) -
             f"the checkpoint (step {step}) holds the weights converted from {source}, which "
             f"the config does not describe: {listed}; set these to the converted model's "
             "values (shapes must match; --config.checkpoint.allow_changed="
-            f"{','.join(refused)} applies the config's value of any other)")
+            f"{','.join(refused)} applies the config's value of any other)"
+        )
     for key, (old, new) in differing.items():
-        log.info("training the weights converted from %s with %s %r (theirs: %r)", source,
-                 key, new, old)
-    log.info("starting from the weights converted from %s (step %d): the run's data, schedule "
-             "and layout apply, the data order from its beginning", source, step)
+        log.info(
+            "training the weights converted from %s with %s %r (theirs: %r)", source, key, new, old
+        )
+    log.info(
+        "starting from the weights converted from %s (step %d): the run's data, schedule "
+        "and layout apply, the data order from its beginning",
+        source,
+        step,
+    )
     return True

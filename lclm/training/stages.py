@@ -64,8 +64,9 @@ def check_stages(config) -> None:
             raise ConfigError(f"stage {i} (seq_len {c.data.seq_len}): {e}") from None
 
 
-def check_ruler_gates(configs: list, records: list[dict],
-                      score_ruler: gates.ScoreRuler | None) -> None:
+def check_ruler_gates(
+    configs: list, records: list[dict], score_ruler: gates.ScoreRuler | None
+) -> None:
     """Every gate's RULER subset can be scored: known tasks whose first prompt fits its
     length with the stage's tokenizer; found at start, not after a stage of training."""
     for i, (c, record) in enumerate(zip(configs, records)):
@@ -74,13 +75,17 @@ def check_ruler_gates(configs: list, records: list[dict],
             continue
         where = f"stage {i} (seq_len {c.data.seq_len})'s gate"
         if score_ruler is None:
-            raise ConfigError(f"{where} scores RULER, which the training program (python "
-                              "train.py) does; run_stages was called without score_ruler")
+            raise ConfigError(
+                f"{where} scores RULER, which the training program (python "
+                "train.py) does; run_stages was called without score_ruler"
+            )
         tasks = [t.strip() for t in spec["tasks"].split(",") if t.strip()]
         unknown = [t for t in tasks if t not in ruler.TASKS] or ([] if tasks else ["(none)"])
         if unknown:
-            raise ConfigError(f"{where}: RULER task {unknown[0]!r} is unknown; use some of "
-                              f"{', '.join(ruler.TASKS)}")
+            raise ConfigError(
+                f"{where}: RULER task {unknown[0]!r} is unknown; use some of "
+                f"{', '.join(ruler.TASKS)}"
+            )
         tokenizer = Tokenizer(c.data.tokenizer)
         try:
             form = ruler.prompt_form(tokenizer, spec["chat"])
@@ -110,8 +115,9 @@ def _set_aside_final(workdir: str, damaged: SourceDamaged) -> None:
         checkpoints.close()
 
 
-def run_stages(config, stop_after: int | None = None,
-               score_ruler: gates.ScoreRuler | None = None) -> list[list[dict]]:
+def run_stages(
+    config, stop_after: int | None = None, score_ruler: gates.ScoreRuler | None = None
+) -> list[list[dict]]:
     """Train every unfinished stage in order; returns each run stage's metric records.
 
     `stop_after` counts steps over all stages (stage 1's first step is stage 0's steps + 1)
@@ -127,30 +133,38 @@ def run_stages(config, stop_after: int | None = None,
         return _run_stages(config, stop_after, score_ruler, termination)
 
 
-def _run_stages(config, stop_after: int | None, score_ruler: gates.ScoreRuler | None,
-                termination: Termination) -> list[list[dict]]:
+def _run_stages(
+    config, stop_after: int | None, score_ruler: gates.ScoreRuler | None, termination: Termination
+) -> list[list[dict]]:
     if config.model.init_from_hf:
         apply_hf_shapes(config)  # every stage validates against the real model shape
     configs = validate_stages(config, len(jax.devices()))
     records = stage_records(config)
     check_ruler_gates(configs, records, score_ruler)
     # looked at only where it exists: opening Checkpoints would create the directory
-    single = (_saved_step(config.workdir)
-              if storage.isdir(storage.join(config.workdir, "checkpoints")) else None)
-    if single is not None:   # the stages would be written beside it and never read it
+    single = (
+        _saved_step(config.workdir)
+        if storage.isdir(storage.join(config.workdir, "checkpoints"))
+        else None
+    )
+    if single is not None:  # the stages would be written beside it and never read it
         raise ConfigError(
             f"workdir={config.workdir!r} holds the checkpoints of a single run or a conversion "
             f"(step {single}), which a staged run would not read (its stages live in "
             f"stage<i>_<seq_len> subdirectories); use a new workdir with "
-            f"model.init_from_checkpoint={config.workdir!r}")
+            f"model.init_from_checkpoint={config.workdir!r}"
+        )
     results: list[list[dict]] = []
-    sent_back: set[int] = set()   # stages already resumed for a damaged final checkpoint
-    stages = [run_config(c) for c in configs]   # what is read here; `train` takes the config
+    sent_back: set[int] = set()  # stages already resumed for a damaged final checkpoint
+    stages = [run_config(c) for c in configs]  # what is read here; `train` takes the config
     i = 0
     while i < len(configs):
         if termination.signalled():
-            log.warning("stopped before stage %d on a termination signal (the checkpoints are "
-                        "saved); run the same command to resume", i)
+            log.warning(
+                "stopped before stage %d on a termination signal (the checkpoints are "
+                "saved); run the same command to resume",
+                i,
+            )
             break
         c, s = configs[i], stages[i]
         steps_before = sum(t.train.steps for t in stages[:i])  # of all the earlier stages
@@ -160,43 +174,69 @@ def _run_stages(config, stop_after: int | None, score_ruler: gates.ScoreRuler | 
             _pass_gate(s, records[i], i, score_ruler)
             i += 1
             continue
-        log.info("stage %d: seq_len %d, rope_theta %g (scaling %s), %d steps of %d sequences "
-                 "at lr %g, %s optimizer, data %s, in %s", i, s.data.seq_len,
-                 s.model.rope_theta, s.model.rope_scaling, s.train.steps, s.data.batch_size,
-                 s.train.lr, "carried" if s.train.optimizer_from_checkpoint and i else "fresh",
-                 s.data.path, s.run.workdir)
+        log.info(
+            "stage %d: seq_len %d, rope_theta %g (scaling %s), %d steps of %d sequences "
+            "at lr %g, %s optimizer, data %s, in %s",
+            i,
+            s.data.seq_len,
+            s.model.rope_theta,
+            s.model.rope_scaling,
+            s.train.steps,
+            s.data.batch_size,
+            s.train.lr,
+            "carried" if s.train.optimizer_from_checkpoint and i else "fresh",
+            s.data.path,
+            s.run.workdir,
+        )
         if stop_after is not None and stop_after <= steps_before:
             break
         try:
-            results.append(train(c, stop_after=None if stop_after is None
-                                 else stop_after - steps_before, termination=termination))
+            results.append(
+                train(
+                    c,
+                    stop_after=None if stop_after is None else stop_after - steps_before,
+                    termination=termination,
+                )
+            )
         except SourceDamaged as damaged:
             if i == 0 or damaged.workdir != stages[i - 1].run.workdir or i - 1 in sent_back:
-                raise   # the user's init_from_checkpoint, or storage that damages it again
+                raise  # the user's init_from_checkpoint, or storage that damages it again
             sent_back.add(i - 1)
             _set_aside_final(damaged.workdir, damaged)
-            log.warning("stage %d's final checkpoint is damaged; stage %d resumes from its "
-                        "previous good step (or its start) before stage %d", i - 1, i - 1, i)
+            log.warning(
+                "stage %d's final checkpoint is damaged; stage %d resumes from its "
+                "previous good step (or its start) before stage %d",
+                i - 1,
+                i - 1,
+                i,
+            )
             i -= 1
             continue
         reached = _saved_step(s.run.workdir)
         if reached is None or reached < s.train.steps:
-            log.warning("stage %d stopped at step %s of %d; run the same command to resume",
-                        i, reached, s.train.steps)
+            log.warning(
+                "stage %d stopped at step %s of %d; run the same command to resume",
+                i,
+                reached,
+                s.train.steps,
+            )
             break
         _pass_gate(s, records[i], i, score_ruler)
         i += 1
     return results
 
 
-def _pass_gate(stage: RunConfig, record: dict, index: int,
-               score_ruler: gates.ScoreRuler | None) -> None:
+def _pass_gate(
+    stage: RunConfig, record: dict, index: int, score_ruler: gates.ScoreRuler | None
+) -> None:
     """Evaluate a finished stage's gate, if it has one; a failed 'stop' gate halts the run
     (exit 3) before the next stage: re-running evaluates it again."""
     if "gate" not in record:
         return
     verdict = gates.evaluate(stage, record["gate"], stage_name(record, index), score_ruler)
     if not verdict.passed and verdict.stop:
-        raise TrainingHalted(f"{verdict.line}; the next stage did not start (train this one "
-                             "longer, loosen its gate, or set its gate's on_fail='warn'), "
-                             "then run the same command")
+        raise TrainingHalted(
+            f"{verdict.line}; the next stage did not start (train this one "
+            "longer, loosen its gate, or set its gate's on_fail='warn'), "
+            "then run the same command"
+        )

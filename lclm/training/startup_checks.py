@@ -54,33 +54,42 @@ def check_config(config, device_count: int) -> dict[str, int]:
     check_fields(config)
     attention = AttentionConfig.from_config(a)
     for key in allowed_keys(config.checkpoint.allow_changed):
-        field(config, key)   # one line naming the unknown key
+        field(config, key)  # one line naming the unknown key
     try:
         asked = {k: config.mesh[k] for k in MESH_AXES}
-        fitted = asked if not config.mesh.fit or -1 in asked.values() else fit_mesh(
-            asked, device_count)
+        fitted = (
+            asked if not config.mesh.fit or -1 in asked.values() else fit_mesh(asked, device_count)
+        )
         sizes = resolve_mesh_shape(**fitted, device_count=device_count)
     except ValueError as e:
         _fail(f"config.mesh: {e}")
     if fitted != asked:
-        log.info("mesh %s needs more than the %d devices here: fitted to %s (mesh.fit)",
-                 asked, device_count, sizes)
+        log.info(
+            "mesh %s needs more than the %d devices here: fitted to %s (mesh.fit)",
+            asked,
+            device_count,
+            sizes,
+        )
         config.mesh.update(sizes)
     dp, fsdp, tp, sp = sizes["dp"], sizes["fsdp"], sizes["tp"], sizes["sp"]
 
     for key, path in (("data.path", d.path), ("validation.path", config.validation.path)):
-        if path:   # the syntax; the planner needs no data (`check_data`: the files)
+        if path:  # the syntax; the planner needs no data (`check_data`: the files)
             parse_sources(path, d.source, key)
     if d.chat_template not in TEMPLATE_NAMES:
         _fail(f"data.chat_template={d.chat_template!r}; use one of {sorted(TEMPLATE_NAMES)}")
     if m.n_heads % tp:
-        _fail(f"model.n_heads={m.n_heads} is not divisible by mesh.tp={tp}; "
-              "pick a tp that divides the head count")
+        _fail(
+            f"model.n_heads={m.n_heads} is not divisible by mesh.tp={tp}; "
+            "pick a tp that divides the head count"
+        )
     try:
         kv_repeats(m.n_heads, m.n_kv_heads, tp)
     except ValueError:
-        _fail(f"model.n_kv_heads={m.n_kv_heads} cannot be split over mesh.tp={tp}; "
-              "pick a tp that divides or is a multiple of n_kv_heads")
+        _fail(
+            f"model.n_kv_heads={m.n_kv_heads} cannot be split over mesh.tp={tp}; "
+            "pick a tp that divides or is a multiple of n_kv_heads"
+        )
     why = option_problem(a) or strategy_of(a).limits(heads=m.n_heads, tp=tp, sp=sp)
     if why is not None:
         _fail(why)
@@ -88,8 +97,7 @@ def check_config(config, device_count: int) -> dict[str, int]:
         _fail(f"model.ffn_dim={m.ffn_dim} is not divisible by mesh.tp={tp}")
 
     if d.seq_len % sp:
-        _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp={sp}; "
-              f"use a multiple of {sp}")
+        _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp={sp}; use a multiple of {sp}")
     local = d.seq_len // sp
     # the layout's shards (sp; usp: sp / ulysses, a shard cut over its group)
     shards = layout_shards(attention, sp)
@@ -97,40 +105,59 @@ def check_config(config, device_count: int) -> dict[str, int]:
     # zigzag: each shard holds two runs of consecutive positions; tiles stay inside one
     runs = 2 if a.layout == "zigzag" and shards > 1 else 1
     if shard % runs:
-        _fail(f"data.seq_len={d.seq_len} is not divisible by 2 x {what} = {2 * shards}, as "
-              f"attention.layout='zigzag' needs; use a multiple of {2 * shards}")
+        _fail(
+            f"data.seq_len={d.seq_len} is not divisible by 2 x {what} = {2 * shards}, as "
+            f"attention.layout='zigzag' needs; use a multiple of {2 * shards}"
+        )
     # the run of positions the kernel's tiles stay inside (ulysses: the whole sequence)
     run = kernel_block(attention, sp, d.seq_len)
     for key in ("q_chunk", "kv_chunk"):
         chunk = min(a[key], run)
         if run % chunk == 0:
             continue
-        if run == d.seq_len:   # the whole sequence in original order (ulysses, or sp=1)
-            _fail(f"data.seq_len={d.seq_len} is not divisible by attention.{key}={chunk}; "
-                  f"use a multiple of {chunk}")
+        if run == d.seq_len:  # the whole sequence in original order (ulysses, or sp=1)
+            _fail(
+                f"data.seq_len={d.seq_len} is not divisible by attention.{key}={chunk}; "
+                f"use a multiple of {chunk}"
+            )
         else:
             twice = f"2 x {what}" if runs == 2 else what
-            _fail(f"data.seq_len={d.seq_len} is not divisible by {twice} x attention.{key} = "
-                  f"{runs * shards} x {chunk}; use a multiple of {runs * shards * chunk}")
+            _fail(
+                f"data.seq_len={d.seq_len} is not divisible by {twice} x attention.{key} = "
+                f"{runs * shards} x {chunk}; use a multiple of {runs * shards * chunk}"
+            )
     for key in ("ffn_chunk", "loss_chunk"):
         chunk = min(m[key], local)
         if local % chunk:
-            _fail(f"data.seq_len={d.seq_len} is not divisible by mesh.sp x model.{key} = "
-                  f"{sp} x {chunk}; use a multiple of {sp * chunk}")
+            _fail(
+                f"data.seq_len={d.seq_len} is not divisible by mesh.sp x model.{key} = "
+                f"{sp} x {chunk}; use a multiple of {sp * chunk}"
+            )
     # 'auto' is resolved per platform (`attention_kernel`), always to a kernel that can serve
-    why = None if a.impl == "auto" else get_kernel(a.impl).limits(
-        head_dim=ModelConfig.from_config(m).head_dim, q_chunk=a.q_chunk, kv_chunk=a.kv_chunk,
-        block=run, dtype=m.dtype)
+    why = (
+        None
+        if a.impl == "auto"
+        else get_kernel(a.impl).limits(
+            head_dim=ModelConfig.from_config(m).head_dim,
+            q_chunk=a.q_chunk,
+            kv_chunk=a.kv_chunk,
+            block=run,
+            dtype=m.dtype,
+        )
+    )
     if why is not None:
-        _fail(f"attention.impl={a.impl!r} cannot serve this model: {why}; "
-              "attention.impl='auto' picks a kernel that can")
+        _fail(
+            f"attention.impl={a.impl!r} cannot serve this model: {why}; "
+            "attention.impl='auto' picks a kernel that can"
+        )
     if d.batch_size % t.grad_accum:
-        _fail(f"data.batch_size={d.batch_size} is not divisible by train.grad_accum="
-              f"{t.grad_accum}")
+        _fail(f"data.batch_size={d.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     micro = d.batch_size // t.grad_accum
     if micro % (dp * fsdp):
-        _fail(f"micro-batch data.batch_size/train.grad_accum={micro} is not divisible by "
-              f"mesh.dp x mesh.fsdp = {dp * fsdp}; change the batch size or the mesh")
+        _fail(
+            f"micro-batch data.batch_size/train.grad_accum={micro} is not divisible by "
+            f"mesh.dp x mesh.fsdp = {dp * fsdp}; change the batch size or the mesh"
+        )
     for length in validation_lengths(d.seq_len, config.validation.lengths):
         if length != d.seq_len and config.validation.path:
             # a held-out batch at another length must split over the mesh as training's does
@@ -146,8 +173,7 @@ def check_config(config, device_count: int) -> dict[str, int]:
 def check_data(config) -> None:
     """Fail at start, naming the key, when a source of `data.path` or `validation.path` names
     nothing: found before the model is initialised, not when the loader first opens it."""
-    for key, path in (("data.path", config.data.path),
-                      ("validation.path", config.validation.path)):
+    for key, path in (("data.path", config.data.path), ("validation.path", config.validation.path)):
         if not path:
             continue
         for kind, source, *_ in parse_sources(path, config.data.source, key):
@@ -157,34 +183,46 @@ def check_data(config) -> None:
                 continue
             if what.path == DIRECTORY:
                 if not os.path.isdir(source):
-                    _fail(f"config.{key}: {kind}:{source!r} is not a local directory; point "
-                          f"it at {what.path_help}")
+                    _fail(
+                        f"config.{key}: {kind}:{source!r} is not a local directory; point "
+                        f"it at {what.path_help}"
+                    )
                 continue
             problem = storage.client_problem(source)
             if problem:
                 _fail(f"config.{key}: {source!r} {problem}")
-            if names_data(source):   # on gs:// and s3:// looked up in the bucket
+            if names_data(source):  # on gs:// and s3:// looked up in the bucket
                 continue
             comma = " (in a mixture, write a ',' of a file name as '\\,')" if "," in path else ""
-            _fail(f"config.{key}: no data at {source!r}; point it at a "
-                  f".jsonl/.json/.txt/.parquet/.arrow file, a directory or a glob{comma}")
+            _fail(
+                f"config.{key}: no data at {source!r}; point it at a "
+                f".jsonl/.json/.txt/.parquet/.arrow file, a directory or a glob{comma}"
+            )
 
 
-def attention_kernel(a: AttentionConfig, seq_len: int, model: ModelConfig, sp: int,
-                     platform: str) -> str:
+def attention_kernel(
+    a: AttentionConfig, seq_len: int, model: ModelConfig, sp: int, platform: str
+) -> str:
     """The kernel the attention `a` of sequences of `seq_len` will run (`attention.impl`,
     'auto' resolved); an explicit kernel that cannot run on this platform is a config error
     here, at start, not a traceback inside the step."""
     try:
-        return choose_kernel(a.impl, head_dim=model.head_dim, q_chunk=a.q_chunk,
-                             kv_chunk=a.kv_chunk, platform=platform, dtype=model.dtype,
-                             block=kernel_block(a, sp, seq_len))
+        return choose_kernel(
+            a.impl,
+            head_dim=model.head_dim,
+            q_chunk=a.q_chunk,
+            kv_chunk=a.kv_chunk,
+            platform=platform,
+            dtype=model.dtype,
+            block=kernel_block(a, sp, seq_len),
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def attention_line(a: AttentionConfig, seq_len: int, model: ModelConfig, sp: int,
-                   platform: str) -> str:
+def attention_line(
+    a: AttentionConfig, seq_len: int, model: ModelConfig, sp: int, platform: str
+) -> str:
     """The start-up log's words for the attention: kernel, layout and strategy."""
     kernel = attention_kernel(a, seq_len, model, sp, platform)
     chosen = f" (auto on {platform_family(platform)})" if a.impl == "auto" else ""

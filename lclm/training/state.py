@@ -16,8 +16,9 @@ from lclm.parallel.mesh import logical_sharding
 
 def param_shardings(c: ModelConfig, mesh):
     """NamedSharding per parameter (canonical layout) under `AXIS_RULES`."""
-    return jax.tree.map(lambda e: logical_sharding(mesh, e[1], e[0]), param_table(c),
-                        is_leaf=is_param_entry)
+    return jax.tree.map(
+        lambda e: logical_sharding(mesh, e[1], e[0]), param_table(c), is_leaf=is_param_entry
+    )
 
 
 def shard_params(c: ModelConfig, params, mesh):
@@ -31,6 +32,7 @@ _Step = TypeVar("_Step")
 class TrainState(NamedTuple, Generic[_Step]):
     """Everything a step updates. `step` counts completed updates. `state_shardings` gives
     the same tree with each array's sharding in its place (`TrainState[NamedSharding]`)."""
+
     step: _Step
     params: dict
     opt_state: optax.OptState
@@ -44,8 +46,12 @@ def state_shardings(model: ModelConfig, optimizer, mesh) -> TrainState[NamedShar
     replicated = NamedSharding(mesh, PartitionSpec())
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     opt_shardings = optax.tree_utils.tree_map_params(
-        optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, params),
-        shardings, transform_non_params=lambda _: replicated)
+        optimizer,
+        lambda _, sharding: sharding,
+        jax.eval_shape(optimizer.init, params),
+        shardings,
+        transform_non_params=lambda _: replicated,
+    )
     return TrainState(replicated, shardings, opt_shardings)
 
 
@@ -53,6 +59,7 @@ def init_state(model: ModelConfig, optimizer, mesh, seed: int) -> TrainState[jax
     """Fresh parameters and optimizer state, created directly in their shardings."""
     where = state_shardings(model, optimizer, mesh)
     params = jax.jit(lambda k: init_params(model, k), out_shardings=where.params)(
-        jax.random.key(seed))
+        jax.random.key(seed)
+    )
     opt_state = jax.jit(optimizer.init, out_shardings=where.opt_state)(params)
     return TrainState(jax.device_put(jnp.zeros((), jnp.int32), where.step), params, opt_state)

@@ -27,17 +27,22 @@ class StepFaults:
     (`SaveFaults.halt`); `max_bad_steps`: non-finite steps in a row before the run stops;
     `metrics`: where the metrics are written (`metrics.metrics_path`), for the messages."""
 
-    def __init__(self, halt: Callable[[str], TrainingHalted], patience: WritePatience,
-                 max_bad_steps: int, metrics: str):
+    def __init__(
+        self,
+        halt: Callable[[str], TrainingHalted],
+        patience: WritePatience,
+        max_bad_steps: int,
+        metrics: str,
+    ):
         self.halt, self.patience, self.metrics = halt, patience, metrics
         self.max_bad_steps = max_bad_steps
         self.bad_in_a_row = self.skipped_steps = 0
-        self._unchecked: tuple[int, jax.Array] | None = None   # (step, its skipped flag)
-        self.failing_since: float | None = None   # when metrics writes started failing
-        self.failing_from = 0                      # the first logged step whose write failed
+        self._unchecked: tuple[int, jax.Array] | None = None  # (step, its skipped flag)
+        self.failing_since: float | None = None  # when metrics writes started failing
+        self.failing_from = 0  # the first logged step whose write failed
         self._reported = 0.0
-        self._metrics_tries = 0          # failed writes since then
-        self._next_metrics_try = 0.0     # when the held records are tried again
+        self._metrics_tries = 0  # failed writes since then
+        self._next_metrics_try = 0.0  # when the held records are tried again
 
     # -- non-finite steps: their updates are skipped inside the step; here they are counted
 
@@ -61,12 +66,19 @@ class StepFaults:
             return
         self.bad_in_a_row += 1
         self.skipped_steps += 1
-        log.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a "
-                    "row, train.max_bad_steps=%d)", step, self.bad_in_a_row, self.max_bad_steps)
+        log.warning(
+            "step %d: non-finite loss or gradient norm, update skipped (%d in a "
+            "row, train.max_bad_steps=%d)",
+            step,
+            self.bad_in_a_row,
+            self.max_bad_steps,
+        )
         if self.bad_in_a_row >= self.max_bad_steps:
-            raise self.halt(f"stopped at step {step} after {self.bad_in_a_row} consecutive "
-                            "steps with a non-finite loss or gradient norm (their updates were "
-                            "skipped); lower train.lr or check the data")
+            raise self.halt(
+                f"stopped at step {step} after {self.bad_in_a_row} consecutive "
+                "steps with a non-finite loss or gradient norm (their updates were "
+                "skipped); lower train.lr or check the data"
+            )
 
     # -- metrics writes: ridden out for `patience.seconds`, reported at once
 
@@ -84,27 +96,41 @@ class StepFaults:
         if self.failing_since is None:
             self.failing_since, self.failing_from, self._reported = began, step, now
             self._metrics_tries = 0
-            log.error("%s; they are held in memory and written with the next logged step "
-                      "that can (the run saves a checkpoint and stops if writes fail for %s)",
-                      error, seconds_text(self.patience.seconds))
+            log.error(
+                "%s; they are held in memory and written with the next logged step "
+                "that can (the run saves a checkpoint and stops if writes fail for %s)",
+                error,
+                seconds_text(self.patience.seconds),
+            )
         elif now - self._reported >= 60:
             self._reported = now
-            log.error("%s; failing since step %d, %s ago", error, self.failing_from,
-                      seconds_text(now - self.failing_since))
+            log.error(
+                "%s; failing since step %d, %s ago",
+                error,
+                self.failing_from,
+                seconds_text(now - self.failing_since),
+            )
         self._metrics_tries += 1
         self._next_metrics_try = now + self.patience.pause(self._metrics_tries)
 
     def metrics_patience_spent(self) -> bool:
         """Whether writes of the metrics have failed for `patience.seconds`: the run then saves
         a checkpoint and stops, the held records in the log."""
-        return (self.failing_since is not None
-                and time.monotonic() - self.failing_since >= self.patience.seconds)
+        return (
+            self.failing_since is not None
+            and time.monotonic() - self.failing_since >= self.patience.seconds
+        )
 
     def metrics_written(self, step: int) -> None:
         if self.failing_since is not None:
-            log.warning("%s written again at step %d after %s of failed writes; the records "
-                        "held since step %d are in it", self.metrics, step,
-                        seconds_text(time.monotonic() - self.failing_since), self.failing_from)
+            log.warning(
+                "%s written again at step %d after %s of failed writes; the records "
+                "held since step %d are in it",
+                self.metrics,
+                step,
+                seconds_text(time.monotonic() - self.failing_since),
+                self.failing_from,
+            )
             self.failing_since = None
 
     def flush_metrics(self, flush: Callable[[], None], step: int) -> None:
@@ -122,16 +148,24 @@ class StepFaults:
                 self.metrics_failed(step, e, began)
                 if self.metrics_patience_spent():
                     raise self.halt(f"{self.metrics_stop_reason(step)} ({e})") from None
-            assert self.failing_since is not None   # set by metrics_failed
-            time.sleep(max(0.0, min(self._next_metrics_try,
-                                    self.failing_since + self.patience.seconds)
-                           - time.monotonic()))
+            assert self.failing_since is not None  # set by metrics_failed
+            time.sleep(
+                max(
+                    0.0,
+                    min(self._next_metrics_try, self.failing_since + self.patience.seconds)
+                    - time.monotonic(),
+                )
+            )
 
     def metrics_stop_reason(self, step: int) -> str:
         """Why the run stops after `step` when its metrics could not be written."""
         if self.failing_since is None:
-            return (f"stopped after step {step}: {self.metrics} could not be written by "
-                    "process 0; its log holds the records")
-        return (f"stopped after step {step}: {self.metrics} could not be written since step "
-                f"{self.failing_from} ({seconds_text(time.monotonic() - self.failing_since)}); "
-                "the records since are in the log")
+            return (
+                f"stopped after step {step}: {self.metrics} could not be written by "
+                "process 0; its log holds the records"
+            )
+        return (
+            f"stopped after step {step}: {self.metrics} could not be written since step "
+            f"{self.failing_from} ({seconds_text(time.monotonic() - self.failing_since)}); "
+            "the records since are in the log"
+        )

@@ -26,9 +26,11 @@ def stage_dirs(workdir: str) -> list[str]:
     """The stage workdirs in `workdir` (a staged run's directory) in stage order, with a
     checkpoint or not (a stage that has just started has none yet); [] for any other
     directory."""
-    stages = sorted((int(m.group(1)), name) for name in storage.listdir(workdir)
-                    if (m := STAGE_DIR.fullmatch(name))
-                    and storage.isdir(storage.join(workdir, name)))
+    stages = sorted(
+        (int(m.group(1)), name)
+        for name in storage.listdir(workdir)
+        if (m := STAGE_DIR.fullmatch(name)) and storage.isdir(storage.join(workdir, name))
+    )
     return [storage.join(workdir, name) for _, name in stages]
 
 
@@ -38,9 +40,12 @@ def saved_steps(workdir: str) -> list[int]:
     until it is complete (on GCS, which has no rename, under its own name, marked complete by
     a `commit_success.txt` object)."""
     directory = storage.join(workdir, "checkpoints")
-    complete = (_committed if storage.is_remote(directory) else storage.isdir)
-    return sorted(int(name) for name in storage.listdir(directory)
-                  if name.isdigit() and complete(storage.join(directory, name)))
+    complete = _committed if storage.is_remote(directory) else storage.isdir
+    return sorted(
+        int(name)
+        for name in storage.listdir(directory)
+        if name.isdigit() and complete(storage.join(directory, name))
+    )
 
 
 def _committed(step_dir: str) -> bool:
@@ -68,19 +73,26 @@ def workdir_to_read(workdir: str, flag: str = "--checkpoint") -> str:
         raise StartupError(f"{flag} {workdir!r} {problem}")
     stages = stage_dirs(workdir)
     if not stages:
-        return workdir   # a run's workdir, or nothing: the reader says what is missing
+        return workdir  # a run's workdir, or nothing: the reader says what is missing
     with_checkpoint = [stage for stage in stages if has_checkpoint(stage)]
     names = ", ".join(storage.basename(stage) for stage in stages)
     if has_checkpoint(workdir):
-        last = (f"pass {with_checkpoint[-1]!r} for the staged run's last stage, or "
-                if with_checkpoint else "")
-        raise StartupError(f"{flag} {workdir!r} holds both a run's checkpoints and a staged "
-                           f"run's stages ({names}); {last}move one of the runs to a "
-                           "directory of its own")
+        last = (
+            f"pass {with_checkpoint[-1]!r} for the staged run's last stage, or "
+            if with_checkpoint
+            else ""
+        )
+        raise StartupError(
+            f"{flag} {workdir!r} holds both a run's checkpoints and a staged "
+            f"run's stages ({names}); {last}move one of the runs to a "
+            "directory of its own"
+        )
     if not with_checkpoint:
-        raise StartupError(f"{flag} {workdir!r} is a staged run's directory whose stages "
-                           f"({names}) hold no checkpoint yet; wait for stage 0's first "
-                           "checkpoint")
+        raise StartupError(
+            f"{flag} {workdir!r} is a staged run's directory whose stages "
+            f"({names}) hold no checkpoint yet; wait for stage 0's first "
+            "checkpoint"
+        )
     return with_checkpoint[-1]
 
 
@@ -109,9 +121,12 @@ def check_workdir(workdir: str) -> None:
     temporary files, and existing files are opened for appending without writing."""
     if not workdir:
         _refuse("workdir is empty; set config.workdir to the run's directory")
-    if storage.is_remote(workdir):   # a bucket: that it exists and takes this host's writes
-        problem = (storage.client_problem(workdir) or path_problem(workdir)
-                   or output_problem(workdir, remote=True))
+    if storage.is_remote(workdir):  # a bucket: that it exists and takes this host's writes
+        problem = (
+            storage.client_problem(workdir)
+            or path_problem(workdir)
+            or output_problem(workdir, remote=True)
+        )
         if problem:
             _refuse(f"workdir={workdir!r} {problem}")
         return
@@ -122,18 +137,24 @@ def check_workdir(workdir: str) -> None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        _refuse(f"workdir={workdir!r}: {existing!r} is not a directory; set config.workdir to a "
-              "directory path")
+        _refuse(
+            f"workdir={workdir!r}: {existing!r} is not a directory; set config.workdir to a "
+            "directory path"
+        )
     why = _probe_dir(existing)
     if why:
-        _refuse(f"workdir={workdir!r}: cannot write in {existing!r} ({why}); set "
-              "config.workdir to a writable directory")
+        _refuse(
+            f"workdir={workdir!r}: cannot write in {existing!r} ({why}); set "
+            "config.workdir to a writable directory"
+        )
     for sub in _OUTPUT_DIRS:
         path = os.path.join(workdir, sub)
         why = _probe_dir(path) if sub and os.path.isdir(path) else None
         if why:
-            _refuse(f"workdir={workdir!r}: cannot write in {path!r} ({why}); make it writable "
-                  "or use another workdir")
+            _refuse(
+                f"workdir={workdir!r}: cannot write in {path!r} ({why}); make it writable "
+                "or use another workdir"
+            )
     for name in _OUTPUT_FILES:
         path = os.path.join(workdir, name)
         if os.path.exists(path):
@@ -141,5 +162,7 @@ def check_workdir(workdir: str) -> None:
                 with open(path, "a"):
                     pass
             except OSError as e:
-                _refuse(f"workdir={workdir!r}: cannot write {path!r} ({e.strerror}); make it "
-                      "writable or use another workdir")
+                _refuse(
+                    f"workdir={workdir!r}: cannot write {path!r} ({e.strerror}); make it "
+                    "writable or use another workdir"
+                )

@@ -46,16 +46,18 @@ def test_work_equals_a_dense_count(layout, n, document_mask):
     rng = np.random.default_rng(n)
     for seq in (8, 48, 64):
         segments = packed_segments(rng, 6, seq)
-        segments[0] = 1   # one document filling the row
-        np.testing.assert_array_equal(attention_work(segments, layout, n, document_mask),
-                                      dense_work(segments, layout, n, document_mask))
+        segments[0] = 1  # one document filling the row
+        np.testing.assert_array_equal(
+            attention_work(segments, layout, n, document_mask),
+            dense_work(segments, layout, n, document_mask),
+        )
 
 
 def skewed_work(rng, rows, n, accum):
     """Rows of a long-document mix: a quarter of one document each, most of many short ones,
     the long ones where they would all be trained in the first micro-batch."""
     segments = packed_segments(rng, rows, 256)
-    segments[:rows // 4 * accum:accum] = 1
+    segments[: rows // 4 * accum : accum] = 1
     return attention_work(segments, "striped", n)
 
 
@@ -76,7 +78,7 @@ def test_balanced_rows_are_the_same_rows_in_another_order():
     batch = dict(segment_ids=segments, tokens=rng.integers(0, 100, (8, 64)))
     order = balance_permutation(attention_work(segments, "striped", 2), 2, 2)
     moved = {k: v[order] for k, v in batch.items()}
-    for r in range(8):   # each row intact, found where the permutation put it
+    for r in range(8):  # each row intact, found where the permutation put it
         for k in batch:
             np.testing.assert_array_equal(moved[k][r], batch[k][order[r]])
     assert sorted(map(bytes, moved["tokens"])) == sorted(map(bytes, batch["tokens"]))
@@ -85,7 +87,7 @@ def test_balanced_rows_are_the_same_rows_in_another_order():
 def test_planner_bound_of_one_document_against_many():
     assert one_vs_many(65536, "striped", 1) == pytest.approx((64, 1), rel=2e-3)
     rows, within = one_vs_many(4096, "contiguous", 4)
-    assert within == pytest.approx(7 / 4, rel=1e-3)   # the last of 4 blocks: 7/16 of 1
+    assert within == pytest.approx(7 / 4, rel=1e-3)  # the last of 4 blocks: 7/16 of 1
 
 
 def test_benchmark_measures_the_loaders_order_against_the_balanced_one():
@@ -104,16 +106,26 @@ def test_uneven_bins_are_refused():
 def test_balancing_leaves_the_loss_of_a_step_unchanged(tmp_path):
     """The loader's batch with data.balance on and off, same documents: one train step on 8
     devices (fsdp 4 x sp 2, 2 micro-batches) gives the same loss and gradient norm."""
-    config = small_train_config(tmp_path, mesh=dict(dp=1, fsdp=4, tp=1, sp=2),
-                                attention=dict(layout="striped", q_chunk=16, kv_chunk=16),
-                                train=dict(grad_accum=2))
+    config = small_train_config(
+        tmp_path,
+        mesh=dict(dp=1, fsdp=4, tp=1, sp=2),
+        attention=dict(layout="striped", q_chunk=16, kv_chunk=16),
+        train=dict(grad_accum=2),
+    )
     config.data.update(batch_size=8, seq_len=128)
     mesh = make_mesh(fsdp=4, sp=2)
     model = ModelConfig.from_config(config.model)
     optimizer = make_optimizer(run_config(config).train)
     state = init_state(model, optimizer, mesh, seed=3)
-    step = jax.jit(make_train_step(model, AttentionConfig.from_config(config.attention),
-                                   run_config(config).train, mesh, optimizer))
+    step = jax.jit(
+        make_train_step(
+            model,
+            AttentionConfig.from_config(config.attention),
+            run_config(config).train,
+            mesh,
+            optimizer,
+        )
+    )
     tokenizer = Tokenizer(config.data.tokenizer)
     results = {}
     for balance in (False, True):
@@ -123,8 +135,8 @@ def test_balancing_leaves_the_loss_of_a_step_unchanged(tmp_path):
         loader.close()
         results[balance] = (jax.device_get(batch["tokens"]), step(state, batch)[1])
     (plain, m0), (balanced, m1) = results[False], results[True]
-    assert not np.array_equal(plain, balanced)   # rows moved...
-    assert sorted(map(bytes, plain)) == sorted(map(bytes, balanced))   # ...but only moved
+    assert not np.array_equal(plain, balanced)  # rows moved...
+    assert sorted(map(bytes, plain)) == sorted(map(bytes, balanced))  # ...but only moved
     assert float(m1["tokens"]) == float(m0["tokens"])
     assert float(m1["loss"]) == pytest.approx(float(m0["loss"]), rel=1e-6)
     assert float(m1["grad_norm"]) == pytest.approx(float(m0["grad_norm"]), rel=1e-5)

@@ -15,11 +15,13 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 
 SYSTEM = "Be brief."
-TURNS = [("system", SYSTEM),
-         ("user", "Ada has 3 apples and finds 18 more. How many apples now?"),
-         ("assistant", "Ada now has 3 plus 18, which is 21 apples."),
-         ("user", "And Bruno, who had 40?"),
-         ("assistant", "Bruno has 40 apples.")]
+TURNS = [
+    ("system", SYSTEM),
+    ("user", "Ada has 3 apples and finds 18 more. How many apples now?"),
+    ("assistant", "Ada now has 3 plus 18, which is 21 apples."),
+    ("user", "And Bruno, who had 40?"),
+    ("assistant", "Bruno has 40 apples."),
+]
 QUESTIONS = [t for r, t in TURNS if r == "user"]
 REPLIES = [t for r, t in TURNS if r == "assistant"]
 CLOSE = {"vicuna": "<eos>", "llama2": "<eos>", "llama3": "<|eot_id|>"}
@@ -29,11 +31,22 @@ def written_out(template: str) -> list[str]:
     """TURNS rendered by hand: stretches of text and special tokens ('<bos>', '<eos>', '<|..|>')."""
     (q1, q2), (a1, a2) = QUESTIONS, REPLIES
     if template == "vicuna":
-        return ["<bos>", f"{SYSTEM} USER: {q1} ASSISTANT: {a1}", "<eos>",
-                f"USER: {q2} ASSISTANT: {a2}", "<eos>"]
+        return [
+            "<bos>",
+            f"{SYSTEM} USER: {q1} ASSISTANT: {a1}",
+            "<eos>",
+            f"USER: {q2} ASSISTANT: {a2}",
+            "<eos>",
+        ]
     if template == "llama2":
-        return ["<bos>", f"[INST] <<SYS>>\n{SYSTEM}\n<</SYS>>\n\n{q1} [/INST] {a1} ", "<eos>",
-                "<bos>", f"[INST] {q2} [/INST] {a2} ", "<eos>"]
+        return [
+            "<bos>",
+            f"[INST] <<SYS>>\n{SYSTEM}\n<</SYS>>\n\n{q1} [/INST] {a1} ",
+            "<eos>",
+            "<bos>",
+            f"[INST] {q2} [/INST] {a2} ",
+            "<eos>",
+        ]
     out = ["<|begin_of_text|>"]
     for role, text in TURNS:
         out += ["<|start_header_id|>", role, "<|end_header_id|>", "\n\n" + text, "<|eot_id|>"]
@@ -91,7 +104,7 @@ def test_the_tokens_before_each_reply_are_its_inference_prompt(tok, template):
     users = [i for i, (role, _) in enumerate(TURNS) if role == "user"]
     assert len(starts) == len(users) == 2
     for start, user in zip(starts, users):
-        prompt = render_prompt(TURNS[:user + 1], tok, TEMPLATES[template])
+        prompt = render_prompt(TURNS[: user + 1], tok, TEMPLATES[template])
         assert tokens[:start].tolist() == prompt.tolist()
 
 
@@ -109,9 +122,16 @@ def test_piecewise_tokens_differ_from_inference_with_llamas_normaliser(llama_sp)
         else:
             piecewise += tok.encode("ASSISTANT:") + tok.encode(" " + text) + [tok.eos_id]
     tokens, _ = render(turns, tok, t)
-    whole = ids_of(tok, ["<bos>", f"{t.default_system} USER: {turns[0][1]} ASSISTANT: "
-                         f"{turns[1][1]}", "<eos>", f"USER: {turns[2][1]} ASSISTANT: "
-                         f"{turns[3][1]}", "<eos>"])
+    whole = ids_of(
+        tok,
+        [
+            "<bos>",
+            f"{t.default_system} USER: {turns[0][1]} ASSISTANT: {turns[1][1]}",
+            "<eos>",
+            f"USER: {turns[2][1]} ASSISTANT: {turns[3][1]}",
+            "<eos>",
+        ],
+    )
     assert tokens.tolist() == whole
     assert len(piecewise) > len(whole)
 
@@ -119,10 +139,20 @@ def test_piecewise_tokens_differ_from_inference_with_llamas_normaliser(llama_sp)
 def test_a_token_straddling_the_reply_start_is_flagged(make_hf_tokenizer, tmp_path):
     """A BPE without a pre-tokenizer, trained to merge 'Q:xyz' whole: the one token holds
     prompt and reply characters and is flagged (it carries reply text)."""
-    tok = Tokenizer(str(make_hf_tokenizer(tmp_path / "t", pre_tokenizer=False,
-                                          text=["Q:xyz"] * 50, vocab_size=300)))
-    template = ChatTemplate(begin="{bos}", system_format="{system}", user_format="{text}",
-                            assistant_prefix=":", assistant_format="{text}{eos}")
+    tok = Tokenizer(
+        str(
+            make_hf_tokenizer(
+                tmp_path / "t", pre_tokenizer=False, text=["Q:xyz"] * 50, vocab_size=300
+            )
+        )
+    )
+    template = ChatTemplate(
+        begin="{bos}",
+        system_format="{system}",
+        user_format="{text}",
+        assistant_prefix=":",
+        assistant_format="{text}{eos}",
+    )
     tokens, flags = render([("user", "Q"), ("assistant", "xyz")], tok, template)
     assert tokens.tolist() == [tok.bos_id, *tok.encode("Q:xyz"), tok.eos_id]
     assert len(tokens) == 3 and flags.tolist() == [0, 1, 1]
@@ -158,27 +188,29 @@ def test_templates_check_their_special_tokens_at_open():
 def _transformers():
     if sys.version_info < (3, 12):  # CI's Python: the cross-check must run, never skip
         import transformers
+
         return transformers
-    return pytest.importorskip("transformers", reason="the cross-check against transformers "
-                               "needs the [test] extra")
+    return pytest.importorskip(
+        "transformers", reason="the cross-check against transformers needs the [test] extra"
+    )
 
 
 # Jinja chat templates written for this test, in the shape of those shipped with the models
 JINJA = {
     "vicuna": "{{ bos_token + messages[0]['content'] + ' ' }}{% for m in messages[1:] %}"
-              "{% if m['role'] == 'user' %}{{ 'USER: ' + m['content'] + ' ' }}"
-              "{% else %}{{ 'ASSISTANT: ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
-              "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}",
+    "{% if m['role'] == 'user' %}{{ 'USER: ' + m['content'] + ' ' }}"
+    "{% else %}{{ 'ASSISTANT: ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}",
     "llama2": "{% for m in messages[1:] %}{% if m['role'] == 'user' %}"
-              "{% set c = m['content'] %}{% if loop.first %}{% set c = '<<SYS>>\\n' + "
-              "messages[0]['content'] + '\\n<</SYS>>\\n\\n' + c %}{% endif %}"
-              "{{ bos_token + '[INST] ' + c.strip() + ' [/INST]' }}"
-              "{% else %}{{ ' ' + m['content'].strip() + ' ' + eos_token }}{% endif %}"
-              "{% endfor %}",
+    "{% set c = m['content'] %}{% if loop.first %}{% set c = '<<SYS>>\\n' + "
+    "messages[0]['content'] + '\\n<</SYS>>\\n\\n' + c %}{% endif %}"
+    "{{ bos_token + '[INST] ' + c.strip() + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'].strip() + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}",
     "llama3": "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
-              "'<|end_header_id|>\\n\\n' + m['content'].strip() + '<|eot_id|>' }}{% endfor %}"
-              "{% if add_generation_prompt %}"
-              "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}",
+    "'<|end_header_id|>\\n\\n' + m['content'].strip() + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}",
 }
 
 
@@ -187,13 +219,18 @@ def test_ids_equal_transformers_apply_chat_template(hf_dir, template):
     auto = _transformers().AutoTokenizer.from_pretrained(str(hf_dir))
     tok = Tokenizer(str(hf_dir))
     messages = [{"role": r, "content": t} for r, t in TURNS]
-    ref = auto.apply_chat_template(messages, chat_template=JINJA[template], tokenize=True,
-                                   return_dict=False)
+    ref = auto.apply_chat_template(
+        messages, chat_template=JINJA[template], tokenize=True, return_dict=False
+    )
     assert render(TURNS, tok, TEMPLATES[template])[0].tolist() == list(ref)
     if template != "llama2":  # its jinja has no generation prompt
-        ref = auto.apply_chat_template(messages[:-1], chat_template=JINJA[template],
-                                       tokenize=True, return_dict=False,
-                                       add_generation_prompt=True)
+        ref = auto.apply_chat_template(
+            messages[:-1],
+            chat_template=JINJA[template],
+            tokenize=True,
+            return_dict=False,
+            add_generation_prompt=True,
+        )
         assert render_prompt(TURNS[:-1], tok, TEMPLATES[template]).tolist() == list(ref)
 
 

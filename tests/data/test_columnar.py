@@ -33,8 +33,10 @@ def write_jsonl(path, records):
 
 
 def usable_documents(docs):
-    return [(t.tolist(), l.tolist()) for t, l in
-            (d for d in (docs[i] for i in range(len(docs))) if d is not None)]
+    return [
+        (t.tolist(), l.tolist())
+        for t, l in (d for d in (docs[i] for i in range(len(docs))) if d is not None)
+    ]
 
 
 def write_columnar(directory, table):
@@ -49,8 +51,11 @@ def write_columnar(directory, table):
             w.write_batch(batch)
     with pa.ipc.new_stream(directory / "stream.arrow", table.schema) as w:
         w.write_table(table, max_chunksize=5)
-    return {"parquet": str(directory / "*.parquet"), "file": str(directory / "file.arrow"),
-            "stream": str(directory / "stream.arrow")}
+    return {
+        "parquet": str(directory / "*.parquet"),
+        "file": str(directory / "file.arrow"),
+        "stream": str(directory / "stream.arrow"),
+    }
 
 
 READ_IN_A_CLEAN_PROCESS = """
@@ -76,9 +81,14 @@ def test_parquet_and_arrow_need_no_datasets_cache(tmp_path, tok):
     cache.chmod(0o555)  # read-only for a user other than root; empty afterwards in any case
     env = dict(os.environ, HF_DATASETS_CACHE=str(cache), HF_HOME=str(cache))
     for kind, path in paths.items():
-        out = subprocess.run([sys.executable, "-c", READ_IN_A_CLEAN_PROCESS, path,
-                              DEMO_TOKENIZER], env=env, cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", READ_IN_A_CLEAN_PROCESS, path, DEMO_TOKENIZER],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         ids, skipped, imported_datasets = json.loads(out)
         assert [i for i in ids if i is not None] == want, kind
         assert (skipped, imported_datasets) == (2, False), kind
@@ -89,8 +99,7 @@ def test_parquet_conversations_read_as_their_json_lines(tmp_path, tok):
     records = conversations(12, seed=4)
     records[3] = {"conversations": [{"from": "human", "value": "no reply"}]}
     (tmp_path / "c").mkdir()
-    pq.write_table(pa.Table.from_pylist(records), tmp_path / "c" / "c.parquet",
-                   row_group_size=5)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "c" / "c.parquet", row_group_size=5)
     jsonl = write_jsonl(tmp_path / "c.jsonl", records)
     stats = SourceStats()
     got = usable_documents(open_documents("sharegpt", str(tmp_path / "c"), tok, stats=stats))
@@ -105,12 +114,15 @@ def test_parquet_beside_json_lines_is_read_whole(tmp_path, tok):
     stats = SourceStats()
     docs = open_documents("text", str(tmp_path / "d"), tok, stats=stats)
     assert [tok.decode(docs[i][0][1:-1]) for i in range(len(docs))] == [
-        *(t for t in TEXTS[:6] if t), "the last one"]
+        *(t for t in TEXTS[:6] if t),
+        "the last one",
+    ]
     assert stats.examples == [f"{tmp_path}/d/p.parquet row 4: no non-empty string field 'text'"]
 
 
 def test_row_groups_beyond_the_cache_are_decoded_again_with_one_warning(
-        tmp_path, tok, monkeypatch, caplog):
+    tmp_path, tok, monkeypatch, caplog
+):
     path = write_columnar(tmp_path / "files", pa.table({"text": TEXTS}))["parquet"]
     records = record_readers.ColumnarRecords(record_readers.resolve_files(path), ["text"], path)
     assert [r["text"] for r in records] == TEXTS
@@ -119,7 +131,8 @@ def test_row_groups_beyond_the_cache_are_decoded_again_with_one_warning(
     with caplog.at_level(logging.WARNING, "lclm.data.records"):
         for _ in range(2):
             assert [records[i]["text"] for i in (19, 0, 7, 18, 3)] == [
-                TEXTS[i] for i in (19, 0, 7, 18, 3)]
+                TEXTS[i] for i in (19, 0, 7, 18, 3)
+            ]
     assert len(records._decoded) == 1
     [warning] = caplog.records
     assert warning.message.endswith("pre-tokenise it with python -m lclm.data.prepare")

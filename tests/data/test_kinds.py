@@ -33,8 +33,10 @@ def test_an_unknown_kind_is_one_line_naming_every_kind(tmp_path, tok):
     with pytest.raises(ValueError) as e:
         open_documents("csv", str(tmp_path), tok)
     # every kind, written out: a kind left out of the registry fails here too
-    assert str(e.value) == ("unknown data source 'csv'; use one of text, sharegpt, tokenized, "
-                            "line_retrieval, ruler, code, code-heldout")
+    assert str(e.value) == (
+        "unknown data source 'csv'; use one of text, sharegpt, tokenized, "
+        "line_retrieval, ruler, code, code-heldout"
+    )
 
 
 def test_every_kind_is_a_prefix_of_data_path():
@@ -54,8 +56,9 @@ def test_the_start_up_check_asks_what_a_kinds_path_is(tmp_path):
     for name, kind in KINDS.items():
         if kind.path == DIRECTORY:
             config.data.path = f"{name}:{tmp_path}/f.jsonl"
-            with pytest.raises(ConfigError, match=re.escape(
-                    f"not a local directory; point it at {kind.path_help}")):
+            with pytest.raises(
+                ConfigError, match=re.escape(f"not a local directory; point it at {kind.path_help}")
+            ):
                 check_data(config)
         if kind.path == FILES:
             config.data.path = f"{name}:{tmp_path}/f.jsonl"
@@ -65,13 +68,22 @@ def test_the_start_up_check_asks_what_a_kinds_path_is(tmp_path):
                 check_data(config)
 
 
-def test_prepare_takes_the_kinds_the_registry_says_and_they_read_its_output(tmp_path, capsys,
-                                                                           tok):
+def test_prepare_takes_the_kinds_the_registry_says_and_they_read_its_output(tmp_path, capsys, tok):
     preparable = [name for name, kind in KINDS.items() if kind.prepare]
     assert preparable == ["text", "sharegpt", "code", "code-heldout"]
     with pytest.raises(SystemExit):
-        prepare_main(["--source", "ruler", "--input", "x", "--tokenizer", DEMO_TOKENIZER,
-                      "--out", str(tmp_path / "out")])
+        prepare_main(
+            [
+                "--source",
+                "ruler",
+                "--input",
+                "x",
+                "--tokenizer",
+                DEMO_TOKENIZER,
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     err = capsys.readouterr().err
     # argparse quotes the choices on some Python versions and not on others
     assert "invalid choice: 'ruler'" in err
@@ -79,7 +91,7 @@ def test_prepare_takes_the_kinds_the_registry_says_and_they_read_its_output(tmp_
     corpus = tmp_path / "a.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(3)))
     prepare("text", str(corpus), DEMO_TOKENIZER, str(tmp_path / "out"))
-    for name in ("tokenized", *preparable):   # a prepared directory reads as one under each
+    for name in ("tokenized", *preparable):  # a prepared directory reads as one under each
         docs = open_documents(name, str(tmp_path / "out"), tok)
         assert type(docs).__name__ == "TokenizedDocuments" and len(docs) == 3
 

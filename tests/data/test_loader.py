@@ -51,9 +51,10 @@ def _host(batch, layout, sp):
 def test_parse_sources():
     assert parse_sources("a.jsonl", "text") == [SourceEntry("text", "a.jsonl", 1.0)]
     assert parse_sources("sharegpt:x.json@0.25, tokenized:/d@2", "text") == [
-        SourceEntry("sharegpt", "x.json", 0.25), SourceEntry("tokenized", "/d", 2.0)]
+        SourceEntry("sharegpt", "x.json", 0.25),
+        SourceEntry("tokenized", "/d", 2.0),
+    ]
     assert parse_sources("hub:user/owt", "text") == [SourceEntry("text", "hub:user/owt", 1.0)]
-
 
 
 def test_data_paths_with_commas_at_signs_and_brackets_are_themselves(tmp_path):
@@ -63,9 +64,11 @@ def test_data_paths_with_commas_at_signs_and_brackets_are_themselves(tmp_path):
     (tmp_path / "b@2.jsonl").write_text('{"text": "y"}\n')
     assert parse_sources(str(odd), "text") == [SourceEntry("text", str(odd), 1.0)]
     assert parse_sources(f"{tmp_path}/b@2.jsonl@0.5", "text") == [
-        SourceEntry("text", f"{tmp_path}/b@2.jsonl", 0.5)]
+        SourceEntry("text", f"{tmp_path}/b@2.jsonl", 0.5)
+    ]
     assert parse_sources(f"{tmp_path}/b@2.jsonl", "text") == [
-        SourceEntry("text", f"{tmp_path}/b@2.jsonl", 1.0)]
+        SourceEntry("text", f"{tmp_path}/b@2.jsonl", 1.0)
+    ]
     assert resolve_files(str(odd)) == [str(odd / "a.jsonl")]
     assert resolve_files(str(odd / "a.jsonl")) == [str(odd / "a.jsonl")]
     with pytest.raises(ConfigError, match="the weight after '@' must be"):
@@ -91,7 +94,7 @@ def test_rows_do_not_depend_on_how_processes_split_the_batch(tmp_path):
     """Two simulated hosts (rows 0-1 and 2-3 of a batch of 4) build exactly the rows that one
     host building all 4 rows builds, reading disjoint documents."""
     config = _config(tmp_path)
-    config.data.balance = False   # balancing reorders only each process's own rows
+    config.data.balance = False  # balancing reorders only each process's own rows
     tok = Tokenizer(config.data.tokenizer)
     mesh = make_mesh(fsdp=2, sp=4)
     whole = HostBatches(run_config(config), mesh, tok, prefetch=0)
@@ -103,7 +106,8 @@ def test_rows_do_not_depend_on_how_processes_split_the_batch(tmp_path):
     for i in range(3):
         for k in want[i]:
             np.testing.assert_array_equal(
-                np.concatenate([halves[0][i][k], halves[1][i][k]]), want[i][k])
+                np.concatenate([halves[0][i][k], halves[1][i][k]]), want[i][k]
+            )
 
 
 def test_single_process_block_is_the_whole_batch():
@@ -154,7 +158,7 @@ def test_batches_are_global_arrays_in_layout_order_with_both_sources(tmp_path):
 
 def test_state_saved_by_two_processes_resumes_on_one(tmp_path):
     config = _config(tmp_path)
-    config.data.balance = False   # balancing reorders only each process's own rows
+    config.data.balance = False  # balancing reorders only each process's own rows
     tok = Tokenizer(config.data.tokenizer)
     mesh = make_mesh(fsdp=2, sp=4)
     whole = HostBatches(run_config(config), mesh, tok, prefetch=0)

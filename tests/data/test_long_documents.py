@@ -43,12 +43,16 @@ def _epochs(stream: DocumentStream, epochs: int) -> list[list[int]]:
 
 def test_entries_take_options_after_a_question_mark(tmp_path):
     assert parse_sources("text:/data/books@0.3?short_below=4k&short_keep=0.1", "text") == [
-        SourceEntry("text", "/data/books", 0.3, LengthRules(short_below=4096, short_keep=0.1))]
+        SourceEntry("text", "/data/books", 0.3, LengthRules(short_below=4096, short_keep=0.1))
+    ]
     code = LengthRules(min_tokens=65536, long_above=131072, long_repeat=2.0)
-    assert parse_sources("tokenized:/d/code@0.3?min_tokens=64k&long_above=128k&long_repeat=2,"
-                         "/d/web?min_tokens=512", "text") == [
+    assert parse_sources(
+        "tokenized:/d/code@0.3?min_tokens=64k&long_above=128k&long_repeat=2,/d/web?min_tokens=512",
+        "text",
+    ) == [
         SourceEntry("tokenized", "/d/code", 0.3, code),
-        SourceEntry("text", "/d/web", 1.0, LengthRules(min_tokens=512))]
+        SourceEntry("text", "/d/web", 1.0, LengthRules(min_tokens=512)),
+    ]
     assert parse_options(code.text(), "x") == code
     # a glob's '?' is part of its path; a local file named so is itself
     assert parse_sources("/d/part-?.jsonl@2", "text") == [SourceEntry("text", "/d/part-?.jsonl", 2)]
@@ -57,14 +61,17 @@ def test_entries_take_options_after_a_question_mark(tmp_path):
     assert parse_sources(str(odd), "text") == [SourceEntry("text", str(odd), 1.0)]
 
 
-@pytest.mark.parametrize("entry, why", [
-    ("a.jsonl?max_len=1k", "unknown option 'max_len=1k'; the options are min_tokens"),
-    ("a.jsonl@0.5?short_keep=0.1", "short_below and short_keep go together"),
-    ("a.jsonl?short_below=4k&short_keep=1.5", "short_keep=1.5 must be a probability"),
-    ("a.jsonl?long_above=1k&long_repeat=0.5", "long_repeat=0.5 must be a number >= 1"),
-    ("a.jsonl?min_tokens=lots", "bad length 'lots'"),
-    ("a.jsonl?min_tokens=1k&min_tokens=2k", "min_tokens is given twice"),
-])
+@pytest.mark.parametrize(
+    "entry, why",
+    [
+        ("a.jsonl?max_len=1k", "unknown option 'max_len=1k'; the options are min_tokens"),
+        ("a.jsonl@0.5?short_keep=0.1", "short_below and short_keep go together"),
+        ("a.jsonl?short_below=4k&short_keep=1.5", "short_keep=1.5 must be a probability"),
+        ("a.jsonl?long_above=1k&long_repeat=0.5", "long_repeat=0.5 must be a number >= 1"),
+        ("a.jsonl?min_tokens=lots", "bad length 'lots'"),
+        ("a.jsonl?min_tokens=1k&min_tokens=2k", "min_tokens is given twice"),
+    ],
+)
 def test_bad_options_are_one_line_errors_naming_the_entry(entry, why):
     with pytest.raises(ConfigError, match="config.data.path entry") as e:
         parse_sources(f"b.jsonl,{entry}", "text")
@@ -83,27 +90,27 @@ def test_short_keep_keeps_about_that_share_of_short_documents_each_epoch():
     drawn = _epochs(_stream(lengths, "short_below=100&short_keep=0.1"), 2)
     for epoch in drawn:
         short = [i for i in epoch if lengths[i] < 100]
-        assert len(epoch) - len(short) == 2000   # every long one
-        assert 0.08 < len(short) / 2000 < 0.12   # 3 standard deviations: 0.0201
-    assert set(drawn[0]) != set(drawn[1])   # each epoch keeps others
+        assert len(epoch) - len(short) == 2000  # every long one
+        assert 0.08 < len(short) / 2000 < 0.12  # 3 standard deviations: 0.0201
+    assert set(drawn[0]) != set(drawn[1])  # each epoch keeps others
 
 
 @pytest.mark.parametrize("repeat", [2, 2.5])
 def test_long_documents_repeat_spread_out_never_back_to_back(repeat):
     lengths = [2000 if i % 4 == 0 else 10 for i in range(1600)]
-    for shard in range(2):   # two readers, each of every other document
+    for shard in range(2):  # two readers, each of every other document
         drawn = _epochs(_stream(lengths, f"long_above=1k&long_repeat={repeat}", shard, 2), 3)
         flat = sum(drawn, [])
         assert all(a != b for a, b in zip(flat, flat[1:]))
         for epoch in drawn:
             counts = np.bincount(epoch, minlength=len(lengths))
-            mine = counts > 0   # this reader's share of the epoch
+            mine = counts > 0  # this reader's share of the epoch
             long = counts[mine & (np.asarray(lengths) > 1024)]
             assert (counts[mine & (np.asarray(lengths) < 1024)] == 1).all()
             assert set(long) <= {int(repeat), int(np.ceil(repeat))}
             assert abs(long.mean() - repeat) < 0.1
             where: dict[int, list[int]] = {}
-            for k, i in enumerate(epoch):   # copies lie about an epoch / copies apart
+            for k, i in enumerate(epoch):  # copies lie about an epoch / copies apart
                 where.setdefault(i, []).append(k)
             gaps = [b - a for ks in where.values() for a, b in zip(ks, ks[1:])]
             assert min(gaps) > len(epoch) / (2 * repeat)
@@ -135,8 +142,10 @@ def test_stream_resumes_exactly_in_the_middle():
 
 def test_mixture_by_tokens_tracks_token_shares_and_documents_is_unchanged():
     def mixture(unit):
-        streams = [DocumentStream(_docs([1000] * 50), EpochOrders(50, 1)),
-                   DocumentStream(_docs([10] * 50), EpochOrders(50, 2))]
+        streams = [
+            DocumentStream(_docs([1000] * 50), EpochOrders(50, 1)),
+            DocumentStream(_docs([10] * 50), EpochOrders(50, 2)),
+        ]
         return Mixture(streams, [0.5, 0.5], seed=7, stream_id=3, unit=unit)
 
     by_tokens = mixture("tokens")
@@ -159,14 +168,17 @@ def test_mixture_by_tokens_tracks_token_shares_and_documents_is_unchanged():
 
 def _config(path: str, unit="tokens", seq_len=64, batch_size=4):
     c = load_config(DEMO_CONFIG)
-    c.data.update(path=path, seq_len=seq_len, batch_size=batch_size, mixture_unit=unit,
-                  balance=False)
+    c.data.update(
+        path=path, seq_len=seq_len, batch_size=batch_size, mixture_unit=unit, balance=False
+    )
     return c
 
 
 def test_loader_with_options_resumes_exactly(tmp_path):
-    path = (f"{DEMO_CORPUS}@0.6?min_tokens=60&long_above=120&long_repeat=1.5,"
-            f"{DEMO_CORPUS}@0.4?short_below=100&short_keep=0.2")
+    path = (
+        f"{DEMO_CORPUS}@0.6?min_tokens=60&long_above=120&long_repeat=1.5,"
+        f"{DEMO_CORPUS}@0.4?short_below=100&short_keep=0.2"
+    )
     config = _config(path)
     tok = Tokenizer(config.data.tokenizer)
     mesh = make_mesh(fsdp=2, sp=4)
@@ -190,13 +202,16 @@ def test_statistics_count_pre_tokenised_sources_exactly_and_sample_others(tmp_pa
     prepared = str(tmp_path / "prepared")
     prepare("text", DEMO_CORPUS, DEMO_TOKENIZER, prepared)
     config = _config(f"tokenized:{prepared}@3?min_tokens=120,{DEMO_CORPUS}@1", "documents")
-    loader = HostBatches(run_config(config), make_mesh(fsdp=2, sp=4), Tokenizer(DEMO_TOKENIZER),
-                         prefetch=0)
+    loader = HostBatches(
+        run_config(config), make_mesh(fsdp=2, sp=4), Tokenizer(DEMO_TOKENIZER), prefetch=0
+    )
     exact, sampled = loader.statistics(sample=500)["sources"]
     lengths = np.array([len(loader.sources[0].docs[i][0]) for i in range(3000)])
     assert not exact["estimated"] and exact["options"] == "min_tokens=120"
-    assert (exact["documents"], exact["tokens"]) == ((lengths >= 120).sum(),
-                                                     lengths[lengths >= 120].sum())
+    assert (exact["documents"], exact["tokens"]) == (
+        (lengths >= 120).sum(),
+        lengths[lengths >= 120].sum(),
+    )
     assert exact["buckets"]["<4K"]["tokens"] == exact["tokens"]
     assert sampled["estimated"] and sampled["measured"] == 500
     assert abs(sampled["tokens"] / lengths.sum() - 1) < 0.05
@@ -225,9 +240,11 @@ def _stdlib_sources(tmp_path) -> dict[str, str]:
         with open(path, encoding="utf-8", errors="replace") as f:
             return f"# {os.path.relpath(path, root)}\n{f.read()}"
 
-    chosen = {"packages": packages[::2],
-              "modules": [[p] for p, n in files if 1 << 10 <= n <= 48 << 10][::6],
-              "small": [[p] for p, n in files if n < 3 << 10][::4]}
+    chosen = {
+        "packages": packages[::2],
+        "modules": [[p] for p, n in files if 1 << 10 <= n <= 48 << 10][::6],
+        "small": [[p] for p, n in files if n < 3 << 10][::4],
+    }
     written = {}
     for name, documents in chosen.items():
         written[name] = str(tmp_path / f"{name}.jsonl")
@@ -242,12 +259,12 @@ def _token_shares(loader: HostBatches, tok, rows: int, names) -> np.ndarray:
     every slot: a document starts where positions restart, with its source's name."""
     tokens = np.zeros(len(names))
     for slot in loader.slots.values():
-        got = [slot.next_row() for _ in range(rows)]   # a slot's rows continue its documents
+        got = [slot.next_row() for _ in range(rows)]  # a slot's rows continue its documents
         ids, positions = (np.concatenate([r[k] for r in got]) for k in ("tokens", "positions"))
         starts = np.flatnonzero(positions == 0)
-        assert starts[0] == 0   # a fresh loader: its rows start with a document
+        assert starts[0] == 0  # a fresh loader: its rows start with a document
         for a, b in zip(starts, [*starts[1:], len(ids)]):
-            head = tok.decode(ids[a:a + 12].tolist()).lstrip()
+            head = tok.decode(ids[a : a + 12].tolist()).lstrip()
             tokens[next(k for k, n in enumerate(names) if head.startswith(f"#{n}"))] += b - a
     return tokens / tokens.sum()
 
@@ -258,8 +275,10 @@ def test_a_length_filter_keeps_each_sources_token_share_on_real_code(tmp_path):
     each source's weight of the tokens."""
     src = _stdlib_sources(tmp_path)
     weights = {"packages": 0.5, "modules": 0.3, "small": 0.2}
-    path = (f"{src['packages']}@0.5,{src['modules']}@0.3?short_below=4k&short_keep=0.1,"
-            f"{src['small']}@0.2")
+    path = (
+        f"{src['packages']}@0.5,{src['modules']}@0.3?short_below=4k&short_keep=0.1,"
+        f"{src['small']}@0.2"
+    )
     config = _config(path, seq_len=8192, batch_size=2)
     tok = Tokenizer(DEMO_TOKENIZER)
     loader = HostBatches(run_config(config), make_mesh(fsdp=2, sp=4), tok, prefetch=0)
@@ -271,8 +290,9 @@ def test_a_length_filter_keeps_each_sources_token_share_on_real_code(tmp_path):
     modules = found[src["modules"]]
     assert modules["options"] == "short_below=4k&short_keep=0.1"
     assert sum(b["tokens"] for b in modules["buckets"].values()) == pytest.approx(
-        modules["tokens"], abs=len(modules["buckets"]))
-    assert modules["documents"] < 0.75 * modules["source_documents"]   # short ones left out
+        modules["tokens"], abs=len(modules["buckets"])
+    )
+    assert modules["documents"] < 0.75 * modules["source_documents"]  # short ones left out
 
 
 def test_max_tokens_keeps_only_the_short_documents():

@@ -43,7 +43,8 @@ def corpus(tmp_path):
     folder.mkdir()
     for k, part in enumerate((TEXTS[:15], TEXTS[15:25])):
         (folder / f"part{k}.jsonl").write_text(
-            "".join(json.dumps({"text": t}) + "\n" for t in part))
+            "".join(json.dumps({"text": t}) + "\n" for t in part)
+        )
     pq.write_table(pa.table({"text": TEXTS[25:33]}), folder / "more.parquet", row_group_size=3)
     with pa.OSFile(str(folder / "rest.arrow"), "wb") as sink:
         table = pa.table({"text": TEXTS[33:]})
@@ -65,8 +66,12 @@ def test_sources_read_from_gcs_equal_the_local_files(gcs, corpus, tok, name):
     local = str(corpus / name) if name else str(corpus)
     from_bucket = open_documents("text", storage.join(remote, name) if name else remote, tok)
     assert documents(from_bucket) == documents(open_documents("text", local, tok))
-    assert len(from_bucket) == {"part0.jsonl": 15, "more.parquet": 8, "rest.arrow": 7,
-                                "*.jsonl": 25}.get(name, len(TEXTS))
+    assert len(from_bucket) == {
+        "part0.jsonl": 15,
+        "more.parquet": 8,
+        "rest.arrow": 7,
+        "*.jsonl": 25,
+    }.get(name, len(TEXTS))
 
 
 def prepare_cli(*args: str) -> None:
@@ -79,10 +84,11 @@ def test_prepare_to_gcs_reads_back_as_prepared_locally(gcs, corpus, tok, tmp_pat
     storage.upload(DEMO_TOKENIZER, tokenizer)
     out = storage.join(storage.dirname(remote), "prepared")
     prepare_cli("--input", remote, "--tokenizer", tokenizer, "--out", out)
-    prepare_cli("--input", str(corpus), "--tokenizer", DEMO_TOKENIZER,
-                "--out", str(tmp_path / "prepared"))
-    assert storage.listdir(out) == sorted(OUTPUTS)   # nothing left over (the write probe)
-    from_bucket = open_documents("text", out, Tokenizer(tokenizer))   # found to be prepared
+    prepare_cli(
+        "--input", str(corpus), "--tokenizer", DEMO_TOKENIZER, "--out", str(tmp_path / "prepared")
+    )
+    assert storage.listdir(out) == sorted(OUTPUTS)  # nothing left over (the write probe)
+    from_bucket = open_documents("text", out, Tokenizer(tokenizer))  # found to be prepared
     assert isinstance(from_bucket, TokenizedDocuments)
     local = TokenizedDocuments(str(tmp_path / "prepared"))
     assert documents(from_bucket) == documents(local)
@@ -93,8 +99,9 @@ def test_prepare_to_gcs_reads_back_as_prepared_locally(gcs, corpus, tok, tmp_pat
 def test_s3_source_and_prepared_data(s3, corpus, tok, tmp_path):
     remote = uploaded(s3, corpus)
     out = storage.join(storage.dirname(remote), "prepared")
-    prepare_cli("--input", storage.join(remote, "*.jsonl"), "--tokenizer", DEMO_TOKENIZER,
-                "--out", out)
+    prepare_cli(
+        "--input", storage.join(remote, "*.jsonl"), "--tokenizer", DEMO_TOKENIZER, "--out", out
+    )
     expected = documents(open_documents("text", str(corpus / "*.jsonl"), tok))
     assert documents(open_documents("text", storage.join(remote, "*.jsonl"), tok)) == expected
     assert documents(open_documents("tokenized", out, tok)) == expected
@@ -108,9 +115,10 @@ def test_missing_objects_are_one_clear_error(gcs, tok):
         open_documents("tokenized", f"{bucket}/none", tok)
     with pytest.raises(FileNotFoundError, match=f"^tokenizer '{bucket}/t.model' not found"):
         Tokenizer(f"{bucket}/t.model")
-    config = types.SimpleNamespace(data=types.SimpleNamespace(path=f"{bucket}/none.jsonl@2",
-                                                              source="text"),
-                                   validation=types.SimpleNamespace(path=""))
+    config = types.SimpleNamespace(
+        data=types.SimpleNamespace(path=f"{bucket}/none.jsonl@2", source="text"),
+        validation=types.SimpleNamespace(path=""),
+    )
     with pytest.raises(ConfigError, match=f"^config.data.path: no data at '{bucket}/none.jsonl'"):
         check_data(config)
 
@@ -131,8 +139,9 @@ def test_prepared_data_is_read_with_ranged_requests(gcs, tok, tmp_path, monkeypa
 
     monkeypatch.setattr(fs, "cat_ranges", counted)
     tokens, loss = docs[7]
-    assert (tokens.tolist(), loss.tolist()) == documents(open_documents("text", str(corpus),
-                                                                        tok))[7]
+    assert (tokens.tolist(), loss.tolist()) == documents(open_documents("text", str(corpus), tok))[
+        7
+    ]
     # only document 7's bytes (a fortieth of the token file), both arrays in one round trip
     assert fetched == [[("tokens.bin", 4 * len(tokens)), ("loss.bin", len(tokens))]]
 
@@ -140,9 +149,10 @@ def test_prepared_data_is_read_with_ranged_requests(gcs, tok, tmp_path, monkeypa
 def _batches(data_path: str, n: int) -> list:
     config = load_config(DEMO_CONFIG)
     config.data.update(path=data_path, seq_len=32, batch_size=4)
-    check_data(config)   # every source found (a prefix, a glob: looked up in the bucket)
-    loader = HostBatches(run_config(config), make_mesh(fsdp=2, sp=2), Tokenizer(DEMO_TOKENIZER),
-                         prefetch=0)
+    check_data(config)  # every source found (a prefix, a glob: looked up in the bucket)
+    loader = HostBatches(
+        run_config(config), make_mesh(fsdp=2, sp=2), Tokenizer(DEMO_TOKENIZER), prefetch=0
+    )
     return [loader.next_host_batch() for _ in range(n)]
 
 
@@ -164,5 +174,9 @@ def test_hf_tokenizer_directory_on_s3_is_the_local_one(s3, hf_dir):
     local, from_bucket = Tokenizer(str(hf_dir)), Tokenizer(remote)
     assert type(from_bucket) is type(local)
     assert (from_bucket.bos_id, from_bucket.eos_id, from_bucket.pad_id, from_bucket.add_bos) == (
-        local.bos_id, local.eos_id, local.pad_id, local.add_bos)
+        local.bos_id,
+        local.eos_id,
+        local.pad_id,
+        local.add_bos,
+    )
     assert from_bucket.encode(TEXTS[3]) == local.encode(TEXTS[3])

@@ -45,12 +45,15 @@ def only_outputs(out):
     return sorted(os.listdir(out)) == sorted(OUTPUTS)
 
 
-def test_a_reader_keeps_its_documents_when_the_directory_is_prepared_again(
-        tmp_path, tok, prepared):
+def test_a_reader_keeps_its_documents_when_the_directory_is_prepared_again(tmp_path, tok, prepared):
     out, before = prepared
     reading = open_documents("tokenized", str(out), tok)
-    meta = prepare("text", write_corpus(tmp_path / "b.jsonl", ["Bruno wrote 4.", "Yes."]),
-                   DEMO_TOKENIZER, str(out))
+    meta = prepare(
+        "text",
+        write_corpus(tmp_path / "b.jsonl", ["Bruno wrote 4.", "Yes."]),
+        DEMO_TOKENIZER,
+        str(out),
+    )
     assert meta["documents"] == 2 and only_outputs(out)
     assert all_documents(reading) == before
     again = open_documents("tokenized", str(out), tok)
@@ -74,6 +77,7 @@ def test_a_failed_prepare_leaves_the_previous_data(tmp_path, tok, prepared, monk
                 if i == 2000:
                     raise OSError("input unreadable")
                 return docs[i]
+
         return Failing()
 
     monkeypatch.setattr(prepare_module, "open_documents", failing_midway)
@@ -99,14 +103,17 @@ def test_a_reader_refuses_the_files_of_two_prepares(tmp_path, tok):
     one = len(tok.encode(word))
     assert len(tok.encode(" ".join([word] * 4))) == 4 * one  # each word: the same tokens
     out = tmp_path / "out"
-    texts = {"a": [" ".join([word] * n) for n in (2, 6)],
-             "b": [" ".join([word] * n) for n in (4, 4)]}
+    texts = {
+        "a": [" ".join([word] * n) for n in (2, 6)],
+        "b": [" ".join([word] * n) for n in (4, 4)],
+    }
     prepare("text", write_corpus(tmp_path / "a.jsonl", texts["a"]), DEMO_TOKENIZER, str(out))
     old_meta = (out / TOKENIZED_META).read_text()
     prepare("text", write_corpus(tmp_path / "b.jsonl", texts["b"]), DEMO_TOKENIZER, str(out))
     (out / TOKENIZED_META).write_text(old_meta)
-    with pytest.raises(DataError, match="offsets.bin is not the one its lclm_tokens.json "
-                                        "describes") as e:
+    with pytest.raises(
+        DataError, match="offsets.bin is not the one its lclm_tokens.json describes"
+    ) as e:
         open_documents("tokenized", str(out), tok)
     assert "\n" not in str(e.value)
 

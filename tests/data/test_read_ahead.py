@@ -26,8 +26,7 @@ STDLIB = sysconfig.get_paths()["stdlib"]
 def _stdlib_texts(chars: int) -> list[str]:
     """Whole stdlib code documents, about `chars` characters of them (the largest first)."""
     records = code.CodeRecords(STDLIB, False, SourceStats())
-    texts = sorted((r["text"] for r in map(records.__getitem__, range(len(records))) if r),
-                   key=len)
+    texts = sorted((r["text"] for r in map(records.__getitem__, range(len(records))) if r), key=len)
     chosen = [t for t in texts if len(t) < chars // 2][-4:]
     return chosen + [t for t in texts if len(t) < 40_000][-8:]
 
@@ -37,16 +36,16 @@ def test_pieces_join_to_the_text_and_are_cut_between_lines():
     found = pieces(text, 1000)
     assert "".join(found) == text and len(found) > 20
     for piece in found[1:]:
-        assert re.match(r"\S", piece)   # starts on a non-blank character after "\S\n"
+        assert re.match(r"\S", piece)  # starts on a non-blank character after "\S\n"
     for before, after in zip(found, found[1:]):
         assert re.search(r"\S\n$", before) and len(before) >= 1000, (before[-5:], after[:5])
-    assert pieces("x" * 5000, 1000) == ["x" * 5000]   # no cut point: whole
+    assert pieces("x" * 5000, 1000) == ["x" * 5000]  # no cut point: whole
 
 
 def test_smollm2_encodes_code_in_pieces_to_the_ids_of_the_whole(monkeypatch):
     tok = Tokenizer(real_model_dir())
     assert tok._cuttable
-    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 2048)   # many cuts in a few documents
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 2048)  # many cuts in a few documents
     for text in _stdlib_texts(600_000):
         assert tok.encode_long(text) == tok.encode(text)
 
@@ -67,8 +66,12 @@ def test_tokenizers_that_a_cut_would_change_encode_whole(make_hf_tokenizer, tmp_
     assert tokenizer._cuttable(config)
     config["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = True
     assert not tokenizer._cuttable(config)
-    config["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581",
-                               "prepend_scheme": "first", "split": False}
+    config["pre_tokenizer"] = {
+        "type": "Metaspace",
+        "replacement": "\u2581",
+        "prepend_scheme": "first",
+        "split": False,
+    }
     assert not tokenizer._cuttable(config)
 
 
@@ -77,7 +80,7 @@ def test_documents_read_ahead_are_those_read_directly():
     ahead = Ahead(docs, workers=2)
     try:
         ahead.want([2, 0])
-        ahead.want([0, 1])   # 2 forgotten
+        ahead.want([0, 1])  # 2 forgotten
         assert list(ahead._reads) == [0, 1]
         for i in (0, 1, 2):
             assert all(np.array_equal(a, b) for a, b in zip(ahead[i], docs[i]))
@@ -91,8 +94,9 @@ def test_documents_read_ahead_are_those_read_directly():
 def _code_loader(path, prefetch=0):
     config = load_config(DEMO_CONFIG)
     config.data.update(path=path, seq_len=2048, batch_size=2, balance=False)
-    return HostBatches(run_config(config), make_mesh(fsdp=2, sp=4), Tokenizer(DEMO_TOKENIZER),
-                       prefetch=prefetch)
+    return HostBatches(
+        run_config(config), make_mesh(fsdp=2, sp=4), Tokenizer(DEMO_TOKENIZER), prefetch=prefetch
+    )
 
 
 def test_reading_ahead_changes_no_batch_and_shared_sources_measure_once(monkeypatch):
@@ -104,7 +108,7 @@ def test_reading_ahead_changes_no_batch_and_shared_sources_measure_once(monkeypa
         got = [{k: np.asarray(v) for k, v in next(ahead).items()} for _ in range(8)]
     finally:
         ahead.close()
-    monkeypatch.setattr(Ahead, "want", lambda self, indices: None)   # every read on the spot
+    monkeypatch.setattr(Ahead, "want", lambda self, indices: None)  # every read on the spot
     direct = _code_loader(mixture)
     try:
         for batch in got:

@@ -36,8 +36,9 @@ def _shared(a: list[int], b: list[int]) -> int:
 def question_at(text: str) -> int:
     """Where the question after the context starts in a prompt's text (the demo tokenizer
     writes its newline as a space)."""
-    return [m.start() for m in re.finditer(r"\s(?:Question: |What (?:is|are all) the special)",
-                                           text)][-1]
+    return [
+        m.start() for m in re.finditer(r"\s(?:Question: |What (?:is|are all) the special)", text)
+    ][-1]
 
 
 def check_one_piece(tokenizer, ids: list[int]) -> str:
@@ -48,7 +49,10 @@ def check_one_piece(tokenizer, ids: list[int]) -> str:
     q = question_at(text)
     for part in (text[:q], text[q:]):
         assert "  " not in part and " \n" not in part, (
-            [m.start() for m in re.finditer("  | \n", text)], q, len(text))
+            [m.start() for m in re.finditer("  | \n", text)],
+            q,
+            len(text),
+        )
     again = tokenizer.encode(text)
     start = _shared(ids, again)
     end = _shared(ids[start:][::-1], again[start:][::-1])
@@ -64,8 +68,8 @@ def test_every_prompt_is_its_text_tokenised_in_one_piece(tokenizer, task):
     for index in range(2):
         s = ruler.sample(task, tokenizer, form, LENGTH, 3, index)
         assert len(s.tokens) == LENGTH - ruler.TASKS[task].budget
-        assert list(s.tokens[:len(form.bos)]) == list(form.bos)
-        check_one_piece(tokenizer, [int(t) for t in s.tokens[len(form.bos):]])
+        assert list(s.tokens[: len(form.bos)]) == list(form.bos)
+        check_one_piece(tokenizer, [int(t) for t in s.tokens[len(form.bos) :]])
 
 
 def test_training_documents_are_prompt_and_answer_in_one_piece(tokenizer):
@@ -73,23 +77,29 @@ def test_training_documents_are_prompt_and_answer_in_one_piece(tokenizer):
     bos = len(docs.form.bos)
     for i in range(len(docs)):
         tokens, loss = docs[i]
-        taught = [int(t) for t in tokens[:int(loss.nonzero()[0][-1])]]  # up to the end token
+        taught = [int(t) for t in tokens[: int(loss.nonzero()[0][-1])]]  # up to the end token
         text = check_one_piece(tokenizer, taught[bos:])
         task = docs.tasks[i % len(docs.tasks)]
-        target = ruler.sample(task, tokenizer, docs.form, LENGTH, 0, i // len(docs.tasks),
-                              ruler.TRAIN).target
+        target = ruler.sample(
+            task, tokenizer, docs.form, LENGTH, 0, i // len(docs.tasks), ruler.TRAIN
+        ).target
         assert text.endswith(target.strip()), (task, text[-80:], target)
 
 
 # -- item 7: RULER's templates ------------------------------------------------------------------
+
 
 def test_the_context_starts_on_its_own_line_as_in_ruler(tokenizer):
     """RULER's templates: a newline after the instruction (two in vt), a space in fwe."""
     if tokenizer.decode(tokenizer.encode("a\nb")) != "a\nb":
         pytest.skip("the demo tokenizer writes a newline as a space")
     form = ruler.prompt_form(tokenizer)
-    heads = {"niah": "afterwards.\n", "vt": "following text.\n\n", "cwe": "most often.\n1. ",
-             "fwe": "coded words. "}
+    heads = {
+        "niah": "afterwards.\n",
+        "vt": "following text.\n\n",
+        "cwe": "most often.\n1. ",
+        "fwe": "coded words. ",
+    }
     for task in ruler.TASKS:
         text = tokenizer.decode(ruler.sample(task, tokenizer, form, LENGTH, 3, 0).tokens)
         head = heads[task if task in heads else "niah"]
@@ -105,7 +115,7 @@ def test_no_listed_word_holds_a_cwe_answer():
     for index in range(3):
         s = ruler.sample("cwe", demo, form, 16384, 0, index)
         text = demo.decode(s.tokens)
-        listed = re.findall(r"\d+\. ([a-z-]+)", text[text.rindex("Below is"):])
+        listed = re.findall(r"\d+\. ([a-z-]+)", text[text.rindex("Below is") :])
         assert sum("-" in w for w in listed) > 100  # the pairs are there
         assert [w for w in listed if w not in s.answers and any(a in w for a in s.answers)] == []
         assert not any(a in b for a in s.answers for b in s.answers if a != b)
@@ -115,15 +125,23 @@ def chat_tokenizer(folder, hf_dir, template: str) -> Tokenizer:
     """The LLaMA-3-style tokenizer with the chat template `template`."""
     folder.mkdir()
     (folder / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
-        "chat_template": template}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|end_of_text|>",
+                "chat_template": template,
+            }
+        )
+    )
     return Tokenizer(str(folder))
 
 
-TURNS = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n"
-         "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
-         "<|start_header_id|>assistant<|end_header_id|>\n{% endif %}")
+TURNS = (
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n{% endif %}"
+)
 
 
 def test_cwe_example_is_an_exchange_of_its_own(hf_dir, tmp_path):
@@ -138,21 +156,31 @@ def test_cwe_example_is_an_exchange_of_its_own(hf_dir, tmp_path):
     assert (form.before, form.after, form.between) == (
         "<|start_header_id|>user<|end_header_id|>\n",
         "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n",
-        "<|eot_id|><|start_header_id|>user<|end_header_id|>\n")
+        "<|eot_id|><|start_header_id|>user<|end_header_id|>\n",
+    )
     s = ruler.sample("cwe", tok, form, LENGTH, 0, 0)
     # the special tokens are left out of the text: each header reads as its role
     text = tok.decode(s.tokens)
     assert text.startswith("user\nBelow is a numbered list")
-    assert re.search(r"\?assistant\n Answer: [^\n]+ are: 1\. [a-z]+( \d+\. [a-z]+){9}"
-                     r"user\nBelow is a numbered list", text)
-    assert text.endswith("?assistant\n Answer: The top 10 words that appear most often in the "
-                         "list are:")
+    assert re.search(
+        r"\?assistant\n Answer: [^\n]+ are: 1\. [a-z]+( \d+\. [a-z]+){9}"
+        r"user\nBelow is a numbered list",
+        text,
+    )
+    assert text.endswith(
+        "?assistant\n Answer: The top 10 words that appear most often in the list are:"
+    )
 
 
 def test_a_chat_template_that_cannot_write_the_example_is_one_line(hf_dir, tmp_path):
-    last_only = ("{% for m in messages %}{% if loop.last %}<|start_header_id|>"
-                 "{{ m['content'] }}<|eot_id|>{% endif %}{% endfor %}")
+    last_only = (
+        "{% for m in messages %}{% if loop.last %}<|start_header_id|>"
+        "{{ m['content'] }}<|eot_id|>{% endif %}{% endfor %}"
+    )
     tok = chat_tokenizer(tmp_path / "last", hf_dir, last_only)
-    with pytest.raises(ValueError, match=r"^the tokenizer's chat template does not write a "
-                                         r"second exchange[^\n]*$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^the tokenizer's chat template does not write a "
+        r"second exchange[^\n]*$",
+    ):
         ruler.prompt_form(tok, "tokenizer")

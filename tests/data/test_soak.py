@@ -41,8 +41,10 @@ def _check_rows(batch, seq_len):
 def test_readers_any_number_of_epochs_apart_share_one_source():
     """A reader far ahead does not take away the epoch order that a slow one still reads."""
     orders = EpochOrders(10, seed=3)
-    fast, slow = DocumentStream(list(range(10)), orders, 0, 2), DocumentStream(
-        list(range(10)), orders, 1, 2)
+    fast, slow = (
+        DocumentStream(list(range(10)), orders, 0, 2),
+        DocumentStream(list(range(10)), orders, 1, 2),
+    )
     for _ in range(5 * 7):  # 7 epochs of 5 documents
         next(fast)
     got = [next(slow) for _ in range(10)]
@@ -55,14 +57,15 @@ def test_soak_skewed_lengths_two_sources_many_readers(tmp_path):
     apart) and conversations, 2000 batches: no crash, full rows, malformed lines counted
     once, a small state, and a resume from mid-way continues identically."""
     texts = _corpus_texts(100)
-    texts = [t if i % 3 == 0 else t[:1 + i % 7] for i, t in enumerate(texts)]  # 2/3 tiny
+    texts = [t if i % 3 == 0 else t[: 1 + i % 7] for i, t in enumerate(texts)]  # 2/3 tiny
     lines = [json.dumps({"text": t}) for t in texts] + ["{broken", '{"text": ""}']
     (tmp_path / "skew.jsonl").write_text("\n".join(lines) + "\n")
     chats = [json.dumps(r) for r in conversations(80, seed=2)] + ['{"conversations": 1}']
     (tmp_path / "chats.jsonl").write_text("\n".join(chats) + "\n")
     seq_len, batch_size = 32, 64
-    config = _config(f"{tmp_path}/skew.jsonl@0.8,sharegpt:{tmp_path}/chats.jsonl@0.2",
-                     seq_len, batch_size)
+    config = _config(
+        f"{tmp_path}/skew.jsonl@0.8,sharegpt:{tmp_path}/chats.jsonl@0.2", seq_len, batch_size
+    )
     tok, mesh = Tokenizer(config.data.tokenizer), make_mesh(fsdp=2, sp=4)
     loader = HostBatches(run_config(config), mesh, tok, prefetch=0)
     mid, spread = None, 0
@@ -90,8 +93,9 @@ def test_state_stays_small_with_very_long_documents(tmp_path):
     per slot (it held every pending token before) and resuming from it is exact."""
     texts = _corpus_texts(160)
     long_docs = [" ".join(texts[i::8]) * 12 for i in range(8)]  # ~100 KB each
-    (tmp_path / "long.jsonl").write_text("\n".join(json.dumps({"text": t})
-                                                   for t in long_docs) + "\n")
+    (tmp_path / "long.jsonl").write_text(
+        "\n".join(json.dumps({"text": t}) for t in long_docs) + "\n"
+    )
     config = _config(str(tmp_path / "long.jsonl"), 64, 4)
     tok, mesh = Tokenizer(config.data.tokenizer), make_mesh(fsdp=2, sp=4)
     loader = HostBatches(run_config(config), mesh, tok, prefetch=0)
@@ -99,8 +103,10 @@ def test_state_stays_small_with_very_long_documents(tmp_path):
         loader.next_host_batch()
     state = json.loads(json.dumps(loader._snapshot()))
     assert len(json.dumps(state)) < 300 * len(state["slots"])
-    assert all(s["packer"]["documents"] == 1 and s["packer"]["consumed"] > 0
-               for s in state["slots"].values())  # a long document is pending everywhere
+    assert all(
+        s["packer"]["documents"] == 1 and s["packer"]["consumed"] > 0
+        for s in state["slots"].values()
+    )  # a long document is pending everywhere
     want = [loader.next_host_batch() for _ in range(3)]
     resumed = HostBatches(run_config(config), mesh, tok, state=state, prefetch=0)
     for w in want:

@@ -29,9 +29,11 @@ def test_bundled_tokenizer_is_llama_style(tok):
 
 def test_malformed_records_are_skipped_and_counted(tmp_path, tok):
     path = tmp_path / "docs.jsonl"
-    path.write_bytes(b'{"text": "good one"}\n{bad json\n{"other": 1}\n{"text": ""}\n'
-                     b'{"text": "caf\xff bad utf8"}\n{"text": 5}\n[1, 2]\n{"text": "good two"}\n'
-                     b'{"text": "lone \\ud800 surrogate"}\n')
+    path.write_bytes(
+        b'{"text": "good one"}\n{bad json\n{"other": 1}\n{"text": ""}\n'
+        b'{"text": "caf\xff bad utf8"}\n{"text": 5}\n[1, 2]\n{"text": "good two"}\n'
+        b'{"text": "lone \\ud800 surrogate"}\n'
+    )
     stats = SourceStats()
     docs = open_documents("text", str(path), tok, stats=stats)
     for _ in range(3):  # every epoch reads every document again: nothing is counted again
@@ -50,15 +52,22 @@ def test_bad_bytes_cost_one_record_in_txt_and_json_files(tmp_path, tok):
     stats = SourceStats()
     docs = open_documents("text", str(tmp_path), tok, stats=stats)
     assert [tok.decode(docs[i][0][1:-1]) for i in range(len(docs))] == [
-        "first doc", "third doc", "kept"]
-    assert stats.examples == [f"{tmp_path}/a.txt:3: invalid UTF-8",
-                              f"{tmp_path}/b.json[1]: invalid UTF-8"]
+        "first doc",
+        "third doc",
+        "kept",
+    ]
+    assert stats.examples == [
+        f"{tmp_path}/a.txt:3: invalid UTF-8",
+        f"{tmp_path}/b.json[1]: invalid UTF-8",
+    ]
 
 
 def test_arrow_records_are_checked_as_read_and_counted_once(tmp_path, tok):
     import datasets
+
     datasets.Dataset.from_dict({"text": ["one", "", "three"]}).to_parquet(
-        str(tmp_path / "p.parquet"))
+        str(tmp_path / "p.parquet")
+    )
     stats = SourceStats()
     docs = open_documents("text", str(tmp_path / "p.parquet"), tok, stats=stats)
     for _ in range(3):
@@ -75,16 +84,22 @@ def _binary(seed):
     return np.random.default_rng(seed).integers(0, 256, 3000, dtype=np.uint8).tobytes()
 
 
-@pytest.mark.parametrize("name,content,message", [
-    ("empty.jsonl", b"\n \n", "is empty"),
-    ("empty.txt", b"", "is empty"),
-    ("binary.jsonl", _binary(0), "holds no usable record"),
-    ("binary.txt", _binary(1), "holds no usable record"),
-    ("binary.json", _binary(2), "holds no usable record"),
-    ("dict.json", b'{"text": "a"}', "holds no usable record .* must hold a list"),
-    ("field.jsonl", b'{"body": "a"}\n{"body": "b"}\n',
-     "2 malformed, the first .*:1: no non-empty"),
-])
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("empty.jsonl", b"\n \n", "is empty"),
+        ("empty.txt", b"", "is empty"),
+        ("binary.jsonl", _binary(0), "holds no usable record"),
+        ("binary.txt", _binary(1), "holds no usable record"),
+        ("binary.json", _binary(2), "holds no usable record"),
+        ("dict.json", b'{"text": "a"}', "holds no usable record .* must hold a list"),
+        (
+            "field.jsonl",
+            b'{"body": "a"}\n{"body": "b"}\n',
+            "2 malformed, the first .*:1: no non-empty",
+        ),
+    ],
+)
 def test_unusable_files_fail_when_opened_naming_the_file(tmp_path, tok, name, content, message):
     path = tmp_path / name
     path.write_bytes(content)
@@ -97,6 +112,7 @@ def test_unusable_files_fail_when_opened_naming_the_file(tmp_path, tok, name, co
 
 def test_unusable_datasets_and_tokenized_dirs_fail_when_opened(tmp_path, tok):
     import datasets
+
     datasets.Dataset.from_dict({"body": ["a", "b"]}).to_parquet(str(tmp_path / "p.parquet"))
     with pytest.raises(DataError, match=r"p.parquet.* has no column 'text' \(its columns: body\)"):
         open_documents("text", str(tmp_path / "p.parquet"), tok)
@@ -119,12 +135,15 @@ def test_missing_sources_fail_clearly(tmp_path, tok):
 
 
 def test_sharegpt_loss_covers_exactly_the_assistant_turns(tok):
-    record = {"conversations": [
-        {"from": "system", "value": "Be brief."},
-        {"from": "human", "value": "Ada has 3 apples."},
-        {"from": "gpt", "value": "Ada has 3 apples."},
-        {"from": "user", "value": "And Bruno?"},
-        {"from": "assistant", "value": "Bruno counted 4."}]}
+    record = {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Ada has 3 apples."},
+            {"from": "gpt", "value": "Ada has 3 apples."},
+            {"from": "user", "value": "And Bruno?"},
+            {"from": "assistant", "value": "Bruno counted 4."},
+        ]
+    }
     turns = conversation_turns(record)
     tokens, flags = render(turns, tok, TEMPLATES["vicuna"])
     assert tokens[0] == tok.bos_id and flags[0] == 0
@@ -143,8 +162,9 @@ def test_sharegpt_loss_covers_exactly_the_assistant_turns(tok):
     text = tok.decode(tokens)
     assert "Be brief. USER: Ada has 3 apples. ASSISTANT: Ada has 3 apples." in text
     # roles spelled differently and malformed conversations
-    assert conversation_turns({"messages": [{"role": "user", "content": "hi"},
-                                            {"role": "assistant", "content": "yo"}]})
+    assert conversation_turns(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    )
     question_only = {"conversations": [{"from": "human", "value": "only a question"}]}
     assert conversation_turns(question_only) is None
     assert conversation_turns({"conversations": [{"from": "alien", "value": "x"}]}) is None
@@ -168,6 +188,7 @@ def test_prepare_writes_memmap_documents_equal_to_on_the_fly(tmp_path, tok):
 
 def test_parquet_arrow_and_saved_datasets_directories(tmp_path, tok):
     import datasets
+
     texts = [f"Ada counted {i} plus {i} and wrote {2 * i}." for i in range(12)]
     ds = datasets.Dataset.from_dict({"body": texts})
     ds.to_parquet(str(tmp_path / "part.parquet"))

@@ -37,14 +37,14 @@ def test_example_is_exact_length_with_the_right_answer(tokenizer, n_tokens):
     ex = build_example(tokenizer, np.random.default_rng(n_tokens), n_tokens)
     assert len(ex.tokens) == len(ex.loss) == n_tokens
     assert ex.tokens[0] == tokenizer.bos_id and ex.tokens[-1] == tokenizer.eos_id
-    prompt = tokenizer.decode(ex.tokens[:ex.prompt_len])
+    prompt = tokenizer.decode(ex.tokens[: ex.prompt_len])
     lines = _lines(prompt)
     assert sorted(lines) == list(range(1, ex.n_lines + 1))
     assert prompt.rstrip().endswith(f"Tell me line {ex.key}:")
     assert lines[ex.key] == ex.answer and len(ex.answer) == 3
     # the loss covers exactly the answer and EOS, right after the prompt
-    assert ex.loss[:ex.prompt_len].sum() == 0 and ex.loss[ex.prompt_len:].all()
-    assert tokenizer.decode(ex.tokens[ex.prompt_len:-1]).strip() == ex.answer
+    assert ex.loss[: ex.prompt_len].sum() == 0 and ex.loss[ex.prompt_len :].all()
+    assert tokenizer.decode(ex.tokens[ex.prompt_len : -1]).strip() == ex.answer
     # the filler after BOS is shorter than one line: the document is full of lines
     assert n_tokens - ex.prompt_len < 20
 
@@ -62,7 +62,7 @@ def test_examples_are_deterministic_and_formats_vary(tokenizer):
     b = build_example(tokenizer, np.random.default_rng(7), 300)
     assert np.array_equal(a.tokens, b.tokens) and a.answer == b.answer
     paper = build_example(tokenizer, np.random.default_rng(7), 400, line_format("paper", 5))
-    text = tokenizer.decode(paper.tokens[:paper.prompt_len])
+    text = tokenizer.decode(paper.tokens[: paper.prompt_len])
     assert "REGISTER_CONTENT is <" in text and len(paper.answer) == 5
     assert f"line {paper.key}: REGISTER_CONTENT is <{paper.answer}>" in text
     with pytest.raises(ValueError, match="hold only"):
@@ -85,19 +85,19 @@ def test_source_feeds_one_document_per_row(tokenizer):
     rows = list(pack_documents((docs[i] for i in range(6)), 128))
     assert len(rows) == 5
     for i, row in enumerate(rows):
-        assert (row["segment_ids"] == 1).all()          # a row is one whole document
+        assert (row["segment_ids"] == 1).all()  # a row is one whole document
         assert np.array_equal(row["tokens"], docs[i][0])
         # targets with loss: the answer ('▁' and 2 digits) and EOS; the last token's target
         # is the next document's BOS (no loss)
         assert row["loss_mask"].sum() == 4 and row["loss_mask"][-5:-1].all()
-    assert spec_of_config({"path": "a.jsonl@0.5,line_retrieval:tokens=64;digits=2@0.5"}) \
-        == Spec(tokens=64, digits=2)
+    assert spec_of_config({"path": "a.jsonl@0.5,line_retrieval:tokens=64;digits=2@0.5"}) == Spec(
+        tokens=64, digits=2
+    )
     with pytest.raises(ValueError, match="bad line_retrieval option"):
         Spec.parse("tokens=64;colour=red")
 
 
-def test_a_shorter_document_padded_to_the_row_keeps_its_positions_and_the_rows_aligned(
-        tokenizer):
+def test_a_shorter_document_padded_to_the_row_keeps_its_positions_and_the_rows_aligned(tokenizer):
     """pad_to: a 64-token example filled to 128 after its answer, mixed with 128-token ones,
     leaves every row one whole document (packed unpadded, the next one would cross rows)."""
     short = open_documents("line_retrieval", "tokens=64;digits=1;seed=1;pad_to=128", tokenizer)
@@ -115,7 +115,7 @@ def test_a_shorter_document_padded_to_the_row_keeps_its_positions_and_the_rows_a
 
 
 def test_lengths_and_padding():
-    assert parse_lengths("2k, 512,1m") == [2048, 512, 1024 ** 2]
+    assert parse_lengths("2k, 512,1m") == [2048, 512, 1024**2]
     with pytest.raises(ValueError):
         parse_tokens("2x")
     chunks = lambda q, kv, **a: AttentionConfig(q_chunk=q, kv_chunk=kv, **a)

@@ -25,8 +25,19 @@ from lclm.training.state import shard_params
 # float32 and a large init, so that token losses vary along the sequence and greedy choices
 # are far from ties; GQA (4 heads over 2 kv heads); chunks far below the lengths, so every
 # blockwise op really runs in several chunks per device
-MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                    dtype="float32", init_std=0.5, remat="none", ffn_chunk=8, loss_chunk=8)
+MODEL = ModelConfig(
+    vocab_size=64,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=64,
+    dtype="float32",
+    init_std=0.5,
+    remat="none",
+    ffn_chunk=8,
+    loss_chunk=8,
+)
 LENGTH, BUCKETS = 64, 4
 
 
@@ -43,6 +54,7 @@ def on_mesh(params, sp, tokenizer=None, fsdp=1, **attention):
 
 # -- perplexity ----------------------------------------------------------------------------
 
+
 def numpy_losses(c: ModelConfig, params, tokens: np.ndarray) -> np.ndarray:
     """Float32 losses `[T]` of tokens `[T+1]` by a dense causal LLaMA written in numpy (no
     lclm code): RMSNorm, rotate-half RoPE, GQA softmax attention, SwiGLU."""
@@ -52,8 +64,9 @@ def numpy_losses(c: ModelConfig, params, tokens: np.ndarray) -> np.ndarray:
     inv = (c.rope_theta ** (-np.arange(0, c.head_dim, 2) / c.head_dim)).astype(np.float32)
     angle = np.arange(t, dtype=np.float32)[:, None] * inv
     cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]
-    rope = lambda u: np.concatenate([u[..., :half] * cos - u[..., half:] * sin,
-                                     u[..., half:] * cos + u[..., :half] * sin], -1)
+    rope = lambda u: np.concatenate(
+        [u[..., :half] * cos - u[..., half:] * sin, u[..., half:] * cos + u[..., :half] * sin], -1
+    )
     norm = lambda u, w: u / np.sqrt(np.mean(u * u, -1, keepdims=True) + c.norm_eps) * w
     causal = np.tril(np.ones((t, t), bool))
     for i in range(c.n_layers):
@@ -101,12 +114,12 @@ def test_windows_skip_and_count_documents_that_are_too_short(documents):
 @pytest.fixture(scope="module")
 def one_device(params, documents):
     """Perplexity on a single device (no ring: sp=1)."""
-    return perplexity.evaluate(on_mesh(params, 1), documents, [LENGTH], n_buckets=BUCKETS,
-                               max_docs=10)["lengths"][0]
+    return perplexity.evaluate(
+        on_mesh(params, 1), documents, [LENGTH], n_buckets=BUCKETS, max_docs=10
+    )["lengths"][0]
 
 
-def test_perplexity_by_position_equals_an_independent_numpy_model(params, documents,
-                                                                  one_device):
+def test_perplexity_by_position_equals_an_independent_numpy_model(params, documents, one_device):
     w = perplexity.windows(documents, [LENGTH], max_docs=10)[LENGTH]
     losses = np.stack([numpy_losses(MODEL, params, row) for row in w["tokens"]])
     assert one_device["documents"] == 3 and one_device["skipped"] == 2
@@ -118,21 +131,25 @@ def test_perplexity_by_position_equals_an_independent_numpy_model(params, docume
     assert np.ptp([b["loss"] for b in want]) > 0.05
 
 
-@pytest.mark.parametrize("attention", [
-    dict(strategy="ring", layout="striped"),
-    dict(strategy="all_gather", layout="zigzag"),
-    dict(strategy="ulysses", layout="striped"),
-], ids=lambda a: f"{a['strategy']}-{a['layout']}")
-def test_perplexity_does_not_depend_on_mesh_or_strategy(params, documents, one_device,
-                                                        attention):
+@pytest.mark.parametrize(
+    "attention",
+    [
+        dict(strategy="ring", layout="striped"),
+        dict(strategy="all_gather", layout="zigzag"),
+        dict(strategy="ulysses", layout="striped"),
+    ],
+    ids=lambda a: f"{a['strategy']}-{a['layout']}",
+)
+def test_perplexity_does_not_depend_on_mesh_or_strategy(params, documents, one_device, attention):
     # fsdp=2: two rows per forward, so the three documents also cross a batch boundary
     model = on_mesh(params, 4, fsdp=2, **attention)
-    got = perplexity.evaluate(model, documents, [LENGTH], n_buckets=BUCKETS,
-                              max_docs=10)["lengths"][0]
-    np.testing.assert_allclose([b["loss"] for b in got["buckets"]],
-                               [b["loss"] for b in one_device["buckets"]], rtol=1e-5)
-    np.testing.assert_allclose(got["document_losses"], one_device["document_losses"],
-                               rtol=1e-5)
+    got = perplexity.evaluate(model, documents, [LENGTH], n_buckets=BUCKETS, max_docs=10)[
+        "lengths"
+    ][0]
+    np.testing.assert_allclose(
+        [b["loss"] for b in got["buckets"]], [b["loss"] for b in one_device["buckets"]], rtol=1e-5
+    )
+    np.testing.assert_allclose(got["document_losses"], one_device["document_losses"], rtol=1e-5)
 
 
 def test_token_losses_sum_to_the_training_loss(params, documents):
@@ -144,15 +161,15 @@ def test_token_losses_sum_to_the_training_loss(params, documents):
     losses = perplexity.position_losses(model, w["tokens"], 2)
     batch = dict(rows, loss_mask=w["mask"].astype(np.int32))
     batch = batch_to_layout(batch, "striped", 4)
-    total, count = jax.jit(lambda p, b: loss_terms(MODEL, p, b, mesh=model.mesh,
-                                                   attention=model.attention))(model.params,
-                                                                               batch)
+    total, count = jax.jit(
+        lambda p, b: loss_terms(MODEL, p, b, mesh=model.mesh, attention=model.attention)
+    )(model.params, batch)
     assert int(count) == w["mask"].sum()
-    np.testing.assert_allclose(float(total), losses[w["mask"]].sum(dtype=np.float64),
-                               rtol=1e-5)
+    np.testing.assert_allclose(float(total), losses[w["mask"]].sum(dtype=np.float64), rtol=1e-5)
 
 
 # -- passkey and needle --------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -183,8 +200,10 @@ def test_passkey_prompts_hide_the_key_at_its_depth(tokenizer):
 
 
 def test_needle_prompts_use_the_documents(tokenizer):
-    docs = [(np.asarray(tokenizer.encode(f"Story {i} goes on and on about the sea."),
-                        np.int32), None) for i in range(30)]
+    docs = [
+        (np.asarray(tokenizer.encode(f"Story {i} goes on and on about the sea."), np.int32), None)
+        for i in range(30)
+    ]
     items = needle.items(docs, tokenizer, 120, n_bins=2, samples=1, digits=4, seed=3)
     for it in items:
         text = tokenizer.decode(it.tokens)
@@ -202,15 +221,24 @@ def answers(model, items):
 
 def test_passkey_and_needle_answer_alike_on_one_device_and_a_ring(tokenizer, wide_params):
     wide = dataclasses.replace(MODEL, vocab_size=512)
-    docs = [(np.asarray(tokenizer.encode(f"Story {i} tells of ships and of the sea."),
-                        np.int32), None) for i in range(40)]
-    prompts = (passkey.items(tokenizer, 200, n_bins=2, samples=1, digits=5, seed=0)
-               + needle.items(docs, tokenizer, 190, n_bins=2, samples=1, digits=4, seed=0))
+    docs = [
+        (np.asarray(tokenizer.encode(f"Story {i} tells of ships and of the sea."), np.int32), None)
+        for i in range(40)
+    ]
+    prompts = passkey.items(tokenizer, 200, n_bins=2, samples=1, digits=5, seed=0) + needle.items(
+        docs, tokenizer, 190, n_bins=2, samples=1, digits=4, seed=0
+    )
     outs = []
     for sp in (1, 4):
         mesh = make_mesh(sp=sp)
-        model = LoadedModel(wide, AttentionConfig(q_chunk=8, kv_chunk=8), shard_params(
-            wide, wide_params, mesh), mesh, tokenizer, f"sp{sp}")
+        model = LoadedModel(
+            wide,
+            AttentionConfig(q_chunk=8, kv_chunk=8),
+            shard_params(wide, wide_params, mesh),
+            mesh,
+            tokenizer,
+            f"sp{sp}",
+        )
         outs.append(answers(model, prompts))
     assert outs[0] == outs[1]
     assert any(text.strip() for text in outs[0][0])  # something was decoded
@@ -221,35 +249,50 @@ def test_a_correct_answer_is_scored_as_one(tokenizer, monkeypatch):
     wrong number (needle)."""
     items = passkey.items(tokenizer, 200, n_bins=2, samples=2, digits=5, seed=0)
     by_prompt = {tuple(it.tokens): f" {it.answer}." for it in items}
-    monkeypatch.setattr(retrieval, "generate_answers",
-                        lambda model, prompts, *a: ([by_prompt.get(tuple(p), " 7") for p in
-                                                     prompts], 104))
+    monkeypatch.setattr(
+        retrieval,
+        "generate_answers",
+        lambda model, prompts, *a: ([by_prompt.get(tuple(p), " 7") for p in prompts], 104),
+    )
     fake = LoadedModel(MODEL, AttentionConfig(), None, make_mesh(), tokenizer, "fake")
     result = retrieval.evaluate(fake, [200], lambda n: items, n_bins=2, max_new=6)
     assert [c["accuracy"] for c in result["cells"]] == [1.0, 1.0]
-    result = retrieval.evaluate(fake, [200], lambda n: items[:1] + [
-        dataclasses.replace(items[2], tokens=items[2].tokens[1:])], n_bins=2, max_new=6)
+    result = retrieval.evaluate(
+        fake,
+        [200],
+        lambda n: items[:1] + [dataclasses.replace(items[2], tokens=items[2].tokens[1:])],
+        n_bins=2,
+        max_new=6,
+    )
     assert [c["accuracy"] for c in result["cells"]] == [1.0, 0.0]
 
 
 # -- the command line on a trained checkpoint ----------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny model trained 2 steps at 64 tokens (the demo config: its tokenizer, vocab)."""
     root = tmp_path_factory.mktemp("tasks")
-    c = small_train_config(root / "run", mesh=dict(dp=1, fsdp=1, tp=1, sp=2),
-                           attention=dict(q_chunk=16, kv_chunk=16),
-                           train=dict(steps=2))
-    c.model.update(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, ffn_chunk=16,
-                   loss_chunk=16)
+    c = small_train_config(
+        root / "run",
+        mesh=dict(dp=1, fsdp=1, tp=1, sp=2),
+        attention=dict(q_chunk=16, kv_chunk=16),
+        train=dict(steps=2),
+    )
+    c.model.update(
+        dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, ffn_chunk=16, loss_chunk=16
+    )
     c.checkpoint.update(every=0)
     train(c)
     data = root / "docs.jsonl"
-    long_text = " ".join(f"The ship {i} sailed over the sea and came back home." for i in
-                         range(60))
-    data.write_text("\n".join(json.dumps({"text": t}) for t in
-                              [long_text, "Too short.", long_text + " The end.", "Short too."]))
+    long_text = " ".join(f"The ship {i} sailed over the sea and came back home." for i in range(60))
+    data.write_text(
+        "\n".join(
+            json.dumps({"text": t})
+            for t in [long_text, "Too short.", long_text + " The end.", "Short too."]
+        )
+    )
     return dict(workdir=c.workdir, data=str(data), root=root, seq_len=c.data.seq_len)
 
 
@@ -262,11 +305,29 @@ def run_task(capsys, task, checkpoint, out, *flags):
 @pytest.mark.slow
 def test_every_task_writes_its_report_beyond_the_trained_length(checkpoint, capsys):
     assert checkpoint["seq_len"] == 64
-    flags = {"perplexity": ["--data", checkpoint["data"], "--lengths", "256", "--buckets", "4",
-                            "--sp", "4"],
-             "passkey": ["--lengths", "200", "--depths", "2", "--samples", "1"],
-             "needle": ["--data", checkpoint["data"], "--lengths", "160", "--depths", "2",
-                        "--samples", "1"]}
+    flags = {
+        "perplexity": [
+            "--data",
+            checkpoint["data"],
+            "--lengths",
+            "256",
+            "--buckets",
+            "4",
+            "--sp",
+            "4",
+        ],
+        "passkey": ["--lengths", "200", "--depths", "2", "--samples", "1"],
+        "needle": [
+            "--data",
+            checkpoint["data"],
+            "--lengths",
+            "160",
+            "--depths",
+            "2",
+            "--samples",
+            "1",
+        ],
+    }
     for task, extra in flags.items():
         out = checkpoint["root"] / f"out_{task}"
         rc, printed, err = run_task(capsys, task, checkpoint, out, *extra)
@@ -279,8 +340,9 @@ def test_every_task_writes_its_report_beyond_the_trained_length(checkpoint, caps
             [long] = report["lengths"]
             # 256 > the trained 64 tokens: evaluated on the 2 long documents, 2 skipped
             assert (long["length"], long["documents"], long["skipped"]) == (256, 2, 2)
-            assert len(long["buckets"]) == 4 and all(np.isfinite(b["loss"])
-                                                     for b in long["buckets"])
+            assert len(long["buckets"]) == 4 and all(
+                np.isfinite(b["loss"]) for b in long["buckets"]
+            )
             assert report["trained_length"] == 64 and report["mesh"]["sp"] == 4
             assert "| 256 | 2 | 2 |" in table
         else:
@@ -296,17 +358,36 @@ def test_line_retrieval_is_a_task_of_the_same_command(tmp_path, capsys, monkeypa
 
     from lclm.eval import line_retrieval
 
-    records = [dict(length=128, depth_bin=b, correct=b == 0, prompt_tokens=120, padded_to=128)
-               for b in (0, 1)]
+    records = [
+        dict(length=128, depth_bin=b, correct=b == 0, prompt_tokens=120, padded_to=128)
+        for b in (0, 1)
+    ]
     result = dict(cells=[retrieval.cell(records, 128, b, 2) for b in (0, 1)], samples=records)
-    model = SimpleNamespace(name="fake", mesh=SimpleNamespace(shape={"sp": 1}),
-                            attention=SimpleNamespace(layout="striped", strategy="ring"),
-                            config=SimpleNamespace(max_position_embeddings=128))
+    model = SimpleNamespace(
+        name="fake",
+        mesh=SimpleNamespace(shape={"sp": 1}),
+        attention=SimpleNamespace(layout="striped", strategy="ring"),
+        config=SimpleNamespace(max_position_embeddings=128),
+    )
     monkeypatch.setattr(line_retrieval, "load_model", lambda args: (model, None))
     monkeypatch.setattr(line_retrieval, "evaluate", lambda *a, **k: result)
     out = tmp_path / "eval"
-    assert eval_main(["line-retrieval", "--hf", str(tmp_path), "--lengths", "128",
-                      "--depths", "2", "--out", str(out)]) == 0
+    assert (
+        eval_main(
+            [
+                "line-retrieval",
+                "--hf",
+                str(tmp_path),
+                "--lengths",
+                "128",
+                "--depths",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     table = (out / "line_retrieval.md").read_text().strip()
     assert table.splitlines()[2] == "| 128 | 120 | 1.00 | 0.00 | 0.50 |"
     assert table in capsys.readouterr().out
@@ -320,9 +401,11 @@ def test_a_bad_out_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypa
     for module in (perplexity, passkey, needle):
         monkeypatch.setattr(module, "load_model", lambda args: pytest.fail("model loaded"))
     for task in ("perplexity", "passkey", "needle", "line-retrieval"):
-        rc = eval_main([task, "--hf", str(tmp_path / "nowhere"), "--data", DEMO_TOKENIZER,
-                        "--out", str(afile)] if task in ("perplexity", "needle") else
-                       [task, "--hf", str(tmp_path / "nowhere"), "--out", str(afile)])
+        rc = eval_main(
+            [task, "--hf", str(tmp_path / "nowhere"), "--data", DEMO_TOKENIZER, "--out", str(afile)]
+            if task in ("perplexity", "needle")
+            else [task, "--hf", str(tmp_path / "nowhere"), "--out", str(afile)]
+        )
         err = capsys.readouterr().err
         assert rc == 2 and err == f"error: --out {str(afile)!r} is a file; pass a folder\n"
 
@@ -330,11 +413,37 @@ def test_a_bad_out_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypa
 def test_unknown_task_and_bad_flags_are_one_line(tmp_path, capsys):
     assert eval_main(["bleu"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown task 'bleu'; use one of")
-    assert eval_main(["needle", "--hf", str(tmp_path), "--data", str(tmp_path / "none.jsonl"),
-                      "--needle", "no number here", "--out", str(tmp_path / "o")]) == 2
+    assert (
+        eval_main(
+            [
+                "needle",
+                "--hf",
+                str(tmp_path),
+                "--data",
+                str(tmp_path / "none.jsonl"),
+                "--needle",
+                "no number here",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.count("\n") == 1
-    assert eval_main(["perplexity", "--hf", str(tmp_path), "--data",
-                      str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert (
+        eval_main(
+            [
+                "perplexity",
+                "--hf",
+                str(tmp_path),
+                "--data",
+                str(tmp_path / "none.jsonl"),
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: --data") and "no data files" in err and err.count("\n") == 1
 
@@ -342,8 +451,18 @@ def test_unknown_task_and_bad_flags_are_one_line(tmp_path, capsys):
 @pytest.mark.slow
 def test_perplexity_says_which_lengths_no_document_reaches(checkpoint, capsys):
     out = checkpoint["root"] / "out_none"
-    rc, printed, err = run_task(capsys, "perplexity", checkpoint, out, "--data",
-                                checkpoint["data"], "--lengths", "64,100000", "--buckets", "4")
+    rc, printed, err = run_task(
+        capsys,
+        "perplexity",
+        checkpoint,
+        out,
+        "--data",
+        checkpoint["data"],
+        "--lengths",
+        "64,100000",
+        "--buckets",
+        "4",
+    )
     assert rc == 0, err
     line = "**length 100000: nothing measured, no document of --data holds 100001 tokens"
     table = (out / "perplexity.md").read_text()
@@ -359,8 +478,7 @@ def test_perplexity_says_which_lengths_no_document_reaches(checkpoint, capsys):
 
 
 @pytest.mark.slow
-def test_perplexity_keeps_the_lengths_measured_before_a_failure(checkpoint, capsys,
-                                                                 monkeypatch):
+def test_perplexity_keeps_the_lengths_measured_before_a_failure(checkpoint, capsys, monkeypatch):
     """The default lengths are the trained 64 tokens x1, x2, x4; the forward at the last
     runs out of memory (here: raises as XLA would): the first two stay on disk."""
     measure = perplexity.position_losses
@@ -373,8 +491,9 @@ def test_perplexity_keeps_the_lengths_measured_before_a_failure(checkpoint, caps
     monkeypatch.setattr(perplexity, "position_losses", out_of_memory_at_256)
     out = checkpoint["root"] / "out_partial"
     with pytest.raises(MemoryError):
-        run_task(capsys, "perplexity", checkpoint, out, "--data", checkpoint["data"],
-                 "--buckets", "4")
+        run_task(
+            capsys, "perplexity", checkpoint, out, "--data", checkpoint["data"], "--buckets", "4"
+        )
     assert f"(64, 128) is in {out}" in capsys.readouterr().err
     report = json.loads((out / "perplexity.json").read_text())
     assert report["complete"] is False and report["lengths_asked"] == [64, 128, 256]

@@ -32,7 +32,7 @@ from lclm.extend.plan import (
 )
 from lclm.extend.targets import Measured, judge
 
-CONFIG = '''
+CONFIG = """
 from lclm.config import base_config
 
 def get_config():
@@ -56,7 +56,7 @@ def get_config():
     c.log.update(every=1, progress=False)
     c.checkpoint.update(every=0, keep=1, every_minutes=0.0)
     return c
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +66,24 @@ def extension(tmp_path_factory):
     heldout = root / "heldout.jsonl"
     with open(DEMO_CORPUS) as f:
         texts = [json.loads(line)["text"] for line in f][:120]
-    with open(heldout, "w") as f:   # 6 documents of ~20 demo texts each (~5K tokens)
+    with open(heldout, "w") as f:  # 6 documents of ~20 demo texts each (~5K tokens)
         for i in range(6):
-            f.write(json.dumps({"text": "\n".join(texts[20 * i:20 * (i + 1)])}) + "\n")
+            f.write(json.dumps({"text": "\n".join(texts[20 * i : 20 * (i + 1)])}) + "\n")
     path = root / "tiny_extension.py"
-    path.write_text(CONFIG.format(workdir=str(root / "run"), start=str(root / "start"),
-                                  corpus=DEMO_CORPUS, tokenizer=DEMO_TOKENIZER,
-                                  heldout=str(heldout)))
+    path.write_text(
+        CONFIG.format(
+            workdir=str(root / "run"),
+            start=str(root / "start"),
+            corpus=DEMO_CORPUS,
+            tokenizer=DEMO_TOKENIZER,
+            heldout=str(heldout),
+        )
+    )
     start = base_config()
     start.workdir = str(root / "start")
-    start.model.update(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                       ffn_dim=192, dtype="float32")
+    start.model.update(
+        vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, dtype="float32"
+    )
     start.data.update(tokenizer=DEMO_TOKENIZER, seq_len=64)
     save_initial_checkpoint(start, 0)
     return str(path), str(root / "run")
@@ -86,29 +93,43 @@ def test_the_whole_extension_and_its_report(extension, capsys):
     path, workdir = extension
     code = main(["--config", path])
     out = capsys.readouterr().out
-    assert code in (0, 1), out   # the verdicts decide between them; nothing failed
+    assert code in (0, 1), out  # the verdicts decide between them; nothing failed
     report = json.load(open(os.path.join(workdir, "extension", "extension.json")))
     assert [p["status"] for p in report["parts"]] == ["done"] * len(report["parts"])
     assert [p["key"] for p in report["parts"]][:3] == [
-        "perplexity-before-256", "train", "perplexity-after-256"]
+        "perplexity-before-256",
+        "train",
+        "perplexity-after-256",
+    ]
     assert {p["task"] for p in report["parts"]} == {"perplexity", "train", "passkey"}
     assert report["heldout"]["counts"] == {"32": 6, "64": 6, "128": 6, "256": 6}
     targets = [v["target"] for v in report["verdicts"]]
-    assert targets == ["loss over positions 128-256 vs 32-64", "passkey at 256, every depth",
-                       "loss at 32 kept", "loss at 256 below YaRN's"]
+    assert targets == [
+        "loss over positions 128-256 vs 32-64",
+        "passkey at 256, every depth",
+        "loss at 32 kept",
+        "loss at 256 below YaRN's",
+    ]
     assert all(v["met"] in (True, False) for v in report["verdicts"])
     assert code == (0 if all(v["met"] for v in report["verdicts"]) else 1)
     # before, YaRN and after measured at the final length on the same documents
     for model in ("before", "yarn", "after"):
         assert report["results"][model]["256"] is not None
     md = open(os.path.join(workdir, "extension", "extension.md")).read()
-    for heading in ("## Targets", "## Parts, in the order they run", "## Held-out documents",
-                    "## Loss by position", "## Passkey by depth", "## Stages"):
+    for heading in (
+        "## Targets",
+        "## Parts, in the order they run",
+        "## Held-out documents",
+        "## Loss by position",
+        "## Passkey by depth",
+        "## Stages",
+    ):
         assert heading in md
     assert os.path.getsize(os.path.join(workdir, "extension", "extension.png")) > 1000
     # each part's own report, as python -m lclm.eval writes it
-    assert os.path.isfile(os.path.join(workdir, "extension", "parts", "passkey-after-256",
-                                       "passkey.json"))
+    assert os.path.isfile(
+        os.path.join(workdir, "extension", "parts", "passkey-after-256", "passkey.json")
+    )
     # a re-run finds every part done: nothing trains or evaluates again
     assert main(["--config", path]) == code
     again = capsys.readouterr().out
@@ -117,8 +138,9 @@ def test_the_whole_extension_and_its_report(extension, capsys):
 
 def test_too_few_documents_is_one_line_before_anything_runs(extension, tmp_path, capsys):
     path, _ = extension
-    code = main(["--config", path, f"--config.workdir={tmp_path}/w",
-                 "--config.extension.documents=7"])
+    code = main(
+        ["--config", path, f"--config.workdir={tmp_path}/w", "--config.extension.documents=7"]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert "needs extension.documents=7" in err and "holds 6" in err
@@ -127,11 +149,20 @@ def test_too_few_documents_is_one_line_before_anything_runs(extension, tmp_path,
 
 def test_a_budget_without_the_main_question_is_refused(extension, tmp_path, capsys):
     path, _ = extension
-    code = main(["--config", path, f"--config.workdir={tmp_path}/w", "--budget-minutes",
-                 "0.05", "--config.extension.compile_seconds=30"])
+    code = main(
+        [
+            "--config",
+            path,
+            f"--config.workdir={tmp_path}/w",
+            "--budget-minutes",
+            "0.05",
+            "--config.extension.compile_seconds=30",
+        ]
+    )
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err.startswith("error: --budget-minutes 0.05 does not hold the main "
-                                        "question")
+    assert code == 2 and err.startswith(
+        "error: --budget-minutes 0.05 does not hold the main question"
+    )
 
 
 def test_a_run_from_scratch_is_refused(extension, capsys):
@@ -150,31 +181,45 @@ def test_check_counts_the_held_out_documents(extension, capsys):
 
 # -- the verdicts' arithmetic ---------------------------------------------------------------
 
+
 def _perplexity(length: int, losses: list[float]) -> dict:
     width = length // len(losses)
-    buckets = [dict(lo=i * width, hi=(i + 1) * width, tokens=width * 2, loss=x)
-               for i, x in enumerate(losses)]
-    return dict(lengths=[dict(length=length, documents=2, loss=sum(losses) / len(losses),
-                              buckets=buckets)], complete=True)
+    buckets = [
+        dict(lo=i * width, hi=(i + 1) * width, tokens=width * 2, loss=x)
+        for i, x in enumerate(losses)
+    ]
+    return dict(
+        lengths=[dict(length=length, documents=2, loss=sum(losses) / len(losses), buckets=buckets)],
+        complete=True,
+    )
 
 
 LENGTHS = Lengths(trained=8, final=32, perplexity=(8, 32), short=8, near=(4, 8), far=(16, 32))
-PARTS = [Part("b32", "perplexity", BEFORE, (32,)), Part("a32", "perplexity", AFTER, (32,)),
-         Part("b8", "perplexity", BEFORE, (8,)), Part("a8", "perplexity", AFTER, (8,)),
-         Part("y32", "perplexity", YARN, (32,)), Part("pk", "passkey", AFTER, (32,))]
+PARTS = [
+    Part("b32", "perplexity", BEFORE, (32,)),
+    Part("a32", "perplexity", AFTER, (32,)),
+    Part("b8", "perplexity", BEFORE, (8,)),
+    Part("a8", "perplexity", AFTER, (8,)),
+    Part("y32", "perplexity", YARN, (32,)),
+    Part("pk", "passkey", AFTER, (32,)),
+]
 
 
 def test_verdicts_read_the_ranges_and_cells():
-    reports = {"a32": _perplexity(32, [3.0, 2.0, 2.0, 2.0, 1.8, 1.8, 1.9, 1.9]),
-               "b8": _perplexity(8, [2.0, 2.0]), "a8": _perplexity(8, [2.0, 2.1]),
-               "y32": _perplexity(32, [3.0] * 8),
-               "pk": dict(cells=[dict(length=32, depth_bin=b, accuracy=a)
-                                 for b, a in enumerate([1.0, 0.8])])}
+    reports = {
+        "a32": _perplexity(32, [3.0, 2.0, 2.0, 2.0, 1.8, 1.8, 1.9, 1.9]),
+        "b8": _perplexity(8, [2.0, 2.0]),
+        "a8": _perplexity(8, [2.0, 2.1]),
+        "y32": _perplexity(32, [3.0] * 8),
+        "pk": dict(
+            cells=[dict(length=32, depth_bin=b, accuracy=a) for b, a in enumerate([1.0, 0.8])]
+        ),
+    }
     verdicts = {v.name: v for v in judge(Targets(), LENGTHS, Measured(PARTS, reports))}
     far_near = verdicts["loss over positions 16-32 vs 4-8"]
-    assert far_near.met and "1.850" in far_near.line   # (1.8+1.8+1.9+1.9)/4 over 2.0
-    assert not verdicts["passkey at 32, every depth"].met   # 0.8 in one bin
-    assert not verdicts["loss at 8 kept"].met   # 2.0 -> 2.05: +2.5%, over the 2% allowed
+    assert far_near.met and "1.850" in far_near.line  # (1.8+1.8+1.9+1.9)/4 over 2.0
+    assert not verdicts["passkey at 32, every depth"].met  # 0.8 in one bin
+    assert not verdicts["loss at 8 kept"].met  # 2.0 -> 2.05: +2.5%, over the 2% allowed
     assert verdicts["loss at 32 below YaRN's"].met
 
 
@@ -195,27 +240,35 @@ def test_the_programs_plan_compiles_are_those_the_parts_run(extension):
     lengths = extension_lengths(stages[0], stages, starting_length(stages[0]))
     programs = eval_programs(stages, lengths, parts(stages[0], stages, lengths))
     assert sorted((p.what, p.kind, p.row) for p in programs) == sorted(
-        [(f"perplexity {m} at {n}", "forward", n) for m in ("before", "after")
-         for n in (32, 64, 128, 256)]
-        + [("perplexity yarn at 256", "forward", 256),
-           ("perplexity stage 0 at 128", "forward", 128),
-           ("passkey after at 256", "decode", 256), ("passkey before at 256", "decode", 256)])
+        [
+            (f"perplexity {m} at {n}", "forward", n)
+            for m in ("before", "after")
+            for n in (32, 64, 128, 256)
+        ]
+        + [
+            ("perplexity yarn at 256", "forward", 256),
+            ("perplexity stage 0 at 128", "forward", 128),
+            ("passkey after at 256", "decode", 256),
+            ("passkey before at 256", "decode", 256),
+        ]
+    )
     stage0 = next(p for p in programs if p.what.startswith("perplexity stage 0"))
     assert stage0.model.rope_theta == 10000.0 and lengths.trained == 64
 
 
 @pytest.mark.slow
-def test_a_preemption_during_the_training_stops_the_run_and_the_next_run_goes_on(extension,
-                                                                                  tmp_path):
+def test_a_preemption_during_the_training_stops_the_run_and_the_next_run_goes_on(
+    extension, tmp_path
+):
     """SIGTERM while the second stage starts: the stage saves and stops, the run writes its
     report (the training stopped, nothing after it run) and exits 3; the same command then
     resumes the training and measures the rest."""
     path, _ = extension
     workdir = tmp_path / "run"
-    argv = [sys.executable, "-m", "lclm.extend", "--config", path,
-            f"--config.workdir={workdir}"]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    argv = [sys.executable, "-m", "lclm.extend", "--config", path, f"--config.workdir={workdir}"]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
@@ -228,8 +281,9 @@ def test_a_preemption_during_the_training_stops_the_run_and_the_next_run_goes_on
     assert status["perplexity-before-256"] == "done"
     assert status["train"].startswith("stopped")
     assert {s for k, s in status.items() if k not in ("perplexity-before-256", "train")} == {
-        "not run: the training stopped"}
-    assert [v["met"] for v in report["verdicts"]] == [None] * 4   # nothing after: measured
+        "not run: the training stopped"
+    }
+    assert [v["met"] for v in report["verdicts"]] == [None] * 4  # nothing after: measured
     again = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert again.returncode in (0, 1), again.stdout[-3000:] + again.stderr[-3000:]
     report = json.load(open(workdir / "extension" / "extension.json"))

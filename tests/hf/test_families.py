@@ -30,13 +30,24 @@ pytestmark = pytest.mark.slow  # builds torch models: left out by -m 'not slow'
 torch, transformers = torch_and_transformers()
 
 VOCAB = 101
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-             max_position_embeddings=128, rope_theta=10000.0)
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=128,
+    rope_theta=10000.0,
+)
 # what a family's tiny model varies from SHAPE (where transformers' config takes it); a
 # family not named here is built with SHAPE alone
-VARIED = {"qwen2": dict(tie_word_embeddings=True), "qwen3": dict(head_dim=24),
-          "mistral": dict(head_dim=24)}
+VARIED = {
+    "qwen2": dict(tie_word_embeddings=True),
+    "qwen3": dict(head_dim=24),
+    "mistral": dict(head_dim=24),
+}
 # the family without layer options that the others are read as (`_without`)
 PLAIN = next(n for n, f in FAMILIES.items() if not (f.qkv_bias or f.qk_norm))
 
@@ -45,17 +56,19 @@ def _hf_model(family, **shape):
     """A random transformers model of `family` (its registered model_type and architecture,
     and the fields its export writes so that transformers builds lclm's layer)."""
     f = FAMILIES[family]
-    cfg = transformers.AutoConfig.for_model(f.model_type, **shape, **f.hf_fields,
-                                            **VARIED.get(family, {}))
+    cfg = transformers.AutoConfig.for_model(
+        f.model_type, **shape, **f.hf_fields, **VARIED.get(family, {})
+    )
     return getattr(transformers, f.architecture)(cfg)
 
 
 def _reads(family) -> dict:
     """What lclm reads of `family`'s tiny model."""
     varied = VARIED.get(family, {})
-    return dict(tie_embeddings=varied.get("tie_word_embeddings", False),
-                head_dim=varied.get("head_dim", SHAPE["hidden_size"]
-                                    // SHAPE["num_attention_heads"]))
+    return dict(
+        tie_embeddings=varied.get("tie_word_embeddings", False),
+        head_dim=varied.get("head_dim", SHAPE["hidden_size"] // SHAPE["num_attention_heads"]),
+    )
 
 
 def test_every_varied_family_is_registered():
@@ -95,7 +108,8 @@ def _without(c, family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_family_loads_to_transformers_logits_and_exports_what_transformers_reads(
-        tmp_path, family):
+    tmp_path, family
+):
     model = _tiny(tmp_path / "src", family)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40))
     want = _logits(model, tokens)
@@ -107,17 +121,20 @@ def test_a_family_loads_to_transformers_logits_and_exports_what_transformers_rea
     error = _relative_error(got, want)
     print(f"{family}: max relative logit error vs transformers {error:.2e}")
     assert error < 1e-5
-    if FAMILIES[family].qkv_bias or FAMILIES[family].qk_norm:   # not vacuous: the layer's
+    if FAMILIES[family].qkv_bias or FAMILIES[family].qk_norm:  # not vacuous: the layer's
         # options change the logits
         plain = _without(c, PLAIN)
-        options = {k: v for k, v in params["layers"].items()
-                   if k not in ("bq", "bk", "bv", "q_norm", "k_norm")}
+        options = {
+            k: v
+            for k, v in params["layers"].items()
+            if k not in ("bq", "bk", "bv", "q_norm", "k_norm")
+        }
         assert len(options) < len(params["layers"])
         plain_logits = np.asarray(forward(plain, {**params, "layers": options}, tokens))
         assert _relative_error(plain_logits, want) > 1e-2
 
     out = str(tmp_path / "export")
-    hf.save(out, c, params, max_shard_bytes=40_000)   # sharded, with an index
+    hf.save(out, c, params, max_shard_bytes=40_000)  # sharded, with an index
     with open(os.path.join(out, "config.json")) as f:
         written = json.load(f)
     assert written["model_type"] == family
@@ -128,8 +145,7 @@ def test_a_family_loads_to_transformers_logits_and_exports_what_transformers_rea
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_family_equals_transformers_under_every_strategy_on_four_sp_devices(tmp_path,
-                                                                              family):
+def test_a_family_equals_transformers_under_every_strategy_on_four_sp_devices(tmp_path, family):
     model = _tiny(tmp_path / "src", family)
     t = 32
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, t))
@@ -138,15 +154,21 @@ def test_a_family_equals_transformers_under_every_strategy_on_four_sp_devices(tm
     mesh = make_mesh(sp=4, fsdp=2)
     sharded = shard_params(c, params, mesh)
     for strategy in STRATEGIES:
-        attention = AttentionConfig(strategy=strategy, q_chunk=4, kv_chunk=4,
-                                    ulysses=2 if strategy == "usp" else 1)
+        attention = AttentionConfig(
+            strategy=strategy, q_chunk=4, kv_chunk=4, ulysses=2 if strategy == "usp" else 1
+        )
         n = layout_shards(attention, 4)
-        positions = to_layout(np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape),
-                              attention.layout, n)
-        run = jax.jit(lambda p, tok, pos, a=attention: forward(c, p, tok, pos, mesh=mesh,
-                                                                attention=a))
-        got = from_layout(np.asarray(run(sharded, to_layout(tokens, attention.layout, n),
-                                         positions)), attention.layout, n)
+        positions = to_layout(
+            np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape), attention.layout, n
+        )
+        run = jax.jit(
+            lambda p, tok, pos, a=attention: forward(c, p, tok, pos, mesh=mesh, attention=a)
+        )
+        got = from_layout(
+            np.asarray(run(sharded, to_layout(tokens, attention.layout, n), positions)),
+            attention.layout,
+            n,
+        )
         error = _relative_error(got, want)
         print(f"{family} under {strategy}: max relative logit error {error:.2e}")
         assert error < 1e-5, strategy
@@ -160,16 +182,19 @@ def _edit_config(path, **fields):
         json.dump(cfg, f)
 
 
-@pytest.mark.parametrize("family,fields,names", [
-    # Mistral-7B v0.1's window, and transformers' default where the field is absent
-    ("mistral", dict(sliding_window=4096), ["sliding_window", "4096"]),
-    ("mistral", dict(sliding_window="absent"), ["sliding_window", "4096"]),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=64), ["use_sliding_window"]),
-    ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), ["layer_types"]),
-    ("qwen3", dict(attention_bias=True), ["attention_bias", "qwen3"]),
-    ("qwen2", dict(architectures=["LlamaForCausalLM"]), ["architectures", "Qwen2ForCausalLM"]),
-    ("qwen2", dict(model_type="qwen2_moe"), ["model_type", "qwen2_moe", "'qwen3'"]),
-])
+@pytest.mark.parametrize(
+    "family,fields,names",
+    [
+        # Mistral-7B v0.1's window, and transformers' default where the field is absent
+        ("mistral", dict(sliding_window=4096), ["sliding_window", "4096"]),
+        ("mistral", dict(sliding_window="absent"), ["sliding_window", "4096"]),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=64), ["use_sliding_window"]),
+        ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), ["layer_types"]),
+        ("qwen3", dict(attention_bias=True), ["attention_bias", "qwen3"]),
+        ("qwen2", dict(architectures=["LlamaForCausalLM"]), ["architectures", "Qwen2ForCausalLM"]),
+        ("qwen2", dict(model_type="qwen2_moe"), ["model_type", "qwen2_moe", "'qwen3'"]),
+    ],
+)
 def test_what_a_family_lacks_is_refused_in_one_line(tmp_path, family, fields, names):
     _tiny(tmp_path / "src", family)
     if fields.get("sliding_window") == "absent":
@@ -186,13 +211,21 @@ def test_what_a_family_lacks_is_refused_in_one_line(tmp_path, family, fields, na
     assert "\n" not in message and all(n in message for n in names), message
 
 
-@pytest.mark.parametrize("family,strategy", [
-    # each registered family but PLAIN (the demo's own) under a strategy other than the
-    # ring in turn
-    (f, s) for f, s in zip([f for f in FAMILIES if f != PLAIN],
-                           itertools.cycle(s for s in STRATEGIES if s != "ring"))])
+@pytest.mark.parametrize(
+    "family,strategy",
+    [
+        # each registered family but PLAIN (the demo's own) under a strategy other than the
+        # ring in turn
+        (f, s)
+        for f, s in zip(
+            [f for f in FAMILIES if f != PLAIN],
+            itertools.cycle(s for s in STRATEGIES if s != "ring"),
+        )
+    ],
+)
 def test_a_family_trains_from_its_hf_weights_and_exports_what_transformers_reads(
-        tmp_path, family, strategy):
+    tmp_path, family, strategy
+):
     """configs/demo.py started from a tiny HuggingFace model of `family`
     (`model.init_from_hf`): the first step's loss is the loaded model's, two steps train under
     `strategy` on sp=4, and the trained checkpoint exported by `lclm.convert` loads in
@@ -209,18 +242,20 @@ def test_a_family_trains_from_its_hf_weights_and_exports_what_transformers_reads
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = load_config(os.path.join(root, "configs", "demo.py"))
     config.workdir = str(tmp_path / "run")
-    config.model.update(init_from_hf=str(tmp_path / "hf"), dtype="float32", ffn_chunk=32,
-                        loss_chunk=32)
+    config.model.update(
+        init_from_hf=str(tmp_path / "hf"), dtype="float32", ffn_chunk=32, loss_chunk=32
+    )
     config.mesh.update(dp=1, fsdp=2, tp=1, sp=4)
     config.data.update(seq_len=64, batch_size=4)
-    config.attention.update(q_chunk=8, kv_chunk=8, strategy=strategy,
-                            ulysses=2 if strategy == "usp" else 1)
+    config.attention.update(
+        q_chunk=8, kv_chunk=8, strategy=strategy, ulysses=2 if strategy == "usp" else 1
+    )
     config.train.update(steps=2, warmup=1, lr=1e-2)
     config.checkpoint.update(every=2)
     config.log.progress = False
     config.validation.path = ""
     records = train(config)
-    assert config.model.family == family   # from config.json's model_type
+    assert config.model.family == family  # from config.json's model_type
 
     c, params = hf.load(str(tmp_path / "hf"), rope_theta=config.model.rope_theta)
     mesh = make_mesh(fsdp=2, sp=4)
@@ -228,8 +263,9 @@ def test_a_family_trains_from_its_hf_weights_and_exports_what_transformers_reads
     batch = next(loader)
     loader.close()
     attention = AttentionConfig.from_config(config.attention)
-    total, count = jax.jit(lambda p: loss_terms(c, p, batch, mesh=mesh,
-                                                attention=attention))(params)
+    total, count = jax.jit(lambda p: loss_terms(c, p, batch, mesh=mesh, attention=attention))(
+        params
+    )
     assert records[0]["loss"] == pytest.approx(float(total / count), rel=1e-5)
     assert np.isfinite(records[-1]["loss"]) and records[-1]["loss"] != records[0]["loss"]
 
@@ -237,8 +273,9 @@ def test_a_family_trains_from_its_hf_weights_and_exports_what_transformers_reads
     assert main(["--from-checkpoint", config.workdir, "--to-hf", out]) == 0
     c2, trained = hf.load(out)
     assert c2.family == family
-    assert not np.array_equal(np.asarray(trained["layers"]["wq"]),
-                              np.asarray(params["layers"]["wq"]))
+    assert not np.array_equal(
+        np.asarray(trained["layers"]["wq"]), np.asarray(params["layers"]["wq"])
+    )
     tokens = np.random.default_rng(3).integers(0, 512, (2, 24))
     want = _logits(transformers.AutoModelForCausalLM.from_pretrained(out).eval(), tokens)
     got = np.asarray(forward(c2, trained, tokens))

@@ -20,14 +20,25 @@ torch, transformers = torch_and_transformers()
 ORIGINAL = 32  # original_max_position_embeddings of the tiny models; sequences run past it
 SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": ORIGINAL,
+    },
     # Qwen's long-context form (transformers' defaults for the rest: beta 32 / 1, the
     # attention factor from the factor, truncated ramp ends), and one setting every field
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
-    "yarn, every field": {"rope_type": "yarn", "factor": 3.0, "beta_fast": 16.0,
-                          "beta_slow": 2.0, "attention_factor": 1.3, "truncate": False,
-                          "original_max_position_embeddings": ORIGINAL},
+    "yarn, every field": {
+        "rope_type": "yarn",
+        "factor": 3.0,
+        "beta_fast": 16.0,
+        "beta_slow": 2.0,
+        "attention_factor": 1.3,
+        "truncate": False,
+        "original_max_position_embeddings": ORIGINAL,
+    },
 }
 
 
@@ -35,9 +46,18 @@ def _tiny_hf(path, scaling, vocab=101, theta=10000.0, **extra):
     """A random tiny LLaMA with RoPE `scaling`, saved by transformers itself (whichever
     config.json layout the installed version writes)."""
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-        max_position_embeddings=48, rope_theta=theta, rope_scaling=dict(scaling), **extra)
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=48,
+        rope_theta=theta,
+        rope_scaling=dict(scaling),
+        **extra,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
     with torch.no_grad():  # non-trivial norms so a swapped norm would show
@@ -87,24 +107,39 @@ def test_scaled_rope_logits_match_transformers_past_the_original_length(tmp_path
     c, params = hf.load(str(tmp_path / "src"))
     assert (c.rope_scaling, c.rope_factor) == (kind, scaling["factor"])
     if kind == "llama3":
-        assert (c.rope_low_freq_factor, c.rope_high_freq_factor,
-                c.rope_original_max_positions) == (1.0, 4.0, ORIGINAL)
+        assert (c.rope_low_freq_factor, c.rope_high_freq_factor, c.rope_original_max_positions) == (
+            1.0,
+            4.0,
+            ORIGINAL,
+        )
         # every band of llama3 scaling is exercised: kept, blended and slowed frequencies
-        wavelengths = 2 * np.pi / rope_frequencies(ModelConfig(**{**vars(c),
-                                                                  "rope_scaling": "none"}))
+        wavelengths = (
+            2 * np.pi / rope_frequencies(ModelConfig(**{**vars(c), "rope_scaling": "none"}))
+        )
         assert wavelengths.min() < ORIGINAL / 4 and wavelengths.max() > ORIGINAL
         assert np.any((wavelengths > ORIGINAL / 4) & (wavelengths < ORIGINAL))
-    if kind == "yarn":   # the defaults transformers assumes, or the fields set
-        assert (c.rope_original_max_positions, c.rope_beta_fast, c.rope_beta_slow,
-                c.rope_attention_factor, c.rope_truncate) == (
-            ORIGINAL, scaling.get("beta_fast", 32.0), scaling.get("beta_slow", 1.0),
-            scaling.get("attention_factor", 0.0), scaling.get("truncate", True))
+    if kind == "yarn":  # the defaults transformers assumes, or the fields set
+        assert (
+            c.rope_original_max_positions,
+            c.rope_beta_fast,
+            c.rope_beta_slow,
+            c.rope_attention_factor,
+            c.rope_truncate,
+        ) == (
+            ORIGINAL,
+            scaling.get("beta_fast", 32.0),
+            scaling.get("beta_slow", 1.0),
+            scaling.get("attention_factor", 0.0),
+            scaling.get("truncate", True),
+        )
 
     got = np.asarray(jax.jit(lambda p, t: forward(c, p, t))(params, tokens))
     error = _relative_error(got, want)
     plain = ModelConfig(**{**vars(c), "rope_scaling": "none"})
-    print(f"{name}: max relative logit error vs transformers {error:.2e} (unscaled RoPE: "
-          f"{_relative_error(np.asarray(forward(plain, params, tokens)), want):.2e})")
+    print(
+        f"{name}: max relative logit error vs transformers {error:.2e} (unscaled RoPE: "
+        f"{_relative_error(np.asarray(forward(plain, params, tokens)), want):.2e})"
+    )
     assert error < 1e-4
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     # not vacuous: without the scaling the logits are far off
@@ -135,8 +170,11 @@ def test_a_head_dim_apart_from_hidden_over_heads_matches_transformers(tmp_path):
     hf.save(out, c, params)
     assert hf.load(out)[0] == c
     with torch.no_grad():
-        again = transformers.LlamaForCausalLM.from_pretrained(out).eval()(
-            torch.tensor(tokens)).logits.numpy()
+        again = (
+            transformers.LlamaForCausalLM.from_pretrained(out)
+            .eval()(torch.tensor(tokens))
+            .logits.numpy()
+        )
     assert _relative_error(again, want) < 1e-6
 
 
@@ -144,8 +182,9 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
     from lclm.config import base_config
     from lclm.training.first_weights import apply_hf_shapes
 
-    _tiny_hf(tmp_path / "src", SCALINGS["llama3"], theta=500000.0, bos_token_id=7,
-             eos_token_id=[8, 9])
+    _tiny_hf(
+        tmp_path / "src", SCALINGS["llama3"], theta=500000.0, bos_token_id=7, eos_token_id=[8, 9]
+    )
     c = hf.read_config(str(tmp_path / "src"))
     assert (c.bos_id, c.eos_ids, c.max_position_embeddings) == (7, (8, 9), 48)
 
@@ -155,13 +194,15 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
     apply_hf_shapes(config)
     m = ModelConfig.from_config(config.model)
     assert (m.bos_id, m.eos_ids, m.max_position_embeddings) == (7, (8, 9), 48)
-    assert (m.rope_scaling, m.rope_factor, m.rope_original_max_positions) == ("llama3", 8.0,
-                                                                             ORIGINAL)
+    assert (m.rope_scaling, m.rope_factor, m.rope_original_max_positions) == (
+        "llama3",
+        8.0,
+        ORIGINAL,
+    )
     assert m.rope_theta == 1e6  # the run's theta applies over the source's
 
     config = base_config()
-    config.model.update(init_from_hf=str(tmp_path / "src"), rope_scaling="linear",
-                        rope_factor=2.0)
+    config.model.update(init_from_hf=str(tmp_path / "src"), rope_scaling="linear", rope_factor=2.0)
     apply_hf_shapes(config)  # a scaling the run names is the run's
     m = ModelConfig.from_config(config.model)
     assert (m.rope_scaling, m.rope_factor, m.bos_id) == ("linear", 2.0, 7)
@@ -169,19 +210,22 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
     assert ModelConfig.from_config(base_config().model).rope_scaling == "none"
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("rope_scaling", "longrope", "model.rope_scaling='longrope'"),
-    ("rope_beta_fast", 0.0, "model.rope_beta_fast=0.0"),
-    ("rope_attention_factor", -1.0, "model.rope_attention_factor=-1.0"),
-    ("rope_factor", 0.0, "model.rope_factor=0.0"),
-    ("rope_factor", float("nan"), "model.rope_factor=nan"),
-    ("rope_theta", -1.0, "model.rope_theta=-1.0"),
-    ("rope_high_freq_factor", 0.5, "model.rope_high_freq_factor=0.5"),
-    ("rope_original_max_positions", 0, "model.rope_original_max_positions=0"),
-    ("max_position_embeddings", 0, "model.max_position_embeddings=0"),
-    ("bos_id", 512, "model.bos_id=512"),
-    ("eos_ids", (2, 600), "model.eos_ids=(2, 600)"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("rope_scaling", "longrope", "model.rope_scaling='longrope'"),
+        ("rope_beta_fast", 0.0, "model.rope_beta_fast=0.0"),
+        ("rope_attention_factor", -1.0, "model.rope_attention_factor=-1.0"),
+        ("rope_factor", 0.0, "model.rope_factor=0.0"),
+        ("rope_factor", float("nan"), "model.rope_factor=nan"),
+        ("rope_theta", -1.0, "model.rope_theta=-1.0"),
+        ("rope_high_freq_factor", 0.5, "model.rope_high_freq_factor=0.5"),
+        ("rope_original_max_positions", 0, "model.rope_original_max_positions=0"),
+        ("max_position_embeddings", 0, "model.max_position_embeddings=0"),
+        ("bos_id", 512, "model.bos_id=512"),
+        ("eos_ids", (2, 600), "model.eos_ids=(2, 600)"),
+    ],
+)
 def test_bad_rope_and_token_fields_stop_the_run_in_one_line(tmp_path, field, value, message):
     from lclm.config import base_config
     from lclm.errors import ConfigError
@@ -207,6 +251,7 @@ def test_training_from_hf_then_export_states_what_was_trained(tmp_path, capsys, 
 
     scaling = SCALINGS["llama3"]
     _tiny_hf(tmp_path / "src", scaling, vocab=512, bos_token_id=1, eos_token_id=[2, 3])
+
     def run_config(workdir, steps, **init):
         c = load_config(DEMO_CONFIG)
         c.workdir = str(workdir)
@@ -241,8 +286,14 @@ def test_training_from_hf_then_export_states_what_was_trained(tmp_path, capsys, 
     finally:
         os.umask(old_umask)
     printed = capsys.readouterr().out
-    for name in ("config.json", "model.safetensors", "tokenizer.model", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.model",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ):
         assert name in printed, printed
         assert os.stat(export / name).st_mode & 0o777 == 0o644, name
     assert os.stat(export).st_mode & 0o777 == 0o755
@@ -258,8 +309,11 @@ def test_training_from_hf_then_export_states_what_was_trained(tmp_path, capsys, 
     hf_config = transformers.AutoConfig.from_pretrained(str(export))
     rope = getattr(hf_config, "rope_parameters", None) or hf_config.rope_scaling
     assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
-    assert (hf_config.bos_token_id, hf_config.eos_token_id,
-            hf_config.max_position_embeddings) == (1, [2, 3], 64)
+    assert (hf_config.bos_token_id, hf_config.eos_token_id, hf_config.max_position_embeddings) == (
+        1,
+        [2, 3],
+        64,
+    )
 
     # transformers' logits of the export are lclm's of the trained parameters
     workdir = str(tmp_path / "run" / "stage0_64")
@@ -267,8 +321,11 @@ def test_training_from_hf_then_export_states_what_was_trained(tmp_path, capsys, 
     c = ModelConfig(**{k: v for k, v in saved["model"].items() if k in vars(ModelConfig())})
     assert (c.rope_theta, c.rope_scaling) == (20000.0, "llama3")
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, np.float32, sharding=device),
-                            param_shapes(c), is_leaf=lambda x: isinstance(x, tuple))
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, np.float32, sharding=device),
+        param_shapes(c),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
     params = read_params(workdir, step, abstract)
     tokens = np.random.default_rng(1).integers(0, 512, (2, 64))
     model = transformers.LlamaForCausalLM.from_pretrained(str(export)).eval()
@@ -301,15 +358,34 @@ def test_the_eval_decoder_applies_the_scaling(tmp_path):
     from lclm.eval.decode import greedy_generate
     from lclm.models.decoder import init_params
 
-    model = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                        dtype="float32", init_std=0.5, remat="none", ffn_chunk=8, loss_chunk=8,
-                        rope_scaling="llama3", rope_factor=8.0, rope_original_max_positions=16)
+    model = ModelConfig(
+        vocab_size=64,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=64,
+        dtype="float32",
+        init_std=0.5,
+        remat="none",
+        ffn_chunk=8,
+        loss_chunk=8,
+        rope_scaling="llama3",
+        rope_factor=8.0,
+        rope_original_max_positions=16,
+    )
     params = init_params(model, jax.random.key(0))
     prompt = np.random.default_rng(0).integers(3, 64, (1, 40)).astype(np.int32)
     positions = np.arange(40, dtype=np.int32)[None]
-    out = greedy_generate(model, AttentionConfig(q_chunk=8, kv_chunk=8), params,
-                          jnp.asarray(prompt), jnp.asarray(positions),
-                          jnp.ones_like(jnp.asarray(prompt)), 4)
+    out = greedy_generate(
+        model,
+        AttentionConfig(q_chunk=8, kv_chunk=8),
+        params,
+        jnp.asarray(prompt),
+        jnp.asarray(positions),
+        jnp.ones_like(jnp.asarray(prompt)),
+        4,
+    )
 
     def recompute(c):
         seq = list(prompt[0])

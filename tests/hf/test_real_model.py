@@ -64,8 +64,9 @@ def theirs(gguf_dir):
     torch, transformers = torch_and_transformers()
     folder, name = gguf_dir
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                              dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    ).eval()
     return model, tokenizer
 
 
@@ -97,8 +98,9 @@ def test_the_converted_weights_are_transformers_dequantized_ones(model_dir, thei
     converted = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     assert type(converted) is type(model) and converted.config.tie_word_embeddings
     for name, tensor in converted.state_dict().items():
-        np.testing.assert_array_equal(tensor.numpy(), want.get(name, want[
-            "model.embed_tokens.weight"]), err_msg=name)
+        np.testing.assert_array_equal(
+            tensor.numpy(), want.get(name, want["model.embed_tokens.weight"]), err_msg=name
+        )
 
 
 @pytest.mark.slow
@@ -112,26 +114,38 @@ def test_logits_equal_transformers_on_one_device_and_under_every_strategy(ours, 
         want = model(torch.tensor(tokens)).logits.numpy()
     got = np.asarray(jax.jit(lambda p, t: forward(c, p, t))(params, tokens))
     error = _relative_error(got, want)
-    print(f"one device: max |logit difference| {np.max(np.abs(got - want)):.2e}, relative "
-          f"{error:.2e} (max |logit| {np.max(np.abs(want)):.1f})")
+    print(
+        f"one device: max |logit difference| {np.max(np.abs(got - want)):.2e}, relative "
+        f"{error:.2e} (max |logit| {np.max(np.abs(want)):.1f})"
+    )
     assert error < TOLERANCE
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.99
     for strategy in STRATEGIES:
         # Ulysses splits the 3 KV heads over sp: sp=3 (usp: 3 x a ring of 2)
         sp = 6 if strategy == "usp" else 3
-        attention = AttentionConfig(strategy=strategy, q_chunk=21, kv_chunk=21,
-                                    ulysses=3 if strategy == "usp" else 1)
+        attention = AttentionConfig(
+            strategy=strategy, q_chunk=21, kv_chunk=21, ulysses=3 if strategy == "usp" else 1
+        )
         mesh = make_mesh(sp=sp)
         n = layout_shards(attention, sp)
         positions = to_layout(np.arange(LENGTH, dtype=np.int32)[None], attention.layout, n)
-        run = jax.jit(lambda p, t, pos, a=attention, m=mesh: forward(c, p, t, pos, mesh=m,
-                                                                      attention=a))
-        got = from_layout(np.asarray(run(shard_params(c, params, mesh),
-                                         to_layout(tokens, attention.layout, n), positions)),
-                          attention.layout, n)
+        run = jax.jit(
+            lambda p, t, pos, a=attention, m=mesh: forward(c, p, t, pos, mesh=m, attention=a)
+        )
+        got = from_layout(
+            np.asarray(
+                run(
+                    shard_params(c, params, mesh), to_layout(tokens, attention.layout, n), positions
+                )
+            ),
+            attention.layout,
+            n,
+        )
         error = _relative_error(got, want)
-        print(f"{strategy} on sp={sp}: max |logit difference| "
-              f"{np.max(np.abs(got - want)):.2e}, relative {error:.2e}")
+        print(
+            f"{strategy} on sp={sp}: max |logit difference| "
+            f"{np.max(np.abs(got - want)):.2e}, relative {error:.2e}"
+        )
         assert error < TOLERANCE, strategy
 
 
@@ -155,8 +169,12 @@ def digits_cut_apart(tokenizer, text: str) -> list[int]:
     """transformers' GGUF tokenizer's ids of `text` cut before and after every digit, as
     SmolLM2's own tokenizer.json (Digits, then the byte-level split) and llama.cpp's
     'smollm' pre-tokenizer cut it."""
-    return [i for piece in re.split(r"(\d)", text) if piece
-            for i in tokenizer.encode(piece, add_special_tokens=False)]
+    return [
+        i
+        for piece in re.split(r"(\d)", text)
+        if piece
+        for i in tokenizer.encode(piece, add_special_tokens=False)
+    ]
 
 
 @pytest.mark.slow
@@ -178,8 +196,11 @@ def test_the_tokenizer_is_transformers_gguf_tokenizer_with_digits_cut_apart(mode
             assert tokenizer.encode(text) == ids, text
         # lclm decodes text: without the special tokens
         assert ours.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True), text
-    assert (ours.bos_id, ours.eos_id, ours.add_bos) == (tokenizer.bos_token_id,
-                                                        tokenizer.eos_token_id, False)
+    assert (ours.bos_id, ours.eos_id, ours.add_bos) == (
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        False,
+    )
     assert ours.vocab_size == len(tokenizer) == 49152
 
 
@@ -200,15 +221,14 @@ def test_transformers_gguf_tokenizer_differs_where_spaces_come_before_a_digit(mo
 def test_the_chat_template_renders_as_transformers(model_dir, theirs):
     _, tokenizer = theirs
     ours = Tokenizer(model_dir)
-    turns = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello!"),
-             ("user", QUESTION)]
-    for conversation in (turns, turns[1:]):   # the template adds a system turn where none
+    turns = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello!"), ("user", QUESTION)]
+    for conversation in (turns, turns[1:]):  # the template adds a system turn where none
         messages = [{"role": r, "content": t} for r, t in conversation]
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert ours.chat_template.text(conversation, prompt=True) == text
-        want = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                             add_generation_prompt=True)["input_ids"]
+        want = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, add_generation_prompt=True
+        )["input_ids"]
         assert ours.chat_template.render_prompt(conversation, ours).tolist() == list(want)
 
 
@@ -225,10 +245,14 @@ def test_a_greedy_chat_reply_equals_transformers(model_dir, theirs):
     got = continuation(lclm_model, ids, 16).tolist()
     with torch.no_grad():
         # both stop at the same end tokens (lclm's decoding ends a reply there)
-        out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
-                             eos_token_id=list(stop_ids(lclm_model.tokenizer, None)),
-                             pad_token_id=tokenizer.eos_token_id)
-    want = out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=list(stop_ids(lclm_model.tokenizer, None)),
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    want = out[0, len(ids) :].tolist()
     reply = answer_text(lclm_model.tokenizer, got, tokenizer.eos_token_id)
     print(f"reply: {reply!r}")
     assert got == want
@@ -259,9 +283,14 @@ def _tiny_gguf(path, arch="llama", raw_dtype=None):
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
-    for key, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 8),
-                       ("feed_forward_length", 16), ("attention.head_count", 2),
-                       ("attention.head_count_kv", 2)):
+    for key, value in (
+        ("block_count", 1),
+        ("context_length", 64),
+        ("embedding_length", 8),
+        ("feed_forward_length", 16),
+        ("attention.head_count", 2),
+        ("attention.head_count_kv", 2),
+    ):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_tokenizer_model("gpt2")
@@ -271,9 +300,17 @@ def _tiny_gguf(path, arch="llama", raw_dtype=None):
     w.add_eos_token_id(0)
     rng = np.random.default_rng(0)
     shapes = {"token_embd.weight": (6, 8), "output_norm.weight": (8,)}
-    for name, shape in (("attn_norm", (8,)), ("ffn_norm", (8,)), ("attn_q", (8, 8)),
-                        ("attn_k", (8, 8)), ("attn_v", (8, 8)), ("attn_output", (8, 8)),
-                        ("ffn_gate", (16, 8)), ("ffn_up", (16, 8)), ("ffn_down", (8, 16))):
+    for name, shape in (
+        ("attn_norm", (8,)),
+        ("ffn_norm", (8,)),
+        ("attn_q", (8, 8)),
+        ("attn_k", (8, 8)),
+        ("attn_v", (8, 8)),
+        ("attn_output", (8, 8)),
+        ("ffn_gate", (16, 8)),
+        ("ffn_up", (16, 8)),
+        ("ffn_down", (8, 16)),
+    ):
         shapes[f"blk.0.{name}.weight"] = shape
     for name, shape in shapes.items():
         if raw_dtype is not None and len(shape) == 2:
@@ -288,14 +325,15 @@ def _tiny_gguf(path, arch="llama", raw_dtype=None):
 
 
 def _convert(*args):
-    return subprocess.run([sys.executable, "-m", "lclm.convert", *args], capture_output=True,
-                          text=True, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "lclm.convert", *args], capture_output=True, text=True, cwd=ROOT
+    )
 
 
 def test_a_tiny_gguf_converts_and_what_lclm_cannot_convert_is_one_line(tmp_path):
     import gguf
 
-    wheel = tmp_path / "tiny-0.1-py3-none-any.whl"   # as models on PyPI ship
+    wheel = tmp_path / "tiny-0.1-py3-none-any.whl"  # as models on PyPI ship
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
         z.write(_tiny_gguf(tmp_path / "ok.gguf"), "tiny/model.gguf")
     for source in (tmp_path / "ok.gguf", wheel):
@@ -303,18 +341,27 @@ def test_a_tiny_gguf_converts_and_what_lclm_cannot_convert_is_one_line(tmp_path)
         assert made.returncode == 0, made.stderr
         c, params = hf.load(str(tmp_path / source.stem))
         assert (c.n_layers, c.dim, c.n_heads, c.vocab_size, c.tie_embeddings, c.eos_ids) == (
-            1, 8, 2, 6, True, (0,))
+            1,
+            8,
+            2,
+            6,
+            True,
+            (0,),
+        )
         assert Tokenizer(str(tmp_path / source.stem)).encode("abd<|endoftext|>") == [5, 4, 0]
-    np.testing.assert_array_equal(load_file(str(tmp_path / "ok" / "model.safetensors"))[
-        "model.norm.weight"], load_file(str(tmp_path / wheel.stem / "model.safetensors"))[
-        "model.norm.weight"])
+    np.testing.assert_array_equal(
+        load_file(str(tmp_path / "ok" / "model.safetensors"))["model.norm.weight"],
+        load_file(str(tmp_path / wheel.stem / "model.safetensors"))["model.norm.weight"],
+    )
     (tmp_path / "not.gguf").write_bytes(b"hello")
     cases = [
         ((tmp_path / "absent.gguf"), ["absent.gguf", "not found"]),
         ((tmp_path / "not.gguf"), ["not a GGUF file"]),
         (_tiny_gguf(tmp_path / "qwen.gguf", arch="qwen2"), ["general.architecture", "qwen2"]),
-        (_tiny_gguf(tmp_path / "i8.gguf", raw_dtype=gguf.GGMLQuantizationType.I8),
-         ["I8", "cannot dequantize"]),
+        (
+            _tiny_gguf(tmp_path / "i8.gguf", raw_dtype=gguf.GGMLQuantizationType.I8),
+            ["I8", "cannot dequantize"],
+        ),
     ]
     for path, words in cases:
         failed = _convert("--from-gguf", str(path), "--to-hf", str(tmp_path / "out"))

@@ -17,9 +17,17 @@ torch, transformers = torch_and_transformers()
 
 def _tiny_hf(tmp_path, tie=False, dtype=torch.float32):
     cfg = transformers.LlamaConfig(
-        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=tie, max_position_embeddings=256)
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
     with torch.no_grad():  # non-trivial norms so a swapped norm would show
@@ -78,10 +86,12 @@ def test_bf16_checkpoint_gives_bf16_config_and_pickles_are_refused(tmp_path):
 
 def test_convert_cli_roundtrip_through_an_lclm_checkpoint(tmp_path, capsys):
     from lclm.convert import main
+
     _, path = _tiny_hf(tmp_path)
     assert main(["--from-hf", path, "--to-checkpoint", str(tmp_path / "work")]) == 0
-    assert f"converted {path} to {tmp_path / 'work' / 'checkpoints'} step 0" in \
-        capsys.readouterr().out  # says what it did
+    assert (
+        f"converted {path} to {tmp_path / 'work' / 'checkpoints'} step 0" in capsys.readouterr().out
+    )  # says what it did
     # again into the same directory: refused in one line, the checkpoint left as it was
     assert main(["--from-hf", path, "--to-checkpoint", str(tmp_path / "work")]) == 2
     assert "already holds a run's checkpoints (latest step 0)" in capsys.readouterr().err
@@ -107,15 +117,26 @@ def test_training_starts_from_hf_weights_with_the_configured_rope_theta(tmp_path
     from lclm.training.loop import train
 
     cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0)
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=50000.0,
+    )
     torch.manual_seed(1)
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "hf"))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = load_config(os.path.join(root, "configs", "demo.py"))
     config.workdir = str(tmp_path / "run")
-    config.model.update(init_from_hf=str(tmp_path / "hf"), rope_theta=1e6, dtype="float32",
-                        ffn_chunk=32, loss_chunk=32)
+    config.model.update(
+        init_from_hf=str(tmp_path / "hf"),
+        rope_theta=1e6,
+        dtype="float32",
+        ffn_chunk=32,
+        loss_chunk=32,
+    )
     config.data.update(seq_len=64, batch_size=4)
     config.attention.update(q_chunk=8, kv_chunk=8)
     config.train.update(steps=1, warmup=1)

@@ -17,8 +17,16 @@ from lclm.config import ModelConfig
 from lclm.convert import main
 from lclm.models.decoder import init_params
 
-TINY = ModelConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=12,
-                   dtype="float32", param_dtype="float32")
+TINY = ModelConfig(
+    vocab_size=11,
+    dim=8,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    ffn_dim=12,
+    dtype="float32",
+    param_dtype="float32",
+)
 EMBED, NORM = "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"
 K_PROJ, GATE = "model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.gate_proj.weight"
 # lclm's words for a file safetensors refuses to open (its reason follows, worded by version)
@@ -49,7 +57,7 @@ def _split(path):
     """(header dict, data bytes) of a safetensors file."""
     raw = Path(path).read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def _write(path, header, data, claimed=None):
@@ -87,6 +95,7 @@ def _shard_of(d, name):
 
 # --- single-file directories: each case breaks `d` and returns what the message must name ---
 
+
 def header_longer_than_file(d):
     path = Path(d, "model.safetensors")
     raw = path.read_bytes()
@@ -113,6 +122,7 @@ def offsets_past_the_end(d):
 
     def edit(header):
         header[NORM]["data_offsets"] = [o + size for o in header[NORM]["data_offsets"]]
+
     _edit_header(d, edit)
     return "model.safetensors", DAMAGED
 
@@ -120,6 +130,7 @@ def offsets_past_the_end(d):
 def offsets_disagree_with_shape(d):
     def edit(header):
         header[EMBED]["shape"] = [TINY.vocab_size + 1, TINY.dim]
+
     _edit_header(d, edit)
     return "model.safetensors", DAMAGED
 
@@ -129,6 +140,7 @@ def overlapping_tensors(d):
 
     def edit(header):
         header[other]["data_offsets"] = header[NORM]["data_offsets"]
+
     _edit_header(d, edit)
     return "model.safetensors", DAMAGED
 
@@ -136,6 +148,7 @@ def overlapping_tensors(d):
 def unknown_dtype(d):
     def edit(header):
         header[NORM]["dtype"] = "Q7"
+
     _edit_header(d, edit)
     return "model.safetensors", DAMAGED
 
@@ -155,17 +168,20 @@ def header_not_an_object(d):
 def metadata_safetensors_rejects(d):
     def edit(header):
         header["__metadata__"] = {"format": 1}
+
     _edit_header(d, edit)
     return "model.safetensors", DAMAGED
 
 
 def tensor_name_with_a_line_break(d):  # safetensors' reason quotes the name as it is
     def edit(header):
-        first = min((n for n in header if n != "__metadata__"),
-                    key=lambda n: header[n]["data_offsets"][0])
+        first = min(
+            (n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0]
+        )
         entry = header.pop(first)
         entry["data_offsets"][0] += 1
         header["x\nerror: a forged line"] = entry
+
     _edit_header(d, edit)
     return "model.safetensors", DAMAGED
 
@@ -173,6 +189,7 @@ def tensor_name_with_a_line_break(d):  # safetensors' reason quotes the name as 
 def embedding_one_row_too_many(d):
     def edit(tensors):
         tensors[EMBED] = np.zeros((TINY.vocab_size + 1, TINY.dim), np.float32)
+
     _edit_tensors(d, edit)
     return "model.safetensors", EMBED
 
@@ -180,6 +197,7 @@ def embedding_one_row_too_many(d):
 def transposed_k_proj(d):
     def edit(tensors):
         tensors[K_PROJ] = np.ascontiguousarray(tensors[K_PROJ].T)
+
     _edit_tensors(d, edit)
     return "model.safetensors", K_PROJ
 
@@ -187,6 +205,7 @@ def transposed_k_proj(d):
 def transposed_gate_proj(d):
     def edit(tensors):
         tensors[GATE] = np.ascontiguousarray(tensors[GATE].T)
+
     _edit_tensors(d, edit)
     return "model.safetensors", GATE
 
@@ -194,6 +213,7 @@ def transposed_gate_proj(d):
 def integer_weights(d):
     def edit(tensors):
         tensors[NORM] = np.ones(TINY.dim, np.int32)
+
     _edit_tensors(d, edit)
     return "model.safetensors", NORM
 
@@ -201,6 +221,7 @@ def integer_weights(d):
 def bool_weights(d):
     def edit(tensors):
         tensors["lm_head.weight"] = tensors["lm_head.weight"] > 0
+
     _edit_tensors(d, edit)
     return "model.safetensors", "lm_head.weight"
 
@@ -233,9 +254,11 @@ def config_with_biases(d):
 
 # --- what lclm cannot compute as config.json asks is refused, never dropped ---
 
+
 def config_of_another_architecture(d):
-    _edit_json(d, "config.json",
-               lambda c: c.update(architectures=["LlamaForSequenceClassification"]))
+    _edit_json(
+        d, "config.json", lambda c: c.update(architectures=["LlamaForSequenceClassification"])
+    )
     return "config.json", "architectures", "LlamaForSequenceClassification"
 
 
@@ -255,40 +278,80 @@ def config_using_a_sliding_window(d):
 
 
 def config_with_a_yarn_truncate_not_a_bool(d):  # transformers 4's layout
-    _edit_json(d, "config.json", lambda c: c.update(
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "truncate": "yes",
-                      "original_max_position_embeddings": 2048}))
+    _edit_json(
+        d,
+        "config.json",
+        lambda c: c.update(
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "truncate": "yes",
+                "original_max_position_embeddings": 2048,
+            }
+        ),
+    )
     return "config.json", "rope_scaling.truncate", "yes"
 
 
 def config_with_dynamic_rope(d):  # transformers 5's layout, with the legacy "type" key
-    _edit_json(d, "config.json", lambda c: c.update(
-        rope_parameters={"type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
+    _edit_json(
+        d,
+        "config.json",
+        lambda c: c.update(
+            rope_parameters={"type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        ),
+    )
     return "config.json", "rope_parameters.rope_type", "dynamic"
 
 
 def config_with_llama3_rope_lacking_a_factor(d):
-    _edit_json(d, "config.json", lambda c: c.update(rope_parameters={
-        "rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "rope_theta": 1e4}))
+    _edit_json(
+        d,
+        "config.json",
+        lambda c: c.update(
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "high_freq_factor": 4.0,
+                "rope_theta": 1e4,
+            }
+        ),
+    )
     return "config.json", "rope_parameters.low_freq_factor"
 
 
 def config_with_llama3_high_below_low(d):
-    _edit_json(d, "config.json", lambda c: c.update(rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192}))
+    _edit_json(
+        d,
+        "config.json",
+        lambda c: c.update(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 4.0,
+                "high_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192,
+            }
+        ),
+    )
     return "config.json", "rope_scaling.high_freq_factor"
 
 
 def config_with_a_negative_rope_factor(d):
-    _edit_json(d, "config.json", lambda c: c.update(
-        rope_scaling={"rope_type": "linear", "factor": -2.0}))
+    _edit_json(
+        d, "config.json", lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": -2.0})
+    )
     return "config.json", "rope_scaling.factor", "-2.0"
 
 
 def config_with_two_thetas(d):
-    _edit_json(d, "config.json", lambda c: c.update(
-        rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
+    _edit_json(
+        d,
+        "config.json",
+        lambda c: c.update(
+            rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}
+        ),
+    )
     return "config.json", "rope_theta=10000.0", "rope_parameters.rope_theta=500000.0"
 
 
@@ -304,31 +367,42 @@ def config_with_bad_token_ids(d):
 
 # --- sharded directories: the index may name only .safetensors files inside the directory ---
 
+
 def index_names_a_pickle(d):
     Path(d, "pytorch_model.bin").write_bytes(b"\x80\x04K\x01.")  # a pickle of 1
-    _edit_json(d, "model.safetensors.index.json",
-               lambda i: i["weight_map"].update({EMBED: "pytorch_model.bin"}))
+    _edit_json(
+        d,
+        "model.safetensors.index.json",
+        lambda i: i["weight_map"].update({EMBED: "pytorch_model.bin"}),
+    )
     return "model.safetensors.index.json", EMBED
 
 
 def index_escapes_the_directory(d):
     shutil.copy(os.path.join(d, _shard_of(d, EMBED)), os.path.join(d, "..", "x.safetensors"))
-    _edit_json(d, "model.safetensors.index.json",
-               lambda i: i["weight_map"].update({EMBED: "../x.safetensors"}))
+    _edit_json(
+        d,
+        "model.safetensors.index.json",
+        lambda i: i["weight_map"].update({EMBED: "../x.safetensors"}),
+    )
     return "model.safetensors.index.json", EMBED
 
 
 def index_names_an_absolute_path(d):
     outside = os.path.abspath(os.path.join(d, "..", "x.safetensors"))
     shutil.copy(os.path.join(d, _shard_of(d, EMBED)), outside)
-    _edit_json(d, "model.safetensors.index.json",
-               lambda i: i["weight_map"].update({EMBED: outside}))
+    _edit_json(
+        d, "model.safetensors.index.json", lambda i: i["weight_map"].update({EMBED: outside})
+    )
     return "model.safetensors.index.json", EMBED
 
 
 def index_names_a_missing_shard(d):
-    _edit_json(d, "model.safetensors.index.json",
-               lambda i: i["weight_map"].update({EMBED: "model-00009-of-00009.safetensors"}))
+    _edit_json(
+        d,
+        "model.safetensors.index.json",
+        lambda i: i["weight_map"].update({EMBED: "model-00009-of-00009.safetensors"}),
+    )
     return "model.safetensors.index.json", EMBED
 
 
@@ -345,20 +419,51 @@ def tensor_in_two_shards(d):
     return ".safetensors", EMBED
 
 
-SINGLE = [header_longer_than_file, absurd_header_length, truncated_file, offsets_past_the_end,
-          offsets_disagree_with_shape, overlapping_tensors, unknown_dtype, header_not_json,
-          header_not_an_object, metadata_safetensors_rejects, tensor_name_with_a_line_break,
-          embedding_one_row_too_many, transposed_k_proj, transposed_gate_proj, integer_weights,
-          bool_weights, missing_tensor, config_not_json, config_lacks_a_field,
-          config_field_of_the_wrong_type, config_with_biases]
-REFUSED = [config_of_another_architecture, config_with_gelu, config_with_a_sliding_window,
-           config_using_a_sliding_window, config_with_a_yarn_truncate_not_a_bool,
-           config_with_dynamic_rope,
-           config_with_llama3_rope_lacking_a_factor, config_with_llama3_high_below_low,
-           config_with_a_negative_rope_factor, config_with_two_thetas,
-           config_with_partial_rotary, config_with_bad_token_ids]
-SHARDED = [index_names_a_pickle, index_escapes_the_directory, index_names_an_absolute_path,
-           index_names_a_missing_shard, index_not_json, tensor_in_two_shards]
+SINGLE = [
+    header_longer_than_file,
+    absurd_header_length,
+    truncated_file,
+    offsets_past_the_end,
+    offsets_disagree_with_shape,
+    overlapping_tensors,
+    unknown_dtype,
+    header_not_json,
+    header_not_an_object,
+    metadata_safetensors_rejects,
+    tensor_name_with_a_line_break,
+    embedding_one_row_too_many,
+    transposed_k_proj,
+    transposed_gate_proj,
+    integer_weights,
+    bool_weights,
+    missing_tensor,
+    config_not_json,
+    config_lacks_a_field,
+    config_field_of_the_wrong_type,
+    config_with_biases,
+]
+REFUSED = [
+    config_of_another_architecture,
+    config_with_gelu,
+    config_with_a_sliding_window,
+    config_using_a_sliding_window,
+    config_with_a_yarn_truncate_not_a_bool,
+    config_with_dynamic_rope,
+    config_with_llama3_rope_lacking_a_factor,
+    config_with_llama3_high_below_low,
+    config_with_a_negative_rope_factor,
+    config_with_two_thetas,
+    config_with_partial_rotary,
+    config_with_bad_token_ids,
+]
+SHARDED = [
+    index_names_a_pickle,
+    index_escapes_the_directory,
+    index_names_an_absolute_path,
+    index_names_a_missing_shard,
+    index_not_json,
+    tensor_in_two_shards,
+]
 
 
 def _refused_everywhere(d, names, tmp_path, capsys):

@@ -22,21 +22,24 @@ from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
 from lclm.training.state import param_shardings
 
-SMALL = ModelConfig(vocab_size=512, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                    param_dtype="float32")
+SMALL = ModelConfig(
+    vocab_size=512, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128, param_dtype="float32"
+)
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
 
 
-@pytest.mark.parametrize("mesh,dtype", [(dict(fsdp=8), None),
-                                        (dict(fsdp=2, tp=2, sp=2), None),
-                                        (dict(tp=4, fsdp=2), "bfloat16")])
+@pytest.mark.parametrize(
+    "mesh,dtype",
+    [(dict(fsdp=8), None), (dict(fsdp=2, tp=2, sp=2), None), (dict(tp=4, fsdp=2), "bfloat16")],
+)
 def test_a_sharded_load_places_each_block_and_equals_the_whole_load(tmp_path, mesh, dtype):
     hf.save(str(tmp_path), SMALL, init_params(SMALL, jax.random.key(3)), max_shard_bytes=1 << 17)
     _, whole = hf.load(str(tmp_path), dtype=dtype)
     shardings = param_shardings(SMALL, make_mesh(**mesh))
     _, placed = hf.load(str(tmp_path), shardings=shardings, dtype=dtype)
-    for a, b, sharding in zip(jax.tree.leaves(whole), jax.tree.leaves(placed),
-                              jax.tree.leaves(shardings)):
+    for a, b, sharding in zip(
+        jax.tree.leaves(whole), jax.tree.leaves(placed), jax.tree.leaves(shardings)
+    ):
         assert a.dtype == b.dtype == jnp.dtype(dtype or SMALL.param_dtype)
         np.testing.assert_array_equal(a, np.asarray(b))
         assert b.sharding == sharding
@@ -50,10 +53,10 @@ def test_an_export_is_what_safetensors_reads_in_hf_layout(tmp_path):
     params = init_params(c, jax.random.key(4))
     hf.save(str(tmp_path), c, params)
     with safetensors.safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
-        assert f.metadata() == {"format": "pt"}   # what transformers asks of a file
+        assert f.metadata() == {"format": "pt"}  # what transformers asks of a file
     tensors = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
     assert {k: v.shape for k, v in tensors.items()} == hf.hf_shapes(c)
-    wq = np.asarray(params["layers"]["wq"][1])   # [dim, heads, head_dim]
+    wq = np.asarray(params["layers"]["wq"][1])  # [dim, heads, head_dim]
     q_proj = tensors["model.layers.1.self_attn.q_proj.weight"]
     assert q_proj.dtype == jnp.bfloat16
     np.testing.assert_array_equal(q_proj, wq.reshape(c.dim, -1).T)
@@ -95,15 +98,27 @@ _LOAD = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_1b_checkpoint_loads_onto_8_devices_in_under_1_5x_its_size(tmp_path):
     directory = str(tmp_path / "hf")
-    written = subprocess.run([sys.executable, "-c", _WRITE, directory], cwd=ROOT, env=ENV,
-                             capture_output=True, text=True, timeout=300)
+    written = subprocess.run(
+        [sys.executable, "-c", _WRITE, directory],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert written.returncode == 0, written.stderr[-3000:]
     on_disk = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
     # one tensor on the host at a time (the largest, the embedding, is 262 MB), never one of
     # the 1 GiB files whole
     assert int(written.stdout) < 0.2 * on_disk, int(written.stdout) / 2**30
-    done = subprocess.run([sys.executable, "-c", _LOAD, directory], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD, directory],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     params, biggest, peak = map(int, done.stdout.split())
     assert params > 1e9
@@ -134,7 +149,7 @@ def test_a_failed_or_killed_export_leaves_the_earlier_one_whole(tmp_path, monkey
     first = init_params(SMALL, jax.random.key(1))
     hf.save(str(tmp_path), SMALL, first, max_shard_bytes=1 << 17)
     before = sorted(os.listdir(tmp_path))
-    assert len(before) > 3   # several weight files, their index and config.json
+    assert len(before) > 3  # several weight files, their index and config.json
 
     def still_whole():
         _, loaded = hf.load(str(tmp_path))
@@ -150,16 +165,23 @@ def test_a_failed_or_killed_export_leaves_the_earlier_one_whole(tmp_path, monkey
 
     monkeypatch.setattr(hf.weights, "_write_file", disk_full_in_the_second_file)
     with pytest.raises(OSError, match="No space left"):
-        hf.save(str(tmp_path), SMALL, init_params(SMALL, jax.random.key(2)),
-                max_shard_bytes=1 << 17)
-    assert sorted(os.listdir(tmp_path)) == before   # no staging directory left either
+        hf.save(
+            str(tmp_path), SMALL, init_params(SMALL, jax.random.key(2)), max_shard_bytes=1 << 17
+        )
+    assert sorted(os.listdir(tmp_path)) == before  # no staging directory left either
     still_whole()
     monkeypatch.undo()
 
-    killed = subprocess.run([sys.executable, "-c", _KILLED, str(tmp_path)], cwd=ROOT,
-                            env=ENV, capture_output=True, text=True, timeout=120)
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED, str(tmp_path)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert [f for f in os.listdir(tmp_path) if f not in before] != []   # its staging
+    assert [f for f in os.listdir(tmp_path) if f not in before] != []  # its staging
     still_whole()
 
     # a re-export into one file replaces the earlier shards entirely, and the killed one's
@@ -193,15 +215,26 @@ def test_two_processes_load_their_own_blocks_and_export_from_process_0(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               LCLM_COORDINATOR=f"127.0.0.1:{port}", LCLM_NUM_PROCESSES="2")
-    procs = [subprocess.Popen([sys.executable, "-c", _PROCESS, source, str(tmp_path / "out")],
-                              cwd=ROOT, env=dict(env, LCLM_PROCESS_ID=str(i)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    env = dict(
+        ENV,
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        LCLM_COORDINATOR=f"127.0.0.1:{port}",
+        LCLM_NUM_PROCESSES="2",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PROCESS, source, str(tmp_path / "out")],
+            cwd=ROOT,
+            env=dict(env, LCLM_PROCESS_ID=str(i)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
-    assert not os.path.exists(tmp_path / "out1")   # process 1 gathered, wrote nothing
+    assert not os.path.exists(tmp_path / "out1")  # process 1 gathered, wrote nothing
     _, want = hf.load(source)
     _, got = hf.load(str(tmp_path / "out0"))
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):

@@ -17,24 +17,44 @@ from lclm.ops.layout import batch_to_layout, from_layout, to_layout
 from lclm.parallel import make_mesh
 from lclm.training.state import shard_params
 
-CFG = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
-                  rope_theta=5000.0, dtype="float32", ffn_chunk=8, loss_chunk=4)
+CFG = ModelConfig(
+    vocab_size=97,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=48,
+    rope_theta=5000.0,
+    dtype="float32",
+    ffn_chunk=8,
+    loss_chunk=4,
+)
 
 
 def _batch(seed, b=4, t=32):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, CFG.vocab_size, (b, t + 1)).astype(np.int32)
     seg = np.cumsum(rng.random((b, t)) < 0.1, axis=1).astype(np.int32)
-    starts = np.maximum.accumulate(np.where(np.diff(seg, prepend=-1, axis=1) != 0,
-                                            np.arange(t), 0), axis=1)
-    return dict(tokens=tokens[:, :-1], targets=tokens[:, 1:],
-                loss_mask=(rng.random((b, t)) < 0.7).astype(np.float32),
-                positions=(np.arange(t) - starts).astype(np.int32), segment_ids=seg)
+    starts = np.maximum.accumulate(
+        np.where(np.diff(seg, prepend=-1, axis=1) != 0, np.arange(t), 0), axis=1
+    )
+    return dict(
+        tokens=tokens[:, :-1],
+        targets=tokens[:, 1:],
+        loss_mask=(rng.random((b, t)) < 0.7).astype(np.float32),
+        positions=(np.arange(t) - starts).astype(np.int32),
+        segment_ids=seg,
+    )
 
 
 def _loss_and_grads(cfg, params, batch, mesh, layout, strategy="ring"):
-    attn = AttentionConfig(layout=layout, q_chunk=4, kv_chunk=4, strategy=strategy,
-                           ulysses=2 if strategy == "usp" else 1)
+    attn = AttentionConfig(
+        layout=layout,
+        q_chunk=4,
+        kv_chunk=4,
+        strategy=strategy,
+        ulysses=2 if strategy == "usp" else 1,
+    )
     n = 1 if mesh is None else layout_shards(attn, mesh.shape["sp"])
     batch = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, layout, n)
     if mesh is not None:
@@ -48,15 +68,18 @@ def _loss_and_grads(cfg, params, batch, mesh, layout, strategy="ring"):
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
-@pytest.mark.parametrize("mesh_kw,layout,scan", [
-    (dict(sp=4), "striped", True),
-    (dict(sp=4, fsdp=2), "contiguous", True),
-    (dict(sp=4, fsdp=2), "zigzag", True),
-    (dict(tp=2, sp=2), "zigzag", False),
-    (dict(tp=2, sp=2), "striped", False),
-    (dict(fsdp=2), "striped", True),
-    (dict(dp=2, fsdp=2, tp=2), "striped", True),
-])
+@pytest.mark.parametrize(
+    "mesh_kw,layout,scan",
+    [
+        (dict(sp=4), "striped", True),
+        (dict(sp=4, fsdp=2), "contiguous", True),
+        (dict(sp=4, fsdp=2), "zigzag", True),
+        (dict(tp=2, sp=2), "zigzag", False),
+        (dict(tp=2, sp=2), "striped", False),
+        (dict(fsdp=2), "striped", True),
+        (dict(dp=2, fsdp=2, tp=2), "striped", True),
+    ],
+)
 def test_loss_and_grads_do_not_depend_on_mesh_or_layout(mesh_kw, layout, scan):
     seed = zlib.crc32(repr((tuple(mesh_kw.items()), layout)).encode())
     params = init_params(CFG, jax.random.key(seed))
@@ -88,8 +111,12 @@ def test_a_head_dim_apart_from_dim_over_heads_trains_alike_on_any_mesh():
 
 
 # a mesh per strategy that it runs on with 4 heads over 2 kv heads (Ulysses splits heads)
-STRATEGY_MESHES = {"ring": dict(sp=4, tp=2), "all_gather": dict(sp=2, tp=2, fsdp=2),
-                   "ulysses": dict(sp=4, fsdp=2), "usp": dict(sp=4, tp=2)}
+STRATEGY_MESHES = {
+    "ring": dict(sp=4, tp=2),
+    "all_gather": dict(sp=2, tp=2, fsdp=2),
+    "ulysses": dict(sp=4, fsdp=2),
+    "usp": dict(sp=4, tp=2),
+}
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGY_MESHES))
@@ -99,11 +126,11 @@ def test_every_family_trains_alike_under_every_strategy(family, strategy):
     embeddings and a head_dim apart from dim / heads under each strategy: loss and gradients
     on the mesh equal one device's, the options' own gradients included (CFG's family is
     the other tests')."""
-    assert set(STRATEGY_MESHES) == set(STRATEGIES)   # a new strategy joins this test
+    assert set(STRATEGY_MESHES) == set(STRATEGIES)  # a new strategy joins this test
     cfg = dataclasses.replace(CFG, family=family, tie_embeddings=True, head_dim=12)
     params = init_params(cfg, jax.random.key(5))
     keys = iter(jax.random.split(jax.random.key(6), 8))
-    for name in ("bq", "bk", "bv", "q_norm", "k_norm"):   # non-trivial, so that they count
+    for name in ("bq", "bk", "bv", "q_norm", "k_norm"):  # non-trivial, so that they count
         if name in params["layers"]:
             w = params["layers"][name]
             params["layers"][name] = w + 0.3 * jax.random.normal(next(keys), w.shape)
@@ -111,8 +138,9 @@ def test_every_family_trains_alike_under_every_strategy(family, strategy):
     assert bool({"bq", "q_norm"} & set(params["layers"])) == options
     batch = _batch(11)
     want_loss, want_grads = _loss_and_grads(cfg, params, batch, None, "contiguous")
-    loss, grads = _loss_and_grads(cfg, params, batch, make_mesh(**STRATEGY_MESHES[strategy]),
-                                  "striped", strategy=strategy)
+    loss, grads = _loss_and_grads(
+        cfg, params, batch, make_mesh(**STRATEGY_MESHES[strategy]), "striped", strategy=strategy
+    )
     assert loss == pytest.approx(want_loss, rel=1e-5)
     flat_want = dict(jax.tree_util.tree_leaves_with_path(want_grads))
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
@@ -133,8 +161,9 @@ def test_changing_a_token_never_changes_earlier_logits(layout):
     mesh = make_mesh(sp=sp, fsdp=2)
     attn = AttentionConfig(layout=layout, q_chunk=4, kv_chunk=4)
     pos = np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape)
-    run = jax.jit(lambda pr, tok: forward(CFG, pr, tok, to_layout(pos, layout, sp),
-                                          mesh=mesh, attention=attn))
+    run = jax.jit(
+        lambda pr, tok: forward(CFG, pr, tok, to_layout(pos, layout, sp), mesh=mesh, attention=attn)
+    )
     a = from_layout(np.asarray(run(params, to_layout(tokens, layout, sp))), layout, sp)
     b = from_layout(np.asarray(run(params, to_layout(changed, layout, sp))), layout, sp)
     np.testing.assert_array_equal(a[:, :p], b[:, :p])
@@ -164,9 +193,12 @@ def test_attention_remat_keeps_the_ring_output_and_never_reruns_the_ring(scan):
     params = init_params(CFG, jax.random.key(5))
     batch, mesh = _batch(5), make_mesh(sp=4)
     params = shard_params(CFG, params, mesh)
-    runs = {remat: _grad_and_program(dataclasses.replace(CFG, remat=remat, scan_layers=scan),
-                                   params, batch, mesh)
-            for remat in ("none", "full", "attention")}
+    runs = {
+        remat: _grad_and_program(
+            dataclasses.replace(CFG, remat=remat, scan_layers=scan), params, batch, mesh
+        )
+        for remat in ("none", "full", "attention")
+    }
     want = jax.tree.leaves(runs["none"][0])
     for remat in ("full", "attention"):
         for g, w in zip(jax.tree.leaves(runs[remat][0]), want):
@@ -178,8 +210,11 @@ def test_attention_remat_keeps_the_ring_output_and_never_reruns_the_ring(scan):
 
 def _collectives(cfg, attn, params, batch, mesh, op: str) -> list[str]:
     """The result types of every `op` (e.g. all-to-all) in the compiled gradient program."""
-    batch = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, attn.layout,
-                            layout_shards(attn, mesh.shape["sp"]))
+    batch = batch_to_layout(
+        {k: jnp.asarray(v) for k, v in batch.items()},
+        attn.layout,
+        layout_shards(attn, mesh.shape["sp"]),
+    )
 
     def mean_loss(p):
         total, count = loss_terms(cfg, p, batch, mesh=mesh, attention=attn)
@@ -200,11 +235,16 @@ def test_attention_remat_of_all_gather_and_ulysses_is_what_the_planner_assumes()
     ops = {}
     for strategy, op in (("all_gather", "all-gather"), ("ulysses", "all-to-all")):
         attn = AttentionConfig(q_chunk=4, kv_chunk=4, strategy=strategy)
-        ops[strategy] = {remat: _collectives(dataclasses.replace(CFG, remat=remat), attn,
-                                             params, batch, mesh, op)
-                         for remat in ("none", "attention", "full")}
-    floats = {remat: sorted(t for t in types if not t.startswith("s32"))
-              for remat, types in ops["all_gather"].items()}
+        ops[strategy] = {
+            remat: _collectives(
+                dataclasses.replace(CFG, remat=remat), attn, params, batch, mesh, op
+            )
+            for remat in ("none", "attention", "full")
+        }
+    floats = {
+        remat: sorted(t for t in types if not t.startswith("s32"))
+        for remat, types in ops["all_gather"].items()
+    }
     assert floats["attention"] == floats["none"], floats
     a2a = {remat: len(types) for remat, types in ops["ulysses"].items()}
     assert a2a["none"] < a2a["attention"] == a2a["full"], a2a
@@ -221,9 +261,11 @@ def test_offload_remat_moves_saved_activations_to_host_with_equal_gradients():
     grads, programs = {}, {}
     for remat in ("none", "attention", "offload"):
         cfg = dataclasses.replace(CFG, remat=remat)
+
         def mean_loss(p, cfg=cfg):
             total, count = loss_terms(cfg, p, b, mesh=mesh, attention=attn)
             return total / count
+
         grad = jax.grad(mean_loss)
         grads[remat] = jax.jit(grad)(params)
         programs[remat] = str(jax.make_jaxpr(grad)(params))

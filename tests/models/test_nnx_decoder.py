@@ -31,8 +31,17 @@ from lclm.models.nnx_decoder import (  # noqa: E402
 
 # every sharded dimension divides by its mesh axes on the (fsdp=2, tp=2, sp=2) mesh, where
 # flax's shape-blind rules and lclm's agree
-CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
-                  dtype="float32", ffn_chunk=8, loss_chunk=8)
+CFG = ModelConfig(
+    vocab_size=64,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=48,
+    dtype="float32",
+    ffn_chunk=8,
+    loss_chunk=8,
+)
 ATTN = AttentionConfig(q_chunk=8, kv_chunk=8)
 
 
@@ -40,18 +49,24 @@ def _batch(seed, b=2, t=16):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, CFG.vocab_size, (b, t + 1)).astype(np.int32)
     seg = np.repeat(np.arange(2, dtype=np.int32), t // 2)[None].repeat(b, 0)  # 2 documents
-    return {k: jnp.asarray(v) for k, v in dict(
-        tokens=tokens[:, :-1], targets=tokens[:, 1:],
-        loss_mask=(rng.random((b, t)) < 0.7).astype(np.float32),
-        positions=np.tile(np.arange(t // 2, dtype=np.int32), 2)[None].repeat(b, 0),
-        segment_ids=seg).items()}
+    return {
+        k: jnp.asarray(v)
+        for k, v in dict(
+            tokens=tokens[:, :-1],
+            targets=tokens[:, 1:],
+            loss_mask=(rng.random((b, t)) < 0.7).astype(np.float32),
+            positions=np.tile(np.arange(t // 2, dtype=np.int32), 2)[None].repeat(b, 0),
+            segment_ids=seg,
+        ).items()
+    }
 
 
 def _assert_same_tree(got, want, atol=0.0):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=atol,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(w), rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -66,8 +81,9 @@ def test_state_is_the_canonical_tree_both_ways(tie, family):
     assert ({"bq", "bk", "bv"} <= layers) == FAMILIES[family].qkv_bias
     assert ({"q_norm", "k_norm"} <= layers) == FAMILIES[family].qk_norm
     tokens = _batch(1)["tokens"]
-    np.testing.assert_array_equal(np.asarray(module(tokens)),
-                                  np.asarray(forward(cfg, params, tokens)))
+    np.testing.assert_array_equal(
+        np.asarray(module(tokens)), np.asarray(forward(cfg, params, tokens))
+    )
     back = to_params(module)
     _assert_same_tree(back, params)
     # wrapped, not copied
@@ -79,8 +95,10 @@ def test_state_is_the_canonical_tree_both_ways(tie, family):
 def test_constructor_initialises_with_lclm_init_params():
     key = jax.random.key(3)
     _assert_same_tree(to_params(DecoderModule(CFG, rngs=key)), init_params(CFG, key))
-    _assert_same_tree(to_params(DecoderModule(CFG, rngs=nnx.Rngs(params=4))),
-                      init_params(CFG, nnx.Rngs(params=4).params()))
+    _assert_same_tree(
+        to_params(DecoderModule(CFG, rngs=nnx.Rngs(params=4))),
+        init_params(CFG, nnx.Rngs(params=4).params()),
+    )
 
 
 def test_bad_arguments_are_refused():
@@ -97,8 +115,10 @@ def test_bad_arguments_are_refused():
 def test_each_param_carries_its_logical_axes():
     table = jax.tree_util.tree_flatten_with_path(param_table(CFG), is_leaf=is_param_entry)[0]
     want = {tuple(k.key for k in path): axes for path, (_, axes) in table}
-    got = {path: v.out_sharding
-           for path, v in nnx.to_flat_state(nnx.state(DecoderModule(CFG, rngs=nnx.Rngs(0))))}
+    got = {
+        path: v.out_sharding
+        for path, v in nnx.to_flat_state(nnx.state(DecoderModule(CFG, rngs=nnx.Rngs(0))))
+    }
     assert got == want
 
 
@@ -153,5 +173,6 @@ def test_flax_sharding_by_lclm_rules_matches_lclm_sharding():
     nnx.update(module, jax.device_put(state, shardings))
     placed = jax.tree.map(lambda a: a.sharding.spec, to_params(module))
     assert placed == want
-    np.testing.assert_allclose(np.asarray(nnx.jit(lambda m: m(tokens))(module)), unsharded,
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(nnx.jit(lambda m: m(tokens))(module)), unsharded, rtol=0, atol=1e-5
+    )

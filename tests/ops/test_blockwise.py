@@ -24,10 +24,15 @@ def test_blockwise_ffn_matches_dense(n_shards, chunk, save_hidden):
     w = [rng.standard_normal(s, np.float32) * 0.3 for s in ((16, 24), (16, 24), (24, 16))]
     mesh = make_mesh(sp=n_shards)
     constrain = lambda a, axes: jax.lax.with_sharding_constraint(
-        a, logical_sharding(mesh, axes, a.shape))
-    f = lambda x, *w: jnp.sum(jnp.sin(blockwise_ffn(x, *w, chunk=chunk, n_shards=n_shards,
-                                                     constrain=constrain,
-                                                     save_hidden=save_hidden)))
+        a, logical_sharding(mesh, axes, a.shape)
+    )
+    f = lambda x, *w: jnp.sum(
+        jnp.sin(
+            blockwise_ffn(
+                x, *w, chunk=chunk, n_shards=n_shards, constrain=constrain, save_hidden=save_hidden
+            )
+        )
+    )
     g = lambda x, *w: jnp.sum(jnp.sin(swiglu(x, *w)))
     got = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, *w)
     want = jax.value_and_grad(g, argnums=(0, 1, 2, 3))(x, *w)
@@ -45,8 +50,7 @@ def test_saved_hidden_activations_spare_two_matmuls_per_chunk():
     w = [jnp.full(s, 0.1, jnp.float32) for s in ((16, 48), (16, 48), (48, 16))]
 
     def compiled(save_hidden):
-        f = lambda x, *w: jnp.sum(jnp.sin(blockwise_ffn(x, *w, chunk=16,
-                                                         save_hidden=save_hidden)))
+        f = lambda x, *w: jnp.sum(jnp.sin(blockwise_ffn(x, *w, chunk=16, save_hidden=save_hidden)))
         return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3))).lower(x, *w).compile()
 
     dots = {s: compiled(s).as_text().count(" dot(") for s in (False, True)}
@@ -67,8 +71,7 @@ def test_blockwise_cross_entropy_is_a_global_token_mean(n_shards, chunk):
     mask[1] = 1
 
     def blockwise(h, w):
-        total, count = blockwise_cross_entropy(h, w, targets, mask, chunk=chunk,
-                                               n_shards=n_shards)
+        total, count = blockwise_cross_entropy(h, w, targets, mask, chunk=chunk, n_shards=n_shards)
         return total / count
 
     def dense(h, w):
@@ -86,7 +89,9 @@ def test_blockwise_cross_entropy_is_a_global_token_mean(n_shards, chunk):
     np.testing.assert_allclose(
         losses_of_hidden(h, w, targets),
         -np.take_along_axis(np.asarray(jax.nn.log_softmax(h @ w)), targets[..., None], -1)[..., 0],
-        rtol=1e-5, atol=1e-5)
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_blockwise_loss_memory_does_not_hold_full_logits():

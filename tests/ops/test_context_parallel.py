@@ -28,11 +28,14 @@ from lclm.training.state import shard_params
 # usp at the degrees tests/ops/test_strategies.py (which runs it at ulysses=2) does not: K/V
 # heads replicated x4 inside a group, and the two ends (a ring of one: ulysses = sp; one
 # member per group: ulysses = 1)
-@pytest.mark.parametrize("layout,mesh_kw,h,hkv,segments,ulysses", [
-    ("contiguous", dict(sp=8), 8, 1, False, 4),
-    ("striped", dict(fsdp=2, sp=4), 4, 4, True, 4),
-    ("zigzag", dict(fsdp=2, sp=4), 4, 2, True, 1),
-])
+@pytest.mark.parametrize(
+    "layout,mesh_kw,h,hkv,segments,ulysses",
+    [
+        ("contiguous", dict(sp=8), 8, 1, False, 4),
+        ("striped", dict(fsdp=2, sp=4), 4, 4, True, 4),
+        ("zigzag", dict(fsdp=2, sp=4), 4, 2, True, 1),
+    ],
+)
 def test_usp_matches_dense(layout, mesh_kw, h, hkv, segments, ulysses):
     check("usp", layout, mesh_kw, h, hkv, segments, ulysses=ulysses)
 
@@ -41,16 +44,22 @@ def test_usp_matches_dense(layout, mesh_kw, h, hkv, segments, ulysses):
 def range_reference(monkeypatch):
     """The range-mask adapter (what tokamax runs behind) on a dense op: its calls specialise
     on the block pair's class, which all_gather's rounds take from the ring's call sites."""
-    monkeypatch.setitem(kernels.KERNELS, "range_reference",
-                        range_kernel(ref_attend, ref_attend_vjp))
+    monkeypatch.setitem(
+        kernels.KERNELS, "range_reference", range_kernel(ref_attend, ref_attend_vjp)
+    )
     return "range_reference"
 
 
 # every strategy at zigzag (its rounds are half block pairs); all_gather, which takes its
 # rounds' classes from the ring's call sites, at the other layouts too
-@pytest.mark.parametrize("strategy,layout", [
-    *((strategy, "zigzag") for strategy in STRATEGIES), ("all_gather", "striped"),
-    ("all_gather", "contiguous")])
+@pytest.mark.parametrize(
+    "strategy,layout",
+    [
+        *((strategy, "zigzag") for strategy in STRATEGIES),
+        ("all_gather", "striped"),
+        ("all_gather", "contiguous"),
+    ],
+)
 def test_strategy_through_the_range_kernel(range_reference, strategy, layout):
     check(strategy, layout, dict(sp=4), 4, 2, True, impl=range_reference)
 
@@ -67,8 +76,17 @@ def test_ulysses_needs_query_heads_divisible_by_sp():
         context_parallel_attention(q, q, q, mesh=make_mesh(sp=8), strategy=USP(ulysses=3))
 
 
-CFG = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
-                  dtype="float32", ffn_chunk=8, loss_chunk=4)
+CFG = ModelConfig(
+    vocab_size=97,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=48,
+    dtype="float32",
+    ffn_chunk=8,
+    loss_chunk=4,
+)
 
 
 def test_model_loss_and_grads_do_not_depend_on_the_strategy():
@@ -77,19 +95,29 @@ def test_model_loss_and_grads_do_not_depend_on_the_strategy():
     b, t, layout = 4, 32, "zigzag"
     tokens = rng.integers(0, CFG.vocab_size, (b, t + 1)).astype(np.int32)
     seg = np.cumsum(rng.random((b, t)) < 0.1, axis=1).astype(np.int32)
-    batch = dict(tokens=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=seg,
-                 loss_mask=(rng.random((b, t)) < 0.7).astype(np.float32),
-                 positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)))
+    batch = dict(
+        tokens=tokens[:, :-1],
+        targets=tokens[:, 1:],
+        segment_ids=seg,
+        loss_mask=(rng.random((b, t)) < 0.7).astype(np.float32),
+        positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)),
+    )
     mesh = make_mesh(fsdp=2, sp=4)
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
     params = shard_params(CFG, init_params(CFG, jax.random.key(0)), mesh)
     runs = {}
     for strategy in STRATEGIES:
-        attn = AttentionConfig(layout=layout, q_chunk=4, kv_chunk=4, strategy=strategy,
-                               ulysses=2 if strategy == "usp" else 1)
-        laid = batch_to_layout(batch, layout, layout_shards(attn, 4))   # as the loader lays it
-        mean = lambda p, attn=attn, laid=laid: jnp.divide(*loss_terms(CFG, p, laid, mesh=mesh,
-                                                                      attention=attn))
+        attn = AttentionConfig(
+            layout=layout,
+            q_chunk=4,
+            kv_chunk=4,
+            strategy=strategy,
+            ulysses=2 if strategy == "usp" else 1,
+        )
+        laid = batch_to_layout(batch, layout, layout_shards(attn, 4))  # as the loader lays it
+        mean = lambda p, attn=attn, laid=laid: jnp.divide(
+            *loss_terms(CFG, p, laid, mesh=mesh, attention=attn)
+        )
         runs[strategy] = jax.jit(jax.value_and_grad(mean))(params)
     want_loss, want_grads = runs["ring"]
     for strategy, (loss, grads) in runs.items():
@@ -108,8 +136,10 @@ def _programs(strategy, ulysses=1):
 
 def _sent_types(program, op):
     """Element types of what each `op` of a StableHLO program sends."""
-    return {t.split("x")[-1] for t in
-            re.findall(rf"stablehlo\.{op}\".*?[)>] : \(tensor<([^>]*)>", program, re.S)}
+    return {
+        t.split("x")[-1]
+        for t in re.findall(rf"stablehlo\.{op}\".*?[)>] : \(tensor<([^>]*)>", program, re.S)
+    }
 
 
 def test_compiled_strategies_hold_their_own_collectives():

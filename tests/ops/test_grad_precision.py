@@ -18,8 +18,8 @@ from lclm.ops.loss import blockwise_cross_entropy
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-CHUNKS = 64           # compared with a single chunk over the same sequence
-GROWTH = 1.5          # the bfloat16 running sum grew these errors 1.6x-5.6x at 64 chunks
+CHUNKS = 64  # compared with a single chunk over the same sequence
+GROWTH = 1.5  # the bfloat16 running sum grew these errors 1.6x-5.6x at 64 chunks
 
 
 def _err(got, ref):
@@ -56,8 +56,7 @@ def test_ffn_weight_grads_do_not_degrade_with_more_chunks(cast_by):
 
     grad = jax.jit(jax.grad(loss), static_argnums=(2, 3))
     ref = grad(ws, x.astype(F32), t, F32)
-    errors = {n: [_err(g, w) for g, w in zip(grad(ws, x, t // n, BF16), ref)]
-              for n in (1, CHUNKS)}
+    errors = {n: [_err(g, w) for g, w in zip(grad(ws, x, t // n, BF16), ref)] for n in (1, CHUNKS)}
     for i, name in enumerate(("w_gate", "w_up", "w_down")):
         _assert_no_growth({n: e[i] for n, e in errors.items()}, name)
 
@@ -73,11 +72,13 @@ def test_output_weight_grad_does_not_degrade_with_more_chunks(cast_by):
 
     def loss(w, h, chunk, dtype):
         if cast_by == "caller":
-            out = blockwise_cross_entropy(h.astype(dtype), w.astype(dtype), targets, mask,
-                                          chunk=chunk)
+            out = blockwise_cross_entropy(
+                h.astype(dtype), w.astype(dtype), targets, mask, chunk=chunk
+            )
         else:
-            out = blockwise_cross_entropy(h.astype(dtype), w, targets, mask, chunk=chunk,
-                                          dtype=dtype)
+            out = blockwise_cross_entropy(
+                h.astype(dtype), w, targets, mask, chunk=chunk, dtype=dtype
+            )
         return out[0]
 
     grad = jax.jit(jax.grad(loss), static_argnums=(2, 3))
@@ -88,16 +89,21 @@ def test_output_weight_grad_does_not_degrade_with_more_chunks(cast_by):
 def _batch(rng, b, t, vocab, input_vocab):
     """Inputs only from the first `input_vocab` ids: the other embedding rows of a tied model
     receive nothing but the output projection's gradient."""
-    return dict(tokens=rng.integers(0, input_vocab, (b, t)).astype(np.int32),
-                targets=rng.integers(0, vocab, (b, t)).astype(np.int32),
-                loss_mask=(rng.random((b, t)) < 0.9).astype(np.float32),
-                positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
-                segment_ids=np.ones((b, t), np.int32))
+    return dict(
+        tokens=rng.integers(0, input_vocab, (b, t)).astype(np.int32),
+        targets=rng.integers(0, vocab, (b, t)).astype(np.int32),
+        loss_mask=(rng.random((b, t)) < 0.9).astype(np.float32),
+        positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+        segment_ids=np.ones((b, t), np.int32),
+    )
 
 
 def _model_errors(grads, ref, tie, input_vocab):
-    head = (grads["embed"][input_vocab:], ref["embed"][input_vocab:]) if tie else \
-        (grads["lm_head"], ref["lm_head"])
+    head = (
+        (grads["embed"][input_vocab:], ref["embed"][input_vocab:])
+        if tie
+        else (grads["lm_head"], ref["lm_head"])
+    )
     out = {"output projection": _err(*head)}
     for name in ("w_gate", "w_up", "w_down"):
         out[name] = _err(grads["layers"][name], ref["layers"][name])
@@ -118,8 +124,9 @@ def test_tied_model_grads_do_not_degrade_with_more_chunks():
         return jax.jit(jax.grad(f))(params)
 
     ref = grads("float32", t)
-    errors = {n: _model_errors(grads("bfloat16", t // n), ref, tie, input_vocab)
-              for n in (1, CHUNKS)}
+    errors = {
+        n: _model_errors(grads("bfloat16", t // n), ref, tie, input_vocab) for n in (1, CHUNKS)
+    }
     for name in errors[1]:
         _assert_no_growth({n: e[name] for n, e in errors.items()}, name)
 
@@ -134,28 +141,35 @@ def test_train_step_grads_with_accumulation_do_not_degrade_with_more_chunks():
     from lclm.training.step import make_train_step
 
     mesh, sp, t, input_vocab = make_mesh(fsdp=2, sp=2), 2, 512, 128
-    train = types.SimpleNamespace(grad_accum=2, lr=1.0, warmup=1, steps=1, min_lr_ratio=1.0,
-                                  decay="cosine")
+    train = types.SimpleNamespace(
+        grad_accum=2, lr=1.0, warmup=1, steps=1, min_lr_ratio=1.0, decay="cosine"
+    )
     optimizer = optax.sgd(lambda count: -1.0)
-    batch = batch_to_layout(_batch(np.random.default_rng(3), 4, t, 512, input_vocab),
-                            "striped", sp)
+    batch = batch_to_layout(_batch(np.random.default_rng(3), 4, t, 512, input_vocab), "striped", sp)
     batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in batch.items()}
 
     def grads(dtype, chunk):
-        model = ModelConfig(n_layers=1, init_std=0.05, dtype=dtype, ffn_chunk=chunk,
-                            loss_chunk=chunk)
+        model = ModelConfig(
+            n_layers=1, init_std=0.05, dtype=dtype, ffn_chunk=chunk, loss_chunk=chunk
+        )
         state = init_state(model, optimizer, mesh, seed=4)
-        step = jax.jit(make_train_step(model, AttentionConfig(q_chunk=64, kv_chunk=64), train,
-                                       mesh, optimizer))
+        step = jax.jit(
+            make_train_step(model, AttentionConfig(q_chunk=64, kv_chunk=64), train, mesh, optimizer)
+        )
         new, metrics = step(state, batch)
         assert int(metrics["skipped"]) == 0
-        return jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b),
-                            jax.device_get(new.params), jax.device_get(state.params))
+        return jax.tree.map(
+            lambda a, b: np.asarray(a) - np.asarray(b),
+            jax.device_get(new.params),
+            jax.device_get(state.params),
+        )
 
     local = t // sp
     ref = grads("float32", local)
-    errors = {n: _model_errors(grads("bfloat16", local // n), ref, False, input_vocab)
-              for n in (1, CHUNKS)}
+    errors = {
+        n: _model_errors(grads("bfloat16", local // n), ref, False, input_vocab)
+        for n in (1, CHUNKS)
+    }
     for name in errors[1]:
         _assert_no_growth({n: e[name] for n, e in errors.items()}, name)
 
@@ -182,10 +196,12 @@ def test_backward_accumulates_weight_grads_in_float32():
     x, ws, r = _ffn_case(t=64, d=8, f=12)
     h, w_out = x, jnp.ones((8, 16), F32)
     targets, mask = jnp.zeros((1, 64), jnp.int32), jnp.ones((1, 64), F32)
-    ffn = lambda ws: jnp.sum(blockwise_ffn(x, *(w.astype(BF16) for w in ws), chunk=8)
-                             .astype(F32) * r)
+    ffn = lambda ws: jnp.sum(
+        blockwise_ffn(x, *(w.astype(BF16) for w in ws), chunk=8).astype(F32) * r
+    )
     ce = lambda w: blockwise_cross_entropy(h, w.astype(BF16), targets, mask, chunk=8)[0]
     for f, args, shapes in ((ffn, ws, {(8, 12), (12, 8)}), (ce, w_out, {(8, 16)})):
-        carries = [a for a in _scan_carries(jax.make_jaxpr(jax.grad(f))(args))
-                   if tuple(a.shape) in shapes]
+        carries = [
+            a for a in _scan_carries(jax.make_jaxpr(jax.grad(f))(args)) if tuple(a.shape) in shapes
+        ]
         assert carries and all(a.dtype == F32 for a in carries), carries

@@ -14,11 +14,13 @@ LLAMA = dict(head_dim=128, q_chunk=512, kv_chunk=512, block=8192)
 def _no_tokamax(monkeypatch):
     """The rules below as on a GPU machine without tokamax (its own test is separate)."""
     from lclm.ops.kernels import tokamax_gpu
+
     monkeypatch.setattr(tokamax_gpu, "available", lambda: False)
 
 
 def test_auto_prefers_cudnn_with_tokamax_rounds_on_gpus_where_tokamax_is_installed(monkeypatch):
     from lclm.ops.kernels import tokamax_gpu
+
     monkeypatch.setattr(tokamax_gpu, "available", lambda: True)
     monkeypatch.setattr(tokamax_gpu, "hopper_or_newer", lambda: True)
     assert choose_kernel("auto", platform="gpu", **LLAMA) == "cudnn_gpu"
@@ -26,14 +28,16 @@ def test_auto_prefers_cudnn_with_tokamax_rounds_on_gpus_where_tokamax_is_install
     assert choose_kernel("auto", platform="cpu", **LLAMA) == "blockwise"
     # its kernels compute in bf16/f16 and need sm90+: elsewhere auto falls back
     assert choose_kernel("auto", platform="gpu", dtype="float32", **LLAMA) == "pallas_gpu"
-    monkeypatch.setattr(tokamax_gpu, "hopper_or_newer", lambda: False)   # e.g. an A100
+    monkeypatch.setattr(tokamax_gpu, "hopper_or_newer", lambda: False)  # e.g. an A100
     assert choose_kernel("auto", platform="gpu", **LLAMA) == "pallas_gpu"
 
 
-@pytest.mark.parametrize("head_dim,want", [(64, "cudnn_gpu"), (128, "cudnn_gpu"),
-                                            (256, "pallas_gpu"), (96, "blockwise")])
+@pytest.mark.parametrize(
+    "head_dim,want", [(64, "cudnn_gpu"), (128, "cudnn_gpu"), (256, "pallas_gpu"), (96, "blockwise")]
+)
 def test_tokamax_serves_only_the_head_dims_checked_on_a_gpu(monkeypatch, head_dim, want):
     from lclm.ops.kernels import tokamax_gpu
+
     monkeypatch.setattr(tokamax_gpu, "available", lambda: True)
     monkeypatch.setattr(tokamax_gpu, "hopper_or_newer", lambda: True)
     shapes = dict(LLAMA, head_dim=head_dim)
@@ -44,30 +48,36 @@ def test_tokamax_serves_only_the_head_dims_checked_on_a_gpu(monkeypatch, head_di
         assert f"head dim {head_dim} must be 64 or 128" in why
 
 
-@pytest.mark.parametrize("platform,shapes,want", [
-    ("cpu", LLAMA, "blockwise"),                            # fused kernels only interpret here
-    ("gpu", LLAMA, "pallas_gpu"),
-    ("cuda", dict(LLAMA, head_dim=64), "pallas_gpu"),
-    ("gpu", dict(LLAMA, head_dim=96), "blockwise"),         # Triton: power-of-two head dims
-    ("gpu", dict(LLAMA, q_chunk=8, kv_chunk=8), "blockwise"),  # Triton tiles are >= 16
-    ("tpu", LLAMA, "pallas_tpu"),
-    ("tpu", dict(LLAMA, q_chunk=64), "pallas_tpu"),          # its tiles are its own on a TPU
-    ("tpu", dict(LLAMA, block=1088), "blockwise"),          # no 128-multiple tile divides it
-    ("tpu", dict(LLAMA, q_chunk=64, kv_chunk=64, block=64), "pallas_tpu"),  # one whole tile
-])
+@pytest.mark.parametrize(
+    "platform,shapes,want",
+    [
+        ("cpu", LLAMA, "blockwise"),  # fused kernels only interpret here
+        ("gpu", LLAMA, "pallas_gpu"),
+        ("cuda", dict(LLAMA, head_dim=64), "pallas_gpu"),
+        ("gpu", dict(LLAMA, head_dim=96), "blockwise"),  # Triton: power-of-two head dims
+        ("gpu", dict(LLAMA, q_chunk=8, kv_chunk=8), "blockwise"),  # Triton tiles are >= 16
+        ("tpu", LLAMA, "pallas_tpu"),
+        ("tpu", dict(LLAMA, q_chunk=64), "pallas_tpu"),  # its tiles are its own on a TPU
+        ("tpu", dict(LLAMA, block=1088), "blockwise"),  # no 128-multiple tile divides it
+        ("tpu", dict(LLAMA, q_chunk=64, kv_chunk=64, block=64), "pallas_tpu"),  # one whole tile
+    ],
+)
 def test_auto_picks_the_fastest_kernel_that_can_serve(platform, shapes, want):
     assert choose_kernel("auto", platform=platform, **shapes) == want
 
 
-@pytest.mark.parametrize("impl,platform,shapes,needle", [
-    ("pallas_tpu", "gpu", LLAMA, "runs on TPUs"),
-    ("pallas_gpu", "tpu", LLAMA, "runs on GPUs"),
-    ("pallas_gpu", "gpu", dict(LLAMA, head_dim=96), "head dim 96 must be a power of two"),
-    ("pallas_tpu", "tpu", dict(LLAMA, block=1088), "block of 1088 tokens must be a multiple"),
-    ("tokamax_gpu", "gpu", LLAMA, "tokamax is not installed"),
-    ("tokamax_gpu", "cpu", LLAMA, "GPUs only"),
-    ("tokamax_gpu", "gpu", dict(LLAMA, head_dim=256), "head dim 256 must be 64 or 128"),
-])
+@pytest.mark.parametrize(
+    "impl,platform,shapes,needle",
+    [
+        ("pallas_tpu", "gpu", LLAMA, "runs on TPUs"),
+        ("pallas_gpu", "tpu", LLAMA, "runs on GPUs"),
+        ("pallas_gpu", "gpu", dict(LLAMA, head_dim=96), "head dim 96 must be a power of two"),
+        ("pallas_tpu", "tpu", dict(LLAMA, block=1088), "block of 1088 tokens must be a multiple"),
+        ("tokamax_gpu", "gpu", LLAMA, "tokamax is not installed"),
+        ("tokamax_gpu", "cpu", LLAMA, "GPUs only"),
+        ("tokamax_gpu", "gpu", dict(LLAMA, head_dim=256), "head dim 256 must be 64 or 128"),
+    ],
+)
 def test_an_explicit_kernel_that_cannot_serve_fails_in_one_line(impl, platform, shapes, needle):
     with pytest.raises(ValueError) as e:
         choose_kernel(impl, platform=platform, **shapes)
@@ -98,10 +108,11 @@ def test_the_trainer_names_its_kernel_and_refuses_one_the_platform_cannot_run():
     from lclm.training.startup_checks import attention_kernel
 
     kernel = lambda c, model, sp, platform: attention_kernel(
-        AttentionConfig.from_config(c.attention), c.data.seq_len, model, sp, platform)
+        AttentionConfig.from_config(c.attention), c.data.seq_len, model, sp, platform
+    )
 
     c = base_config()
-    c.model.update(dim=512, n_heads=4, n_kv_heads=4)     # head dim 128
+    c.model.update(dim=512, n_heads=4, n_kv_heads=4)  # head dim 128
     c.data.seq_len, c.attention.q_chunk, c.attention.kv_chunk = 8192, 64, 64
     model = ModelConfig.from_config(c.model)
     assert kernel(c, model, 4, "cpu") == "blockwise"

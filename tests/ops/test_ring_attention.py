@@ -29,6 +29,7 @@ def _inputs(seed, b=2, t=64, h=4, hkv=2, d=16, segments=False):
 def _reference(q, k, v, do, seg):
     def f(q, k, v):
         return dense_attention(q, k, v, causal=True, segment_ids=seg)
+
     out, vjp = jax.vjp(f, q, k, v)
     return (out, *vjp(do))
 
@@ -45,9 +46,16 @@ IMPLS = ["blockwise", "pallas_gpu"]
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("sp,chunk,hkv,segments", [
-    (1, 16, 2, False), (2, 8, 4, True), (4, 4, 1, False), (4, 16, 2, True), (8, 8, 2, True),
-])
+@pytest.mark.parametrize(
+    "sp,chunk,hkv,segments",
+    [
+        (1, 16, 2, False),
+        (2, 8, 4, True),
+        (4, 4, 1, False),
+        (4, 16, 2, True),
+        (8, 8, 2, True),
+    ],
+)
 def test_ring_matches_dense(impl, layout, sp, chunk, hkv, segments):
     seed = zlib.crc32(repr((impl, layout, sp, chunk, hkv, segments)).encode())
     q, k, v, do, seg = _inputs(seed, hkv=hkv, segments=segments)
@@ -57,8 +65,17 @@ def test_ring_matches_dense(impl, layout, sp, chunk, hkv, segments):
     unlay = lambda x: from_layout(x, layout, sp)
 
     def f(q, k, v):
-        return ring_attention(q, k, v, mesh=mesh, layout=layout, segment_ids=lay(seg),
-                              q_chunk=chunk, kv_chunk=chunk, impl=impl)
+        return ring_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            layout=layout,
+            segment_ids=lay(seg),
+            q_chunk=chunk,
+            kv_chunk=chunk,
+            impl=impl,
+        )
 
     out, vjp = jax.vjp(jax.jit(f), lay(q), lay(k), lay(v))
     grads = vjp(lay(do))
@@ -73,8 +90,16 @@ def test_ring_with_tensor_parallel_heads_and_mqa(impl):
     mesh = make_mesh(tp=2, sp=4)
 
     def f(q, k, v):
-        return ring_attention(q, k, v, mesh=mesh, segment_ids=stripe(jnp.asarray(seg), 4),
-                              q_chunk=8, kv_chunk=4, impl=impl)
+        return ring_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            segment_ids=stripe(jnp.asarray(seg), 4),
+            q_chunk=8,
+            kv_chunk=4,
+            impl=impl,
+        )
 
     out, vjp = jax.vjp(jax.jit(f), *(stripe(jnp.asarray(x), 4) for x in (q, k, v)))
     for g, w in zip((out, *vjp(stripe(jnp.asarray(do), 4))), want):
@@ -110,8 +135,9 @@ def test_zigzag_roundtrip_and_device_assignment():
     back = from_layout(to_layout(jnp.asarray(x), "zigzag", n), "zigzag", n)
     np.testing.assert_array_equal(back, x)
     for j in range(n):  # the positions the ring derives are the ones the layout put there
-        np.testing.assert_array_equal(original_positions("zigzag", n, j, t // n),
-                                      z[0, j * 8:(j + 1) * 8])
+        np.testing.assert_array_equal(
+            original_positions("zigzag", n, j, t // n), z[0, j * 8 : (j + 1) * 8]
+        )
     with pytest.raises(ValueError, match="2 x the sp size"):
         to_layout(np.arange(12)[None], "zigzag", 4)
 
@@ -125,7 +151,7 @@ def test_zigzag_rounds_are_half_a_block_pair_of_full_tiles():
     zigzag = tile_schedule("zigzag", n, t, c, c) / tiles
     np.testing.assert_allclose(zigzag[1:], 0.5)
     per_half = local // 2 // c
-    diagonal = (2 * per_half * (per_half + 1) / 2 + per_half ** 2) / tiles
+    diagonal = (2 * per_half * (per_half + 1) / 2 + per_half**2) / tiles
     np.testing.assert_allclose(zigzag[0], diagonal)
     for r in range(1, n):  # no visible tile straddles the mask
         for j in range(n):
@@ -156,8 +182,9 @@ def test_tile_schedule_matches_paper_workload():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("layout,sp", [("contiguous", 1), ("striped", 2), ("contiguous", 2),
-                                       ("zigzag", 2)])
+@pytest.mark.parametrize(
+    "layout,sp", [("contiguous", 1), ("striped", 2), ("contiguous", 2), ("zigzag", 2)]
+)
 def test_hidden_tiles_are_skipped_not_masked(impl, layout, sp):
     """NaN keys/values in the last 16 positions: a computed-then-masked tile would spread
     NaN (NaN + -inf = NaN) into every query of that tile; skipped tiles keep earlier queries
@@ -169,8 +196,7 @@ def test_hidden_tiles_are_skipped_not_masked(impl, layout, sp):
     lay = lambda x: to_layout(jnp.asarray(x), layout, sp)
 
     def f(q, k, v):
-        return ring_attention(q, k, v, mesh=mesh, layout=layout, q_chunk=8, kv_chunk=8,
-                              impl=impl)
+        return ring_attention(q, k, v, mesh=mesh, layout=layout, q_chunk=8, kv_chunk=8, impl=impl)
 
     out, vjp = jax.vjp(jax.jit(f), lay(q), lay(poison(k)), lay(poison(v)))
     do_clean = np.concatenate([do[:, :48], np.zeros_like(do[:, 48:])], axis=1)
@@ -187,14 +213,17 @@ def test_kv_travel_in_the_compute_dtype():
     before any backend's own type normalisation); only the dK/dV accumulators travel in
     float32 (anchors.md pitfalls 2 and 3)."""
     import re
+
     mesh = make_mesh(sp=4)
     q = jnp.ones((2, 64, 4, 16), jnp.bfloat16)
     k = jnp.ones((2, 64, 2, 16), jnp.bfloat16)
     seg = jnp.ones((2, 64), jnp.int32)
-    ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, segment_ids=seg, q_chunk=8,
-                                          kv_chunk=8)
-    permuted = lambda fn: re.findall(r"collective_permute.*?-> tensor<([^>]*)>",
-                                     jax.jit(fn).lower(q, k, k).as_text())
+    ring = lambda q, k, v: ring_attention(
+        q, k, v, mesh=mesh, segment_ids=seg, q_chunk=8, kv_chunk=8
+    )
+    permuted = lambda fn: re.findall(
+        r"collective_permute.*?-> tensor<([^>]*)>", jax.jit(fn).lower(q, k, k).as_text()
+    )
     forward = permuted(ring)
     assert forward and {t.split("x")[-1] for t in forward} == {"bf16", "i32"}
     backward = permuted(jax.grad(lambda *a: ring(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
@@ -209,8 +238,9 @@ def test_blockwise_ring_has_no_conditional_per_tile():
     lay = lambda x: to_layout(jnp.asarray(x), "striped", 4)
 
     def loss(q, k, v):
-        o = ring_attention(q, k, v, mesh=mesh, segment_ids=lay(seg), q_chunk=4, kv_chunk=4,
-                           impl="blockwise")
+        o = ring_attention(
+            q, k, v, mesh=mesh, segment_ids=lay(seg), q_chunk=4, kv_chunk=4, impl="blockwise"
+        )
         return jnp.sum(o * lay(do))
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))

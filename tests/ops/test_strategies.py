@@ -33,16 +33,23 @@ def _with_degree(strategy: str, ulysses: int):
 
 def _degree(strategy: str, heads: int, tp: int, sp: int) -> int:
     """The Ulysses degree to test `strategy` at: 2 where its limits take it, else 1."""
-    return next(u for u in (2, 1)
-                if _with_degree(strategy, u).limits(heads=heads, tp=tp, sp=sp) is None)
+    return next(
+        u for u in (2, 1) if _with_degree(strategy, u).limits(heads=heads, tp=tp, sp=sp) is None
+    )
 
 
-def check(strategy, layout, mesh_kw, h, hkv, segments, impl="blockwise", chunk=8, batch=2,
-          ulysses=None):
+def check(
+    strategy, layout, mesh_kw, h, hkv, segments, impl="blockwise", chunk=8, batch=2, ulysses=None
+):
     """o, dq, dk, dv of `strategy` on a mesh of `mesh_kw` against the dense reference
     (`ulysses`: usp's degree; None: the one `_degree` picks)."""
-    q, k, v, do, seg = _inputs(zlib.crc32(repr((strategy, layout, h, hkv)).encode()), b=batch,
-                               h=h, hkv=hkv, segments=segments)
+    q, k, v, do, seg = _inputs(
+        zlib.crc32(repr((strategy, layout, h, hkv)).encode()),
+        b=batch,
+        h=h,
+        hkv=hkv,
+        segments=segments,
+    )
     want = _reference(q, k, v, do, seg)
     mesh = make_mesh(**mesh_kw)
     sizes = dict(mesh.shape)
@@ -54,9 +61,18 @@ def check(strategy, layout, mesh_kw, h, hkv, segments, impl="blockwise", chunk=8
     lay = lambda x: None if x is None else to_layout(jnp.asarray(x), layout, n)
 
     def f(q, k, v):
-        return context_parallel_attention(q, k, v, mesh=mesh, strategy=chosen, layout=layout,
-                                          segment_ids=lay(seg), q_chunk=chunk, kv_chunk=chunk,
-                                          impl=impl)
+        return context_parallel_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            strategy=chosen,
+            layout=layout,
+            segment_ids=lay(seg),
+            q_chunk=chunk,
+            kv_chunk=chunk,
+            impl=impl,
+        )
 
     out, vjp = jax.vjp(jax.jit(f), lay(q), lay(k), lay(v))
     for got, w in zip((out, *vjp(lay(do))), want):  # o, dq, dk, dv
@@ -85,9 +101,14 @@ def _host_shapes(name: str):
     it serves none."""
     why = None
     for head_dim, chunk in ((16, 16), (64, 16)):
-        why = get_kernel(name).limits(head_dim=head_dim, q_chunk=chunk, kv_chunk=chunk,
-                                      block=16, platform=jax.devices()[0].platform,
-                                      dtype="float32")
+        why = get_kernel(name).limits(
+            head_dim=head_dim,
+            q_chunk=chunk,
+            kv_chunk=chunk,
+            block=16,
+            platform=jax.devices()[0].platform,
+            dtype="float32",
+        )
         if why is None:
             return head_dim, chunk
     return why
@@ -123,11 +144,12 @@ def test_every_strategy_on_a_mesh_of_all_four_axes():
     """dp, fsdp, tp and sp all 2: 16 devices, more than the suite's 8, so in a process of its
     own (its conftest import sets the rest of the suite's environment)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16")
-    env.pop("NPROC", None)   # sized for the suite's 8 devices; conftest sizes it for 16
+    env.pop("NPROC", None)  # sized for the suite's 8 devices; conftest sizes it for 16
     tests = os.path.join(ROOT, "tests")
     code = _FOUR_AXES.format(tests=tests, ops=os.path.join(tests, "ops"))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {}
 
@@ -139,9 +161,17 @@ def test_limits_refuse_at_start_what_the_attention_refuses(strategy):
     they must allow some of these shapes (a strategy whose limits refuse everything would
     pass the first check)."""
     allowed = 0
-    for heads, kv_heads, tp, sp, ulysses in [(4, 2, 1, 8, 1), (8, 2, 1, 8, 1), (4, 2, 2, 4, 1),
-                                             (4, 1, 1, 8, 2), (4, 2, 1, 8, 4), (8, 1, 1, 8, 8),
-                                             (4, 2, 1, 8, 3), (6, 2, 2, 2, 2), (4, 1, 1, 4, 1)]:
+    for heads, kv_heads, tp, sp, ulysses in [
+        (4, 2, 1, 8, 1),
+        (8, 2, 1, 8, 1),
+        (4, 2, 2, 4, 1),
+        (4, 1, 1, 8, 2),
+        (4, 2, 1, 8, 4),
+        (8, 1, 1, 8, 8),
+        (4, 2, 1, 8, 3),
+        (6, 2, 2, 2, 2),
+        (4, 1, 1, 4, 1),
+    ]:
         mesh = make_mesh(tp=tp, sp=sp)
         q = jax.ShapeDtypeStruct((2, 8 * sp, heads, 16), jnp.float32)
         kv = jax.ShapeDtypeStruct((2, 8 * sp, kv_heads, 16), jnp.float32)
@@ -149,9 +179,22 @@ def test_limits_refuse_at_start_what_the_attention_refuses(strategy):
         why = chosen.limits(heads=heads, tp=tp, sp=sp)
         allowed += why is None
         try:
-            jax.eval_shape(lambda q, k, v, mesh=mesh, s=chosen: context_parallel_attention(
-                q, k, v, mesh=mesh, strategy=s, q_chunk=8, kv_chunk=8, impl="blockwise",
-                layout="contiguous"), q, kv, kv)
+            jax.eval_shape(
+                lambda q, k, v, mesh=mesh, s=chosen: context_parallel_attention(
+                    q,
+                    k,
+                    v,
+                    mesh=mesh,
+                    strategy=s,
+                    q_chunk=8,
+                    kv_chunk=8,
+                    impl="blockwise",
+                    layout="contiguous",
+                ),
+                q,
+                kv,
+                kv,
+            )
         except ValueError as e:
             assert why is not None, (heads, kv_heads, tp, sp, ulysses, str(e))
     assert allowed >= 2

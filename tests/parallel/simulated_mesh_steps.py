@@ -41,27 +41,41 @@ def run(case: str) -> float:
     mesh = make_mesh(**SIZES)
     c = base_config()
     # the shapes of the reported deadlock: configs/demo.py's model in float32, 1024 tokens
-    c.model.update(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
-                   dtype="float32", ffn_chunk=int(chunk), loss_chunk=int(chunk))
+    c.model.update(
+        vocab_size=512,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=384,
+        dtype="float32",
+        ffn_chunk=int(chunk),
+        loss_chunk=int(chunk),
+    )
     c.attention.update(layout=layout, q_chunk=int(chunk), kv_chunk=int(chunk))
     model = ModelConfig.from_config(c.model)
     optimizer = make_optimizer(run_config(c).train)
     state = init_state(model, optimizer, mesh, 0)
     where = jax.tree.map(lambda x: x.sharding, state)
     rows = batch_sharding(mesh)
-    step = jax.jit(make_train_step(model, AttentionConfig.from_config(c.attention),
-                                   run_config(c).train, mesh, optimizer),
-                   in_shardings=(where, rows),
-                   out_shardings=(where, NamedSharding(mesh, PartitionSpec())),
-                   donate_argnums=0)
+    step = jax.jit(
+        make_train_step(
+            model, AttentionConfig.from_config(c.attention), run_config(c).train, mesh, optimizer
+        ),
+        in_shardings=(where, rows),
+        out_shardings=(where, NamedSharding(mesh, PartitionSpec())),
+        donate_argnums=0,
+    )
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model.vocab_size, (BATCH, SEQ + 1)).astype(np.int32)
-    batch = dict(tokens=tokens[:, :-1], targets=tokens[:, 1:],
-                 loss_mask=np.ones((BATCH, SEQ), np.float32),
-                 positions=np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ)),
-                 segment_ids=np.zeros((BATCH, SEQ), np.int32))
-    batch = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, layout,
-                            mesh.shape["sp"])
+    batch = dict(
+        tokens=tokens[:, :-1],
+        targets=tokens[:, 1:],
+        loss_mask=np.ones((BATCH, SEQ), np.float32),
+        positions=np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ)),
+        segment_ids=np.zeros((BATCH, SEQ), np.int32),
+    )
+    batch = batch_to_layout({k: jnp.asarray(v) for k, v in batch.items()}, layout, mesh.shape["sp"])
     batch = jax.device_put(batch, rows)
     for _ in range(2):
         state, metrics = step(state, batch)

@@ -23,8 +23,13 @@ from lclm.training.workdirs import saved_steps
 STEPS = 12
 ARGS = [*TINY_DEMO_ARGS, f"--config.train.steps={STEPS}"]
 # what the storage clients print on their own when lclm does not quiet them
-NOISE = ("Traceback", "Could not determine bucket type", "AdaptiveReadaheadCache",
-         "ClientConnectorError", "Event loop is closed")
+NOISE = (
+    "Traceback",
+    "Could not determine bucket type",
+    "AdaptiveReadaheadCache",
+    "ClientConnectorError",
+    "Event loop is closed",
+)
 
 
 @pytest.fixture
@@ -44,15 +49,20 @@ def _env(proxy):
 
 
 def _train(proxy, workdir, log, *extra):
-    return subprocess.Popen([sys.executable, "train.py", *ARGS, f"--config.workdir={workdir}",
-                             *extra], cwd=ROOT, env=_env(proxy), stdout=log,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "train.py", *ARGS, f"--config.workdir={workdir}", *extra],
+        cwd=ROOT,
+        env=_env(proxy),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _cut_during_the_save_of(step, gcs, proxy, workdir, run, silent=False):
     """Wait for the run to start saving `step` (its folder on the server's disk), then make
     the bucket unreachable (`silent`: connections accepted and never answered)."""
-    step_dir = os.path.join(gcs.root, workdir[len("gs://"):], "checkpoints", str(step))
+    step_dir = os.path.join(gcs.root, workdir[len("gs://") :], "checkpoints", str(step))
     deadline = time.time() + 120
     while not os.path.exists(step_dir):
         assert run.poll() is None and time.time() < deadline, f"the run never saved {step}"
@@ -89,8 +99,7 @@ def test_an_outage_longer_than_the_clients_retries_is_ridden_out(gcs, outage, tm
     assert not [n for n in NOISE if n in console], console
 
 
-
-PATIENCE = 10   # seconds; the clients' own retries of a request take about 3 s (storage.GCS_TRIES)
+PATIENCE = 10  # seconds; the clients' own retries of a request take about 3 s (storage.GCS_TRIES)
 
 
 def _losses(workdir):
@@ -99,7 +108,8 @@ def _losses(workdir):
 
 @pytest.mark.slow
 def test_an_outage_past_the_patience_stops_promptly_and_the_run_resumes_after_it(
-        gcs, outage, tmp_path):
+    gcs, outage, tmp_path
+):
     """The bucket cut during the save of step 4 and not back: exit 3 within the patience and
     a bounded margin (measured: about 30 s past a 10 s patience), in one line naming step 2;
     once the bucket is back the same command resumes from step 2 to the losses of a run that
@@ -107,9 +117,14 @@ def test_an_outage_past_the_patience_stops_promptly_and_the_run_resumes_after_it
     local, workdir = tmp_path / "local", gcs.bucket() + "/run"
     patience = f"--config.storage_patience_seconds={PATIENCE}"
     # the same run on a local disk, at the same time: the losses without the outage
-    reference = subprocess.Popen([sys.executable, "train.py", *ARGS, f"--config.workdir={local}"],
-                                 cwd=ROOT, env=_env(outage), stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True)
+    reference = subprocess.Popen(
+        [sys.executable, "train.py", *ARGS, f"--config.workdir={local}"],
+        cwd=ROOT,
+        env=_env(outage),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     with open(tmp_path / "console", "w+") as log:
         run = _train(outage, workdir, log, patience)
         _cut_during_the_save_of(4, gcs, outage, workdir, run)
@@ -125,7 +140,7 @@ def test_an_outage_past_the_patience_stops_promptly_and_the_run_resumes_after_it
     _stopped_in_one_line(console, workdir)
 
     outage.up()
-    assert saved_steps(workdir)[-1] == 2   # what was saved before the cut is intact
+    assert saved_steps(workdir)[-1] == 2  # what was saved before the cut is intact
     with open(tmp_path / "console2", "w+") as log:
         assert _train(outage, workdir, log, patience).wait(timeout=200) == 0, _console(log)
         assert "restored checkpoint step 2" in _console(log)
@@ -199,13 +214,22 @@ def test_a_bucket_unreachable_at_start_is_one_line_for_every_program(gcs, outage
     printed a 50-line gcsfs traceback first; generate exited 1 with 159 lines)."""
     workdir = gcs.bucket() + "/run"
     outage.down()
-    for command in ([sys.executable, "train.py", *ARGS, f"--config.workdir={workdir}"],
-                    [sys.executable, "-m", "lclm.convert", "--from-checkpoint", workdir,
-                     "--to-hf", str(tmp_path / "hf")],
-                    [sys.executable, "-m", "lclm.eval.generate", "--checkpoint", workdir,
-                     "--prompt", "hi"]):
-        done = subprocess.run(command, cwd=ROOT, env=_env(outage), capture_output=True,
-                              text=True, timeout=120)
+    for command in (
+        [sys.executable, "train.py", *ARGS, f"--config.workdir={workdir}"],
+        [
+            sys.executable,
+            "-m",
+            "lclm.convert",
+            "--from-checkpoint",
+            workdir,
+            "--to-hf",
+            str(tmp_path / "hf"),
+        ],
+        [sys.executable, "-m", "lclm.eval.generate", "--checkpoint", workdir, "--prompt", "hi"],
+    ):
+        done = subprocess.run(
+            command, cwd=ROOT, env=_env(outage), capture_output=True, text=True, timeout=120
+        )
         lines = (done.stdout + done.stderr).splitlines()
         assert done.returncode == 2 and len(lines) == 1, (command, lines)
         assert lines[0].startswith("error: ") and "Cannot connect" in lines[0], lines

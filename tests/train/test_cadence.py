@@ -25,27 +25,27 @@ def test_validates_every_validation_every_and_at_the_last_step_each_one_logged()
 
 
 def test_saves_every_checkpoint_every_and_the_final_step_but_not_where_a_crash_stops_it():
-    assert _where(Cadence(first=1, last=7, total=7, log_every=1, save_every=3),
-                  "save") == [3, 6, 7]
+    assert _where(Cadence(first=1, last=7, total=7, log_every=1, save_every=3), "save") == [3, 6, 7]
     assert _where(Cadence(first=1, last=5, total=7, log_every=1, save_every=3), "save") == [3]
     assert _where(Cadence(first=1, last=7, total=7, log_every=1), "save") == [7]
-    assert _where(Cadence(first=1, last=7, total=7, log_every=1, save_every=3),
-                  "last_chance") == [7]
+    assert _where(Cadence(first=1, last=7, total=7, log_every=1, save_every=3), "last_chance") == [
+        7
+    ]
 
 
 def test_a_termination_logs_saves_and_stops_that_step():
     c = Cadence(first=1, last=10, total=10, log_every=4, save_every=5)
     plan = c.at(3, terminated=True)
     assert plan.log and plan.save and plan.last_chance and plan.stop
-    assert not c.at(3).stop and not c.at(10).stop   # the loop ends after `last` anyway
+    assert not c.at(3).stop and not c.at(10).stop  # the loop ends after `last` anyway
 
 
 def test_with_several_processes_retries_and_saves_by_time_wait_for_agreed_steps():
     one = Cadence(first=1, last=9, total=9, log_every=3)
     several = Cadence(first=1, last=9, total=9, log_every=3, multi=True)
     assert _where(one, "retry") == _where(one, "by_time") == list(range(1, 10))
-    assert _where(several, "retry") == [1, 3, 6, 9]   # its logged steps
-    assert _where(several, "by_time") == [3, 6, 9]    # multiples of log.every
+    assert _where(several, "retry") == [1, 3, 6, 9]  # its logged steps
+    assert _where(several, "by_time") == [3, 6, 9]  # multiples of log.every
     assert _where(several, "retry", terminated=(4,)) == [1, 3, 4, 6, 9]
 
 
@@ -67,8 +67,15 @@ def test_of_reads_the_train_log_validation_and_checkpoint_sections():
     config.train.steps, config.log.every, config.checkpoint.every = 50, 5, 20
     config.validation.update(path="", every=7, at_start=True)
     assert Cadence.of(run_config(config), first=11, stop_after=30, multi=True) == Cadence(
-        first=11, last=30, total=50, log_every=5, validate_every=0, save_every=20,
-        validate_at_start=True, multi=True)
+        first=11,
+        last=30,
+        total=50,
+        log_every=5,
+        validate_every=0,
+        save_every=20,
+        validate_at_start=True,
+        multi=True,
+    )
     config.validation.path = "held_out.jsonl"
     c = Cadence.of(run_config(config), first=1, stop_after=None, multi=False)
     assert (c.last, c.validate_every) == (50, 7)

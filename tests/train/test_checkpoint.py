@@ -28,8 +28,9 @@ pytestmark = pytest.mark.slow  # trains models or starts processes: left out by 
 
 
 def _config(workdir, **mesh):
-    return small_train_config(workdir, mesh=dict(dp=1, fsdp=2, tp=1, sp=4) | mesh,
-                              attention=dict(q_chunk=8, kv_chunk=8))
+    return small_train_config(
+        workdir, mesh=dict(dp=1, fsdp=2, tp=1, sp=4) | mesh, attention=dict(q_chunk=8, kv_chunk=8)
+    )
 
 
 def _restore(config):
@@ -53,8 +54,9 @@ def test_checkpoint_restores_on_another_mesh_layout_and_scan_setting(tmp_path):
     config = _config(tmp_path / "run")
     train(config)
     # a fixed batch in original order
-    loader = HostBatches(run_config(config), make_mesh(fsdp=2, sp=4),
-                         Tokenizer(config.data.tokenizer))
+    loader = HostBatches(
+        run_config(config), make_mesh(fsdp=2, sp=4), Tokenizer(config.data.tokenizer)
+    )
     batch = {k: from_layout(np.asarray(v), "striped", 4) for k, v in next(loader).items()}
     loader.close()
     mesh, model, state, data = _restore(config)
@@ -90,8 +92,9 @@ def test_shape_mismatch_names_the_parameter_and_corrupt_latest_falls_back(tmp_pa
         _restore(tied)
     assert not os.path.exists(tmp_path / "run" / "checkpoints_damaged")
     # damage step 4's array data: step 2 is used, and the damage is reported
-    for f in glob.glob(str(tmp_path / "run" / "checkpoints" / "4" / "state" / "**" / "*"),
-                       recursive=True):
+    for f in glob.glob(
+        str(tmp_path / "run" / "checkpoints" / "4" / "state" / "**" / "*"), recursive=True
+    ):
         if os.path.isfile(f) and "ocdbt.process_0" in f:
             with open(f, "wb") as fh:
                 fh.write(b"garbage")
@@ -102,9 +105,13 @@ def test_shape_mismatch_names_the_parameter_and_corrupt_latest_falls_back(tmp_pa
 
 
 def _step_bytes(workdir, step):
-    return sum(os.path.getsize(f) for f in glob.glob(
-        str(workdir / "checkpoints" / str(step) / "state" / "**" / "*"), recursive=True)
-        if os.path.isfile(f))
+    return sum(
+        os.path.getsize(f)
+        for f in glob.glob(
+            str(workdir / "checkpoints" / str(step) / "state" / "**" / "*"), recursive=True
+        )
+        if os.path.isfile(f)
+    )
 
 
 def test_a_step_in_orbaxs_default_format_restores_and_new_steps_are_uncompressed(tmp_path):
@@ -118,18 +125,31 @@ def test_a_step_in_orbaxs_default_format_restores_and_new_steps_are_uncompressed
     optimizer = make_optimizer(run_config(config).train)
     state = init_state(model, optimizer, mesh, seed=0)
     # moments that are not all zeros (zeros compress to nothing either way)
-    state = state._replace(opt_state=jax.tree.map(
-        lambda x: x + 1e-3 if jnp.issubdtype(x.dtype, jnp.floating) else x, state.opt_state))
+    state = state._replace(
+        opt_state=jax.tree.map(
+            lambda x: x + 1e-3 if jnp.issubdtype(x.dtype, jnp.floating) else x, state.opt_state
+        )
+    )
     item = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-    earlier = ocp.CheckpointManager(str(workdir / "checkpoints"), item_handlers={
-        "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
-        "config": ocp.JsonCheckpointHandler()})
-    earlier.save(1, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(item), data=ocp.args.JsonSave({"processes": [{"n": 1}]}),
-        config=ocp.args.JsonSave({})))
+    earlier = ocp.CheckpointManager(
+        str(workdir / "checkpoints"),
+        item_handlers={
+            "state": ocp.StandardCheckpointHandler(),
+            "data": ocp.JsonCheckpointHandler(),
+            "config": ocp.JsonCheckpointHandler(),
+        },
+    )
+    earlier.save(
+        1,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(item),
+            data=ocp.args.JsonSave({"processes": [{"n": 1}]}),
+            config=ocp.args.JsonSave({}),
+        ),
+    )
     earlier.close()
     nbytes = sum(x.nbytes for x in jax.tree.leaves(item))
-    assert _step_bytes(workdir, 1) < 0.95 * nbytes   # compressed
+    assert _step_bytes(workdir, 1) < 0.95 * nbytes  # compressed
 
     def same(a, b):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):

@@ -16,13 +16,28 @@ pytestmark = pytest.mark.slow  # starts processes
 
 
 def _train(workdir, cache, steps):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", WANDB_MODE="disabled",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    env.pop("JAX_COMPILATION_CACHE_DIR")   # the test session's: the config's default decides
-    done = subprocess.run([sys.executable, "train.py", *TINY_DEMO_ARGS,
-                           f"--config.train.steps={steps}", f"--config.workdir={workdir}",
-                           f"--config.compile_cache={cache}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        WANDB_MODE="disabled",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    )
+    env.pop("JAX_COMPILATION_CACHE_DIR")  # the test session's: the config's default decides
+    done = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            *TINY_DEMO_ARGS,
+            f"--config.train.steps={steps}",
+            f"--config.workdir={workdir}",
+            f"--config.compile_cache={cache}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     with open(workdir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -31,10 +46,10 @@ def _train(workdir, cache, steps):
 def test_a_run_started_again_loads_its_step_from_the_cache(tmp_path):
     cache = tmp_path / "cache"
     first = _train(tmp_path / "first", cache, steps=2)
-    assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700   # the programs it holds are run
+    assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700  # the programs it holds are run
     entries = set(os.listdir(cache))
     assert entries
     again = _train(tmp_path / "again", cache, steps=2)
-    assert set(os.listdir(cache)) == entries   # nothing compiled again
+    assert set(os.listdir(cache)) == entries  # nothing compiled again
     compiled, loaded = first[0]["compile_time"], again[0]["compile_time"]
     assert loaded < 0.7 * compiled, (compiled, loaded)

@@ -29,8 +29,12 @@ def _config(workdir, **model):
 def _origin(config):
     checkpoints = Checkpoints(config.workdir, keep=3)
     try:
-        return origin(run_config(config), checkpoints, public_config(config),
-                      ModelConfig.from_config(config.model))
+        return origin(
+            run_config(config),
+            checkpoints,
+            public_config(config),
+            ModelConfig.from_config(config.model),
+        )
     finally:
         checkpoints.close()
 
@@ -59,7 +63,7 @@ def test_a_resume_the_config_may_not_make_is_refused_before_the_model_is_built(s
     config.data.seq_len = 32
     with pytest.raises(ConfigError, match="data.seq_len 64 -> 32"):
         _origin(config)
-    config.checkpoint.allow_changed = "data.seq_len"   # allowed: the data order restarts
+    config.checkpoint.allow_changed = "data.seq_len"  # allowed: the data order restarts
     assert _origin(config) == Origin(RESUME, 3, restart_data=True)
 
     wider = _config(saved_at_3, dim=96, ffn_dim=192)

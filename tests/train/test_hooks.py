@@ -48,8 +48,7 @@ def test_every_hook_sees_the_record_as_the_earlier_ones_left_it_and_the_first_st
     seen = []
     plan = Cadence(first=1, last=4, total=4, log_every=1).at(2)
     record = dict(step=2)
-    assert log_record([_Stops("a", seen), Hook(), _Stops("b", seen)], record, None,
-                      plan) == "a"
+    assert log_record([_Stops("a", seen), Hook(), _Stops("b", seen)], record, None, plan) == "a"
     assert seen == [("a", dict(step=2)), ("b", {"step": 2, "by a": True})]
 
 
@@ -57,7 +56,7 @@ def test_validation_adds_held_out_losses_at_the_steps_the_cadence_validates():
     cadence = Cadence(first=1, last=6, total=6, log_every=1, validate_every=3)
     one = Validation(64, lambda params: {64: 2.0})
     several = Validation(64, lambda params: {32: 1.5, 64: 2.0})
-    state = TrainState(2, {}, None)   # the losses above read no parameters
+    state = TrainState(2, {}, None)  # the losses above read no parameters
     records = {s: dict(step=s) for s in (2, 3)}
     for step, record in records.items():
         one.on_log(record, state, cadence.at(step))
@@ -66,19 +65,21 @@ def test_validation_adds_held_out_losses_at_the_steps_the_cadence_validates():
 
 
 def test_throughput_counts_the_steps_since_the_last_logged_one_and_restarts_after_validation(
-        tmp_path):
+    tmp_path,
+):
     config = small_train_config(tmp_path, mesh={}, attention={})
-    clock = Throughput(run_config(config).data, ModelConfig.from_config(config.model),
-                       jax.devices(), 1)
+    clock = Throughput(
+        run_config(config).data, ModelConfig.from_config(config.model), jax.devices(), 1
+    )
     plan = Cadence(first=1, last=8, total=8, log_every=4).at(4)
     first = clock.record(1, _METRICS, skipped_steps=0)
     clock.on_log(first, None, plan)
-    time.sleep(0.3)   # steps 2 to 4
+    time.sleep(0.3)  # steps 2 to 4
     record = clock.record(4, _METRICS, skipped_steps=1)
-    assert record["step_time"] >= 0.1   # the mean over 3 steps
+    assert record["step_time"] >= 0.1  # the mean over 3 steps
     assert record["step_time"] * record["tokens_per_sec"] == pytest.approx(4 * 64)  # batch x len
-    assert (record["loss"], record["skipped_steps"], record["mfu"]) == (2.5, 1, None)   # CPU
-    time.sleep(0.3)   # validation: a hook before the clock in the loop's list
+    assert (record["loss"], record["skipped_steps"], record["mfu"]) == (2.5, 1, None)  # CPU
+    time.sleep(0.3)  # validation: a hook before the clock in the loop's list
     clock.on_log(record, None, plan)
     assert clock.record(5, _METRICS, 0)["step_time"] < 0.3
     line = clock.summary([first, record])
@@ -86,21 +87,24 @@ def test_throughput_counts_the_steps_since_the_last_logged_one_and_restarts_afte
     assert "tokens/s after compilation" in line
 
 
-def test_throughput_says_how_long_the_steps_waited_for_data_and_saves_and_the_compile(
-        tmp_path):
+def test_throughput_says_how_long_the_steps_waited_for_data_and_saves_and_the_compile(tmp_path):
     """Issue 77 item 4: each record holds the mean wait per step for data and on saves since
     the previous record, the first one the compile; the summary says what each cost in all."""
     config = small_train_config(tmp_path, mesh={}, attention={})
-    clock = Throughput(run_config(config).data, ModelConfig.from_config(config.model),
-                       jax.devices(), 1)
+    clock = Throughput(
+        run_config(config).data, ModelConfig.from_config(config.model), jax.devices(), 1
+    )
     plan = Cadence(first=1, last=8, total=8, log_every=4).at(4)
     clock.waited("data", 0.5)
     clock.compiled(12.0)
     first = clock.record(1, _METRICS, 0)
     assert (first["compile_time"], first["data_wait_time"], first["save_block_time"]) == (
-        12.0, 0.5, 0.0)
+        12.0,
+        0.5,
+        0.0,
+    )
     clock.on_log(first, None, plan)
-    for _ in range(3):   # steps 2 to 4: one waits for data, the last one's save blocks
+    for _ in range(3):  # steps 2 to 4: one waits for data, the last one's save blocks
         clock.waited("data", 0.1)
     clock.waited("save", 0.6)
     record = clock.record(4, _METRICS, 0)
@@ -133,15 +137,17 @@ def test_metrics_writer_writes_each_record_and_the_summary_names_the_outputs(tmp
     checkpoints = Checkpoints(str(tmp_path), keep=1)
     try:
         saves = SaveFaults(checkpoints, WritePatience(5), every_seconds=0, multi=False)
-        faults = StepFaults(saves.halt, WritePatience(5), max_bad_steps=3,
-                            metrics=str(tmp_path / "metrics.jsonl"))
+        faults = StepFaults(
+            saves.halt, WritePatience(5), max_bad_steps=3, metrics=str(tmp_path / "metrics.jsonl")
+        )
         logger = MetricsLogger(str(tmp_path))
         writer = MetricsWriter(logger, lock, faults, multi=False)
         plan = Cadence(first=1, last=2, total=2, log_every=1).at(1)
         assert writer.on_log(dict(step=1, loss=float("nan")), None, plan) is None
         config = small_train_config(tmp_path, mesh={}, attention={})
-        clock = Throughput(run_config(config).data, ModelConfig.from_config(config.model),
-                           jax.devices(), 1)
+        clock = Throughput(
+            run_config(config).data, ModelConfig.from_config(config.model), jax.devices(), 1
+        )
         lines = summary([clock.record(1, _METRICS, 0)], clock, checkpoints, logger)
         logger.close()
     finally:
@@ -162,7 +168,9 @@ def test_console_without_progress_logs_compiling_and_the_summary(tmp_path, caplo
         console.on_end(["trained steps 3-8", "final checkpoint: none"])
         Console(run_config(config), Cadence(first=9, last=8, total=8, log_every=1))
     assert [r.getMessage() for r in caplog.records] == [
-        "compiling the training step (step 3 of 8)", "trained steps 3-8",
+        "compiling the training step (step 3 of 8)",
+        "trained steps 3-8",
         "final checkpoint: none",
         f"{tmp_path} is already trained to step 8 (train.steps); nothing to do: raise "
-        "train.steps to train on"]
+        "train.steps to train on",
+    ]

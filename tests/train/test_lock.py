@@ -35,8 +35,11 @@ def _stop_renewing(lock):
 
 def test_a_fresh_lease_from_another_host_is_refused(tmp_path):
     _write(tmp_path / "lock", lease_minutes=10.0)
-    with pytest.raises(WorkdirBusy, match=r"held by pid 1 on other-host since .*, lease renewed "
-                       r"0 s ago; if that run is dead, its lease expires in 10\.0 min \(at "):
+    with pytest.raises(
+        WorkdirBusy,
+        match=r"held by pid 1 on other-host since .*, lease renewed "
+        r"0 s ago; if that run is dead, its lease expires in 10\.0 min \(at ",
+    ):
         WorkdirLock(str(tmp_path)).acquire()
     assert _holder(tmp_path / "lock")["host"] == "other-host"
 

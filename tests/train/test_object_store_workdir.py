@@ -28,7 +28,7 @@ from lclm.training.object_lock import ObjectLock
 from lclm.training.workdirs import saved_steps
 
 ARGS = [*TINY_DEMO_ARGS, "--config.checkpoint.keep=2", "--config.train.steps=6"]
-LEASE = 0.002   # minutes: 0.12 s
+LEASE = 0.002  # minutes: 0.12 s
 
 
 def _env(server, devices=2):
@@ -44,30 +44,47 @@ def _losses(workdir):
 @pytest.mark.slow
 def test_a_gs_run_killed_and_resumed_ends_with_the_local_runs_losses(gcs, tmp_path):
     local, remote = tmp_path / "run", gcs.bucket() + "/runs/demo"
-    r = subprocess.run([sys.executable, "train.py", *ARGS, f"--config.workdir={local}"],
-                       cwd=ROOT, env=_env(gcs), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "train.py", *ARGS, f"--config.workdir={local}"],
+        cwd=ROOT,
+        env=_env(gcs),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
-    run = subprocess.Popen([sys.executable, "train.py", *ARGS, f"--config.workdir={remote}"],
-                           cwd=ROOT, env=_env(gcs), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [sys.executable, "train.py", *ARGS, f"--config.workdir={remote}"],
+        cwd=ROOT,
+        env=_env(gcs),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 240
     while time.time() < deadline and run.poll() is None:
-        if max((s for s, _ in _losses(remote)), default=0) >= 3:   # saved step 2, then logged 3
+        if max((s for s, _ in _losses(remote)), default=0) >= 3:  # saved step 2, then logged 3
             break
         time.sleep(0.05)
     run.send_signal(signal.SIGKILL)
     run.wait()
     assert run.returncode == -signal.SIGKILL, run.stderr.read()
-    assert storage.exists(remote + "/lock")   # a killed run cannot remove it
-    r = subprocess.run([sys.executable, "train.py", *ARGS, f"--config.workdir={remote}"],
-                       cwd=ROOT, env=_env(gcs), capture_output=True, text=True, timeout=300)
+    assert storage.exists(remote + "/lock")  # a killed run cannot remove it
+    r = subprocess.run(
+        [sys.executable, "train.py", *ARGS, f"--config.workdir={remote}"],
+        cwd=ROOT,
+        env=_env(gcs),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "taking over the lock of a run that is gone" in r.stderr
-    assert [s for s, _ in _losses(remote)] == [1, 2, 3, 4, 5, 6]   # re-run steps once
+    assert [s for s, _ in _losses(remote)] == [1, 2, 3, 4, 5, 6]  # re-run steps once
     for (s, a), (_, b) in zip(_losses(local), _losses(remote)):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6), s
     assert not storage.exists(remote + "/lock")
-    assert saved_steps(remote) == [4, 6]   # checkpoint.keep=2: step 2 deleted from the bucket
+    assert saved_steps(remote) == [4, 6]  # checkpoint.keep=2: step 2 deleted from the bucket
     saved = json.loads(storage.read_text(remote + "/config.json"))
     assert saved["workdir"] == remote
 
@@ -80,7 +97,7 @@ def test_the_lease_on_gs_refuses_a_second_run_and_a_stale_one_is_taken_over(gcs,
     workdir = gcs.bucket() + "/run"
     first = ObjectLock(workdir, lease_minutes=10.0)
     first.acquire()
-    with pytest.raises(WorkdirBusy, match="is in use by a live run"):   # same host, live pid
+    with pytest.raises(WorkdirBusy, match="is in use by a live run"):  # same host, live pid
         ObjectLock(workdir).acquire()
     first.release()
     assert not storage.exists(workdir + "/lock")
@@ -108,7 +125,7 @@ def test_the_lease_on_gs_refuses_a_second_run_and_a_stale_one_is_taken_over(gcs,
         time.sleep(0.05)
     assert "was taken over by pid 1 on other-host" in (lock.lost() or "")
     lock.release()
-    assert _holder(workdir)["host"] == "other-host"   # not ours: left alone
+    assert _holder(workdir)["host"] == "other-host"  # not ours: left alone
 
 
 def test_two_lock_takeovers_of_one_stale_lease_let_one_run_win(gcs):
@@ -128,10 +145,13 @@ def test_a_missing_bucket_is_found_at_start(gcs):
     from lclm.errors import ConfigError
     from lclm.training.workdirs import check_workdir
 
-    with pytest.raises(ConfigError, match=r"workdir='gs://no-such-bucket-lclm/run' cannot be "
-                       r"written \(.*\); check the bucket's name and this machine's access"):
+    with pytest.raises(
+        ConfigError,
+        match=r"workdir='gs://no-such-bucket-lclm/run' cannot be "
+        r"written \(.*\); check the bucket's name and this machine's access",
+    ):
         check_workdir("gs://no-such-bucket-lclm/run")
-    check_workdir(gcs.bucket() + "/run")   # an existing bucket: fine, and nothing is left
+    check_workdir(gcs.bucket() + "/run")  # an existing bucket: fine, and nothing is left
     assert storage.listdir(gcs.bucket()) == []
 
 
@@ -141,9 +161,9 @@ def test_a_damaged_checkpoint_on_gs_is_set_aside_and_the_previous_one_resumes(gc
 
     bucket = gcs.bucket()
     c = small_train_config(bucket + "/run", mesh=dict(fsdp=2), attention={})
-    train(c)   # checkpoints 2 and 4
-    step_dir = os.path.join(gcs.root, bucket[len("gs://"):], "run", "checkpoints", "4")
-    damage_checkpoint(step_dir, "deleted manifest.ocdbt")   # the server's own files
+    train(c)  # checkpoints 2 and 4
+    step_dir = os.path.join(gcs.root, bucket[len("gs://") :], "run", "checkpoints", "4")
+    damage_checkpoint(step_dir, "deleted manifest.ocdbt")  # the server's own files
     c.train.steps = 5
     with caplog.at_level(logging.ERROR):
         records = train(c)
@@ -167,9 +187,21 @@ def test_prepare_to_gs_then_a_staged_run_there_and_generate_from_it(gcs, capsys)
 
     bucket = gcs.bucket()
     demo = os.path.join(ROOT, "data", "demo")
-    assert prepare(["--source", "sharegpt", "--input", os.path.join(demo, "sharegpt.jsonl"),
-                    "--tokenizer", os.path.join(demo, "tokenizer.model"),
-                    "--out", bucket + "/data/sharegpt"]) == 0
+    assert (
+        prepare(
+            [
+                "--source",
+                "sharegpt",
+                "--input",
+                os.path.join(demo, "sharegpt.jsonl"),
+                "--tokenizer",
+                os.path.join(demo, "tokenizer.model"),
+                "--out",
+                bucket + "/data/sharegpt",
+            ]
+        )
+        == 0
+    )
     c = load_config(os.path.join(ROOT, "configs", "demo_stages.py"))
     c.workdir = bucket + "/runs/staged"
     c.data.update(path=bucket + "/data/sharegpt", source="tokenized")
@@ -185,8 +217,10 @@ def test_prepare_to_gs_then_a_staged_run_there_and_generate_from_it(gcs, capsys)
     assert last == c.workdir + "/stage1_128"
     assert [s for s, _ in _losses(last)] == [1, 2]
     capsys.readouterr()
-    assert generate.main(["--checkpoint", c.workdir, "--prompt", "Hello",
-                          "--max-new-tokens", "4"]) == 0
+    assert (
+        generate.main(["--checkpoint", c.workdir, "--prompt", "Hello", "--max-new-tokens", "4"])
+        == 0
+    )
     assert capsys.readouterr().out.strip()
 
 
@@ -195,8 +229,10 @@ def test_an_s3_workdir_is_refused_at_start_in_one_line(s3):
     from lclm.training.workdirs import check_workdir, workdir_to_read
 
     workdir = s3.bucket() + "/run"
-    why = ("is on s3://, where Orbax (0.12, lclm's checkpoint writer) cannot keep checkpoints: "
-           "it writes arrays to gs:// or a file path; use a gs:// workdir, or mount the bucket")
+    why = (
+        "is on s3://, where Orbax (0.12, lclm's checkpoint writer) cannot keep checkpoints: "
+        "it writes arrays to gs:// or a file path; use a gs:// workdir, or mount the bucket"
+    )
     with pytest.raises(ConfigError, match=re.escape(f"workdir='{workdir}' {why}")):
         check_workdir(workdir)
     with pytest.raises(StartupError, match=re.escape(f"--checkpoint '{workdir}' {why}")):
@@ -212,10 +248,10 @@ def test_a_step_set_aside_on_gs_is_saved_again_by_the_same_run(gcs, caplog):
 
     bucket = gcs.bucket()
     c = small_train_config(bucket + "/run", mesh=dict(fsdp=2), attention={})
-    train(c)   # checkpoints 2 and 4
-    step_dir = os.path.join(gcs.root, bucket[len("gs://"):], "run", "checkpoints", "4")
+    train(c)  # checkpoints 2 and 4
+    step_dir = os.path.join(gcs.root, bucket[len("gs://") :], "run", "checkpoints", "4")
     damage_checkpoint(step_dir, "deleted manifest.ocdbt")
-    c.storage_patience_seconds = 3.0   # the refused saves, before: a stop 3 s on, not 300
+    c.storage_patience_seconds = 3.0  # the refused saves, before: a stop 3 s on, not 300
     with caplog.at_level(logging.WARNING):
         records = train(c)
     assert [r["step"] for r in records] == [3, 4]

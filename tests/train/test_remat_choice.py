@@ -33,10 +33,12 @@ def _compiler(tmp_path):
 
     def compile_policy(policy: str):
         m = dataclasses.replace(model, remat=policy)
-        step = jit_train_step(m, run.attention, run.train, mesh, optimizer,
-                              state_shardings(m, optimizer, mesh))
+        step = jit_train_step(
+            m, run.attention, run.train, mesh, optimizer, state_shardings(m, optimizer, mesh)
+        )
         compiled = step.lower(state, batch).compile()
         return compiled, compiled_bytes(compiled)
+
     return compile_policy
 
 
@@ -48,8 +50,9 @@ def test_auto_takes_the_first_policy_that_fits_and_names_the_fix_when_none_does(
     assert choose(compile_policy, None).policy == "none"
     assert choose(compile_policy, need["none"]).policy == "none"
     chosen = choose(compile_policy, need["none"] - 1)
-    assert chosen.policy == "attention" and chosen.needed == {p: need[p] for p in
-                                                              ("none", "attention")}
+    assert chosen.policy == "attention" and chosen.needed == {
+        p: need[p] for p in ("none", "attention")
+    }
     assert chosen.line().startswith("model.remat='auto' -> 'attention': ")
     assert f"(none needs {need['none'] / 2**30:.2f} GiB)" in chosen.line()
     assert choose(compile_policy, need["attention"] - 1).policy == "full"
@@ -58,11 +61,15 @@ def test_auto_takes_the_first_policy_that_fits_and_names_the_fix_when_none_does(
 def test_no_policy_fits_is_one_line_naming_the_fixes():
     tried = []
 
-    def refuse(policy):   # as XLA:TPU refuses a program over HBM
+    def refuse(policy):  # as XLA:TPU refuses a program over HBM
         tried.append(policy)
         raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
-    with pytest.raises(ConfigError, match=r"^model.remat='auto': no remat policy fits .*"
-                       r"none needs more than the device has .*shard more \(mesh.fsdp"):
+
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.remat='auto': no remat policy fits .*"
+        r"none needs more than the device has .*shard more \(mesh.fsdp",
+    ):
         choose(refuse, 2**30)
     assert tried == list(AUTO_ORDER)
     # a compile error that is not about memory is the run's error, not a reason to go on
@@ -84,6 +91,5 @@ def test_a_run_with_auto_compiles_its_step_once_and_logs_the_choice(tmp_path, ca
         jax.config.update("jax_log_compiles", False)
     assert [r["step"] for r in records] == [1, 2]
     steps = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(step)")]
-    assert len(steps) == 1   # the candidate's compiled program is the one the steps run
-    assert any(r.getMessage().startswith("model.remat='auto' -> 'none': ")
-               for r in caplog.records)
+    assert len(steps) == 1  # the candidate's compiled program is the one the steps run
+    assert any(r.getMessage().startswith("model.remat='auto' -> 'none': ") for r in caplog.records)

@@ -13,21 +13,39 @@ from support import ROOT
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
-SMALL = ["--config", "configs/demo.py", "--config.model.dim=64", "--config.model.n_layers=2",
-         "--config.model.ffn_dim=128", "--config.model.ffn_chunk=32",
-         "--config.model.loss_chunk=32", "--config.data.seq_len=128",
-         "--config.data.batch_size=4", "--config.attention.q_chunk=16",
-         "--config.attention.kv_chunk=16", "--config.mesh.fsdp=2", "--config.mesh.sp=2",
-         "--config.train.steps=10", "--config.train.warmup=2", "--config.log.every=1",
-         "--config.log.progress=False", "--config.checkpoint.every=3"]
+SMALL = [
+    "--config",
+    "configs/demo.py",
+    "--config.model.dim=64",
+    "--config.model.n_layers=2",
+    "--config.model.ffn_dim=128",
+    "--config.model.ffn_chunk=32",
+    "--config.model.loss_chunk=32",
+    "--config.data.seq_len=128",
+    "--config.data.batch_size=4",
+    "--config.attention.q_chunk=16",
+    "--config.attention.kv_chunk=16",
+    "--config.mesh.fsdp=2",
+    "--config.mesh.sp=2",
+    "--config.train.steps=10",
+    "--config.train.warmup=2",
+    "--config.log.every=1",
+    "--config.log.progress=False",
+    "--config.checkpoint.every=3",
+]
 
 
 def _start(workdir):
     env = dict(os.environ, JAX_PLATFORMS="cpu", WANDB_MODE="disabled")
     env.pop("XLA_FLAGS", None)
-    return subprocess.Popen([sys.executable, "train.py", *SMALL, f"--config.workdir={workdir}"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(
+        [sys.executable, "train.py", *SMALL, f"--config.workdir={workdir}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _losses(workdir):

@@ -73,8 +73,9 @@ def test_the_tokenizer_is_compared_by_what_it_does_not_by_its_path(tmp_path):
     assert resume.tokenizer_fingerprint(Tokenizer(str(moved))) == demo
     text = tmp_path / "text.txt"
     text.write_text("\n".join(f"line {i} of another corpus, with other words" for i in range(200)))
-    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "other"),
-                                   vocab_size=50, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(text), model_prefix=str(tmp_path / "other"), vocab_size=50, minloglevel=2
+    )
     other = resume.tokenizer_fingerprint(Tokenizer(str(tmp_path / "other.model")))
     assert other != demo
 
@@ -97,8 +98,11 @@ def test_a_refused_resume_moves_nothing_and_an_allowed_one_restarts_the_data(tmp
 
     bigger = small_train_config(workdir, mesh=mesh, attention=attention, train=dict(steps=4))
     bigger.data.batch_size = 8
-    with pytest.raises(ConfigError, match=r"^the checkpoint \(step 2\) was written with another "
-                                          r"config: data.batch_size 4 -> 8; "):
+    with pytest.raises(
+        ConfigError,
+        match=r"^the checkpoint \(step 2\) was written with another "
+        r"config: data.batch_size 4 -> 8; ",
+    ):
         train(bigger)
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]
     assert not (workdir / "checkpoints_damaged").exists()
@@ -110,16 +114,21 @@ def test_a_refused_resume_moves_nothing_and_an_allowed_one_restarts_the_data(tmp
     with caplog.at_level(logging.INFO):
         records = train(bigger)
     assert [r["step"] for r in records] == [3, 4]
-    assert "resuming with data.batch_size 8 (was 4), allowed by checkpoint.allow_changed; " \
-           "the data order restarts from its beginning" in caplog.text
+    assert (
+        "resuming with data.batch_size 8 (was 4), allowed by checkpoint.allow_changed; "
+        "the data order restarts from its beginning" in caplog.text
+    )
     assert "resuming with mesh.fsdp 4 (the checkpoint's run used 2)" in caplog.text
     saved = json.loads((workdir / "config.json").read_text())
     assert saved["data"]["batch_size"] == 8 and len(saved["identity"]["tokenizer"]) == 16
 
 
 def test_an_unknown_allowed_key_fails_at_start(tmp_path):
-    config = small_train_config(tmp_path / "run", mesh=dict(dp=1, fsdp=1, tp=1, sp=1),
-                                attention=dict(q_chunk=16, kv_chunk=16))
+    config = small_train_config(
+        tmp_path / "run",
+        mesh=dict(dp=1, fsdp=1, tp=1, sp=1),
+        attention=dict(q_chunk=16, kv_chunk=16),
+    )
     config.checkpoint.allow_changed = "data.batch_sise"
     with pytest.raises(ConfigError, match="batch_sise"):
         train(config)
@@ -137,14 +146,24 @@ def _converted(**changes):
 def test_a_converted_checkpoint_compares_only_what_its_weights_fix(caplog):
     saved = _converted(**{"model.dim": 128, "model.rope_scaling": "none"})
     # the run's own data, sequence length, schedule, mesh, RoPE theta and param dtype
-    run = _saved(**{"model.dim": 128, "data.path": "corpus.jsonl", "data.seq_len": 512,
-                    "data.tokenizer": "elsewhere/tokenizer.model", "seed": 3,
-                    "train.steps": 50, "mesh.sp": 4, "model.rope_theta": 5e5,
-                    "model.param_dtype": "bfloat16", "model.rope_scaling": "auto"})
+    run = _saved(
+        **{
+            "model.dim": 128,
+            "data.path": "corpus.jsonl",
+            "data.seq_len": 512,
+            "data.tokenizer": "elsewhere/tokenizer.model",
+            "seed": 3,
+            "train.steps": 50,
+            "mesh.sp": 4,
+            "model.rope_theta": 5e5,
+            "model.param_dtype": "bfloat16",
+            "model.rope_scaling": "auto",
+        }
+    )
     with caplog.at_level(logging.INFO):
-        assert resume.check_resume(saved, run, set(), 0) is True   # the data order starts anew
+        assert resume.check_resume(saved, run, set(), 0) is True  # the data order starts anew
     assert "with model.rope_theta 500000.0 (theirs: 10000.0)" in caplog.text
-    assert "rope_scaling" not in caplog.text   # 'auto' is no scaling here, as in the source
+    assert "rope_scaling" not in caplog.text  # 'auto' is no scaling here, as in the source
     assert "data.seq_len" not in caplog.text and "mesh.sp" not in caplog.text
 
     # another shape, or another tokenizer (by content): one line naming each
@@ -154,23 +173,31 @@ def test_a_converted_checkpoint_compares_only_what_its_weights_fix(caplog):
         resume.check_resume(saved, other, set(), 0)
     message = str(e.value)
     assert "\n" not in message
-    assert message.startswith("the checkpoint (step 0) holds the weights converted from "
-                              "/models/llama-hf, which the config does not describe: model.dim "
-                              "128 -> 64; model.n_kv_heads 2 -> 4; data.tokenizer ")
+    assert message.startswith(
+        "the checkpoint (step 0) holds the weights converted from "
+        "/models/llama-hf, which the config does not describe: model.dim "
+        "128 -> 64; model.n_kv_heads 2 -> 4; data.tokenizer "
+    )
     assert "(aaaa)' -> " in message and "(bbbb)'" in message
     # a tokenizer of the same content at another path is the same tokenizer
     same = _saved(**{"model.dim": 128, "data.tokenizer": "moved/tokenizer.model"})
     assert resume.check_resume(saved, same, set(), 0) is True
     # with the tokenizer's change allowed, only the shapes are refused
-    with pytest.raises(ConfigError, match=r"describe: model.dim 128 -> 64; model.n_kv_heads "
-                                          r"2 -> 4; set these"):
+    with pytest.raises(
+        ConfigError,
+        match=r"describe: model.dim 128 -> 64; model.n_kv_heads "
+        r"2 -> 4; set these",
+    ):
         resume.check_resume(saved, other, {"data.tokenizer"}, 0)
 
 
 def test_auto_rope_scaling_does_not_drop_the_converted_weights_scaling():
     saved = _converted(**{"model.rope_scaling": "llama3", "model.rope_factor": 32.0})
-    with pytest.raises(ConfigError, match="model.rope_scaling 'llama3' -> 'auto "
-                                          r"\(none without init_from_hf\)'"):
+    with pytest.raises(
+        ConfigError,
+        match="model.rope_scaling 'llama3' -> 'auto "
+        r"\(none without init_from_hf\)'",
+    ):
         resume.check_resume(saved, _saved(**{"model.rope_scaling": "auto"}), set(), 0)
     # a scaling named by the run applies over the weights, as with model.init_from_hf
     named = _saved(**{"model.rope_scaling": "llama3", "model.rope_factor": 8.0})
@@ -183,15 +210,16 @@ def test_head_dim_is_compared_as_the_weights_have_it():
     """model.head_dim 0 means dim / n_heads: a config with 0 describes weights whose head_dim
     is that (converted weights state it resolved; older checkpoints lack it), and a head_dim
     apart from it (Mistral-NeMo, Qwen3) is a change of the weights' shape."""
+
     def config(**model):
         c = base_config().to_dict()
         c["model"].update({"dim": 64, "n_heads": 4, **model})
         return c
+
     assert resume.changes(config(head_dim=16), config(head_dim=0)) == {}
     old = config()
     del old["model"]["head_dim"]
     assert resume.changes(old, config()) == {}
-    assert resume.changes(config(head_dim=24), config(head_dim=0)) == {
-        "model.head_dim": (24, 16)}
+    assert resume.changes(config(head_dim=24), config(head_dim=0)) == {"model.head_dim": (24, 16)}
     # a default head_dim follows dim, which is compared (and reported) itself
     assert set(resume.changes(config(), config(dim=128))) == {"model.dim"}

@@ -30,7 +30,7 @@ def _hf_dir(path, **changes):
     copy of the demo tokenizer; returns (its path, its parameters)."""
     fields = dict(load_config(DEMO_CONFIG).model) | changes
     model = ModelConfig.from_config(fields)
-    params = init_params(model, jax.random.key(7))   # not what the run's own init would give
+    params = init_params(model, jax.random.key(7))  # not what the run's own init would give
     hf.save(str(path), model, params)
     shutil.copy(DEMO_TOKENIZER, path / "tokenizer.model")
     return str(path), params
@@ -38,11 +38,25 @@ def _hf_dir(path, **changes):
 
 def _train(workdir, *overrides):
     env = dict(os.environ, JAX_PLATFORMS="cpu", WANDB_MODE="disabled")
-    env.pop("XLA_FLAGS", None)   # train.py simulates the 8 devices configs/demo.py needs
-    return subprocess.run([sys.executable, "train.py", "--config", "configs/demo.py",
-                           f"--config.workdir={workdir}", "--config.train.steps=1",
-                           "--config.log.every=1", "--config.log.progress=False", *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    env.pop("XLA_FLAGS", None)  # train.py simulates the 8 devices configs/demo.py needs
+    return subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--config",
+            "configs/demo.py",
+            f"--config.workdir={workdir}",
+            "--config.train.steps=1",
+            "--config.log.every=1",
+            "--config.log.progress=False",
+            *overrides,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def _first_batch_loss(params) -> float:
@@ -54,8 +68,9 @@ def _first_batch_loss(params) -> float:
     loader.close()
     model = ModelConfig.from_config(config.model)
     attention = AttentionConfig.from_config(config.attention)
-    total, count = jax.jit(lambda p: loss_terms(model, p, batch, mesh=mesh,
-                                                attention=attention))(params)
+    total, count = jax.jit(lambda p: loss_terms(model, p, batch, mesh=mesh, attention=attention))(
+        params
+    )
     return float(total / count)
 
 
@@ -83,8 +98,10 @@ def test_converted_weights_of_another_shape_are_refused_in_one_line(tmp_path):
     r = _train(workdir)
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: the checkpoint (step 0) holds the weights converted from "
-                           f"{hf_dir}, which the config does not describe: model.dim 64 -> "
-                           "128; model.ffn_dim 192 -> 384; "), last
+    assert last.startswith(
+        f"error: the checkpoint (step 0) holds the weights converted from "
+        f"{hf_dir}, which the config does not describe: model.dim 64 -> "
+        "128; model.ffn_dim 192 -> 384; "
+    ), last
     assert "Traceback" not in r.stderr
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["0"]

@@ -2,7 +2,6 @@
 "Involuntary full rematerialization" when a sharding change can only be done by replicating
 a whole tensor on every device (memory and time that grow with the model and the sequence)."""
 
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -38,18 +37,25 @@ def test_the_train_step_compiles_without_full_rematerialization(shape, capfd):
     optimizer = make_optimizer(run_config(c).train)
     where = state_shardings(model, optimizer, mesh)
     shapes = jax.eval_shape(lambda: init_state(model, optimizer, mesh, 0))
-    state = jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
-                         shapes, where)   # abstract: a 7B model needs no memory to compile
+    state = jax.tree.map(
+        lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, where
+    )  # abstract: a 7B model needs no memory to compile
     rows = batch_sharding(mesh)
-    batch = {k: jax.ShapeDtypeStruct((c.data.batch_size, c.data.seq_len),
-                                     jnp.float32 if k == "loss_mask" else jnp.int32,
-                                     sharding=rows)
-             for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
-    step = jax.jit(make_train_step(model, AttentionConfig.from_config(c.attention),
-                                   run_config(c).train, mesh, optimizer),
-                   in_shardings=(where, rows),
-                   out_shardings=(where, NamedSharding(mesh, PartitionSpec())))
+    batch = {
+        k: jax.ShapeDtypeStruct(
+            (c.data.batch_size, c.data.seq_len),
+            jnp.float32 if k == "loss_mask" else jnp.int32,
+            sharding=rows,
+        )
+        for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")
+    }
+    step = jax.jit(
+        make_train_step(
+            model, AttentionConfig.from_config(c.attention), run_config(c).train, mesh, optimizer
+        ),
+        in_shardings=(where, rows),
+        out_shardings=(where, NamedSharding(mesh, PartitionSpec())),
+    )
     capfd.readouterr()
     step.lower(state, batch).compile()
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
-

@@ -20,7 +20,9 @@ def test_the_recipe_states_its_stages():
     c = load_config(RECIPE)
     s32, s64 = stage_configs(c)
     assert [(s.data.seq_len, s.model.rope_theta, s.train.lr) for s in (s32, s64)] == [
-        (32768, 1e6, 1e-4), (65536, 4e6, 5e-5)]
+        (32768, 1e6, 1e-4),
+        (65536, 4e6, 5e-5),
+    ]
     assert [s.data.batch_size * s.data.seq_len for s in (s32, s64)] == [256 * 1024] * 2
     assert s64.train.optimizer_from_checkpoint and s64.model.init_from_checkpoint == s32.workdir
     assert c.model.init_from_hf == "checkpoints/smollm2-135m"

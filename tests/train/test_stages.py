@@ -31,8 +31,15 @@ def _recipe(tmp_path, name, hf_dir, lr=3e-3, schedule="64:1e4:3:2, 128:1e5:3:4, 
     """configs/demo_stages.py, shortened: stages of 3 steps, 64 -> 128 -> 256 tokens."""
     c = load_config(os.path.join(ROOT, "configs", "demo_stages.py"))
     c.workdir = str(tmp_path / name)
-    c.model.update(dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64, ffn_chunk=32, loss_chunk=32,
-                   init_from_hf=hf_dir)
+    c.model.update(
+        dim=32,
+        n_heads=2,
+        n_kv_heads=1,
+        ffn_dim=64,
+        ffn_chunk=32,
+        loss_chunk=32,
+        init_from_hf=hf_dir,
+    )
     c.attention.update(q_chunk=16, kv_chunk=16)
     c.stages.update(schedule=schedule, tokens_per_batch=1024)
     c.train.update(lr=lr, warmup=1, b2=0.99)
@@ -43,8 +50,9 @@ def _recipe(tmp_path, name, hf_dir, lr=3e-3, schedule="64:1e4:3:2, 128:1e5:3:4, 
 
 def _tiny_hf(tmp_path):
     """A HuggingFace LLaMA directory written by lclm's exporter (no download)."""
-    model = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
-                        dtype="float32")
+    model = ModelConfig(
+        vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, dtype="float32"
+    )
     params = init_params(model, jax.random.key(42))
     path = str(tmp_path / "hf")
     hf.save(path, model, params)
@@ -63,8 +71,9 @@ def _final_params(config):
 
 
 def _leaves_close(a, b, tol):
-    return all(np.allclose(x, y, atol=tol, rtol=0) for x, y in zip(jax.tree.leaves(a),
-                                                                   jax.tree.leaves(b)))
+    return all(
+        np.allclose(x, y, atol=tol, rtol=0) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
 
 
 def test_stages_chain_from_hf_weights(tmp_path):
@@ -88,7 +97,7 @@ def test_interrupted_staged_run_resumes_to_the_same_weights(tmp_path, caplog):
     losses = [[r["loss"] for r in records] for records in run_stages(straight)]
 
     resumed = _recipe(tmp_path, "resumed", hf_dir, schedule=schedule)
-    assert [len(r) for r in run_stages(resumed, stop_after=3)] == [3]   # stage 0 finished
+    assert [len(r) for r in run_stages(resumed, stop_after=3)] == [3]  # stage 0 finished
     stage0, stage1 = (c.workdir for c in stage_configs(resumed))
     damage_checkpoint(os.path.join(stage0, "checkpoints", "3"), "truncated chunks")
     with caplog.at_level(logging.WARNING):
@@ -112,8 +121,9 @@ def test_interrupted_staged_run_resumes_to_the_same_weights(tmp_path, caplog):
     user.data.update(seq_len=64, batch_size=2)
     with pytest.raises(SourceDamaged) as e:
         train(user)
-    assert str(e.value).startswith(f"model.init_from_checkpoint={stage1!r}: its latest "
-                                   "checkpoint (step 3) cannot be read (")
+    assert str(e.value).startswith(
+        f"model.init_from_checkpoint={stage1!r}: its latest checkpoint (step 3) cannot be read ("
+    )
     assert "\n" not in str(e.value)
     assert not os.path.exists(os.path.join(stage1, "checkpoints_damaged"))
 
@@ -143,8 +153,7 @@ def test_a_signal_during_a_stages_summary_stops_the_run_there(tmp_path, caplog, 
     summary = _SignalAt("trained steps", signum)
     logging.getLogger("lclm.training.hooks").addHandler(summary)
     try:
-        with caplog.at_level(logging.WARNING), caplog.at_level(logging.INFO,
-                                                               "lclm.training.hooks"):
+        with caplog.at_level(logging.WARNING), caplog.at_level(logging.INFO, "lclm.training.hooks"):
             runs = run_stages(config)
     finally:
         logging.getLogger("lclm.training.hooks").removeHandler(summary)
@@ -155,18 +164,21 @@ def test_a_signal_during_a_stages_summary_stops_the_run_there(tmp_path, caplog, 
     assert max(map(int, os.listdir(os.path.join(stage0, "checkpoints")))) == 2
     assert not os.path.exists(stage1)
     assert signal.getsignal(signum) is before
-    assert [len(r) for r in run_stages(config)] == [2]   # resumed: stage 1 only
+    assert [len(r) for r in run_stages(config)] == [2]  # resumed: stage 1 only
 
 
 def test_a_staged_run_refuses_a_workdir_that_holds_a_single_runs_checkpoints(tmp_path):
     hf_dir, _ = _tiny_hf(tmp_path)
     c = _recipe(tmp_path, "run", hf_dir)
-    single = Checkpoints(c.workdir, keep=1)   # a plain run's (or a conversion's) step
+    single = Checkpoints(c.workdir, keep=1)  # a plain run's (or a conversion's) step
     model = ModelConfig.from_config(stage_configs(c)[0].model)
     state = init_state(model, make_optimizer(run_config(c).train), make_mesh(), seed=0)
     single.save(0, state, None, {})
     single.close()
-    with pytest.raises(ConfigError, match=r"holds the checkpoints of a single run or a "
-                       r"conversion \(step 0\).*model\.init_from_checkpoint="):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds the checkpoints of a single run or a "
+        r"conversion \(step 0\).*model\.init_from_checkpoint=",
+    ):
         run_stages(c)
-    assert sorted(os.listdir(c.workdir)) == ["checkpoints"]   # no stage written beside it
+    assert sorted(os.listdir(c.workdir)) == ["checkpoints"]  # no stage written beside it

@@ -41,11 +41,11 @@ def test_max_bad_steps_in_a_row_stop_the_run_with_why():
 def test_a_steps_flag_is_checked_when_the_next_step_ran_or_when_asked():
     faults = _faults()
     faults.step_ran(1, np.int32(1))
-    assert faults.skipped_steps == 0   # the host did not wait for step 1
+    assert faults.skipped_steps == 0  # the host did not wait for step 1
     faults.step_ran(2, np.int32(1))
     assert faults.skipped_steps == 1
     faults.check_pending()
-    faults.check_pending()   # once checked, a flag is not counted again
+    faults.check_pending()  # once checked, a flag is not counted again
     assert (faults.skipped_steps, faults.bad_in_a_row) == (2, 2)
 
 
@@ -54,7 +54,7 @@ def test_a_failed_metrics_write_is_reported_once_and_tried_again_after_a_pause(c
     assert faults.metrics_due() and not faults.metrics_patience_spent()
     with caplog.at_level(logging.INFO):
         faults.metrics_failed(3, MetricsFailed("could not write 1 record(s)"), time.monotonic())
-        assert not faults.metrics_due()   # the pause after the failed try
+        assert not faults.metrics_due()  # the pause after the failed try
         faults.metrics_failed(4, MetricsFailed("could not write 2 record(s)"), time.monotonic())
         time.sleep(_PATIENCE.pause(2))
         assert faults.metrics_due()
@@ -68,11 +68,12 @@ def test_a_failed_metrics_write_is_reported_once_and_tried_again_after_a_pause(c
 
 def test_metrics_failing_for_the_patience_name_the_steps_since():
     faults = _faults()
-    began = time.monotonic() - _PATIENCE.seconds   # a write that waited on a silent store
+    began = time.monotonic() - _PATIENCE.seconds  # a write that waited on a silent store
     faults.metrics_failed(6, MetricsFailed("could not write 1 record(s)"), began)
     assert faults.metrics_patience_spent()
     assert faults.metrics_stop_reason(8).startswith(
-        "stopped after step 8: run/metrics.jsonl could not be written since step 6 (")
+        "stopped after step 8: run/metrics.jsonl could not be written since step 6 ("
+    )
     faults.metrics_written(9)
     assert "could not be written by process 0" in faults.metrics_stop_reason(9)
 
@@ -87,7 +88,7 @@ def test_flush_retries_the_held_records_until_they_are_written():
 
     faults.flush_metrics(flush, 10)
     assert len(tries) == 3 and faults.failing_since is None
-    assert tries[1] - tries[0] >= _PATIENCE.pause(1)   # paused between the tries
+    assert tries[1] - tries[0] >= _PATIENCE.pause(1)  # paused between the tries
 
 
 def test_flush_that_keeps_failing_stops_the_run_once_the_patience_is_spent():
@@ -99,7 +100,8 @@ def test_flush_that_keeps_failing_stops_the_run_once_the_patience_is_spent():
 
     with pytest.raises(TrainingHalted) as e:
         faults.flush_metrics(flush, 10)
-    assert str(e.value).startswith("stopped after step 10: run/metrics.jsonl could not be "
-                                   "written since step 10")
+    assert str(e.value).startswith(
+        "stopped after step 10: run/metrics.jsonl could not be written since step 10"
+    )
     assert "(could not write 2 record(s))" in str(e.value)
     assert tries[-1] - tries[0] >= _PATIENCE.seconds - 0.01 and len(tries) < 10

@@ -58,27 +58,40 @@ def test_demo_steps_reduce_the_loss_and_write_metrics(tmp_path):
 
 def test_secrets_never_reach_saved_config():
     import ml_collections
-    secrets = dict(wandb_api_key="s1", token="s2", apikey="s3", wandbApiKey="s4",
-                   secrets="s5", passwd="s6", credentials="s7", auth_header="s8",
-                   db_password="s9", hf_token="s10")
-    c = ml_collections.ConfigDict(dict(log=dict(every=1, **secrets),
-                                       data=dict(tokenizer="t.model", **secrets)))
+
+    secrets = dict(
+        wandb_api_key="s1",
+        token="s2",
+        apikey="s3",
+        wandbApiKey="s4",
+        secrets="s5",
+        passwd="s6",
+        credentials="s7",
+        auth_header="s8",
+        db_password="s9",
+        hf_token="s10",
+    )
+    c = ml_collections.ConfigDict(
+        dict(log=dict(every=1, **secrets), data=dict(tokenizer="t.model", **secrets))
+    )
     public = public_config(c)
     for value in secrets.values():
         assert f'"{value}"' not in json.dumps(public)
     assert public == {"log": {"every": 1}, "data": {"tokenizer": "t.model"}}
     # none of lclm's own fields is mistaken for a secret
     from lclm.config import base_config
+
     assert public_config(base_config()) == base_config().to_dict()
 
 
 def test_wandb_resumes_its_run_and_keeps_secret_command_lines_out(tmp_path, monkeypatch):
     from lclm.training.metrics import wandb_run
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setattr(sys, "argv", ["train.py", "--config.log.wandb_api_key=SECRETVALUE"])
     config = demo_config(tmp_path, log__wandb=True)
     os.makedirs(config.workdir)
-    for resume_step in (0, 8):   # a first start, then a resume in the same workdir
+    for resume_step in (0, 8):  # a first start, then a resume in the same workdir
         wandb_run(run_config(config), resume_step).finish()
     runs = sorted(os.listdir(os.path.join(config.workdir, "wandb")))
     runs = [r for r in runs if r.startswith("offline-run-")]
@@ -103,10 +116,13 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, layout):
     rng = np.random.default_rng(0)
     b, t = 8, 64
     tok = rng.integers(0, 64, (b, t + 1)).astype(np.int32)
-    batch = dict(tokens=tok[:, :-1], targets=tok[:, 1:],
-                 loss_mask=(rng.random((b, t)) < 0.5).astype(np.float32),
-                 positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
-                 segment_ids=np.ones((b, t), np.int32))
+    batch = dict(
+        tokens=tok[:, :-1],
+        targets=tok[:, 1:],
+        loss_mask=(rng.random((b, t)) < 0.5).astype(np.float32),
+        positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+        segment_ids=np.ones((b, t), np.int32),
+    )
     batch = batch_to_layout(batch, layout, 2)
     batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in batch.items()}
     results = []
@@ -131,19 +147,27 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, layout):
 
 @pytest.mark.slow
 def test_resume_continues_with_the_same_losses_under_another_strategy(tmp_path, caplog):
-    full = train(demo_config(tmp_path / "a", train__steps=8, log__every=1,
-                             checkpoint__every=4))
-    first = train(demo_config(tmp_path / "b", train__steps=8, log__every=1,
-                              checkpoint__every=4), stop_after=5)  # step 5 is lost
+    full = train(demo_config(tmp_path / "a", train__steps=8, log__every=1, checkpoint__every=4))
+    first = train(
+        demo_config(tmp_path / "b", train__steps=8, log__every=1, checkpoint__every=4), stop_after=5
+    )  # step 5 is lost
     # same workdir, longer run: restores step 4 (params, optimizer, data position), under
     # another context-parallel strategy (free: Ulysses x ring, so the batches' layout too)
-    resumed = train(demo_config(tmp_path / "b", train__steps=8, log__every=1,
-                                checkpoint__every=4, attention__strategy="usp",
-                                attention__ulysses=2))
+    resumed = train(
+        demo_config(
+            tmp_path / "b",
+            train__steps=8,
+            log__every=1,
+            checkpoint__every=4,
+            attention__strategy="usp",
+            attention__ulysses=2,
+        )
+    )
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     assert [r["step"] for r in first] == [1, 2, 3, 4, 5]
-    np.testing.assert_allclose([r["loss"] for r in first[:4] + resumed],
-                               [r["loss"] for r in full], rtol=1e-5)
+    np.testing.assert_allclose(
+        [r["loss"] for r in first[:4] + resumed], [r["loss"] for r in full], rtol=1e-5
+    )
     steps = sorted(os.listdir(tmp_path / "b" / "run" / "checkpoints"))
     assert steps == ["4", "8"]
     with caplog.at_level(logging.INFO):  # a finished run says so, once, and trains nothing
@@ -159,20 +183,22 @@ class _Terminal(io.StringIO):
 
 def test_console_says_compiling_then_counts_eta_from_compiled_steps():
     from lclm.training.metrics import Progress
-    plain = io.StringIO()   # CI, SLURM logs: plain lines
+
+    plain = io.StringIO()  # CI, SLURM logs: plain lines
     progress = Progress(100, 1, stream=plain)
     for step in range(1, 11):
         progress.step_done(step)
         if step in (1, 10):
-            progress.update(dict(step=step, loss=2.5, lr=1e-3, tokens_per_sec=100.0,
-                                 skipped_steps=0))
+            progress.update(
+                dict(step=step, loss=2.5, lr=1e-3, tokens_per_sec=100.0, skipped_steps=0)
+            )
     progress.close(["summary line"])
     lines = plain.getvalue().splitlines()
     assert lines[0] == "compiling the training step (step 1 of 100)..."
     assert lines[1].startswith("compiled and ran step 1 in ")
-    assert "ETA" not in lines[2]                 # no rate yet: only the compiled step ran
+    assert "ETA" not in lines[2]  # no rate yet: only the compiled step ran
     assert "steps/s, ETA" in lines[3] and lines[-1] == "summary line"
-    terminal = _Terminal()   # a terminal: a bar with the metrics
+    terminal = _Terminal()  # a terminal: a bar with the metrics
     progress = Progress(10, 1, stream=terminal)
     for step in range(1, 11):
         progress.step_done(step)

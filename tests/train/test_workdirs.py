@@ -56,21 +56,35 @@ def _generate(*flags, devices=None):
     env.pop("XLA_FLAGS", None)
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return subprocess.run([sys.executable, "-m", "lclm.eval.generate", "--prompt", PROMPT,
-                           "--max-new-tokens", "6", *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lclm.eval.generate",
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            "6",
+            *flags,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-def test_convert_and_generate_read_a_staged_runs_directory_as_its_last_stage(staged, tmp_path,
-                                                                             capsys):
+def test_convert_and_generate_read_a_staged_runs_directory_as_its_last_stage(
+    staged, tmp_path, capsys
+):
     last = os.path.join(staged, "stage1_128")
     assert workdir_to_read(staged) == last
     r = _generate("--checkpoint", staged)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "stage1_128 step 1 on mesh {'dp': 1, 'fsdp': 1, 'tp': 1, 'sp': 2}" in r.stderr
-    assert generate.main(["--checkpoint", last, "--prompt", PROMPT, "--max-new-tokens",
-                          "6"]) == 0
-    assert r.stdout == capsys.readouterr().out   # the last stage's continuation
+    assert generate.main(["--checkpoint", last, "--prompt", PROMPT, "--max-new-tokens", "6"]) == 0
+    assert r.stdout == capsys.readouterr().out  # the last stage's continuation
 
     assert convert(["--from-checkpoint", staged, "--to-hf", str(tmp_path / "hf")]) == 0
     assert "exporting its last stage with a checkpoint, stage1_128" in capsys.readouterr().out
@@ -85,11 +99,13 @@ def test_a_training_mesh_larger_than_the_machine_is_told_generates_own_flags(sta
     r = _generate("--checkpoint", last, devices=1)
     assert r.returncode == 2, r.stderr[-3000:]
     err = r.stderr.strip().splitlines()[-1]
-    assert err == ("error: the mesh {'dp': 1, 'fsdp': 1, 'tp': 1, 'sp': 2} (stage1_128 step "
-                   "1's training mesh) needs 2 devices but lclm simulates 1 CPU device on this "
-                   f"machine ({os.cpu_count()} cores; at most 16 are simulated on any); pass "
-                   "--dp/--fsdp/--tp/--sp sizes whose product is at most 1 (e.g. --sp 1); the "
-                   "parameters load onto any mesh"), err
+    assert err == (
+        "error: the mesh {'dp': 1, 'fsdp': 1, 'tp': 1, 'sp': 2} (stage1_128 step "
+        "1's training mesh) needs 2 devices but lclm simulates 1 CPU device on this "
+        f"machine ({os.cpu_count()} cores; at most 16 are simulated on any); pass "
+        "--dp/--fsdp/--tp/--sp sizes whose product is at most 1 (e.g. --sp 1); the "
+        "parameters load onto any mesh"
+    ), err
     assert "config.mesh" not in r.stderr and "Traceback" not in r.stderr
     r = _generate("--checkpoint", last, "--sp", "1", devices=1)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -97,21 +113,28 @@ def test_a_training_mesh_larger_than_the_machine_is_told_generates_own_flags(sta
 
 
 def _tree(path):
-    return sorted(os.path.join(os.path.relpath(d, path), f)
-                  for d, _, files in os.walk(path) for f in files)
+    return sorted(
+        os.path.join(os.path.relpath(d, path), f) for d, _, files in os.walk(path) for f in files
+    )
 
 
 def test_convert_refuses_a_staged_runs_directory_finished_or_starting(staged, tmp_path, capsys):
-    model = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                        ffn_dim=64, dtype="float32")
+    model = ModelConfig(
+        vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, dtype="float32"
+    )
     hf.save(str(tmp_path / "hf"), model, init_params(model, jax.random.key(0)))
     before = _tree(staged)
     assert convert(["--from-hf", str(tmp_path / "hf"), "--to-checkpoint", staged]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --to-checkpoint {staged!r} is a staged run's directory (it "
-                          "holds stage0_64, stage1_128), whose stages are runs of their own "
-                          "that never read a step 0 beside them; convert into a new "
-                          "directory") and err.count("\n") == 1, err
+    assert (
+        err.startswith(
+            f"error: --to-checkpoint {staged!r} is a staged run's directory (it "
+            "holds stage0_64, stage1_128), whose stages are runs of their own "
+            "that never read a step 0 beside them; convert into a new "
+            "directory"
+        )
+        and err.count("\n") == 1
+    ), err
     assert _tree(staged) == before
 
     # a staged run that has just started: stage 0 holds its lock and nothing else yet
@@ -119,8 +142,7 @@ def test_convert_refuses_a_staged_runs_directory_finished_or_starting(staged, tm
     lock = WorkdirLock(str(starting / "stage0_64"))
     lock.acquire()
     try:
-        assert convert(["--from-hf", str(tmp_path / "hf"), "--to-checkpoint",
-                        str(starting)]) == 2
+        assert convert(["--from-hf", str(tmp_path / "hf"), "--to-checkpoint", str(starting)]) == 2
         assert "is a staged run's directory (it holds stage0_64)" in capsys.readouterr().err
         assert os.listdir(starting) == ["stage0_64"]
     finally:
@@ -134,15 +156,23 @@ def test_a_directory_that_cannot_be_read_as_one_run_is_one_line(staged, tmp_path
     shutil.copytree(os.path.join(staged, "stage1_128"), both / "stage0_128")
     with pytest.raises(StartupError) as e:
         workdir_to_read(str(both))
-    assert str(e.value) == (f"--checkpoint {str(both)!r} holds both a run's checkpoints and a "
-                            "staged run's stages (stage0_128); pass "
-                            f"{str(both / 'stage0_128')!r} for the staged run's last stage, or "
-                            "move one of the runs to a directory of its own")
+    assert str(e.value) == (
+        f"--checkpoint {str(both)!r} holds both a run's checkpoints and a "
+        "staged run's stages (stage0_128); pass "
+        f"{str(both / 'stage0_128')!r} for the staged run's last stage, or "
+        "move one of the runs to a directory of its own"
+    )
     # stages that have saved nothing yet (a run creates checkpoints/ when it starts)
     os.makedirs(tmp_path / "new" / "stage0_64" / "checkpoints")
-    with pytest.raises(StartupError, match=r"is a staged run's directory whose stages "
-                                           r"\(stage0_64\) hold no checkpoint yet"):
+    with pytest.raises(
+        StartupError,
+        match=r"is a staged run's directory whose stages "
+        r"\(stage0_64\) hold no checkpoint yet",
+    ):
         workdir_to_read(str(tmp_path / "new"))
-    with pytest.raises(StartupError, match=r"^--checkpoint 'hdfs://b/run' uses hdfs://, which "
-                                           r"lclm does not read or write"):
+    with pytest.raises(
+        StartupError,
+        match=r"^--checkpoint 'hdfs://b/run' uses hdfs://, which "
+        r"lclm does not read or write",
+    ):
         workdir_to_read("hdfs://b/run")

@@ -17,8 +17,10 @@ from lclm.ops.context_parallel.contract import Strategy
 from lclm.ops.context_parallel.ring import local_attention, ring_attention
 
 # name -> Strategy, in the order the planner and the docs list them
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
-    ring.STRATEGY, all_gather.STRATEGY, ulysses.STRATEGY_ULYSSES, ulysses.STRATEGY_USP)}
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (ring.STRATEGY, all_gather.STRATEGY, ulysses.STRATEGY_ULYSSES, ulysses.STRATEGY_USP)
+}
 
 
 def get_strategy(name: str) -> Strategy:
@@ -26,8 +28,9 @@ def get_strategy(name: str) -> Strategy:
     try:
         return STRATEGIES[name]
     except KeyError:
-        raise ValueError(f"unknown attention strategy {name!r}; use one of "
-                         f"{tuple(STRATEGIES)}") from None
+        raise ValueError(
+            f"unknown attention strategy {name!r}; use one of {tuple(STRATEGIES)}"
+        ) from None
 
 
 def strategy_of(attention) -> Strategy:
@@ -45,8 +48,10 @@ def option_problem(attention) -> str | None:
             value, default = getattr(attention, option), getattr(other, option)
             if option not in own and value != default:
                 what = other.option_words.get(option, f"an option of '{other.name}'")
-                return (f"attention.{option}={value!r} is {what}; set attention.strategy="
-                        f"'{other.name}' or leave attention.{option}={default!r}")
+                return (
+                    f"attention.{option}={value!r} is {what}; set attention.strategy="
+                    f"'{other.name}' or leave attention.{option}={default!r}"
+                )
     return None
 
 
@@ -72,6 +77,15 @@ def context_parallel_attention(q, k, v, *, mesh, strategy: str | Strategy = "rin
     return chosen.attention(q, k, v, mesh=mesh, **kwargs)
 
 
-__all__ = ["STRATEGIES", "Strategy", "context_parallel_attention", "get_strategy",
-           "kernel_block", "local_attention", "ring_attention", "layout_shards",
-           "option_problem", "strategy_of"]
+__all__ = [
+    "STRATEGIES",
+    "Strategy",
+    "context_parallel_attention",
+    "get_strategy",
+    "kernel_block",
+    "local_attention",
+    "ring_attention",
+    "layout_shards",
+    "option_problem",
+    "strategy_of",
+]

@@ -51,8 +51,15 @@ def _gather_forward(s: Settings, q, k, v, seg):
 
     def round_(carry, r):
         src = (me - r) % s.n
-        part = others(q, _source(k_all, src, t), _source(v_all, src, t), q_pos, k_pos(r), seg,
-                      _source(seg_all, src, t))
+        part = others(
+            q,
+            _source(k_all, src, t),
+            _source(v_all, src, t),
+            q_pos,
+            k_pos(r),
+            seg,
+            _source(seg_all, src, t),
+        )
         return merge_partials(*carry, *part), None
 
     (o, lse), _ = lax.scan(round_, (o, lse), jnp.arange(1, s.n))
@@ -76,8 +83,18 @@ def _gather_backward(s: Settings, residuals, do):
     def round_(carry, r):
         dq, dk_all, dv_all = carry
         src = (me - r) % s.n
-        dq_r, dk_r, dv_r = others(q, _source(k_all, src, t), _source(v_all, src, t), o, lse,
-                                  do, q_pos, k_pos(r), seg, _source(seg_all, src, t))
+        dq_r, dk_r, dv_r = others(
+            q,
+            _source(k_all, src, t),
+            _source(v_all, src, t),
+            o,
+            lse,
+            do,
+            q_pos,
+            k_pos(r),
+            seg,
+            _source(seg_all, src, t),
+        )
         return (dq + dq_r, add(dk_all, dk_r, src), add(dv_all, dv_r, src)), None
 
     zeros = jnp.zeros(k_all.shape, F32)
@@ -107,14 +124,34 @@ def _all_gather_bwd(settings, residuals, do):
 _all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
-def all_gather_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
-                         q_chunk=512, kv_chunk=512, impl="auto", whole=True):
+def all_gather_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    layout="striped",
+    causal=True,
+    segment_ids=None,
+    q_chunk=512,
+    kv_chunk=512,
+    impl="auto",
+    whole=True,
+):
     """`ring_attention`'s arguments and result, K/V all-gathered over `sp` instead of passed
     round the ring."""
-    settings = make_settings(mesh.shape[SP], layout, causal, q_chunk, kv_chunk, impl, q,
-                             mesh.devices.flat[0], whole=whole)
-    return on_mesh(lambda q, k, v, s: _all_gather(settings, q, k, v, s), mesh, q, k, v,
-                   segment_ids)
+    settings = make_settings(
+        mesh.shape[SP],
+        layout,
+        causal,
+        q_chunk,
+        kv_chunk,
+        impl,
+        q,
+        mesh.devices.flat[0],
+        whole=whole,
+    )
+    return on_mesh(lambda q, k, v, s: _all_gather(settings, q, k, v, s), mesh, q, k, v, segment_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +160,7 @@ class AllGather(Strategy):
     the float32 dK/dV reduce-scattered. The gather waits for the layer's K/V projection and
     the attention waits for the gather: exposed, but one collective instead of n - 1 small
     ones, and memory for the whole sequence's K/V (n kv) plus its float32 gradient."""
+
     name = "all_gather"
 
     def attention(self, q, k, v, *, mesh, **kwargs):
@@ -135,8 +173,13 @@ class AllGather(Strategy):
     def cost(self, step: Step) -> StrategyCost:
         n, b = step.n, step.dtype_bytes
         sent = (2 + 4 / b + (1 if step.recompute else 0)) * (n - 1) * step.kv
-        return StrategyCost(self.name, f"all-gather {n}", {step.ring_link: sent * step.per_step},
-                            sent / (step.ring_gbs * 1e9) * step.per_step, self.buffers(step))
+        return StrategyCost(
+            self.name,
+            f"all-gather {n}",
+            {step.ring_link: sent * step.per_step},
+            sent / (step.ring_gbs * 1e9) * step.per_step,
+            self.buffers(step),
+        )
 
 
 STRATEGY = AllGather()

@@ -43,18 +43,19 @@ from lclm.ops.context_parallel.rounds import tile_run
 class Step:
     """What the planner knows of one training step when it prices a strategy: one device's
     attention blocks of one layer and micro-batch (bytes) and its FLOPs, and the links."""
-    n: int                      # mesh.sp
-    q: float                    # the device's query block
-    kv: float                   # its K and V blocks
-    kv_heads: int               # KV heads on the device (after tp)
-    heads: int                  # query heads on the device (after tp)
-    pair_flops: float           # one (seq/n x seq/n) block pair, forward and backward
-    dtype_bytes: int            # of the compute dtype
-    per_step: int               # layers x micro-batches: attentions per training step
-    remat: str                  # model.remat
-    flops: float                # the device's peak FLOP/s
-    fast_gbs: float             # one-way GB/s of a link inside a node
-    slow_gbs: float             # and between nodes
+
+    n: int  # mesh.sp
+    q: float  # the device's query block
+    kv: float  # its K and V blocks
+    kv_heads: int  # KV heads on the device (after tp)
+    heads: int  # query heads on the device (after tp)
+    pair_flops: float  # one (seq/n x seq/n) block pair, forward and backward
+    dtype_bytes: int  # of the compute dtype
+    per_step: int  # layers x micro-batches: attentions per training step
+    remat: str  # model.remat
+    flops: float  # the device's peak FLOP/s
+    fast_gbs: float  # one-way GB/s of a link inside a node
+    slow_gbs: float  # and between nodes
     devices_per_node: int
 
     @property
@@ -80,10 +81,10 @@ class Step:
 @dataclasses.dataclass
 class StrategyCost:
     strategy: str
-    split: str                  # how the sequence is split, e.g. "ring 8" or "ulysses 8 x ring 4"
-    sent: dict[str, float]      # link -> bytes each device sends per step over it
-    exposed_s: float            # seconds per step the attention waits for transfers
-    memory: float               # bytes per device the strategy holds beyond q, k, v, o
+    split: str  # how the sequence is split, e.g. "ring 8" or "ulysses 8 x ring 4"
+    sent: dict[str, float]  # link -> bytes each device sends per step over it
+    exposed_s: float  # seconds per step the attention waits for transfers
+    memory: float  # bytes per device the strategy holds beyond q, k, v, o
     note: str = ""
 
 
@@ -113,7 +114,7 @@ def all_to_all_bytes(step: Step, u: int) -> tuple[float, float, str]:
     devices: q, k, v in and o out forward, do in and dq, dk, dv out backward, and q, k, v in
     again where the backward runs the layer's forward again (every remat policy but
     'none')."""
-    repeat = u // math.gcd(step.kv_heads, u)   # as `kv_repeats`: KV head copies per device
+    repeat = u // math.gcd(step.kv_heads, u)  # as `kv_repeats`: KV head copies per device
     kv = step.kv * repeat
     note = f"KV heads replicated x{repeat}" if repeat > 1 else ""
     again = not REMAT[step.remat].everything
@@ -127,6 +128,7 @@ class Strategy:
     are those of a strategy that splits the sequence over all of sp in the layout's order and
     has no options of its own. A subclass with options declares them as dataclass fields
     named as their `attention` fields, with the same defaults, and lists them in `options`."""
+
     name: typing.ClassVar[str] = ""
     options: typing.ClassVar[tuple[str, ...]] = ()
     # what each option is, in the words of the message that refuses it under another strategy

@@ -93,12 +93,10 @@ def _ring_backward(s: Settings, residuals, do):
         dk, dv = send((dk + dk_r, dv + dv_r), s.axis, s.n)
         return (dq + dq_r, k_next, v_next, seg_next, dk, dv), None
 
-    carry = (jnp.zeros(q.shape, F32), k, v, k_seg, jnp.zeros(k.shape, F32),
-             jnp.zeros(v.shape, F32))
+    carry = (jnp.zeros(q.shape, F32), k, v, k_seg, jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
     dq, k_last, v_last, seg_last, dk, dv = _passing_rounds(s, q.shape[1], site, round_, carry)
     last = site(range(s.n - 1, s.n))
-    dq_r, dk_r, dv_r = last(q, k_last, v_last, o, lse, do, q_pos, k_pos(s.n - 1), q_seg,
-                            seg_last)
+    dq_r, dk_r, dv_r = last(q, k_last, v_last, o, lse, do, q_pos, k_pos(s.n - 1), q_seg, seg_last)
     dk, dv = dk + dk_r, dv + dv_r
     if s.n > 1:  # the accumulators of the block held last belong to the next device
         dk, dv = send((dk, dv), s.axis, s.n)
@@ -133,24 +131,41 @@ def ring_or_whole(settings: Settings, q, k, v, q_seg, k_seg):
     fallback. With one member the positions are the original order in every layout."""
     the_ring = functools.partial(ring, settings, q, k, v, q_seg, k_seg)
     whole = get_kernel(settings.impl).whole if settings.n == 1 and settings.whole else None
-    return the_ring() if whole is None else whole(q, k, v, q_seg, causal=settings.causal,
-                                                   fallback=the_ring)
+    return (
+        the_ring()
+        if whole is None
+        else whole(q, k, v, q_seg, causal=settings.causal, fallback=the_ring)
+    )
 
 
-def local_attention(q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_chunk=512,
-                    impl="auto", whole=True):
+def local_attention(
+    q, k, v, *, causal=True, segment_ids=None, q_chunk=512, kv_chunk=512, impl="auto", whole=True
+):
     """Blockwise attention on one device (no mesh): the ring with a single member.
 
     q `[batch, seq, heads, dim]`, k/v `[batch, seq, kv_heads, dim]` in original order,
     segment_ids `[batch, seq]` or None; `whole`: `rounds.Settings.whole`. Differentiable.
     """
-    settings = make_settings(1, "contiguous", causal, q_chunk, kv_chunk, impl, q,
-                              target_device(), axis=None, whole=whole)
+    settings = make_settings(
+        1, "contiguous", causal, q_chunk, kv_chunk, impl, q, target_device(), axis=None, whole=whole
+    )
     return ring_or_whole(settings, q, k, v, segment_ids, segment_ids)
 
 
-def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
-                   q_chunk=512, kv_chunk=512, impl="auto", whole=True):
+def ring_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    layout="striped",
+    causal=True,
+    segment_ids=None,
+    q_chunk=512,
+    kv_chunk=512,
+    impl="auto",
+    whole=True,
+):
     """Ring attention of global arrays whose sequence axis is sharded over `sp`.
 
     q `[batch, seq, heads, dim]`, k/v `[batch, seq, kv_heads, dim]` (kv_heads divides heads),
@@ -160,14 +175,25 @@ def ring_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=
     Returns the output `[batch, seq, heads, dim]` in the same order and dtype as q; `whole`:
     `rounds.Settings.whole`. Differentiable.
     """
-    settings = make_settings(mesh.shape[SP], layout, causal, q_chunk, kv_chunk, impl, q,
-                              mesh.devices.flat[0], whole=whole)
-    return on_mesh(lambda q, k, v, s: ring_or_whole(settings, q, k, v, s, s), mesh, q, k, v,
-                   segment_ids)
+    settings = make_settings(
+        mesh.shape[SP],
+        layout,
+        causal,
+        q_chunk,
+        kv_chunk,
+        impl,
+        q,
+        mesh.devices.flat[0],
+        whole=whole,
+    )
+    return on_mesh(
+        lambda q, k, v, s: ring_or_whole(settings, q, k, v, s, s), mesh, q, k, v, segment_ids
+    )
 
 
-def tile_schedule(layout: str, n: int, seq_len: int, q_chunk: int, kv_chunk: int,
-                  causal: bool = True) -> np.ndarray:
+def tile_schedule(
+    layout: str, n: int, seq_len: int, q_chunk: int, kv_chunk: int, causal: bool = True
+) -> np.ndarray:
     """Tiles each device computes in each round: int array `[round, device]`.
 
     Uses the kernels' own skip predicate (`visible_tiles`) on the positions each device holds
@@ -181,7 +207,8 @@ def tile_schedule(layout: str, n: int, seq_len: int, q_chunk: int, kv_chunk: int
             q_pos = original_positions(layout, n, j, local)
             k_pos = original_positions(layout, n, (j - r) % n, local)
             counts[r, j] = np.asarray(
-                visible_tiles(q_pos, k_pos, None, None, causal, q_chunk, kv_chunk)).sum()
+                visible_tiles(q_pos, k_pos, None, None, causal, q_chunk, kv_chunk)
+            ).sum()
     return counts
 
 
@@ -191,6 +218,7 @@ class Ring(Strategy):
     float32 dK/dV accumulators n hops home (K/V once more where remat re-runs the forward).
     Each hop overlaps one block pair's attention: hidden while a block pair's FLOPs outlast
     one block's transfer."""
+
     name = "ring"
 
     def attention(self, q, k, v, *, mesh, **kwargs):
@@ -201,10 +229,13 @@ class Ring(Strategy):
 
     def cost(self, step: Step) -> StrategyCost:
         n = step.n
-        return StrategyCost(self.name, f"ring {n}",
-                            {step.ring_link: ring_bytes(step, n - 1) * step.per_step},
-                            ring_exposed_s(step, n - 1, step.pair_flops) * step.per_step,
-                            self.buffers(step))
+        return StrategyCost(
+            self.name,
+            f"ring {n}",
+            {step.ring_link: ring_bytes(step, n - 1) * step.per_step},
+            ring_exposed_s(step, n - 1, step.pair_flops) * step.per_step,
+            self.buffers(step),
+        )
 
 
 STRATEGY = Ring()

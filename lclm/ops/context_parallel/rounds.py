@@ -57,6 +57,7 @@ def saved(o, lse, dtype):
 
 class Settings(NamedTuple):
     """Static (hashable) settings of one attention: a custom VJP's non-differentiable part."""
+
     axis: str | None
     n: int
     layout: str
@@ -79,17 +80,34 @@ def tile_run(layout: str, n: int, seq_len: int) -> int:
     return local // 2 if layout == "zigzag" and n > 1 else local
 
 
-def make_settings(n, layout, causal, q_chunk, kv_chunk, impl, q, device, axis=SP,
-                  whole=True) -> Settings:
+def make_settings(
+    n, layout, causal, q_chunk, kv_chunk, impl, q, device, axis=SP, whole=True
+) -> Settings:
     """Check the layout and resolve `impl` ('auto' included) for global queries `q` split
     over a ring of `n` (`axis`) on devices like `device`; `whole`: `Settings.whole`."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
-    impl = choose_kernel(impl, head_dim=q.shape[-1], q_chunk=q_chunk, kv_chunk=kv_chunk,
-                         block=tile_run(layout, n, q.shape[1]), platform=device.platform,
-                         dtype=jnp.dtype(q.dtype).name)
-    return Settings(axis, n, layout, bool(causal), int(q_chunk), int(kv_chunk), impl,
-                    device.platform, device.device_kind, bool(whole))
+    impl = choose_kernel(
+        impl,
+        head_dim=q.shape[-1],
+        q_chunk=q_chunk,
+        kv_chunk=kv_chunk,
+        block=tile_run(layout, n, q.shape[1]),
+        platform=device.platform,
+        dtype=jnp.dtype(q.dtype).name,
+    )
+    return Settings(
+        axis,
+        n,
+        layout,
+        bool(causal),
+        int(q_chunk),
+        int(kv_chunk),
+        impl,
+        device.platform,
+        device.device_kind,
+        bool(whole),
+    )
 
 
 def setup(s: Settings, q, which: str):
@@ -100,10 +118,13 @@ def setup(s: Settings, q, which: str):
     # a zigzag shard is two runs of consecutive positions: tiles stay inside one, so that
     # every tile is entirely visible or entirely hidden in all but the diagonal blocks
     run = tile_run(s.layout, s.n, q.shape[1] * s.n)
-    block = functools.partial(getattr(kernel, which), causal=s.causal,
-                              q_chunk=min(s.q_chunk, run), kv_chunk=min(s.kv_chunk, run),
-                              **({"platform": s.platform, "device_kind": s.device_kind}
-                                 if kernel.takes_platform else {}))
+    block = functools.partial(
+        getattr(kernel, which),
+        causal=s.causal,
+        q_chunk=min(s.q_chunk, run),
+        kv_chunk=min(s.kv_chunk, run),
+        **({"platform": s.platform, "device_kind": s.device_kind} if kernel.takes_platform else {}),
+    )
     me = lax.axis_index(s.axis) if s.n > 1 else 0
     q_pos = original_positions(s.layout, s.n, me, q.shape[1], xp=jnp)
     # in round r this device holds the K/V block that started on device me - r
@@ -119,17 +140,18 @@ def _site(block, kernel, s: Settings, local: int, rounds: range):
     classify = getattr(kernel, "classify", None)
     if classify is None:
         return block
-    return functools.partial(block, classes=_site_classes(classify, s.layout, s.n, local,
-                                                          s.causal, rounds))
+    return functools.partial(
+        block, classes=_site_classes(classify, s.layout, s.n, local, s.causal, rounds)
+    )
 
 
 @functools.cache
-def _site_classes(classify, layout: str, n: int, local: int, causal: bool,
-                  rounds: range) -> frozenset:
+def _site_classes(
+    classify, layout: str, n: int, local: int, causal: bool, rounds: range
+) -> frozenset:
     """`classify` of every block pair some device meets in `rounds`, on the host (numpy)."""
     pos = lambda device: original_positions(layout, n, device, local)
-    return frozenset(classify(pos(j), pos((j - r) % n), causal)
-                     for r in rounds for j in range(n))
+    return frozenset(classify(pos(j), pos((j - r) % n), causal) for r in rounds for j in range(n))
 
 
 def passing_sites(s: Settings, local: int) -> list[range]:
@@ -158,8 +180,9 @@ def kv_repeats(q_heads: int, kv_heads: int, tp: int, axis: str = "tp") -> int:
         raise ValueError(f"{q_heads} query heads are not divisible by {axis}={tp}")
     rep = tp // math.gcd(kv_heads, tp)
     if (q_heads // kv_heads) % rep:
-        raise ValueError(f"{kv_heads} kv heads cannot be split over {axis}={tp} with {q_heads} "
-                         "heads")
+        raise ValueError(
+            f"{kv_heads} kv heads cannot be split over {axis}={tp} with {q_heads} heads"
+        )
     return rep
 
 
@@ -180,5 +203,4 @@ def on_mesh(body, mesh, q, k, v, segment_ids, seq_axes=SP):
         fn = body
         in_specs = (x_spec,) * 3 + (P(BATCH_AXES, seq_axes),)
         args = (q, k, v, segment_ids.astype(jnp.int32))
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=x_spec,
-                         check_vma=False)(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=x_spec, check_vma=False)(*args)

@@ -50,7 +50,7 @@ from lclm.ops.context_parallel.rounds import (
 )
 from lclm.ops.layout import from_layout, to_layout
 
-ULYSSES = "ulysses"   # usp's Ulysses axis: the inner factor of sp
+ULYSSES = "ulysses"  # usp's Ulysses axis: the inner factor of sp
 
 
 def _ulysses(axis: str, n: int, inner, q, k, v, seg):
@@ -77,16 +77,40 @@ def _in_original_order(settings: Settings, layout: str, n: int, q, k, v, seg):
     return to_layout(o, layout, n)
 
 
-def ulysses_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
-                      q_chunk=512, kv_chunk=512, impl="auto", whole=True):
+def ulysses_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    layout="striped",
+    causal=True,
+    segment_ids=None,
+    q_chunk=512,
+    kv_chunk=512,
+    impl="auto",
+    whole=True,
+):
     """`ring_attention`'s arguments and result, by Ulysses all-to-alls over `sp`: needs the
     query heads per tp shard divisible by sp (K/V heads are repeated as needed)."""
     n, tp = mesh.shape[SP], mesh.shape[HEAD_AXIS]
     if q.shape[2] % (tp * n):
-        raise ValueError(f"ulysses splits the {q.shape[2] // tp} query heads per tp shard "
-                         f"over sp={n}: they are not divisible")
-    settings = make_settings(1, "contiguous", causal, q_chunk, kv_chunk, impl, q,
-                             mesh.devices.flat[0], axis=None, whole=whole)
+        raise ValueError(
+            f"ulysses splits the {q.shape[2] // tp} query heads per tp shard "
+            f"over sp={n}: they are not divisible"
+        )
+    settings = make_settings(
+        1,
+        "contiguous",
+        causal,
+        q_chunk,
+        kv_chunk,
+        impl,
+        q,
+        mesh.devices.flat[0],
+        axis=None,
+        whole=whole,
+    )
     inner = functools.partial(_in_original_order, settings, layout, n)
     return on_mesh(functools.partial(_ulysses, SP, n, inner), mesh, q, k, v, segment_ids)
 
@@ -98,12 +122,27 @@ def usp_mesh(mesh: Mesh, ulysses: int) -> Mesh:
     if mesh.axis_names[-1] != SP:
         raise ValueError(f"usp splits the mesh's last axis, which must be {SP!r}")
     shape = mesh.devices.shape
-    return Mesh(mesh.devices.reshape(*shape[:-1], shape[-1] // ulysses, ulysses),
-                (*mesh.axis_names, ULYSSES))
+    return Mesh(
+        mesh.devices.reshape(*shape[:-1], shape[-1] // ulysses, ulysses),
+        (*mesh.axis_names, ULYSSES),
+    )
 
 
-def usp_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=None,
-                  q_chunk=512, kv_chunk=512, impl="auto", ulysses=1, whole=True):
+def usp_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    layout="striped",
+    causal=True,
+    segment_ids=None,
+    q_chunk=512,
+    kv_chunk=512,
+    impl="auto",
+    ulysses=1,
+    whole=True,
+):
     """`ring_attention`'s arguments and result (q, k, v and segment ids in `layout`'s order
     for a ring of sp / ulysses), by Ulysses all-to-alls over groups of `ulysses` consecutive
     sp devices and the ring across the groups: needs the query heads per tp shard divisible
@@ -112,13 +151,23 @@ def usp_attention(q, k, v, *, mesh, layout="striped", causal=True, segment_ids=N
     if ulysses < 1 or n % ulysses:
         raise ValueError(f"usp's ulysses={ulysses} does not divide sp={n}")
     if q.shape[2] % (tp * ulysses):
-        raise ValueError(f"usp splits the {q.shape[2] // tp} query heads per tp shard over "
-                         f"ulysses={ulysses}: they are not divisible")
-    settings = make_settings(n // ulysses, layout, causal, q_chunk, kv_chunk, impl, q,
-                             mesh.devices.flat[0], whole=whole)
+        raise ValueError(
+            f"usp splits the {q.shape[2] // tp} query heads per tp shard over "
+            f"ulysses={ulysses}: they are not divisible"
+        )
+    settings = make_settings(
+        n // ulysses, layout, causal, q_chunk, kv_chunk, impl, q, mesh.devices.flat[0], whole=whole
+    )
     inner = lambda q, k, v, s: ring_or_whole(settings, q, k, v, s, s)
-    return on_mesh(functools.partial(_ulysses, ULYSSES, ulysses, inner),
-                   usp_mesh(mesh, ulysses), q, k, v, segment_ids, seq_axes=(SP, ULYSSES))
+    return on_mesh(
+        functools.partial(_ulysses, ULYSSES, ulysses, inner),
+        usp_mesh(mesh, ulysses),
+        q,
+        k,
+        v,
+        segment_ids,
+        seq_axes=(SP, ULYSSES),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,19 +177,22 @@ class Ulysses(Strategy):
     tensor; K/V heads count n / gcd(kv heads, n) times where a device's KV heads do not
     split over n. Per-device bytes do not grow with n; exposed (the attention waits for
     them). The query heads per device must divide by n."""
+
     name = "ulysses"
 
     def attention(self, q, k, v, *, mesh, **kwargs):
         return ulysses_attention(q, k, v, mesh=mesh, **kwargs)
 
     def kernel_block(self, layout: str, sp: int, seq_len: int) -> int:
-        return seq_len   # the whole sequence, in original order
+        return seq_len  # the whole sequence, in original order
 
     def limits(self, *, heads: int, tp: int, sp: int) -> str | None:
         if heads % (tp * sp):
-            return (f"attention.strategy='ulysses' splits the model.n_heads={heads} query "
-                    f"heads over mesh.tp x mesh.sp = {tp * sp}: not divisible; use 'usp' with "
-                    "attention.ulysses dividing them, 'ring' or 'all_gather'")
+            return (
+                f"attention.strategy='ulysses' splits the model.n_heads={heads} query "
+                f"heads over mesh.tp x mesh.sp = {tp * sp}: not divisible; use 'usp' with "
+                "attention.ulysses dividing them, 'ring' or 'all_gather'"
+            )
         return None
 
     def buffers(self, step: Step) -> float:
@@ -149,7 +201,7 @@ class Ulysses(Strategy):
     def cost(self, step: Step) -> StrategyCost:
         n, per_step = step.n, step.per_step
         sent, buffers, note = all_to_all_bytes(step, n)
-        if step.crosses:   # of what each device sends, the part for other nodes crosses slow links
+        if step.crosses:  # of what each device sends, the part for other nodes crosses slow links
             inside = sent * (step.devices_per_node - 1) / (n - 1)
             split = {"in a node": inside * per_step, "between nodes": (sent - inside) * per_step}
             exposed = max(inside / (step.fast_gbs * 1e9), (sent - inside) / (step.slow_gbs * 1e9))
@@ -167,6 +219,7 @@ class USP(Strategy):
     nodes (slow links): the ring's hops carry the same kv bytes but only r - 1 of them cross
     nodes. `ulysses` is u (`attention.ulysses`); the planner prices the largest u the heads
     and a node allow."""
+
     name = "usp"
     options = ("ulysses",)
     option_words = {"ulysses": "usp's Ulysses degree"}
@@ -179,18 +232,25 @@ class USP(Strategy):
         return sp // self.ulysses
 
     def label(self, sp: int) -> str:
-        return (f"{self.name} (ulysses {self.ulysses} x ring {self.layout_shards(sp)})"
-                if self.ulysses > 1 else self.name)
+        return (
+            f"{self.name} (ulysses {self.ulysses} x ring {self.layout_shards(sp)})"
+            if self.ulysses > 1
+            else self.name
+        )
 
     def limits(self, *, heads: int, tp: int, sp: int) -> str | None:
         ulysses = self.ulysses
         if sp % ulysses:
-            return (f"attention.ulysses={ulysses} does not divide mesh.sp={sp}; usp runs "
-                    "Ulysses over groups of that many sp devices and the ring across the groups")
+            return (
+                f"attention.ulysses={ulysses} does not divide mesh.sp={sp}; usp runs "
+                "Ulysses over groups of that many sp devices and the ring across the groups"
+            )
         if heads % (tp * ulysses):
-            return (f"attention.strategy='usp' splits the model.n_heads={heads} query heads "
-                    f"over mesh.tp x attention.ulysses = {tp * ulysses}: not divisible; use a "
-                    "smaller attention.ulysses")
+            return (
+                f"attention.strategy='usp' splits the model.n_heads={heads} query heads "
+                f"over mesh.tp x attention.ulysses = {tp * ulysses}: not divisible; use a "
+                "smaller attention.ulysses"
+            )
         return None
 
     def buffers(self, step: Step) -> float:
@@ -198,8 +258,9 @@ class USP(Strategy):
         groups (either alone where the other has one member, as `cost` prices it)."""
         ulysses = self.ulysses
         groups = step.n // ulysses
-        return ((all_to_all_bytes(step, ulysses)[1] if ulysses > 1 else 0.0)
-                + (ring_buffers(step) if groups > 1 else 0.0))
+        return (all_to_all_bytes(step, ulysses)[1] if ulysses > 1 else 0.0) + (
+            ring_buffers(step) if groups > 1 else 0.0
+        )
 
     def cost(self, step: Step) -> StrategyCost:
         n, per_step = step.n, step.per_step
@@ -209,10 +270,11 @@ class USP(Strategy):
             u -= 1
         r = n // u
         split = f"ulysses {u} x ring {r}"
-        if r == 1 or u == 1:   # listed all the same, as the strategy it equals here
+        if r == 1 or u == 1:  # listed all the same, as the strategy it equals here
             same = (STRATEGY_ULYSSES if u > 1 else RING).cost(step)
-            note = ", ".join(filter(None, [f"= {same.strategy} here (attention.ulysses={u})",
-                                           same.note]))
+            note = ", ".join(
+                filter(None, [f"= {same.strategy} here (attention.ulysses={u})", same.note])
+            )
             return dataclasses.replace(same, strategy=self.name, split=split, note=note)
         a2a, _, note = all_to_all_bytes(step, u)
         # the ring's block pairs carry u times the heads of a plain ring's
@@ -220,10 +282,14 @@ class USP(Strategy):
         sent = {"in a node": a2a * per_step}
         link = step.ring_link
         sent[link] = sent.get(link, 0.0) + ring_bytes(step, r - 1) * per_step
-        return StrategyCost(self.name, split, sent,
-                            (a2a / (step.fast_gbs * 1e9) + ring_exposed) * per_step,
-                            dataclasses.replace(self, ulysses=u).buffers(step),
-                            ", ".join(filter(None, [f"attention.ulysses={u}", note])))
+        return StrategyCost(
+            self.name,
+            split,
+            sent,
+            (a2a / (step.fast_gbs * 1e9) + ring_exposed) * per_step,
+            dataclasses.replace(self, ulysses=u).buffers(step),
+            ", ".join(filter(None, [f"attention.ulysses={u}", note])),
+        )
 
 
 STRATEGY_ULYSSES = Ulysses()

@@ -38,8 +38,11 @@ KERNELS: dict[str, Kernel | str] = {
 # limits allow the shapes is used. A kernel runs compiled only on its own platform; elsewhere
 # (pallas_* on CPU) it is interpreted, which is for tests, never picked. Every list ends with
 # blockwise, which serves any shape.
-AUTO = {"gpu": ("cudnn_gpu", "tokamax_gpu", "pallas_gpu", "blockwise"),
-        "tpu": ("pallas_tpu", "blockwise"), "cpu": ("blockwise",)}
+AUTO = {
+    "gpu": ("cudnn_gpu", "tokamax_gpu", "pallas_gpu", "blockwise"),
+    "tpu": ("pallas_tpu", "blockwise"),
+    "cpu": ("blockwise",),
+}
 
 
 # The device programs are being built for, where that is not the host's own (`compiling_for`)
@@ -75,6 +78,7 @@ class Lowered:
     ring's block-pair passes, of however many rounds; 'cudnn_gpu': one device's whole
     sequence in one call), and `passed_over`: the kernels `attention.impl='auto'` tried
     before the one it chose, with why each could not serve (its `Kernel.limits`)."""
+
     kernels: list[str] = dataclasses.field(default_factory=list)
     passed_over: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -111,23 +115,46 @@ def get_kernel(impl: str) -> Kernel:
         entry = KERNELS[impl]
     except KeyError:
         raise ValueError(
-            f"attention impl {impl!r} is not available; use one of {sorted(KERNELS)}") from None
+            f"attention impl {impl!r} is not available; use one of {sorted(KERNELS)}"
+        ) from None
     return importlib.import_module(entry).KERNEL if isinstance(entry, str) else entry
 
 
-def choose_kernel(impl: str, *, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
-                  platform: str, dtype: str | None = None, device=None) -> str:
+def choose_kernel(
+    impl: str,
+    *,
+    head_dim: int,
+    q_chunk: int,
+    kv_chunk: int,
+    block: int,
+    platform: str,
+    dtype: str | None = None,
+    device=None,
+) -> str:
     """The kernel name `attention.impl` means here: 'auto' -> the first of `AUTO[platform]`
     that can serve the shapes (`Kernel.limits`); an explicit name that cannot -> ValueError
     (one line). `block`: the run of consecutive local positions tiles stay inside. `device`:
     one of the mesh's devices, whose generation the limits check (default: `target_device()`)."""
     if device is not None:
         with compiling_for(device):
-            return choose_kernel(impl, head_dim=head_dim, q_chunk=q_chunk, kv_chunk=kv_chunk,
-                                 block=block, platform=platform, dtype=dtype)
+            return choose_kernel(
+                impl,
+                head_dim=head_dim,
+                q_chunk=q_chunk,
+                kv_chunk=kv_chunk,
+                block=block,
+                platform=platform,
+                dtype=dtype,
+            )
     platform = platform_family(platform)
-    shapes = dict(head_dim=head_dim, q_chunk=q_chunk, kv_chunk=kv_chunk, block=block,
-                  platform=platform, dtype=dtype)
+    shapes = dict(
+        head_dim=head_dim,
+        q_chunk=q_chunk,
+        kv_chunk=kv_chunk,
+        block=block,
+        platform=platform,
+        dtype=dtype,
+    )
     if impl == "auto":
         record = _RECORD.get()
 
@@ -140,6 +167,8 @@ def choose_kernel(impl: str, *, head_dim: int, q_chunk: int, kv_chunk: int, bloc
         return next(name for name in AUTO.get(platform, ("blockwise",)) if serves(name))
     why = get_kernel(impl).limits(**shapes)
     if why is not None:
-        raise ValueError(f"attention.impl={impl!r} cannot run here: {why} "
-                         "(attention.impl='auto' picks a kernel that can)")
+        raise ValueError(
+            f"attention.impl={impl!r} cannot run here: {why} "
+            "(attention.impl='auto' picks a kernel that can)"
+        )
     return impl

@@ -43,21 +43,22 @@ def _chunks(x, size: int, axis: int = 1):
     """Split `axis` into chunks and move the chunk index to the front."""
     if x is None:
         return None
-    shape = x.shape[:axis] + (x.shape[axis] // size, size) + x.shape[axis + 1:]
+    shape = x.shape[:axis] + (x.shape[axis] // size, size) + x.shape[axis + 1 :]
     return jnp.moveaxis(x.reshape(shape), axis, 0)
 
 
 def _unchunk(x, axis: int = 1):
     """Inverse of `_chunks`."""
     x = jnp.moveaxis(x, 0, axis)
-    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
 
 
 def _check_chunks(tq: int, tk: int, q_chunk: int, kv_chunk: int) -> tuple[int, int]:
     qc, kc = min(q_chunk, tq), min(kv_chunk, tk)
     if tq % qc or tk % kc:
         raise ValueError(
-            f"local query/key lengths {tq}/{tk} are not divisible by q_chunk={qc}/kv_chunk={kc}")
+            f"local query/key lengths {tq}/{tk} are not divisible by q_chunk={qc}/kv_chunk={kc}"
+        )
     return qc, kc
 
 
@@ -76,8 +77,9 @@ def _span_loop(span, body, init):
     (materialising [seq, seq] arrays). A while loop is opaque to that.
     """
     lo, hi = span
-    return lax.while_loop(lambda c: c[0] < hi, lambda c: (c[0] + 1, body(c[0], c[1])),
-                          (lo, init))[1]
+    return lax.while_loop(lambda c: c[0] < hi, lambda c: (c[0] + 1, body(c[0], c[1])), (lo, init))[
+        1
+    ]
 
 
 def _loop(n: int, body, init):
@@ -91,8 +93,7 @@ def _at(x, i):
     return None if x is None else x[i]
 
 
-def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
-            kv_chunk: int):
+def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int, kv_chunk: int):
     """Attention of one query block over one key/value block. Returns (o f32, lse f32).
 
     q `[b, tq, h, d]`, k/v `[b, tk, kv_heads, d]`, q_pos `[tq]`, k_pos `[tk]`, q_seg `[b, tq]` /
@@ -101,9 +102,9 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
     b, tq, h, d = q.shape
     hkv = k.shape[2]
     qc, kc = _check_chunks(tq, k.shape[1], q_chunk, kv_chunk)
-    scale = d ** -0.5
-    qs = _chunks(_grouped(q, hkv), qc)                      # [nq, b, qc, hkv, g, d]
-    ks, vs = _chunks(k, kc), _chunks(v, kc)                 # [nk, b, kc, hkv, d]
+    scale = d**-0.5
+    qs = _chunks(_grouped(q, hkv), qc)  # [nq, b, qc, hkv, g, d]
+    ks, vs = _chunks(k, kc), _chunks(v, kc)  # [nk, b, kc, hkv, d]
     qps, kps = q_pos.reshape(-1, qc), k_pos.reshape(-1, kc)
     qss, kss = _chunks(q_seg, qc), _chunks(k_seg, kc)
     visible = visible_tiles(q_pos, k_pos, q_seg, k_seg, causal, qc, kc)
@@ -122,12 +123,14 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
             p = jnp.exp(s - m_safe[..., None])
             corr = jnp.exp(m - m_safe)
             l = l * corr + p.sum(-1)
-            pv = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(vb.dtype), vb,
-                            preferred_element_type=F32)
+            pv = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(vb.dtype), vb, preferred_element_type=F32)
             return o * corr[..., None] + pv, m_new, l
 
-        init = (jnp.zeros(stat_shape + (d,), F32), jnp.full(stat_shape, -jnp.inf, F32),
-                jnp.zeros(stat_shape, F32))
+        init = (
+            jnp.zeros(stat_shape + (d,), F32),
+            jnp.full(stat_shape, -jnp.inf, F32),
+            jnp.zeros(stat_shape, F32),
+        )
         o, m, l = _span_loop(_span(visible[i]), per_kv_chunk, init)
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
         o = o / jnp.where(l > 0, l, 1.0)[..., None]
@@ -142,8 +145,9 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
     return o, lse
 
 
-def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
-             kv_chunk: int):
+def backward(
+    q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int, kv_chunk: int
+):
     """Gradients of one block pair given the global output and log-sum-exp. All float32.
 
     Shapes as in `forward`; o/do `[b, tq, h, d]`, lse `[b, tq, h]` (global over ring rounds).
@@ -152,8 +156,8 @@ def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q
     b, tq, h, d = q.shape
     hkv = k.shape[2]
     qc, kc = _check_chunks(tq, k.shape[1], q_chunk, kv_chunk)
-    scale = d ** -0.5
-    delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1)          # [b, tq, h]
+    scale = d**-0.5
+    delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1)  # [b, tq, h]
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
     grouped = lambda x: _grouped(x, hkv)
     qs, dos = _chunks(grouped(q), qc), _chunks(grouped(do), qc)
@@ -174,13 +178,13 @@ def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q
             s = jnp.einsum("bqhgd,bkhd->bqhgk", qb, kb, preferred_element_type=F32) * scale
             s = s + _mask_bias(qpb, kpb, qsb, ksb, causal)
             p = jnp.exp(s - lseb[..., None])  # exactly 0 where masked
-            dv = dv + jnp.einsum("bqhgk,bqhgd->bkhd", p.astype(dob.dtype), dob,
-                                 preferred_element_type=F32)
+            dv = dv + jnp.einsum(
+                "bqhgk,bqhgd->bkhd", p.astype(dob.dtype), dob, preferred_element_type=F32
+            )
             dp = jnp.einsum("bqhgd,bkhd->bqhgk", dob, vb, preferred_element_type=F32)
             ds = (p * (dp - deltab[..., None])).astype(qb.dtype)
             dq = jnp.einsum("bqhgk,bkhd->bqhgd", ds, kb, preferred_element_type=F32) * scale
-            dk = dk + jnp.einsum("bqhgk,bqhgd->bkhd", ds, qb,
-                                 preferred_element_type=F32) * scale
+            dk = dk + jnp.einsum("bqhgk,bqhgd->bkhd", ds, qb, preferred_element_type=F32) * scale
             return dq_all.at[i].add(dq), dk, dv
 
         dq_all, dk_all, dv_all = acc

@@ -33,8 +33,15 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-def serves_any(*, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
-               platform: str | None = None, dtype: str | None = None) -> None:
+def serves_any(
+    *,
+    head_dim: int,
+    q_chunk: int,
+    kv_chunk: int,
+    block: int,
+    platform: str | None = None,
+    dtype: str | None = None,
+) -> None:
     """`Kernel.limits` of a kernel that serves every shape on every platform."""
     del head_dim, q_chunk, kv_chunk, block, platform, dtype
 
@@ -65,6 +72,7 @@ class Kernel(NamedTuple):
     `passes`: the registry name of the kernel whose block-pair passes these are, where they
     are another kernel's (cudnn_gpu's are tokamax_gpu's): what a compile names as the ring's
     kernel (`lclm.ops.kernels.recording`)."""
+
     forward: Callable
     backward: Callable
     limits: Callable[..., str | None] = serves_any
@@ -96,8 +104,12 @@ def visible_tiles(q_pos, k_pos, q_seg, k_seg, causal: bool, q_chunk: int, kv_chu
     """
     pair = lambda qp, kp, qs, ks: tile_visible(qp, kp, qs, ks, causal)
     per_query_chunk = jax.vmap(jax.vmap(pair, (None, 0, None, 1)), (0, None, 1, None))
-    return per_query_chunk(q_pos.reshape(-1, q_chunk), k_pos.reshape(-1, kv_chunk),
-                           _seg_tiles(q_seg, q_chunk), _seg_tiles(k_seg, kv_chunk))
+    return per_query_chunk(
+        q_pos.reshape(-1, q_chunk),
+        k_pos.reshape(-1, kv_chunk),
+        _seg_tiles(q_seg, q_chunk),
+        _seg_tiles(k_seg, kv_chunk),
+    )
 
 
 def _seg_tiles(seg, size: int):

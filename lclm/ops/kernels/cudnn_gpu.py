@@ -46,8 +46,10 @@ MAX_DOCUMENTS = 32
 
 def _document_starts(segment_ids):
     """bool `[b, t]`: where a document (a run of equal ids) begins in each row."""
-    return jnp.concatenate([jnp.ones((segment_ids.shape[0], 1), bool),
-                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return jnp.concatenate(
+        [jnp.ones((segment_ids.shape[0], 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+        axis=1,
+    )
 
 
 def document_offsets(segment_ids, max_documents: int):
@@ -64,8 +66,10 @@ def document_offsets(segment_ids, max_documents: int):
         listed = index < jnp.minimum(n, max_documents)  # the last offset slot is always -1
         ends = jnp.concatenate([starts[1:], jnp.array([t])])
         lengths = jnp.where(listed, ends - starts, -1)
-        return (lengths[:max_documents].astype(jnp.int32),
-                jnp.where(listed, starts, -1).astype(jnp.int32))
+        return (
+            lengths[:max_documents].astype(jnp.int32),
+            jnp.where(listed, starts, -1).astype(jnp.int32),
+        )
 
     return jax.vmap(row)(_document_starts(segment_ids))
 
@@ -121,23 +125,32 @@ def _on_gpu() -> bool:
     """Whether the program is built for a GPU jax's cuDNN checks can read: one of this
     process, or the described one of `checks_for`."""
     device = target_device()
-    return device.platform in ("gpu", "cuda") and (device in jax.local_devices()
-                                                   or device is _DESCRIBED.get())
+    return device.platform in ("gpu", "cuda") and (
+        device in jax.local_devices() or device is _DESCRIBED.get()
+    )
 
 
 def _causal(q, k, v):
     fa = _fused()
-    return fa.dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5,
-                                    mask_type=fa.MaskType.CAUSAL)
+    return fa.dot_product_attention(
+        q, k, v, scale=q.shape[-1] ** -0.5, mask_type=fa.MaskType.CAUSAL
+    )
 
 
 def _packed(q, k, v, segment_ids):
     fa = _fused()
     lengths, offsets = document_offsets(segment_ids, MAX_DOCUMENTS)
-    return fa.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths,
-                                    q_offsets=offsets, kv_offsets=offsets,
-                                    scale=q.shape[-1] ** -0.5,
-                                    mask_type=fa.MaskType.PADDING_CAUSAL)
+    return fa.dot_product_attention(
+        q,
+        k,
+        v,
+        q_seqlen=lengths,
+        kv_seqlen=lengths,
+        q_offsets=offsets,
+        kv_offsets=offsets,
+        scale=q.shape[-1] ** -0.5,
+        mask_type=fa.MaskType.PADDING_CAUSAL,
+    )
 
 
 def whole(q, k, v, segment_ids, *, causal: bool, fallback):
@@ -152,9 +165,10 @@ def whole(q, k, v, segment_ids, *, causal: bool, fallback):
     lowered("cudnn_gpu")
     if segment_ids is None:
         return _causal(q, k, v)
-    return lax.switch(call_index(segment_ids), [lambda: _causal(q, k, v),
-                                                lambda: _packed(q, k, v, segment_ids),
-                                                fallback])
+    return lax.switch(
+        call_index(segment_ids),
+        [lambda: _causal(q, k, v), lambda: _packed(q, k, v, segment_ids), fallback],
+    )
 
 
 KERNEL = tokamax_gpu.KERNEL._replace(whole=whole, passes="tokamax_gpu")

@@ -25,8 +25,11 @@ def key_ranges(q_pos, k_pos, q_seg=None, k_seg=None, *, causal: bool = True):
     """
     tq, tk = q_pos.shape[0], k_pos.shape[0]
     start = jnp.zeros((1, tq), I32)
-    end = (jnp.searchsorted(k_pos, q_pos, side="right").astype(I32)[None] if causal
-           else jnp.full((1, tq), tk, I32))
+    end = (
+        jnp.searchsorted(k_pos, q_pos, side="right").astype(I32)[None]
+        if causal
+        else jnp.full((1, tq), tk, I32)
+    )
     if q_seg is not None:
         start = jnp.maximum(start, segment_starts(q_seg, k_seg))
         end = jnp.minimum(end, segment_starts(q_seg, k_seg, side="right"))

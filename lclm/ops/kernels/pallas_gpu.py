@@ -57,15 +57,25 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and not n & (n - 1)
 
 
-def limits(*, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
-           platform: str | None = None, dtype: str | None = None) -> str | None:
+def limits(
+    *,
+    head_dim: int,
+    q_chunk: int,
+    kv_chunk: int,
+    block: int,
+    platform: str | None = None,
+    dtype: str | None = None,
+) -> str | None:
     """Why this kernel cannot serve the shapes (`contract.Kernel.limits`): Triton's rules on
     tiles and head dim, GPUs only (interpreted on CPU). Every float dtype is served."""
     del dtype
     if platform == "tpu":
         return "it runs on GPUs (interpreted on CPU); use 'pallas_tpu' on TPU"
-    sizes = {"head dim": head_dim, "query tile": min(q_chunk, block, MAX_BLOCK_Q),
-             "key tile": min(kv_chunk, block, MAX_BLOCK_K)}
+    sizes = {
+        "head dim": head_dim,
+        "query tile": min(q_chunk, block, MAX_BLOCK_Q),
+        "key tile": min(kv_chunk, block, MAX_BLOCK_K),
+    }
     for name, n in sizes.items():
         if not _power_of_two(n):
             return f"its {name} {n} must be a power of two"
@@ -77,8 +87,9 @@ def limits(*, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
 def _tiles(tq: int, tk: int, d: int, q_chunk: int, kv_chunk: int) -> tuple[int, int]:
     bq, bk = min(q_chunk, MAX_BLOCK_Q, tq), min(kv_chunk, MAX_BLOCK_K, tk)
     if tq % bq or tk % bk:
-        raise ValueError(f"pallas_gpu: block lengths {tq}/{tk} are not divisible by tiles "
-                         f"{bq}/{bk}")
+        raise ValueError(
+            f"pallas_gpu: block lengths {tq}/{tk} are not divisible by tiles {bq}/{bk}"
+        )
     for name, n in (("query tile", bq), ("key tile", bk), ("head dim", d)):
         if not _power_of_two(n):
             raise ValueError(f"pallas_gpu: {name} {n} must be a power of two")
@@ -143,13 +154,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, causal, scale, b
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
         corr = jnp.exp(m - m_new)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=F32)
+        pv = lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=F32
+        )
         return acc * corr[:, None] + pv, m_new, l * corr + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((bq, d), F32), jnp.full((bq,), MASK_VALUE, F32), jnp.zeros((bq,), F32))
-    acc, m, l = _over_key_tiles(k_ref, v_ref, kp_ref, ks_ref, qp, qs, bk=bk, causal=causal,
-                                step=step, init=init)
+    acc, m, l = _over_key_tiles(
+        k_ref, v_ref, kp_ref, ks_ref, qp, qs, bk=bk, causal=causal, step=step, init=init
+    )
     seen = l > 0
     o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
@@ -162,8 +175,21 @@ def _block_shapes(q, k, q_chunk: int, kv_chunk: int):
     return (b, tq, h, d, tk, h // hkv, *_tiles(tq, tk, d, q_chunk, kv_chunk))
 
 
-def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int, kv_chunk: int,
-            platform: str | None = None, device_kind: str | None = None):
+def forward(
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    q_seg,
+    k_seg,
+    *,
+    causal: bool,
+    q_chunk: int,
+    kv_chunk: int,
+    platform: str | None = None,
+    device_kind: str | None = None,
+):
     """Attention of one query block over one K/V block. Returns (o f32, lse f32).
 
     q `[b, tq, h, d]`, k/v `[b, tk, hkv, d]`, q_pos `[tq]`, k_pos `[tk]`, q_seg `[b, tq]` /
@@ -174,23 +200,30 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int, 
     seg = q_seg is not None
     q_tile = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
     kv_all = pl.BlockSpec((None, tk, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0))
-    in_specs = [q_tile, kv_all, kv_all,
-                pl.BlockSpec((bq,), lambda b_, h_, i: (i,)),
-                pl.BlockSpec((tk,), lambda b_, h_, i: (0,))]
+    in_specs = [
+        q_tile,
+        kv_all,
+        kv_all,
+        pl.BlockSpec((bq,), lambda b_, h_, i: (i,)),
+        pl.BlockSpec((tk,), lambda b_, h_, i: (0,)),
+    ]
     args = [q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)]
     if seg:
-        in_specs += [pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
-                     pl.BlockSpec((None, tk), lambda b_, h_, i: (b_, 0))]
+        in_specs += [
+            pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
+            pl.BlockSpec((None, tk), lambda b_, h_, i: (b_, 0)),
+        ]
         args += [q_seg.astype(jnp.int32), k_seg.astype(jnp.int32)]
-    kernel = functools.partial(_forward_kernel, causal=causal, scale=d ** -0.5, bk=bk, seg=seg)
+    kernel = functools.partial(_forward_kernel, causal=causal, scale=d**-0.5, bk=bk, seg=seg)
     o, lse = pl.pallas_call(
         kernel,
         grid=(b, h, tq // bq),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
-                   pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i))],
-        out_shape=[jax.ShapeDtypeStruct((b, tq, h, d), F32),
-                   jax.ShapeDtypeStruct((b, h, tq), F32)],
+        out_specs=[
+            pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0)),
+            pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((b, tq, h, d), F32), jax.ShapeDtypeStruct((b, h, tq), F32)],
         compiler_params=_compiler_params(bq, bk),
         interpret=_interpret(platform),
         name="lclm_flash_forward",
@@ -206,8 +239,22 @@ def _probabilities(q, k, qp, kp, qs, ks, lse, scale, causal):
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest,
-                 causal, scale, bq, group, seg):
+def _dkdv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qp_ref,
+    kp_ref,
+    *rest,
+    causal,
+    scale,
+    bq,
+    group,
+    seg,
+):
     qs_ref, ks_ref, (dk_ref, dv_ref) = _split_refs(rest, seg)
     bk, d = k_ref.shape
     k, v = k_ref[...], v_ref[...]
@@ -224,12 +271,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref
             dk, dv = carry
             q, do = q_ref[span, head, :], do_ref[span, head, :]
             p = _probabilities(q, k, qp, kp, qs, ks, lse_ref[head, span], scale, causal)
-            dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
-                                      preferred_element_type=F32)
+            dv = dv + lax.dot_general(
+                p.astype(do.dtype), do, (((0,), (0,)), ((), ())), preferred_element_type=F32
+            )
             dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=F32)
             ds = p * (dp - delta_ref[head, span][:, None]) * scale
-            dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
-                                      preferred_element_type=F32)
+            dk = dk + lax.dot_general(
+                ds.astype(q.dtype), q, (((0,), (0,)), ((), ())), preferred_element_type=F32
+            )
             return dk, dv
 
         return _skip_hidden(tile_visible(qp, kp, qs, ks, causal), compute, carry, causal or seg)
@@ -240,8 +289,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref
     dk_ref[...], dv_ref[...] = carry
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest,
-               causal, scale, bk, seg):
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest, causal, scale, bk, seg
+):
     qs_ref, ks_ref, (dq_ref,) = _split_refs(rest, seg)
     bq, d = q_ref.shape
     q, do = q_ref[...], do_ref[...]
@@ -253,23 +303,50 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, 
         p = _probabilities(q, k, qp, kp, qs, ks, lse, scale, causal)
         dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         ds = p * (dp - delta[:, None]) * scale
-        return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                    preferred_element_type=F32)
+        return dq + lax.dot_general(
+            ds.astype(k.dtype), k, (((1,), (0,)), ((), ())), preferred_element_type=F32
+        )
 
-    dq_ref[...] = _over_key_tiles(k_ref, v_ref, kp_ref, ks_ref, qp, qs, bk=bk, causal=causal,
-                                  step=step, init=jnp.zeros((bq, d), F32))
+    dq_ref[...] = _over_key_tiles(
+        k_ref,
+        v_ref,
+        kp_ref,
+        ks_ref,
+        qp,
+        qs,
+        bk=bk,
+        causal=causal,
+        step=step,
+        init=jnp.zeros((bq, d), F32),
+    )
 
 
-def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
-             kv_chunk: int, platform: str | None = None, device_kind: str | None = None):
+def backward(
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    q_pos,
+    k_pos,
+    q_seg,
+    k_seg,
+    *,
+    causal: bool,
+    q_chunk: int,
+    kv_chunk: int,
+    platform: str | None = None,
+    device_kind: str | None = None,
+):
     """Gradients of one block pair from the global output and lse. Returns f32 (dq, dk, dv)."""
     del device_kind  # the tiles follow the chunks on every GPU
     b, tq, h, d, tk, group, bq, bk = _block_shapes(q, k, q_chunk, kv_chunk)
     seg = q_seg is not None
-    scale = d ** -0.5
+    scale = d**-0.5
     do = do.astype(q.dtype)
     # rows that see nothing anywhere have lse = -inf; any finite value gives p = 0 there
-    lse = jnp.swapaxes(jnp.where(jnp.isfinite(lse), lse, 0.0), 1, 2)            # [b, h, tq]
+    lse = jnp.swapaxes(jnp.where(jnp.isfinite(lse), lse, 0.0), 1, 2)  # [b, h, tq]
     delta = jnp.swapaxes(jnp.sum(do.astype(F32) * o.astype(F32), axis=-1), 1, 2)  # [b, h, tq]
     pos = [q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)]
     segs = [q_seg.astype(jnp.int32), k_seg.astype(jnp.int32)] if seg else []
@@ -279,38 +356,60 @@ def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q
     q_all = pl.BlockSpec((None, tq, group, d), lambda b_, g_, j: (b_, 0, g_, 0))
     stat_all = pl.BlockSpec((None, group, tq), lambda b_, g_, j: (b_, g_, 0))
     k_tile = pl.BlockSpec((None, bk, None, d), lambda b_, g_, j: (b_, j, g_, 0))
-    in_specs = [q_all, k_tile, k_tile, q_all, stat_all, stat_all,
-                pl.BlockSpec((tq,), lambda b_, g_, j: (0,)),
-                pl.BlockSpec((bk,), lambda b_, g_, j: (j,))]
+    in_specs = [
+        q_all,
+        k_tile,
+        k_tile,
+        q_all,
+        stat_all,
+        stat_all,
+        pl.BlockSpec((tq,), lambda b_, g_, j: (0,)),
+        pl.BlockSpec((bk,), lambda b_, g_, j: (j,)),
+    ]
     if seg:
-        in_specs += [pl.BlockSpec((None, tq), lambda b_, g_, j: (b_, 0)),
-                     pl.BlockSpec((None, bk), lambda b_, g_, j: (b_, j))]
+        in_specs += [
+            pl.BlockSpec((None, tq), lambda b_, g_, j: (b_, 0)),
+            pl.BlockSpec((None, bk), lambda b_, g_, j: (b_, j)),
+        ]
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, causal=causal, scale=scale, bq=bq, group=group, seg=seg),
         grid=(b, h // group, tk // bk),
         in_specs=in_specs,
         out_specs=[k_tile, k_tile],
         out_shape=[jax.ShapeDtypeStruct(k.shape, F32), jax.ShapeDtypeStruct(v.shape, F32)],
-        compiler_params=params, interpret=interpret, name="lclm_flash_backward_dkdv",
+        compiler_params=params,
+        interpret=interpret,
+        name="lclm_flash_backward_dkdv",
     )(q, k, v, do, lse, delta, *pos, *segs)
 
     # dq: grid over (batch, head, query tile), looping over key tiles
     q_tile = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
     kv_all = pl.BlockSpec((None, tk, None, d), lambda b_, h_, i: (b_, 0, h_ // group, 0))
     stat_tile = pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i))
-    in_specs = [q_tile, kv_all, kv_all, q_tile, stat_tile, stat_tile,
-                pl.BlockSpec((bq,), lambda b_, h_, i: (i,)),
-                pl.BlockSpec((tk,), lambda b_, h_, i: (0,))]
+    in_specs = [
+        q_tile,
+        kv_all,
+        kv_all,
+        q_tile,
+        stat_tile,
+        stat_tile,
+        pl.BlockSpec((bq,), lambda b_, h_, i: (i,)),
+        pl.BlockSpec((tk,), lambda b_, h_, i: (0,)),
+    ]
     if seg:
-        in_specs += [pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
-                     pl.BlockSpec((None, tk), lambda b_, h_, i: (b_, 0))]
+        in_specs += [
+            pl.BlockSpec((None, bq), lambda b_, h_, i: (b_, i)),
+            pl.BlockSpec((None, tk), lambda b_, h_, i: (b_, 0)),
+        ]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, causal=causal, scale=scale, bk=bk, seg=seg),
         grid=(b, h, tq // bq),
         in_specs=in_specs,
         out_specs=q_tile,
         out_shape=jax.ShapeDtypeStruct(q.shape, F32),
-        compiler_params=params, interpret=interpret, name="lclm_flash_backward_dq",
+        compiler_params=params,
+        interpret=interpret,
+        name="lclm_flash_backward_dq",
     )(q, k, v, do, lse, delta, *pos, *segs)
     return dq, dk, dv
 

@@ -67,6 +67,7 @@ _FIELDS = 4
 
 class _Cfg(NamedTuple):
     """Static shapes and options of one call."""
+
     batch: int
     heads: int
     kv_heads: int
@@ -93,7 +94,7 @@ class _Cfg(NamedTuple):
 
     @property
     def scale(self) -> float:
-        return self.dim ** -0.5
+        return self.dim**-0.5
 
 
 # Largest (query, key) tiles per TPU generation (jax's device_kind): the biggest that the
@@ -105,9 +106,9 @@ class _Cfg(NamedTuple):
 # attention.q_chunk/kv_chunk (the blockwise and ring chunking, often 2048 and larger).
 TPU_TILES = {
     "TPU v4": (1024, 1024),
-    "TPU v5": (1024, 1024),        # v5p
-    "TPU v5 lite": (1024, 1024),   # v5e
-    "TPU v6 lite": (2048, 1024),   # v6e
+    "TPU v5": (1024, 1024),  # v5p
+    "TPU v5 lite": (1024, 1024),  # v5e
+    "TPU v6 lite": (2048, 1024),  # v6e
 }
 # a generation not in the table (a new one, or an unnamed device kind) gets the smallest
 _TPU_TILES_DEFAULT = min(TPU_TILES.values())
@@ -147,13 +148,17 @@ def _config(q, k, q_seg, causal, q_chunk, kv_chunk, platform, device_kind=None) 
         largest_q, largest_k = tpu_tiles(device_kind)
         qc, kc = _tile(tq, largest_q), _tile(tk, largest_k)
         if qc is None or kc is None:
-            raise ValueError(f"pallas_tpu: block lengths {tq}/{tk} must be multiples of 128 "
-                             f"(or at most {largest_q}/{largest_k}) on a TPU")
+            raise ValueError(
+                f"pallas_tpu: block lengths {tq}/{tk} must be multiples of 128 "
+                f"(or at most {largest_q}/{largest_k}) on a TPU"
+            )
     else:
         qc, kc = min(q_chunk, tq), min(kv_chunk, tk)
         if tq % qc or tk % kc:
-            raise ValueError(f"pallas_tpu: block lengths {tq}/{tk} are not divisible by "
-                             f"q_chunk={qc}/kv_chunk={kc}")
+            raise ValueError(
+                f"pallas_tpu: block lengths {tq}/{tk} are not divisible by "
+                f"q_chunk={qc}/kv_chunk={kc}"
+            )
     return _Cfg(b, h, hkv, tq, tk, d, qc, kc, bool(causal), q_seg is not None, compiled)
 
 
@@ -161,8 +166,15 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and not n & (n - 1)
 
 
-def limits(*, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
-           platform: str | None = None, dtype: str | None = None) -> str | None:
+def limits(
+    *,
+    head_dim: int,
+    q_chunk: int,
+    kv_chunk: int,
+    block: int,
+    platform: str | None = None,
+    dtype: str | None = None,
+) -> str | None:
     """Why this kernel cannot serve the shapes (`contract.Kernel.limits`): TPUs only
     (interpreted on CPU), a power-of-two head dim of at most 128, and on a TPU a block
     that its own tiles divide (`q_chunk`/`kv_chunk` do not set its tiles there). Every
@@ -173,8 +185,10 @@ def limits(*, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
     if not _power_of_two(head_dim) or head_dim > _MAX_HEAD_DIM:
         return f"its head dim {head_dim} must be a power of two up to {_MAX_HEAD_DIM}"
     if platform == "tpu" and _tile(block, min(_TPU_TILES_DEFAULT)) is None:
-        return (f"the local block of {block} tokens must be a multiple of 128 (or at most "
-                f"{min(_TPU_TILES_DEFAULT)}) on a TPU")
+        return (
+            f"the local block of {block} tokens must be a multiple of 128 (or at most "
+            f"{min(_TPU_TILES_DEFAULT)}) on a TPU"
+        )
     return None
 
 
@@ -184,6 +198,7 @@ def _interpret(cfg: _Cfg):
 
 
 # ----------------------------------------------------------------------------- tile tables
+
 
 def _tile_table(pos, seg, chunk: int, batch: int):
     """Per-tile ranges `[batch, n_tiles, 4]` int32: (pos min, pos max, seg min, seg max).
@@ -229,11 +244,11 @@ def _hull(vis):
 
 def _tables(cfg: _Cfg, q_pos, k_pos, q_seg, k_seg):
     """Scalar-prefetch tables: flat q/k tile ranges, hulls over kv tiles and over q tiles."""
-    qt = _tile_table(q_pos, q_seg, cfg.qc, cfg.batch)                 # [b, nq, 4]
-    kt = _tile_table(k_pos, k_seg, cfg.kc, cfg.batch)                 # [b, nk, 4]
+    qt = _tile_table(q_pos, q_seg, cfg.qc, cfg.batch)  # [b, nq, 4]
+    kt = _tile_table(k_pos, k_seg, cfg.kc, cfg.batch)  # [b, nk, 4]
     qi = tuple(qt[:, :, None, f] for f in range(_FIELDS))
     ki = tuple(kt[:, None, :, f] for f in range(_FIELDS))
-    vis = _visible(qi, ki, cfg.causal)                                 # [b, nq, nk]
+    vis = _visible(qi, ki, cfg.causal)  # [b, nq, nk]
     flat = lambda t: t.reshape(-1)
     return flat(qt), flat(kt), _hull(vis), _hull(vis.transpose(0, 2, 1))
 
@@ -246,8 +261,7 @@ def _read_tile(table_ref, b, i, n):
 
 def _tile_visible(cfg: _Cfg, qt_ref, kt_ref, b, i, j):
     """In-kernel skip predicate of query tile i and key tile j."""
-    return _visible(_read_tile(qt_ref, b, i, cfg.nq), _read_tile(kt_ref, b, j, cfg.nk),
-                    cfg.causal)
+    return _visible(_read_tile(qt_ref, b, i, cfg.nq), _read_tile(kt_ref, b, j, cfg.nk), cfg.causal)
 
 
 def _clamp(hull_ref, row, idx):
@@ -256,6 +270,7 @@ def _clamp(hull_ref, row, idx):
 
 
 # ----------------------------------------------------------------------------- layouts
+
 
 def _heads_first(x):
     """[b, t, h, d] <-> [b, h, t, d]."""
@@ -280,6 +295,7 @@ def _rows(x):
 
 # ----------------------------------------------------------------------------- kernel math
 
+
 def _precision(a, b):
     """Full float32 matmuls for float32 operands, the native pass for narrower ones: set here,
     not inherited from `jax_default_matmul_precision`, because Mosaic refuses HIGHEST on
@@ -290,14 +306,16 @@ def _precision(a, b):
 
 def _dot_nt(a, b):
     """a @ b.T with float32 accumulation: a `[m, d]`, b `[n, d]` -> `[m, n]`."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
-                           preferred_element_type=F32)
+    return lax.dot_general(
+        a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b), preferred_element_type=F32
+    )
 
 
 def _dot_nn(a, b):
     """a @ b with float32 accumulation: a `[m, n]`, b `[n, d]` -> `[m, d]`."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a, b),
-                           preferred_element_type=F32)
+    return lax.dot_general(
+        a, b, (((1,), (0,)), ((), ())), precision=_precision(a, b), preferred_element_type=F32
+    )
 
 
 def _masked_scores(cfg: _Cfg, rows, cols, row_ids, col_ids, q_is_row: bool):
@@ -308,8 +326,8 @@ def _masked_scores(cfg: _Cfg, rows, cols, row_ids, col_ids, q_is_row: bool):
     which works on transposed scores).
     """
     s = _dot_nt(rows, cols) * cfg.scale
-    row_pos, row_seg = row_ids[:, 0:1], row_ids[:, 1:2]    # [m, 1]
-    col_pos, col_seg = col_ids[0:1, :], col_ids[1:2, :]    # [1, n]
+    row_pos, row_seg = row_ids[:, 0:1], row_ids[:, 1:2]  # [m, 1]
+    col_pos, col_seg = col_ids[0:1, :], col_ids[1:2, :]  # [1, n]
     mask = None
     if cfg.causal:
         mask = row_pos >= col_pos if q_is_row else col_pos >= row_pos
@@ -321,8 +339,23 @@ def _masked_scores(cfg: _Cfg, rows, cols, row_ids, col_ids, q_is_row: bool):
 
 # ----------------------------------------------------------------------------- kernels
 
-def _forward_kernel(cfg: _Cfg, qt_ref, kt_ref, hull_ref, q_ref, k_ref, v_ref, qid_ref, kid_ref,
-                    o_ref, lse_ref, m_ref, l_ref, acc_ref):
+
+def _forward_kernel(
+    cfg: _Cfg,
+    qt_ref,
+    kt_ref,
+    hull_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    qid_ref,
+    kid_ref,
+    o_ref,
+    lse_ref,
+    m_ref,
+    l_ref,
+    acc_ref,
+):
     """Forward step of (query tile i, key tile j): q `[qc, d]`, k/v `[kc, d]`, qid `[qc, 2]`,
     kid `[2, kc]`; scratch m/l `[qc, 1]`, acc `[qc, d]`; outputs o `[qc, d]`, lse `[qc, 1]`."""
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -336,8 +369,7 @@ def _forward_kernel(cfg: _Cfg, qt_ref, kt_ref, hull_ref, q_ref, k_ref, v_ref, qi
     @pl.when(_tile_visible(cfg, qt_ref, kt_ref, b, i, j))
     def _compute():
         v = v_ref[...]
-        s = _masked_scores(cfg, q_ref[...], k_ref[...], qid_ref[...], kid_ref[...],
-                           q_is_row=True)
+        s = _masked_scores(cfg, q_ref[...], k_ref[...], qid_ref[...], kid_ref[...], q_is_row=True)
         m_prev = m_ref[...]
         m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         # a row with nothing visible so far keeps m = -inf: shift by 0 instead (no inf - inf)
@@ -358,8 +390,21 @@ def _forward_kernel(cfg: _Cfg, qt_ref, kt_ref, hull_ref, q_ref, k_ref, v_ref, qi
         lse_ref[...] = jnp.where(empty, -jnp.inf, m_ref[...] + jnp.log(l_safe))
 
 
-def _dq_kernel(cfg: _Cfg, qt_ref, kt_ref, hull_ref, q_ref, do_ref, stat_ref, k_ref, v_ref,
-               qid_ref, kid_ref, dq_ref, acc_ref):
+def _dq_kernel(
+    cfg: _Cfg,
+    qt_ref,
+    kt_ref,
+    hull_ref,
+    q_ref,
+    do_ref,
+    stat_ref,
+    k_ref,
+    v_ref,
+    qid_ref,
+    kid_ref,
+    dq_ref,
+    acc_ref,
+):
     """dQ step of (query tile i, key tile j): q/do `[qc, d]`, stat `[qc, 2]` (lse, delta),
     k/v `[kc, d]`, qid `[qc, 2]`, kid `[2, kc]`; scratch acc and output dq `[qc, d]`."""
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -382,8 +427,23 @@ def _dq_kernel(cfg: _Cfg, qt_ref, kt_ref, hull_ref, q_ref, do_ref, stat_ref, k_r
         dq_ref[...] = acc_ref[...]
 
 
-def _dkv_kernel(cfg: _Cfg, qt_ref, kt_ref, hull_ref, q_ref, do_ref, stat_ref, k_ref, v_ref,
-                qid_ref, kid_ref, dk_ref, dv_ref, dk_acc, dv_acc):
+def _dkv_kernel(
+    cfg: _Cfg,
+    qt_ref,
+    kt_ref,
+    hull_ref,
+    q_ref,
+    do_ref,
+    stat_ref,
+    k_ref,
+    v_ref,
+    qid_ref,
+    kid_ref,
+    dk_ref,
+    dv_ref,
+    dk_acc,
+    dv_acc,
+):
     """dK/dV step of (key tile j, group member g, query tile i) on transposed scores
     `[kc, qc]`: q/do `[qc, d]`, stat `[2, qc]` (lse, delta), k/v `[kc, d]`, qid `[2, qc]`,
     kid `[kc, 2]`; scratch and outputs dk/dv `[kc, d]`."""
@@ -412,6 +472,7 @@ def _dkv_kernel(cfg: _Cfg, qt_ref, kt_ref, hull_ref, q_ref, do_ref, stat_ref, k_
 
 # ----------------------------------------------------------------------------- pallas calls
 
+
 def _query_major_specs(cfg: _Cfg, stat_width: int):
     """BlockSpecs on the forward / dQ grid (b, h, i, j): (q-like, stat `[qc, stat_width]`,
     k-like, query ids, key ids). K/V come from kv head h // group, their tile index clamped
@@ -422,11 +483,14 @@ def _query_major_specs(cfg: _Cfg, stat_width: int):
     stat = pl.BlockSpec((_SQ, _SQ, cfg.qc, stat_width), lambda b, h, i, j, *_: (b, h, i, 0))
     # lax.div, not `//`: indices are non-negative, and jnp's floor division lowers through
     # `sign`, whose Mosaic rule needs to know the TPU generation
-    k_like = pl.BlockSpec((_SQ, _SQ, cfg.kc, cfg.dim), lambda b, h, i, j, qt, kt, hull:
-                          (b, lax.div(h, g), kv_tile(b, i, j, hull), 0))
+    k_like = pl.BlockSpec(
+        (_SQ, _SQ, cfg.kc, cfg.dim),
+        lambda b, h, i, j, qt, kt, hull: (b, lax.div(h, g), kv_tile(b, i, j, hull), 0),
+    )
     q_ids = pl.BlockSpec((_SQ, cfg.qc, 2), lambda b, h, i, j, *_: (b, i, 0))
-    k_ids = pl.BlockSpec((_SQ, 2, cfg.kc), lambda b, h, i, j, qt, kt, hull:
-                         (b, 0, kv_tile(b, i, j, hull)))
+    k_ids = pl.BlockSpec(
+        (_SQ, 2, cfg.kc), lambda b, h, i, j, qt, kt, hull: (b, 0, kv_tile(b, i, j, hull))
+    )
     return q_like, stat, k_like, q_ids, k_ids
 
 
@@ -436,27 +500,34 @@ def _key_major_specs(cfg: _Cfg):
     key tile j's hull."""
     group, nk = cfg.group, cfg.nk
     q_tile = lambda b, j, i, hull: _clamp(hull, b * nk + j, i)
-    q_like = pl.BlockSpec((_SQ, _SQ, cfg.qc, cfg.dim), lambda b, hk, j, g, i, qt, kt, hull:
-                          (b, hk * group + g, q_tile(b, j, i, hull), 0))
-    stat = pl.BlockSpec((_SQ, _SQ, 2, cfg.qc), lambda b, hk, j, g, i, qt, kt, hull:
-                        (b, hk * group + g, 0, q_tile(b, j, i, hull)))
+    q_like = pl.BlockSpec(
+        (_SQ, _SQ, cfg.qc, cfg.dim),
+        lambda b, hk, j, g, i, qt, kt, hull: (b, hk * group + g, q_tile(b, j, i, hull), 0),
+    )
+    stat = pl.BlockSpec(
+        (_SQ, _SQ, 2, cfg.qc),
+        lambda b, hk, j, g, i, qt, kt, hull: (b, hk * group + g, 0, q_tile(b, j, i, hull)),
+    )
     k_like = pl.BlockSpec((_SQ, _SQ, cfg.kc, cfg.dim), lambda b, hk, j, g, i, *_: (b, hk, j, 0))
-    q_ids = pl.BlockSpec((_SQ, 2, cfg.qc), lambda b, hk, j, g, i, qt, kt, hull:
-                         (b, 0, q_tile(b, j, i, hull)))
+    q_ids = pl.BlockSpec(
+        (_SQ, 2, cfg.qc), lambda b, hk, j, g, i, qt, kt, hull: (b, 0, q_tile(b, j, i, hull))
+    )
     k_ids = pl.BlockSpec((_SQ, cfg.kc, 2), lambda b, hk, j, g, i, *_: (b, j, 0))
     return q_like, stat, k_like, q_ids, k_ids
 
 
-def _call(kernel, cfg: _Cfg, grid, sequential: int, in_specs, out_specs, out_shape, scratch,
-          name):
+def _call(kernel, cfg: _Cfg, grid, sequential: int, in_specs, out_specs, out_shape, scratch, name):
     """A pallas_call with three scalar-prefetch tables (q tiles, k tiles, hull) and float32
     VMEM scratch. The last `sequential` grid axes carry the accumulators (they run in order);
     the others are independent (a megacore TPU may split them)."""
-    semantics = ((pltpu.PARALLEL,) * (len(grid) - sequential)
-                 + (pltpu.ARBITRARY,) * sequential)
+    semantics = (pltpu.PARALLEL,) * (len(grid) - sequential) + (pltpu.ARBITRARY,) * sequential
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=grid, in_specs=in_specs, out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM(shape, F32) for shape in scratch])
+        num_scalar_prefetch=3,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM(shape, F32) for shape in scratch],
+    )
     return pl.pallas_call(
         lambda *refs: kernel(cfg, *refs),
         out_shape=out_shape,
@@ -469,8 +540,22 @@ def _call(kernel, cfg: _Cfg, grid, sequential: int, in_specs, out_specs, out_sha
 
 # ----------------------------------------------------------------------------- interface
 
-def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
-            kv_chunk: int, platform: str | None = None, device_kind: str | None = None):
+
+def forward(
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    q_seg,
+    k_seg,
+    *,
+    causal: bool,
+    q_chunk: int,
+    kv_chunk: int,
+    platform: str | None = None,
+    device_kind: str | None = None,
+):
     """Attention of one query block over one key/value block. Returns (o f32, lse f32).
 
     q `[b, tq, h, d]`, k/v `[b, tk, kv_heads, d]`, q_pos `[tq]`, k_pos `[tk]`,
@@ -483,18 +568,49 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
     q_like, stat, k_like, q_ids, k_ids = _query_major_specs(cfg, stat_width=1)
     b, h = cfg.batch, cfg.heads
     o, lse = _call(
-        _forward_kernel, cfg, grid=(b, h, cfg.nq, cfg.nk), sequential=1,
-        in_specs=[q_like, k_like, k_like, q_ids, k_ids], out_specs=[q_like, stat],
-        out_shape=[jax.ShapeDtypeStruct((b, h, cfg.tq, cfg.dim), F32),
-                   jax.ShapeDtypeStruct((b, h, cfg.tq, 1), F32)],
-        scratch=[(cfg.qc, 1), (cfg.qc, 1), (cfg.qc, cfg.dim)], name="lclm_flash_forward",
-    )(qt, kt, hull_kv, _heads_first(q), _heads_first(k), _heads_first(v),
-      _token_ids(cfg, q_pos, q_seg), _rows(_token_ids(cfg, k_pos, k_seg)))
+        _forward_kernel,
+        cfg,
+        grid=(b, h, cfg.nq, cfg.nk),
+        sequential=1,
+        in_specs=[q_like, k_like, k_like, q_ids, k_ids],
+        out_specs=[q_like, stat],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h, cfg.tq, cfg.dim), F32),
+            jax.ShapeDtypeStruct((b, h, cfg.tq, 1), F32),
+        ],
+        scratch=[(cfg.qc, 1), (cfg.qc, 1), (cfg.qc, cfg.dim)],
+        name="lclm_flash_forward",
+    )(
+        qt,
+        kt,
+        hull_kv,
+        _heads_first(q),
+        _heads_first(k),
+        _heads_first(v),
+        _token_ids(cfg, q_pos, q_seg),
+        _rows(_token_ids(cfg, k_pos, k_seg)),
+    )
     return _heads_first(o), lse[..., 0].transpose(0, 2, 1)
 
 
-def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q_chunk: int,
-             kv_chunk: int, platform: str | None = None, device_kind: str | None = None):
+def backward(
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    q_pos,
+    k_pos,
+    q_seg,
+    k_seg,
+    *,
+    causal: bool,
+    q_chunk: int,
+    kv_chunk: int,
+    platform: str | None = None,
+    device_kind: str | None = None,
+):
     """Gradients of one block pair given the global output and log-sum-exp. All float32.
 
     Shapes as in `forward`; o/do `[b, tq, h, d]`, lse `[b, tq, h]` (global over ring rounds).
@@ -506,26 +622,36 @@ def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal: bool, q
     # rows with nothing visible (lse = -inf) have every score at -inf: any finite shift
     # keeps their probabilities at exactly 0
     lse = jnp.where(lse == -jnp.inf, 0.0, lse).astype(F32)
-    stats = jnp.stack([lse, delta], axis=-1).transpose(0, 2, 1, 3)      # [b, h, tq, 2]
+    stats = jnp.stack([lse, delta], axis=-1).transpose(0, 2, 1, 3)  # [b, h, tq, 2]
     q_ids, k_ids = _token_ids(cfg, q_pos, q_seg), _token_ids(cfg, k_pos, k_seg)
     qh, doh, kh, vh = (_heads_first(x) for x in (q, do, k, v))
     b, h, hkv = cfg.batch, cfg.heads, cfg.kv_heads
 
     q_like, stat, k_like, q_id_spec, k_id_spec = _query_major_specs(cfg, stat_width=2)
     dq = _call(
-        _dq_kernel, cfg, grid=(b, h, cfg.nq, cfg.nk), sequential=1,
+        _dq_kernel,
+        cfg,
+        grid=(b, h, cfg.nq, cfg.nk),
+        sequential=1,
         in_specs=[q_like, q_like, stat, k_like, k_like, q_id_spec, k_id_spec],
-        out_specs=q_like, out_shape=jax.ShapeDtypeStruct((b, h, cfg.tq, cfg.dim), F32),
-        scratch=[(cfg.qc, cfg.dim)], name="lclm_flash_dq",
+        out_specs=q_like,
+        out_shape=jax.ShapeDtypeStruct((b, h, cfg.tq, cfg.dim), F32),
+        scratch=[(cfg.qc, cfg.dim)],
+        name="lclm_flash_dq",
     )(qt, kt, hull_kv, qh, doh, stats, kh, vh, q_ids, _rows(k_ids))
 
     q_like, stat, k_like, q_id_spec, k_id_spec = _key_major_specs(cfg)
     dkv_shape = jax.ShapeDtypeStruct((b, hkv, cfg.tk, cfg.dim), F32)
     dk, dv = _call(
-        _dkv_kernel, cfg, grid=(b, hkv, cfg.nk, cfg.group, cfg.nq), sequential=2,
+        _dkv_kernel,
+        cfg,
+        grid=(b, hkv, cfg.nk, cfg.group, cfg.nq),
+        sequential=2,
         in_specs=[q_like, q_like, stat, k_like, k_like, q_id_spec, k_id_spec],
-        out_specs=[k_like, k_like], out_shape=[dkv_shape, dkv_shape],
-        scratch=[(cfg.kc, cfg.dim), (cfg.kc, cfg.dim)], name="lclm_flash_dkv",
+        out_specs=[k_like, k_like],
+        out_shape=[dkv_shape, dkv_shape],
+        scratch=[(cfg.kc, cfg.dim), (cfg.kc, cfg.dim)],
+        name="lclm_flash_dkv",
     )(qt, kt, hull_q, qh, doh, _rows(stats), kh, vh, _rows(q_ids), k_ids)
     return _heads_first(dq), _heads_first(dk), _heads_first(dv)
 

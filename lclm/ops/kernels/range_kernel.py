@@ -69,10 +69,16 @@ def _patterns(q_pos, k_pos, xp):
         "causal": (xp.all(q_pos >= k_pos) & xp.all(q_pos[:-1] < k_pos[1:])) if square else no,
         "strict": (xp.all(q_pos < k_pos) & xp.all(q_pos[1:] >= k_pos[:-1])) if square else no,
         "full": k_pos.max() <= q_pos.min(),
-        "key half": ((k_pos[:hk].max() <= q_pos.min()) & (k_pos[hk:].min() > q_pos.max())
-                     if tk % 2 == 0 and tk > 1 else no),
-        "query half": ((q_pos[:hq].max() < k_pos.min()) & (q_pos[hq:].min() >= k_pos.max())
-                       if tq % 2 == 0 and tq > 1 else no),
+        "key half": (
+            (k_pos[:hk].max() <= q_pos.min()) & (k_pos[hk:].min() > q_pos.max())
+            if tk % 2 == 0 and tk > 1
+            else no
+        ),
+        "query half": (
+            (q_pos[:hq].max() < k_pos.min()) & (q_pos[hq:].min() >= k_pos.max())
+            if tq % 2 == 0 and tq > 1
+            else no
+        ),
         "ranges": xp.bool_(True),
     }
     return xp.stack([tests[c] for c in CLASSES])
@@ -120,10 +126,11 @@ def _by_class(possible: list[int], q_pos, k_pos, causal: bool, branches):
     possible (no conditional in the program), else a `lax.switch` over the possible ones."""
     if len(possible) == 1:
         return branches[possible[0]]()
-    slot = np.zeros(len(CLASSES), np.int32)   # class index -> position among the branches
+    slot = np.zeros(len(CLASSES), np.int32)  # class index -> position among the branches
     slot[possible] = np.arange(len(possible))
-    return lax.switch(jnp.asarray(slot)[round_class(q_pos, k_pos, causal)],
-                      [branches[c] for c in possible])
+    return lax.switch(
+        jnp.asarray(slot)[round_class(q_pos, k_pos, causal)], [branches[c] for c in possible]
+    )
 
 
 def _doc_start(q_seg, k_seg):
@@ -143,7 +150,7 @@ def _unshift(dx):
 
 
 def _first_half(x):
-    return None if x is None else x[:, :x.shape[1] // 2]
+    return None if x is None else x[:, : x.shape[1] // 2]
 
 
 def _pad_half(dx):
@@ -152,13 +159,17 @@ def _pad_half(dx):
 
 
 # how a call sees the keys, and how its key gradients go back to the block's places
-_KEYS = {"all": (lambda x: x, lambda dx: dx), "first half": (_first_half, _pad_half),
-         "shifted": (_shift_keys, _unshift)}
+_KEYS = {
+    "all": (lambda x: x, lambda dx: dx),
+    "first half": (_first_half, _pad_half),
+    "shifted": (_shift_keys, _unshift),
+}
 
 
 class _Call(NamedTuple):
     """The one attention call that does a class's work: queries `rows`, keys as `keys` says
     (`_KEYS`), and the mask (causal flag, k_start / k_end `[b, len(rows)]` or None)."""
+
     rows: slice
     keys: str
     causal: bool
@@ -173,8 +184,9 @@ def _calls(q_pos, k_pos, q_seg, k_seg, causal: bool, shape):
     blind = jnp.broadcast_to(end <= start, shape)
     tq, tk = shape[1], k_pos.shape[0]
     every = slice(None)
-    ranges = lambda: _Call(every, "all", False, jnp.broadcast_to(start, shape),
-                           jnp.broadcast_to(end, shape))
+    ranges = lambda: _Call(
+        every, "all", False, jnp.broadcast_to(start, shape), jnp.broadcast_to(end, shape)
+    )
     if q_seg is None and not causal:  # every key for every query: no ranges to pass
         ranges = lambda: _Call(every, "all", False, None)
     # a switch traces every possible branch, whatever the class: halves need even lengths
@@ -183,14 +195,20 @@ def _calls(q_pos, k_pos, q_seg, k_seg, causal: bool, shape):
     calls = [
         None,
         lambda: _Call(every, "all", True, _doc_start(q_seg, k_seg)),
-        lambda: _Call(every, "shifted", True,
-                      _at_least(_doc_start(q_seg, _shift_keys(k_seg)), 1, shape)),
+        lambda: _Call(
+            every, "shifted", True, _at_least(_doc_start(q_seg, _shift_keys(k_seg)), 1, shape)
+        ),
         lambda: _Call(every, "all", False, _doc_start(q_seg, k_seg)),
         (lambda: _Call(every, "first half", False, _doc_start(q_seg, _first_half(k_seg))))
-        if halves else ranges,
-        (lambda: _Call(late, "all", False,
-                       _doc_start(None if q_seg is None else q_seg[:, late], k_seg)))
-        if halves else ranges,
+        if halves
+        else ranges,
+        (
+            lambda: _Call(
+                late, "all", False, _doc_start(None if q_seg is None else q_seg[:, late], k_seg)
+            )
+        )
+        if halves
+        else ranges,
         ranges,
     ]
     return calls, blind
@@ -201,8 +219,9 @@ def _place(x, rows: slice, fill):
     `rows.start` (the zigzag query half) get `fill`."""
     if not rows.start:
         return x
-    return jnp.concatenate([jnp.full((x.shape[0], rows.start) + x.shape[2:], fill, x.dtype), x],
-                           axis=1)
+    return jnp.concatenate(
+        [jnp.full((x.shape[0], rows.start) + x.shape[2:], fill, x.dtype), x], axis=1
+    )
 
 
 def _at_least(start, n: int, shape):
@@ -214,12 +233,14 @@ class RangeKernel(Kernel):
     `CLASSES`) of the classes a call site can meet, and `classify(q_pos, k_pos, causal)`
     (numpy positions) gives a block pair's class, so that a caller with static knowledge (the
     ring: its layout, every device and round a call site serves) can compute them."""
+
     __slots__ = ()
     classify = staticmethod(pair_class)
 
 
-def range_kernel(attend, attend_vjp, limits=serves_any, *,
-                 skip_zero_starts: bool = False) -> RangeKernel:
+def range_kernel(
+    attend, attend_vjp, limits=serves_any, *, skip_zero_starts: bool = False
+) -> RangeKernel:
     """lclm's block-pair `Kernel` from a range-mask attention and its VJP (module docstring)
     and the op's `limits` (`contract.Kernel.limits`). Rows that see nothing in a pair get
     o = 0, lse = -inf and no gradient, as the contract says, even from an op that fills empty
@@ -228,14 +249,18 @@ def range_kernel(attend, attend_vjp, limits=serves_any, *,
     def masked(call: _Call, op):
         """op(k_start, k_end) of a call; without a k_start that is 0 for every query where
         `skip_zero_starts` (the shifted keys' start is never 0: no conditional there)."""
-        if not skip_zero_starts or call.start is None or call.end is not None \
-                or call.keys == "shifted":
+        if (
+            not skip_zero_starts
+            or call.start is None
+            or call.end is not None
+            or call.keys == "shifted"
+        ):
             return op(call.start, call.end)
-        return lax.cond(jnp.all(call.start == 0), lambda: op(None, None),
-                        lambda: op(call.start, None))
+        return lax.cond(
+            jnp.all(call.start == 0), lambda: op(None, None), lambda: op(call.start, None)
+        )
 
-    def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk, kv_chunk,
-                classes=None):
+    def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk, kv_chunk, classes=None):
         del q_chunk, kv_chunk  # the fused kernel picks its own tiles
         b, tq, h, d = q.shape
         calls, blind = _calls(q_pos, k_pos, q_seg, k_seg, causal, (b, tq))
@@ -245,18 +270,29 @@ def range_kernel(attend, attend_vjp, limits=serves_any, *,
                 return jnp.zeros((b, tq, h, d), F32), jnp.full((b, tq, h), -jnp.inf, F32)
             c = call()
             keys = _KEYS[c.keys][0]
-            o_c, lse_c = masked(c, lambda start, end: attend(q[:, c.rows], keys(k), keys(v),
-                                                             c.causal, start, end))
-            return (_place(o_c.astype(F32), c.rows, 0.0),
-                    _place(lse_c.astype(F32), c.rows, -jnp.inf))
+            o_c, lse_c = masked(
+                c, lambda start, end: attend(q[:, c.rows], keys(k), keys(v), c.causal, start, end)
+            )
+            return (
+                _place(o_c.astype(F32), c.rows, 0.0),
+                _place(lse_c.astype(F32), c.rows, -jnp.inf),
+            )
 
-        o, lse = _by_class(possible_classes(q_pos, k_pos, causal, classes), q_pos, k_pos,
-                           causal, [functools.partial(run, c) for c in calls])
-        return (jnp.where(blind[..., None, None], 0.0, o),
-                jnp.where(blind[..., None], -jnp.inf, lse))
+        o, lse = _by_class(
+            possible_classes(q_pos, k_pos, causal, classes),
+            q_pos,
+            k_pos,
+            causal,
+            [functools.partial(run, c) for c in calls],
+        )
+        return (
+            jnp.where(blind[..., None, None], 0.0, o),
+            jnp.where(blind[..., None], -jnp.inf, lse),
+        )
 
-    def backward(q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk,
-                 kv_chunk, classes=None):
+    def backward(
+        q, k, v, o, lse, do, q_pos, k_pos, q_seg, k_seg, *, causal, q_chunk, kv_chunk, classes=None
+    ):
         del q_chunk, kv_chunk
         calls, blind = _calls(q_pos, k_pos, q_seg, k_seg, causal, q.shape[:2])
         lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing anywhere
@@ -265,23 +301,30 @@ def range_kernel(attend, attend_vjp, limits=serves_any, *,
 
         def run(call):
             if call is None:
-                return (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32),
-                        jnp.zeros(v.shape, F32))
+                return (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
             c = call()
             keys, back = _KEYS[c.keys]
             r = c.rows
-            dq, dk, dv = masked(c, lambda start, end: attend_vjp(
-                q[:, r], keys(k), keys(v), o[:, r], lse[:, r], do[:, r], c.causal, start, end))
+            dq, dk, dv = masked(
+                c,
+                lambda start, end: attend_vjp(
+                    q[:, r], keys(k), keys(v), o[:, r], lse[:, r], do[:, r], c.causal, start, end
+                ),
+            )
             # bf16 per-round gradients: a fused op returns a round's dq/dk/dv in the input
             # dtype (tokamax: bf16 when training; float32 inside the kernel), so each round's
             # share is rounded once, then the ring adds rounds in float32 (`_ring_backward`'s
             # dq and travelling dK/dV accumulators): errors add over sp rounds, not compound.
             # `bench.correctness` checks a ring of 4; check sp=8 against dense on the device.
-            return (_place(dq.astype(F32), r, 0.0), back(dk.astype(F32)),
-                    back(dv.astype(F32)))
+            return (_place(dq.astype(F32), r, 0.0), back(dk.astype(F32)), back(dv.astype(F32)))
 
-        dq, dk, dv = _by_class(possible_classes(q_pos, k_pos, causal, classes), q_pos, k_pos,
-                               causal, [functools.partial(run, c) for c in calls])
+        dq, dk, dv = _by_class(
+            possible_classes(q_pos, k_pos, causal, classes),
+            q_pos,
+            k_pos,
+            causal,
+            [functools.partial(run, c) for c in calls],
+        )
         return jnp.where(blind[..., None, None], 0.0, dq), dk, dv
 
     return RangeKernel(forward, backward, limits, compute_dtype_rounds=True)

@@ -12,8 +12,17 @@ import jax.numpy as jnp
 from lclm.ops.kernels.contract import F32
 
 
-def dense_attention(q, k, v, *, causal: bool = True, segment_ids=None, positions=None,
-                    k_positions=None, k_segment_ids=None):
+def dense_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    segment_ids=None,
+    positions=None,
+    k_positions=None,
+    k_segment_ids=None,
+):
     """Plain float32 softmax attention: the reference every blockwise path is tested against.
 
     q `[b, tq, h, d]`, k/v `[b, tk, kv_heads, d]`, segment_ids `[b, tq]`, positions `[tq]`

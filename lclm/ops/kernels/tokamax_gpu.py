@@ -25,8 +25,10 @@ import jax.numpy as jnp
 from lclm.ops.kernels import target_device
 from lclm.ops.kernels.range_kernel import range_kernel
 
-INSTALL = ("pip install 'lclm[cuda]' on Python >= 3.12 (tokamax; 'lclm[gpu-aot]' to compile for "
-           "GPUs without one)")
+INSTALL = (
+    "pip install 'lclm[cuda]' on Python >= 3.12 (tokamax; 'lclm[gpu-aot]' to compile for "
+    "GPUs without one)"
+)
 
 
 def available() -> bool:
@@ -45,8 +47,15 @@ def hopper_or_newer() -> bool:
         return False
 
 
-def limits(*, head_dim: int, q_chunk: int, kv_chunk: int, block: int,
-           platform: str | None = None, dtype: str | None = None) -> str | None:
+def limits(
+    *,
+    head_dim: int,
+    q_chunk: int,
+    kv_chunk: int,
+    block: int,
+    platform: str | None = None,
+    dtype: str | None = None,
+) -> str | None:
     """Why this kernel cannot serve the shapes (`contract.Kernel.limits`): a Hopper or newer
     GPU with tokamax installed, the head dims checked on a GPU, 16-bit compute. tokamax
     picks its own tiles (chunks and block are not its concern)."""
@@ -98,8 +107,7 @@ def _one_head(x):
 def attend(q, k, v, causal, start, end):
     """(o `[b, tq, h, d]` in q's dtype, lse `[b, tq, h]` float32; -inf where nothing is seen)."""
     forward, _, mask_class = _ops()
-    o, (m, l) = forward(q, k, v, mask=_mask(mask_class, causal, start, end),
-                        return_residuals=True)
+    o, (m, l) = forward(q, k, v, mask=_mask(mask_class, causal, start, end), return_residuals=True)
     seen = l > 0
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     return o, lse.transpose(0, 2, 1)
@@ -111,9 +119,8 @@ def attend_vjp(q, k, v, o, lse, do, causal, start, end):
     mask = _mask(mask_class, causal, start, end)
     kwargs = dict(forward.bind(q, k, v, mask=mask, return_residuals=True).kwargs)
     kwargs.pop("return_residuals")
-    lse = lse.transpose(0, 2, 1)                       # [b, h, tq], as the residuals are
-    grads = vjp((lse, jnp.ones_like(lse)), o.astype(q.dtype), do.astype(q.dtype), q, k, v,
-                **kwargs)
+    lse = lse.transpose(0, 2, 1)  # [b, h, tq], as the residuals are
+    grads = vjp((lse, jnp.ones_like(lse)), o.astype(q.dtype), do.astype(q.dtype), q, k, v, **kwargs)
     return grads["q"], grads["k"], grads["v"]
 
 

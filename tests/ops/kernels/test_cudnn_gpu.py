@@ -15,16 +15,17 @@ from lclm.ops.kernels import blockwise, cudnn_gpu
 from lclm.ops.kernels.reference import dense_attention
 from lclm.parallel import make_mesh
 
-ROWS = jnp.array([[1, 1, 1, 2, 2, 3, 3, 3],
-                  [5, 5, 5, 5, 5, 5, 5, 5],
-                  [1, 1, 2, 2, 2, 0, 0, 0]])   # the last: two documents and padding
+ROWS = jnp.array(
+    [[1, 1, 1, 2, 2, 3, 3, 3], [5, 5, 5, 5, 5, 5, 5, 5], [1, 1, 2, 2, 2, 0, 0, 0]]
+)  # the last: two documents and padding
 
 
 def test_segment_ids_become_cudnns_packed_layout():
     lengths, offsets = cudnn_gpu.document_offsets(ROWS, 4)
     np.testing.assert_array_equal(lengths, [[3, 2, 3, -1], [8, -1, -1, -1], [2, 3, 3, -1]])
-    np.testing.assert_array_equal(offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1],
-                                            [0, 2, 5, -1, -1]])
+    np.testing.assert_array_equal(
+        offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1], [0, 2, 5, -1, -1]]
+    )
     assert int(cudnn_gpu.document_count(ROWS)) == 3
     # every token is in exactly one listed document
     assert np.all(np.where(lengths >= 0, lengths, 0).sum(1) == ROWS.shape[1])
@@ -37,11 +38,14 @@ def test_segment_ids_become_cudnns_packed_layout():
     np.testing.assert_array_equal(offsets, [[0, 3, -1]])
 
 
-@pytest.mark.parametrize("rows,call", [
-    (jnp.ones((2, 64), jnp.int32), 0),                                        # plain causal
-    (jnp.repeat(jnp.arange(1, 5), 16)[None].repeat(2, 0), 1),                 # packed
-    (jnp.arange(64)[None].repeat(2, 0), 2),                                   # too many: ring
-])
+@pytest.mark.parametrize(
+    "rows,call",
+    [
+        (jnp.ones((2, 64), jnp.int32), 0),  # plain causal
+        (jnp.repeat(jnp.arange(1, 5), 16)[None].repeat(2, 0), 1),  # packed
+        (jnp.arange(64)[None].repeat(2, 0), 2),  # too many: ring
+    ],
+)
 def test_each_step_picks_plain_packed_or_the_ring_by_documents_per_row(rows, call):
     assert int(cudnn_gpu.call_index(rows)) == call
     assert int(cudnn_gpu.document_count(rows)) == [1, 4, 64][call]
@@ -54,8 +58,10 @@ def _inputs(t=64, h=4, kvh=2, d=16):
     return q, k, v, jax.random.normal(ks[3], (2, t, h, d), jnp.float32)
 
 
-@pytest.mark.parametrize("docs,branch", [(0, "causal"), (1, "causal"), (4, "packed"),
-                                         (cudnn_gpu.MAX_DOCUMENTS + 8, "ring")])
+@pytest.mark.parametrize(
+    "docs,branch",
+    [(0, "causal"), (1, "causal"), (4, "packed"), (cudnn_gpu.MAX_DOCUMENTS + 8, "ring")],
+)
 def test_whole_attention_equals_dense_in_every_branch(monkeypatch, docs, branch):
     """The branches' calls stand in for cuDNN's (dense float32, what cuDNN was checked
     against on the GPU; the plain one without segments); what is tested is the switch, with
@@ -67,20 +73,32 @@ def test_whole_attention_equals_dense_in_every_branch(monkeypatch, docs, branch)
         return out
 
     monkeypatch.setattr(cudnn_gpu, "_on_gpu", lambda: True)
-    monkeypatch.setattr(cudnn_gpu, "_causal",
-                        lambda q, k, v: tagged("causal", dense_attention(q, k, v)))
-    monkeypatch.setattr(cudnn_gpu, "_packed", lambda q, k, v, seg: tagged(
-        "packed", dense_attention(q, k, v, segment_ids=seg)))
+    monkeypatch.setattr(
+        cudnn_gpu, "_causal", lambda q, k, v: tagged("causal", dense_attention(q, k, v))
+    )
+    monkeypatch.setattr(
+        cudnn_gpu,
+        "_packed",
+        lambda q, k, v, seg: tagged("packed", dense_attention(q, k, v, segment_ids=seg)),
+    )
     q, k, v, do = _inputs(t=128)
     # row 0: `docs` documents, row 1: one
-    seg = None if docs == 0 else jnp.stack([jnp.arange(128) * docs // 128,
-                                            jnp.full(128, 7)]).astype(jnp.int32)
+    seg = (
+        None
+        if docs == 0
+        else jnp.stack([jnp.arange(128) * docs // 128, jnp.full(128, 7)]).astype(jnp.int32)
+    )
     assert seg is None or int(cudnn_gpu.document_count(seg)) == docs
 
     def whole(q, k, v, seg):
         def ring():
-            return tagged("ring", local_attention(q, k, v, segment_ids=seg, impl="blockwise",
-                                                  q_chunk=32, kv_chunk=32))
+            return tagged(
+                "ring",
+                local_attention(
+                    q, k, v, segment_ids=seg, impl="blockwise", q_chunk=32, kv_chunk=32
+                ),
+            )
+
         return cudnn_gpu.whole(q, k, v, seg, causal=True, fallback=ring)
 
     want, want_vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, segment_ids=seg), q, k, v)
@@ -100,8 +118,9 @@ def test_cudnn_is_called_where_its_checks_read_the_gpu_built_for(monkeypatch):
     q, k, v, _ = _inputs()
     whole = lambda: cudnn_gpu.whole(q, k, v, None, causal=True, fallback=lambda: "the ring's")
     fa = cudnn_gpu._fused()
-    h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
-                                 compute_capability="9.0")
+    h100 = types.SimpleNamespace(
+        platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0"
+    )
     assert whole() == "the ring's"
     with kernels.compiling_for(h100), kernels.recording() as record:
         assert whole() == "the ring's" and record.kernels == []
@@ -131,18 +150,19 @@ def test_a_ring_of_one_member_hands_the_kernels_whole_attention_the_work(whole_c
     chunks = dict(q_chunk=16, kv_chunk=16, impl="with_whole")
     placed = dict(chunks, layout="contiguous")  # original order on the mesh too
     want = dense_attention(q, k, v)
-    for attend, sp, called in ((lambda: local_attention(q, k, v, **chunks), None, 1),
-                               (lambda: ring_attention(q, k, v, mesh=make_mesh(sp=1),
-                                                       **placed), 1, 1),
-                               (lambda: ring_attention(q, k, v, mesh=make_mesh(sp=2),
-                                                       **placed), 2, 0)):
+    for attend, sp, called in (
+        (lambda: local_attention(q, k, v, **chunks), None, 1),
+        (lambda: ring_attention(q, k, v, mesh=make_mesh(sp=1), **placed), 1, 1),
+        (lambda: ring_attention(q, k, v, mesh=make_mesh(sp=2), **placed), 2, 0),
+    ):
         whole_calls.clear()
         np.testing.assert_allclose(attend(), want, atol=1e-5)
         assert len(whole_calls) == called, sp
 
 
-@pytest.mark.parametrize("remat,called", [("none", True), ("full", True),
-                                          ("attention", False), ("offload", False)])
+@pytest.mark.parametrize(
+    "remat,called", [("none", True), ("full", True), ("attention", False), ("offload", False)]
+)
 def test_remat_policies_that_keep_the_rings_residuals_keep_the_ring(whole_calls, remat, called):
     """'attention' and 'offload' save the ring's named output and log-sum-exp; a whole-sequence
     attention with residuals of its own (cuDNN's) would run its forward again instead."""
@@ -151,10 +171,15 @@ def test_remat_policies_that_keep_the_rings_residuals_keep_the_ring(whole_calls,
 
     c = ModelConfig(n_layers=1, remat=remat)
     t = 32
-    batch = dict(tokens=jnp.zeros((1, t), jnp.int32), targets=jnp.zeros((1, t), jnp.int32),
-                 loss_mask=jnp.ones((1, t), jnp.float32), positions=jnp.arange(t)[None],
-                 segment_ids=jnp.ones((1, t), jnp.int32))
+    batch = dict(
+        tokens=jnp.zeros((1, t), jnp.int32),
+        targets=jnp.zeros((1, t), jnp.int32),
+        loss_mask=jnp.ones((1, t), jnp.float32),
+        positions=jnp.arange(t)[None],
+        segment_ids=jnp.ones((1, t), jnp.int32),
+    )
     attention = AttentionConfig(q_chunk=16, kv_chunk=16, impl="with_whole")
     jax.grad(lambda p: loss_terms(c, p, batch, attention=attention)[0])(
-        init_params(c, jax.random.key(0)))
+        init_params(c, jax.random.key(0))
+    )
     assert bool(whole_calls) == called

@@ -22,7 +22,7 @@ def test_ranges_equal_the_dense_mask_in_every_round(layout, n, segments, causal)
     rng = np.random.default_rng(n + 10 * segments)
     seg = to_layout(_segments(rng, b, t), layout, n) if segments else None
     local = t // n
-    shard = lambda x, d: None if x is None else x[:, d * local:(d + 1) * local]
+    shard = lambda x, d: None if x is None else x[:, d * local : (d + 1) * local]
     for device in range(n):
         for source in range(n):  # every block pair some ring round computes
             q_pos = original_positions(layout, n, device, local)
@@ -33,20 +33,26 @@ def test_ranges_equal_the_dense_mask_in_every_round(layout, n, segments, causal)
                 want = want & (q_pos[:, None] >= k_pos[None, :])[None]
             if segments:
                 want = want & (q_seg[:, :, None] == k_seg[:, None, :])
-            start, end = key_ranges(jnp.asarray(q_pos), jnp.asarray(k_pos),
-                                    None if seg is None else jnp.asarray(q_seg),
-                                    None if seg is None else jnp.asarray(k_seg), causal=causal)
+            start, end = key_ranges(
+                jnp.asarray(q_pos),
+                jnp.asarray(k_pos),
+                None if seg is None else jnp.asarray(q_seg),
+                None if seg is None else jnp.asarray(k_seg),
+                causal=causal,
+            )
             got = np.asarray(ranges_mask(start, end, local))
             shape = (max(got.shape[0], want.shape[0]), local, local)
-            np.testing.assert_array_equal(np.broadcast_to(got, shape),
-                                          np.broadcast_to(want, shape),
-                                          err_msg=f"device {device}, source {source}")
+            np.testing.assert_array_equal(
+                np.broadcast_to(got, shape),
+                np.broadcast_to(want, shape),
+                err_msg=f"device {device}, source {source}",
+            )
             assert (np.asarray(end) >= np.asarray(start)).all()
 
 
 def test_a_strict_round_gives_the_first_query_nothing():
     n, local = 4, 8
-    q_pos = original_positions("striped", n, 1, local)   # a later device's keys: k > j
+    q_pos = original_positions("striped", n, 1, local)  # a later device's keys: k > j
     k_pos = original_positions("striped", n, 3, local)
     start, end = key_ranges(jnp.asarray(q_pos), jnp.asarray(k_pos))
     np.testing.assert_array_equal(np.asarray(end - start)[0], np.arange(local))

@@ -61,15 +61,19 @@ POSITIONS = {
 }
 
 
-@pytest.mark.parametrize("positions,causal,hkv,d,segments", [
-    ("causal", True, 2, 16, False),
-    ("strict", True, 1, 64, True),
-    ("earlier", True, 4, 16, True),
-    ("causal", False, 2, 128, False),
-])
+@pytest.mark.parametrize(
+    "positions,causal,hkv,d,segments",
+    [
+        ("causal", True, 2, 16, False),
+        ("strict", True, 1, 64, True),
+        ("earlier", True, 4, 16, True),
+        ("causal", False, 2, 128, False),
+    ],
+)
 def test_block_pair_matches_dense(positions, causal, hkv, d, segments):
-    q, k, v, do, seg = _case(zlib.crc32(repr((positions, causal, hkv, d)).encode()), hkv=hkv, d=d,
-                             segments=segments)
+    q, k, v, do, seg = _case(
+        zlib.crc32(repr((positions, causal, hkv, d)).encode()), hkv=hkv, d=d, segments=segments
+    )
     q_pos, k_pos = (jnp.asarray(p, jnp.int32) for p in POSITIONS[positions](q.shape[1]))
     kw = dict(causal=causal, q_chunk=16, kv_chunk=32)
     o, lse = forward(q, k, v, q_pos, k_pos, seg, seg, **kw)
@@ -83,8 +87,9 @@ def test_block_pair_matches_dense(positions, causal, hkv, d, segments):
 
     # backward from this block's own o/lse equals the dense VJP of the block
     got = backward(q, k, v, o, lse, do, q_pos, k_pos, seg, seg, **kw)
-    _, vjp = jax.vjp(lambda q, k, v: _dense_block(q, k, v, q_pos, k_pos, seg, seg, causal)[0],
-                     q, k, v)
+    _, vjp = jax.vjp(
+        lambda q, k, v: _dense_block(q, k, v, q_pos, k_pos, seg, seg, causal)[0], q, k, v
+    )
     for g, w in zip(got, vjp(do)):
         assert np.isfinite(np.asarray(g)).all()
         assert _rel(g, w) < 1e-5
@@ -164,12 +169,15 @@ def test_kernels_lower_to_triton_for_gpus(d, segments):
 
     triton = "__gpu$xla.gpu.triton"
     export = jax.export.export(
-        jax.jit(both_passes), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])
+        jax.jit(both_passes),
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
+    )
     args = (x, kv, kv, x, pos, *([seg] if segments else []))
     if hasattr(jax.sharding, "AbstractDevice"):  # jax >= 0.12 asks for the GPU generation
-        target = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
-                                             platform="cuda")
+        target = jax.sharding.AbstractDevice(
+            device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda"
+        )
         mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=target)
         with jax.sharding.use_abstract_mesh(mesh):
             exported = export(*args)
@@ -178,8 +186,10 @@ def test_kernels_lower_to_triton_for_gpus(d, segments):
             exported = export(*args)
         except Exception as e:  # a jax that asks the device for its GPU generation
             if "No supported GPU devices" in str(e):
-                pytest.skip(f"this jax ({jax.__version__}) lowers Triton only with a GPU "
-                            "present and has no AbstractDevice to name one")
+                pytest.skip(
+                    f"this jax ({jax.__version__}) lowers Triton only with a GPU "
+                    "present and has no AbstractDevice to name one"
+                )
             raise
     module = exported.mlir_module()
     for name in ("lclm_flash_forward", "lclm_flash_backward_dkdv", "lclm_flash_backward_dq"):

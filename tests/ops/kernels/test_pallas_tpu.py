@@ -55,13 +55,13 @@ def _pair_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal):
         mask = mask & (q_seg[:, None, :, None] == k_seg[:, None, None, :])
     # a large finite fill keeps empty rows' softmax finite; the mask then zeroes them
     p = jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1) * mask
-    lse = jnp.where(mask.any(-1), jax.nn.logsumexp(jnp.where(mask, s, -1e30), axis=-1),
-                    -jnp.inf)
+    lse = jnp.where(mask.any(-1), jax.nn.logsumexp(jnp.where(mask, s, -1e30), axis=-1), -jnp.inf)
     return jnp.einsum("bhqk,bkhd->bqhd", p, v), lse.transpose(0, 2, 1)
 
 
-def _random_case(seed, *, b=1, tq=256, tk=256, h=4, hkv=2, d=64, segments=False,
-                 striped=None, dtype=jnp.float32):
+def _random_case(
+    seed, *, b=1, tq=256, tk=256, h=4, hkv=2, d=64, segments=False, striped=None, dtype=jnp.float32
+):
     """Random block pair. striped=(n, j, k): q/k hold the tokens of devices j/k of an n-way
     striped ring (positions x*n + j and y*n + k); otherwise both are positions 0..t-1."""
     rng = np.random.default_rng(seed)
@@ -106,8 +106,9 @@ def _dense_pass(x, causal, self_attention):
     """Dense float32 attention with its VJP: (o, lse, grads). Uses lclm's `dense_attention`
     where the pair is one block attending to itself."""
     if self_attention:
-        dense = lambda q, k, v: dense_attention(q, k, v, causal=causal, segment_ids=x["q_seg"],
-                                                positions=x["q_pos"])
+        dense = lambda q, k, v: dense_attention(
+            q, k, v, causal=causal, segment_ids=x["q_seg"], positions=x["q_pos"]
+        )
     else:
         dense = lambda q, k, v: _pair_attention(q, k, v, *_blocks(x), causal)[0]
     f32 = lambda a: a.astype(jnp.float32)
@@ -168,9 +169,10 @@ def test_hidden_tiles_are_skipped_not_masked():
     poisoned = dict(x, **{n: x[n].at[:, hidden].set(jnp.nan) for n in ("q", "k", "v")})
     o, lse, grads = _kernel_pass(poisoned, o_ref, lse_ref, True)
 
-    clean = np.r_[0:TILE, 2 * TILE:3 * TILE]
-    for g, w, what in zip((o, lse, *grads), (o_ref, lse_ref, *grads_ref),
-                          ("o", "lse", "dq", "dk", "dv")):
+    clean = np.r_[0:TILE, 2 * TILE : 3 * TILE]
+    for g, w, what in zip(
+        (o, lse, *grads), (o_ref, lse_ref, *grads_ref), ("o", "lse", "dq", "dk", "dv")
+    ):
         _close(g[:, clean], w[:, clean], what=what)
         # the poison really reaches the rows / keys that see it
         assert np.isnan(np.asarray(g[:, hidden])).all(), what
@@ -181,11 +183,13 @@ def test_tile_tables_and_hulls():
     t = 3 * TILE
     pos = jnp.arange(t, dtype=jnp.int32)
     seg = jnp.repeat(jnp.asarray([[0, 1, 0]], jnp.int32), TILE, axis=1)
-    cfg = lambda causal, segments: _Cfg(1, 1, 1, t, t, 64, TILE, TILE, causal, segments,
-                                                compiled=False)
+    cfg = lambda causal, segments: _Cfg(
+        1, 1, 1, t, t, 64, TILE, TILE, causal, segments, compiled=False
+    )
     qt, kt, hull_kv, hull_q = _tables(cfg(True, False), pos, pos, None, None)
-    np.testing.assert_array_equal(np.asarray(qt).reshape(3, 4)[:, :2],
-                                  [[0, 127], [128, 255], [256, 383]])
+    np.testing.assert_array_equal(
+        np.asarray(qt).reshape(3, 4)[:, :2], [[0, 127], [128, 255], [256, 383]]
+    )
     np.testing.assert_array_equal(np.asarray(hull_kv).reshape(3, 2), [[0, 0], [0, 1], [0, 2]])
     np.testing.assert_array_equal(np.asarray(hull_q).reshape(3, 2), [[0, 2], [1, 2], [2, 2]])
     _, _, hull_kv, hull_q = _tables(cfg(False, True), pos, pos, seg, seg)
@@ -210,30 +214,47 @@ def test_interpreted_tiles_are_the_chunks_clipped_to_the_block():
 
 def test_compiled_tiles_follow_the_tpu_generation_not_the_chunks():
     q, k = jnp.zeros((1, 8192, 1, 64)), jnp.zeros((1, 1536, 1, 64))
-    for kind, (qc, kc) in [("TPU v4", (1024, 512)), ("TPU v6 lite", (2048, 512)),
-                           ("TPU v7 unknown", (1024, 512)), (None, (1024, 512))]:
-        cfg = _config(q, k, None, True, q_chunk=64, kv_chunk=8192, platform="tpu",
-                      device_kind=kind)
+    for kind, (qc, kc) in [
+        ("TPU v4", (1024, 512)),
+        ("TPU v6 lite", (2048, 512)),
+        ("TPU v7 unknown", (1024, 512)),
+        (None, (1024, 512)),
+    ]:
+        cfg = _config(q, k, None, True, q_chunk=64, kv_chunk=8192, platform="tpu", device_kind=kind)
         assert cfg.compiled and (cfg.qc, cfg.kc) == (qc, kc), kind
     assert tpu_tiles("TPU v6 lite") == (2048, 1024) and tpu_tiles("TPU v4") == (1024, 1024)
     # the whole block when it fits, else a power-of-two divisor that is a multiple of 128
-    assert [_tile(n, 1024) for n in (96, 1000, 8192, 1536, 1152, 1088)] == \
-        [96, 1000, 1024, 512, 128, None]
+    assert [_tile(n, 1024) for n in (96, 1000, 8192, 1536, 1152, 1088)] == [
+        96,
+        1000,
+        1024,
+        512,
+        128,
+        None,
+    ]
     with pytest.raises(ValueError, match="multiples of 128"):
         _config(jnp.zeros((1, 1088, 1, 64)), k, None, True, 64, 64, platform="tpu")
 
 
-@pytest.mark.parametrize("shape,why", [
-    (dict(head_dim=64, block=65536), None), (dict(head_dim=128, block=640), None),
-    (dict(head_dim=96, block=4096), "power of two"), (dict(head_dim=256, block=4096), "up to 128"),
-    (dict(head_dim=64, block=1088), "multiple of 128")])
+@pytest.mark.parametrize(
+    "shape,why",
+    [
+        (dict(head_dim=64, block=65536), None),
+        (dict(head_dim=128, block=640), None),
+        (dict(head_dim=96, block=4096), "power of two"),
+        (dict(head_dim=256, block=4096), "up to 128"),
+        (dict(head_dim=64, block=1088), "multiple of 128"),
+    ],
+)
 def test_limits_on_a_tpu(shape, why):
     got = limits(q_chunk=2048, kv_chunk=2048, platform="tpu", **shape)
     assert got is None if why is None else why in got
 
 
-@pytest.mark.parametrize("dtype,causal,segments,hkv,d", [
-    (jnp.bfloat16, True, True, 2, 128), (jnp.float32, False, False, 1, 64)])
+@pytest.mark.parametrize(
+    "dtype,causal,segments,hkv,d",
+    [(jnp.bfloat16, True, True, 2, 128), (jnp.float32, False, False, 1, 64)],
+)
 def test_lowers_to_mosaic_for_tpu(dtype, causal, segments, hkv, d):
     """Without a TPU, export for the TPU platform: the Pallas -> Mosaic lowering (block shape
     rules, scalar prefetch, every op in the kernels) must accept all three kernels. The

@@ -57,7 +57,7 @@ def ref_attend_vjp(q, k, v, o, lse, do, causal, start, end):
     rep, hkv = q.shape[2] // k.shape[2], k.shape[2]
     mask = _mask(q.shape[1], k.shape[1], causal, start, end)
     s = _scores(q, k, mask)
-    p = jnp.exp(s - lse[..., None])                        # 0 where masked
+    p = jnp.exp(s - lse[..., None])  # 0 where masked
     kr, vr = (jnp.repeat(x.astype(F32), rep, axis=2) for x in (k, v))
     do, o = do.astype(F32), o.astype(F32)
     delta = jnp.sum(do * o, axis=-1)
@@ -72,17 +72,26 @@ def ref_attend_vjp(q, k, v, o, lse, do, causal, start, end):
 
 @pytest.fixture
 def reference_kernel(monkeypatch):
-    monkeypatch.setitem(kernels.KERNELS, "range_reference",
-                        range_kernel(ref_attend, ref_attend_vjp))
+    monkeypatch.setitem(
+        kernels.KERNELS, "range_reference", range_kernel(ref_attend, ref_attend_vjp)
+    )
     return "range_reference"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("sp,hkv,segments,causal", [
-    (1, 2, True, True), (2, 4, False, True), (4, 1, True, True), (8, 2, True, True),
-    (2, 2, False, False)])                   # non-causal, no segments: no ranges passed
-def test_ring_through_the_range_kernel_matches_dense(reference_kernel, layout, sp, hkv,
-                                                     segments, causal):
+@pytest.mark.parametrize(
+    "sp,hkv,segments,causal",
+    [
+        (1, 2, True, True),
+        (2, 4, False, True),
+        (4, 1, True, True),
+        (8, 2, True, True),
+        (2, 2, False, False),
+    ],
+)  # non-causal, no segments: no ranges passed
+def test_ring_through_the_range_kernel_matches_dense(
+    reference_kernel, layout, sp, hkv, segments, causal
+):
     rng = np.random.default_rng(sp * 10 + hkv)
     b, t, h, d = 2, 64, 4, 16
     q = rng.standard_normal((b, t, h, d), np.float32)
@@ -95,15 +104,17 @@ def test_ring_through_the_range_kernel_matches_dense(reference_kernel, layout, s
 def _assert_ring_equals_dense(impl, layout, sp, causal, seg, q, k, v, do):
     """The ring through kernel `impl` on sp devices: output and gradients within 1e-5
     (relative to the largest value) of dense float32 attention."""
-    want, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, causal=causal,
-                                                        segment_ids=seg), q, k, v)
+    want, vjp = jax.vjp(
+        lambda q, k, v: dense_attention(q, k, v, causal=causal, segment_ids=seg), q, k, v
+    )
     want = (want, *vjp(do))
     mesh = make_mesh(sp=sp, fsdp=2 if sp <= 4 else 1)
     lay = lambda x: None if x is None else to_layout(jnp.asarray(x), layout, sp)
 
     def f(q, k, v):
-        return ring_attention(q, k, v, mesh=mesh, layout=layout, causal=causal,
-                              segment_ids=lay(seg), impl=impl)
+        return ring_attention(
+            q, k, v, mesh=mesh, layout=layout, causal=causal, segment_ids=lay(seg), impl=impl
+        )
 
     out, vjp = jax.vjp(jax.jit(f), lay(q), lay(k), lay(v))
     for got, w in zip((out, *vjp(lay(do))), want):
@@ -112,11 +123,14 @@ def _assert_ring_equals_dense(impl, layout, sp, causal, seg, q, k, v, do):
         assert err < 1e-5, err
 
 
-@pytest.mark.parametrize("layout,expected", [
-    ("striped", {"causal", "strict"}),
-    ("contiguous", {"causal", "full", "hidden"}),
-    ("zigzag", {"causal", "key half", "query half"}),
-])
+@pytest.mark.parametrize(
+    "layout,expected",
+    [
+        ("striped", {"causal", "strict"}),
+        ("contiguous", {"causal", "full", "hidden"}),
+        ("zigzag", {"causal", "key half", "query half"}),
+    ],
+)
 def test_every_ring_round_gets_a_class_that_does_exactly_its_work(layout, expected):
     n, local = 4, 16
     seen = set()
@@ -137,6 +151,7 @@ def test_non_causal_attention_uses_exact_ranges():
 
 def test_tokamax_adapter_imports_here_and_is_never_picked_off_gpu(monkeypatch):
     from lclm.ops.kernels import tokamax_gpu
+
     monkeypatch.setattr(tokamax_gpu, "hopper_or_newer", lambda: True)
 
     assert kernels.get_kernel("tokamax_gpu") is tokamax_gpu.KERNEL
@@ -147,8 +162,9 @@ def test_tokamax_adapter_imports_here_and_is_never_picked_off_gpu(monkeypatch):
     assert kernels.choose_kernel("auto", platform="gpu", **shapes) == expected
 
 
-@pytest.mark.parametrize("case", ["causal", "strict", "full", "key half", "query half",
-                                  "segments", "gqa"])
+@pytest.mark.parametrize(
+    "case", ["causal", "strict", "full", "key half", "query half", "segments", "gqa"]
+)
 def test_tokamax_adapter_against_dense_with_tokamaxs_xla_reference_ops(monkeypatch, case):
     """`lclm.ops.kernels.tokamax_gpu`'s calls (Mask with ranges, residuals, bind kwargs, the VJP's
     dict) run here against tokamax's own XLA reference ops, which share the Mosaic ops'
@@ -158,25 +174,41 @@ def test_tokamax_adapter_against_dense_with_tokamaxs_xla_reference_ops(monkeypat
     from tokamax._src.ops.attention import base
 
     from lclm.ops.kernels import tokamax_gpu
-    monkeypatch.setattr(tokamax_gpu, "_ops", lambda: (base.DotProductAttention(),
-                                                      base.DotProductAttentionVjp(), base.Mask))
+
+    monkeypatch.setattr(
+        tokamax_gpu,
+        "_ops",
+        lambda: (base.DotProductAttention(), base.DotProductAttentionVjp(), base.Mask),
+    )
     kernel = range_kernel(tokamax_gpu.attend, tokamax_gpu.attend_vjp)
     t, n = 32, 4
-    pairs = {"causal": (0, 0), "strict": (1, 3), "full": (3, 1), "key half": (3, 1),
-             "query half": (1, 3), "segments": (2, 1), "gqa": (2, 2)}
-    layout = {"full": "contiguous", "key half": "zigzag", "query half": "zigzag"}.get(case,
-                                                                                     "striped")
+    pairs = {
+        "causal": (0, 0),
+        "strict": (1, 3),
+        "full": (3, 1),
+        "key half": (3, 1),
+        "query half": (1, 3),
+        "segments": (2, 1),
+        "gqa": (2, 2),
+    }
+    layout = {"full": "contiguous", "key half": "zigzag", "query half": "zigzag"}.get(
+        case, "striped"
+    )
     device, source = pairs[case]
     q_pos = jnp.asarray(original_positions(layout, n, device, t))
     k_pos = jnp.asarray(original_positions(layout, n, source, t))
     assert CLASSES[int(round_class(q_pos, k_pos))] == {"segments": "causal", "gqa": "causal"}.get(
-        case, case)
+        case, case
+    )
     rng = np.random.default_rng(len(case))
     hkv = 1 if case == "gqa" else 4
     q, do = (jnp.asarray(rng.standard_normal((2, t, 4, 16)), jnp.float32) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((2, t, hkv, 16)), jnp.float32) for _ in range(2))
-    seg = (jnp.asarray(np.cumsum(rng.random((2, t)) < 0.2, axis=1), jnp.int32)
-           if case == "segments" else None)
+    seg = (
+        jnp.asarray(np.cumsum(rng.random((2, t)) < 0.2, axis=1), jnp.int32)
+        if case == "segments"
+        else None
+    )
     tiles = dict(causal=True, q_chunk=t, kv_chunk=t)
     o, lse = kernel.forward(q, k, v, q_pos, k_pos, seg, seg, **tiles)
     grads = kernel.backward(q, k, v, o, lse, do, q_pos, k_pos, seg, seg, **tiles)
@@ -203,6 +235,7 @@ def test_tokamax_adapter_against_dense_with_tokamaxs_xla_reference_ops(monkeypat
 def _counting(calls: list):
     """A range kernel over `ref_attend` that records every call (at trace time): ('attend' or
     'vjp', causal, k_start, k_end)."""
+
     def attend(q, k, v, causal, start, end):
         calls.append(("attend", causal, start, end))
         return ref_attend(q, k, v, causal, start, end)
@@ -210,6 +243,7 @@ def _counting(calls: list):
     def attend_vjp(q, k, v, o, lse, do, causal, start, end):
         calls.append(("vjp", causal, start, end))
         return ref_attend_vjp(q, k, v, o, lse, do, causal, start, end)
+
     return range_kernel(attend, attend_vjp)
 
 
@@ -220,9 +254,13 @@ def _counting(calls: list):
 # rounds 1..2 and the last round, switches over full/hidden (1 + 1: hidden calls nothing) or
 # the two halves (2 + 2); non-causal rounds are all 'ranges' (1 + 1, no switch). Before: 1
 # (sp=1) or 2 switches of 6 calls each, whatever the layout.
-EXPECTED_PROGRAM = {(1, "striped", True): (0, 1), (4, "striped", True): (2, 4),
-                    (4, "contiguous", True): (2, 3), (4, "zigzag", True): (2, 5),
-                    (4, "striped", False): (0, 2)}
+EXPECTED_PROGRAM = {
+    (1, "striped", True): (0, 1),
+    (4, "striped", True): (2, 4),
+    (4, "contiguous", True): (2, 3),
+    (4, "zigzag", True): (2, 5),
+    (4, "striped", False): (0, 2),
+}
 
 
 @pytest.mark.parametrize("sp,layout,causal", list(EXPECTED_PROGRAM))
@@ -233,8 +271,9 @@ def test_one_compiled_branch_where_the_class_is_known(monkeypatch, sp, layout, c
     k = jnp.zeros((2, 64, 2, 16))
     seg = jnp.zeros((2, 64), jnp.int32)
     mesh = make_mesh(sp=sp)
-    f = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, layout=layout, causal=causal,
-                                       segment_ids=seg, impl="counting")
+    f = lambda q, k, v: ring_attention(
+        q, k, v, mesh=mesh, layout=layout, causal=causal, segment_ids=seg, impl="counting"
+    )
     forward = jax.jit(f).lower(q, k, k).as_text()
     conditionals, attends = EXPECTED_PROGRAM[sp, layout, causal]
     assert (forward.count("stablehlo.case"), len(calls)) == (conditionals, attends)
@@ -248,16 +287,22 @@ def test_one_compiled_branch_where_the_class_is_known(monkeypatch, sp, layout, c
         assert "stablehlo.case" not in local.lower(q, k, k).as_text() and len(calls) == 1
 
 
-@pytest.mark.parametrize("layout,want", [
-    ("striped", [{"causal", "strict"}]),
-    ("contiguous", [{"causal"}, {"full", "hidden"}]),
-    ("zigzag", [{"causal"}, {"key half", "query half"}])])
+@pytest.mark.parametrize(
+    "layout,want",
+    [
+        ("striped", [{"causal", "strict"}]),
+        ("contiguous", [{"causal"}, {"full", "hidden"}]),
+        ("zigzag", [{"causal"}, {"key half", "query half"}]),
+    ],
+)
 def test_the_diagonal_round_leaves_the_scanned_switch_where_only_it_has_its_class(
-        reference_kernel, layout, want):
+    reference_kernel, layout, want
+):
     """The call sites of the rounds before the last at sp=4 and the classes each compiles;
     a kernel that does not specialize on classes keeps one site."""
-    s = make_settings(4, layout, True, 8, 8, reference_kernel, jnp.zeros((1, 64, 1, 8)),
-                      jax.devices()[0])
+    s = make_settings(
+        4, layout, True, 8, 8, reference_kernel, jnp.zeros((1, 64, 1, 8)), jax.devices()[0]
+    )
     sites = passing_sites(s, 16)
     assert [len(r) for r in sites] == ([3] if layout == "striped" else [1, 2])
     classify = kernels.get_kernel(reference_kernel).classify
@@ -273,24 +318,27 @@ def test_concrete_positions_pick_the_class_traced_ones_switch_over_all():
     q_pos, k_pos = (original_positions("striped", n, d, t) for d in (1, 3))  # a strict round
     tiles = dict(causal=True, q_chunk=t, kv_chunk=t)
     run = lambda q, q_pos, k_pos: kernel.forward(q, q, q, q_pos, k_pos, None, None, **tiles)
-    known = jax.jit(lambda q: run(q, q_pos, k_pos))(q)     # numpy positions: constants
+    known = jax.jit(lambda q: run(q, q_pos, k_pos))(q)  # numpy positions: constants
     assert [c[:2] for c in calls] == [("attend", True)]
     calls.clear()
     traced = jax.jit(run)(q, q_pos, k_pos)
-    assert len(calls) == len(CLASSES) - 1           # every class but 'hidden' calls attend
+    assert len(calls) == len(CLASSES) - 1  # every class but 'hidden' calls attend
     for got, want in zip(traced, known):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
 
 
-@pytest.mark.parametrize("causal,pair,segments,want", [
-    (False, ("striped", 1, 3), False, (None, None)),     # every key: no ranges at all
-    (False, ("striped", 1, 3), True, ("rows", "rows")),  # documents: exact ranges
-    (True, ("striped", 2, 2), False, (None, None)),      # causal: the flag alone
-    (True, ("striped", 1, 3), False, ("rows", None)),    # strict: k_start >= 1
-    (True, ("contiguous", 3, 1), False, (None, None)),   # full
-    (True, ("zigzag", 3, 1), False, (None, None)),       # key half
-    (True, ("striped", 2, 2), True, ("rows", None)),     # documents: their first keys
-])
+@pytest.mark.parametrize(
+    "causal,pair,segments,want",
+    [
+        (False, ("striped", 1, 3), False, (None, None)),  # every key: no ranges at all
+        (False, ("striped", 1, 3), True, ("rows", "rows")),  # documents: exact ranges
+        (True, ("striped", 2, 2), False, (None, None)),  # causal: the flag alone
+        (True, ("striped", 1, 3), False, ("rows", None)),  # strict: k_start >= 1
+        (True, ("contiguous", 3, 1), False, (None, None)),  # full
+        (True, ("zigzag", 3, 1), False, (None, None)),  # key half
+        (True, ("striped", 2, 2), True, ("rows", None)),  # documents: their first keys
+    ],
+)
 def test_ranges_are_passed_only_where_rows_need_them(causal, pair, segments, want):
     calls = []
     kernel = _counting(calls)
@@ -304,14 +352,17 @@ def test_ranges_are_passed_only_where_rows_need_them(causal, pair, segments, wan
     def both(q, seg):
         o, lse = kernel.forward(q, q, q, q_pos, k_pos, seg, seg, **tiles)
         return kernel.backward(q, q, q, o, lse, q, q_pos, k_pos, seg, seg, **tiles)
+
     jax.eval_shape(both, q, seg)  # the calls are made while tracing
-    assert [c[:2] for c in calls] == [("attend", causal and layout == "striped"),
-                                      ("vjp", causal and layout == "striped")]
+    assert [c[:2] for c in calls] == [
+        ("attend", causal and layout == "striped"),
+        ("vjp", causal and layout == "striped"),
+    ]
     for _, _, start, end in calls:
         got = tuple(None if x is None else "rows" for x in (start, end))
         assert got == want
         for x in (start, end):
-            assert x is None or x.shape == (b, t)       # per row, never per head
+            assert x is None or x.shape == (b, t)  # per row, never per head
 
 
 def test_tokamax_gets_key_ranges_with_one_heads_axis_for_every_head(monkeypatch):
@@ -343,7 +394,7 @@ def test_tokamax_gets_key_ranges_with_one_heads_axis_for_every_head(monkeypatch)
     monkeypatch.setattr(tokamax_gpu, "_ops", lambda: (Forward(), vjp, Mask))
     b, t, n = 2, 16, 4
     q = jnp.zeros((b, t, 4, 64), jnp.bfloat16)
-    kv = jnp.zeros((b, t, 1, 64), jnp.bfloat16)                       # GQA: 4 heads per K/V
+    kv = jnp.zeros((b, t, 1, 64), jnp.bfloat16)  # GQA: 4 heads per K/V
     seg = jnp.asarray(np.repeat(np.arange(b * t // 4), 4).reshape(b, t), jnp.int32)
     kernel = tokamax_gpu.KERNEL
     for causal, (device, source) in ((True, (1, 3)), (True, (2, 2)), (False, (0, 1))):
@@ -353,6 +404,7 @@ def test_tokamax_gets_key_ranges_with_one_heads_axis_for_every_head(monkeypatch)
         def both(q, kv, seg, q_pos=q_pos, k_pos=k_pos, tiles=tiles):
             o, lse = kernel.forward(q, kv, kv, q_pos, k_pos, seg, seg, **tiles)
             return kernel.backward(q, kv, kv, o, lse, q, q_pos, k_pos, seg, seg, **tiles)
+
         jax.eval_shape(both, q, kv, seg)
     # forward and VJP each: strict, causal (with k_start, and without it: skip_zero_starts'
     # other branch) and exact ranges
@@ -367,14 +419,18 @@ def test_tokamax_gets_key_ranges_with_one_heads_axis_for_every_head(monkeypatch)
 @pytest.fixture
 def skipping_kernel(monkeypatch):
     """The reference range kernel with `skip_zero_starts` (as tokamax_gpu's is built)."""
-    monkeypatch.setitem(kernels.KERNELS, "range_skipping",
-                        range_kernel(ref_attend, ref_attend_vjp, skip_zero_starts=True))
+    monkeypatch.setitem(
+        kernels.KERNELS,
+        "range_skipping",
+        range_kernel(ref_attend, ref_attend_vjp, skip_zero_starts=True),
+    )
     return "range_skipping"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("sp,documents", [(1, "one"), (1, "packed"), (4, "one"),
-                                          (4, "packed"), (4, "mixed")])
+@pytest.mark.parametrize(
+    "sp,documents", [(1, "one"), (1, "packed"), (4, "one"), (4, "packed"), (4, "mixed")]
+)
 def test_skipping_zero_starts_matches_dense(skipping_kernel, layout, sp, documents):
     """Values and gradients equal dense attention whichever branch a call takes: rows of one
     document (k_start 0 everywhere: no range passed), packed rows, and a batch of both."""
@@ -383,17 +439,20 @@ def test_skipping_zero_starts_matches_dense(skipping_kernel, layout, sp, documen
     q, do = (rng.standard_normal((b, t, h, d), np.float32) for _ in range(2))
     k, v = (rng.standard_normal((b, t, hkv, d), np.float32) for _ in range(2))
     packed = np.cumsum(rng.random((b, t)) < 0.08, axis=1).astype(np.int32)
-    seg = {"one": np.ones((b, t), np.int32), "packed": packed,
-           "mixed": np.stack([np.ones(t, np.int32), packed[1]])}[documents]
+    seg = {
+        "one": np.ones((b, t), np.int32),
+        "packed": packed,
+        "mixed": np.stack([np.ones(t, np.int32), packed[1]]),
+    }[documents]
     _assert_ring_equals_dense(skipping_kernel, layout, sp, True, seg, q, k, v, do)
 
 
-@pytest.mark.parametrize("documents,skipped", [("one", True), ("packed", False),
-                                               ("mixed", False)])
+@pytest.mark.parametrize("documents,skipped", [("one", True), ("packed", False), ("mixed", False)])
 def test_a_start_of_zero_everywhere_is_not_passed(documents, skipped):
     """The branch taken on the device: rows whose documents all begin at the block's first key
     run the op without k_start (one conditional per call, forward and backward); any later
     start keeps it. The ops here mark their outputs by whether they got a start."""
+
     def attend(q, k, v, causal, start, end):
         o, lse = ref_attend(q, k, v, causal, start, end)
         return o + (1000.0 if start is None else 0.0), lse
@@ -405,17 +464,27 @@ def test_a_start_of_zero_everywhere_is_not_passed(documents, skipped):
     kernel = range_kernel(attend, attend_vjp, skip_zero_starts=True)
     t = 16
     pos = jnp.arange(t)
-    seg = {"one": np.ones((2, t), np.int32),
-           "packed": np.repeat(np.arange(8), 4).reshape(2, t),
-           "mixed": np.stack([np.ones(t, np.int32), np.repeat(np.arange(2), 8)])}[documents]
+    seg = {
+        "one": np.ones((2, t), np.int32),
+        "packed": np.repeat(np.arange(8), 4).reshape(2, t),
+        "mixed": np.stack([np.ones(t, np.int32), np.repeat(np.arange(2), 8)]),
+    }[documents]
     q = jnp.asarray(np.random.default_rng(0).standard_normal((2, t, 2, 8)), F32)
-    forward = jax.jit(lambda q, seg: kernel.forward(q, q, q, pos, pos, seg, seg, causal=True,
-                                                    q_chunk=t, kv_chunk=t))
+    forward = jax.jit(
+        lambda q, seg: kernel.forward(
+            q, q, q, pos, pos, seg, seg, causal=True, q_chunk=t, kv_chunk=t
+        )
+    )
     o, lse = forward(q, jnp.asarray(seg))
     assert bool(np.all(np.asarray(o) > 500)) == skipped
     assert forward.lower(q, jnp.asarray(seg)).as_text().count("stablehlo.case") == 1
-    plain = range_kernel(ref_attend, ref_attend_vjp)   # the same, never skipping
-    dq, want = (jax.jit(lambda q, o, lse, seg, k=k: k.backward(
-        q, q, q, o, lse, q, pos, pos, seg, seg, causal=True, q_chunk=t, kv_chunk=t)[0])(
-            q, o, lse, jnp.asarray(seg)) for k in (kernel, plain))
+    plain = range_kernel(ref_attend, ref_attend_vjp)  # the same, never skipping
+    dq, want = (
+        jax.jit(
+            lambda q, o, lse, seg, k=k: k.backward(
+                q, q, q, o, lse, q, pos, pos, seg, seg, causal=True, q_chunk=t, kv_chunk=t
+            )[0]
+        )(q, o, lse, jnp.asarray(seg))
+        for k in (kernel, plain)
+    )
     np.testing.assert_allclose(np.asarray(dq - want), 1000.0 if skipped else 0.0, atol=1e-2)
