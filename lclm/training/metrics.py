@@ -319,7 +319,7 @@ class Progress:
             fields["skipped"] = str(record["skipped_steps"])
         # what held the steps back, where it is worth a look: a share of the step time
         for key, label in (("data_wait_time", "data wait"), ("save_block_time", "save")):
-            share = (record.get(key) or 0.0) / max(record["step_time"], 1e-9)
+            share = (record.get(key) or 0.0) / max(record.get("step_time") or 0.0, 1e-9)
             if share >= 0.01:
                 fields[label] = f"{100 * share:.0f}%"
         if self.bar is not None:

@@ -224,6 +224,7 @@ def _collectives(cfg, attn, params, batch, mesh, op: str) -> list[str]:
     return re.findall(rf"= (.+?) {op}(?:-start)?\(", hlo)
 
 
+@pytest.mark.slow  # compiles train steps: about 50 s on 2 cores
 def test_attention_remat_of_all_gather_and_ulysses_is_what_the_planner_assumes():
     """remat='attention' under the other strategies, on the compiled program: all_gather's
     backward gathers no K/V again (only the int32 segment ids, a few bytes per token), and

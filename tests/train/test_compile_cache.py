@@ -47,9 +47,11 @@ def test_a_run_started_again_loads_its_step_from_the_cache(tmp_path):
     cache = tmp_path / "cache"
     first = _train(tmp_path / "first", cache, steps=2)
     assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700  # the programs it holds are run
-    entries = set(os.listdir(cache))
-    assert entries
+    steps = {e for e in os.listdir(cache) if e.startswith("jit_step-")}
+    assert steps
     again = _train(tmp_path / "again", cache, steps=2)
-    assert set(os.listdir(cache)) == entries  # nothing compiled again
+    # the step is not compiled again (smaller programs may be: JAX caches those whose compile
+    # took longer than its threshold, which a busy machine may cross the second time only)
+    assert {e for e in os.listdir(cache) if e.startswith("jit_step-")} == steps
     compiled, loaded = first[0]["compile_time"], again[0]["compile_time"]
     assert loaded < 0.7 * compiled, (compiled, loaded)

@@ -42,6 +42,7 @@ def _compiler(tmp_path):
     return compile_policy
 
 
+@pytest.mark.slow  # compiles the step under each policy: about 50 s on 2 cores
 def test_auto_takes_the_first_policy_that_fits_and_names_the_fix_when_none_does(tmp_path):
     compile_policy = _compiler(tmp_path)
     need = {p: compile_policy(p)[1] for p in ("none", "attention", "full")}
