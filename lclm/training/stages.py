@@ -39,11 +39,7 @@ log = logging.getLogger(__name__)
 def validate_stages(config, device_count: int) -> list:
     """The stage configs; fails at start, with the stage named, if any of them is invalid."""
     configs = stage_configs(config)
-    for i, c in enumerate(configs):
-        try:
-            validate(c, device_count)
-        except ConfigError as e:
-            raise ConfigError(f"stage {i} (seq_len {c.data.seq_len}): {e}") from None
+    _each_stage(configs, lambda c: validate(c, device_count))
     return configs
 
 
@@ -53,14 +49,24 @@ def check_stages(config) -> None:
     `validate_stages` names it), on the devices its mesh asks for (an axis of -1 counted as
     1), so that a config the run would refuse on any machine is not printed as resolved. The
     workdir is not touched and no JAX backend starts."""
-    stages = stage_configs(config)
-    for i, c in enumerate(stages or [config]):
+
+    def check(c) -> None:
         devices = math.prod(max(c.mesh[axis], 1) for axis in MESH_AXES)
+        check_config(copy.deepcopy(c), devices)
+
+    stages = stage_configs(config)
+    if stages:
+        _each_stage(stages, check)
+    else:
+        check(config)
+
+
+def _each_stage(configs: list, check) -> None:
+    """`check(c)` on each stage config; its ConfigError names the stage."""
+    for i, c in enumerate(configs):
         try:
-            check_config(copy.deepcopy(c), devices)
+            check(c)
         except ConfigError as e:
-            if not stages:
-                raise
             raise ConfigError(f"stage {i} (seq_len {c.data.seq_len}): {e}") from None
 
 
