@@ -26,6 +26,7 @@ the row measures the ranged requests' client path and round trips, not a real bu
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import os
 import sys
@@ -197,41 +198,43 @@ def _texts(kind: str, path: str, chars: int) -> list[str]:
 
 
 class _Counted:
-    """A document set that counts the tokens of the documents read from it (on any thread):
-    what the loader tokenised, beside what its rows hold."""
+    """Counts the ids a tokenizer gives (on any thread), whole documents or pieces of them:
+    what the loader tokenised, beside what its rows hold. `_Counted(tok)` counts `tok`'s
+    calls from then on."""
 
-    def __init__(self, docs):
-        self.docs, self.tokens, self._lock = docs, 0, threading.Lock()
+    def __init__(self, tok):
+        self.tokens, self._lock = 0, threading.Lock()
+        for name in ("encode", "encode_batch"):  # neither calls the other
+            setattr(tok, name, self._counting(getattr(tok, name)))
 
-    def __len__(self) -> int:
-        return len(self.docs)
+    def _counting(self, encode):
+        def counted(text):
+            ids = encode(text)
+            n = sum(map(len, ids)) if isinstance(text, list) else len(ids)
+            with self._lock:
+                self.tokens += n
+            return ids
 
-    def __getitem__(self, i: int):
-        doc = self.docs[i]
-        with self._lock:
-            self.tokens += 0 if doc is None else len(doc[0])
-        return doc
+        return counted
 
 
 def _loader_rows(args, config, mesh, tok, name: str, alone: float) -> list[tuple]:
     """The table row of one mixture: its throughput, then the waits of a training loop."""
     import numpy as np
 
-    from lclm.data.ahead import Ahead
     from lclm.data.loader import HostBatches
 
+    tok = copy.copy(tok)  # its encode calls counted, not those of the other cases' loaders
+    counted = _Counted(tok)
     loader = HostBatches(run_config(config), mesh, tok, prefetch=0)
-    counted = {id(s.docs): s.docs for s in loader.sources if isinstance(s.docs, Ahead)}
-    for docs in counted.values():
-        docs.docs = _Counted(docs.docs)
     try:
         loader.next_host_batch()  # warm-up: file reading / opening happened in the constructor
-        for docs in counted.values():  # (reads under way now count: about as many at the end)
-            docs.docs.tokens = 0
+        counted.tokens = 0  # (reads under way now count: about as many at the end)
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.batches):
             loader.next_host_batch()
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        read = counted.tokens
     finally:
         loader.close()
     step = args.batch * args.seq / args.host_rate
@@ -247,10 +250,8 @@ def _loader_rows(args, config, mesh, tok, name: str, alone: float) -> list[tuple
     finally:
         loader.close()
     tokens = args.batches * args.batch * args.seq
-    read = sum(docs.docs.tokens for docs in counted.values())
     ratio = (
-        f"{tokens / cpu / alone:.2f} ({read / cpu / alone:.2f} of the {read:,} tokens "
-        "tokenised, whole documents)"
+        f"{tokens / cpu / alone:.2f} ({read / cpu / alone:.2f} of the {read:,} tokens tokenised)"
         if alone
         else ""
     )

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from lclm.data.chat import ChatTemplate, conversation_turns, get_template
-from lclm.data.kind import FILES, Kind, Reading
+from lclm.data.kind import FILES, Kind, Longer, Reading
 from lclm.data.model_chat import TemplateRefused
 from lclm.data.records import Records, chat_problem, read_records, text_problem
 
@@ -39,18 +39,43 @@ class _RecordDocuments:
 
 class TextDocuments(_RecordDocuments):
     """Plain documents: BOS + text + EOS, every token a target; a long text is tokenised in
-    pieces on the tokenizer's threads where that gives the same ids (`Tokenizer.encode_long`)."""
+    pieces on the tokenizer's threads where that gives the same ids (`Tokenizer.encode_long`).
+
+    The length options ask two more things, cheaper than a document: `most_tokens(i)`, an
+    upper bound of document i's length read from its text's bytes (None where the tokenizer
+    gives none), and `upto(i, limit)`, the document where it has at most `limit` tokens,
+    else `Longer` (its text encoded only until past the limit)."""
 
     def __init__(self, records: Records, text_field: str, tokenizer):
         self.records, self.field, self.tokenizer = records, text_field, tokenizer
 
+    def _ends(self) -> int:
+        """The tokens a document adds to its text's: BOS (where the tokenizer adds one), EOS."""
+        return int(self.tokenizer.add_bos) + 1
+
     def document(self, record) -> tuple[np.ndarray, np.ndarray]:
+        return self._made(self.tokenizer.encode_long(record[self.field]))
+
+    def _made(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         tok = self.tokenizer
-        ids = [tok.bos_id] * tok.add_bos + tok.encode_long(record[self.field]) + [tok.eos_id]
-        tokens = np.asarray(ids, np.int32)
-        loss = np.ones(len(ids), np.int8)
+        tokens = np.asarray([tok.bos_id] * tok.add_bos + ids + [tok.eos_id], np.int32)
+        loss = np.ones(len(tokens), np.int8)
         loss[0] = 0  # the document's first token (BOS): nothing predicts it
         return tokens, loss
+
+    def most_tokens(self, i: int) -> int | None:
+        record = self.records[i]
+        if record is None:
+            return 0  # a malformed record: no tokens (as the loader counts it)
+        most = self.tokenizer.most_tokens(record[self.field])
+        return None if most is None else most + self._ends()
+
+    def upto(self, i: int, limit: int) -> tuple[np.ndarray, np.ndarray] | Longer | None:
+        record = self.records[i]
+        if record is None:
+            return None
+        ids = self.tokenizer.encode_upto(record[self.field], limit - self._ends())
+        return Longer(limit + 1) if ids is None else self._made(ids)
 
 
 class ChatDocuments(_RecordDocuments):

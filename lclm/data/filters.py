@@ -22,6 +22,7 @@ import numpy as np
 
 from lclm.config.syntax import format_tokens, parse_tokens
 from lclm.data.ahead import read_many
+from lclm.data.kind import Longer
 from lclm.data.prepared import TokenizedDocuments
 from lclm.data.records import DataError
 from lclm.errors import ConfigError
@@ -121,16 +122,52 @@ def uniforms(key: Sequence[int], documents: np.ndarray) -> np.ndarray:
 
 class DocumentLengths:
     """Token counts `[n]` of a document set's documents: exact from the offsets of a
-    pre-tokenised directory, else measured when a document is first read (-1: not yet);
-    a malformed document counts 0 tokens."""
+    pre-tokenised directory, else measured when a document is first read (`known`, -1: not
+    yet; a malformed document counts 0 tokens). Where only bounds were asked for, `least`
+    and `most` hold what they found (see `LengthFilter.read`)."""
 
     def __init__(self, docs):
         self.docs = docs
         self.exact = isinstance(docs, TokenizedDocuments)
-        self.known = np.diff(docs.offsets) if self.exact else np.full(len(docs), -1, np.int64)
+        n = len(docs)
+        self.known = np.diff(docs.offsets) if self.exact else np.full(n, -1, np.int64)
+        self.least = np.zeros(n, np.int64)
+        self.most = np.full(n, np.iinfo(np.int64).max, np.int64)
+        self._bounded = np.zeros(n, bool)  # most_tokens asked
 
     def note(self, i: int, doc) -> None:
-        self.known[i] = 0 if doc is None else len(doc[0])
+        self.known[i] = self.least[i] = self.most[i] = 0 if doc is None else len(doc[0])
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """(at least, at most) tokens of document i; both its length where it is known."""
+        if self.known[i] >= 0:
+            return int(self.known[i]), int(self.known[i])
+        return int(self.least[i]), int(self.most[i])
+
+    def bound(self, i: int) -> None:
+        """Bound document i's length from above without tokenising it, where its document
+        set can (`most_tokens`, see `lclm.data.kind.Documents`)."""
+        if self.known[i] < 0 and not self._bounded[i]:
+            self._bounded[i] = True
+            most = getattr(self.docs, "most_tokens", None)
+            found = None if most is None else most(i)
+            if found is not None:
+                self.most[i] = min(self.most[i], found)
+
+    def upto(self, i: int, limit: int):
+        """Document i where it has at most `limit` tokens (its length then known), else a
+        `Longer` (its lower bound noted), tokenising no more than that takes where the
+        document set can (`upto`); None for a malformed one."""
+        upto = getattr(self.docs, "upto", None)
+        got = self.docs[i] if upto is None else upto(i, limit)
+        if isinstance(got, Longer):
+            self.least[i] = max(self.least[i], got.at_least)
+        elif got is not None and len(got[0]) > limit:  # read whole: known, and longer
+            self.note(i, got)
+            return Longer(len(got[0]))
+        else:
+            self.note(i, got)
+        return got
 
     def measure(self, indices: np.ndarray) -> np.ndarray:
         """The lengths `[k]` of documents `indices` `[k]`, reading those not yet known (in
@@ -141,6 +178,9 @@ class DocumentLengths:
         return self.known[indices]
 
 
+_UNREAD = object()  # LengthFilter.read: the document not read yet
+
+
 class LengthFilter:
     """A source's options applied to its documents; shared by all its readers.
 
@@ -148,6 +188,12 @@ class LengthFilter:
     >= 1: a copy of a long document), or None where the options (or a malformed record)
     leave that draw out. `lengths`: those of `docs`, where another source reads the same
     documents (each is measured once); else its own.
+
+    A draw is decided on bounds of the document's length where they decide it, so that a
+    document the options leave out is rarely tokenised whole: first an upper bound from its
+    text's bytes (a document under `min_tokens` is left out unread by the tokenizer), then,
+    with `max_tokens`, its text tokenised only until past that limit. The decision is the
+    one its exact length gives, so batches and resumes do not depend on what was measured.
     """
 
     def __init__(
@@ -184,28 +230,82 @@ class LengthFilter:
         fits = lengths >= max(r.min_tokens, 1)
         return fits & (lengths <= r.max_tokens) if r.max_tokens else fits
 
-    def read(self, i: int, epoch: int, copy: int):
-        doc = None
-        if self.lengths.known[i] < 0:  # measured by reading it: keep what was read
+    def _thresholds(self, copy: int) -> list[int]:
+        """The lengths where `keep`'s answer for draw `copy` may change (it compares the
+        length with each as `length >= threshold`)."""
+        r = self.rules
+        found = [max(r.min_tokens, 1)]
+        if r.max_tokens:
+            found.append(r.max_tokens + 1)
+        if r.short_keep < 1:
+            found.append(r.short_below)
+        if copy:
+            found.append(r.long_above)
+        return found
+
+    def _on_bounds(self, i: int, thresholds: list[int], judge) -> bool | None:
+        """`judge(length)` of document i where what is known of its length decides it (it
+        changes only at `thresholds`, as `length >= threshold` does); else None."""
+        least, most = self.lengths.bounds(i)
+        if any(least < t <= most for t in thresholds):
+            return None
+        return bool(judge(least))
+
+    def _judged(self, i: int, thresholds: list[int], judge) -> tuple[bool, object]:
+        """(`judge(length)` of document i, the document where it was read whole on the
+        way, else _UNREAD), measuring no more than it takes: its known bounds, the bytes'
+        bound, its text tokenised up to `max_tokens`, then all of it."""
+        doc: object = _UNREAD
+        if (answer := self._on_bounds(i, thresholds, judge)) is None:
+            self.lengths.bound(i)
+            answer = self._on_bounds(i, thresholds, judge)
+        if answer is None and self.rules.max_tokens:
+            doc = self.lengths.upto(i, self.rules.max_tokens)
+            if isinstance(doc, Longer):
+                doc = _UNREAD
+            answer = self._on_bounds(i, thresholds, judge)
+        if answer is None:
             doc = self.docs[i]
             self.lengths.note(i, doc)
-        if not self.keep(np.array([i]), self.lengths.known[i : i + 1], epoch, copy)[0]:
+            answer = self._on_bounds(i, thresholds, judge)
+        assert answer is not None  # the length is known now
+        return answer, doc
+
+    def _keeps(self, i: int, epoch: int, copy: int):
+        return lambda n: self.keep(np.array([i]), np.array([n]), epoch, copy)[0]
+
+    def read(self, i: int, epoch: int, copy: int):
+        taken, doc = self._judged(i, self._thresholds(copy), self._keeps(i, epoch, copy))
+        if not taken:
             return None
-        return self.docs[i] if doc is None else doc
+        return self.docs[i] if doc is _UNREAD else doc
+
+    def ahead(self, i: int) -> tuple[int, int | None]:
+        """What reading document i ahead should read (see `lclm.data.ahead.Ahead.want`): up
+        to `max_tokens` while its length is not known, else all of it."""
+        limited = self.rules.max_tokens and self.lengths.known[i] < 0
+        return i, self.rules.max_tokens if limited else None
 
     def may_keep(self, i: int, epoch: int, copy: int) -> bool:
-        """Whether `read(i, epoch, copy)` may give the document: False only where its
-        length is known and the options leave that draw out."""
-        length = self.lengths.known[i : i + 1]
-        return bool(length[0] < 0 or self.keep(np.array([i]), length, epoch, copy)[0])
+        """Whether `read(i, epoch, copy)` may give the document: False only where what is
+        known of its length decides that the options leave that draw out (its upper bound
+        asked for first: the text's bytes, where the documents give it)."""
+        thresholds, keeps = self._thresholds(copy), self._keeps(i, epoch, copy)
+        if self._on_bounds(i, thresholds, keeps) is None:
+            self.lengths.bound(i)
+        return self._on_bounds(i, thresholds, keeps) is not False
 
     def check_keepable(self, indices: np.ndarray, name: str) -> None:
-        """A DataError naming `name` when no document of `indices` (all measured) could ever
-        be drawn: a reader of only those would search forever."""
-        lengths = self.lengths.measure(indices)
+        """A DataError naming `name` when no document of `indices` could ever be drawn: a
+        reader of only those would search forever (each measured only as far as that
+        takes)."""
         r = self.rules
-        possible = self._fits(lengths) & ((lengths >= r.short_below) | (r.short_keep > 0))
-        if not possible.any():
+        thresholds = self._thresholds(0)[:2] + ([r.short_below] if r.short_keep <= 0 else [])
+
+        def possible(n: int) -> bool:
+            return bool(self._fits(np.array([n]))[0]) and (n >= r.short_below or r.short_keep > 0)
+
+        if not any(self._judged(int(i), thresholds, possible)[0] for i in indices):
             raise DataError(
                 f"data source {name}: its options ?{r.text()} leave out every "
                 f"document of a batch row's share ({len(indices)} documents); "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from lclm.data.stats import SourceStats
 
@@ -24,11 +24,23 @@ PATHS = (FILES, DIRECTORY, OPTIONS)
 
 class Documents(Protocol):
     """A random-access document set: document i is `(tokens int32 [n], loss int8 [n])`, the
-    same every time it is read, or None for a malformed record (counted when first read)."""
+    same every time it is read, or None for a malformed record (counted when first read).
+
+    A set whose documents cost work may also answer, more cheaply, what a source's length
+    options ask (`lclm.data.filters`): `most_tokens(i)`, an upper bound of document i's
+    length or None, and `upto(i, limit)`, document i where it has at most `limit` tokens,
+    else a `Longer` (`lclm.data.documents.TextDocuments` does)."""
 
     def __len__(self) -> int: ...
 
     def __getitem__(self, i: int, /) -> Any: ...
+
+
+class Longer(NamedTuple):
+    """What `upto(i, limit)` gives for a document of more than `limit` tokens: a lower bound
+    of its length (> limit)."""
+
+    at_least: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,4 +82,4 @@ class Kind:
             )
 
 
-__all__ = ["DIRECTORY", "FILES", "OPTIONS", "PATHS", "Documents", "Kind", "Reading"]
+__all__ = ["DIRECTORY", "FILES", "OPTIONS", "PATHS", "Documents", "Kind", "Longer", "Reading"]

@@ -240,7 +240,7 @@ class _Slot:
         self.packer = Packer(seq_len, reset_positions)
         self._origins: collections.deque[dict] = collections.deque()  # of pending documents
 
-    def upcoming(self, batches: int) -> list[list[int]]:
+    def upcoming(self, batches: int) -> list[list[tuple[int, int | None]]]:
         """Per source, the documents its reader draws next, soonest first: twice as many as
         it drew per batch over `batches` batches, and two more (what to read ahead)."""
         return [s.upcoming(2 + -(-2 * s.drawn // max(batches, 1))) for s in self.mixture.streams]
@@ -395,14 +395,15 @@ class HostBatches:
         """Start reading the documents that the next batches draw, on each source's threads
         (`lclm.data.ahead`): every slot's next one first, then every slot's second, ..."""
         upcoming = [slot.upcoming(self._built) for slot in self.slots.values()]
-        wanted: dict[int, tuple[Ahead, list[list[int]]]] = {}  # by id: sources share them
+        # by id: sources share them
+        wanted: dict[int, tuple[Ahead, list[list[tuple[int, int | None]]]]] = {}
         for j, source in enumerate(self.sources):
             if isinstance(source.docs, Ahead):
                 wanted.setdefault(id(source.docs), (source.docs, []))[1].extend(
                     u[j] for u in upcoming
                 )
         for docs, lists in wanted.values():
-            docs.want(i for depth in itertools.zip_longest(*lists) for i in depth if i is not None)
+            docs.want(d for depth in itertools.zip_longest(*lists) for d in depth if d is not None)
 
     def _produce(self) -> None:
         try:

@@ -129,19 +129,23 @@ class DocumentStream:
                 self.last = i
             return doc
 
-    def upcoming(self, k: int) -> list[int]:
+    def upcoming(self, k: int) -> list[tuple[int, int | None]]:
         """The documents of this reader's next `k` draws, in order, less those that its
-        options already leave out (their length is known): what to read ahead. A draw
-        listed may still be left out."""
-        epoch, index, share, found = self.epoch, self.index, self._my_share(), []
+        options already leave out (what is known of their length decides it): what to read
+        ahead, as `lclm.data.ahead.Ahead.want` takes it. A draw listed may still be left
+        out."""
+        epoch, index, share = self.epoch, self.index, self._my_share()
+        found: list[tuple[int, int | None]] = []
         for _ in range(k):
             if index >= len(share) * self.copies:
                 epoch, index = epoch + 1, 0
                 share = self.orders.get(epoch)[self.shard :: self.num_shards]
             i, copy = self._document(share, index)
             index += 1
-            if self.rules is None or self.rules.may_keep(i, epoch, copy):
-                found.append(i)
+            if self.rules is None:
+                found.append((i, None))
+            elif self.rules.may_keep(i, epoch, copy):
+                found.append(self.rules.ahead(i))
         return found
 
     def state(self) -> dict:

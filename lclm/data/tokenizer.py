@@ -32,6 +32,11 @@ line break that follows a non-blank character and before another non-blank one: 
 those pre-tokenizers makes a pre-token that spans such a point, and BPE merges only inside
 pre-tokens. A SentencePiece model, or a tokenizer.json with a Metaspace pre-tokenizer (its
 '▁' prefix would start every piece), encodes a text whole.
+
+The same tokenizers bound a text's length without encoding it (`most_tokens`: its UTF-8
+bytes, as every token spells at least one), and `encode_upto(text, limit)` stops encoding a
+text's pieces once past `limit` ids: the data's length options (`?min_tokens=`,
+`?max_tokens=`) decide most documents that they leave out without encoding them whole.
 """
 
 from __future__ import annotations
@@ -144,6 +149,18 @@ class Tokenizer:
         """`encode(text)`, on the tokenizer's threads and in pieces where it can (see the
         module's docstring)."""
         return self.encode(text)
+
+    def most_tokens(self, text: str) -> int | None:
+        """An upper bound of `len(encode(text))` found without encoding it, or None where
+        the tokenizer gives none (see the module's docstring)."""
+        return None
+
+    def encode_upto(self, text: str, limit: int) -> list[int] | None:
+        """`encode_long(text)` where it has at most `limit` ids, else None: a long text is
+        encoded piece by piece and given up once past `limit`, where pieces give the ids of
+        the whole (else it is encoded whole)."""
+        ids = self.encode_long(text)
+        return ids if len(ids) <= limit else None
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         raise NotImplementedError
@@ -330,6 +347,24 @@ class HFTokenizer(Tokenizer):
                 self.encode_batch(pieces(text, PIECE_CHARS) if self._cuttable else [text])
             )
         )
+
+    def most_tokens(self, text: str) -> int | None:
+        # every token of a byte-level BPE without a normaliser spells at least one byte
+        return len(text.encode("utf-8", "surrogatepass")) if self._cuttable else None
+
+    def encode_upto(self, text: str, limit: int) -> list[int] | None:
+        if not self._cuttable:
+            return super().encode_upto(text, limit)
+        ids: list[int] = []
+        todo = pieces(text, PIECE_CHARS)
+        step = 1  # pieces per batch call, doubling: a short limit costs about one piece
+        while todo:
+            batch, todo = todo[:step], todo[step:]
+            ids.extend(itertools.chain.from_iterable(self.encode_batch(batch)))
+            if len(ids) > limit:
+                return None
+            step *= 2
+        return ids
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         e = self._tok.encode(text, add_special_tokens=False)

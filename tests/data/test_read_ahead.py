@@ -2,21 +2,26 @@
 of the whole, documents read ahead on threads without changing a batch, shared sources
 measured once, and `code:` sources pre-tokenised by prepare."""
 
+import glob
 import json
+import os
 import re
 import sysconfig
 
 import numpy as np
-from support import DEMO_CONFIG, DEMO_TOKENIZER, real_model_dir
+import pytest
+from support import DEMO_CONFIG, DEMO_TOKENIZER, ROOT, real_model_dir
 
 from lclm.config import load_config
 from lclm.config.run_config import run_config
 from lclm.data import code, tokenizer
 from lclm.data.ahead import Ahead
+from lclm.data.filters import LengthFilter, parse_options
 from lclm.data.loader import HostBatches
 from lclm.data.prepare import prepare
 from lclm.data.sources import open_documents
 from lclm.data.stats import SourceStats
+from lclm.data.stream import DocumentStream, EpochOrders
 from lclm.data.tokenizer import Tokenizer, pieces
 from lclm.parallel import make_mesh
 
@@ -79,8 +84,8 @@ def test_documents_read_ahead_are_those_read_directly():
     docs = open_documents("code", f"{STDLIB}/json", Tokenizer(DEMO_TOKENIZER))
     ahead = Ahead(docs, workers=2)
     try:
-        ahead.want([2, 0])
-        ahead.want([0, 1])  # 2 forgotten
+        ahead.want([(2, None), (0, None)])
+        ahead.want([(0, None), (1, None)])  # 2 forgotten
         assert list(ahead._reads) == [0, 1]
         for i in (0, 1, 2):
             assert all(np.array_equal(a, b) for a, b in zip(ahead[i], docs[i]))
@@ -126,3 +131,106 @@ def test_prepare_pre_tokenises_a_code_source_into_its_own_documents(tmp_path):
     assert meta["documents"] == len(docs) == len(prepared)
     for i in range(len(docs)):
         assert all(np.array_equal(a, b) for a, b in zip(prepared[i], docs[i]))
+
+
+def _counting(tok) -> list[int]:
+    """`tok`'s encode_batch made to count the ids it gives: the list's one item."""
+    count, encode_batch = [0], tok.encode_batch
+
+    def counted(texts):
+        ids = encode_batch(texts)
+        count[0] += sum(map(len, ids))
+        return ids
+
+    tok.encode_batch = counted
+    return count
+
+
+def test_a_texts_bound_and_its_encoding_up_to_a_limit(hf_dir, monkeypatch):
+    tok = Tokenizer(str(hf_dir))
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 2048)
+    for text in _stdlib_texts(200_000):
+        ids = tok.encode(text)
+        assert len(ids) <= tok.most_tokens(text)
+        assert tok.encode_upto(text, len(ids)) == ids
+        assert tok.encode_upto(text, len(ids) - 1) is None
+    count = _counting(tok)
+    longest = max(_stdlib_texts(200_000), key=len)
+    assert tok.encode_upto(longest, 100) is None
+    assert count[0] < len(tok.encode(longest)) / 10  # a few pieces, not the whole text
+
+
+class _Plain:
+    """A document set with nothing but its documents (no bounds, no reading up to a limit):
+    how the loader measured lengths before."""
+
+    def __init__(self, docs):
+        self.docs = docs
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int):
+        return self.docs[i]
+
+
+# (options, the most that they tokenise of what measuring exact lengths tokenises, beyond
+# the documents drawn): a length under short_below is kept by chance, so a document that
+# its bytes do not decide is measured whole as before
+@pytest.mark.parametrize(
+    "options, most",
+    [
+        ("max_tokens=2k", 0.5),
+        ("min_tokens=4k", 0.8),
+        ("min_tokens=1k&max_tokens=8k", 0.8),
+        ("short_below=4k&short_keep=0.3", 1.0),
+    ],
+)
+def test_length_options_decide_on_bounds_as_on_exact_lengths(
+    hf_dir, monkeypatch, tmp_path, options, most
+):
+    """A stream over documents of 1-60K characters (this repository's docs: wrapped lines,
+    so pieces can be cut often) draws what it draws over their exact lengths, having
+    tokenised less than measuring every length exactly takes (read ahead or not)."""
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 512)
+    tok = Tokenizer(str(hf_dir))
+    corpus = tmp_path / "docs.jsonl"
+    texts = [open(f).read() for f in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+    corpus.write_text(
+        "".join(
+            json.dumps({"text": t[: len(t) // k]}) + "\n" for t in texts for k in (1, 3, 10, 30)
+        )
+    )
+    docs = open_documents("text", str(corpus), tok)
+    exact = [docs[i] for i in range(len(docs))]
+    count = _counting(tok)
+    rules = parse_options(options, "test")
+
+    def drawn(documents, ahead: bool = False) -> list[np.ndarray]:
+        stream = DocumentStream(
+            documents, EpochOrders(len(documents), 5), 0, 1, LengthFilter(documents, rules, 5, 0)
+        )
+        got = []
+        for _ in range(2 * len(documents)):
+            if ahead:
+                documents.want(stream.upcoming(3))
+            got.append(next(stream)[0])
+        return got
+
+    expected = drawn(exact)
+    handed = sum(len(d) for d in expected)  # tokenised however the lengths are measured
+    count[0] = 0
+    assert all(np.array_equal(a, b) for a, b in zip(drawn(_Plain(docs)), expected))
+    before = count[0] - handed  # each document left out tokenised whole once
+    assert before > 0
+    for ahead in (False, True):
+        count[0] = 0
+        documents = Ahead(docs, workers=2) if ahead else docs
+        try:
+            got = drawn(documents, ahead)
+        finally:
+            if ahead:
+                documents.close()
+        assert len(got) == len(expected)
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+        assert count[0] - handed <= most * before, (options, ahead)
