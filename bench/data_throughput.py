@@ -140,6 +140,7 @@ def _measure_and_report(args, server: GcsServer | None) -> int:
         bucket = server.bucket() if server is not None else None
         rows, prepare_s, what = _measure(args, mesh, tmp, bucket)
     step = args.batch * args.seq / args.host_rate
+    load = os.getloadavg()[0]
     emit_table(
         "Data pipeline throughput",
         [
@@ -147,8 +148,13 @@ def _measure_and_report(args, server: GcsServer | None) -> int:
             f"{datetime.date.today().isoformat()}; {what}; rows of {args.seq} tokens, batch "
             f"{args.batch}, striped for sp=4; pre-tokenising took {prepare_s:.1f} s; a step of "
             f"{step:.3f} s ({args.host_rate:,.0f} tokens/s) for the wait column; 1-minute load "
-            f"average at the end {os.getloadavg()[0]:.1f} (above the cores given: other work "
-            "shared them, and wall rates are lower than the machine alone would give)"
+            f"average at the end {load:.1f}"
+            + (
+                " (above the cores given: other work shared them, and wall rates are lower "
+                "than the machine alone would give)"
+                if load > cores()
+                else ""
+            )
         ],
         [
             "path",
