@@ -34,7 +34,6 @@ from bench import int_list, repo_path
 from bench.isolate import emit_record, run_child
 from bench.report import MFU_NOTE, Table, error_status, fmt, stamp, try_plot
 from lclm.config import MESH_AXES
-from lclm.config.run_config import run_config
 from lclm.ops.kernels import KERNELS
 
 
@@ -274,17 +273,17 @@ def _build(config, devices=None):
     from lclm.data.loader import abstract_batch, batch_sharding
     from lclm.parallel.mesh import make_mesh
     from lclm.plan import aot
-    from lclm.training.startup_checks import validate
+    from lclm.training.startup_checks import checked
     from lclm.training.state import init_state
     from lclm.training.step import make_optimizer, make_train_step
 
     described = devices is not None
     devices = devices or jax.devices()
-    sizes = validate(config, len(devices))
+    sections, sizes = checked(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices[: math.prod(sizes.values())])
     model = ModelConfig.from_config(config.model)
     attention = AttentionConfig.from_config(config.attention)
-    optimizer = make_optimizer(run_config(config).train)
+    optimizer = make_optimizer(sections.train)
     d = config.data
     if described:
         state = aot.abstract_state(model, optimizer, mesh)
@@ -299,7 +298,7 @@ def _build(config, devices=None):
         sizes,
         state,
         batch,
-        make_train_step(model, attention, run_config(config).train, mesh, optimizer),
+        make_train_step(model, attention, sections.train, mesh, optimizer),
     )
 
 
@@ -312,19 +311,19 @@ def _build_baseline(config, remat: str, devices=None):
     from lclm.config import ModelConfig
     from lclm.data.loader import abstract_batch
     from lclm.errors import ConfigError
-    from lclm.training.startup_checks import validate
+    from lclm.training.startup_checks import checked
     from lclm.training.step import make_optimizer
 
     described = devices is not None
     devices = devices or jax.devices()
-    sizes = validate(config, len(devices))
+    sections, sizes = checked(config, len(devices))
     if math.prod(sizes.values()) != 1:
         raise ConfigError(
             f"the baseline runs on one device, not the mesh {sizes}; "
             "set --config.mesh.dp/fsdp/tp/sp=1"
         )
     model = ModelConfig.from_config(config.model)
-    optimizer = make_optimizer(run_config(config).train)
+    optimizer = make_optimizer(sections.train)
     d = config.data
     if described:
         where = jax.sharding.SingleDeviceSharding(devices[0])

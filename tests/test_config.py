@@ -13,11 +13,11 @@ from lclm.config import AttentionConfig, ModelConfig, base_config, load_config
 from lclm.config.fields import from_saved
 from lclm.config.model import LAYOUTS
 from lclm.config.run_config import run_config
-from lclm.config.schema import Train
+from lclm.config.schema import Run, Train
 from lclm.data.loader import SourceEntry, parse_sources
 from lclm.errors import ConfigError
 from lclm.ops import layout
-from lclm.training.startup_checks import check_data, validate
+from lclm.training.startup_checks import check_data, checked, validate
 
 
 def _load(name):
@@ -593,7 +593,12 @@ def test_the_typed_sections_of_a_config_hold_its_values_with_references_resolved
     sections = run_config(config)
     assert sections.to_dict() == config.to_dict()
     assert isinstance(sections.train, Train) and isinstance(sections.attention, AttentionConfig)
-    assert sections.run.workdir == config.workdir == "runs/tiny_line_retrieval"
+    assert sections.workdir == config.workdir == "runs/tiny_line_retrieval"
+    for f in dataclasses.fields(Run):  # the top-level fields read as the tree's own
+        assert getattr(sections, f.name) == getattr(sections.run, f.name) == config[f.name]
+    # the one call programs that run a step start from: checked, typed, the mesh resolved
+    typed, mesh = checked(config, 8)
+    assert typed == sections and mesh == validate(config, 8)
     assert "tokens=128" in sections.data.path and "tokens=64;pad_to=128" in sections.data.path
     with pytest.raises(dataclasses.FrozenInstanceError):
         sections.train.lr = 1.0  # type: ignore[misc]

@@ -156,7 +156,7 @@ def _source_words(run: RunConfig) -> str:
         return f"checkpoint {m.init_from_checkpoint}"
     if kind == HUGGINGFACE:
         return f"HF {m.init_from_hf}"
-    return f"random init (seed {run.run.seed}): untrained"
+    return f"random init (seed {run.seed}): untrained"
 
 
 def prepare(stage, first, length: int | None) -> Run:
@@ -201,7 +201,7 @@ def initial_params(run: RunConfig, model: ModelConfig, mesh) -> dict:
         if not steps:
             raise FileNotFoundError(f"model.init_from_checkpoint={source!r} has no checkpoint")
         return restore_params(source, steps[-1], model, mesh)
-    params = init_params(model, jax.random.key(run.run.seed))
+    params = init_params(model, jax.random.key(run.seed))
     return jax.device_put(params, param_shardings(model, mesh))
 
 

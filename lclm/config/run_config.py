@@ -32,7 +32,7 @@ from lclm.config.stages import validation_lengths
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Every section of one run's (or one stage's) config; `run` holds the top-level fields
-    (workdir, seed, ...)."""
+    (workdir, seed, ...), which read as this tree's own (`sections.workdir`)."""
 
     run: Run
     mesh: Mesh
@@ -46,6 +46,27 @@ class RunConfig:
     stages: Stages
     extension: Extension
     targets: Targets
+
+    # the top-level fields, read as `sections.workdir` (their section is `run`)
+    @property
+    def workdir(self) -> str:
+        return self.run.workdir
+
+    @property
+    def workdir_lease_minutes(self) -> float:
+        return self.run.workdir_lease_minutes
+
+    @property
+    def storage_patience_seconds(self) -> float:
+        return self.run.storage_patience_seconds
+
+    @property
+    def seed(self) -> int:
+        return self.run.seed
+
+    @property
+    def compile_cache(self) -> str:
+        return self.run.compile_cache
 
     def to_dict(self) -> dict[str, Any]:
         """The plain dict of the config it was made from (top-level fields at the top, as

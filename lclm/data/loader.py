@@ -275,7 +275,7 @@ class HostBatches:
         train.grad_accum). `state`: what `state()` returned, or a list of such states (one
         per process of the run that saved them). `prefetch`: host batches prepared ahead by a
         background thread (0: none, batches are built when asked for)."""
-        d, seed = config.data, config.run.seed
+        d, seed = config.data, config.seed
         # the layout's shards (sp; usp: sp / ulysses)
         self.layout = config.attention.layout
         self.shards = layout_shards(config.attention, mesh.shape["sp"])

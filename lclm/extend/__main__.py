@@ -89,7 +89,7 @@ def _saved_step(workdir: str) -> int | None:
 
 
 def _trained(stages: list[RunConfig]) -> bool:
-    return all((_saved_step(s.run.workdir) or 0) >= s.train.steps for s in stages)
+    return all((_saved_step(s.workdir) or 0) >= s.train.steps for s in stages)
 
 
 def _report_of(part: Part, out: str, stamp: dict) -> dict | None:
@@ -277,7 +277,7 @@ class Extension:
     def run(self, budget_minutes: float | None) -> int:
         started = time.monotonic()
         # the evaluations before the training, and their programs after it, compile once
-        use_compile_cache(self.first.run.compile_cache)
+        use_compile_cache(self.first.compile_cache)
         for part in self.parts:
             state = self.status[part.key]
             if state["status"] in ("done", "left for the next run"):

@@ -149,7 +149,7 @@ def extension_lengths(first: RunConfig, stages: list[RunConfig], trained: int) -
 
 def parts(first: RunConfig, stages: list[RunConfig], lengths: Lengths) -> list[Part]:
     """Every part of the run, in the order of its value (see the module's docstring)."""
-    ext, final, last = first.extension, lengths.final, stages[-1].run.workdir
+    ext, final, last = first.extension, lengths.final, stages[-1].workdir
     others = tuple(n for n in lengths.perplexity if n != final)
     out = [
         Part(f"perplexity-before-{format_tokens(final)}", "perplexity", BEFORE, (final,)),
@@ -177,7 +177,7 @@ def parts(first: RunConfig, stages: list[RunConfig], lengths: Lengths) -> list[P
             "perplexity",
             f"stage {i}",
             (s.data.seq_len,),
-            s.run.workdir,
+            s.workdir,
         )
         for i, s in enumerate(stages[:-1])
     ]

@@ -98,7 +98,7 @@ def _load(model: ModelConfig) -> float:
 def _train(stage: RunConfig, rate: Rate, compile_s: float) -> tuple[float, str]:
     """(seconds, how) of a stage: its steps, one compile, its saves and held-out losses."""
     model, data, train = stage.model.resolved(), stage.data, stage.train
-    records = read_metrics(stage.run.workdir)
+    records = read_metrics(stage.workdir)
     measured = [r["step_time"] for r in records if "step_time" in r]
     # a stage started before: its own compile (a run started again loads it from the
     # persistent cache, faster still: the measured time is the bound)

@@ -37,7 +37,6 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lclm.config import ModelConfig
-from lclm.config.run_config import run_config
 from lclm.data.loader import abstract_batch, batch_sharding
 from lclm.errors import ConfigError
 from lclm.eval.decode import decode_step, prefill
@@ -49,7 +48,7 @@ from lclm.parallel.mesh import make_mesh
 from lclm.platforms import cuda_plugin, nvidia_gpu_attached, tpu_attached
 from lclm.training.remat_choice import AUTO, choose
 from lclm.training.remat_choice import gpu_budget as gpu_pool_budget
-from lclm.training.startup_checks import validate
+from lclm.training.startup_checks import checked
 from lclm.training.state import init_state, param_shardings, state_shardings
 from lclm.training.step import jit_train_step, make_optimizer
 
@@ -310,24 +309,23 @@ def compile_step(config, devices, budget: int | None = None) -> Compiled:
     device (None: its first candidate). A compile error (HBM or VMEM overflow among them)
     propagates."""
 
-    sizes = validate(config, len(devices))
+    sections, sizes = checked(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices[: math.prod(sizes.values())])
-    run = run_config(config)
-    model, optimizer = run.model.resolved(), make_optimizer(run.train)
+    model, optimizer = sections.model.resolved(), make_optimizer(sections.train)
     # outside the lowering's context (a described device runs nothing); no policy changes them
     state = abstract_state(model, optimizer, mesh)
-    batch = abstract_batch(run.data.batch_size, run.data.seq_len, batch_sharding(mesh))
+    batch = abstract_batch(sections.data.batch_size, sections.data.seq_len, batch_sharding(mesh))
 
     def compile_policy(policy: str) -> tuple[Compiled, int]:
         m = dataclasses.replace(model, remat=policy)
         step = jit_train_step(
             m,
-            run.attention,
-            run.train,
+            sections.attention,
+            sections.train,
             mesh,
             optimizer,
             state_shardings(m, optimizer, mesh),
-            document_mask=run.data.document_mask,
+            document_mask=sections.data.document_mask,
         )
         started = time.perf_counter()
         with lowering_for(devices[0]), recording() as attention:
@@ -339,7 +337,7 @@ def compile_step(config, devices, budget: int | None = None) -> Compiled:
         )
         return compiled, compiled.total
 
-    if run.model.remat != AUTO:
+    if sections.model.remat != AUTO:
         return compile_policy(model.remat)[0]
     choice = choose(compile_policy, budget)
     assert isinstance(choice.compiled, Compiled)

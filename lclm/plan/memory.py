@@ -16,7 +16,6 @@ import math
 import jax
 
 from lclm.config.model import DTYPE_BYTES, REMAT
-from lclm.config.run_config import run_config
 from lclm.hardware import planner_devices
 from lclm.models.decoder import is_param_entry, param_table
 from lclm.ops.context_parallel import strategy_of
@@ -24,7 +23,7 @@ from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
 from lclm.plan.strategies import attention_step
 from lclm.training.remat_choice import AUTO, AUTO_ORDER, gpu_budget
-from lclm.training.startup_checks import attention_kernel, validate
+from lclm.training.startup_checks import attention_kernel, checked
 
 # planner device name -> (peak FLOP/s, one-way link GB/s, HBM GiB): lclm.hardware's table
 DEVICES = planner_devices()
@@ -88,9 +87,8 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
                 break
         assert plan is not None
         return plan
-    sizes = validate(config, device_count)
-    run = run_config(config)
-    m = run.model.resolved()
+    sections, sizes = checked(config, device_count)
+    m = sections.model.resolved()
     mesh = _MeshShape(sizes)
     pbytes, cbytes = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.dtype]
     remat = REMAT[m.remat]
@@ -107,9 +105,9 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
 
     table = param_table(m)
     local_params = sum(shard(e) for e in jax.tree.leaves(table, is_leaf=is_param_entry))
-    d, a = run.data, run.attention
+    d, a = sections.data, sections.attention
     sp, tp = sizes["sp"], sizes["tp"]
-    batch_local = d.batch_size // run.train.grad_accum // (sizes["dp"] * sizes["fsdp"])
+    batch_local = d.batch_size // sections.train.grad_accum // (sizes["dp"] * sizes["fsdp"])
     t = d.seq_len // sp
     kv_dim = m.n_kv_heads * m.head_dim
     heads_local = m.n_heads // tp
@@ -189,7 +187,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
     # what the strategy holds for the attention (the ring: K/V in flight and the float32
     # dK/dV accumulators travelling); over one device nothing crosses, nothing is held
     step = attention_step(
-        run, sizes, flops=0.0, fast_gbs=0.0, slow_gbs=0.0, devices_per_node=sp
+        sections, sizes, flops=0.0, fast_gbs=0.0, slow_gbs=0.0, devices_per_node=sp
     )  # (the links do not change what it holds)
     ring = strategy_of(a).buffers(step) if sp > 1 else 0.0
     host = 0.0

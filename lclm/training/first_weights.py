@@ -173,7 +173,7 @@ def first_state(
     """(state, data state) the run starts from, placed on `mesh` (`origin` decides where from;
     the data state is None where the data pipeline starts at its beginning)."""
     source = origin(config, checkpoints, saved_config, model)
-    state = init_state(model, optimizer, mesh, config.run.seed)
+    state = init_state(model, optimizer, mesh, config.seed)
     if source.kind == RESUME:
         return _resume(config, checkpoints, state, saved_config, source)
     if source.kind == OTHER_RUN:

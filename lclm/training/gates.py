@@ -55,7 +55,7 @@ def _short_loss_part(stage: RunConfig, limit: float) -> tuple[bool | None, str, 
     """(passed or None where it could not be measured, its line, its gate.json fields)."""
     own = stage.data.seq_len
     length = validation_lengths(own, stage.validation.lengths)[0]
-    records = read_metrics(stage.run.workdir)
+    records = read_metrics(stage.workdir)
     start = next((_short_loss(r, length, own) for r in records if r.get("step") == 0), None)
     end = next(
         (
@@ -72,7 +72,7 @@ def _short_loss_part(stage: RunConfig, limit: float) -> tuple[bool | None, str, 
             (
                 f"no held-out loss at {length} tokens "
                 f"{'at its start' if start is None else 'at its end'} in "
-                f"{stage.run.workdir}/metrics.jsonl"
+                f"{stage.workdir}/metrics.jsonl"
             ),
             fields,
         )
@@ -85,7 +85,7 @@ def _short_loss_part(stage: RunConfig, limit: float) -> tuple[bool | None, str, 
 
 
 def _ruler_part(stage: RunConfig, spec: dict, score_ruler: ScoreRuler) -> tuple[bool, str, dict]:
-    result = score_ruler(stage.run.workdir, spec)
+    result = score_ruler(stage.workdir, spec)
     score = result["average"][spec["length"]]
     return (
         score >= spec["min_score"],
@@ -124,7 +124,7 @@ def evaluate(
     )
     verdict = Verdict(passed, line, gate.get("on_fail", "stop") == "stop")
     write_json(
-        storage.join(stage.run.workdir, "gate.json"),
+        storage.join(stage.workdir, "gate.json"),
         dict(gate=gate, **fields, passed=verdict.passed, line=verdict.line),
     )
     (log.info if verdict.passed else log.warning)("%s", verdict.line)

@@ -293,7 +293,7 @@ class Console(Hook):
             log.info(
                 "%s is already trained to step %d (train.steps); nothing to do: raise "
                 "train.steps to train on",
-                config.run.workdir,
+                config.workdir,
                 cadence.total,
             )
         elif config.log.progress:  # it says "compiling" itself

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from lclm import storage
 from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.config.model import ModelConfig
-from lclm.config.run_config import RunConfig, held_out_runs, run_config
+from lclm.config.run_config import RunConfig, held_out_runs
 from lclm.config.secrets import public_config
 from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
@@ -55,7 +55,7 @@ from lclm.training.object_lock import workdir_lock
 from lclm.training.remat_choice import train_step
 from lclm.training.resume import tokenizer_fingerprint
 from lclm.training.save_faults import SaveFaults
-from lclm.training.startup_checks import attention_line, check_data, validate
+from lclm.training.startup_checks import attention_line, check_data, checked
 from lclm.training.state import TrainState
 from lclm.training.step import all_finite, make_optimizer
 from lclm.training.step_faults import StepFaults
@@ -96,7 +96,7 @@ def train(
     """
     devices = jax.devices()
     take_model_fields(config)  # the source of its weights fixes the model's shapes
-    sizes = validate(config, len(devices))
+    sections, sizes = checked(config, len(devices))
     check_data(config)  # before the model: a missing file is found in seconds
     public = public_config(config)
     if jax.process_count() > 1:
@@ -108,17 +108,16 @@ def train(
                 "mesh must use all devices (use -1 for one axis)"
             )
         check_same_config(json.dumps(public, sort_keys=True))
-    sections = run_config(config)
-    use_compile_cache(sections.run.compile_cache)
+    use_compile_cache(sections.compile_cache)
     mesh = make_mesh(**sizes, devices=devices)
     model = sections.model.resolved()
     tokenizer = Tokenizer(sections.data.tokenizer)
     tokenizer.check_fits(model.vocab_size)
     # `identity` tells a resume what the tokenizer was even when its file has moved
     saved_config = dict(public, identity=dict(tokenizer=tokenizer_fingerprint(tokenizer)))
-    workdir = sections.run.workdir
+    workdir = sections.workdir
     fresh = not storage.exists(workdir)
-    lock = workdir_lock(workdir, sections.run.workdir_lease_minutes)  # before any write there
+    lock = workdir_lock(workdir, sections.workdir_lease_minutes)  # before any write there
     lock.acquire()
     try:
         with contextlib.ExitStack() as stack:
@@ -170,7 +169,7 @@ def _remove_workdir(workdir: str) -> None:
 def _run(setup: _Setup, stop_after: int | None, termination: Termination) -> list[dict]:
     """Train from the first state to the cadence's last step; whatever it opened is closed
     however it ends."""
-    mesh, model, tokenizer, run = setup.mesh, setup.model, setup.tokenizer, setup.sections
+    mesh, model, tokenizer, sections = setup.mesh, setup.model, setup.tokenizer, setup.sections
     saved_config = setup.saved_config
     is_main, multi = jax.process_index() == 0, jax.process_count() > 1
     devices = list(mesh.devices.flat)
@@ -181,49 +180,53 @@ def _run(setup: _Setup, stop_after: int | None, termination: Termination) -> lis
         devices[0].platform,
         param_count(model) / 1e6,
         attention_line(
-            run.attention, run.data.seq_len, model, setup.sizes["sp"], devices[0].platform
+            sections.attention, sections.data.seq_len, model, setup.sizes["sp"], devices[0].platform
         ),
     )
-    checkpoints = Checkpoints(run.run.workdir, keep=run.checkpoint.keep)
+    checkpoints = Checkpoints(sections.workdir, keep=sections.checkpoint.keep)
     batches = logger = step_faults = None
     try:
-        optimizer = make_optimizer(run.train)
-        state, data_state = first_state(run, checkpoints, model, mesh, optimizer, saved_config)
+        optimizer = make_optimizer(sections.train)
+        state, data_state = first_state(sections, checkpoints, model, mesh, optimizer, saved_config)
         if is_main:  # only once the run is accepted: config.json describes the checkpoints
-            _write_at_start(run.run.workdir, "config.json", saved_config)
+            _write_at_start(sections.workdir, "config.json", saved_config)
         state_sharding = jax.tree.map(lambda x: x.sharding, state)
-        model, step_fn, remat_line = train_step(run, model, mesh, optimizer, state, state_sharding)
+        model, step_fn, remat_line = train_step(
+            sections, model, mesh, optimizer, state, state_sharding
+        )
         if remat_line:
             log.info("%s", remat_line)
-        batches = HostBatches(run, mesh, tokenizer, state=data_state)
+        batches = HostBatches(sections, mesh, tokenizer, state=data_state)
         if is_main:  # what the run trains on: tokens per length bucket and source, the mixture
-            _write_at_start(run.run.workdir, "data_statistics.json", batches.statistics())
+            _write_at_start(sections.workdir, "data_statistics.json", batches.statistics())
         validation = Validation.of(
-            run, setup.held_out, mesh, tokenizer, model, state_sharding.params
+            sections, setup.held_out, mesh, tokenizer, model, state_sharding.params
         )
-        cadence = Cadence.of(run, int(state.step) + 1, stop_after, multi)
+        cadence = Cadence.of(sections, int(state.step) + 1, stop_after, multi)
         if is_main:
-            with _written_at_start(metrics_path(run.run.workdir)):
+            with _written_at_start(metrics_path(sections.workdir)):
                 logger = MetricsLogger(
-                    run.run.workdir,
-                    wandb_run(run, cadence.first - 1),
+                    sections.workdir,
+                    wandb_run(sections, cadence.first - 1),
                     resume_step=cadence.first - 1,
                 )
-        console = Console(run, cadence) if is_main else None
+        console = Console(sections, cadence) if is_main else None
         if validation is not None and cadence.validates_at_start:
             # the first weights' held-out loss (a step-0 record): every process computes it
             start = dict(step=0, **validation.fields(state.params))
             if logger:
                 logger.log(start)
-        patience = WritePatience(run.run.storage_patience_seconds)
-        save_faults = SaveFaults(checkpoints, patience, 60 * run.checkpoint.every_minutes, multi)
+        patience = WritePatience(sections.storage_patience_seconds)
+        save_faults = SaveFaults(
+            checkpoints, patience, 60 * sections.checkpoint.every_minutes, multi
+        )
         step_faults = StepFaults(
             save_faults.halt,
             patience,
-            run.train.max_bad_steps,
-            metrics=metrics_path(run.run.workdir),
+            sections.train.max_bad_steps,
+            metrics=metrics_path(sections.workdir),
         )
-        throughput = Throughput(run.data, model, devices, cadence.first)
+        throughput = Throughput(sections.data, model, devices, cadence.first)
         writer = MetricsWriter(logger, setup.lock, step_faults, multi)
         # in this order: the clock restarts after validation, the console shows what was written
         hooks: list[Hook] = [h for h in (validation, throughput, writer, console) if h]

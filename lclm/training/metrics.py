@@ -349,7 +349,7 @@ def wandb_run(config: RunConfig, resume_step: int):
 
     # the environment wins; wandb checks its value (log.wandb_mode is checked at start)
     mode: Any = os.environ.get("WANDB_MODE", config.log.wandb_mode)
-    id_path = storage.join(config.run.workdir, "wandb_id")
+    id_path = storage.join(config.workdir, "wandb_id")
     if storage.isfile(id_path):
         run_id = storage.read_text(id_path).strip()
     else:
@@ -369,7 +369,7 @@ def wandb_run(config: RunConfig, resume_step: int):
             resume_step,
         )
     # wandb keeps its own files in a local folder: its default (./wandb) for a bucket workdir
-    local = None if storage.is_remote(config.run.workdir) else config.run.workdir
+    local = None if storage.is_remote(config.workdir) else config.workdir
     return wandb.init(
         project=config.log.wandb_project,
         mode=mode,

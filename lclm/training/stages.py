@@ -174,7 +174,7 @@ def _run_stages(
             break
         c, s = configs[i], stages[i]
         steps_before = sum(t.train.steps for t in stages[:i])  # of all the earlier stages
-        done = _saved_step(s.run.workdir)
+        done = _saved_step(s.workdir)
         if done is not None and done >= s.train.steps:
             log.info("stage %d (seq_len %d) already finished at step %d", i, s.data.seq_len, done)
             _pass_gate(s, records[i], i, score_ruler)
@@ -192,7 +192,7 @@ def _run_stages(
             s.train.lr,
             "carried" if s.train.optimizer_from_checkpoint and i else "fresh",
             s.data.path,
-            s.run.workdir,
+            s.workdir,
         )
         if stop_after is not None and stop_after <= steps_before:
             break
@@ -205,7 +205,7 @@ def _run_stages(
                 )
             )
         except SourceDamaged as damaged:
-            if i == 0 or damaged.workdir != stages[i - 1].run.workdir or i - 1 in sent_back:
+            if i == 0 or damaged.workdir != stages[i - 1].workdir or i - 1 in sent_back:
                 raise  # the user's init_from_checkpoint, or storage that damages it again
             sent_back.add(i - 1)
             _set_aside_final(damaged.workdir, damaged)
@@ -218,7 +218,7 @@ def _run_stages(
             )
             i -= 1
             continue
-        reached = _saved_step(s.run.workdir)
+        reached = _saved_step(s.workdir)
         if reached is None or reached < s.train.steps:
             log.warning(
                 "stage %d stopped at step %s of %d; run the same command to resume",

@@ -1,6 +1,7 @@
 """The checks a run makes at start, before any work, of everything its config names together:
 the mesh against the devices, the attention kernel and strategy against the model, data
-sources, divisibility of lengths, batches and chunks (`validate`), the data paths
+sources, divisibility of lengths, batches and chunks (`validate`; `checked` also gives the
+typed sections), the data paths
 (`check_data`), and the kernel `attention.impl='auto'` resolves to. Each failure is one
 line naming the fix (ConfigError). The single-field checks are lclm.config.schema's.
 """
@@ -10,10 +11,12 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from typing import NamedTuple
 
 from lclm import storage
 from lclm.config.loading import field
 from lclm.config.model import AttentionConfig, ModelConfig
+from lclm.config.run_config import RunConfig, run_config
 from lclm.config.schema import MESH_AXES, check_fields
 from lclm.config.stages import validation_lengths
 from lclm.data.chat import TEMPLATE_NAMES
@@ -34,6 +37,22 @@ log = logging.getLogger(__name__)
 
 def _fail(msg: str):
     raise ConfigError(msg)
+
+
+class Checked(NamedTuple):
+    """A run's config checked and typed: `sections`, its typed tree (`RunConfig`), and
+    `mesh`, the mesh's sizes resolved for the devices."""
+
+    sections: RunConfig
+    mesh: dict[str, int]
+
+
+def checked(config, device_count: int) -> Checked:
+    """`validate(config, device_count)`, then the config's typed sections: what every
+    program that runs or compiles a step starts from (one ConfigError line on a bad
+    config)."""
+    sizes = validate(config, device_count)
+    return Checked(run_config(config), sizes)
 
 
 def validate(config, device_count: int) -> dict[str, int]:
