@@ -4,9 +4,10 @@
 make (records read and tokenised); `want(wanted)` starts reading those documents on worker
 threads and forgets the ones read ahead that are no longer wanted, and `ahead[i]` is
 document i: the one read ahead if it is there (waiting for it if it is still being read),
-else read on the caller's thread. A source with a length limit (`?max_tokens=`) wants a
-document of unknown length only up to its limit (`upto`): a document over it is encoded
-only until past the limit, read ahead or not. Document i is the same whichever thread reads it and
+else read on the caller's thread. A document set that reads documents in parts (a long
+text's pieces, `lclm.data.documents.Partial`) is read ahead only as far as it is wanted:
+`(i, n)`, at least n tokens (what a source's length options need to decide a draw, else its
+first piece), the rest as the rows use it. Document i is the same whichever thread reads it and
 whenever, so reading ahead changes no batch and no resume: it only moves work.
 
 The threads run in parallel where the work releases the GIL: a HuggingFace tokenizer's
@@ -23,7 +24,7 @@ import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from lclm.data.kind import Longer
+from lclm.data.documents import Partial
 
 
 def cores() -> int:
@@ -37,54 +38,50 @@ class Ahead:
     def __init__(self, docs, workers: int | None = None):
         self.docs, self.workers = docs, workers or cores()
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="lclm-ahead")
-        # read ahead, in the order they were wanted: document -> (its limit, the read)
-        self._reads: dict[int, tuple[int | None, Future]] = {}
+        self._reads: dict[int, Future] = {}  # read ahead, in the order they were wanted
 
     def __len__(self) -> int:
         return len(self.docs)
 
     def __getitem__(self, i: int):
         read = self._reads.pop(i, None)
-        if read is not None and not isinstance(got := read[1].result(), Longer):
-            return got
-        return self.docs[i]
+        if read is None:
+            return self.docs[i]
+        got = read.result()
+        return got.whole() if isinstance(got, Partial) else got
 
     def most_tokens(self, i: int) -> int | None:
         most = getattr(self.docs, "most_tokens", None)
         return None if most is None else most(i)
 
-    def upto(self, i: int, limit: int):
-        """`docs.upto(i, limit)` (see `lclm.data.kind.Documents`), or document i whole: what
-        was read ahead where it answers that, else read now."""
+    def partial(self, i: int, n: int):
+        """`read_partly(docs, i, n)`: what was read ahead, read further where it must be."""
         read = self._reads.pop(i, None)
-        if read is not None:
-            got = read[1].result()
-            if not isinstance(got, Longer) or got.at_least > limit:
-                return got
-        upto = getattr(self.docs, "upto", None)
-        return self.docs[i] if upto is None else upto(i, limit)
+        if read is None:
+            partial = getattr(self.docs, "partial", None)
+            return self.docs[i] if partial is None else partial(i, n, self.workers)
+        got = read.result()
+        if isinstance(got, Partial):
+            got.read_to(n)
+        return got
 
-    def want(self, wanted: Iterable[tuple[int, int | None]]) -> None:
-        """Read documents ahead, the soonest needed first: `(i, limit)` is document i where
-        it has at most `limit` tokens (else a `Longer`: see `upto`), `(i, None)` document i
-        whole; forget those read ahead that are no longer wanted (a read under way finishes
+    def want(self, wanted: Iterable[tuple[int, int]]) -> None:
+        """Read documents ahead, the soonest needed first: `(i, n)` is document i read to at
+        least n tokens (see `partial`), all of it where the documents are not read in parts;
+        forget those read ahead that are no longer wanted (a read under way finishes
         unused)."""
-        limits: dict[int, int | None] = {}
-        for i, limit in wanted:  # readers that share these may want one document twice
-            i, had = int(i), limits.get(int(i), limit)
-            limits[i] = None if limit is None or had is None else max(had, limit)
-        for i in [i for i in self._reads if i not in limits]:
-            self._reads.pop(i)[1].cancel()
-        upto = getattr(self.docs, "upto", None)
-        for i, limit in limits.items():
-            if i in self._reads and self._reads[i][0] in (None, limit):
-                continue
-            if i in self._reads:
-                self._reads.pop(i)[1].cancel()
-            if limit is None or upto is None:
-                self._reads[i] = (None, self._pool.submit(self.docs.__getitem__, i))
-            else:
-                self._reads[i] = (limit, self._pool.submit(upto, i, limit))
+        tokens: dict[int, int] = {}
+        for i, n in wanted:  # readers that share these may want one document twice
+            tokens[int(i)] = max(n, tokens.get(int(i), n))
+        for i in [i for i in self._reads if i not in tokens]:
+            self._reads.pop(i).cancel()
+        partial = getattr(self.docs, "partial", None)
+        for i, n in tokens.items():
+            if i not in self._reads:  # (one read to fewer tokens is read further when used)
+                if partial is None:
+                    self._reads[i] = self._pool.submit(self.docs.__getitem__, i)
+                else:
+                    self._reads[i] = self._pool.submit(partial, i, n, self.workers)
 
     def read_many(self, indices: Iterable[int]) -> Iterator:
         """Documents `indices`, in order, read on the threads; at most two per thread are

@@ -9,12 +9,13 @@ lclm.data.prepare` takes.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import numpy as np
 
 from lclm.data.chat import ChatTemplate, conversation_turns, get_template
-from lclm.data.kind import FILES, Kind, Longer, Reading
+from lclm.data.kind import FILES, Kind, Reading
 from lclm.data.model_chat import TemplateRefused
 from lclm.data.records import Records, chat_problem, read_records, text_problem
 
@@ -37,14 +38,93 @@ class _RecordDocuments:
         raise NotImplementedError
 
 
+class Partial:
+    """A document read as far as it is needed: its text's pieces (`Tokenizer.long_pieces`)
+    encoded a batch at a time, the tokens handed out in parts (`take`).
+
+    `encoded`: its tokens encoded so far (BOS and, once `complete`, EOS included): a lower
+    bound of its length, which is exact once complete. `read_to(n)` encodes until at least
+    n tokens are (or all); `take()` hands out what is encoded and not yet handed out,
+    `(tokens int32 [k], loss int8 [k])`, encoding the next batch first where nothing is
+    waiting (None once everything was handed out); the parts joined are the whole document,
+    the same ids as `TextDocuments[i]`. `on_encoded(k)`, where set, is told of every k tokens
+    encoded from then on (the mixture counts a source's tokens so). Not shared between
+    threads: one reader uses it at a time.
+    """
+
+    def __init__(self, tokenizer, texts: list[str], most: int):
+        self._tok, self._texts, self._most = tokenizer, texts, max(most, 1)
+        self._next, self._step = 0, 1  # pieces per batch: 1, 2, 4 ... up to `most`
+        self._held: list[np.ndarray] = []
+        if tokenizer.add_bos:
+            self._held.append(np.array([tokenizer.bos_id], np.int32))
+        self.encoded = len(self._held)
+        self._handed = False
+        self.on_encoded: Callable[[int], None] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self._next >= len(self._texts)
+
+    def _encode_more(self) -> None:
+        batch = self._texts[self._next : self._next + self._step]
+        self._next += len(batch)
+        self._step = min(2 * self._step, self._most)
+        found = [np.asarray(ids, np.int32) for ids in self._tok.encode_batch(batch)]
+        if self.complete:
+            found.append(np.array([self._tok.eos_id], np.int32))
+        n = sum(map(len, found))
+        self._held += found
+        self.encoded += n
+        if self.on_encoded is not None:
+            self.on_encoded(n)
+
+    def read_to(self, n: int) -> None:
+        while self.encoded < n and not self.complete:
+            self._encode_more()
+
+    def take(self) -> tuple[np.ndarray, np.ndarray] | None:
+        if not self._held:
+            if self.complete:
+                return None
+            self._encode_more()
+        tokens = np.concatenate(self._held)
+        self._held = []
+        loss = np.ones(len(tokens), np.int8)
+        if not self._handed:
+            loss[0] = 0  # the document's first token (BOS): nothing predicts it
+            self._handed = True
+        return tokens, loss
+
+    def whole(self) -> tuple[np.ndarray, np.ndarray]:
+        """The whole document (what is left of it, where parts were taken)."""
+        self.read_to(sys.maxsize)
+        taken = self.take()
+        assert taken is not None  # a complete document ends with EOS, never taken yet
+        return taken
+
+
+def document_length(doc) -> int:
+    """The tokens of a document, a `Partial` (as far as encoded) or None (malformed: 0)."""
+    if doc is None:
+        return 0
+    return doc.encoded if isinstance(doc, Partial) else len(doc[0])
+
+
+def read_partly(docs, i: int, n: int = 0):
+    """Document i of `docs` read to at least `n` tokens, a `Partial`, where the set reads
+    documents in parts (`partial(i, n)`, see `lclm.data.kind.Documents`); else whole."""
+    partial = getattr(docs, "partial", None)
+    return docs[i] if partial is None else partial(i, n)
+
+
 class TextDocuments(_RecordDocuments):
     """Plain documents: BOS + text + EOS, every token a target; a long text is tokenised in
     pieces on the tokenizer's threads where that gives the same ids (`Tokenizer.encode_long`).
 
-    The length options ask two more things, cheaper than a document: `most_tokens(i)`, an
-    upper bound of document i's length read from its text's bytes (None where the tokenizer
-    gives none), and `upto(i, limit)`, the document where it has at most `limit` tokens,
-    else `Longer` (its text encoded only until past the limit)."""
+    Read for the loader, a document need not be encoded whole: `most_tokens(i)` bounds its
+    length from its text's bytes (None where the tokenizer gives no bound), and
+    `partial(i, n)` is a `Partial` read to at least n tokens."""
 
     def __init__(self, records: Records, text_field: str, tokenizer):
         self.records, self.field, self.tokenizer = records, text_field, tokenizer
@@ -54,12 +134,10 @@ class TextDocuments(_RecordDocuments):
         return int(self.tokenizer.add_bos) + 1
 
     def document(self, record) -> tuple[np.ndarray, np.ndarray]:
-        return self._made(self.tokenizer.encode_long(record[self.field]))
-
-    def _made(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         tok = self.tokenizer
-        tokens = np.asarray([tok.bos_id] * tok.add_bos + ids + [tok.eos_id], np.int32)
-        loss = np.ones(len(tokens), np.int8)
+        ids = [tok.bos_id] * tok.add_bos + tok.encode_long(record[self.field]) + [tok.eos_id]
+        tokens = np.asarray(ids, np.int32)
+        loss = np.ones(len(ids), np.int8)
         loss[0] = 0  # the document's first token (BOS): nothing predicts it
         return tokens, loss
 
@@ -70,12 +148,16 @@ class TextDocuments(_RecordDocuments):
         most = self.tokenizer.most_tokens(record[self.field])
         return None if most is None else most + self._ends()
 
-    def upto(self, i: int, limit: int) -> tuple[np.ndarray, np.ndarray] | Longer | None:
+    def partial(self, i: int, n: int, workers: int = 1) -> Partial | None:
+        """`workers`: the most pieces its `Partial` encodes in one batch call (the
+        tokenizer's threads share them out)."""
         record = self.records[i]
         if record is None:
             return None
-        ids = self.tokenizer.encode_upto(record[self.field], limit - self._ends())
-        return Longer(limit + 1) if ids is None else self._made(ids)
+        texts = self.tokenizer.long_pieces(record[self.field])
+        found = Partial(self.tokenizer, texts, workers)
+        found.read_to(n)
+        return found
 
 
 class ChatDocuments(_RecordDocuments):

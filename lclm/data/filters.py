@@ -22,7 +22,7 @@ import numpy as np
 
 from lclm.config.syntax import format_tokens, parse_tokens
 from lclm.data.ahead import read_many
-from lclm.data.kind import Longer
+from lclm.data.documents import Partial, document_length, read_partly
 from lclm.data.prepared import TokenizedDocuments
 from lclm.data.records import DataError
 from lclm.errors import ConfigError
@@ -136,7 +136,12 @@ class DocumentLengths:
         self._bounded = np.zeros(n, bool)  # most_tokens asked
 
     def note(self, i: int, doc) -> None:
-        self.known[i] = self.least[i] = self.most[i] = 0 if doc is None else len(doc[0])
+        """What reading document i found (a document, a `Partial` or None): its length where
+        that is known, else a lower bound."""
+        if isinstance(doc, Partial) and not doc.complete:
+            self.least[i] = max(self.least[i], doc.encoded)
+        else:
+            self.known[i] = self.least[i] = self.most[i] = document_length(doc)
 
     def bounds(self, i: int) -> tuple[int, int]:
         """(at least, at most) tokens of document i; both its length where it is known."""
@@ -154,20 +159,12 @@ class DocumentLengths:
             if found is not None:
                 self.most[i] = min(self.most[i], found)
 
-    def upto(self, i: int, limit: int):
-        """Document i where it has at most `limit` tokens (its length then known), else a
-        `Longer` (its lower bound noted), tokenising no more than that takes where the
-        document set can (`upto`); None for a malformed one."""
-        upto = getattr(self.docs, "upto", None)
-        got = self.docs[i] if upto is None else upto(i, limit)
-        if isinstance(got, Longer):
-            self.least[i] = max(self.least[i], got.at_least)
-        elif got is not None and len(got[0]) > limit:  # read whole: known, and longer
-            self.note(i, got)
-            return Longer(len(got[0]))
-        else:
-            self.note(i, got)
-        return got
+    def partial(self, i: int, n: int):
+        """Document i read to at least `n` tokens (`lclm.data.documents.read_partly`), what
+        that found noted."""
+        doc = read_partly(self.docs, i, n)
+        self.note(i, doc)
+        return doc
 
     def measure(self, indices: np.ndarray) -> np.ndarray:
         """The lengths `[k]` of documents `indices` `[k]`, reading those not yet known (in
@@ -190,10 +187,12 @@ class LengthFilter:
     documents (each is measured once); else its own.
 
     A draw is decided on bounds of the document's length where they decide it, so that a
-    document the options leave out is rarely tokenised whole: first an upper bound from its
-    text's bytes (a document under `min_tokens` is left out unread by the tokenizer), then,
-    with `max_tokens`, its text tokenised only until past that limit. The decision is the
-    one its exact length gives, so batches and resumes do not depend on what was measured.
+    document is rarely tokenised whole to decide it: first an upper bound from its text's
+    bytes (a document under `min_tokens` is left out unread by the tokenizer), then its text
+    tokenised until past the largest length the options compare with (`max_tokens`,
+    `min_tokens`, ...); a document drawn so is handed out as read, a `Partial` its row reads
+    further. The decision is the one its exact length gives, so batches and resumes do not
+    depend on what was measured.
     """
 
     def __init__(
@@ -252,39 +251,33 @@ class LengthFilter:
         return bool(judge(least))
 
     def _judged(self, i: int, thresholds: list[int], judge) -> tuple[bool, object]:
-        """(`judge(length)` of document i, the document where it was read whole on the
-        way, else _UNREAD), measuring no more than it takes: its known bounds, the bytes'
-        bound, its text tokenised up to `max_tokens`, then all of it."""
+        """(`judge(length)` of document i, the document where it was read on the way, else
+        _UNREAD), measuring no more than it takes: its known bounds, the bytes' bound, then
+        its text tokenised until past the largest threshold (or whole)."""
         doc: object = _UNREAD
         if (answer := self._on_bounds(i, thresholds, judge)) is None:
             self.lengths.bound(i)
             answer = self._on_bounds(i, thresholds, judge)
-        if answer is None and self.rules.max_tokens:
-            doc = self.lengths.upto(i, self.rules.max_tokens)
-            if isinstance(doc, Longer):
-                doc = _UNREAD
-            answer = self._on_bounds(i, thresholds, judge)
         if answer is None:
-            doc = self.docs[i]
-            self.lengths.note(i, doc)
+            doc = self.lengths.partial(i, max(thresholds))
             answer = self._on_bounds(i, thresholds, judge)
-        assert answer is not None  # the length is known now
+        assert answer is not None  # known, or at least the largest threshold
         return answer, doc
 
     def _keeps(self, i: int, epoch: int, copy: int):
         return lambda n: self.keep(np.array([i]), np.array([n]), epoch, copy)[0]
 
     def read(self, i: int, epoch: int, copy: int):
-        taken, doc = self._judged(i, self._thresholds(copy), self._keeps(i, epoch, copy))
+        thresholds = self._thresholds(copy)
+        taken, doc = self._judged(i, thresholds, self._keeps(i, epoch, copy))
         if not taken:
             return None
-        return self.docs[i] if doc is _UNREAD else doc
+        return read_partly(self.docs, i) if doc is _UNREAD else doc
 
-    def ahead(self, i: int) -> tuple[int, int | None]:
-        """What reading document i ahead should read (see `lclm.data.ahead.Ahead.want`): up
-        to `max_tokens` while its length is not known, else all of it."""
-        limited = self.rules.max_tokens and self.lengths.known[i] < 0
-        return i, self.rules.max_tokens if limited else None
+    def ahead(self, i: int, copy: int) -> tuple[int, int]:
+        """What reading document i ahead for draw `copy` should read (see
+        `lclm.data.ahead.Ahead.want`): enough to decide the draw."""
+        return i, 0 if self.lengths.known[i] >= 0 else max(self._thresholds(copy))
 
     def may_keep(self, i: int, epoch: int, copy: int) -> bool:
         """Whether `read(i, epoch, copy)` may give the document: False only where what is

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from lclm.data.stats import SourceStats
 
@@ -26,21 +26,14 @@ class Documents(Protocol):
     """A random-access document set: document i is `(tokens int32 [n], loss int8 [n])`, the
     same every time it is read, or None for a malformed record (counted when first read).
 
-    A set whose documents cost work may also answer, more cheaply, what a source's length
-    options ask (`lclm.data.filters`): `most_tokens(i)`, an upper bound of document i's
-    length or None, and `upto(i, limit)`, document i where it has at most `limit` tokens,
-    else a `Longer` (`lclm.data.documents.TextDocuments` does)."""
+    A set whose documents cost work may also answer, more cheaply, what the loader asks
+    (`lclm.data.filters`, `lclm.data.loader`): `most_tokens(i)`, an upper bound of document
+    i's length or None, and `partial(i, n)`, document i read to at least n tokens, the rest
+    read as it is needed (`lclm.data.documents.Partial`; `TextDocuments` does both)."""
 
     def __len__(self) -> int: ...
 
     def __getitem__(self, i: int, /) -> Any: ...
-
-
-class Longer(NamedTuple):
-    """What `upto(i, limit)` gives for a document of more than `limit` tokens: a lower bound
-    of its length (> limit)."""
-
-    at_least: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,4 +75,4 @@ class Kind:
             )
 
 
-__all__ = ["DIRECTORY", "FILES", "OPTIONS", "PATHS", "Documents", "Kind", "Longer", "Reading"]
+__all__ = ["DIRECTORY", "FILES", "OPTIONS", "PATHS", "Documents", "Kind", "Reading"]

@@ -35,6 +35,7 @@ from lclm import storage
 from lclm.config.run_config import RunConfig
 from lclm.data.ahead import Ahead
 from lclm.data.balance import attention_work, balance_permutation
+from lclm.data.documents import Partial
 from lclm.data.filters import (
     BUCKETS,
     DocumentLengths,
@@ -239,19 +240,32 @@ class _Slot:
         )
         self.packer = Packer(seq_len, reset_positions)
         self._origins: collections.deque[dict] = collections.deque()  # of pending documents
+        self._open: Partial | None = None  # the document added last, while it has more parts
 
-    def upcoming(self, batches: int) -> list[list[tuple[int, int | None]]]:
+    def upcoming(self, batches: int) -> list[list[tuple[int, int]]]:
         """Per source, the documents its reader draws next, soonest first: twice as many as
         it drew per batch over `batches` batches, and two more (what to read ahead)."""
         return [s.upcoming(2 + -(-2 * s.drawn // max(batches, 1))) for s in self.mixture.streams]
 
-    def _draw(self) -> tuple[np.ndarray, np.ndarray]:
+    def _draw(self):
         self._origins.append(self.mixture.state())
         return next(self.mixture)
 
+    def _draw_whole(self) -> tuple[np.ndarray, np.ndarray]:
+        doc = self._draw()
+        return doc.whole() if isinstance(doc, Partial) else doc
+
     def next_row(self) -> dict[str, np.ndarray]:
         while (row := self.packer.pop_row()) is None:
-            self.packer.add(*self._draw())
+            part = None if self._open is None else self._open.take()
+            if part is not None:  # the document being read: its next part
+                self.packer.extend(*part)
+                continue
+            doc = self._draw()
+            self._open = doc if isinstance(doc, Partial) else None
+            first = doc.take() if isinstance(doc, Partial) else doc
+            assert first is not None  # a document's first part is at least its BOS or EOS
+            self.packer.add(*first)
         while len(self._origins) > self.packer.documents:
             self._origins.popleft()
         return row
@@ -264,7 +278,8 @@ class _Slot:
         self.mixture.restore(state["mixture"])
         self.packer = Packer(self.packer.seq_len, self.packer.reset_positions)
         self._origins.clear()
-        self.packer.restore(state["packer"], self._draw)
+        self._open = None
+        self.packer.restore(state["packer"], self._draw_whole)
 
 
 class HostBatches:
@@ -396,7 +411,7 @@ class HostBatches:
         (`lclm.data.ahead`): every slot's next one first, then every slot's second, ..."""
         upcoming = [slot.upcoming(self._built) for slot in self.slots.values()]
         # by id: sources share them
-        wanted: dict[int, tuple[Ahead, list[list[tuple[int, int | None]]]]] = {}
+        wanted: dict[int, tuple[Ahead, list[list[tuple[int, int]]]]] = {}
         for j, source in enumerate(self.sources):
             if isinstance(source.docs, Ahead):
                 wanted.setdefault(id(source.docs), (source.docs, []))[1].extend(

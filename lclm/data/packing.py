@@ -62,6 +62,20 @@ class Packer:
         self._next_doc += 1
         self._lengths.append(n)
 
+    def extend(self, tokens: np.ndarray, loss: np.ndarray) -> None:
+        """More tokens of the document added last (its next part: positions go on)."""
+        n, start = len(tokens), self._lengths[-1]
+        self._parts.append(
+            dict(
+                tokens=np.asarray(tokens, np.int32),
+                loss=np.asarray(loss, np.int8),
+                doc=np.full(n, self._next_doc - 1, np.int64),
+                pos=np.arange(start, start + n, dtype=np.int32),
+            )
+        )
+        self._pending += n
+        self._lengths[-1] += n
+
     def _merged(self) -> dict[str, np.ndarray]:
         """The pending segments as one set of arrays (needs at least one segment)."""
         if len(self._parts) > 1:

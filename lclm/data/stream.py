@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from lclm.data.documents import Partial, document_length, read_partly
 from lclm.data.filters import LengthFilter
 from lclm.data.records import DataError
 
@@ -98,7 +101,7 @@ class DocumentStream:
 
     def _read(self, i: int, copy: int):
         if self.rules is None:
-            return self.docs[i]
+            return read_partly(self.docs, i)
         if self.copies > 1 and i == self.last:
             return None
         return self.rules.read(i, self.epoch, copy)
@@ -129,13 +132,13 @@ class DocumentStream:
                 self.last = i
             return doc
 
-    def upcoming(self, k: int) -> list[tuple[int, int | None]]:
+    def upcoming(self, k: int) -> list[tuple[int, int]]:
         """The documents of this reader's next `k` draws, in order, less those that its
         options already leave out (what is known of their length decides it): what to read
         ahead, as `lclm.data.ahead.Ahead.want` takes it. A draw listed may still be left
         out."""
         epoch, index, share = self.epoch, self.index, self._my_share()
-        found: list[tuple[int, int | None]] = []
+        found: list[tuple[int, int]] = []
         for _ in range(k):
             if index >= len(share) * self.copies:
                 epoch, index = epoch + 1, 0
@@ -143,9 +146,9 @@ class DocumentStream:
             i, copy = self._document(share, index)
             index += 1
             if self.rules is None:
-                found.append((i, None))
+                found.append((i, 0))
             elif self.rules.may_keep(i, epoch, copy):
-                found.append(self.rules.ahead(i))
+                found.append(self.rules.ahead(i, copy))
         return found
 
     def state(self) -> dict:
@@ -173,8 +176,10 @@ class Mixture:
     (seed, stream_id, n); state `{"count", "streams"}`. unit='tokens': each draw takes the
     source furthest below its weight's share of the tokens drawn so far (the first in order
     on a tie), so token shares track the weights whatever the documents' lengths; state
-    `{"count", "tokens": per source, "streams"}`. A single source needs no choice, and its
-    state is the same under both units.
+    `{"count", "tokens": per source, "streams"}`. A document drawn as a `Partial` counts its
+    tokens as they are read; its reader draws again only once it has read all of them, so
+    every choice sees the same counts as if each document were read whole. A single source
+    needs no choice, and its state is the same under both units.
     """
 
     def __init__(
@@ -208,8 +213,13 @@ class Mixture:
         choice = self._choose()
         self.count += 1
         doc = next(self.streams[choice])
-        self.tokens[choice] += len(doc[0])
+        self.tokens[choice] += document_length(doc)
+        if isinstance(doc, Partial):  # its later parts count as they are read
+            doc.on_encoded = functools.partial(self._count, choice)
         return doc
+
+    def _count(self, choice: int, tokens: int) -> None:
+        self.tokens[choice] += tokens
 
     def state(self) -> dict:
         state: dict = dict(count=self.count, streams=[s.state() for s in self.streams])

@@ -34,9 +34,11 @@ pre-tokens. A SentencePiece model, or a tokenizer.json with a Metaspace pre-toke
 '▁' prefix would start every piece), encodes a text whole.
 
 The same tokenizers bound a text's length without encoding it (`most_tokens`: its UTF-8
-bytes, as every token spells at least one), and `encode_upto(text, limit)` stops encoding a
-text's pieces once past `limit` ids: the data's length options (`?min_tokens=`,
-`?max_tokens=`) decide most documents that they leave out without encoding them whole.
+bytes, as every token spells at least one), and `long_pieces(text)` gives the pieces, so that
+a long document can be encoded a few pieces at a time, as far as it is needed
+(`lclm.data.documents.Partial`): the data's length options decide most documents that they
+leave out without encoding them whole, and a row draws a long document's tokens as it uses
+them.
 """
 
 from __future__ import annotations
@@ -155,12 +157,11 @@ class Tokenizer:
         the tokenizer gives none (see the module's docstring)."""
         return None
 
-    def encode_upto(self, text: str, limit: int) -> list[int] | None:
-        """`encode_long(text)` where it has at most `limit` ids, else None: a long text is
-        encoded piece by piece and given up once past `limit`, where pieces give the ids of
-        the whole (else it is encoded whole)."""
-        ids = self.encode_long(text)
-        return ids if len(ids) <= limit else None
+    def long_pieces(self, text: str) -> list[str]:
+        """The pieces that `encode_long` encodes `text` in: `encode_batch` of any run of them,
+        joined in order, gives the ids of the whole (one piece where the tokenizer cannot
+        cut)."""
+        return [text]
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         raise NotImplementedError
@@ -342,29 +343,14 @@ class HFTokenizer(Tokenizer):
 
     def encode_long(self, text: str) -> list[int]:
         # a batch call even for one piece: it releases the GIL while it encodes
-        return list(
-            itertools.chain.from_iterable(
-                self.encode_batch(pieces(text, PIECE_CHARS) if self._cuttable else [text])
-            )
-        )
+        return list(itertools.chain.from_iterable(self.encode_batch(self.long_pieces(text))))
 
     def most_tokens(self, text: str) -> int | None:
         # every token of a byte-level BPE without a normaliser spells at least one byte
         return len(text.encode("utf-8", "surrogatepass")) if self._cuttable else None
 
-    def encode_upto(self, text: str, limit: int) -> list[int] | None:
-        if not self._cuttable:
-            return super().encode_upto(text, limit)
-        ids: list[int] = []
-        todo = pieces(text, PIECE_CHARS)
-        step = 1  # pieces per batch call, doubling: a short limit costs about one piece
-        while todo:
-            batch, todo = todo[:step], todo[step:]
-            ids.extend(itertools.chain.from_iterable(self.encode_batch(batch)))
-            if len(ids) > limit:
-                return None
-            step *= 2
-        return ids
+    def long_pieces(self, text: str) -> list[str]:
+        return pieces(text, PIECE_CHARS) if self._cuttable else [text]
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         e = self._tok.encode(text, add_special_tokens=False)

@@ -16,6 +16,7 @@ from lclm.config import load_config
 from lclm.config.run_config import run_config
 from lclm.data import code, tokenizer
 from lclm.data.ahead import Ahead
+from lclm.data.documents import Partial
 from lclm.data.filters import LengthFilter, parse_options
 from lclm.data.loader import HostBatches
 from lclm.data.prepare import prepare
@@ -84,11 +85,14 @@ def test_documents_read_ahead_are_those_read_directly():
     docs = open_documents("code", f"{STDLIB}/json", Tokenizer(DEMO_TOKENIZER))
     ahead = Ahead(docs, workers=2)
     try:
-        ahead.want([(2, None), (0, None)])
-        ahead.want([(0, None), (1, None)])  # 2 forgotten
+        ahead.want([(2, 0), (0, 0)])
+        ahead.want([(0, 0), (1, 10)])  # 2 forgotten
         assert list(ahead._reads) == [0, 1]
-        for i in (0, 1, 2):
+        for i in (0, 2):
             assert all(np.array_equal(a, b) for a, b in zip(ahead[i], docs[i]))
+        part = ahead.partial(1, 10)  # read ahead in part (whole: SentencePiece), read here
+        whole = part.whole() if isinstance(part, Partial) else part
+        assert all(np.array_equal(a, b) for a, b in zip(whole, docs[1]))
         assert not ahead._reads
         many = list(ahead.read_many(range(len(docs))))
         assert all(np.array_equal(m[0], docs[i][0]) for i, m in enumerate(many))
@@ -146,18 +150,36 @@ def _counting(tok) -> list[int]:
     return count
 
 
-def test_a_texts_bound_and_its_encoding_up_to_a_limit(hf_dir, monkeypatch):
+def test_a_document_read_in_parts_is_the_whole_one(hf_dir, monkeypatch, tmp_path):
+    """A text's bytes bound its tokens; read as a `Partial`, its parts join to the document
+    read whole, reading to n tokens encodes no piece it does not need, and its counting hook
+    hears of every token encoded after it was set."""
     tok = Tokenizer(str(hf_dir))
     monkeypatch.setattr(tokenizer, "PIECE_CHARS", 2048)
-    for text in _stdlib_texts(200_000):
-        ids = tok.encode(text)
-        assert len(ids) <= tok.most_tokens(text)
-        assert tok.encode_upto(text, len(ids)) == ids
-        assert tok.encode_upto(text, len(ids) - 1) is None
+    texts = _stdlib_texts(200_000)
+    for text in texts:
+        assert len(tok.encode(text)) <= tok.most_tokens(text)
+    corpus = tmp_path / "texts.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    docs = open_documents("text", str(corpus), tok)
     count = _counting(tok)
-    longest = max(_stdlib_texts(200_000), key=len)
-    assert tok.encode_upto(longest, 100) is None
-    assert count[0] < len(tok.encode(longest)) / 10  # a few pieces, not the whole text
+    for i in range(len(docs)):
+        whole = docs[i]
+        for workers in (1, 3):
+            count[0] = 0
+            part = docs.partial(i, 100, workers)
+            assert part.encoded >= min(100, len(whole[0]))
+            first = len(tok.encode(tok.long_pieces(texts[i])[0]))
+            assert count[0] == first or first < 100  # the first piece only
+            heard = []
+            part.on_encoded = heard.append
+            before = part.encoded
+            taken = [part.take() for _ in range(len(whole[0]))]
+            taken = [t for t in taken if t is not None]
+            assert part.complete and part.take() is None
+            assert part.encoded == len(whole[0]) == before + sum(heard)
+            for k in (0, 1):
+                assert np.array_equal(np.concatenate([t[k] for t in taken]), whole[k])
 
 
 class _Plain:
@@ -215,7 +237,8 @@ def test_length_options_decide_on_bounds_as_on_exact_lengths(
         for _ in range(2 * len(documents)):
             if ahead:
                 documents.want(stream.upcoming(3))
-            got.append(next(stream)[0])
+            doc = next(stream)  # a long one read as far as the options needed
+            got.append((doc.whole() if isinstance(doc, Partial) else doc)[0])
         return got
 
     expected = drawn(exact)
@@ -236,3 +259,44 @@ def test_length_options_decide_on_bounds_as_on_exact_lengths(
         assert all(np.array_equal(a, b) for a, b in zip(got, expected))
         if not ahead:  # (reads ahead that end unused depend on the threads' timing)
             assert count[0] - handed <= most * before, options
+
+
+def test_rows_that_read_long_documents_in_parts_equal_those_of_whole_ones(
+    hf_dir, monkeypatch, tmp_path
+):
+    """Documents read a few pieces at a time as rows need them (length options decided on
+    parts too, the mixture counting tokens as they are read) give the batches of the same
+    documents pre-tokenised whole, and a resume in the middle of a document continues them."""
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 512)
+    texts = [open(f).read() for f in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"text": t[: len(t) // k]}) + "\n" for t in texts for k in (1, 7))
+    )
+    prepare("text", str(corpus), str(hf_dir), str(tmp_path / "prepared"))
+    tok = Tokenizer(str(hf_dir))
+
+    def loader(source: str, state=None) -> HostBatches:
+        config = load_config(DEMO_CONFIG)
+        path = f"{source}@0.6?min_tokens=3k,{source}@0.4?max_tokens=6k"
+        config.data.update(path=path, seq_len=512, batch_size=2, balance=False)
+        config.data.mixture_unit = "tokens"
+        return HostBatches(run_config(config), make_mesh(fsdp=2, sp=4), tok, state, prefetch=0)
+
+    def batches(source: str, n: int, state=None) -> tuple[list[dict], list]:
+        feed = loader(source, state)
+        try:
+            got = [{k: np.asarray(v) for k, v in next(feed).items()} for _ in range(n)]
+            return got, [feed.state()]
+        finally:
+            feed.close()
+
+    whole, _ = batches(f"tokenized:{tmp_path / 'prepared'}", 80)
+    count = _counting(tok)
+    parts, _ = batches(f"text:{corpus}", 80)
+    assert all(all(np.array_equal(a[k], b[k]) for k in a) for a, b in zip(parts, whole))
+    tokens_in_rows = 80 * 2 * 512
+    assert count[0] < 3 * tokens_in_rows  # not every document drawn, whole
+    first, state = batches(f"text:{corpus}", 9)
+    later, _ = batches(f"text:{corpus}", 71, state[0])
+    assert all(all(np.array_equal(a[k], b[k]) for k in a) for a, b in zip(first + later, whole))
