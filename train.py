@@ -1,10 +1,10 @@
 """Train a LLaMA with striped ring attention: `python train.py --config FILE
 [--config.a.b=V ...]`, the same program as `lclm-train` and `python -m lclm.train` (see
-lclm/train_program.py)."""
+lclm/train/program.py)."""
 
 import sys
 
-from lclm.train_program import main
+from lclm.train.program import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,7 +25,7 @@ from jax import lax
 
 from lclm.config import ModelConfig
 from lclm.models.decoder import apply_rope, rms_norm, rope_tables
-from lclm.training.state import TrainState
+from lclm.workdir.state import TrainState
 
 F32 = jnp.float32
 # layer remat settings timed, in the order they run (each keeps more than the one before, so

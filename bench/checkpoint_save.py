@@ -16,18 +16,18 @@ random values (mu ~ N(0, 1e-3), nu = mu^2: a real run's moments are not at hand)
 parameters only, since on a CPU the "device" arrays, their host copies and the restored copy
 all live in this machine's memory (the full 1B state is 15 GB).
 
-`--formats` names how the state's arrays are written (`lclm.checkpoint.STATE_FORMAT`): `lclm`
-(what lclm writes), `orbax` (Orbax's default: zarr2 chunks compressed with zstd), `zarr3+zstd`,
-`zarr2`. Each format of each model and target is saved `--repeat` + 1 times (the first is not
-timed: it pays one-time set-up) and restored `--repeat` times; before each timed save the
-disk's own speed is measured (`dd if=/dev/zero conv=fdatasync` of the state's size, then the
-state's arrays written with numpy and fsynced, then tensorstore alone writes the state's bytes
-to the checkpoint's own store (folder or bucket) in 64 MB objects and reads them back: "ts",
-what the client and the store do without Orbax); before each restore that numpy file is read
-back. The reads come from the page cache (the files were just written). "extra" memory is
-the peak resident size during the save (or restore) minus the size before it (Linux's VmHWM,
-reset through /proc/self/clear_refs), as a multiple of the state's bytes; the state itself is
-host memory on a CPU and is not counted.
+`--formats` names how the state's arrays are written (`lclm.workdir.checkpoint.STATE_FORMAT`):
+`lclm` (what lclm writes), `orbax` (Orbax's default: zarr2 chunks compressed with zstd),
+`zarr3+zstd`, `zarr2`. Each format of each model and target is saved `--repeat` + 1 times (the
+first is not timed: it pays one-time set-up) and restored `--repeat` times; before each timed
+save the disk's own speed is measured (`dd if=/dev/zero conv=fdatasync` of the state's size,
+then the state's arrays written with numpy and fsynced, then tensorstore alone writes the
+state's bytes to the checkpoint's own store (folder or bucket) in 64 MB objects and reads them
+back: "ts", what the client and the store do without Orbax); before each restore that numpy
+file is read back. The reads come from the page cache (the files were just written). "extra"
+memory is the peak resident size during the save (or restore) minus the size before it (Linux's
+VmHWM, reset through /proc/self/clear_refs), as a multiple of the state's bytes; the state
+itself is host memory on a CPU and is not counted.
 
 Targets: `--dir` picks where the first one writes (default: a new folder under the system's
 temporary directory). `--gcs` adds a bucket on a GCS API server started here (fake-gcs-server,
@@ -87,8 +87,8 @@ HEADER = [
     "restore / ts",
     "restore extra mem",
 ]
-# how the state's arrays may be written (`lclm.checkpoint.STATE_FORMAT`); "lclm" is what lclm
-# writes, the others are what it was compared with
+# how the state's arrays may be written (`lclm.workdir.checkpoint.STATE_FORMAT`); "lclm" is
+# what lclm writes, the others are what it was compared with
 FORMATS = {
     "orbax": {"use_zarr3": False, "use_compression": True},
     "zarr3+zstd": {"use_zarr3": True, "use_compression": True},
@@ -268,8 +268,8 @@ def _state(name: str, mesh):
     """(train state placed on `mesh`, what it holds) of model `name`."""
     from lclm import hf
     from lclm.config import ModelConfig, apply_preset, load_config
-    from lclm.training.state import init_state, param_shardings
-    from lclm.training.step import make_optimizer
+    from lclm.train.step import make_optimizer
+    from lclm.workdir.state import init_state, param_shardings
 
     config = load_config(os.path.join(ROOT, "configs", "demo.py"))
     real = name in ("smollm2", "smollm2-params")
@@ -344,7 +344,7 @@ def _saves(workdir: str, disk: str, state, config, repeat: int) -> list[dict]:
     beside `workdir`; the numpy file stays for `_restores`."""
     import jax
 
-    from lclm.checkpoint import Checkpoints
+    from lclm.workdir.checkpoint import Checkpoints
 
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     _remove(workdir)
@@ -378,7 +378,7 @@ def _restores(workdir: str, disk: str, template, sums: list[int], repeat: int) -
     the restored arrays are checked against `sums`."""
     import jax
 
-    from lclm.checkpoint import Checkpoints
+    from lclm.workdir.checkpoint import Checkpoints
 
     measured = []
     for _ in range(repeat):
@@ -463,10 +463,10 @@ def _measure_all(args, server: GcsServer | None) -> int:
     request_cpu_devices(8)
     import jax
 
-    from lclm import checkpoint
     from lclm.config import load_config
     from lclm.config.secrets import public_config
     from lclm.parallel.mesh import make_mesh
+    from lclm.workdir import checkpoint
 
     formats = {"lclm": dict(checkpoint.STATE_FORMAT), **FORMATS}
     unknown = [f for f in args.formats.split(",") if f not in formats]

@@ -19,7 +19,7 @@ TOY_NOTE = "**CPU toy sizes: not a performance result.**"
 # tracked tree (gitignored). The committed reference results in bench/results/ change only when
 # --out names them (e.g. `python -m bench --suite cpu --out bench/results/cpu`).
 RESULTS_DIR = "bench_results"
-# lclm's MFU, stated under every table that has an MFU column (lclm.training.metrics)
+# lclm's MFU, stated under every table that has an MFU column (lclm.train.metrics)
 MFU_NOTE = (
     "MFU = model FLOPs / (step time x peak): lclm's formula, 6N + 6 L T D FLOPs per token "
     "(N matmul parameters, L layers, T sequence length, D model width), i.e. causal "

@@ -13,7 +13,7 @@ per length, the plain single-device step of `bench.baseline` (cuDNN attention on
 same model with no layer remat, with `dots` saved and with full remat; the fastest of those
 that fits is the baseline, and every row shows its tokens/s as a ratio to it. MFU is lclm's:
 6N + 6 L T D FLOPs per token, causal attention counted as half the square
-(`lclm.training.metrics.flops_per_token`); on a CPU there is no peak to divide by, and the table
+(`lclm.train.metrics.flops_per_token`); on a CPU there is no peak to divide by, and the table
 says so: CPU numbers are not a performance result. `--isolate` runs every row in its own
 process (the baseline's three variants share one), so an out-of-memory row is reported as
 OOM and each row's peak memory is its own (a process's peak counter never goes down).
@@ -165,8 +165,8 @@ def measure(
     import jax
 
     from lclm.hardware import peak_flops
-    from lclm.training.metrics import flops_per_token
-    from lclm.training.remat_choice import compiled_bytes
+    from lclm.train.metrics import flops_per_token
+    from lclm.train.remat_choice import compiled_bytes
 
     record, compiled, (model, sizes, state, batch) = compile_row(
         config, model_patch=model_patch, baseline=baseline
@@ -203,14 +203,14 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
     compiled step; (model config, mesh sizes, state, batch)) for `measure` (see there). On
     described `devices` (`lclm.plan.aot.target_devices`: `--compile-only`) the step is lowered for
     them with an abstract state and batch, and only compiled. `model.remat='auto'` is chosen
-    as training chooses it (`lclm.training.remat_choice`): against the device's budget, and
+    as training chooses it (`lclm.train.remat_choice`): against the device's budget, and
     on described devices against none (its first candidate); the record's remat says what it
     chose, e.g. 'auto: none'."""
     import contextlib
 
     import jax
 
-    from lclm.training.remat_choice import AUTO, choose, compiled_bytes, device_budget
+    from lclm.train.remat_choice import AUTO, choose, compiled_bytes, device_budget
 
     if not baseline and config.model.remat == AUTO:
 
@@ -227,7 +227,7 @@ def compile_row(config, *, devices=None, model_patch=None, baseline: str | None 
     from lclm.config import AttentionConfig
     from lclm.models.decoder import param_count
     from lclm.plan import aot
-    from lclm.training.startup_checks import attention_kernel
+    from lclm.train.startup_checks import attention_kernel
 
     target = (devices or jax.devices())[0]
     if baseline:
@@ -273,9 +273,9 @@ def _build(config, devices=None):
     from lclm.data.loader import abstract_batch, batch_sharding
     from lclm.parallel.mesh import make_mesh
     from lclm.plan import aot
-    from lclm.training.startup_checks import checked
-    from lclm.training.state import init_state
-    from lclm.training.step import make_optimizer, make_train_step
+    from lclm.train.startup_checks import checked
+    from lclm.train.step import make_optimizer, make_train_step
+    from lclm.workdir.state import init_state
 
     described = devices is not None
     devices = devices or jax.devices()
@@ -311,8 +311,8 @@ def _build_baseline(config, remat: str, devices=None):
     from lclm.config import ModelConfig
     from lclm.data.loader import abstract_batch
     from lclm.errors import ConfigError
-    from lclm.training.startup_checks import checked
-    from lclm.training.step import make_optimizer
+    from lclm.train.startup_checks import checked
+    from lclm.train.step import make_optimizer
 
     described = devices is not None
     devices = devices or jax.devices()
@@ -342,7 +342,7 @@ def _timed_steps(compiled, state, batch, warmup: int, steps: int):
     """(seconds per step over `steps` >= 1 timed steps, the last step's metrics)."""
     import jax
 
-    sync_each = jax.devices()[0].platform == "cpu"  # see _Loop.sync in lclm.training.loop
+    sync_each = jax.devices()[0].platform == "cpu"  # see _Loop.sync in lclm.train.loop
     for _ in range(warmup):
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)

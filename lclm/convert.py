@@ -34,13 +34,6 @@ import jax
 import jax.numpy as jnp
 
 from lclm import hf, logs, storage
-from lclm.checkpoint import (
-    Checkpoints,
-    path_problem,
-    read_checkpoint,
-    read_params,
-    saved_config,
-)
 from lclm.cli import run_cli
 from lclm.config import ModelConfig, base_config
 from lclm.config.fields import from_saved
@@ -51,16 +44,23 @@ from lclm.errors import StartupError
 from lclm.hf import gguf
 from lclm.models.decoder import param_count, param_shapes, rope_scale
 from lclm.parallel import make_mesh
-from lclm.training.object_lock import workdir_lock
-from lclm.training.resume import CONVERTED_FROM, tokenizer_fingerprint
-from lclm.training.state import TrainState, param_shardings, state_shardings
-from lclm.training.step import make_optimizer
-from lclm.training.workdirs import (
+from lclm.train.step import make_optimizer
+from lclm.workdir.checkpoint import (
+    Checkpoints,
+    path_problem,
+    read_checkpoint,
+    read_params,
+    saved_config,
+)
+from lclm.workdir.layout import (
     checkpointed_stages,
     saved_steps,
     stage_dirs,
     workdir_to_read,
 )
+from lclm.workdir.object_lock import workdir_lock
+from lclm.workdir.resume import CONVERTED_FROM, tokenizer_fingerprint
+from lclm.workdir.state import TrainState, param_shardings, state_shardings
 from lclm.writes import check_input, check_output, output_problem
 
 
@@ -121,7 +121,7 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> int:
     """Write the weights of HuggingFace directory `hf_dir` as step 0 of a run in `workdir`,
     with a fresh optimizer state. The saved config records the conversion (`identity`: the
     source and the fingerprint of its tokenizer), so that a run with its own config trains
-    from it (lclm.training.resume compares only what the weights fix)."""
+    from it (lclm.workdir.resume compares only what the weights fix)."""
     _check_checkpoint_target(workdir)
     config = base_config()
     lock = None

@@ -3,7 +3,7 @@ data file, an HF directory, an output folder) may be `gs://bucket/...` or `s3://
 
 A Cloud TPU pod slice has no shared filesystem, so its runs keep their workdirs in a bucket.
 Local paths keep their own code (atomic renames, `O_APPEND`, hard links: lclm.writes,
-lclm.training.lock); object-store paths go through fsspec's clients (gcsfs, s3fs), which read
+lclm.workdir.lock); object-store paths go through fsspec's clients (gcsfs, s3fs), which read
 the variables the cloud SDKs read (`STORAGE_EMULATOR_HOST`, `AWS_ENDPOINT_URL`, credentials).
 Orbax writes checkpoint arrays through tensorstore (`TENSORSTORE_GCS_HTTP_URL`). What lclm
 does by scheme (its client, conditional writes, whether checkpoints can be kept there) is one
@@ -12,7 +12,7 @@ entry of `SCHEMES`.
 Object stores have no rename and no append; a single object write is atomic (readers see
 the old object or the new one), which is what `write_bytes` relies on. Conditional writes
 (`create`, `replace_if`: GCS generation preconditions, S3 `If-None-Match`/`If-Match`) are
-what the workdir lease (lclm.training.object_lock) is built on.
+what the workdir lease (lclm.workdir.object_lock) is built on.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ class Scheme:
     version: Callable[[dict], Version]
     # write an object only if it is at `Version` (None: only if there is none), its new
     # version; raises the client's precondition error when refused. None: the store offers
-    # no conditional writes, and so no workdir lease (lclm.training.object_lock)
+    # no conditional writes, and so no workdir lease (lclm.workdir.object_lock)
     put_if: Callable[[Any, str, bytes, Version | None], Version] | None
     # a tool that mounts such a bucket as a local path (for what lclm cannot do there)
     mount: str
     # whether Orbax (0.12, lclm's checkpoint writer, through tensorstore) keeps checkpoints
-    # there (lclm.checkpoint.path_problem)
+    # there (lclm.workdir.checkpoint.path_problem)
     checkpoints: bool = False
     # the tensorstore context resource that bounds its driver's retries of one request (for
     # Orbax's reads and writes of checkpoint arrays)

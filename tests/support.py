@@ -64,12 +64,12 @@ def save_initial_checkpoint(config, step: int, seed: int = 0) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from lclm.checkpoint import Checkpoints
     from lclm.config.model import ModelConfig
     from lclm.config.secrets import public_config
     from lclm.models.decoder import init_params
-    from lclm.training.state import TrainState
-    from lclm.training.step import make_optimizer
+    from lclm.train.step import make_optimizer
+    from lclm.workdir.checkpoint import Checkpoints
+    from lclm.workdir.state import TrainState
 
     params = init_params(ModelConfig.from_config(config.model), jax.random.key(seed))
     optimizer = make_optimizer(run_config(config).train)

@@ -26,7 +26,7 @@ from lclm.models import decoder
 from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.context_parallel.ring import Ring
 from lclm.parallel.mesh import make_mesh
-from lclm.training.loop import train
+from lclm.train.loop import train
 
 TARGET = 256  # the faults' target length (short: 128)
 

@@ -17,7 +17,7 @@ from lclm.config.schema import Run, Train
 from lclm.data.loader import SourceEntry, parse_sources
 from lclm.errors import ConfigError
 from lclm.ops import layout
-from lclm.training.startup_checks import check_data, checked, validate
+from lclm.train.startup_checks import check_data, checked, validate
 
 
 def _load(name):
@@ -55,7 +55,7 @@ def test_shipped_configs_validate(name, devices, sizes):
 )
 def test_staged_recipes_hold_tokens_per_step_and_validate(name, devices, seq_lens, batches, sps):
     from lclm.config.stages import stage_configs
-    from lclm.training.stages import validate_stages
+    from lclm.train.stages import validate_stages
 
     config = _load(name)
     validate_stages(config, devices)
@@ -91,7 +91,7 @@ def test_stages_after_the_first_fine_tune_at_extend_lr():
     ],
 )
 def test_bad_stage_schedules_fail_at_start(schedule, needle):
-    from lclm.training.stages import validate_stages
+    from lclm.train.stages import validate_stages
 
     config = _load("demo_stages.py")
     config.stages.schedule = schedule

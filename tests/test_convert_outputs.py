@@ -17,7 +17,7 @@ from lclm import hf
 from lclm.config import ModelConfig
 from lclm.convert import main
 from lclm.models.decoder import init_params
-from lclm.training.lock import WorkdirLock
+from lclm.workdir.lock import WorkdirLock
 
 MODEL = ModelConfig(
     vocab_size=512, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, dtype="float32"

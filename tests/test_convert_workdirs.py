@@ -12,8 +12,8 @@ from lclm import hf, storage
 from lclm.config import ModelConfig
 from lclm.convert import main
 from lclm.models.decoder import init_params
-from lclm.training.lock import WorkdirLock
-from lclm.training.object_lock import ObjectLock, workdir_lock
+from lclm.workdir.lock import WorkdirLock
+from lclm.workdir.object_lock import ObjectLock, workdir_lock
 
 MODEL = ModelConfig(
     vocab_size=512,

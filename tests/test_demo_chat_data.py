@@ -16,7 +16,7 @@ from lclm.config.run_config import run_config
 from lclm.data.loader import HostBatches, SourceEntry, parse_sources
 from lclm.data.tokenizer import Tokenizer
 from lclm.parallel import make_mesh
-from lclm.training.startup_checks import check_data, validate
+from lclm.train.startup_checks import check_data, validate
 
 HELD_OUT = os.path.join(ROOT, "data", "demo", "heldout.jsonl")
 

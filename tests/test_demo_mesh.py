@@ -13,7 +13,7 @@ from support import DEMO_CONFIG, ROOT
 from lclm.config import load_config
 from lclm.errors import ConfigError
 from lclm.parallel.mesh import fit_mesh, resolve_mesh_shape
-from lclm.training.startup_checks import validate
+from lclm.train.startup_checks import validate
 
 DEMO_MESH = dict(dp=1, fsdp=2, tp=1, sp=4)
 

@@ -1,9 +1,9 @@
 """lclm's import graph runs one way: errors -> hardware (what a chip is) -> platforms (the
 probe that chooses JAX's platform) -> storage -> writes -> the model families' declarations
 (lclm.families: no JAX, read by the config's presets and choices) -> config -> logs/cli ->
-ops -> parallel -> models -> hf -> data -> checkpoint -> training -> eval -> generate -> the
-training program (lclm.train_program, whose stage gates score RULER with evaluation's code) ->
-its launcher for `python -m lclm.train` (the package lclm.train holds only that launcher) ->
+ops -> parallel -> models -> hf -> data -> workdir (what a run's directory holds: checkpoints,
+the train state's layout, resume rules, locks) -> eval -> generate -> train (the training
+library and its program, whose stage gates score RULER with evaluation's code) -> extend ->
 the checker, planner and converter CLIs. No module imports a higher layer, none imports lclm
 inside a function (the old way to dodge a cycle), and so there are no cycles. Read from the
 source (AST), nothing is imported."""
@@ -32,11 +32,9 @@ LAYERS = [
     "lclm.models",
     "lclm.hf",
     "lclm.data",
-    "lclm.checkpoint",
-    "lclm.training",
+    "lclm.workdir",
     "lclm.eval",
     "lclm.generate",
-    "lclm.train_program",
     "lclm.train",
     "lclm.extend",
     "lclm.check",
@@ -120,8 +118,8 @@ def test_only_the_nnx_view_imports_flax():
     assert importers == {"lclm.models.nnx_decoder"}
 
 
-# `python -m lclm.train` runs the program that moved out of lclm.train: the same one-line error
-# and status as train.py
+# `python -m lclm.train` runs the training program: the same one-line error and status as
+# train.py
 def test_python_m_lclm_train_runs_the_training_program(tmp_path):
     missing = str(tmp_path / "missing.py")
     runs = [

@@ -14,11 +14,11 @@ import pytest
 from support import DEMO_TOKENIZER, write_text
 
 from lclm import hf, storage
-from lclm.checkpoint import saved_config
 from lclm.config import ModelConfig
 from lclm.convert import main as convert
 from lclm.eval import line_retrieval, perplexity
 from lclm.models.decoder import init_params
+from lclm.workdir.checkpoint import saved_config
 
 MODEL = ModelConfig(
     vocab_size=512,

@@ -11,8 +11,8 @@ from lclm.config.run_config import run_config
 from lclm.parallel import make_mesh
 from lclm.plan.__main__ import main
 from lclm.plan.memory import estimate
-from lclm.training.state import init_state
-from lclm.training.step import make_optimizer
+from lclm.train.step import make_optimizer
+from lclm.workdir.state import init_state
 
 
 @pytest.mark.parametrize("mesh", [dict(fsdp=2, sp=4), dict(tp=2, sp=4), dict(dp=2, fsdp=4)])

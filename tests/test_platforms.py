@@ -120,7 +120,7 @@ def test_unset_jax_platforms_becomes_the_cpu():
 def _cli_args(tmp: str) -> dict[str, list[str]]:
     missing = os.path.join(tmp, "missing")
     return {
-        "lclm.train_program:main": ["train.py", "--config", missing],
+        "lclm.train.program:main": ["train.py", "--config", missing],
         "lclm.plan.__main__:main": ["--config", missing, "--devices", "8"],
         "lclm.convert:main": ["--from-hf", missing, "--to-checkpoint", missing],
         "lclm.data.prepare:main": [

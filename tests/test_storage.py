@@ -76,8 +76,8 @@ def test_a_save_that_timed_out_on_the_store_says_so_in_the_stores_words():
 
     from orbax.checkpoint._src.futures.future import ChainedFuture
 
-    from lclm.checkpoint import first_line
     from lclm.storage import REQUEST_SECONDS
+    from lclm.workdir.checkpoint import first_line
 
     unanswered = concurrent.futures.Future()
     unanswered.set_exception(TimeoutError(f"no answer from the store within {REQUEST_SECONDS} s"))

@@ -15,8 +15,9 @@ from fsspec.registry import known_implementations
 from orbax.checkpoint._src.serialization import tensorstore_utils
 from support import ROOT, write_text
 
-from lclm import checkpoint, storage
+from lclm import storage
 from lclm.errors import StartupError
+from lclm.workdir import checkpoint
 
 ENTRIES = list(storage.SCHEMES.values())
 
@@ -46,7 +47,7 @@ def test_each_entry_agrees_with_the_code_that_uses_it(entry):
     assert storage.client_problem(f"{entry.name}://b/x") is None  # installed here
     assert (checkpoint.path_problem(f"{entry.name}://b/run") is None) == entry.checkpoints
     if entry.checkpoints:
-        # a run's workdir there is leased with conditional writes (lclm.training.object_lock)
+        # a run's workdir there is leased with conditional writes (lclm.workdir.object_lock)
         assert entry.put_if is not None
         # a resource tensorstore knows (an unknown one is refused), put into Orbax's contexts
         assert entry.tensorstore_retries is not None

@@ -31,8 +31,8 @@ from lclm.models.decoder import loss_terms
 from lclm.ops.context_parallel import layout_shards
 from lclm.ops.layout import batch_to_layout, from_layout
 from lclm.parallel.mesh import make_mesh
-from lclm.training.state import param_shardings
-from lclm.training.step import jit_eval_loss
+from lclm.train.step import jit_eval_loss
+from lclm.workdir.state import param_shardings
 
 NEAR_UNIFORM = 1.0  # nats below ln(V) that count as "near ln(V)": next to nothing learnt
 LONG_MARGIN = 0.5  # nats the long loss may exceed the short one by (it has more context)

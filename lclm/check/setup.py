@@ -25,16 +25,16 @@ from lclm.eval.model import restore_params
 from lclm.models.decoder import init_params, param_count
 from lclm.ops.context_parallel import strategy_of
 from lclm.parallel.mesh import make_mesh
-from lclm.training.first_weights import (
+from lclm.train.first_weights import (
     HUGGINGFACE,
     OTHER_RUN,
     configured_source,
     load_hf_params,
     take_model_fields,
 )
-from lclm.training.startup_checks import check_data, validate
-from lclm.training.state import param_shardings
-from lclm.training.workdirs import has_checkpoint, saved_steps
+from lclm.train.startup_checks import check_data, validate
+from lclm.workdir.layout import has_checkpoint, saved_steps
+from lclm.workdir.state import param_shardings
 
 MAX_ROWS = 2  # batch rows a check runs (the data axis of the shrunk mesh)
 SHORT_FRACTION = 8  # the short length is about 1/8 of the target ...
@@ -150,13 +150,13 @@ def weights_source(stage, first) -> tuple[ConfigDict, str]:
     return c, _source_words(run_config(c))
 
 
-def _source_words(run: RunConfig) -> str:
-    m, kind = run.model, configured_source(run.model)
+def _source_words(sections: RunConfig) -> str:
+    m, kind = sections.model, configured_source(sections.model)
     if kind == OTHER_RUN:
         return f"checkpoint {m.init_from_checkpoint}"
     if kind == HUGGINGFACE:
         return f"HF {m.init_from_hf}"
-    return f"random init (seed {run.seed}): untrained"
+    return f"random init (seed {sections.seed}): untrained"
 
 
 def prepare(stage, first, length: int | None) -> Run:
@@ -188,28 +188,28 @@ def prepare(stage, first, length: int | None) -> Run:
     )
 
 
-def initial_params(run: RunConfig, model: ModelConfig, mesh) -> dict:
+def initial_params(sections: RunConfig, model: ModelConfig, mesh) -> dict:
     """The weights training would start from, placed on `mesh`: the latest checkpoint of
     another run, HF weights, or the seeded random init (chosen as training chooses:
     `first_weights.configured_source`)."""
-    source_kind = configured_source(run.model)
+    source_kind = configured_source(sections.model)
     if source_kind == HUGGINGFACE:
-        return load_hf_params(run.model.init_from_hf, model, mesh)
+        return load_hf_params(sections.model.init_from_hf, model, mesh)
     if source_kind == OTHER_RUN:
-        source = run.model.init_from_checkpoint
+        source = sections.model.init_from_checkpoint
         steps = saved_steps(source)
         if not steps:
             raise FileNotFoundError(f"model.init_from_checkpoint={source!r} has no checkpoint")
         return restore_params(source, steps[-1], model, mesh)
-    params = init_params(model, jax.random.key(run.seed))
+    params = init_params(model, jax.random.key(sections.seed))
     return jax.device_put(params, param_shardings(model, mesh))
 
 
-def first_rows(run: RunConfig, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
+def first_rows(sections: RunConfig, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     """The first batch of the run's data (`[B, L]` arrays, original token order): what
     the run's first step trains on, read by the trainer's own loader."""
     one = make_mesh(devices=jax.devices()[:1])  # one shard: the layout is the original order
-    reader = HostBatches(run, one, tokenizer, prefetch=0)
+    reader = HostBatches(sections, one, tokenizer, prefetch=0)
     try:
         return reader.next_host_batch()
     finally:

@@ -59,7 +59,7 @@ REMAT_HELP = (
     "runs once), 'full' keeps only layer inputs, 'offload' moves them to host memory, "
     "'none' keeps all"
 )
-# model.remat='auto' (lclm.training.remat_choice) is resolved where a train step is compiled; a
+# model.remat='auto' (lclm.train.remat_choice) is resolved where a train step is compiled; a
 # program that compiles none (evaluation, conversion, the planner without a device) reads it as
 # this policy
 REMAT_AUTO_FALLBACK = "attention"

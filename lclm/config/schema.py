@@ -6,7 +6,7 @@ Config files (`configs/*.py`) define `get_config()` returning `base_config()` wi
 changed (`apply_preset` fills a real model shape). `config.model` and `config.attention` are
 `ModelConfig`/`AttentionConfig` (lclm.config.model), the one model schema. Every CLI's
 `--help` lists `SECTIONS` (`lclm.cli.config_help`). The checks that need other components
-(the mesh, kernels, strategies, data) are `lclm.training.startup_checks.validate`'s. No JAX
+(the mesh, kernels, strategies, data) are `lclm.train.startup_checks.validate`'s. No JAX
 here: train.py reads the config before JAX starts.
 """
 
@@ -71,14 +71,14 @@ class Run:
     workdir_lease_minutes: float = setting(
         10.0,
         "the workdir lock is a lease its run renews; one not renewed for this long (a "
-        "dead host, a requeued job) may be taken over by the next run (lclm.training.lock)",
+        "dead host, a requeued job) may be taken over by the next run (lclm.workdir.lock)",
         rule=FINITE_POSITIVE,
     )
     storage_patience_seconds: float = setting(
         300.0,
         "how long checkpoint saves and metrics writes may keep failing (a full disk, an "
         "unreachable bucket) while they are retried; then the run stops (exit 3), what it "
-        "saved intact (lclm.training.write_patience)",
+        "saved intact (lclm.train.write_patience)",
         rule=FINITE_NON_NEGATIVE,
     )
     seed: int = setting(0, "of the first weights and the data order")
@@ -87,7 +87,7 @@ class Run:
         "JAX's persistent compilation cache: a restart, resume or later "
         "stage of the same shapes loads the compiled step instead of compiling it again ('' "
         "turns it off; JAX_COMPILATION_CACHE_DIR wins; its programs are run, so keep it in a "
-        "folder only you write: lclm.training.compile_cache)",
+        "folder only you write: lclm.train.compile_cache)",
     )
 
 
@@ -138,7 +138,7 @@ class Model(ModelConfig):
 
     def __post_init__(self):
         """The section keeps 'auto' (ModelConfig resolves rope_scaling when a run reads its
-        model; the training loop chooses the remat policy, lclm.training.remat_choice)."""
+        model; the training loop chooses the remat policy, lclm.train.remat_choice)."""
 
     def resolved(self) -> ModelConfig:
         """The model a run builds from this section ('auto' resolved)."""
@@ -249,7 +249,7 @@ class Checkpoint:
         "comma-separated config keys a resume may change from the "
         "config its checkpoints were written with (e.g. "
         '"data.batch_size"); the change is logged. See '
-        "lclm.training.resume",
+        "lclm.workdir.resume",
     )
 
 
@@ -279,7 +279,7 @@ class Validation:
 
 @dataclasses.dataclass(frozen=True)
 class Stages:
-    """Staged context extension (lclm.config.stages: what a stage may set; lclm.training.stages
+    """Staged context extension (lclm.config.stages: what a stage may set; lclm.train.stages
     runs them)"""
 
     list: tuple = setting(

@@ -1,6 +1,6 @@
 """Staged context extension as configs: what a stage may set, the complete training config of
 every stage, the keys the stages set (a command-line override of one would be lost), and the
-lengths each stage validates at. Running the stages is lclm.training.stages'.
+lengths each stage validates at. Running the stages is lclm.train.stages'.
 
 A stage is a record of what changes at its start, written in a config file as
 `config.stages.list`: a dict of config fields nested by section, as the config itself is,
@@ -14,7 +14,7 @@ length in tokens: train.steps = tokens / tokens per step, rounded up; or set tra
 `tokens_per_batch` (data.batch_size = this / seq_len), `optimizer` ('carry' or 'fresh': what
 a stage after the first takes from its predecessor besides the weights, `stages.optimizer`
 by default) and `gate` (what the stage must reach before the next starts:
-lclm.training.gates). A field a stage leaves out keeps the previous stage's value
+lclm.train.gates). A field a stage leaves out keeps the previous stage's value
 (the first stage's: the config's), so a stage says only what changes; `tokens`, `name` and
 `optimizer` are the stage's alone. Any field may change but those that fix the weights'
 shapes and where they come from (`FIXED`). The one-line form `stages.schedule`
@@ -60,7 +60,7 @@ FIXED = (
 # fields whose values may be written as token counts ('64k')
 _TOKEN_COUNTS = ("data.seq_len", "tokens", "tokens_per_batch")
 STAGES = "stages"
-# a stage's gate (evaluated by lclm.training.gates)
+# a stage's gate (evaluated by lclm.train.gates)
 GATE_KEYS = ("short_loss", "ruler", "on_fail")
 ON_FAIL = ("stop", "warn")
 # a gate's RULER subset: what `python -m lclm.eval ruler` takes, scored on the stage's final
@@ -111,7 +111,7 @@ def check_gate(gate, where: str) -> dict:
 
 def _check_gate_ruler(spec, where: str) -> None:
     """A gate's `ruler` dict: its keys and their types (task names are checked with the
-    tokenizer at start: lclm.training.stages)."""
+    tokenizer at start: lclm.train.stages)."""
     _check_dict(
         spec,
         isinstance(spec, dict) and "min_score" in spec,

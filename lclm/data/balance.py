@@ -14,7 +14,7 @@ linear in its tokens, and every row holds `seq_len` tokens, so it is the same fo
 and, as every bin holds the same number of rows, for every bin: it moves no bin ahead of
 another, and leaving it out changes no assignment.
 
-Where rows land (`lclm.training.step._micro_batches`, `lclm.data.loader.batch_sharding`): the
+Where rows land (`lclm.train.step._micro_batches`, `lclm.data.loader.batch_sharding`): the
 batch axis is split over its shards in contiguous blocks, and row i*accum + a of the step
 goes to micro-batch a, so local row o of a process (whose rows start on a shard boundary)
 goes to shard o // (rows per shard) and micro-batch o % accum.

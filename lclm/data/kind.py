@@ -2,7 +2,7 @@
 
 A kind is the `KIND:` of a `KIND:PATH` entry of data.path (or data.source, every entry's
 default). Its entry says how documents are opened from PATH and what PATH is, which is all
-that the loader, the start-up check (`lclm.training.startup_checks.check_data`), the
+that the loader, the start-up check (`lclm.train.startup_checks.check_data`), the
 evaluation's `--data` and `python -m lclm.data.prepare` ask of a kind; none of them chooses by
 name.
 """

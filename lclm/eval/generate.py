@@ -44,7 +44,7 @@ from lclm.errors import ConfigError, StartupError
 from lclm.eval.decode import Pick, generate, greedy, pad_front, padded_length, sampler
 from lclm.eval.model import LoadedModel, add_model_arguments, answer_text, load_model
 from lclm.eval.retrieval import stop_ids
-from lclm.training.resume import CONVERTED_FROM
+from lclm.workdir.resume import CONVERTED_FROM
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import math
 import jax
 
 from lclm import hf, storage
-from lclm.checkpoint import read_checkpoint, read_params
 from lclm.config import MESH_AXES, AttentionConfig, ModelConfig
 from lclm.config.fields import from_saved
 from lclm.config.model import DTYPES, ROPE_SCALINGS
@@ -27,8 +26,9 @@ from lclm.ops.context_parallel import STRATEGIES
 from lclm.ops.layout import LAYOUTS
 from lclm.parallel.devices import available, request_cpu_devices
 from lclm.parallel.mesh import make_mesh, resolve_mesh_shape
-from lclm.training.state import param_shardings
-from lclm.training.workdirs import workdir_to_read
+from lclm.workdir.checkpoint import read_checkpoint, read_params
+from lclm.workdir.layout import workdir_to_read
+from lclm.workdir.state import param_shardings
 from lclm.writes import check_input
 
 
@@ -169,10 +169,10 @@ def restore_params(workdir: str, step: int, model_config, mesh) -> dict:
 
 
 def load_checkpoint(args, workdir: str) -> tuple[LoadedModel, dict]:
-    """The model of the lclm run in `workdir` (what `lclm.training.workdirs.workdir_to_read`
+    """The model of the lclm run in `workdir` (what `lclm.workdir.layout.workdir_to_read`
     finds for `--checkpoint`) at `--step`, or at its latest readable step (a damaged one is
-    named and the previous one read: `lclm.checkpoint.read_checkpoint`); returns (LoadedModel, the
-    saved config)."""
+    named and the previous one read: `lclm.workdir.checkpoint.read_checkpoint`); returns
+    (LoadedModel, the saved config)."""
 
     def name(step: int) -> str:
         return f"{storage.basename(storage.absolute(workdir))} step {step}"

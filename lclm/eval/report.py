@@ -28,7 +28,7 @@ from lclm.cli import run_cli
 from lclm.config.syntax import format_tokens, parse_lengths
 from lclm.errors import StartupError
 from lclm.eval.model import LoadedModel, add_model_arguments
-from lclm.training.resume import CONVERTED_FROM
+from lclm.workdir.resume import CONVERTED_FROM
 from lclm.writes import check_input, output_problem, replacing, write_json
 
 log = logging.getLogger(__name__)

@@ -348,7 +348,7 @@ def gate_argv(workdir: str, spec: dict) -> list[str]:
 def score_gate(workdir: str, spec: dict) -> dict:
     """A stage gate's RULER subset scored on the stage's final checkpoint, on its own mesh,
     as `python -m lclm.eval ruler` with `gate_argv`'s flags scores it (the report in
-    `workdir/ruler_gate/`); lclm.training.gates' `score_ruler`."""
+    `workdir/ruler_gate/`); what lclm.train.gates calls."""
     args = parse_args(gate_argv(workdir, spec), prog=f"{TASK} gate")
     result, meta, table = _evaluate(args)
     log.info("RULER gate of %s:\n%s", workdir, table)

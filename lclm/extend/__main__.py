@@ -41,7 +41,6 @@ import time
 import jax
 
 from lclm import logs, storage
-from lclm.checkpoint import Checkpoints
 from lclm.cli import parse_cli, run_cli
 from lclm.config import mesh_device_count
 from lclm.config.run_config import RunConfig, run_config
@@ -51,7 +50,6 @@ from lclm.data import ruler
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError, StartupError, TrainingHalted
 from lclm.eval.__main__ import TASKS
-from lclm.eval.ruler import score_gate
 from lclm.extend import heldout, report
 from lclm.extend.plan import (
     MAIN_QUESTION,
@@ -66,9 +64,10 @@ from lclm.extend.plan import (
 from lclm.extend.targets import Measured, judge
 from lclm.extend.timing import device_rate, expected_seconds
 from lclm.parallel.devices import allow_gpu_host_memory, request_cpu_devices
-from lclm.training.compile_cache import use_compile_cache
-from lclm.training.first_weights import apply_hf_shapes
-from lclm.training.stages import run_stages, validate_stages
+from lclm.train.compile_cache import use_compile_cache
+from lclm.train.first_weights import apply_hf_shapes
+from lclm.train.stages import run_stages, validate_stages
+from lclm.workdir.checkpoint import Checkpoints
 from lclm.writes import write_json
 
 log = logging.getLogger(__name__)
@@ -106,9 +105,9 @@ def _report_of(part: Part, out: str, stamp: dict) -> dict | None:
     return found if found.get("complete", True) else None
 
 
-def _check_ruler(run: RunConfig, tokenizer: Tokenizer, final: int) -> None:
+def _check_ruler(sections: RunConfig, tokenizer: Tokenizer, final: int) -> None:
     """extension.ruler_tasks are known and their prompts fit the final length."""
-    tasks = [t.strip() for t in run.extension.ruler_tasks.split(",") if t.strip()]
+    tasks = [t.strip() for t in sections.extension.ruler_tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in ruler.TASKS]
     if unknown:
         raise ConfigError(
@@ -117,7 +116,9 @@ def _check_ruler(run: RunConfig, tokenizer: Tokenizer, final: int) -> None:
         )
     if tasks:
         try:
-            form = ruler.prompt_form(tokenizer, "tokenizer" if run.extension.ruler_chat else None)
+            form = ruler.prompt_form(
+                tokenizer, "tokenizer" if sections.extension.ruler_chat else None
+            )
             for task in tasks:
                 ruler.sample(task, tokenizer, form, final, 0, 0)
         except ValueError as e:
@@ -311,7 +312,7 @@ class Extension:
     def _run_part(self, part: Part) -> str:
         if part.task == TRAIN:
             try:
-                run_stages(self.config, score_ruler=score_gate)
+                run_stages(self.config)
             except TrainingHalted as e:
                 self.halted = str(e)
                 return f"stopped: {e}"

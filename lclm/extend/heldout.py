@@ -51,9 +51,9 @@ class HeldOut:
         ]
 
 
-def heldout_source(run: RunConfig) -> str:
+def heldout_source(sections: RunConfig) -> str:
     """extension.data, else validation.path; neither is one line."""
-    source = run.extension.data or run.validation.path
+    source = sections.extension.data or sections.validation.path
     if not source:
         raise ConfigError(
             "an extension is measured on held-out long documents: set "

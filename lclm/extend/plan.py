@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 from lclm import hf
-from lclm.checkpoint import saved_config
 from lclm.config import AttentionConfig, ModelConfig
 from lclm.config.fields import from_saved
 from lclm.config.run_config import RunConfig, run_config
@@ -26,8 +25,9 @@ from lclm.data import ruler
 from lclm.errors import ConfigError
 from lclm.eval.decode import padded_length
 from lclm.eval.perplexity import row_length
-from lclm.training.resume import CONVERTED_FROM
-from lclm.training.workdirs import workdir_to_read
+from lclm.workdir.checkpoint import saved_config
+from lclm.workdir.layout import workdir_to_read
+from lclm.workdir.resume import CONVERTED_FROM
 
 BEFORE, YARN, AFTER = "before", "yarn", "after"  # the models measured, besides stage i
 TRAIN = "train"
@@ -72,14 +72,14 @@ def stage_runs(config) -> list[RunConfig]:
     return [run_config(c) for c in stage_configs(config) or [config]]
 
 
-def starting_length(run: RunConfig) -> int:
+def starting_length(sections: RunConfig) -> int:
     """The context the starting weights were trained at (extension.trained_length, else
     read from them): an HF model's
     max_position_embeddings, a run's data.seq_len (a converted checkpoint's
     max_position_embeddings); a run from scratch has none to extend (one line)."""
-    model = run.model
-    if run.extension.trained_length:
-        return run.extension.trained_length
+    model = sections.model
+    if sections.extension.trained_length:
+        return sections.extension.trained_length
     if model.init_from_hf:
         return hf.read_config(model.init_from_hf).max_position_embeddings
     if not model.init_from_checkpoint:

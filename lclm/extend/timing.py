@@ -24,7 +24,7 @@ from lclm.errors import ConfigError
 from lclm.extend.plan import PASSKEY_NEW_TOKENS, TRAIN, Part
 from lclm.hardware import BY_NAME, peak_flops
 from lclm.models.decoder import param_count
-from lclm.training.metrics import flops_per_token, read_metrics
+from lclm.train.metrics import flops_per_token, read_metrics
 
 # measured on this project's machines (docs/evaluation.md): an Orbax save of a train state to
 # local disk runs at ~0.12 GB/s, a restore or a safetensors read at ~0.4 GB/s
@@ -58,9 +58,9 @@ def _cpu_matmul_flops(seconds: float = 1.0) -> float:
     return 2 * n**3 * runs / (time.perf_counter() - start)
 
 
-def device_rate(run: RunConfig, devices: int) -> Rate:
+def device_rate(sections: RunConfig, devices: int) -> Rate:
     """The FLOP/s the plan assumes on `devices` devices: extension.mfu x their peak."""
-    name, mfu = run.extension.device.strip().lower(), run.extension.mfu
+    name, mfu = sections.extension.device.strip().lower(), sections.extension.mfu
     if name:
         if name not in BY_NAME:
             raise ConfigError(

@@ -309,7 +309,7 @@ def load(hf_dir: str, shardings=None, dtype=None, **overrides):
     lclm's canonical layout and `dtype` (default: the config's `param_dtype`). A malformed
     directory raises `HFFormatError` (or FileNotFoundError) before any tensor data is read.
 
-    `shardings`: a tree of `jax.sharding.Sharding` like the params (lclm.training.state's
+    `shardings`: a tree of `jax.sharding.Sharding` like the params (lclm.workdir.state's
     `param_shardings`): each device's block is read from the files and placed directly with
     `jax.make_array_from_callback`, so no device ever holds more than its block and the host
     holds one block and one HF tensor at a time; on several processes each reads only the

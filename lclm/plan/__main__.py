@@ -42,7 +42,7 @@ from lclm.ops.context_parallel import STRATEGIES, layout_shards
 from lclm.parallel.mesh import make_mesh
 from lclm.plan import aot, strategies
 from lclm.plan.memory import DEVICES, Plan, estimate, gib, report
-from lclm.training.remat_choice import overflow
+from lclm.train.remat_choice import overflow
 
 
 def _plans(config, args) -> tuple[list, list[Plan]]:
@@ -299,18 +299,18 @@ def main(argv=None) -> int:
     return run_cli(lambda: _run(ap, argv))
 
 
-def _balance_line(run: RunConfig) -> str:
+def _balance_line(sections: RunConfig) -> str:
     """How unequal rows of this stage's length can be in attention work (lclm.data.balance)."""
-    seq, a = run.data.seq_len, run.attention
-    if not run.data.document_mask:
+    seq, a = sections.data.seq_len, sections.attention
+    if not sections.data.document_mask:
         return "attention work: no document masks, every row the same"
-    shards = layout_shards(a, run.mesh.sp)
+    shards = layout_shards(a, sections.mesh.sp)
     rows, within = one_vs_many(seq, a.layout, shards)
     return (
         f"attention work: a row of one {seq:,}-token document costs {rows:.1f}x a row of "
         f"1,024-token documents on its busiest of {shards} sp device(s) ({a.layout}; "
         f"{within:.2f}x the mean device, which no row order changes); data.balance="
-        f"{run.data.balance} {'evens' if run.data.balance else 'leaves'} rows "
+        f"{sections.data.balance} {'evens' if sections.data.balance else 'leaves'} rows "
         "over devices and micro-batches"
     )
 

@@ -46,11 +46,11 @@ from lclm.models.decoder import param_shapes
 from lclm.ops.kernels import Lowered, compiling_for, cudnn_gpu, recording
 from lclm.parallel.mesh import make_mesh
 from lclm.platforms import cuda_plugin, nvidia_gpu_attached, tpu_attached
-from lclm.training.remat_choice import AUTO, choose
-from lclm.training.remat_choice import gpu_budget as gpu_pool_budget
-from lclm.training.startup_checks import checked
-from lclm.training.state import init_state, param_shardings, state_shardings
-from lclm.training.step import jit_train_step, make_optimizer
+from lclm.train.remat_choice import AUTO, choose
+from lclm.train.remat_choice import gpu_budget as gpu_pool_budget
+from lclm.train.startup_checks import checked
+from lclm.train.step import jit_train_step, make_optimizer
+from lclm.workdir.state import init_state, param_shardings, state_shardings
 
 KNOWN = (
     "v4-N, v5p-N (TensorCores), v5e-N, v6e-N (chips); h100:N (N GPUs on one node), "
@@ -305,7 +305,7 @@ def analyse(compiled, seconds: float) -> Compiled:
 def compile_step(config, devices, budget: int | None = None) -> Compiled:
     """Lower and compile the train step train.py builds for `config` on `devices` (abstract
     state and batch in their real shardings; nothing is allocated). `model.remat='auto'` is
-    chosen as a run chooses it (`lclm.training.remat_choice`), against `budget` bytes per
+    chosen as a run chooses it (`lclm.train.remat_choice`), against `budget` bytes per
     device (None: its first candidate). A compile error (HBM or VMEM overflow among them)
     propagates."""
 

@@ -22,8 +22,8 @@ from lclm.ops.context_parallel import strategy_of
 from lclm.ops.kernels import get_kernel
 from lclm.parallel.mesh import logical_spec
 from lclm.plan.strategies import attention_step
-from lclm.training.remat_choice import AUTO, AUTO_ORDER, gpu_budget
-from lclm.training.startup_checks import attention_kernel, checked
+from lclm.train.remat_choice import AUTO, AUTO_ORDER, gpu_budget
+from lclm.train.startup_checks import attention_kernel, checked
 
 # planner device name -> (peak FLOP/s, one-way link GB/s, HBM GiB): lclm.hardware's table
 DEVICES = planner_devices()
@@ -67,7 +67,7 @@ class _MeshShape:
 
 def estimate(config, device_count: int, device: str | None = None) -> Plan:
     """Per-device memory estimate (bytes) of `config` (one stage) on `device_count` devices.
-    `model.remat='auto'` is planned as the run chooses it (`lclm.training.remat_choice`), by
+    `model.remat='auto'` is planned as the run chooses it (`lclm.train.remat_choice`), by
     these estimates instead of compiles: the first of `AUTO_ORDER` whose estimate is within
     `_AUTO_SHARE` of `device`'s memory (a GPU's: the pool JAX makes there, `gpu_budget`; the
     last where none is); with no device, as `REMAT_AUTO_FALLBACK`."""

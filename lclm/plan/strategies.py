@@ -25,7 +25,7 @@ __all__ = ["StrategyCost", "attention_step", "compare"]
 
 
 def attention_step(
-    run: RunConfig,
+    sections: RunConfig,
     sizes: dict[str, int],
     *,
     flops: float,
@@ -33,14 +33,14 @@ def attention_step(
     slow_gbs: float,
     devices_per_node: int,
 ) -> Step:
-    """What a strategy is priced from (`Step`) for `run` (one stage) on a mesh of `sizes`,
+    """What a strategy is priced from (`Step`) for `sections` (one stage) on a mesh of `sizes`,
     devices of `flops` peak FLOP/s, links of `fast_gbs` inside a node of `devices_per_node`
     devices and `slow_gbs` between nodes (GB/s, one way)."""
-    m = run.model.resolved()
+    m = sections.model.resolved()
     n, tp = sizes["sp"], sizes["tp"]
-    micro = run.train.grad_accum
-    batch = run.data.batch_size // micro // (sizes["dp"] * sizes["fsdp"])
-    t, b = run.data.seq_len // n, DTYPE_BYTES[m.dtype]
+    micro = sections.train.grad_accum
+    batch = sections.data.batch_size // micro // (sizes["dp"] * sizes["fsdp"])
+    t, b = sections.data.seq_len // n, DTYPE_BYTES[m.dtype]
     heads, kv_heads = m.n_heads // tp, max(m.n_kv_heads // tp, 1)
     # QK^T and PV: 4 t^2 dh FLOPs per head forward, about 2.5 times that backward; causal
     # pairs are half masked on average (striped/zigzag balance them)
@@ -63,17 +63,17 @@ def attention_step(
 
 
 def compare(
-    run: RunConfig,
+    sections: RunConfig,
     sizes: dict[str, int],
     flops: float,
     fast_gbs: float,
     slow_gbs: float,
     devices_per_node: int,
 ) -> list[StrategyCost]:
-    """The costs of every registered strategy for `run` (one stage) on a mesh of `sizes`
+    """The costs of every registered strategy for `sections` (one stage) on a mesh of `sizes`
     and links (`attention_step`'s arguments)."""
     step = attention_step(
-        run,
+        sections,
         sizes,
         flops=flops,
         fast_gbs=fast_gbs,

@@ -14,8 +14,8 @@ from lclm.data.loader import HostBatches
 from lclm.data.tokenizer import Tokenizer
 from lclm.ops.layout import original_positions
 from lclm.parallel import make_mesh
-from lclm.training.state import init_state
-from lclm.training.step import make_optimizer, make_train_step
+from lclm.train.step import make_optimizer, make_train_step
+from lclm.workdir.state import init_state
 
 
 def dense_work(segment_ids, layout, n, document_mask):

@@ -18,7 +18,7 @@ from lclm.data.stats import SourceStats
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 from lclm.parallel import make_mesh
-from lclm.training.startup_checks import check_data
+from lclm.train.startup_checks import check_data
 
 
 def _write(root, path: str, content: str | bytes) -> None:

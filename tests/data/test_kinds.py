@@ -17,7 +17,7 @@ from lclm.data.prepare import prepare
 from lclm.data.sources import KINDS, open_documents
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
-from lclm.training.startup_checks import check_data
+from lclm.train.startup_checks import check_data
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from lclm.data.sources import open_documents
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 from lclm.parallel import make_mesh
-from lclm.training.startup_checks import check_data
+from lclm.train.startup_checks import check_data
 
 TEXTS = [f"Ada counted {i} plus {i % 7} and wrote it down." for i in range(40)]
 

@@ -9,7 +9,7 @@ from support import DEMO_TOKENIZER, ROOT
 
 from lclm.config import load_config
 from lclm.eval import line_retrieval
-from lclm.training.loop import train
+from lclm.train.loop import train
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 

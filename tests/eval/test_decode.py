@@ -13,7 +13,7 @@ from lclm.families import FAMILIES
 from lclm.models.decoder import forward, init_params
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
-from lclm.training.state import shard_params
+from lclm.workdir.state import shard_params
 
 # large init so that greedy choices are far from ties; GQA (4 heads over 2 kv heads)
 MODEL = ModelConfig(

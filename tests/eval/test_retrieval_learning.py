@@ -19,7 +19,7 @@ from support import ROOT
 from lclm.config import load_config
 from lclm.config.stages import stage_configs
 from lclm.eval import line_retrieval
-from lclm.training.stages import run_stages
+from lclm.train.stages import run_stages
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 

@@ -25,7 +25,7 @@ from lclm.eval.__main__ import main as eval_main
 from lclm.eval.model import LoadedModel
 from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
-from lclm.training.state import shard_params
+from lclm.workdir.state import shard_params
 
 # the demo tokenizer (512 pieces) spells words nearly letter by letter: cwe's list fits 2K
 LENGTHS = {"cwe": 2048}

@@ -19,8 +19,8 @@ from lclm.eval.model import LoadedModel
 from lclm.models.decoder import init_params, loss_terms
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
-from lclm.training.loop import train
-from lclm.training.state import shard_params
+from lclm.train.loop import train
+from lclm.workdir.state import shard_params
 
 # float32 and a large init, so that token losses vary along the sequence and greedy choices
 # are far from ties; GQA (4 heads over 2 kv heads); chunks far below the lengths, so every

@@ -23,7 +23,7 @@ from lclm.models.decoder import forward
 from lclm.ops.context_parallel import STRATEGIES, layout_shards
 from lclm.ops.layout import from_layout, to_layout
 from lclm.parallel import make_mesh
-from lclm.training.state import shard_params
+from lclm.workdir.state import shard_params
 
 pytestmark = pytest.mark.slow  # builds torch models: left out by -m 'not slow'
 
@@ -235,7 +235,7 @@ def test_a_family_trains_from_its_hf_weights_and_exports_what_transformers_reads
     from lclm.data.loader import HostBatches
     from lclm.data.tokenizer import Tokenizer
     from lclm.models.decoder import loss_terms
-    from lclm.training.loop import train
+    from lclm.train.loop import train
 
     torch.manual_seed(2)
     _hf_model(family, **{**SHAPE, "vocab_size": 512}).save_pretrained(str(tmp_path / "hf"))

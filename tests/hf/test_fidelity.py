@@ -180,7 +180,7 @@ def test_a_head_dim_apart_from_hidden_over_heads_matches_transformers(tmp_path):
 
 def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one(tmp_path):
     from lclm.config import base_config
-    from lclm.training.first_weights import apply_hf_shapes
+    from lclm.train.first_weights import apply_hf_shapes
 
     _tiny_hf(
         tmp_path / "src", SCALINGS["llama3"], theta=500000.0, bos_token_id=7, eos_token_id=[8, 9]
@@ -229,7 +229,7 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
 def test_bad_rope_and_token_fields_stop_the_run_in_one_line(tmp_path, field, value, message):
     from lclm.config import base_config
     from lclm.errors import ConfigError
-    from lclm.training.startup_checks import validate
+    from lclm.train.startup_checks import validate
 
     config = base_config()
     config.workdir = str(tmp_path / "run")
@@ -242,12 +242,12 @@ def test_bad_rope_and_token_fields_stop_the_run_in_one_line(tmp_path, field, val
 
 
 def test_training_from_hf_then_export_states_what_was_trained(tmp_path, capsys, monkeypatch):
-    from lclm.checkpoint import Checkpoints, read_params, saved_config
     from lclm.config import load_config
     from lclm.convert import main
     from lclm.data.tokenizer import Tokenizer
     from lclm.models.decoder import param_shapes
-    from lclm.training.loop import train
+    from lclm.train.loop import train
+    from lclm.workdir.checkpoint import Checkpoints, read_params, saved_config
 
     scaling = SCALINGS["llama3"]
     _tiny_hf(tmp_path / "src", scaling, vocab=512, bos_token_id=1, eos_token_id=[2, 3])

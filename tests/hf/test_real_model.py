@@ -28,7 +28,7 @@ from lclm.models.decoder import forward
 from lclm.ops.context_parallel import STRATEGIES, layout_shards
 from lclm.ops.layout import from_layout, to_layout
 from lclm.parallel import make_mesh
-from lclm.training.state import shard_params
+from lclm.workdir.state import shard_params
 
 QUESTION = "What is the capital of France?"
 # 252 tokens: 2 x 6 x 21, whole tiles of 21 under every layout on 3 and 6 sp devices

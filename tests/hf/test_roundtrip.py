@@ -114,7 +114,7 @@ def test_training_starts_from_hf_weights_with_the_configured_rope_theta(tmp_path
     from lclm.data.tokenizer import Tokenizer
     from lclm.models.decoder import loss_terms
     from lclm.parallel import make_mesh
-    from lclm.training.loop import train
+    from lclm.train.loop import train
 
     cfg = transformers.LlamaConfig(
         vocab_size=512,

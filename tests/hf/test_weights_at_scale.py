@@ -20,7 +20,7 @@ from lclm import hf
 from lclm.config import ModelConfig
 from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
-from lclm.training.state import param_shardings
+from lclm.workdir.state import param_shardings
 
 SMALL = ModelConfig(
     vocab_size=512, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128, param_dtype="float32"
@@ -83,7 +83,7 @@ _LOAD = textwrap.dedent("""
     import sys, jax, numpy as np
     from lclm import hf
     from lclm.parallel import make_mesh
-    from lclm.training.state import param_shardings
+    from lclm.workdir.state import param_shardings
     c = hf.read_config(sys.argv[1])
     shardings = param_shardings(c, make_mesh(fsdp=8))
     _, params = hf.load(sys.argv[1], shardings=shardings)
@@ -195,7 +195,7 @@ _PROCESS = textwrap.dedent("""
     import sys, jax, numpy as np
     from lclm import hf
     from lclm.parallel import distributed, make_mesh
-    from lclm.training.state import param_shardings
+    from lclm.workdir.state import param_shardings
     distributed.initialize()
     source, out = sys.argv[1], sys.argv[2] + str(jax.process_index())
     c, whole = hf.load(source)

@@ -185,7 +185,7 @@ def test_two_processes_share_a_gs_workdir_and_both_save_at_a_preemption(gcs, tmp
     into the bucket (a local GCS server), process 0 the lease, config and metrics; a SIGTERM
     to one process saves every process at the agreed step, and one process resumes it."""
     from lclm import storage
-    from lclm.training.metrics import read_metrics
+    from lclm.train.metrics import read_metrics
 
     env = dict(_env(), LCLM_LOG_DIR=str(tmp_path / "logs"), **gcs.env)
     workdir = gcs.bucket() + "/runs/pod"

@@ -15,7 +15,7 @@ from lclm.models.decoder import forward, init_params, loss_terms
 from lclm.ops.context_parallel import STRATEGIES, layout_shards
 from lclm.ops.layout import batch_to_layout, from_layout, to_layout
 from lclm.parallel import make_mesh
-from lclm.training.state import shard_params
+from lclm.workdir.state import shard_params
 
 CFG = ModelConfig(
     vocab_size=97,

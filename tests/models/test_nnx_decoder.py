@@ -18,7 +18,7 @@ from lclm.models.decoder import (
     param_table,
 )
 from lclm.parallel import make_mesh
-from lclm.training.state import param_shardings
+from lclm.workdir.state import param_shardings
 
 # flax is the optional [nnx] extra (the test extra installs it)
 nnx = pytest.importorskip("flax.nnx", reason="the NNX view needs the optional flax (lclm[nnx])")

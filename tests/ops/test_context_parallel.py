@@ -22,7 +22,7 @@ from lclm.ops.context_parallel.ulysses import USP
 from lclm.ops.kernels.range_kernel import range_kernel
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
-from lclm.training.state import shard_params
+from lclm.workdir.state import shard_params
 
 
 # usp at the degrees tests/ops/test_strategies.py (which runs it at ulysses=2) does not: K/V

@@ -137,8 +137,8 @@ def test_train_step_grads_with_accumulation_do_not_degrade_with_more_chunks():
     from lclm.data.loader import batch_sharding
     from lclm.ops.layout import batch_to_layout
     from lclm.parallel import make_mesh
-    from lclm.training.state import init_state
-    from lclm.training.step import make_train_step
+    from lclm.train.step import make_train_step
+    from lclm.workdir.state import init_state
 
     mesh, sp, t, input_vocab = make_mesh(fsdp=2, sp=2), 2, 512, 128
     train = types.SimpleNamespace(

@@ -105,7 +105,7 @@ def test_ring_refuses_a_kernel_that_cannot_serve_before_tracing_it():
 def test_the_trainer_names_its_kernel_and_refuses_one_the_platform_cannot_run():
     from lclm.config import AttentionConfig, ModelConfig, base_config
     from lclm.errors import ConfigError
-    from lclm.training.startup_checks import attention_kernel
+    from lclm.train.startup_checks import attention_kernel
 
     kernel = lambda c, model, sp, platform: attention_kernel(
         AttentionConfig.from_config(c.attention), c.data.seq_len, model, sp, platform

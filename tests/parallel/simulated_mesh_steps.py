@@ -30,8 +30,8 @@ from lclm.config import (  # noqa: E402
 from lclm.data.loader import batch_sharding  # noqa: E402
 from lclm.ops.layout import batch_to_layout  # noqa: E402
 from lclm.parallel import make_mesh  # noqa: E402
-from lclm.training.state import init_state  # noqa: E402
-from lclm.training.step import make_optimizer, make_train_step  # noqa: E402
+from lclm.train.step import make_optimizer, make_train_step  # noqa: E402
+from lclm.workdir.state import init_state  # noqa: E402
 
 SEQ, BATCH = 1024, 8
 

@@ -17,8 +17,8 @@ import pytest
 from support import ROOT, TINY_DEMO_ARGS
 from support_outage import Outage
 
-from lclm.training.metrics import read_metrics
-from lclm.training.workdirs import saved_steps
+from lclm.train.metrics import read_metrics
+from lclm.workdir.layout import saved_steps
 
 STEPS = 12
 ARGS = [*TINY_DEMO_ARGS, f"--config.train.steps={STEPS}"]

@@ -1,9 +1,9 @@
-"""What each step of a run does (lclm.training.cadence): the loop's decisions by step number,
+"""What each step of a run does (lclm.train.cadence): the loop's decisions by step number,
 tested without devices or a model."""
 
 from lclm.config.run_config import run_config
 from lclm.config.schema import base_config
-from lclm.training.cadence import Cadence
+from lclm.train.cadence import Cadence
 
 
 def _where(cadence, what, terminated=()):

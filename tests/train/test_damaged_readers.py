@@ -1,8 +1,8 @@
 """The tools that read a run's parameters (`lclm.eval generate`, `lclm.convert --to-hf`) on a
 workdir whose latest step is damaged (issue 62): the damaged step is named in one line and
-the previous good one read, as a resumed run falls back (lclm.checkpoint.first_readable), and
-nothing of the run is moved; convert takes `--step`, and a damaged step asked for is one
-line."""
+the previous good one read, as a resumed run falls back
+(lclm.workdir.checkpoint.first_readable), and nothing of the run is moved; convert takes
+`--step`, and a damaged step asked for is one line."""
 
 import logging
 import os
@@ -13,7 +13,7 @@ from support import DAMAGE, damage_checkpoint, small_train_config
 
 from lclm.convert import main as convert
 from lclm.eval.generate import main as generate
-from lclm.training.loop import train
+from lclm.train.loop import train
 
 pytestmark = pytest.mark.slow  # trains a model
 

@@ -20,17 +20,17 @@ import pytest
 from support import DAMAGE, DEMO_CONFIG, ROOT, damage_checkpoint, small_train_config
 
 from lclm import hf
-from lclm.checkpoint import Checkpoints
 from lclm.config import ModelConfig, load_config
 from lclm.config.run_config import run_config
 from lclm.errors import ConfigError, TrainingHalted
 from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
-from lclm.training.lock import WorkdirBusy, WorkdirLock
-from lclm.training.loop import train
-from lclm.training.metrics import truncate_metrics
-from lclm.training.state import init_state
-from lclm.training.step import make_optimizer
+from lclm.train.loop import train
+from lclm.train.metrics import truncate_metrics
+from lclm.train.step import make_optimizer
+from lclm.workdir.checkpoint import Checkpoints
+from lclm.workdir.lock import WorkdirBusy, WorkdirLock
+from lclm.workdir.state import init_state
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
@@ -540,7 +540,7 @@ def test_a_second_run_on_a_live_workdir_is_refused(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, time; from lclm.training.lock import WorkdirLock; "
+            "import sys, time; from lclm.workdir.lock import WorkdirLock; "
             f"WorkdirLock({str(workdir)!r}).acquire(); print('held', flush=True); time.sleep(60)",
         ],
         cwd=ROOT,

@@ -1,16 +1,15 @@
-"""Where a run's first state comes from (lclm.training.first_weights.origin): the workdir's own
+"""Where a run's first state comes from (lclm.train.first_weights.origin): the workdir's own
 checkpoint before any configured source, a resume the config may not make refused before the
 model is initialised. A checkpoint of a tiny model is written directly (no training)."""
 
 import pytest
 from support import save_initial_checkpoint, small_train_config
 
-from lclm.checkpoint import Checkpoints, ShapeMismatch
 from lclm.config.model import ModelConfig
 from lclm.config.run_config import run_config
 from lclm.config.secrets import public_config
 from lclm.errors import ConfigError
-from lclm.training.first_weights import (
+from lclm.train.first_weights import (
     FRESH,
     HUGGINGFACE,
     OTHER_RUN,
@@ -18,6 +17,7 @@ from lclm.training.first_weights import (
     Origin,
     origin,
 )
+from lclm.workdir.checkpoint import Checkpoints, ShapeMismatch
 
 
 def _config(workdir, **model):

@@ -1,4 +1,4 @@
-"""What a logged step does besides saving (lclm.training.hooks), hook by hook and without a model:
+"""What a logged step does besides saving (lclm.train.hooks), hook by hook and without a model:
 held-out losses, the records' throughput, metrics.jsonl, the console, and the order the loop
 calls them in."""
 
@@ -11,11 +11,10 @@ import jax
 import pytest
 from support import small_train_config
 
-from lclm.checkpoint import Checkpoints
 from lclm.config.model import ModelConfig
 from lclm.config.run_config import run_config
-from lclm.training.cadence import Cadence
-from lclm.training.hooks import (
+from lclm.train.cadence import Cadence
+from lclm.train.hooks import (
     Console,
     Hook,
     MetricsWriter,
@@ -24,12 +23,13 @@ from lclm.training.hooks import (
     log_record,
     summary,
 )
-from lclm.training.lock import WorkdirLock
-from lclm.training.metrics import MetricsLogger
-from lclm.training.save_faults import SaveFaults
-from lclm.training.state import TrainState
-from lclm.training.step_faults import StepFaults
-from lclm.training.write_patience import WritePatience
+from lclm.train.metrics import MetricsLogger
+from lclm.train.save_faults import SaveFaults
+from lclm.train.step_faults import StepFaults
+from lclm.train.write_patience import WritePatience
+from lclm.workdir.checkpoint import Checkpoints
+from lclm.workdir.lock import WorkdirLock
+from lclm.workdir.state import TrainState
 
 _METRICS = dict(loss=2.5, lr=1e-3, grad_norm=0.5)
 
@@ -119,7 +119,7 @@ def test_throughput_says_how_long_the_steps_waited_for_data_and_saves_and_the_co
 def test_the_console_shows_what_held_the_steps_back_where_it_is_a_share_worth_a_look():
     import io
 
-    from lclm.training.metrics import Progress
+    from lclm.train.metrics import Progress
 
     out = io.StringIO()
     progress = Progress(8, 1, stream=out)
@@ -162,7 +162,7 @@ def test_metrics_writer_writes_each_record_and_the_summary_names_the_outputs(tmp
 
 def test_console_without_progress_logs_compiling_and_the_summary(tmp_path, caplog):
     config = small_train_config(tmp_path, mesh={}, attention={})
-    with caplog.at_level(logging.INFO, logger="lclm.training.hooks"):
+    with caplog.at_level(logging.INFO, logger="lclm.train.hooks"):
         console = Console(run_config(config), Cadence(first=3, last=8, total=8, log_every=1))
         console.on_step(3)
         console.on_end(["trained steps 3-8", "final checkpoint: none"])

@@ -22,10 +22,10 @@ from support import (
 )
 
 from lclm import storage
-from lclm.training.lock import WorkdirBusy
-from lclm.training.metrics import read_metrics
-from lclm.training.object_lock import ObjectLock
-from lclm.training.workdirs import saved_steps
+from lclm.train.metrics import read_metrics
+from lclm.workdir.layout import saved_steps
+from lclm.workdir.lock import WorkdirBusy
+from lclm.workdir.object_lock import ObjectLock
 
 ARGS = [*TINY_DEMO_ARGS, "--config.checkpoint.keep=2", "--config.train.steps=6"]
 LEASE = 0.002  # minutes: 0.12 s
@@ -143,7 +143,7 @@ def test_two_lock_takeovers_of_one_stale_lease_let_one_run_win(gcs):
 
 def test_a_missing_bucket_is_found_at_start(gcs):
     from lclm.errors import ConfigError
-    from lclm.training.workdirs import check_workdir
+    from lclm.workdir.layout import check_workdir
 
     with pytest.raises(
         ConfigError,
@@ -157,7 +157,7 @@ def test_a_missing_bucket_is_found_at_start(gcs):
 
 @pytest.mark.slow
 def test_a_damaged_checkpoint_on_gs_is_set_aside_and_the_previous_one_resumes(gcs, caplog):
-    from lclm.training.loop import train
+    from lclm.train.loop import train
 
     bucket = gcs.bucket()
     c = small_train_config(bucket + "/run", mesh=dict(fsdp=2), attention={})
@@ -182,8 +182,8 @@ def test_prepare_to_gs_then_a_staged_run_there_and_generate_from_it(gcs, capsys)
     from lclm.config import load_config
     from lclm.data.prepare import main as prepare
     from lclm.eval import generate
-    from lclm.training.stages import run_stages
-    from lclm.training.workdirs import workdir_to_read
+    from lclm.train.stages import run_stages
+    from lclm.workdir.layout import workdir_to_read
 
     bucket = gcs.bucket()
     demo = os.path.join(ROOT, "data", "demo")
@@ -226,7 +226,7 @@ def test_prepare_to_gs_then_a_staged_run_there_and_generate_from_it(gcs, capsys)
 
 def test_an_s3_workdir_is_refused_at_start_in_one_line(s3):
     from lclm.errors import ConfigError, StartupError
-    from lclm.training.workdirs import check_workdir, workdir_to_read
+    from lclm.workdir.layout import check_workdir, workdir_to_read
 
     workdir = s3.bucket() + "/run"
     why = (
@@ -244,7 +244,7 @@ def test_a_step_set_aside_on_gs_is_saved_again_by_the_same_run(gcs, caplog):
     """The damaged step is the final one: the resumed run trains it again and must save it
     where the damaged one was (the storage client's listing of the checkpoint folder, read
     before the move, still held it: 'Checkpoint for step 4 already exists')."""
-    from lclm.training.loop import train
+    from lclm.train.loop import train
 
     bucket = gcs.bucket()
     c = small_train_config(bucket + "/run", mesh=dict(fsdp=2), attention={})

@@ -1,4 +1,4 @@
-"""model.remat='auto' (lclm.training.remat_choice): the first policy of none, attention, full,
+"""model.remat='auto' (lclm.train.remat_choice): the first policy of none, attention, full,
 offload whose compiled train step fits the device's budget, compiled once."""
 
 import dataclasses
@@ -12,10 +12,10 @@ from lclm.config.run_config import run_config
 from lclm.data.loader import abstract_batch, batch_sharding
 from lclm.errors import ConfigError
 from lclm.parallel.mesh import make_mesh
-from lclm.training.loop import train
-from lclm.training.remat_choice import AUTO_ORDER, choose, compiled_bytes
-from lclm.training.state import init_state, state_shardings
-from lclm.training.step import jit_train_step, make_optimizer
+from lclm.train.loop import train
+from lclm.train.remat_choice import AUTO_ORDER, choose, compiled_bytes
+from lclm.train.step import jit_train_step, make_optimizer
+from lclm.workdir.state import init_state, state_shardings
 
 
 def _compiler(tmp_path):

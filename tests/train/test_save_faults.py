@@ -1,5 +1,5 @@
 """What a run does when a checkpoint save fails, and when a save is due by time
-(lclm.training.save_faults): a failed save reported once and tried again at a later step after
+(lclm.train.save_faults): a failed save reported once and tried again at a later step after
 a pause, a last-chance save retried while the patience lasts, the stop naming the last good
 checkpoint. Real checkpoints in a temporary workdir; the failing writes are given by hand
 (test_faults and test_bucket_outage train through real storage faults)."""
@@ -10,12 +10,12 @@ import time
 import jax.numpy as jnp
 import pytest
 
-from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.errors import TrainingHalted
-from lclm.training.cadence import Cadence
-from lclm.training.save_faults import SaveFaults
-from lclm.training.state import TrainState
-from lclm.training.write_patience import WritePatience
+from lclm.train.cadence import Cadence
+from lclm.train.save_faults import SaveFaults
+from lclm.train.write_patience import WritePatience
+from lclm.workdir.checkpoint import Checkpoints, SaveFailed
+from lclm.workdir.state import TrainState
 
 # short pauses and patience: a lasting fault's test takes a fraction of a second
 _PATIENCE = WritePatience(seconds=0.3, first_pause=0.05, max_pause=0.1)

@@ -12,8 +12,8 @@ from lclm.config import MESH_AXES, AttentionConfig, ModelConfig, apply_preset, l
 from lclm.config.run_config import run_config
 from lclm.data.loader import batch_sharding
 from lclm.parallel import make_mesh
-from lclm.training.state import init_state, state_shardings
-from lclm.training.step import make_optimizer, make_train_step
+from lclm.train.step import make_optimizer, make_train_step
+from lclm.workdir.state import init_state, state_shardings
 
 
 def _demo(c):

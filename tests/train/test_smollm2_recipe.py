@@ -11,7 +11,7 @@ from support import ROOT, real_model_dir
 
 from lclm.config import load_config
 from lclm.config.stages import stage_configs
-from lclm.training.stages import run_stages
+from lclm.train.stages import run_stages
 
 RECIPE = os.path.join(ROOT, "configs", "smollm2_64k.py")
 

@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 from support import ROOT, small_train_config
 
-from lclm import train_program
-from lclm.checkpoint import Checkpoints, saved_config
 from lclm.cli import config_from_argv, config_text
 from lclm.config import ModelConfig, load_config
 from lclm.config.run_config import run_config
 from lclm.config.stages import keys_set_by_stages, stage_configs
 from lclm.errors import ConfigError
 from lclm.parallel import make_mesh
-from lclm.training.stages import run_stages, validate_stages
-from lclm.training.state import init_state
-from lclm.training.step import applied_updates, make_optimizer
+from lclm.train import program as train_program
+from lclm.train.stages import run_stages, validate_stages
+from lclm.train.step import applied_updates, make_optimizer
+from lclm.workdir.checkpoint import Checkpoints, saved_config
+from lclm.workdir.state import init_state
 
 DEMO = os.path.join(ROOT, "data", "demo")
 
@@ -288,7 +288,7 @@ def test_prolong_recipe_states_prolongs_numbers():
     train_512K.sh: lengths, theta, lr, steps, tokens per step, warm-up (10%), the optimizer
     carried, and each stage's token shares (code / books / short)."""
     from lclm.data.loader import parse_sources
-    from lclm.training.stages import validate_stages
+    from lclm.train.stages import validate_stages
 
     c = _recipe("prolong_llama3_8b_512k")
     s64, s512 = validate_stages(c, 64)
@@ -334,7 +334,7 @@ def test_prolong_recipe_states_prolongs_numbers():
 
 def test_fu_and_ultralong_recipes_state_their_numbers():
     from lclm.data.loader import parse_sources
-    from lclm.training.startup_checks import validate
+    from lclm.train.startup_checks import validate
 
     fu = _recipe("fu_llama2_7b_80k")
     validate(fu, 32)
@@ -431,7 +431,7 @@ def _ruler_gated(workdir, ruler_gate: dict, on_fail: str = "stop"):
 def test_a_ruler_gate_scores_the_stage_as_the_eval_command_does_and_stops_below_its_score(tmp_path):
     from lclm.errors import TrainingHalted
     from lclm.eval.__main__ import main as eval_main
-    from lclm.eval.ruler import gate_argv, score_gate
+    from lclm.eval.ruler import gate_argv
 
     # a single needle at 512 tokens, past the stage's 64: an untrained model scores ~0
     spec = dict(min_score=50, tasks="niah_single_1", samples=2, length=512)
@@ -442,7 +442,7 @@ def test_a_ruler_gate_scores_the_stage_as_the_eval_command_does_and_stops_below_
         r"tokens \d+\.\d \(min 50, 2 prompts each\): FAILED; the next stage "
         "did not start",
     ):
-        run_stages(c, score_ruler=score_gate)
+        run_stages(c)
     s0, s1 = stage_configs(c)
     assert not os.path.exists(s1.workdir)
     with open(os.path.join(s0.workdir, "gate.json")) as f:
@@ -460,16 +460,14 @@ def test_a_ruler_gate_scores_the_stage_as_the_eval_command_does_and_stops_below_
     assert cli_report["average"] == gate_report["average"] == {"512": verdict["ruler"]["average"]}
     # a warning gate lets the next stage train; a reachable score passes
     c.stages.list[0]["gate"] = dict(ruler=spec, on_fail="warn")
-    assert [len(r) for r in run_stages(c, score_ruler=score_gate)] == [1]
+    assert [len(r) for r in run_stages(c)] == [1]
     c = _ruler_gated(tmp_path / "passing", dict(spec, min_score=0))
-    run_stages(c, score_ruler=score_gate)
+    run_stages(c)
     with open(os.path.join(stage_configs(c)[0].workdir, "gate.json")) as f:
         assert json.load(f)["passed"] is True
 
 
 def test_ruler_gates_are_checked_at_start(tmp_path):
-    from lclm.eval.ruler import score_gate
-
     for spec, needle in (
         (dict(tasks="vt"), "is not a dict such as dict\\(min_score=80"),
         (dict(min_score=150), "must be a percentage"),
@@ -486,7 +484,5 @@ def test_ruler_gates_are_checked_at_start(tmp_path):
         ),
     ):
         with pytest.raises(ConfigError, match=needle):
-            run_stages(_ruler_gated(tmp_path / "run", spec), score_ruler=score_gate)
-    with pytest.raises(ConfigError, match="run_stages was called without score_ruler"):
-        run_stages(_ruler_gated(tmp_path / "run", dict(min_score=50, length=512)))
+            run_stages(_ruler_gated(tmp_path / "run", spec))
     assert not os.path.exists(tmp_path / "run")  # nothing trained

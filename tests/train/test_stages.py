@@ -11,18 +11,18 @@ import pytest
 from support import ROOT, damage_checkpoint
 
 from lclm import hf
-from lclm.checkpoint import Checkpoints
 from lclm.config import ModelConfig, load_config
 from lclm.config.run_config import run_config
 from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError
 from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
-from lclm.training.first_weights import SourceDamaged
-from lclm.training.loop import train
-from lclm.training.stages import run_stages
-from lclm.training.state import init_state
-from lclm.training.step import make_optimizer
+from lclm.train.first_weights import SourceDamaged
+from lclm.train.loop import train
+from lclm.train.stages import run_stages
+from lclm.train.step import make_optimizer
+from lclm.workdir.checkpoint import Checkpoints
+from lclm.workdir.state import init_state
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 
@@ -151,12 +151,12 @@ def test_a_signal_during_a_stages_summary_stops_the_run_there(tmp_path, caplog, 
     config = _recipe(tmp_path, "run", hf_dir, schedule="64:1e4:2:2, 128:1e5:2:4")
     before = signal.getsignal(signum)
     summary = _SignalAt("trained steps", signum)
-    logging.getLogger("lclm.training.hooks").addHandler(summary)
+    logging.getLogger("lclm.train.hooks").addHandler(summary)
     try:
-        with caplog.at_level(logging.WARNING), caplog.at_level(logging.INFO, "lclm.training.hooks"):
+        with caplog.at_level(logging.WARNING), caplog.at_level(logging.INFO, "lclm.train.hooks"):
             runs = run_stages(config)
     finally:
-        logging.getLogger("lclm.training.hooks").removeHandler(summary)
+        logging.getLogger("lclm.train.hooks").removeHandler(summary)
     assert summary.sent == 1
     assert [len(r) for r in runs] == [2]
     assert "stopped before stage 1 on a termination signal" in caplog.text

@@ -1,4 +1,4 @@
-"""What a run does on the faults of its steps (lclm.training.step_faults): non-finite steps
+"""What a run does on the faults of its steps (lclm.train.step_faults): non-finite steps
 counted, checked one step late, and a stop after too many in a row; failed metrics writes
 reported, paused between tries and ridden out for the patience. No model, no training: the
 flags and the failing writes are given by hand (test_faults trains through real ones)."""
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from lclm.errors import TrainingHalted
-from lclm.training.metrics import MetricsFailed
-from lclm.training.step_faults import StepFaults
-from lclm.training.write_patience import WritePatience
+from lclm.train.metrics import MetricsFailed
+from lclm.train.step_faults import StepFaults
+from lclm.train.write_patience import WritePatience
 
 # short pauses and patience: a lasting fault's test takes a fraction of a second
 _PATIENCE = WritePatience(seconds=0.3, first_pause=0.05, max_pause=0.1)

@@ -18,9 +18,9 @@ from lclm.config.secrets import public_config
 from lclm.data.loader import batch_sharding
 from lclm.ops.layout import batch_to_layout
 from lclm.parallel import make_mesh
-from lclm.training.loop import train
-from lclm.training.state import init_state
-from lclm.training.step import make_optimizer, make_train_step
+from lclm.train.loop import train
+from lclm.train.step import make_optimizer, make_train_step
+from lclm.workdir.state import init_state
 
 
 def demo_config(tmp_path, **changes):
@@ -85,7 +85,7 @@ def test_secrets_never_reach_saved_config():
 
 
 def test_wandb_resumes_its_run_and_keeps_secret_command_lines_out(tmp_path, monkeypatch):
-    from lclm.training.metrics import wandb_run
+    from lclm.train.metrics import wandb_run
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setattr(sys, "argv", ["train.py", "--config.log.wandb_api_key=SECRETVALUE"])
@@ -182,7 +182,7 @@ class _Terminal(io.StringIO):
 
 
 def test_console_says_compiling_then_counts_eta_from_compiled_steps():
-    from lclm.training.metrics import Progress
+    from lclm.train.metrics import Progress
 
     plain = io.StringIO()  # CI, SLURM logs: plain lines
     progress = Progress(100, 1, stream=plain)

@@ -9,7 +9,6 @@ import jax
 import pytest
 from support import DEMO_CORPUS, small_train_config
 
-from lclm.checkpoint import read_params
 from lclm.config import AttentionConfig, ModelConfig, base_config
 from lclm.config.run_config import run_config
 from lclm.config.stages import stage_configs, validation_lengths
@@ -18,10 +17,11 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
 from lclm.models.decoder import loss_terms
 from lclm.parallel import make_mesh
-from lclm.training.loop import train
-from lclm.training.startup_checks import validate
-from lclm.training.state import init_state
-from lclm.training.step import make_optimizer
+from lclm.train.loop import train
+from lclm.train.startup_checks import validate
+from lclm.train.step import make_optimizer
+from lclm.workdir.checkpoint import read_params
+from lclm.workdir.state import init_state
 
 pytestmark = pytest.mark.slow  # trains a model
 

@@ -25,7 +25,7 @@ from lclm.config.model import ModelConfig
 from lclm.config.run_config import RunConfig
 from lclm.data.loader import abstract_batch, batch_sharding
 from lclm.errors import ConfigError
-from lclm.training.step import jit_train_step
+from lclm.train.step import jit_train_step
 
 AUTO = "auto"
 AUTO_ORDER = ("none", "attention", "full", "offload")
@@ -168,26 +168,26 @@ def choose(
 
 
 def train_step(
-    run: RunConfig, model: ModelConfig, mesh, optimizer, state, state_sharding
+    sections: RunConfig, model: ModelConfig, mesh, optimizer, state, state_sharding
 ) -> tuple[ModelConfig, Callable, str | None]:
     """(`model` with the remat policy its step compiles, the jitted train step, the log line
-    of an 'auto' choice: None where `run.model.remat` names the policy) for a run whose first
+    of an 'auto' choice: None where `sections.model.remat` names the policy) for a run whose first
     state is `state` (`state_sharding`: its shardings)."""
 
     def jitted(m: ModelConfig):
         return jit_train_step(
             m,
-            run.attention,
-            run.train,
+            sections.attention,
+            sections.train,
             mesh,
             optimizer,
             state_sharding,
-            document_mask=run.data.document_mask,
+            document_mask=sections.data.document_mask,
         )
 
-    if run.model.remat != AUTO:
+    if sections.model.remat != AUTO:
         return model, jitted(model), None
-    batch = abstract_batch(run.data.batch_size, run.data.seq_len, batch_sharding(mesh))
+    batch = abstract_batch(sections.data.batch_size, sections.data.seq_len, batch_sharding(mesh))
     steps = {}
 
     def compile_policy(policy: str):

@@ -1,4 +1,4 @@
-"""A staged run's directory, as the tools that read a run take it (lclm.training.workdirs): its
+"""A staged run's directory, as the tools that read a run take it (lclm.workdir.layout): its
 last stage with a checkpoint for `convert --to-hf` and `lclm.eval.generate` alike, never a target
 for `convert --to-checkpoint`; a machine with fewer devices than the training mesh is told
 generate's own mesh flags."""
@@ -21,9 +21,9 @@ from lclm.eval import generate
 from lclm.eval.model import restore_params
 from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
-from lclm.training.lock import WorkdirLock
-from lclm.training.stages import run_stages
-from lclm.training.workdirs import workdir_to_read
+from lclm.train.stages import run_stages
+from lclm.workdir.layout import workdir_to_read
+from lclm.workdir.lock import WorkdirLock
 
 pytestmark = pytest.mark.slow  # trains a staged run, starts processes
 

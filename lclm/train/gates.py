@@ -10,8 +10,8 @@ A stage's `gate` (a key of its record in `stages.list`) is a dict of one or both
   RULER's average over those tasks at `length` (default: the stage's seq_len), scored on the
   stage's final checkpoint on its own mesh as `python -m lclm.eval ruler --checkpoint
   <stage workdir>` scores it, must be at least `min_score` (percent). The scoring is
-  evaluation's (`score_ruler`, given by the training program, which sits above lclm.eval);
-  its report goes to `<stage workdir>/ruler_gate/`.
+  evaluation's (`lclm.eval.ruler.score_gate`: training stands above evaluation); its report
+  goes to `<stage workdir>/ruler_gate/`.
 and `on_fail`: 'stop' (the default: the run stops, exit 3, before the next stage) or 'warn'.
 
 A gate is evaluated whenever the stage is finished, so re-running a stopped run evaluates it
@@ -22,20 +22,16 @@ passes. Its verdict is logged and written to `<stage workdir>/gate.json`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import NamedTuple
 
 from lclm import storage
 from lclm.config.run_config import RunConfig
 from lclm.config.stages import gate_ruler, validation_lengths
-from lclm.errors import ConfigError
-from lclm.training.metrics import read_metrics
+from lclm.eval.ruler import score_gate
+from lclm.train.metrics import read_metrics
 from lclm.writes import write_json
 
 log = logging.getLogger(__name__)
-
-# (the stage's workdir, its gate's RULER subset with defaults) -> {'average': {length: %}, ...}
-ScoreRuler = Callable[[str, dict], dict]
 
 
 class Verdict(NamedTuple):
@@ -84,8 +80,8 @@ def _short_loss_part(stage: RunConfig, limit: float) -> tuple[bool | None, str, 
     )
 
 
-def _ruler_part(stage: RunConfig, spec: dict, score_ruler: ScoreRuler) -> tuple[bool, str, dict]:
-    result = score_ruler(stage.workdir, spec)
+def _ruler_part(stage: RunConfig, spec: dict) -> tuple[bool, str, dict]:
+    result = score_gate(stage.workdir, spec)
     score = result["average"][spec["length"]]
     return (
         score >= spec["min_score"],
@@ -97,25 +93,17 @@ def _ruler_part(stage: RunConfig, spec: dict, score_ruler: ScoreRuler) -> tuple[
     )
 
 
-def evaluate(
-    stage: RunConfig, gate: dict, name: str, score_ruler: ScoreRuler | None = None
-) -> Verdict:
+def evaluate(stage: RunConfig, gate: dict, name: str) -> Verdict:
     """The verdict of a finished `stage`'s `gate` (its config's sections): its held-out
-    losses read from its metrics.jsonl, its RULER subset scored by `score_ruler`; written to
-    its gate.json."""
+    losses read from its metrics.jsonl, its RULER subset scored by evaluation's scorer;
+    written to its gate.json."""
     parts = []
     fields: dict = {}
     if "short_loss" in gate:
         parts.append(_short_loss_part(stage, gate["short_loss"]))
     spec = gate_ruler(gate, stage.data.seq_len)
     if spec is not None:
-        if score_ruler is None:
-            raise ConfigError(
-                f"stage {name}'s gate scores RULER, which the training program "
-                "(python train.py) does; lclm.training.stages.run_stages was called "
-                "without score_ruler"
-            )
-        parts.append(_ruler_part(stage, spec, score_ruler))
+        parts.append(_ruler_part(stage, spec))
     for _, _, more in parts:
         fields.update(more)
     passed = all(p is True for p, _, _ in parts)

@@ -12,7 +12,6 @@ import orbax.checkpoint as ocp
 import pytest
 from support import small_train_config
 
-from lclm.checkpoint import Checkpoints
 from lclm.config import MESH_AXES, AttentionConfig, ModelConfig
 from lclm.config.run_config import run_config
 from lclm.data.loader import HostBatches
@@ -20,9 +19,10 @@ from lclm.data.tokenizer import Tokenizer
 from lclm.models.decoder import loss_terms
 from lclm.ops.layout import batch_to_layout, from_layout
 from lclm.parallel import make_mesh
-from lclm.training.loop import train
-from lclm.training.state import init_state
-from lclm.training.step import make_optimizer
+from lclm.train.loop import train
+from lclm.train.step import make_optimizer
+from lclm.workdir.checkpoint import Checkpoints
+from lclm.workdir.state import init_state
 
 pytestmark = pytest.mark.slow  # trains models or starts processes: left out by -m 'not slow'
 

@@ -15,8 +15,8 @@ import re
 import tempfile
 
 from lclm import storage
-from lclm.checkpoint import COMMITTED, path_problem
 from lclm.errors import ConfigError, StartupError
+from lclm.workdir.checkpoint import COMMITTED, path_problem
 from lclm.writes import output_problem
 
 STAGE_DIR = re.compile(r"stage(\d+)_(\d+)")

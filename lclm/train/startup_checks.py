@@ -29,8 +29,8 @@ from lclm.ops.context_parallel import kernel_block, layout_shards, option_proble
 from lclm.ops.context_parallel.rounds import kv_repeats
 from lclm.ops.kernels import choose_kernel, get_kernel, platform_family
 from lclm.parallel.mesh import fit_mesh, resolve_mesh_shape
-from lclm.training.resume import allowed_keys
-from lclm.training.workdirs import check_workdir
+from lclm.workdir.layout import check_workdir
+from lclm.workdir.resume import allowed_keys
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 again, decide a save by time, stop. A pure function of the step number (and of whether a
 termination was signalled), so that it is tested without devices; the loop asks it and
 nothing else counts steps. What happens by time or on a fault (a save due by the clock, a
-failed save's pause: `lclm.training.save_faults`; a non-finite step:
-`lclm.training.step_faults`) is decided there.
+failed save's pause: `lclm.train.save_faults`; a non-finite step:
+`lclm.train.step_faults`) is decided there.
 """
 
 from __future__ import annotations

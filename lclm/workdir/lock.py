@@ -145,18 +145,18 @@ def _remove_stale(path: str, judged: os.stat_result, private: str) -> bool:
 
 class WorkdirLock:
     """`acquire()` at start, `release()` at the end (also on errors); while held, `lost()`
-    says whether another run took the lock over. Made by `lclm.training.object_lock.
+    says whether another run took the lock over. Made by `lclm.workdir.object_lock.
     workdir_lock`, which picks the class by the path: a file lock taken on a gs:// path would
     guard a local './gs:/...' folder while the bucket stays open to every writer."""
 
-    # whether the class keeps its lock in a bucket (lclm.training.object_lock.ObjectLock)
+    # whether the class keeps its lock in a bucket (lclm.workdir.object_lock.ObjectLock)
     OBJECT_STORE = False
 
     def __init__(self, workdir: str, lease_minutes: float = 10.0):
         if storage.is_remote(workdir) != self.OBJECT_STORE:
             raise TypeError(
                 f"{type(self).__name__} cannot lock {workdir!r}; take a workdir's "
-                "lock with lclm.training.object_lock.workdir_lock"
+                "lock with lclm.workdir.object_lock.workdir_lock"
             )
         self.workdir = workdir
         self.path = os.path.join(workdir, LOCK_FILE)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from lclm.training.lock import WorkdirBusy, WorkdirLock
+from lclm.workdir.lock import WorkdirBusy, WorkdirLock
 
 LEASE = 0.02  # minutes: 1.2 s, renewed every 0.24 s
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import jax
 
 from lclm.errors import TrainingHalted
-from lclm.training.metrics import MetricsFailed
-from lclm.training.write_patience import WritePatience, seconds_text
+from lclm.train.metrics import MetricsFailed
+from lclm.train.write_patience import WritePatience, seconds_text
 
 log = logging.getLogger(__name__)
 

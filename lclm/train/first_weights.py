@@ -1,7 +1,7 @@
 """Where a run's first state comes from, decided here and nowhere else, and its reading:
 
 1. this workdir's latest readable checkpoint: the run resumes (its config checked against the
-   checkpoint's by `lclm.training.resume`, the parameter shapes against its metadata, before
+   checkpoint's by `lclm.workdir.resume`, the parameter shapes against its metadata, before
    anything is initialised);
 2. else another lclm run's latest checkpoint (`model.init_from_checkpoint`, with its optimizer
    state where `train.optimizer_from_checkpoint`);
@@ -24,22 +24,22 @@ import os
 import jax
 
 from lclm import hf
-from lclm.checkpoint import (
-    Checkpoints,
-    ShapeMismatch,
-    first_line,
-    read_state_items,
-    saved_config,
-)
 from lclm.config.model import ModelConfig
 from lclm.config.run_config import RunConfig
 from lclm.config.schema import Model
 from lclm.errors import StartupError
 from lclm.models.decoder import init_params
 from lclm.parallel.distributed import any_process
-from lclm.training.resume import allowed_keys, check_resume
-from lclm.training.state import TrainState, init_state, param_shardings
-from lclm.training.step import restart_schedule
+from lclm.train.step import restart_schedule
+from lclm.workdir.checkpoint import (
+    Checkpoints,
+    ShapeMismatch,
+    first_line,
+    read_state_items,
+    saved_config,
+)
+from lclm.workdir.resume import allowed_keys, check_resume
+from lclm.workdir.state import TrainState, init_state, param_shardings
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +121,11 @@ def apply_checkpoint_fields(config) -> None:
 
 
 def origin(
-    config: RunConfig, checkpoints: Checkpoints, saved_config: dict, model: ModelConfig
+    sections: RunConfig, checkpoints: Checkpoints, saved_config: dict, model: ModelConfig
 ) -> Origin:
-    """Where the first state of the run `config` (its config as checkpoints save it:
+    """Where the first state of the run `sections` (its config as checkpoints save it:
     `saved_config`) comes from, `checkpoints` being its workdir's. A resume this config may not
-    make (ConfigError, `lclm.training.resume`) or whose parameter shapes are not `model`'s
+    make (ConfigError, `lclm.workdir.resume`) or whose parameter shapes are not `model`'s
     (ShapeMismatch, from the checkpoint's metadata) is refused here, before the model is
     initialised (a large one takes minutes and most of the memory) and before config.json,
     which describes the workdir's checkpoints, is rewritten."""
@@ -135,7 +135,7 @@ def origin(
             return Origin(RESUME)
         step, saved = latest
         restart_data = check_resume(
-            saved, saved_config, allowed_keys(config.checkpoint.allow_changed), step
+            saved, saved_config, allowed_keys(sections.checkpoint.allow_changed), step
         )
         try:  # an allowed change (checkpoint.allow_changed) may still change a shape
             checkpoints.check_shapes(
@@ -146,7 +146,7 @@ def origin(
         except Exception as e:  # noqa: BLE001  (damaged metadata: the restore sets the step aside)
             log.debug("shapes of checkpoint step %d not checked before the restore (%s)", step, e)
         return Origin(RESUME, step, restart_data)
-    return Origin(configured_source(config.model))
+    return Origin(configured_source(sections.model))
 
 
 def configured_source(model: Model) -> str:
@@ -163,7 +163,7 @@ def configured_source(model: Model) -> str:
 
 
 def first_state(
-    config: RunConfig,
+    sections: RunConfig,
     checkpoints: Checkpoints,
     model: ModelConfig,
     mesh,
@@ -172,21 +172,21 @@ def first_state(
 ) -> tuple[TrainState, dict | None]:
     """(state, data state) the run starts from, placed on `mesh` (`origin` decides where from;
     the data state is None where the data pipeline starts at its beginning)."""
-    source = origin(config, checkpoints, saved_config, model)
-    state = init_state(model, optimizer, mesh, config.seed)
+    source = origin(sections, checkpoints, saved_config, model)
+    state = init_state(model, optimizer, mesh, sections.seed)
     if source.kind == RESUME:
-        return _resume(config, checkpoints, state, saved_config, source)
+        return _resume(sections, checkpoints, state, saved_config, source)
     if source.kind == OTHER_RUN:
         state = load_checkpoint_state(
-            config.model.init_from_checkpoint, config.train.optimizer_from_checkpoint, state
+            sections.model.init_from_checkpoint, sections.train.optimizer_from_checkpoint, state
         )
     elif source.kind == HUGGINGFACE:
-        state = state._replace(params=load_hf_params(config.model.init_from_hf, model, mesh))
+        state = state._replace(params=load_hf_params(sections.model.init_from_hf, model, mesh))
     return state, None
 
 
 def _resume(
-    config: RunConfig,
+    sections: RunConfig,
     checkpoints: Checkpoints,
     template: TrainState,
     saved_config: dict,
@@ -202,7 +202,7 @@ def _resume(
         # decides (an allowed change of the data order may lie between the two)
         saved = checkpoints.config_at(restored)
         restart_data = saved is not None and check_resume(
-            saved, saved_config, allowed_keys(config.checkpoint.allow_changed), restored
+            saved, saved_config, allowed_keys(sections.checkpoint.allow_changed), restored
         )
     return state, None if restart_data else data_state
 

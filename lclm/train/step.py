@@ -16,7 +16,7 @@ from lclm.config.schema import Train
 from lclm.data.loader import batch_sharding
 from lclm.models.decoder import BIASES, loss_terms
 from lclm.parallel.mesh import logical_sharding
-from lclm.training.state import TrainState
+from lclm.workdir.state import TrainState
 
 
 def lr_schedule(train: Train) -> optax.Schedule:

@@ -155,7 +155,7 @@ class MetricsLogger:
     after its last checkpoint) are dropped before the re-run steps are logged. A write that
     fails (a full disk, a storage hiccup) leaves the file as it was and raises `MetricsFailed`;
     its records are held in memory and written with the next `log`, `flush` or `close`
-    (`lclm.training.step_faults` decides how long to keep trying: the run's `WritePatience`).
+    (`lclm.train.step_faults` decides how long to keep trying: the run's `WritePatience`).
     """
 
     def __init__(self, workdir: str, wandb_run=None, resume_step: int = 0):
@@ -340,16 +340,16 @@ class Progress:
             print(line, file=self.stream, flush=True)
 
 
-def wandb_run(config: RunConfig, resume_step: int):
+def wandb_run(sections: RunConfig, resume_step: int):
     """The wandb run of this workdir: the same run id across resumes (`<workdir>/wandb_id`),
     so a resumed run continues its run instead of starting a second one."""
-    if not config.log.wandb or jax.process_index() != 0:
+    if not sections.log.wandb or jax.process_index() != 0:
         return None
     import wandb  # 0.4 s to import: only runs that log to wandb pay it
 
     # the environment wins; wandb checks its value (log.wandb_mode is checked at start)
-    mode: Any = os.environ.get("WANDB_MODE", config.log.wandb_mode)
-    id_path = storage.join(config.workdir, "wandb_id")
+    mode: Any = os.environ.get("WANDB_MODE", sections.log.wandb_mode)
+    id_path = storage.join(sections.workdir, "wandb_id")
     if storage.isfile(id_path):
         run_id = storage.read_text(id_path).strip()
     else:
@@ -369,12 +369,12 @@ def wandb_run(config: RunConfig, resume_step: int):
             resume_step,
         )
     # wandb keeps its own files in a local folder: its default (./wandb) for a bucket workdir
-    local = None if storage.is_remote(config.workdir) else config.workdir
+    local = None if storage.is_remote(sections.workdir) else sections.workdir
     return wandb.init(
-        project=config.log.wandb_project,
+        project=sections.log.wandb_project,
         mode=mode,
         dir=local,
-        config=public_config(config),
+        config=public_config(sections),
         id=run_id,
         resume="allow",
         settings=settings,

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 import jax
 
 from lclm import storage
-from lclm.checkpoint import Checkpoints
 from lclm.config.run_config import RunConfig
 from lclm.config.schema import Data
 from lclm.data.loader import HostBatches, parse_sources
@@ -22,12 +21,13 @@ from lclm.data.sources import DataError, open_documents
 from lclm.errors import ConfigError
 from lclm.hardware import peak_flops
 from lclm.parallel.distributed import any_process
-from lclm.training.cadence import Cadence, StepPlan
-from lclm.training.lock import WorkdirLock
-from lclm.training.metrics import MetricsFailed, MetricsLogger, Progress, flops_per_token
-from lclm.training.state import TrainState
-from lclm.training.step import jit_eval_loss
-from lclm.training.step_faults import StepFaults
+from lclm.train.cadence import Cadence, StepPlan
+from lclm.train.metrics import MetricsFailed, MetricsLogger, Progress, flops_per_token
+from lclm.train.step import jit_eval_loss
+from lclm.train.step_faults import StepFaults
+from lclm.workdir.checkpoint import Checkpoints
+from lclm.workdir.lock import WorkdirLock
+from lclm.workdir.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +118,12 @@ class Validation(Hook):
         return None
 
 
-def _check_validation_size(run: RunConfig, tokenizer) -> None:
+def _check_validation_size(sections: RunConfig, tokenizer) -> None:
     """A ConfigError naming the validation keys when a source of `validation.path` holds
     fewer records than a batch has rows (each row reads its own records, as in training):
     the fix is more held-out data, not another `data.batch_size`, which would change the
     training run."""
-    v, d = run.validation, run.data
+    v, d = sections.validation, sections.data
     for kind, path, *_ in parse_sources(v.path, d.source, "validation.path"):
         found = len(
             open_documents(
@@ -287,16 +287,16 @@ class Console(Hook):
     """Process 0's console: "compiling" until the first step is done, then with
     `log.progress` a progress bar or line (`metrics.Progress`), else the log; the summary."""
 
-    def __init__(self, config: RunConfig, cadence: Cadence):
+    def __init__(self, sections: RunConfig, cadence: Cadence):
         self.progress = None
         if cadence.trained:
             log.info(
                 "%s is already trained to step %d (train.steps); nothing to do: raise "
                 "train.steps to train on",
-                config.workdir,
+                sections.workdir,
                 cadence.total,
             )
-        elif config.log.progress:  # it says "compiling" itself
+        elif sections.log.progress:  # it says "compiling" itself
             self.progress = Progress(cadence.total, cadence.first)
         else:
             log.info("compiling the training step (step %d of %d)", cadence.first, cadence.total)

@@ -21,7 +21,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from lclm import storage
-from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.config.model import ModelConfig
 from lclm.config.run_config import RunConfig, held_out_runs
 from lclm.config.secrets import public_config
@@ -31,10 +30,10 @@ from lclm.errors import ConfigError, StartupError
 from lclm.models.decoder import param_count
 from lclm.parallel.distributed import check_same_config
 from lclm.parallel.mesh import make_mesh
-from lclm.training.cadence import Cadence
-from lclm.training.compile_cache import use_compile_cache
-from lclm.training.first_weights import first_state, take_model_fields
-from lclm.training.hooks import (
+from lclm.train.cadence import Cadence
+from lclm.train.compile_cache import use_compile_cache
+from lclm.train.first_weights import first_state, take_model_fields
+from lclm.train.hooks import (
     Console,
     Hook,
     MetricsWriter,
@@ -43,23 +42,24 @@ from lclm.training.hooks import (
     log_record,
     summary,
 )
-from lclm.training.lock import WorkdirLock
-from lclm.training.metrics import (
+from lclm.train.metrics import (
     MetricsFailed,
     MetricsLogger,
     metrics_path,
     read_metrics,
     wandb_run,
 )
-from lclm.training.object_lock import workdir_lock
-from lclm.training.remat_choice import train_step
-from lclm.training.resume import tokenizer_fingerprint
-from lclm.training.save_faults import SaveFaults
-from lclm.training.startup_checks import attention_line, check_data, checked
-from lclm.training.state import TrainState
-from lclm.training.step import all_finite, make_optimizer
-from lclm.training.step_faults import StepFaults
-from lclm.training.write_patience import WritePatience
+from lclm.train.remat_choice import train_step
+from lclm.train.save_faults import SaveFaults
+from lclm.train.startup_checks import attention_line, check_data, checked
+from lclm.train.step import all_finite, make_optimizer
+from lclm.train.step_faults import StepFaults
+from lclm.train.write_patience import WritePatience
+from lclm.workdir.checkpoint import Checkpoints, SaveFailed
+from lclm.workdir.lock import WorkdirLock
+from lclm.workdir.object_lock import workdir_lock
+from lclm.workdir.resume import tokenizer_fingerprint
+from lclm.workdir.state import TrainState
 from lclm.writes import write_json
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from lclm.checkpoint import Checkpoints, SaveFailed
 from lclm.errors import TrainingHalted
 from lclm.parallel.distributed import any_process
-from lclm.training.cadence import StepPlan
-from lclm.training.write_patience import WritePatience, seconds_text
+from lclm.train.cadence import StepPlan
+from lclm.train.write_patience import WritePatience, seconds_text
+from lclm.workdir.checkpoint import Checkpoints, SaveFailed
 
 log = logging.getLogger(__name__)
 

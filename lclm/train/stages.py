@@ -21,17 +21,17 @@ import math
 import jax
 
 from lclm import storage
-from lclm.checkpoint import Checkpoints
 from lclm.config import MESH_AXES
 from lclm.config.run_config import RunConfig, run_config
 from lclm.config.stages import gate_ruler, stage_configs, stage_name, stage_records
 from lclm.data import ruler
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError, TrainingHalted
-from lclm.training import gates
-from lclm.training.first_weights import SourceDamaged, apply_hf_shapes
-from lclm.training.loop import Termination, handled_termination, train
-from lclm.training.startup_checks import check_config, validate
+from lclm.train import gates
+from lclm.train.first_weights import SourceDamaged, apply_hf_shapes
+from lclm.train.loop import Termination, handled_termination, train
+from lclm.train.startup_checks import check_config, validate
+from lclm.workdir.checkpoint import Checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,7 @@ def _each_stage(configs: list, check) -> None:
             raise ConfigError(f"stage {i} (seq_len {c.data.seq_len}): {e}") from None
 
 
-def check_ruler_gates(
-    configs: list, records: list[dict], score_ruler: gates.ScoreRuler | None
-) -> None:
+def check_ruler_gates(configs: list, records: list[dict]) -> None:
     """Every gate's RULER subset can be scored: known tasks whose first prompt fits its
     length with the stage's tokenizer; found at start, not after a stage of training."""
     for i, (c, record) in enumerate(zip(configs, records)):
@@ -80,11 +78,6 @@ def check_ruler_gates(
         if spec is None:
             continue
         where = f"stage {i} (seq_len {c.data.seq_len})'s gate"
-        if score_ruler is None:
-            raise ConfigError(
-                f"{where} scores RULER, which the training program (python "
-                "train.py) does; run_stages was called without score_ruler"
-            )
         tasks = [t.strip() for t in spec["tasks"].split(",") if t.strip()]
         unknown = [t for t in tasks if t not in ruler.TASKS] or ([] if tasks else ["(none)"])
         if unknown:
@@ -121,32 +114,28 @@ def _set_aside_final(workdir: str, damaged: SourceDamaged) -> None:
         checkpoints.close()
 
 
-def run_stages(
-    config, stop_after: int | None = None, score_ruler: gates.ScoreRuler | None = None
-) -> list[list[dict]]:
+def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
     """Train every unfinished stage in order; returns each run stage's metric records.
 
     `stop_after` counts steps over all stages (stage 1's first step is stage 0's steps + 1)
     and stops there as a crash would (steps since the stage's last checkpoint are lost); the
     next call resumes. A stage whose predecessor's final checkpoint turns out damaged when it
     starts sends the run back to that predecessor, which resumes from its previous good step.
-    `score_ruler` scores the gates' RULER subsets (lclm.training.gates). A termination signal
+    A termination signal
     (SIGTERM, SIGINT) stops the run at the step it comes after, its checkpoint saved, however
     late in a stage it comes (during its final save and summary: the next stage does not
     start).
     """
     with handled_termination() as termination:
-        return _run_stages(config, stop_after, score_ruler, termination)
+        return _run_stages(config, stop_after, termination)
 
 
-def _run_stages(
-    config, stop_after: int | None, score_ruler: gates.ScoreRuler | None, termination: Termination
-) -> list[list[dict]]:
+def _run_stages(config, stop_after: int | None, termination: Termination) -> list[list[dict]]:
     if config.model.init_from_hf:
         apply_hf_shapes(config)  # every stage validates against the real model shape
     configs = validate_stages(config, len(jax.devices()))
     records = stage_records(config)
-    check_ruler_gates(configs, records, score_ruler)
+    check_ruler_gates(configs, records)
     # looked at only where it exists: opening Checkpoints would create the directory
     single = (
         _saved_step(config.workdir)
@@ -177,7 +166,7 @@ def _run_stages(
         done = _saved_step(s.workdir)
         if done is not None and done >= s.train.steps:
             log.info("stage %d (seq_len %d) already finished at step %d", i, s.data.seq_len, done)
-            _pass_gate(s, records[i], i, score_ruler)
+            _pass_gate(s, records[i], i)
             i += 1
             continue
         log.info(
@@ -227,19 +216,17 @@ def _run_stages(
                 s.train.steps,
             )
             break
-        _pass_gate(s, records[i], i, score_ruler)
+        _pass_gate(s, records[i], i)
         i += 1
     return results
 
 
-def _pass_gate(
-    stage: RunConfig, record: dict, index: int, score_ruler: gates.ScoreRuler | None
-) -> None:
+def _pass_gate(stage: RunConfig, record: dict, index: int) -> None:
     """Evaluate a finished stage's gate, if it has one; a failed 'stop' gate halts the run
     (exit 3) before the next stage: re-running evaluates it again."""
     if "gate" not in record:
         return
-    verdict = gates.evaluate(stage, record["gate"], stage_name(record, index), score_ruler)
+    verdict = gates.evaluate(stage, record["gate"], stage_name(record, index))
     if not verdict.passed and verdict.stop:
         raise TrainingHalted(
             f"{verdict.line}; the next stage did not start (train this one "

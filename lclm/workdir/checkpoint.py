@@ -2,8 +2,8 @@
 
 Saves asynchronously (training continues while tensorstore writes) and keeps the last
 `checkpoint.keep`; which steps are saved (every `checkpoint.every`, the final step, on
-SIGTERM / SIGINT) is `lclm.training.cadence`'s, saves by time and retries are
-`lclm.training.save_faults`'. Each process writes its own shards. A checkpoint holds
+SIGTERM / SIGINT) is `lclm.train.cadence`'s, saves by time and retries are
+`lclm.train.save_faults`'. Each process writes its own shards. A checkpoint holds
 `state` (step, params, optimizer state), `data` (every process's data-pipeline state) and
 `config` (secrets removed).
 
@@ -328,8 +328,8 @@ def _quiet_storage_tracebacks() -> None:
 
 
 class Checkpoints:
-    """The run's checkpoint directory (when to save: `lclm.training.cadence`, and
-    `lclm.training.save_faults` for saves by time and retries).
+    """The run's checkpoint directory (when to save: `lclm.train.cadence`, and
+    `lclm.train.save_faults` for saves by time and retries).
 
     Faults: a step that cannot be read is moved aside to `<workdir>/checkpoints_damaged/`
     (never deleted) and the previous one is used, so the run can save that step again. A save

@@ -1,7 +1,7 @@
 """The workdir lease of a run whose workdir is on object storage (gs://, s3://): the object
 `<workdir>/lock`, kept with conditional writes.
 
-The same lease as a local lock (lclm.training.lock: refusals, takeover of a stale lease, `lost`)
+The same lease as a local lock (lclm.workdir.lock: refusals, takeover of a stale lease, `lost`)
 on what a bucket offers instead of links and renames. Every step is one conditional write,
 so two runs (or a run and its own retried request) never both think they hold it:
 - taking it: create the object only if there is none (GCS `ifGenerationMatch=0`, S3
@@ -21,7 +21,7 @@ import logging
 import uuid
 
 from lclm import storage
-from lclm.training.lock import WorkdirLock
+from lclm.workdir.lock import WorkdirLock
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ObjectLock(WorkdirLock):
 
 
 def workdir_lock(workdir: str, lease_minutes: float = 10.0) -> WorkdirLock:
-    """The lease lock of `workdir`: a file (lclm.training.lock), or for a gs:// or s3:// workdir
+    """The lease lock of `workdir`: a file (lclm.workdir.lock), or for a gs:// or s3:// workdir
     an object. Every writer of a workdir (training, `lclm.convert --to-checkpoint`) takes its
     lock here; each class refuses the other's paths."""
     if storage.is_remote(workdir):

@@ -6,13 +6,12 @@
     python train.py --config configs/demo.py --print-config   (the config a run gets; no run)
 
 A config with `stages.list` (or `stages.schedule`) runs its stages one after another
-(lclm.training.stages); the same command resumes an interrupted staged run. Any config field
+(lclm.train.stages); the same command resumes an interrupted staged run. Any config field
 can be overridden with --config.<path>=<value>; `--help` lists every field with its default.
 When the mesh needs more devices than the machine has, they are simulated on the CPU. A bad
 config or input stops the run at start with one line `error: ...` and exit status 2; a run
 that stops itself (train.max_bad_steps non-finite steps in a row, checkpoints that cannot be
-saved, a stage gate that fails) prints one line and exits with status 3. This program sits
-above lclm.eval in the layers: a stage gate's RULER subset is scored by evaluation's code.
+saved, a stage gate that fails) prints one line and exits with status 3.
 """
 
 import sys
@@ -23,11 +22,10 @@ from lclm import logs
 from lclm.cli import config_main
 from lclm.config import mesh_device_count
 from lclm.config.stages import stage_configs
-from lclm.eval.ruler import score_gate
 from lclm.parallel import distributed
 from lclm.parallel.devices import allow_gpu_host_memory, request_cpu_devices
-from lclm.training.loop import train
-from lclm.training.stages import check_stages, run_stages
+from lclm.train.loop import train
+from lclm.train.stages import check_stages, run_stages
 
 
 def run(config) -> None:
@@ -43,7 +41,7 @@ def run(config) -> None:
     logs.configure()
     distributed.initialize()
     logs.configure(main_process=jax.process_index() == 0)
-    run_stages(config, score_ruler=score_gate) if stages else train(config)
+    run_stages(config) if stages else train(config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,1 +1,0 @@
-"""Training: the loop, step, state, stages, cadence, first weights, faults, metrics, locks."""
