@@ -164,7 +164,7 @@ def prepare(stage, first, length: int | None) -> Run:
     itself) on this machine's devices, capped at `length` tokens."""
     devices = jax.devices()
     c, weights = weights_source(stage, first)
-    take_model_fields(c)
+    c = take_model_fields(c)
     c, notes = config_for_check(c, length, len(devices))
     sections = run_config(c)
     model = sections.model.resolved()

@@ -130,7 +130,7 @@ class Extension:
 
     def __init__(self, config, out: str | None, command: str):
         if config.model.init_from_hf:
-            apply_hf_shapes(config)  # every stage validates against the real model shape
+            config = apply_hf_shapes(config)  # every stage validates against the real model shape
         configs = validate_stages(config, len(jax.devices())) if stage_configs(config) else [config]
         self.config = config
         self.stages = [run_config(c) for c in configs]

@@ -16,6 +16,7 @@ weights are read into the run's shardings; nothing is unpickled.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -58,24 +59,28 @@ class Origin:
     restart_data: bool = False
 
 
-def take_model_fields(config) -> None:
-    """Take into `config.model` the fields its source of weights determines: a HuggingFace
-    directory's (`apply_hf_shapes`) or another run's (`apply_checkpoint_fields`).
+def take_model_fields(config):
+    """`config` with the fields of `config.model` that its source of weights determines
+    taken: a HuggingFace directory's (`apply_hf_shapes`) or another run's
+    (`apply_checkpoint_fields`); a new config (`config` stays as it was), or `config` itself
+    where it starts from scratch.
     Before the config is checked: a resume is then compared with the config it will train.
     HuggingFace first, unlike `origin`: a later stage of a run started from HuggingFace keeps
     its `init_from_hf` beside the previous stage's `init_from_checkpoint`, and takes its fields
     from the HuggingFace directory but its weights from that checkpoint."""
     if config.model.init_from_hf:
-        apply_hf_shapes(config)
-    elif config.model.init_from_checkpoint:
-        apply_checkpoint_fields(config)
+        return apply_hf_shapes(config)
+    if config.model.init_from_checkpoint:
+        return apply_checkpoint_fields(config)
+    return config
 
 
-def apply_hf_shapes(config) -> None:
-    """Take the fields of `config.model` that `init_from_hf`'s config.json determines: shapes,
-    token ids, max positions and, where `model.rope_scaling` is 'auto', the RoPE scaling.
-    `model.rope_theta` stays the run's (long-context recipes raise it)."""
+def apply_hf_shapes(config):
+    """A copy of `config` with the fields of `config.model` that `init_from_hf`'s config.json
+    determines: shapes, token ids, max positions and, where `model.rope_scaling` is 'auto',
+    the RoPE scaling. `model.rope_theta` stays the run's (long-context recipes raise it)."""
     source = hf.read_config(config.model.init_from_hf)
+    config = copy.deepcopy(config)
     config.model.update(
         hf.model_fields(
             dataclasses.asdict(source), rope_scaling=config.model.rope_scaling == "auto"
@@ -88,6 +93,7 @@ def apply_hf_shapes(config) -> None:
             config.model.init_from_hf,
             source.rope_theta,
         )
+    return config
 
 
 class SourceDamaged(StartupError):
@@ -104,10 +110,10 @@ class SourceDamaged(StartupError):
         )
 
 
-def apply_checkpoint_fields(config) -> None:
-    """Take the fields of `config.model` that `init_from_checkpoint`'s saved config
-    determines, as `apply_hf_shapes` does for HF weights: shapes, token ids, max positions
-    and, where `model.rope_scaling` is 'auto', the RoPE scaling it trained with."""
+def apply_checkpoint_fields(config):
+    """A copy of `config` with the fields of `config.model` that `init_from_checkpoint`'s
+    saved config determines, as `apply_hf_shapes` takes HF weights': shapes, token ids, max
+    positions and, where `model.rope_scaling` is 'auto', the RoPE scaling it trained with."""
     source = config.model.init_from_checkpoint
     try:
         _, saved = saved_config(source)
@@ -115,9 +121,11 @@ def apply_checkpoint_fields(config) -> None:
         raise
     except Exception as e:  # noqa: BLE001  (a damaged config item)
         raise SourceDamaged(source, None, first_line(e)) from None
+    config = copy.deepcopy(config)
     config.model.update(
         hf.model_fields(saved.get("model", {}), rope_scaling=config.model.rope_scaling == "auto")
     )
+    return config
 
 
 def origin(

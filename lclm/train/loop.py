@@ -95,7 +95,7 @@ def train(
     handles them itself while it trains.
     """
     devices = jax.devices()
-    take_model_fields(config)  # the source of its weights fixes the model's shapes
+    config = take_model_fields(config)  # the source of its weights fixes the model's shapes
     sections, sizes = checked(config, len(devices))
     check_data(config)  # before the model: a missing file is found in seconds
     public = public_config(config)

@@ -132,7 +132,7 @@ def run_stages(config, stop_after: int | None = None) -> list[list[dict]]:
 
 def _run_stages(config, stop_after: int | None, termination: Termination) -> list[list[dict]]:
     if config.model.init_from_hf:
-        apply_hf_shapes(config)  # every stage validates against the real model shape
+        config = apply_hf_shapes(config)  # every stage validates against the real model shape
     configs = validate_stages(config, len(jax.devices()))
     records = stage_records(config)
     check_ruler_gates(configs, records)

@@ -191,7 +191,7 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
     config = base_config()
     config.model.update(init_from_hf=str(tmp_path / "src"), rope_theta=1e6)
     assert config.model.rope_scaling == "auto"
-    apply_hf_shapes(config)
+    config = apply_hf_shapes(config)
     m = ModelConfig.from_config(config.model)
     assert (m.bos_id, m.eos_ids, m.max_position_embeddings) == (7, (8, 9), 48)
     assert (m.rope_scaling, m.rope_factor, m.rope_original_max_positions) == (
@@ -203,7 +203,7 @@ def test_a_source_config_fills_ids_positions_and_scaling_unless_the_run_sets_one
 
     config = base_config()
     config.model.update(init_from_hf=str(tmp_path / "src"), rope_scaling="linear", rope_factor=2.0)
-    apply_hf_shapes(config)  # a scaling the run names is the run's
+    config = apply_hf_shapes(config)  # a scaling the run names is the run's
     m = ModelConfig.from_config(config.model)
     assert (m.rope_scaling, m.rope_factor, m.bos_id) == ("linear", 2.0, 7)
     # a run from scratch: "auto" is no scaling

@@ -14,7 +14,7 @@ from support import DEMO_TOKENIZER, small_train_config
 from lclm.config.schema import base_config
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
-from lclm.train import resume
+from lclm.workdir import resume
 from lclm.train.loop import train
 
 
