@@ -14,8 +14,8 @@ from support import DEMO_TOKENIZER, small_train_config
 from lclm.config.schema import base_config
 from lclm.data.tokenizer import Tokenizer
 from lclm.errors import ConfigError
-from lclm.workdir import resume
 from lclm.train.loop import train
+from lclm.workdir import resume
 
 
 def _keys(node, prefix=""):
