@@ -255,7 +255,8 @@ def test_a_family_trains_from_its_hf_weights_and_exports_what_transformers_reads
     config.log.progress = False
     config.validation.path = ""
     records = train(config)
-    assert config.model.family == family  # from config.json's model_type
+    with open(os.path.join(config.workdir, "config.json")) as f:  # what the run trained
+        assert json.load(f)["model"]["family"] == family  # from config.json's model_type
 
     c, params = hf.load(str(tmp_path / "hf"), rope_theta=config.model.rope_theta)
     mesh = make_mesh(fsdp=2, sp=4)

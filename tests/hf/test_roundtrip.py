@@ -142,7 +142,9 @@ def test_training_starts_from_hf_weights_with_the_configured_rope_theta(tmp_path
     config.train.update(steps=1, warmup=1)
     config.log.progress = False
     records = train(config)
-    assert config.model.dim == 64 and config.model.n_layers == 2  # shapes from config.json
+    with open(os.path.join(config.workdir, "config.json")) as f:  # what the run trained
+        model = json.load(f)["model"]
+    assert model["dim"] == 64 and model["n_layers"] == 2  # shapes from config.json
 
     c, params = hf.load(str(tmp_path / "hf"), rope_theta=1e6)
     mesh = make_mesh(fsdp=2, sp=4)
