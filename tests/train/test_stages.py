@@ -17,7 +17,7 @@ from lclm.config.stages import stage_configs
 from lclm.errors import ConfigError
 from lclm.models.decoder import init_params
 from lclm.parallel import make_mesh
-from lclm.train.first_weights import SourceDamaged
+from lclm.train.first_weights import SourceDamaged, take_model_fields
 from lclm.train.loop import train
 from lclm.train.stages import run_stages
 from lclm.train.step import make_optimizer
@@ -60,8 +60,9 @@ def _tiny_hf(tmp_path):
 
 
 def _final_params(config):
-    """Final parameters of the last stage, restored on one device."""
-    last = stage_configs(config)[-1]
+    """Final parameters of the last stage, restored on one device (its model's fields taken
+    from its source of weights, as its run took them)."""
+    last = take_model_fields(stage_configs(config)[-1])
     model = ModelConfig.from_config(last.model)
     template = init_state(model, make_optimizer(run_config(last).train), make_mesh(), seed=0)
     checkpoints = Checkpoints(last.workdir, keep=1)
