@@ -98,6 +98,7 @@ class Partial:
 
     def whole(self) -> tuple[np.ndarray, np.ndarray]:
         """The whole document (what is left of it, where parts were taken)."""
+        self._step = max(len(self._texts) - self._next, 1)  # what is left, in one batch call
         self.read_to(sys.maxsize)
         taken = self.take()
         assert taken is not None  # a complete document ends with EOS, never taken yet
@@ -134,12 +135,8 @@ class TextDocuments(_RecordDocuments):
         return int(self.tokenizer.add_bos) + 1
 
     def document(self, record) -> tuple[np.ndarray, np.ndarray]:
-        tok = self.tokenizer
-        ids = [tok.bos_id] * tok.add_bos + tok.encode_long(record[self.field]) + [tok.eos_id]
-        tokens = np.asarray(ids, np.int32)
-        loss = np.ones(len(ids), np.int8)
-        loss[0] = 0  # the document's first token (BOS): nothing predicts it
-        return tokens, loss
+        texts = self.tokenizer.long_pieces(record[self.field])
+        return Partial(self.tokenizer, texts, len(texts)).whole()
 
     def most_tokens(self, i: int) -> int | None:
         record = self.records[i]

@@ -293,7 +293,10 @@ class LengthFilter:
         reader of only those would search forever (each measured only as far as that
         takes)."""
         r = self.rules
-        thresholds = self._thresholds(0)[:2] + ([r.short_below] if r.short_keep <= 0 else [])
+        # where `possible` may change: min_tokens, max_tokens and, where no short document
+        # is ever kept, short_below
+        thresholds = [max(r.min_tokens, 1)] + [r.max_tokens + 1] * bool(r.max_tokens)
+        thresholds += [r.short_below] * (r.short_keep <= 0)
 
         def possible(n: int) -> bool:
             return bool(self._fits(np.array([n]))[0]) and (n >= r.short_below or r.short_keep > 0)

@@ -49,18 +49,10 @@ class Packer:
         self._empty = 0
 
     def add(self, tokens: np.ndarray, loss: np.ndarray) -> None:
-        n = len(tokens)
-        self._parts.append(
-            dict(
-                tokens=np.asarray(tokens, np.int32),
-                loss=np.asarray(loss, np.int8),
-                doc=np.full(n, self._next_doc, np.int64),
-                pos=np.arange(n, dtype=np.int32),
-            )
-        )
-        self._pending += n
+        """A new document, its tokens (or its first part's: see `extend`)."""
         self._next_doc += 1
-        self._lengths.append(n)
+        self._lengths.append(0)
+        self.extend(tokens, loss)
 
     def extend(self, tokens: np.ndarray, loss: np.ndarray) -> None:
         """More tokens of the document added last (its next part: positions go on)."""

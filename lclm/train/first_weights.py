@@ -9,9 +9,10 @@
 4. else the fresh initialisation from `seed`.
 
 The model fields a source of weights fixes (shapes, token ids, positions, RoPE scaling) are
-taken into the config before it is checked against the devices (`take_model_fields`); the
-state itself once the workdir is the run's (`first_state`). Another run's or HuggingFace's
-weights are read into the run's shardings; nothing is unpickled.
+taken into a copy of the config before it is checked against the devices
+(`take_model_fields`); the state itself once the workdir is the run's (`first_state`).
+Another run's or HuggingFace's weights are read into the run's shardings; nothing is
+unpickled.
 """
 
 from __future__ import annotations
