@@ -5,6 +5,7 @@
     python -m bench --suite gpu-lease --out DIR    # gpu-quick cut to one 10-minute command
     python -m bench --suite gpu [--out DIR] [--parts attention,striped,...]
     python -m bench --suite cpu [--smallest]
+    python -m bench --suite host [--parts loader,checkpoint,compile]   # what a GPU run waits on
 
 Parts (each writes `<part>.md`, most a `<part>.png` too, into the output folder, stamped with
 device, JAX version and date; `index.md` lists them with their wall time). The output folder
@@ -54,6 +55,17 @@ runs every part at toy sizes on the CPU in a few minutes: its numbers check the 
 are not a performance result (the reports say so). `--smallest` cuts every part to its first
 size (the smoke test).
 
+`--suite host` measures on this machine's CPUs what a GPU run waits on, each against a
+reference measured in the same run, and judges each figure by its target (issue 77) in
+`index.md`'s last table: `loader` (bench/data_throughput.py: the loader tokenising SmolLM2's
+code mixture at 8K and 64K rows against the tokenizer alone, waits against a step of 8 H100s,
+the pre-tokenised copy against a host's need), `checkpoint` (bench/checkpoint_save.py:
+SmolLM2's state saved and restored against `dd` and a numpy read of the same bytes, with the
+extra host memory) and `compile` (bench/compile_speed.py: LLaMA-3.2-1B's 8K step compiled for
+an H100 without a GPU against the plain step, and the bytes each moves). The compile part needs
+the [gpu-aot] extra (Python 3.12: the kernels `auto` picks on Hopper); the first two need the
+real model (docs/checkpoints.md).
+
 Outside the suites (host arithmetic, no device): `python -m bench.balance` measures
 data.balance, the attention work per device before and after balancing a step's rows, on the
 Python standard library's length mix (bench/results/balance.md).
@@ -72,7 +84,10 @@ import traceback
 
 from bench import ROOT
 from bench.attention import AttentionSpec
+from bench.checkpoint_save import CheckpointSpec
+from bench.compile_speed import CompileSpec
 from bench.correctness import CorrectnessSpec
+from bench.data_throughput import LoaderSpec
 from bench.max_context import ONE_DEVICE, MaxContextSpec
 from bench.report import default_out_dir
 from bench.striped_sim import StripedSpec
@@ -89,6 +104,9 @@ PARTS = {
     "striped": "striped_sim",
     "train": "train_step",
     "max_context": "max_context",
+    "loader": "data_throughput",
+    "checkpoint": "checkpoint_save",
+    "compile": "compile_speed",
 }
 # the demo's shapes cut down further: a 2-layer, 64-wide LLaMA with small tiles (config
 # overrides are command-line arguments, as for train.py)
@@ -116,6 +134,9 @@ class Suite:
     striped: StripedSpec | None = None
     train: TrainSpec | None = None
     max_context: MaxContextSpec | None = None
+    loader: LoaderSpec | None = None
+    checkpoint: CheckpointSpec | None = None
+    compile: CompileSpec | None = None
     needs_gpu: bool = False
     default_parts: tuple[str, ...] | None = None  # run without --parts (None: all)
     # seconds before a separate part's process is killed: one for every part, or per part
@@ -180,6 +201,17 @@ GPU = Suite(
 
 SUITES = {
     "gpu": GPU,
+    # what a GPU run waits on, measured on this host's CPUs against references taken in the
+    # same run (issue 77): the loader against the tokenizer alone, checkpoint saves and
+    # restores against dd and a numpy read, the step's compile for an H100 against the
+    # plain step's; each part in its own process (~15 minutes on 2 cores)
+    "host": Suite(
+        loader=LoaderSpec(),
+        checkpoint=CheckpointSpec(),
+        compile=CompileSpec(),
+        toy=False,
+        separate_parts=True,
+    ),
     # the first call of a 15-minute lease (one command of at most 10 minutes, ~9.3 with the
     # install and the GPU probe): the fused kernels auto picks on Hopper (cudnn_gpu's whole-
     # sequence call, tokamax_gpu in ring rounds) against the float32 reference at both head
@@ -336,7 +368,7 @@ def write_index(out_dir: str, suite_name: str, suite: Suite, done: list[tuple]) 
     one command per part still gives one index."""
     import json
 
-    from bench.report import TOY_NOTE, emit_table
+    from bench.report import TARGETS_HEADER, TOY_NOTE, emit_table, read_targets
 
     record = os.path.join(out_dir, "index.json")
     try:
@@ -368,6 +400,10 @@ def write_index(out_dir: str, suite_name: str, suite: Suite, done: list[tuple]) 
         rows,
         path,
     )
+    targets = read_targets(out_dir, [PARTS[part] for part, *_ in done])
+    if targets:  # the parts' judged figures, each beside its reference from the same run
+        with open(path, "a") as f:
+            f.write("\n" + emit_table("Against the targets", [], TARGETS_HEADER, targets))
     return path
 
 

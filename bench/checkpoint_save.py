@@ -45,11 +45,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,7 +60,7 @@ import zlib
 
 from bench import ROOT
 from bench.gcs_server import GCS_PACKAGE, GcsServer
-from bench.report import Table
+from bench.report import Table, target_row, write_targets
 from lclm import storage
 from lclm.cli import run_cli
 from lclm.config.run_config import run_config
@@ -95,6 +97,105 @@ FORMATS = {
     "zarr2": {"use_zarr3": False, "use_compression": False},
 }
 SMOLLM2 = os.path.join(ROOT, "checkpoints", "smollm2-135m")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+    """The suite's checkpoint part: SmolLM2's state (real weights, 1.6 GB), lclm's format, on
+    local disk, `repeat` timed saves and restores."""
+
+    models: str = "smollm2"
+    formats: str = "lclm"
+    repeat: int = 2
+    gcs: bool = False
+
+    def smallest(self) -> CheckpointSpec:
+        return dataclasses.replace(self, repeat=1)
+
+    def quick(self) -> CheckpointSpec:
+        return self
+
+
+# issue 77: a save or a restore at half the disk's speed or better, with at most 1.5x the
+# state's bytes of extra host memory
+SPEED_TARGET, MEMORY_TARGET = 0.5, 1.5
+
+
+def run(spec: CheckpointSpec, out_dir: str, toy: bool = False) -> str:
+    """The suite's part: `checkpoint_save.md` (and .json) and its targets in `out_dir`."""
+    path = os.path.join(out_dir, "checkpoint_save.md")
+    args = argparse.Namespace(
+        models=spec.models,
+        formats=spec.formats,
+        repeat=spec.repeat,
+        dir="",
+        gcs=spec.gcs,
+        keep=False,
+        out=path,
+    )
+    _run(args)
+    with open(os.path.splitext(path)[0] + ".json") as f:
+        records = [r for r in json.load(f)["rows"] if "save_s" in r]
+    write_targets(out_dir, "checkpoint_save", _targets(records))
+    return path
+
+
+def _targets(records: list[dict]) -> list[dict]:
+    """The judged figures: the medians over `records` (one target, model and format each) of
+    save/dd, restore/numpy read and the extra memory of each."""
+    rows = []
+    for key in sorted({(r["target"], r["model"], r["format"]) for r in records}):
+        mine = [r for r in records if (r["target"], r["model"], r["format"]) == key]
+        nbytes = mine[0]["state_bytes"]
+        rates = [
+            dict(
+                save=nbytes / 1e9 / r["save_s"],
+                dd=r["dd_gbps"],
+                restore=nbytes / 1e9 / r["restore_s"],
+                read=r["numpy_read_gbps"],
+            )
+            for r in mine
+        ]
+        med = {k: statistics.median(r[k] for r in rates) for k in rates[0]}
+        ratio = {
+            k: statistics.median(r[k] / r[ref] for r in rates)
+            for k, ref in (("save", "dd"), ("restore", "read"))
+        }
+        what = f"{key[1]} ({nbytes / 1e9:.2f} GB), {key[0]}"
+        rows += [
+            target_row(
+                "checkpoint",
+                f"save, {what} (GB/s)",
+                f"{med['save']:.2f}",
+                f"{med['dd']:.2f} (dd)",
+                ratio["save"],
+                f">= {SPEED_TARGET}",
+                ratio["save"] >= SPEED_TARGET,
+            ),
+            target_row(
+                "checkpoint",
+                f"restore, {what} (GB/s)",
+                f"{med['restore']:.2f}",
+                f"{med['read']:.2f} (numpy read)",
+                ratio["restore"],
+                f">= {SPEED_TARGET}",
+                ratio["restore"] >= SPEED_TARGET,
+            ),
+        ]
+        for step in ("save", "restore"):
+            extra = max(r[f"{step}_extra_bytes"] for r in mine) / nbytes
+            rows.append(
+                target_row(
+                    "checkpoint",
+                    f"{step}: peak extra host memory, {what}",
+                    f"{extra:.2f}x the state",
+                    "-",
+                    None,
+                    f"<= {MEMORY_TARGET}x",
+                    extra <= MEMORY_TARGET,
+                )
+            )
+    return rows
 
 
 def main(argv=None) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import os
 import sys
@@ -37,7 +38,7 @@ import time
 
 from bench import ROOT
 from bench.gcs_server import GcsServer
-from bench.report import emit_table
+from bench.report import emit_table, target_row, write_targets
 from lclm import storage
 from lclm.cli import run_cli
 from lclm.config.run_config import run_config
@@ -79,6 +80,90 @@ def main(argv=None) -> int:
     return run_cli(lambda: _run(args))
 
 
+@dataclasses.dataclass(frozen=True)
+class LoaderSpec:
+    """The suite's loader part: configs/smollm2_64k.py's code mixture with SmolLM2's
+    tokenizer, `batches` batches of `batch` rows at each length of `rows` ((seq, batches))."""
+
+    rows: tuple[tuple[int, int], ...] = ((8192, 40), (65536, 8))
+    batch: int = 8
+    host_rate: float = HOST_RATE
+
+    def smallest(self) -> LoaderSpec:
+        return dataclasses.replace(self, rows=((8192, 10),))
+
+    def quick(self) -> LoaderSpec:
+        return self
+
+
+# issue 77: the loader at 0.85 of the tokenizer alone (per CPU-second), no wait over a tenth of
+# a step, pre-tokenised data at twice a host's need on one core
+LOADER_TARGET, WAIT_TARGET, PREPARED_TARGET = 0.85, 0.1, 2.0
+
+
+def run(spec: LoaderSpec, out_dir: str, toy: bool = False) -> str:
+    """The suite's part: `data_throughput.md` (a table per row length) and its targets."""
+    path = os.path.join(out_dir, "data_throughput.md")
+    texts, targets = [], []
+    for seq, batches in spec.rows:
+        args = argparse.Namespace(
+            seq=seq,
+            batch=spec.batch,
+            batches=batches,
+            cores=0,
+            code=True,
+            tokenizer=os.path.join(ROOT, "checkpoints", "smollm2-135m"),
+            host_rate=spec.host_rate,
+            gcs=False,
+            out="",
+        )
+        figures: dict[str, dict] = {}
+        texts.append(_measure_and_report(args, None, figures))
+        targets += _targets(seq, figures, spec.host_rate)
+    with open(path, "w") as f:
+        f.write("\n\n".join(texts) + "\n")
+    write_targets(out_dir, "data_throughput", targets)
+    return path
+
+
+def _targets(seq: int, figures: dict[str, dict], host_rate: float) -> list[dict]:
+    loader, prepared = figures["loader"], figures["prepared"]
+    k = f"{seq // 1024}K rows"
+    per_cpu = loader["tokens"] / loader["cpu"]
+    ratio = per_cpu / loader["alone"]
+    wait = loader["wait"] / loader["step"]
+    rate = prepared["tokens"] / prepared["cpu"]
+    return [
+        target_row(
+            "loader",
+            f"tokens per CPU-second, tokenising, {k}",
+            f"{per_cpu:,.0f}",
+            f"{loader['alone']:,.0f} (tokenizer alone)",
+            ratio,
+            f">= {LOADER_TARGET}",
+            ratio >= LOADER_TARGET,
+        ),
+        target_row(
+            "loader",
+            f"longest wait for a batch, {k} (s)",
+            f"{loader['wait']:.3f}",
+            f"{loader['step']:.3f} (a step at {host_rate:,.0f} tokens/s)",
+            wait,
+            f"<= {WAIT_TARGET}",
+            wait <= WAIT_TARGET,
+        ),
+        target_row(
+            "loader",
+            f"tokens per CPU-second, pre-tokenised, {k}",
+            f"{rate:,.0f}",
+            f"{host_rate:,.0f} (a host of 8 H100s)",
+            rate / host_rate,
+            f">= {PREPARED_TARGET}",
+            rate / host_rate >= PREPARED_TARGET,
+        ),
+    ]
+
+
 def _run(args) -> int:
     if args.out:  # before the measuring, not after it (the table is written last)
         check_output("--out", args.out, folder=False)
@@ -87,7 +172,8 @@ def _run(args) -> int:
     # started before JAX's threads exist (the server process is forked)
     server = GcsServer() if args.gcs else None
     try:
-        return _measure_and_report(args, server)
+        _measure_and_report(args, server, {})
+        return 0
     finally:
         if server is not None:
             server.stop()
@@ -123,7 +209,9 @@ def _prepared_mixture(args, root: str) -> str:
     return f"tokenized:{root}/0@0.8,tokenized:{root}/1@0.2"
 
 
-def _measure_and_report(args, server: GcsServer | None) -> int:
+def _measure_and_report(args, server: GcsServer | None, figures: dict[str, dict]) -> str:
+    """The table's text (also printed, and written to `args.out` where given); `figures`
+    gets the numbers of the loader ("loader") and of the pre-tokenised copy ("prepared")."""
     from lclm.parallel.devices import request_cpu_devices
 
     request_cpu_devices(8)
@@ -138,11 +226,11 @@ def _measure_and_report(args, server: GcsServer | None) -> int:
     # the prepared copies live only as long as the measurement (nothing left in /tmp)
     with tempfile.TemporaryDirectory() as tmp:
         bucket = server.bucket() if server is not None else None
-        rows, prepare_s, what = _measure(args, mesh, tmp, bucket)
+        rows, prepare_s, what = _measure(args, mesh, tmp, bucket, figures)
     step = args.batch * args.seq / args.host_rate
     load = os.getloadavg()[0]
-    emit_table(
-        "Data pipeline throughput",
+    return emit_table(
+        f"Data pipeline throughput, rows of {args.seq:,} tokens",
         [
             f"device: host CPU, {cores()} of {os.cpu_count()} cores given; jax {jax.__version__}; "
             f"{datetime.date.today().isoformat()}; {what}; rows of {args.seq} tokens, batch "
@@ -169,7 +257,6 @@ def _measure_and_report(args, server: GcsServer | None) -> int:
         rows,
         args.out,
     )
-    return 0
 
 
 def _tokenizer_alone(tok, docs_texts: list[str]) -> tuple[int, float, float]:
@@ -224,8 +311,9 @@ class _Counted:
         return counted
 
 
-def _loader_rows(args, config, mesh, tok, name: str, alone: float) -> list[tuple]:
-    """The table row of one mixture: its throughput, then the waits of a training loop."""
+def _loader_rows(args, config, mesh, tok, name: str, alone: float) -> tuple[list[tuple], dict]:
+    """(the table row of one mixture: its throughput, then the waits of a training loop;
+    its figures)."""
     import numpy as np
 
     from lclm.data.loader import HostBatches
@@ -261,6 +349,9 @@ def _loader_rows(args, config, mesh, tok, name: str, alone: float) -> list[tuple
         if alone
         else ""
     )
+    figures = dict(
+        tokens=tokens, wall=dt, cpu=cpu, read=read, alone=alone, wait=max(waits), step=step
+    )
     return [
         (
             name,
@@ -272,12 +363,13 @@ def _loader_rows(args, config, mesh, tok, name: str, alone: float) -> list[tuple
             ratio,
             f"{max(waits):.3f} (median {np.median(waits):.3f})",
         )
-    ]
+    ], figures
 
 
-def _measure(args, mesh, tmp, bucket):
+def _measure(args, mesh, tmp, bucket, figures: dict[str, dict]):
     """(table rows, seconds to pre-tokenise locally, what was read) of each case, prepared
-    copies under `tmp` (and uploaded to `bucket`, a gs:// URL, where one is given)."""
+    copies under `tmp` (and uploaded to `bucket`, a gs:// URL, where one is given); `figures`
+    gets the numbers of the first two cases ("loader", "prepared")."""
     from lclm.config import load_config
     from lclm.data.prepare import prepare
     from lclm.data.tokenizer import Tokenizer
@@ -312,14 +404,15 @@ def _measure(args, mesh, tmp, bucket):
         cases["pre-tokenised, ranged reads from a local GCS server (same mixture)"] = (
             _prepared_mixture(args, bucket)
         )
-    for name, path in cases.items():
+    for case, (name, path) in zip(("loader", "prepared", "bucket"), cases.items()):
         config = load_config(os.path.join(ROOT, "configs", "demo.py"))
         config.data.update(
             path=path, seq_len=args.seq, batch_size=args.batch, tokenizer=tokenizer_path
         )
         config.model.vocab_size = max(config.model.vocab_size, tok.vocab_size)
         alone = tokens / cpu if name.startswith("tokenize") else 0.0
-        rows += _loader_rows(args, config, mesh, tok, name, alone)
+        found, figures[case] = _loader_rows(args, config, mesh, tok, name, alone)
+        rows += found
     what = (
         f"tokenizer {os.path.relpath(tokenizer_path, ROOT)}; the tokenizer alone on "
         f"{len(texts)} documents of the first source"

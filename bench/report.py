@@ -173,3 +173,46 @@ def error_status(e: Exception) -> str:
         return oom
     first = text.strip().splitlines()[:1] or [""]
     return f"failed: {type(e).__name__}: {first[0][:100]}".replace("|", "/")
+
+
+# -- targets: the figures a suite is judged by, one table across its parts --------------------
+
+TARGETS_HEADER = ["part", "what", "lclm", "reference", "ratio", "target", "verdict"]
+
+
+def target_row(
+    part: str, what: str, lclm: str, reference: str, ratio: float | None, target: str, met
+) -> dict:
+    """One judged figure: lclm's measurement beside its reference, measured in the same run,
+    their ratio, the target it is held to and whether it is met (None: not judged)."""
+    return dict(
+        part=part, what=what, lclm=lclm, reference=reference, ratio=ratio, target=target, met=met
+    )
+
+
+def write_targets(out_dir: str, module: str, rows: list[dict]) -> None:
+    """`<module>.targets.json` in `out_dir`: the part's judged figures, for the suite's index."""
+    import json
+
+    with open(os.path.join(out_dir, f"{module}.targets.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+        f.write("\n")
+
+
+def read_targets(out_dir: str, modules) -> list[tuple]:
+    """The table rows of every `<module>.targets.json` in `out_dir`, in `modules`' order."""
+    import json
+
+    rows = []
+    for module in modules:
+        path = os.path.join(out_dir, f"{module}.targets.json")
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            for r in json.load(f):
+                verdict = {True: "met", False: "**not met**", None: "-"}[r["met"]]
+                ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+                rows.append(
+                    (r["part"], r["what"], r["lclm"], r["reference"], ratio, r["target"], verdict)
+                )
+    return rows

@@ -5,6 +5,7 @@ The names, the shipped GPU descriptions, the budget and the kernel choice by tar
 tested everywhere; the compiles need JAX's CUDA plugin with ptxas (`lclm[gpu-aot]`) and skip,
 saying so, where it is missing."""
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -21,6 +22,7 @@ from lclm import hardware
 from lclm.config import load_config
 from lclm.config.run_config import run_config
 from lclm.errors import ConfigError
+from lclm.ops.context_parallel import ring
 from lclm.ops.kernels import choose_kernel, compiling_for, recording, target_device, tokamax_gpu
 from lclm.parallel.mesh import make_mesh
 from lclm.plan import aot
@@ -264,6 +266,19 @@ def test_one_h100_compiles_cudnn_with_the_ring_as_its_fallback(monkeypatch):
     assert compiled.attention.kernels == ["cudnn_gpu", "tokamax_gpu (ring)"]
     assert compiled.callbacks == 0 and compiled.conditionals > 0
     assert "__cudnn$fmha" in texts[0] and "mosaic_gpu" in texts[0]
+
+    # the fallback serves rows of more than MAX_DOCUMENTS documents only: the ring's
+    # one-document shortcut (a conditional around a second tokamax call) is not compiled
+    # into it; the same program with that knowledge dropped has both
+    @contextlib.contextmanager
+    def unknown(known):
+        yield
+
+    monkeypatch.setattr(ring, "several_documents", unknown)
+    without = aot.compile_step(config, aot.target_devices(aot.target("h100:1")))
+    mosaic = [t.count('custom_call_target="mosaic_gpu') for t in texts]
+    assert compiled.conditionals < without.conditionals
+    assert 0 < mosaic[0] < mosaic[1]
 
 
 @needs_cuda_plugin

@@ -49,6 +49,7 @@ from lclm.ops.context_parallel.rounds import (
 )
 from lclm.ops.kernels import get_kernel, target_device
 from lclm.ops.kernels.contract import F32, visible_tiles
+from lclm.ops.kernels.range_kernel import several_documents
 from lclm.ops.layout import original_positions
 
 
@@ -65,6 +66,11 @@ def _passing_rounds(s: Settings, local: int, site, round_, carry):
 
 
 def _ring_forward(s: Settings, q, k, v, q_seg, k_seg):
+    with several_documents(s.several_documents):
+        return _ring_forward_traced(s, q, k, v, q_seg, k_seg)
+
+
+def _ring_forward_traced(s: Settings, q, k, v, q_seg, k_seg):
     site, q_pos, k_pos = setup(s, q, "forward")
 
     def round_(block, carry, r):
@@ -83,6 +89,11 @@ def _ring_forward(s: Settings, q, k, v, q_seg, k_seg):
 
 
 def _ring_backward(s: Settings, residuals, do):
+    with several_documents(s.several_documents):
+        return _ring_backward_traced(s, residuals, do)
+
+
+def _ring_backward_traced(s: Settings, residuals, do):
     q, k, v, q_seg, k_seg, o, lse = residuals
     site, q_pos, k_pos = setup(s, q, "backward")
 
@@ -129,7 +140,10 @@ def ring_or_whole(settings: Settings, q, k, v, q_seg, k_seg):
     """`ring`, or where it has one member and the kernel attends to a whole sequence itself
     (`Kernel.whole`: cuDNN's fused attention with its own VJP), that, with the ring as its
     fallback. With one member the positions are the original order in every layout."""
-    the_ring = functools.partial(ring, settings, q, k, v, q_seg, k_seg)
+
+    def the_ring(several_documents: bool = False):
+        return ring(settings._replace(several_documents=several_documents), q, k, v, q_seg, k_seg)
+
     whole = get_kernel(settings.impl).whole if settings.n == 1 and settings.whole else None
     return (
         the_ring()

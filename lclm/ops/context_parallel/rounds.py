@@ -71,6 +71,10 @@ class Settings(NamedTuple):
     # False where a remat policy keeps the ring's named residuals (`SAVED_NAMES`), which
     # cuDNN's own VJP does not name (it would run its forward again in the backward)
     whole: bool = True
+    # whether some row of the (whole, n == 1) sequence is known to hold several documents
+    # while tracing (`Kernel.whole`'s fallback for rows of many documents): kernels then skip
+    # their one-document shortcut's conditional (`range_kernel.several_documents`)
+    several_documents: bool = False
 
 
 def tile_run(layout: str, n: int, seq_len: int) -> int:

@@ -67,7 +67,8 @@ class Kernel(NamedTuple):
 
     `whole`: optional, attention of one device's whole sequence where the ring has one
     member, with its own VJP: `whole(q, k, v, segment_ids, *, causal, fallback) -> o` in q's
-    dtype (original order; `fallback()` gives the ring's result where it cannot serve).
+    dtype (original order; `fallback(several_documents=False)` gives the ring's result where it
+    cannot serve, `several_documents` where some row is known to hold more than one).
 
     `passes`: the registry name of the kernel whose block-pair passes these are, where they
     are another kernel's (cudnn_gpu's are tokamax_gpu's): what a compile names as the ring's

@@ -157,9 +157,9 @@ def whole(q, k, v, segment_ids, *, causal: bool, fallback):
     """Causal attention of one device's whole sequence in original order, differentiable.
 
     q `[b, t, h, d]`, k/v `[b, t, kv_heads, d]`, segment_ids `[b, t]` or None; returns
-    `[b, t, h, d]` in q's dtype. `fallback()`: the ring's result, used where cuDNN does not
-    serve (non-causal, no GPU to check against, rows of more than `MAX_DOCUMENTS`
-    documents)."""
+    `[b, t, h, d]` in q's dtype. `fallback(several_documents=False)`: the ring's result, used
+    where cuDNN does not serve (non-causal, no GPU to check against, rows of more than
+    `MAX_DOCUMENTS` documents: there with `several_documents`)."""
     if not causal or not _on_gpu():
         return fallback()
     lowered("cudnn_gpu")
@@ -167,7 +167,13 @@ def whole(q, k, v, segment_ids, *, causal: bool, fallback):
         return _causal(q, k, v)
     return lax.switch(
         call_index(segment_ids),
-        [lambda: _causal(q, k, v), lambda: _packed(q, k, v, segment_ids), fallback],
+        [
+            lambda: _causal(q, k, v),
+            lambda: _packed(q, k, v, segment_ids),
+            # rows of more than MAX_DOCUMENTS documents: the ring's one-document shortcut
+            # (a conditional around a second kernel call) cannot serve them
+            lambda: fallback(several_documents=True),
+        ],
     )
 
 

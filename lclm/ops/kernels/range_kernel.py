@@ -43,6 +43,8 @@ o and lse (finite where the row sees anything anywhere).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import NamedTuple
 
@@ -224,6 +226,23 @@ def _place(x, rows: slice, fill):
     )
 
 
+# True while the ring traces a whole sequence known to hold several documents in some row
+# (`rounds.Settings.several_documents`: cuDNN's fallback for rows of many documents): a k_start
+# that is 0 for every query is then impossible, and `skip_zero_starts`' conditional dead code
+_SEVERAL_DOCUMENTS = contextvars.ContextVar("lclm_several_documents", default=False)
+
+
+@contextlib.contextmanager
+def several_documents(known: bool):
+    """Within (while tracing): some row of the block holds more than one document, so calls
+    run with their k_start and no conditional (`known` False: no effect)."""
+    token = _SEVERAL_DOCUMENTS.set(known or _SEVERAL_DOCUMENTS.get())
+    try:
+        yield
+    finally:
+        _SEVERAL_DOCUMENTS.reset(token)
+
+
 def _at_least(start, n: int, shape):
     return jnp.full(shape, n, jnp.int32) if start is None else jnp.maximum(start, n)
 
@@ -254,6 +273,7 @@ def range_kernel(
             or call.start is None
             or call.end is not None
             or call.keys == "shifted"
+            or _SEVERAL_DOCUMENTS.get()
         ):
             return op(call.start, call.end)
         return lax.cond(
