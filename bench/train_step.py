@@ -282,7 +282,7 @@ def _build(config, devices=None):
 
     described = devices is not None
     devices = devices or jax.devices()
-    sections, sizes = checked(config, len(devices))
+    _, sections, sizes = checked(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices[: math.prod(sizes.values())])
     model = ModelConfig.from_config(config.model)
     attention = AttentionConfig.from_config(config.attention)
@@ -326,7 +326,7 @@ def _build_baseline(config, remat: str, devices=None):
 
     described = devices is not None
     devices = devices or jax.devices()
-    sections, sizes = checked(config, len(devices))
+    _, sections, sizes = checked(config, len(devices))
     if math.prod(sizes.values()) != 1:
         raise ConfigError(
             f"the baseline runs on one device, not the mesh {sizes}; "

@@ -1,6 +1,7 @@
 """Config validation: each mistake is one clear line; shipped configs are valid."""
 
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -13,7 +14,7 @@ from lclm.config import AttentionConfig, ModelConfig, base_config, load_config
 from lclm.config.fields import from_saved
 from lclm.config.model import LAYOUTS
 from lclm.config.run_config import run_config
-from lclm.config.schema import Run, Train
+from lclm.config.schema import MESH_AXES, Run, Train
 from lclm.data.loader import SourceEntry, parse_sources
 from lclm.errors import ConfigError
 from lclm.ops import layout
@@ -597,8 +598,21 @@ def test_the_typed_sections_of_a_config_hold_its_values_with_references_resolved
     for f in dataclasses.fields(Run):  # the top-level fields read as the tree's own
         assert getattr(sections, f.name) == getattr(sections.run, f.name) == config[f.name]
     # the one call programs that run a step start from: checked, typed, the mesh resolved
-    typed, mesh = checked(config, 8)
+    resolved, typed, mesh = checked(config, 8)
     assert typed == sections and mesh == validate(config, 8)
+    assert resolved.to_dict() == config.to_dict()  # this mesh needs no fitting on 8
     assert "tokens=128" in sections.data.path and "tokens=64;pad_to=128" in sections.data.path
     with pytest.raises(dataclasses.FrozenInstanceError):
         sections.train.lr = 1.0  # type: ignore[misc]
+
+
+def test_a_fitted_mesh_is_in_the_checked_config_and_not_written_into_the_callers():
+    """mesh.fit shrinks a mesh to the devices there are: the checked config (what the run's
+    config.json holds) names the mesh it runs on; the caller's config is left as it was."""
+    config = load_config(DEMO_CONFIG)
+    asked = {axis: config.mesh[axis] for axis in MESH_AXES}
+    resolved, sections, mesh = checked(config, 2)
+    assert math.prod(mesh.values()) <= 2 < math.prod(max(v, 1) for v in asked.values())
+    assert {axis: resolved.mesh[axis] for axis in MESH_AXES} == mesh
+    assert {axis: getattr(sections.mesh, axis) for axis in MESH_AXES} == mesh
+    assert {axis: config.mesh[axis] for axis in MESH_AXES} == asked

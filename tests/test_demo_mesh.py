@@ -13,7 +13,7 @@ from support import DEMO_CONFIG, ROOT
 from lclm.config import load_config
 from lclm.errors import ConfigError
 from lclm.parallel.mesh import fit_mesh, resolve_mesh_shape
-from lclm.train.startup_checks import validate
+from lclm.train.startup_checks import checked, validate
 
 DEMO_MESH = dict(dp=1, fsdp=2, tp=1, sp=4)
 
@@ -33,8 +33,10 @@ def test_the_demo_mesh_fits_the_devices(devices, sizes):
     assert resolve_mesh_shape(**fit_mesh(DEMO_MESH, devices), device_count=devices) == sizes
     config = load_config(DEMO_CONFIG)
     assert validate(config, devices) == sizes
-    # config.json records the mesh the run used: generate and the evaluations read it
-    assert {a: config.mesh[a] for a in sizes} == sizes
+    # config.json records the mesh the run used (the checked config's): generate and the
+    # evaluations read it
+    resolved, _, mesh = checked(config, devices)
+    assert mesh == sizes and {a: resolved.mesh[a] for a in sizes} == sizes
 
 
 def test_fit_shrinks_outer_axes_first():

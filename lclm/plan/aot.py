@@ -309,7 +309,7 @@ def compile_step(config, devices, budget: int | None = None) -> Compiled:
     device (None: its first candidate). A compile error (HBM or VMEM overflow among them)
     propagates."""
 
-    sections, sizes = checked(config, len(devices))
+    _, sections, sizes = checked(config, len(devices))
     mesh = make_mesh(**sizes, devices=devices[: math.prod(sizes.values())])
     model, optimizer = sections.model.resolved(), make_optimizer(sections.train)
     # outside the lowering's context (a described device runs nothing); no policy changes them

@@ -87,7 +87,7 @@ def estimate(config, device_count: int, device: str | None = None) -> Plan:
                 break
         assert plan is not None
         return plan
-    sections, sizes = checked(config, device_count)
+    _, sections, sizes = checked(config, device_count)
     m = sections.model.resolved()
     mesh = _MeshShape(sizes)
     pbytes, cbytes = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.dtype]

@@ -96,7 +96,7 @@ def train(
     """
     devices = jax.devices()
     config = take_model_fields(config)  # the source of its weights fixes the model's shapes
-    sections, sizes = checked(config, len(devices))
+    config, sections, sizes = checked(config, len(devices))
     check_data(config)  # before the model: a missing file is found in seconds
     public = public_config(config)
     if jax.process_count() > 1:

@@ -14,7 +14,6 @@ it (same data order), the next one starts from its predecessor's final checkpoin
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 
@@ -30,17 +29,18 @@ from lclm.errors import ConfigError, TrainingHalted
 from lclm.train import gates
 from lclm.train.first_weights import SourceDamaged, apply_hf_shapes
 from lclm.train.loop import Termination, handled_termination, train
-from lclm.train.startup_checks import check_config, validate
+from lclm.train.startup_checks import check_config, validate, with_mesh
 from lclm.workdir.checkpoint import Checkpoints
 
 log = logging.getLogger(__name__)
 
 
 def validate_stages(config, device_count: int) -> list:
-    """The stage configs; fails at start, with the stage named, if any of them is invalid."""
+    """The stage configs, each with the mesh it resolves to here (`with_mesh`); fails at
+    start, with the stage named, if any of them is invalid."""
     configs = stage_configs(config)
-    _each_stage(configs, lambda c: validate(c, device_count))
-    return configs
+    sizes = _each_stage(configs, lambda c: validate(c, device_count))
+    return [with_mesh(c, s) for c, s in zip(configs, sizes)]
 
 
 def check_stages(config) -> None:
@@ -52,7 +52,7 @@ def check_stages(config) -> None:
 
     def check(c) -> None:
         devices = math.prod(max(c.mesh[axis], 1) for axis in MESH_AXES)
-        check_config(copy.deepcopy(c), devices)
+        check_config(c, devices)
 
     stages = stage_configs(config)
     if stages:
@@ -61,13 +61,15 @@ def check_stages(config) -> None:
         check(config)
 
 
-def _each_stage(configs: list, check) -> None:
-    """`check(c)` on each stage config; its ConfigError names the stage."""
+def _each_stage(configs: list, check) -> list:
+    """`check(c)` of each stage config; its ConfigError names the stage."""
+    found = []
     for i, c in enumerate(configs):
         try:
-            check(c)
+            found.append(check(c))
         except ConfigError as e:
             raise ConfigError(f"stage {i} (seq_len {c.data.seq_len}): {e}") from None
+    return found
 
 
 def check_ruler_gates(configs: list, records: list[dict]) -> None:

@@ -13,6 +13,8 @@ import logging
 import os
 from typing import NamedTuple
 
+from ml_collections import ConfigDict
+
 from lclm import storage
 from lclm.config.loading import field
 from lclm.config.model import AttentionConfig, ModelConfig
@@ -40,19 +42,31 @@ def _fail(msg: str):
 
 
 class Checked(NamedTuple):
-    """A run's config checked and typed: `sections`, its typed tree (`RunConfig`), and
-    `mesh`, the mesh's sizes resolved for the devices."""
+    """A run's config checked and typed: `config`, a copy of the user's with the mesh it
+    resolved (what the run's config.json names); `sections`, its typed tree (`RunConfig`);
+    `mesh`, the mesh's sizes for the devices."""
 
+    config: ConfigDict
     sections: RunConfig
     mesh: dict[str, int]
 
 
-def checked(config, device_count: int) -> Checked:
+def checked(config: ConfigDict, device_count: int) -> Checked:
     """`validate(config, device_count)`, then the config's typed sections: what every
     program that runs or compiles a step starts from (one ConfigError line on a bad
-    config)."""
+    config). `config` itself is left as it is."""
     sizes = validate(config, device_count)
-    return Checked(run_config(config), sizes)
+    config = with_mesh(config, sizes)
+    return Checked(config, run_config(config), sizes)
+
+
+def with_mesh(config: ConfigDict, sizes: dict[str, int]) -> ConfigDict:
+    """A copy of `config` whose mesh is `sizes` (the mesh `validate` resolved: `mesh.fit`
+    may have shrunk it, an axis of -1 takes the devices left), so that the run's
+    config.json names the mesh it ran on (what generate and the evaluations default to)."""
+    config = copy.deepcopy(config)
+    config.mesh.update(sizes)
+    return config
 
 
 def validate(config, device_count: int) -> dict[str, int]:
@@ -66,9 +80,8 @@ def validate(config, device_count: int) -> dict[str, int]:
 def check_config(config, device_count: int) -> dict[str, int]:
     """Check `config` against itself, the components it names and `device_count`, touching
     no file of the run (what `--print-config` checks too: `stages.check_stages`); returns
-    the resolved mesh sizes. Raises a one-line ConfigError naming the fix. A mesh that
-    `mesh.fit` shrank is written back to `config.mesh`, so that the run's config.json names
-    the mesh it ran on (what generate and the evaluations default to)."""
+    the resolved mesh sizes (`with_mesh` makes the config that runs on them). Raises a
+    one-line ConfigError naming the fix."""
     m, a, d, t = config.model, config.attention, config.data, config.train
     check_fields(config)
     attention = AttentionConfig.from_config(a)
@@ -89,7 +102,6 @@ def check_config(config, device_count: int) -> dict[str, int]:
             device_count,
             sizes,
         )
-        config.mesh.update(sizes)
     dp, fsdp, tp, sp = sizes["dp"], sizes["fsdp"], sizes["tp"], sizes["sp"]
 
     for key, path in (("data.path", d.path), ("validation.path", config.validation.path)):
