@@ -386,7 +386,8 @@ def test_every_suite_names_existing_configs_and_kernels():
             assert set(impls or ()) <= {"auto", *KERNELS}, (name, impls)
     quick = suite.SUITES["gpu-quick"]
     assert quick.defaults() == ["correctness", "attention", "train"] and quick.train.baseline
-    assert quick.parts() == list(suite.PARTS) and quick.needs_gpu and quick.separate_parts
+    assert quick.parts() == ["correctness", "attention", "striped", "train", "max_context"]
+    assert quick.needs_gpu and quick.separate_parts
     assert quick.part_timeout < 600  # under a device command's limit
     for part in quick.parts():  # every part is held to a budget that ends well before
         assert getattr(quick, part).budget_s <= 420, part
@@ -397,6 +398,62 @@ def test_every_suite_names_existing_configs_and_kernels():
     lease = suite.SUITES["gpu-lease"]  # one 10-minute command: the parts' kills sum under it
     assert sum(lease.timeout(part) for part in lease.defaults()) <= 540
     assert all(getattr(lease, p).budget_s < lease.timeout(p) for p in lease.defaults())
+
+
+def test_the_host_suite_judges_each_figure_against_its_reference_of_the_same_run(tmp_path):
+    """`--suite host`: each part's figures beside their references, the ratio of the two and
+    the target's verdict, gathered into index.md's last table."""
+    from bench import checkpoint_save, compile_speed, data_throughput
+    from bench.report import write_targets
+
+    host = suite.SUITES["host"]
+    assert host.parts() == ["loader", "checkpoint", "compile"] and not host.needs_gpu
+    gb = 1.6e9
+    saves = [  # save at 0.8 and 0.4 of dd, restore at 0.25 of the numpy read
+        dict(
+            target="local",
+            model="m",
+            format="lclm",
+            state_bytes=gb,
+            save_s=s,
+            dd_gbps=d,
+            restore_s=4.0,
+            numpy_read_gbps=1.6,
+            save_extra_bytes=0.0,
+            restore_extra_bytes=e,
+        )
+        for s, d, e in ((2.0, 1.0, 1.2 * gb), (2.0, 2.0, 1.7 * gb))
+    ]
+    judged = {r["what"].split(",")[0]: r for r in checkpoint_save._targets(saves)}
+    assert judged["save"]["ratio"] == pytest.approx(0.6) and judged["save"]["met"]
+    assert judged["restore"]["ratio"] == pytest.approx(0.25) and not judged["restore"]["met"]
+    assert not judged["restore: peak extra host memory"]["met"]  # the worst of the two: 1.7x
+    assert judged["save: peak extra host memory"]["met"]
+    loader = dict(tokens=800, cpu=1.0, alone=1000.0, wait=0.01, step=0.2)
+    figures = dict(loader=loader, prepared=dict(tokens=1_000_000, cpu=1.0))
+    fed = data_throughput._targets(8192, figures, 272_000)
+    assert [round(r["ratio"], 3) for r in fed] == [0.8, 0.05, round(1e6 / 272_000, 3)]
+    assert [r["met"] for r in fed] == [False, True, True]
+    compiled = compile_speed._targets(
+        {
+            "plain": dict(compile_s=[10.0, 12.0, 11.0], traffic=100e9),
+            "lclm, masks": dict(compile_s=[13.0, 12.0, 14.0], traffic=101e9),
+        }
+    )
+    assert [round(r["ratio"], 3) for r in compiled] == [round(13 / 11, 3), 1.01]
+    assert all(r["met"] for r in compiled)
+    write_targets(str(tmp_path), "checkpoint_save", checkpoint_save._targets(saves))
+    write_targets(str(tmp_path), "compile_speed", compiled)
+    suite.write_index(
+        str(tmp_path), "host", host, [("checkpoint", "ok", 1.0), ("compile", "ok", 2.0)]
+    )
+    index = (tmp_path / "index.md").read_text()
+    table = index[index.index("# Against the targets") :]
+    assert (
+        "| checkpoint | restore, m (1.60 GB), local (GB/s) | 0.40 | 1.60 (numpy read) | 0.25 |"
+        in table
+    )
+    assert table.count("**not met**") == 2 and table.count("| met |") == 4
 
 
 # -- results survive a kill, plots are best-effort, GPU suites need a GPU, a fair baseline --

@@ -1,6 +1,7 @@
 """`lclm.plan.traffic`: the bytes a compiled program moves, on programs XLA compiled here
 (XLA:CPU's optimized HLO has the same text form as XLA:GPU's) and on hand-written HLO for
 what a CPU compile does not produce (asynchronous fusions, conditionals)."""
+# ruff: noqa: E501  (HLO's instructions are one line each, as XLA prints them)
 
 import jax
 import jax.numpy as jnp

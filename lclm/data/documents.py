@@ -9,6 +9,7 @@ lclm.data.prepare` takes.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 
@@ -66,8 +67,9 @@ class Partial:
     def complete(self) -> bool:
         return self._next >= len(self._texts)
 
-    def _encode_more(self) -> None:
-        batch = self._texts[self._next : self._next + self._step]
+    def _encode_more(self, at_most: int | None = None) -> None:
+        count = self._step if at_most is None else max(1, min(at_most, self._step))
+        batch = self._texts[self._next : self._next + count]
         self._next += len(batch)
         self._step = min(2 * self._step, self._most)
         found = [np.asarray(ids, np.int32) for ids in self._tok.encode_batch(batch)]
@@ -81,7 +83,11 @@ class Partial:
 
     def read_to(self, n: int) -> None:
         while self.encoded < n and not self.complete:
-            self._encode_more()
+            # no more pieces than the tokens still wanted take, at the rate read so far (a
+            # length option's decision reads little past its threshold)
+            per_piece = self.encoded / self._next if self._next else 0.0
+            wanted = math.ceil((n - self.encoded) / per_piece) if per_piece else None
+            self._encode_more(wanted)
 
     def take(self) -> tuple[np.ndarray, np.ndarray] | None:
         if not self._held:
