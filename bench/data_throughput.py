@@ -1,7 +1,7 @@
 """Data pipeline throughput on this machine: the loader (`HostBatches`: sources, mixture,
 packer, host striping for sp=4, global arrays on 8 simulated devices) tokenising on the fly
 and streaming a pre-tokenised copy of the same sources, beside the tokenizer alone on the
-same documents, in the same run.
+very texts the loader encoded, in the same run.
 
     python -m bench.data_throughput [--seq 8192] [--batches 40] [--cores N] [--code] [--gcs]
 
@@ -13,9 +13,12 @@ affinity, which the loader's reading threads and the tokenizer's own threads fol
 
 Columns: wall and CPU seconds (all threads) of `--batches` batches built one after another
 with nothing else to do (the loader's throughput), tokens per second of each, the loader's
-tokens per CPU-second over the tokenizer's alone (one document a call, on one core: so the
-loader's wall rate with N cores approaches that fraction of N x the tokenizer's rate where
-the work spreads over the cores), and the longest that a training loop waited for a batch
+tokens per CPU-second over the tokenizer's alone on the texts the loader encoded (recorded as
+it encodes them: whole documents and pieces, including those of documents a length option
+then left out; then each encoded again one a call, on one core: so the loader's wall rate
+with N cores approaches that fraction of N x the tokenizer's rate where the work spreads
+over the cores; a row also gives the tokenizer alone on random documents of the source,
+whose mix of short and long files differs from what the length options draw), and the longest that a training loop waited for a batch
 when it takes `--batches` of them one step apart, a step being the time that `--host-rate`
 tokens/s (default 272K: 8 H100s at 34K tokens/s each) takes for a batch (the loader's
 background thread and reading ahead as in training). `--gcs` also streams the pre-tokenised
@@ -266,6 +269,19 @@ def _tokenizer_alone(tok, docs_texts: list[str]) -> tuple[int, float, float]:
     return tokens, time.perf_counter() - t0, time.process_time() - c0
 
 
+def _alone_row(name: str, tokens: int, wall: float, cpu: float) -> tuple:
+    return (
+        name,
+        f"{tokens:,}",
+        f"{wall:.2f}",
+        f"{cpu:.2f}",
+        f"{tokens / wall:,.0f}",
+        f"{tokens / cpu:,.0f}",
+        "",
+        "",
+    )
+
+
 def _texts(kind: str, path: str, chars: int) -> list[str]:
     """About `chars` characters of a source's documents' texts, in a shuffled order."""
     import numpy as np
@@ -297,8 +313,13 @@ class _Counted:
 
     def __init__(self, tok):
         self.tokens, self._lock = 0, threading.Lock()
+        self.texts: list[str] = []  # what was encoded, whole texts or pieces, in call order
         for name in ("encode", "encode_batch"):  # neither calls the other
             setattr(tok, name, self._counting(getattr(tok, name)))
+
+    def restart(self) -> None:
+        with self._lock:
+            self.tokens, self.texts = 0, []
 
     def _counting(self, encode):
         def counted(text):
@@ -306,33 +327,47 @@ class _Counted:
             n = sum(map(len, ids)) if isinstance(text, list) else len(ids)
             with self._lock:
                 self.tokens += n
+                self.texts += text if isinstance(text, list) else [text]
             return ids
 
         return counted
 
 
-def _loader_rows(args, config, mesh, tok, name: str, alone: float) -> tuple[list[tuple], dict]:
-    """(the table row of one mixture: its throughput, then the waits of a training loop;
+def _loader_rows(args, config, mesh, tok, name: str, tokenising: bool) -> tuple[list[tuple], dict]:
+    """(the table rows of one mixture: with `tokenising`, the tokenizer alone on the very
+    texts the loader encoded; the loader's throughput, then the waits of a training loop;
     its figures)."""
     import numpy as np
 
     from lclm.data.loader import HostBatches
 
-    tok = copy.copy(tok)  # its encode calls counted, not those of the other cases' loaders
-    counted = _Counted(tok)
-    loader = HostBatches(run_config(config), mesh, tok, prefetch=0)
+    counting = copy.copy(tok)  # its encode calls counted, not those of the other cases' loaders
+    counted = _Counted(counting)
+    loader = HostBatches(run_config(config), mesh, counting, prefetch=0)
     try:
         loader.next_host_batch()  # warm-up: file reading / opening happened in the constructor
-        counted.tokens = 0  # (reads under way now count: about as many at the end)
+        counted.restart()  # (reads under way now count: about as many at the end)
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.batches):
             loader.next_host_batch()
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        read = counted.tokens
+        read, texts = counted.tokens, counted.texts
     finally:
         loader.close()
+    rows, alone = [], 0.0
+    if tokenising:  # the reference: the same texts (the same mix of long and short files)
+        same, wall_same, cpu_same = _tokenizer_alone(tok, texts)
+        alone = same / cpu_same
+        rows.append(
+            _alone_row(
+                f"tokenizer alone (the {len(texts):,} texts the loader encoded)",
+                same,
+                wall_same,
+                cpu_same,
+            )
+        )
     step = args.batch * args.seq / args.host_rate
-    loader = HostBatches(run_config(config), mesh, tok, prefetch=2)
+    loader = HostBatches(run_config(config), mesh, counting, prefetch=2)
     waits = []
     try:
         next(loader)  # the first batch comes before the first step's compile: not a wait
@@ -352,7 +387,7 @@ def _loader_rows(args, config, mesh, tok, name: str, alone: float) -> tuple[list
     figures = dict(
         tokens=tokens, wall=dt, cpu=cpu, read=read, alone=alone, wait=max(waits), step=step
     )
-    return [
+    return rows + [
         (
             name,
             f"{tokens:,}",
@@ -377,17 +412,10 @@ def _measure(args, mesh, tmp, bucket, figures: dict[str, dict]):
     tokenizer_path, mixture, to_prepare = _sources(args)
     tok = Tokenizer(tokenizer_path)
     texts = _texts(*to_prepare[0], chars=3 << 20 if args.code else 1 << 20)
-    tokens, wall, cpu = _tokenizer_alone(tok, texts)
     rows = [
-        (
-            f"tokenizer alone ({to_prepare[0][0]} documents, one a call)",
-            f"{tokens:,}",
-            f"{wall:.2f}",
-            f"{cpu:.2f}",
-            f"{tokens / wall:,.0f}",
-            f"{tokens / cpu:,.0f}",
-            "1.00",
-            "",
+        _alone_row(
+            f"tokenizer alone ({len(texts)} random {to_prepare[0][0]} documents, one a call)",
+            *_tokenizer_alone(tok, texts),
         )
     ]
     t0 = time.perf_counter()
@@ -410,8 +438,7 @@ def _measure(args, mesh, tmp, bucket, figures: dict[str, dict]):
             path=path, seq_len=args.seq, batch_size=args.batch, tokenizer=tokenizer_path
         )
         config.model.vocab_size = max(config.model.vocab_size, tok.vocab_size)
-        alone = tokens / cpu if name.startswith("tokenize") else 0.0
-        found, figures[case] = _loader_rows(args, config, mesh, tok, name, alone)
+        found, figures[case] = _loader_rows(args, config, mesh, tok, name, case == "loader")
         rows += found
     what = (
         f"tokenizer {os.path.relpath(tokenizer_path, ROOT)}; the tokenizer alone on "
