@@ -18,10 +18,11 @@ it encodes them: whole documents and pieces, including those of documents a leng
 then left out; then each encoded again one a call, on one core: so the loader's wall rate
 with N cores approaches that fraction of N x the tokenizer's rate where the work spreads
 over the cores; a row also gives the tokenizer alone on random documents of the source,
-whose mix of short and long files differs from what the length options draw), and the longest that a training loop waited for a batch
-when it takes `--batches` of them one step apart, a step being the time that `--host-rate`
-tokens/s (default 272K: 8 H100s at 34K tokens/s each) takes for a batch (the loader's
-background thread and reading ahead as in training). `--gcs` also streams the pre-tokenised
+whose mix of short and long files differs from what the length options draw), and the
+longest that a training loop waited for a batch when it takes `--batches` of them one step
+apart, a step being the time that `--host-rate` tokens/s (default 272K: 8 H100s at 34K
+tokens/s each) takes for a batch (the loader's background thread and reading ahead as in
+training). `--gcs` also streams the pre-tokenised
 copy from a bucket on a local GCS server (bench.gcs_server: an emulator on this machine, so
 the row measures the ranged requests' client path and round trips, not a real bucket's).
 """

@@ -90,8 +90,11 @@ def test_whole_attention_equals_dense_in_every_branch(monkeypatch, docs, branch)
     )
     assert seg is None or int(cudnn_gpu.document_count(seg)) == docs
 
+    several = []  # what the fallback is told of its rows each time it is traced
+
     def whole(q, k, v, seg):
-        def ring():
+        def ring(several_documents=False):
+            several.append(several_documents)
             return tagged(
                 "ring",
                 local_attention(
@@ -107,6 +110,8 @@ def test_whole_attention_equals_dense_in_every_branch(monkeypatch, docs, branch)
         assert np.max(np.abs(np.asarray(g) - np.asarray(w))) < 1e-5
     jax.effects_barrier()
     assert set(ran) == {branch}
+    # the switch's ring branch serves rows of more than MAX_DOCUMENTS documents only
+    assert several == ([] if seg is None else [True])
 
 
 @pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="a GPU is attached")
