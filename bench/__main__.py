@@ -204,7 +204,7 @@ SUITES = {
     # what a GPU run waits on, measured on this host's CPUs against references taken in the
     # same run (issue 77): the loader against the tokenizer alone, checkpoint saves and
     # restores against dd and a numpy read, the step's compile for an H100 against the
-    # plain step's; each part in its own process (~15 minutes on 2 cores)
+    # plain step's; each part in its own process (5 min 40 s on 2 cores: bench/results/host)
     "host": Suite(
         loader=LoaderSpec(),
         checkpoint=CheckpointSpec(),

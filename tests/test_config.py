@@ -616,3 +616,7 @@ def test_a_fitted_mesh_is_in_the_checked_config_and_not_written_into_the_callers
     assert {axis: resolved.mesh[axis] for axis in MESH_AXES} == mesh
     assert {axis: getattr(sections.mesh, axis) for axis in MESH_AXES} == mesh
     assert {axis: config.mesh[axis] for axis in MESH_AXES} == asked
+    # an axis of -1 takes whatever devices the machine that reads config.json has: kept
+    config.mesh.update(dp=1, fsdp=1, tp=1, sp=-1)
+    resolved, _, mesh = checked(config, 4)
+    assert mesh["sp"] == 4 and resolved.mesh.sp == -1

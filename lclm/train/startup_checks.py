@@ -61,11 +61,14 @@ def checked(config: ConfigDict, device_count: int) -> Checked:
 
 
 def with_mesh(config: ConfigDict, sizes: dict[str, int]) -> ConfigDict:
-    """A copy of `config` whose mesh is `sizes` (the mesh `validate` resolved: `mesh.fit`
-    may have shrunk it, an axis of -1 takes the devices left), so that the run's
-    config.json names the mesh it ran on (what generate and the evaluations default to)."""
+    """A copy of `config` with the mesh `validate` resolved (`sizes`) where `mesh.fit` shrank
+    the one asked for, so that the run's config.json names the mesh it ran on (what generate
+    and the evaluations default to). A mesh with an axis of -1 is kept as written: that axis
+    takes the devices of whichever machine reads the config."""
     config = copy.deepcopy(config)
-    config.mesh.update(sizes)
+    asked = {axis: config.mesh[axis] for axis in MESH_AXES}
+    if -1 not in asked.values() and sizes != asked:
+        config.mesh.update(sizes)
     return config
 
 
