@@ -29,18 +29,16 @@ from lclm.errors import ConfigError, TrainingHalted
 from lclm.train import gates
 from lclm.train.first_weights import SourceDamaged, apply_hf_shapes
 from lclm.train.loop import Termination, handled_termination, train
-from lclm.train.startup_checks import check_config, validate, with_mesh
+from lclm.train.startup_checks import check_config, checked
 from lclm.workdir.checkpoint import Checkpoints
 
 log = logging.getLogger(__name__)
 
 
 def validate_stages(config, device_count: int) -> list:
-    """The stage configs, each with the mesh it resolves to here (`with_mesh`); fails at
-    start, with the stage named, if any of them is invalid."""
-    configs = stage_configs(config)
-    sizes = _each_stage(configs, lambda c: validate(c, device_count))
-    return [with_mesh(c, s) for c, s in zip(configs, sizes)]
+    """The stage configs, each as `checked` makes it (with the mesh it resolves to here);
+    fails at start, with the stage named, if any of them is invalid."""
+    return _each_stage(stage_configs(config), lambda c: checked(c, device_count).config)
 
 
 def check_stages(config) -> None:
