@@ -169,8 +169,7 @@ def _targets(records: list[dict]) -> list[dict]:
                 f"{med['save']:.2f}",
                 f"{med['dd']:.2f} (dd)",
                 ratio["save"],
-                f">= {SPEED_TARGET}",
-                ratio["save"] >= SPEED_TARGET,
+                at_least=SPEED_TARGET,
             ),
             target_row(
                 "checkpoint",
@@ -178,8 +177,7 @@ def _targets(records: list[dict]) -> list[dict]:
                 f"{med['restore']:.2f}",
                 f"{med['read']:.2f} (numpy read)",
                 ratio["restore"],
-                f">= {SPEED_TARGET}",
-                ratio["restore"] >= SPEED_TARGET,
+                at_least=SPEED_TARGET,
             ),
         ]
         for step in ("save", "restore"):
@@ -191,8 +189,9 @@ def _targets(records: list[dict]) -> list[dict]:
                     f"{extra:.2f}x the state",
                     "-",
                     None,
-                    f"<= {MEMORY_TARGET}x",
-                    extra <= MEMORY_TARGET,
+                    at_most=MEMORY_TARGET,
+                    unit="x",
+                    judged=extra,
                 )
             )
     return rows

@@ -181,10 +181,27 @@ TARGETS_HEADER = ["part", "what", "lclm", "reference", "ratio", "target", "verdi
 
 
 def target_row(
-    part: str, what: str, lclm: str, reference: str, ratio: float | None, target: str, met
+    part: str,
+    what: str,
+    lclm: str,
+    reference: str,
+    ratio: float | None,
+    *,
+    at_least: float | None = None,
+    at_most: float | None = None,
+    unit: str = "",
+    judged: float | None = None,
 ) -> dict:
     """One judged figure: lclm's measurement beside its reference, measured in the same run,
-    their ratio, the target it is held to and whether it is met (None: not judged)."""
+    their ratio, and the target it is held to: `judged` (by default the ratio) `at_least` or
+    `at_most` a limit (`unit` written after it, e.g. "x"); whether it is met follows."""
+    value = ratio if judged is None else judged
+    assert value is not None and (at_least is None) != (at_most is None)
+    if at_least is not None:
+        target, met = f">= {at_least}{unit}", value >= at_least
+    else:
+        assert at_most is not None
+        target, met = f"<= {at_most}{unit}", value <= at_most
     return dict(
         part=part, what=what, lclm=lclm, reference=reference, ratio=ratio, target=target, met=met
     )
@@ -210,7 +227,7 @@ def read_targets(out_dir: str, modules) -> list[tuple]:
             continue
         with open(path) as f:
             for r in json.load(f):
-                verdict = {True: "met", False: "**not met**", None: "-"}[r["met"]]
+                verdict = "met" if r["met"] else "**not met**"
                 ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
                 rows.append(
                     (r["part"], r["what"], r["lclm"], r["reference"], ratio, r["target"], verdict)
